@@ -1,0 +1,108 @@
+"""KV pool: per-layer K/V buffers indexed by slot, and a refcounted page allocator.
+
+A slot holds one token's KV for every layer. Slots are handed out in pages of `page_size` consecutive slots;
+slot = page * page_size + offset. A page is free when its reference count is 0. Requests, the prefix tree
+and n > 1 siblings share a page by each holding a reference, so "free + referenced = num_pages" always.
+
+Layouts:
+  GQA: k[layer] (num_slots, num_kv_heads, head_dim), v[layer] the same shape.
+  MLA: k[layer] (num_slots, 1, kv_lora_rank + rope_dim) holding [latent | rope key];
+       v[layer] is a view of its first kv_lora_rank columns (the absorbed form reads the latent as V).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    num_layers: int
+    k_shape: tuple[int, int]
+    """(heads, dim) stored per slot and layer for K."""
+    v_shape: tuple[int, int] | None
+    """(heads, dim) for V, or None when V is the first `v_dim` columns of K (MLA latent)."""
+    v_dim: int
+
+    def bytes_per_token(self, dtype: torch.dtype) -> int:
+        elems = self.k_shape[0] * self.k_shape[1]
+        if self.v_shape is not None:
+            elems += self.v_shape[0] * self.v_shape[1]
+        return elems * self.num_layers * torch.empty((), dtype=dtype).element_size()
+
+
+class PageAllocator:
+    """Refcounted pages. Plain Python: the scheduler uses it and never touches tensors."""
+
+    def __init__(self, num_pages: int):
+        self.num_pages = num_pages
+        self._refs = [0] * num_pages
+        # Pop from the end; start with low page ids first so small workloads touch little memory.
+        self._free = list(range(num_pages - 1, -1, -1))
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def alloc(self, n: int) -> list[int] | None:
+        if n > len(self._free):
+            return None
+        pages = [self._free.pop() for _ in range(n)]
+        for p in pages:
+            self._refs[p] = 1
+        return pages
+
+    def incref(self, pages: list[int]) -> None:
+        for p in pages:
+            assert self._refs[p] > 0, f"incref of free page {p}"
+            self._refs[p] += 1
+
+    def decref(self, pages: list[int]) -> None:
+        for p in pages:
+            assert self._refs[p] > 0, f"double free of page {p}"
+            self._refs[p] -= 1
+            if self._refs[p] == 0:
+                self._free.append(p)
+
+    def refcount(self, page: int) -> int:
+        return self._refs[page]
+
+
+class KVPool:
+    def __init__(self, layout: KVLayout, num_pages: int, page_size: int, dtype: torch.dtype,
+                 device: torch.device):
+        self.layout = layout
+        self.page_size = page_size
+        self.num_slots = num_pages * page_size
+        self.allocator = PageAllocator(num_pages)
+        self.k = [torch.zeros(self.num_slots, *layout.k_shape, dtype=dtype, device=device)
+                  for _ in range(layout.num_layers)]
+        if layout.v_shape is None:
+            self.v = [k[..., : layout.v_dim] for k in self.k]
+        else:
+            self.v = [torch.zeros(self.num_slots, *layout.v_shape, dtype=dtype, device=device)
+                      for _ in range(layout.num_layers)]
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None) -> None:
+        self.k[layer][slots] = k
+        if v is not None:
+            self.v[layer][slots] = v
+
+    def copy_slots(self, src: list[int], dst: list[int]) -> None:
+        """Copy KV of `src` slots into `dst` slots in every layer (forking a partly filled page)."""
+        if not src:
+            return
+        s = torch.tensor(src, device=self.k[0].device)
+        d = torch.tensor(dst, device=self.k[0].device)
+        for layer in range(self.layout.num_layers):
+            self.k[layer][d] = self.k[layer][s]
+            if self.layout.v_shape is not None:
+                self.v[layer][d] = self.v[layer][s]
+
+
+def slots_of(pages: list[int], num_tokens: int, page_size: int) -> list[int]:
+    """Slot index of each of the first `num_tokens` positions of a request holding `pages`."""
+    if page_size == 1:
+        return pages[:num_tokens]
+    return [pages[i // page_size] * page_size + i % page_size for i in range(num_tokens)]

@@ -1,0 +1,158 @@
+"""Frozen configuration, one dataclass per layer of the system.
+
+`ModelConfig.from_hf` normalises a Hugging Face config once; model and kernel code read only these fields.
+Runtime results (pool size actually allocated, ...) are returned by the objects that compute them, never
+written back here.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+def _get(hf: Any, name: str, default: Any = None) -> Any:
+    value = getattr(hf, name, default)
+    return default if value is None else value
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    """HF `architectures[0]`, the registry key."""
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    max_position: int
+    tie_word_embeddings: bool
+    eos_token_ids: tuple[int, ...]
+    bos_token_id: int | None
+    hidden_act: str = "silu"
+    attention_bias: bool = False
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    """HF rope parameters beyond theta (type, factor, yarn betas, mscale...), None for plain RoPE."""
+    rope_interleave: bool = False
+    # --- MLA (DeepSeek-V2/V3); zero when the model uses per-head GQA attention ---
+    q_lora_rank: int = 0
+    """0 means no query low-rank projection (q_proj directly)."""
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    # --- MoE; n_routed_experts == 0 means a dense model ---
+    n_routed_experts: int = 0
+    num_experts_per_tok: int = 0
+    n_shared_experts: int = 0
+    moe_intermediate_size: int = 0
+    first_k_dense_replace: int = 0
+    moe_layer_freq: int = 1
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    scoring_func: str = "softmax"
+    """'softmax' (DeepSeek-V2) or 'sigmoid' (DeepSeek-V3, with the correction bias)."""
+    topk_method: str = "greedy"
+    """'greedy', 'group_limited_greedy' (V2) or 'noaux_tc' (V3)."""
+    norm_topk_prob: bool = False
+    raw: dict = field(default_factory=dict, compare=False, repr=False)
+    """The HF config as a dict, for model families whose extra fields are read by their own module."""
+
+    @property
+    def is_mla(self) -> bool:
+        return self.kv_lora_rank > 0
+
+    @property
+    def is_moe(self) -> bool:
+        return self.n_routed_experts > 0
+
+    @classmethod
+    def from_hf(cls, hf: Any) -> "ModelConfig":
+        arch = (_get(hf, "architectures") or ["LlamaForCausalLM"])[0]
+        eos = _get(hf, "eos_token_id", [])
+        eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (eos,)
+        num_heads = hf.num_attention_heads
+        rope = dict(_get(hf, "rope_parameters", None) or _get(hf, "rope_scaling", None) or {})
+        rope_theta = float(rope.pop("rope_theta", _get(hf, "rope_theta", 10000.0)))
+        if rope.get("rope_type", rope.get("type", "default")) in ("default", None):
+            rope = {}
+        is_deepseek = "Deepseek" in arch
+        is_v3 = arch.startswith("DeepseekV3")
+        return cls(
+            architecture=arch,
+            vocab_size=hf.vocab_size,
+            hidden_size=hf.hidden_size,
+            num_layers=hf.num_hidden_layers,
+            num_heads=num_heads,
+            num_kv_heads=_get(hf, "num_key_value_heads", num_heads),
+            head_dim=_get(hf, "head_dim", hf.hidden_size // num_heads),
+            intermediate_size=_get(hf, "intermediate_size", 0),
+            rms_norm_eps=float(_get(hf, "rms_norm_eps", 1e-6)),
+            max_position=_get(hf, "max_position_embeddings", 4096),
+            tie_word_embeddings=bool(_get(hf, "tie_word_embeddings", False)),
+            eos_token_ids=tuple(e for e in eos_ids if e is not None),
+            bos_token_id=_get(hf, "bos_token_id", None),
+            hidden_act=_get(hf, "hidden_act", "silu"),
+            attention_bias=bool(_get(hf, "attention_bias", False)),
+            rope_theta=rope_theta,
+            rope_scaling=rope or None,
+            rope_interleave=bool(_get(hf, "rope_interleave", is_deepseek)),
+            q_lora_rank=_get(hf, "q_lora_rank", 0),
+            kv_lora_rank=_get(hf, "kv_lora_rank", 0),
+            qk_nope_head_dim=_get(hf, "qk_nope_head_dim", 0),
+            qk_rope_head_dim=_get(hf, "qk_rope_head_dim", 0),
+            v_head_dim=_get(hf, "v_head_dim", 0),
+            n_routed_experts=_get(hf, "n_routed_experts", 0),
+            num_experts_per_tok=_get(hf, "num_experts_per_tok", 0),
+            n_shared_experts=_get(hf, "n_shared_experts", 0),
+            moe_intermediate_size=_get(hf, "moe_intermediate_size", 0),
+            first_k_dense_replace=_get(hf, "first_k_dense_replace", 0),
+            moe_layer_freq=_get(hf, "moe_layer_freq", 1),
+            n_group=_get(hf, "n_group", 1),
+            topk_group=_get(hf, "topk_group", 1),
+            routed_scaling_factor=float(_get(hf, "routed_scaling_factor", 1.0)),
+            scoring_func=_get(hf, "scoring_func", "sigmoid" if is_v3 else "softmax"),
+            topk_method=_get(hf, "topk_method", "noaux_tc" if is_v3 else "greedy"),
+            norm_topk_prob=bool(_get(hf, "norm_topk_prob", False)),
+            raw=hf.to_dict() if hasattr(hf, "to_dict") else dict(vars(hf)),
+        )
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    page_size: int = 1
+    """Tokens per KV page; allocation and prefix-cache matches are aligned to pages."""
+    kv_cache_tokens: int | None = None
+    """Pool size in tokens; None sizes it from the memory budget."""
+    enable_prefix_cache: bool = True
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    """Most requests running at once."""
+    chunked_prefill_tokens: int = 2048
+    """Token budget of one step (decode tokens + prefill chunks)."""
+    schedule_policy: str = "lpm"
+    """'lpm' (longest cached prefix first; FCFS when the queue is long) or 'fcfs'."""
+    lpm_fallback_queue_len: int = 128
+    """Above this many waiting requests, 'lpm' falls back to FCFS so nothing starves."""
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str
+    dtype: torch.dtype
+    device: torch.device
+    load_format: str
+    seed: int
+    batch_invariant: bool
+    ep_size: int
+    cache: CacheConfig
+    scheduler: SchedulerConfig

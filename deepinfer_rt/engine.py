@@ -1,0 +1,276 @@
+"""Engine: the in-process runtime. Public API contract in ARCHITECTURE.md section 2."""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import random
+import threading
+from typing import AsyncIterator, Iterator, Sequence
+
+import torch
+
+from deepinfer_rt.cache.base import NoPrefixCache, PrefixCache
+from deepinfer_rt.cache.kv_pool import KVPool
+from deepinfer_rt.config import CacheConfig, EngineConfig, SchedulerConfig
+from deepinfer_rt.env import get_env
+from deepinfer_rt.layers.attention.torch_ref import BACKENDS
+from deepinfer_rt.model_runner import ModelRunner
+from deepinfer_rt.models.loader import build_model, load_model_config, resolve_model_path
+from deepinfer_rt.output_processor import OutputProcessor
+from deepinfer_rt.request import GenerateOutput, Req, ReqStatus
+from deepinfer_rt.sampler import Sampler, stream_seed
+from deepinfer_rt.sampling_params import SamplingParams
+from deepinfer_rt.scheduler.scheduler import Scheduler
+from deepinfer_rt.tokenizer import load_tokenizer
+
+logger = logging.getLogger("deepinfer_rt")
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be one of {['auto', *_DTYPES]}, got {dtype!r}")
+    return _DTYPES[dtype]
+
+
+class Engine:
+    def __init__(self, model: str = "smollm2-135m-instruct", dtype: str = "auto", device: str = "cpu",
+                 load_format: str = "auto", max_num_seqs: int = 256, kv_cache_tokens: int | None = None,
+                 page_size: int = 1, chunked_prefill_tokens: int = 2048, enable_prefix_cache: bool = True,
+                 schedule_policy: str = "lpm", batch_invariant: bool = False, ep_size: int = 1, seed: int = 0):
+        env = get_env()
+        logging.getLogger("deepinfer_rt").setLevel(env.log_level.upper())
+        if env.num_threads:
+            torch.set_num_threads(env.num_threads)
+        dev = torch.device(device)
+        if schedule_policy not in ("lpm", "fcfs"):
+            raise ValueError(f"schedule_policy must be 'lpm' or 'fcfs', got {schedule_policy!r}")
+        if page_size < 1 or chunked_prefill_tokens < 1 or max_num_seqs < 1:
+            raise ValueError("page_size, chunked_prefill_tokens and max_num_seqs must be >= 1")
+        if ep_size != 1:
+            raise ValueError("ep_size > 1 needs the expert-parallel worker pool (not available in this build)")
+        self.config = EngineConfig(
+            model=model, dtype=_resolve_dtype(dtype, dev), device=dev, load_format=load_format, seed=seed,
+            batch_invariant=batch_invariant or env.batch_invariant, ep_size=ep_size,
+            cache=CacheConfig(page_size, kv_cache_tokens, enable_prefix_cache),
+            scheduler=SchedulerConfig(max_num_seqs, chunked_prefill_tokens, schedule_policy))
+        path = resolve_model_path(model)
+        self.model_config, _ = load_model_config(path)
+        self.tokenizer = load_tokenizer(path)
+        self.model = build_model(self.model_config, path, load_format, self.config.dtype, dev, seed)
+        mc = self.model_config
+        self.eos_ids = mc.eos_token_ids or ((self.tokenizer.eos_token_id,) if self.tokenizer.eos_token_id
+                                            is not None else ())
+        self.pool = KVPool(self.model.kv_layout(mc), self._num_pages(), page_size, self.config.dtype, dev)
+        self.cache: PrefixCache = NoPrefixCache(self.pool.allocator, page_size)
+        self.scheduler = Scheduler(self.config.scheduler, self.pool, self.cache)
+        self.sampler = Sampler(mc.vocab_size)
+        self.runner = ModelRunner(self.model, self.pool, BACKENDS["torch"](), self.sampler, dev, self.eos_ids)
+        self.outputs = OutputProcessor(self.tokenizer, self.eos_ids, mc.max_position)
+        self._rng = random.Random(seed)
+        self._rids = itertools.count()
+        self._lock = threading.RLock()
+        self._closed = False
+
+    # ---- sizing ----
+    def _num_pages(self) -> int:
+        cfg, mc = self.config, self.model_config
+        ps = cfg.cache.page_size
+        if cfg.cache.kv_cache_tokens is not None:
+            if cfg.cache.kv_cache_tokens < ps:
+                raise ValueError(f"kv_cache_tokens must be >= page_size ({ps})")
+            return cfg.cache.kv_cache_tokens // ps
+        per_token = self.model.kv_layout(mc).bytes_per_token(cfg.dtype)
+        env = get_env()
+        if cfg.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(cfg.device)
+            budget = free * env.kv_cache_memory_fraction
+        else:
+            import os
+
+            avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+            budget = min(env.kv_cache_max_cpu_gib * 2**30, 0.25 * avail)
+        # Never more than every running request at full context could use.
+        tokens = min(int(budget // per_token), cfg.scheduler.max_num_seqs * mc.max_position)
+        return max(tokens // ps, 1)
+
+    # ---- the loop ----
+    def step(self) -> list[Req]:
+        """One scheduling step; returns the requests that finished in it."""
+        batch = self.scheduler.schedule()
+        if batch.is_empty:
+            return self._reap()
+        result = self.runner.run(batch)
+        self.scheduler.update(batch)
+        return self._process(batch, result)
+
+    def _process(self, batch, result) -> list[Req]:
+        for i, values in result.prompt_logprobs.items():
+            item = batch.items[i]
+            self.outputs.add_prompt_logprobs(item.req, item.req.num_computed_tokens - item.num_new_tokens, values)
+        finished = []
+        for j, (i, token) in enumerate(result.sampled):
+            req = batch.items[i].req
+            lp = result.sample.logprobs[j] if result.sample.logprobs is not None else None
+            top = result.sample.top_logprobs[j] if result.sample.top_logprobs is not None else None
+            if self.outputs.append_token(req, token, lp, top):
+                self.scheduler.finish(req)
+                finished.append(req)
+        return finished + self._reap()
+
+    def _reap(self) -> list[Req]:
+        """Requests the scheduler finished itself (e.g. too large for the pool)."""
+        done = [r for r in self.scheduler.running if r.is_finished]
+        for r in done:
+            self.scheduler.finish(r)
+        return done
+
+    # ---- submission ----
+    def _make_reqs(self, prompts, input_ids, sampling_params) -> list[list[Req]]:
+        if self._closed:
+            raise RuntimeError("engine is shut down")
+        if (prompts is None) == (input_ids is None):
+            raise ValueError("generate: give exactly one of prompts or input_ids")
+        if prompts is not None:
+            if isinstance(prompts, str):
+                prompts = [prompts]
+            for i, p in enumerate(prompts):
+                if not isinstance(p, str) or not p:
+                    raise ValueError(f"prompts[{i}]: must be a non-empty string")
+            id_lists = [self.tokenizer.encode(p, add_special_tokens=True) for p in prompts]
+        else:
+            if input_ids and isinstance(input_ids[0], int):
+                input_ids = [input_ids]
+            id_lists = [list(ids) for ids in input_ids]
+        n_inputs = len(id_lists)
+        if isinstance(sampling_params, (list, tuple)):
+            if len(sampling_params) != n_inputs:
+                raise ValueError(f"sampling_params: {len(sampling_params)} given for {n_inputs} inputs")
+            params = list(sampling_params)
+        else:
+            params = [sampling_params or SamplingParams()] * n_inputs
+        vocab, ctx = self.model_config.vocab_size, self.model_config.max_position
+        for i, (ids, p) in enumerate(zip(id_lists, params)):
+            if not ids:
+                raise ValueError(f"input_ids[{i}]: empty prompt")
+            if not all(isinstance(t, int) and 0 <= t < vocab for t in ids):
+                raise ValueError(f"input_ids[{i}]: token ids must be ints in [0, {vocab})")
+            if len(ids) >= ctx:
+                raise ValueError(f"input_ids[{i}]: prompt of {len(ids)} tokens does not fit the model context "
+                                 f"of {ctx} tokens")
+            if not isinstance(p, SamplingParams):
+                raise ValueError(f"sampling_params[{i}]: expected SamplingParams, got {type(p).__name__}")
+            p.validate(vocab)
+            if p.constraint is not None:
+                raise ValueError("SamplingParams.regex/json_schema/ebnf: structured output is not enabled")
+        groups = []
+        for ids, p in zip(id_lists, params):
+            base_seed = p.seed if p.seed is not None else self._rng.getrandbits(63)
+            group, leader = [], None
+            for k in range(p.n):
+                seed = base_seed if k == 0 else stream_seed(base_seed, -k)
+                req = Req(next(self._rids), ids, p, seed)
+                req.leader = leader
+                leader = leader or req
+                self.outputs.start(req)
+                group.append(req)
+            groups.append(group)
+        return groups
+
+    def _submit(self, prompts=None, input_ids=None, sampling_params=None) -> list[list[Req]]:
+        with self._lock:
+            groups = self._make_reqs(prompts, input_ids, sampling_params)
+            for group in groups:
+                for req in group:
+                    self.scheduler.add(req)
+            return groups
+
+    def _step_locked(self) -> None:
+        with self._lock:
+            if self.scheduler.has_work:
+                self.step()
+
+    def _run_until_done(self, reqs: Sequence[Req]) -> None:
+        # Any thread driving steps advances every request in flight, so concurrent callers batch together.
+        while not all(r.is_finished for r in reqs):
+            with self._lock:
+                if all(r.is_finished for r in reqs):
+                    break
+                self.step()
+
+    # ---- public API ----
+    def generate(self, prompts: list[str] | str | None = None, input_ids: list[list[int]] | None = None,
+                 sampling_params: SamplingParams | list[SamplingParams] | None = None) -> list[GenerateOutput]:
+        groups = self._submit(prompts, input_ids, sampling_params)
+        reqs = [r for g in groups for r in g]
+        self._run_until_done(reqs)
+        return [GenerateOutput.from_req(r) for r in reqs]
+
+    def stream(self, prompt: str | None = None, sampling_params: SamplingParams | None = None,
+               input_ids: list[int] | None = None) -> Iterator[str]:
+        """Text deltas of one request, UTF-8 safe; never emits a partial stop string."""
+        params = sampling_params or SamplingParams()
+        if params.n != 1:
+            raise ValueError("SamplingParams.n: stream serves one sequence (n=1)")
+        (req,), = self._submit([prompt] if prompt is not None else None,
+                               [input_ids] if input_ids is not None else None, params)
+        while True:
+            with self._lock:
+                if not req.is_finished:
+                    self.step()
+            finished = req.is_finished
+            delta = req.detokenizer.take_delta(finished)
+            if delta:
+                yield delta
+            if finished:
+                return
+
+    async def async_generate(self, prompts: list[str] | str | None = None,
+                             input_ids: list[list[int]] | None = None,
+                             sampling_params: SamplingParams | list[SamplingParams] | None = None
+                             ) -> list[GenerateOutput]:
+        groups = self._submit(prompts, input_ids, sampling_params)
+        reqs = [r for g in groups for r in g]
+        while not all(r.is_finished for r in reqs):
+            await asyncio.to_thread(self._step_locked)
+        return [GenerateOutput.from_req(r) for r in reqs]
+
+    async def async_stream(self, prompt: str | None = None, sampling_params: SamplingParams | None = None
+                           ) -> AsyncIterator[str]:
+        params = sampling_params or SamplingParams()
+        (req,), = self._submit([prompt], None, params)
+        while True:
+            if not req.is_finished:
+                await asyncio.to_thread(self._step_locked)
+            delta = req.detokenizer.take_delta(req.is_finished)
+            if delta:
+                yield delta
+            if req.is_finished:
+                return
+
+    def flush_cache(self) -> None:
+        with self._lock:
+            self.cache.flush()
+
+    def shutdown(self) -> None:
+        with self._lock:
+            for req in list(self.scheduler.running) + list(self.scheduler.waiting):
+                req.finish("abort", "engine shut down")
+            self.scheduler.running.clear()
+            self.scheduler.waiting.clear()
+            self._closed = True
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    @property
+    def stats(self) -> dict:
+        return {"num_retractions": self.scheduler.num_retractions,
+                "num_free_pages": self.pool.allocator.num_free, "num_pages": self.pool.allocator.num_pages}

@@ -1,0 +1,48 @@
+"""ForwardBatch: the tensors one model step reads, built by the ModelRunner from a ScheduledBatch.
+
+Tokens of all sequences are flattened with no padding. Sequence i contributes q_lens[i] new tokens whose
+positions are kv_lens[i] - q_lens[i] ... kv_lens[i] - 1; its KV for positions 0 .. kv_lens[i] - 1 lives in the
+pool at kv_slots[i] (the new tokens' KV is written there by the attention layer before it attends).
+
+    input_ids   (T,)   positions (T,)   out_slots (T,)    T = sum(q_lens)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from deepinfer_rt.cache.kv_pool import KVPool
+    from deepinfer_rt.layers.attention.base import AttentionBackend
+
+
+@dataclass
+class ForwardBatch:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    out_slots: torch.Tensor
+    q_lens: list[int]
+    kv_lens: list[int]
+    kv_slots: list[torch.Tensor]
+    pool: "KVPool"
+    backend: "AttentionBackend"
+    attn_meta: Any = None
+    """Backend-specific metadata, built once per batch by `backend.prepare(batch)` and shared by all layers."""
+    extra: dict = field(default_factory=dict)
+    """Per-model per-batch state (e.g. the V4 compressor state); models own their keys."""
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.q_lens)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, layer_id: int,
+                  scale: float) -> torch.Tensor:
+        """Store the new tokens' k/v in the pool, then attend. q (T, Hq, Dqk) -> (T, Hq, Dv)."""
+        self.pool.write(layer_id, self.out_slots, k, v)
+        return self.backend.forward(q, layer_id, scale, self)

@@ -1,0 +1,29 @@
+"""Attention backend contract.
+
+A backend computes causal attention of each sequence's new queries over all of its KV in the pool:
+query j of sequence i (absolute position p = kv_lens[i] - q_lens[i] + j) attends to positions 0..p.
+GQA is expressed by Hq being a multiple of the pool's KV heads; MLA (absorbed) by one KV head whose V is a
+prefix of K's columns. Backends never write the pool (ForwardBatch.attention does) and never make policy.
+
+Adding a backend is one file: subclass, implement `prepare` and `forward`, register in `BACKENDS`.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from deepinfer_rt.forward_batch import ForwardBatch
+
+
+class AttentionBackend:
+    name = "base"
+
+    def prepare(self, batch: "ForwardBatch") -> None:
+        """Build per-batch metadata into batch.attn_meta (index tensors, masks); called once per step."""
+        raise NotImplementedError
+
+    def forward(self, q: torch.Tensor, layer_id: int, scale: float, batch: "ForwardBatch") -> torch.Tensor:
+        """q (T, Hq, Dqk) -> (T, Hq, Dv), reading k/v of `layer_id` from batch.pool."""
+        raise NotImplementedError

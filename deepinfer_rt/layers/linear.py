@@ -1,0 +1,34 @@
+"""Linear layers that own their weight loading.
+
+`MergedLinear` fuses several HF projections (q/k/v, gate/up) into one matmul; each HF tensor is copied into
+its row block by `weight_loader(param, tensor, shard_id)`, so checkpoint names stay the HF ones.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class Linear(nn.Linear):
+    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+        super().__init__(in_features, out_features, bias=bias)
+
+
+class MergedLinear(nn.Linear):
+    def __init__(self, in_features: int, shard_sizes: dict[str, int], bias: bool = False):
+        super().__init__(in_features, sum(shard_sizes.values()), bias=bias)
+        self.shard_offsets: dict[str, tuple[int, int]] = {}
+        start = 0
+        for name, size in shard_sizes.items():
+            self.shard_offsets[name] = (start, size)
+            start += size
+        self.weight.weight_loader = self.weight_loader
+        if bias:
+            self.bias.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str) -> None:
+        start, size = self.shard_offsets[shard_id]
+        param.data[start : start + size].copy_(loaded)
+
+    def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return y.split([size for _, size in self.shard_offsets.values()], dim=-1)

@@ -1,0 +1,46 @@
+"""Rotary position embedding with a cos/sin table indexed by absolute position."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from deepinfer_kernels.reference import apply_rope
+from deepinfer_rt.config import ModelConfig
+
+
+def _inv_freq(config: ModelConfig, dim: int) -> tuple[torch.Tensor, float]:
+    if not config.rope_scaling:
+        inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+        return inv_freq, 1.0
+    # Scaled variants (yarn, llama3, linear, ...) reuse transformers' own definitions, so they cannot drift.
+    from transformers import AutoConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    raw = {k: v for k, v in config.raw.items() if k not in ("architectures", "transformers_version")}
+    hf = AutoConfig.for_model(raw.pop("model_type"), **raw)
+    rope_type = config.rope_scaling.get("rope_type", config.rope_scaling.get("type"))
+    inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](hf, torch.device("cpu"))
+    return inv_freq.float(), float(attention_scaling)
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, config: ModelConfig, dim: int, interleave: bool = False):
+        super().__init__()
+        inv_freq, scaling = _inv_freq(config, dim)
+        self.interleave = interleave
+        # A plain attribute, not a buffer: model.to(bfloat16) must not round the frequencies.
+        self.inv_freq = inv_freq
+        self.attention_scaling = scaling
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        # Same arithmetic as the HF reference (fp32 outer product, then cos/sin), so fp32 runs match bitwise.
+        if self.inv_freq.device != positions.device:
+            self.inv_freq = self.inv_freq.to(positions.device)
+        freqs = positions[:, None].float() * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return (emb.cos() * self.attention_scaling).to(dtype), (emb.sin() * self.attention_scaling).to(dtype)
+
+    def forward(self, positions: torch.Tensor, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Rotate each x (T, H, D) by its token's position."""
+        cos, sin = self.cos_sin(positions, xs[0].dtype)
+        return tuple(apply_rope(x, cos, sin, self.interleave) for x in xs)

@@ -1,0 +1,93 @@
+"""ModelRunner: ScheduledBatch (plain data) -> ForwardBatch tensors -> model -> logits rows -> Sampler.
+
+Makes no policy decisions: it computes exactly the tokens the scheduler handed it and returns, per item,
+the sampled token (items that catch up) and the prompt logprobs of the chunk (items that asked).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from deepinfer_rt.cache.kv_pool import KVPool, slots_of
+from deepinfer_rt.forward_batch import ForwardBatch
+from deepinfer_rt.layers.attention.base import AttentionBackend
+from deepinfer_rt.models.base import CausalLM
+from deepinfer_rt.sampler import SampleResult, Sampler
+from deepinfer_rt.scheduler.batch import ScheduledBatch
+
+
+@dataclass
+class RunResult:
+    sampled: list[tuple[int, int]]
+    """(item index, token) for items that sampled."""
+    sample: SampleResult | None
+    prompt_logprobs: dict[int, list[float]]
+    """item index -> logprob of each next prompt token predicted inside the chunk."""
+
+
+class ModelRunner:
+    def __init__(self, model: CausalLM, pool: KVPool, backend: AttentionBackend, sampler: Sampler,
+                 device: torch.device, eos_ids: tuple[int, ...]):
+        self.model = model
+        self.pool = pool
+        self.backend = backend
+        self.sampler = sampler
+        self.device = device
+        self.eos_ids = eos_ids
+
+    def build(self, batch: ScheduledBatch) -> ForwardBatch:
+        ids, positions, out_slots, q_lens, kv_lens, kv_slots = [], [], [], [], [], []
+        ps = self.pool.page_size
+        for item in batch.items:
+            req, start, n = item.req, item.start, item.num_new_tokens
+            slots = slots_of(req.pages, start + n, ps)
+            ids.extend(req.token_ids[start : start + n])
+            positions.extend(range(start, start + n))
+            out_slots.extend(slots[start:])
+            q_lens.append(n)
+            kv_lens.append(start + n)
+            kv_slots.append(slots)
+        dev = self.device
+        fb = ForwardBatch(
+            input_ids=torch.tensor(ids, dtype=torch.long, device=dev),
+            positions=torch.tensor(positions, dtype=torch.long, device=dev),
+            out_slots=torch.tensor(out_slots, dtype=torch.long, device=dev),
+            q_lens=q_lens, kv_lens=kv_lens,
+            kv_slots=[torch.tensor(s, dtype=torch.long, device=dev) for s in kv_slots],
+            pool=self.pool, backend=self.backend)
+        self.backend.prepare(fb)
+        return fb
+
+    @torch.no_grad()
+    def run(self, batch: ScheduledBatch, bitmask_fn=None) -> RunResult:
+        fb = self.build(batch)
+        hidden = self.model(fb)
+        sample_rows, sampled_items, lp_rows = [], [], {}
+        row = 0
+        for i, item in enumerate(batch.items):
+            n = item.num_new_tokens
+            if item.wants_prompt_logprobs:
+                lp_rows[i] = (row, n)
+            if item.samples:
+                sample_rows.append(row + n - 1)
+                sampled_items.append(i)
+            row += n
+        sample = None
+        if sample_rows:
+            logits = self.model.compute_logits(hidden[sample_rows])
+            reqs = [batch.items[i].req for i in sampled_items]
+            sample = self.sampler(logits, reqs, self.eos_ids, bitmask_fn)
+        prompt_lps = {i: self._prompt_logprobs(hidden, batch.items[i], r, n) for i, (r, n) in lp_rows.items()}
+        sampled = list(zip(sampled_items, sample.token_ids)) if sample else []
+        return RunResult(sampled, sample, prompt_lps)
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, item, row: int, n: int) -> list[float]:
+        """Row j predicts the token at position start + j + 1; keep those that are prompt tokens."""
+        req, start = item.req, item.start
+        num = min(n, req.prompt_len - 1 - start)
+        if num <= 0:
+            return []
+        logits = self.model.compute_logits(hidden[row : row + num])[:, : self.sampler.vocab_size]
+        targets = torch.tensor(req.prompt_ids[start + 1 : start + 1 + num], device=logits.device)
+        return logits.log_softmax(-1).gather(1, targets[:, None]).squeeze(1).tolist()

@@ -1,0 +1,85 @@
+"""Model contract.
+
+A model is a short composition of shared blocks whose attribute names match the HF checkpoint keys, so that
+loading is mostly name identity. Fused parameters list their HF sources in `packed_modules`:
+(fused fragment, HF fragment, shard id), e.g. ("qkv_proj", "q_proj", "q").
+
+    forward(batch) -> hidden (T, hidden)        over a flattened varlen batch (ForwardBatch)
+    compute_logits(hidden) -> (N, vocab) fp32   only for the rows the sampler needs
+    kv_layout(config) -> KVLayout               what the pool stores per token and layer
+"""
+from __future__ import annotations
+
+from typing import ClassVar, Iterable
+
+import torch
+from torch import nn
+
+from deepinfer_rt.cache.kv_pool import KVLayout
+from deepinfer_rt.config import ModelConfig
+from deepinfer_rt.forward_batch import ForwardBatch
+
+
+class CausalLM(nn.Module):
+    packed_modules: ClassVar[list[tuple[str, str, str]]] = []
+    ignored_weights: ClassVar[tuple[str, ...]] = ("rotary_emb.inv_freq",)
+    """Checkpoint name fragments that are not parameters here (buffers, heads we do not run)."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+
+    @staticmethod
+    def kv_layout(config: ModelConfig) -> KVLayout:
+        raise NotImplementedError
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        raise NotImplementedError
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if any(frag in name for frag in self.ignored_weights):
+                continue
+            if self.config.tie_word_embeddings and name == "lm_head.weight":
+                continue
+            shard = None
+            for fused, hf, shard_id in self.packed_modules:
+                if f".{hf}." in name:
+                    name, shard = name.replace(f".{hf}.", f".{fused}."), shard_id
+                    break
+            if name not in params:
+                raise KeyError(f"checkpoint tensor {name!r} has no parameter in {type(self).__name__}")
+            param = params[name]
+            loader = getattr(param, "weight_loader", None)
+            if loader is not None:
+                loader(param, tensor, shard) if shard is not None else loader(param, tensor)
+            else:
+                if param.shape != tensor.shape:
+                    raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != {tuple(param.shape)}")
+                param.data.copy_(tensor)
+            loaded.add(name)
+        missing = [n for n in params if n not in loaded and not self._is_tied(n)]
+        if missing:
+            raise ValueError(f"checkpoint lacks parameters: {missing[:8]}{'...' if len(missing) > 8 else ''}")
+
+    def _is_tied(self, name: str) -> bool:
+        return self.config.tie_word_embeddings and name == "lm_head.weight"
+
+    def tie_weights(self) -> None:
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @torch.no_grad()
+    def init_dummy(self, seed: int) -> None:
+        """Random weights from the config alone (load_format='dummy'): normal(0, 0.02), norms at 1."""
+        gen = torch.Generator(device="cpu").manual_seed(seed)
+        for name, p in self.named_parameters():
+            if "norm" in name and p.dim() == 1:
+                p.fill_(1.0)
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32).mul_(0.02).to(p.dtype))

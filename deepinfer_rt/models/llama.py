@@ -1,0 +1,92 @@
+"""Llama family (SmolLM2, Llama 2/3, Qwen2-style GQA without biases unless configured)."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from deepinfer_kernels.reference import silu_and_mul
+from deepinfer_rt.cache.kv_pool import KVLayout
+from deepinfer_rt.config import ModelConfig
+from deepinfer_rt.forward_batch import ForwardBatch
+from deepinfer_rt.layers.linear import Linear, MergedLinear
+from deepinfer_rt.layers.norm import RMSNorm
+from deepinfer_rt.layers.rotary import RotaryEmbedding
+from deepinfer_rt.models.base import CausalLM
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_id: int):
+        super().__init__()
+        self.layer_id = layer_id
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.qkv_proj = MergedLinear(config.hidden_size, {"q": q, "k": kv, "v": kv}, bias=config.attention_bias)
+        self.o_proj = Linear(q, config.hidden_size, bias=config.attention_bias)
+        self.rotary_emb = RotaryEmbedding(config, self.head_dim)
+        self.scale = self.head_dim**-0.5
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv_proj.split(self.qkv_proj(x))
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        q, k = self.rotary_emb(batch.positions, q, k)
+        o = batch.attention(q, k, v, self.layer_id, self.scale)
+        return self.o_proj(o.reshape(t, -1))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.gate_up_proj = MergedLinear(hidden_size, {"gate": intermediate_size, "up": intermediate_size})
+        self.down_proj = Linear(intermediate_size, hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_id: int):
+        super().__init__()
+        self.self_attn = LlamaAttention(config, layer_id)
+        self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), batch)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        x = self.embed_tokens(batch.input_ids)
+        for layer in self.layers:
+            x = layer(x, batch)
+        return self.norm(x)
+
+
+class LlamaForCausalLM(CausalLM):
+    packed_modules = [("qkv_proj", "q_proj", "q"), ("qkv_proj", "k_proj", "k"), ("qkv_proj", "v_proj", "v"),
+                      ("gate_up_proj", "gate_proj", "gate"), ("gate_up_proj", "up_proj", "up")]
+
+    def __init__(self, config: ModelConfig):
+        super().__init__(config)
+        self.model = LlamaModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tie_weights()
+
+    @staticmethod
+    def kv_layout(config: ModelConfig) -> KVLayout:
+        shape = (config.num_kv_heads, config.head_dim)
+        return KVLayout(config.num_layers, shape, shape, config.head_dim)
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        return self.model(batch)

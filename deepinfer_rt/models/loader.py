@@ -1,0 +1,70 @@
+"""Resolve a model name to an HF folder, build the model from its config, load safetensors by name."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Iterator
+
+import torch
+from safetensors import safe_open
+
+from deepinfer_rt.config import ModelConfig
+from deepinfer_rt.models.base import CausalLM
+from deepinfer_rt.models.registry import get_model_class
+from deepinfer_rt.models.smollm2 import NAME as SMOLLM2, ensure_smollm2
+
+
+def resolve_model_path(model: str) -> Path:
+    if model == SMOLLM2:
+        return ensure_smollm2()
+    path = Path(model).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").exists():
+            raise ValueError(f"model folder {path} has no config.json")
+        return path
+    if model.count("/") == 1 and not path.exists():
+        from huggingface_hub import snapshot_download
+
+        try:
+            return Path(snapshot_download(model, allow_patterns=["*.json", "*.safetensors", "*.model",
+                                                                  "*.jinja", "*.txt"]))
+        except Exception as e:  # offline and not cached, unknown repo, ...
+            raise ValueError(f"model {model!r} is not a local folder and could not be fetched from the hub "
+                             f"(offline and not in the local cache?): {e}") from e
+    raise ValueError(f"model {model!r} is neither {SMOLLM2!r}, a folder with config.json, nor a hub id")
+
+
+def load_model_config(path: Path) -> tuple[ModelConfig, object]:
+    from transformers import AutoConfig
+
+    hf = AutoConfig.from_pretrained(path)
+    return ModelConfig.from_hf(hf), hf
+
+
+def iter_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"no *.safetensors in {path}")
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        files = [path / f for f in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
+    for f in files:
+        with safe_open(f, framework="pt") as sf:
+            for name in sf.keys():
+                yield name, sf.get_tensor(name)
+
+
+def build_model(config: ModelConfig, path: Path | None, load_format: str, dtype: torch.dtype,
+                device: torch.device, seed: int) -> CausalLM:
+    cls = get_model_class(config.architecture)
+    with torch.device("cpu"):
+        model = cls(config)
+    if load_format == "dummy":
+        model.init_dummy(seed)
+    elif load_format in ("auto", "safetensors"):
+        assert path is not None
+        model.load_weights(iter_safetensors(path))
+    else:
+        raise ValueError(f"load_format must be 'auto' or 'dummy', got {load_format!r}")
+    model.tie_weights()
+    return model.to(device=device, dtype=dtype).eval()

@@ -1,0 +1,111 @@
+"""Req: the one object that carries a request from submission to finish.
+
+Invariant: num_computed_tokens <= num_tokens = len(token_ids) = prompt_len + len(output_ids).
+KV of positions 0 .. num_computed_tokens - 1 is in the pool at slots_of(pages, ...); a step computes the next
+chunk and, when the request catches up (num_computed_tokens == num_tokens), samples one more token.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+from deepinfer_rt.sampling_params import SamplingParams
+
+
+class ReqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Req:
+    rid: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    seed: int
+    """Effective seed of this request's draws (the user's seed, mixed with the sibling index when n > 1)."""
+    token_ids: list[int] = field(init=False)
+    status: ReqStatus = ReqStatus.WAITING
+    num_computed_tokens: int = 0
+    pages: list[int] = field(default_factory=list)
+    num_cached_tokens: int = 0
+    """Prompt tokens whose KV came from the prefix cache or a sibling instead of being computed."""
+    cache_node: Any = None
+    """Radix-tree node locked on behalf of this request (its cached prefix), or None."""
+    num_locked_tokens: int = 0
+    leader: "Req | None" = None
+    """For n > 1: the sibling that prefills the shared prompt; the others copy its KV."""
+    grammar: Any = None
+    finish_reason: str | None = None
+    error: str | None = None
+    text: str = ""
+    detokenizer: Any = None
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    prompt_logprobs: list[float | None] = field(default_factory=list)
+    num_retractions: int = 0
+
+    def __post_init__(self) -> None:
+        self.token_ids = list(self.prompt_ids)
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.prompt_len :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.prompt_len
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is ReqStatus.FINISHED
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        return self.params.prompt_logprobs and len(self.prompt_logprobs) < self.prompt_len
+
+    def finish(self, reason: str, error: str | None = None) -> None:
+        self.status = ReqStatus.FINISHED
+        self.finish_reason = reason
+        self.error = error
+
+
+@dataclass
+class GenerateOutput:
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    """'stop' | 'length' | 'abort' | 'error'."""
+    error: str | None
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    prompt_logprobs: list[float | None] | None = None
+
+    @classmethod
+    def from_req(cls, req: Req) -> "GenerateOutput":
+        p = req.params
+        return cls(
+            text=req.text,
+            token_ids=req.output_ids,
+            finish_reason=req.finish_reason or "abort",
+            error=req.error,
+            prompt_tokens=req.prompt_len,
+            completion_tokens=req.num_output_tokens,
+            cached_tokens=req.num_cached_tokens,
+            logprobs=list(req.logprobs) if p.logprobs or p.top_logprobs else None,
+            top_logprobs=list(req.top_logprobs) if p.top_logprobs else None,
+            prompt_logprobs=list(req.prompt_logprobs) if p.prompt_logprobs else None,
+        )

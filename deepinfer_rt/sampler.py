@@ -1,0 +1,118 @@
+"""Sampler: logits (one row per sampling request) -> next tokens, plus logprobs when asked.
+
+Order: raw logprobs (reported, from the model's own distribution) -> penalties -> min_new_tokens mask ->
+grammar mask -> greedy argmax, or temperature -> top-k -> top-p -> min-p -> a seeded draw.
+
+The draw is counter-based: the uniform noise of a request depends only on (its seed, its output position),
+never on which rows share the batch, so seeded sampling is reproducible across runs and batch layouts.
+Gumbel-max over the filtered logits: argmax(z - log(-log u)) samples softmax(z).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from deepinfer_rt.request import Req
+
+_MASK64 = (1 << 64) - 1
+
+
+def stream_seed(seed: int, position: int) -> int:
+    """A well-mixed 63-bit seed for (seed, position) (splitmix64 finaliser)."""
+    x = (seed * 0x9E3779B97F4A7C15 + position * 0xBF58476D1CE4E5B9 + 0x94D049BB133111EB) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (x ^ (x >> 31)) & ((1 << 63) - 1)
+
+
+def uniform_noise(seed: int, position: int, vocab_size: int, device: torch.device) -> torch.Tensor:
+    gen = torch.Generator(device=device).manual_seed(stream_seed(seed, position))
+    return torch.rand(vocab_size, generator=gen, device=device).clamp_(min=1e-20)
+
+
+@dataclass
+class SampleResult:
+    token_ids: list[int]
+    logprobs: list[float] | None
+    """Logprob of each chosen token under the raw model distribution (rows that asked; others 0.0)."""
+    top_logprobs: list[list[tuple[int, float]]] | None
+
+
+def apply_penalties(logits: torch.Tensor, reqs: list[Req]) -> None:
+    for i, req in enumerate(reqs):
+        p = req.params
+        if p.repetition_penalty != 1.0:
+            seen = torch.tensor(req.token_ids, device=logits.device).unique()
+            row = logits[i, seen]
+            logits[i, seen] = torch.where(row < 0, row * p.repetition_penalty, row / p.repetition_penalty)
+        if (p.frequency_penalty != 0.0 or p.presence_penalty != 0.0) and req.num_output_tokens:
+            out = torch.tensor(req.output_ids, device=logits.device)
+            counts = torch.bincount(out, minlength=logits.shape[1]).to(logits.dtype)
+            logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+
+
+def filter_logits(z: torch.Tensor, reqs: list[Req]) -> torch.Tensor:
+    """Temperature-scaled rows z (B, V): set tokens outside top-k / top-p / min-p to -inf."""
+    top_k = [r.params.top_k for r in reqs]
+    top_p = [r.params.top_p for r in reqs]
+    min_p = [r.params.min_p for r in reqs]
+    if all(k <= 0 for k in top_k) and all(p >= 1.0 for p in top_p) and all(m <= 0.0 for m in min_p):
+        return z
+    vocab = z.shape[1]
+    sorted_z, order = z.sort(dim=-1, descending=True)
+    probs = sorted_z.softmax(dim=-1)
+    rank = torch.arange(vocab, device=z.device)[None, :]
+    k = torch.tensor([k if k > 0 else vocab for k in top_k], device=z.device)[:, None]
+    drop = rank >= k
+    p = torch.tensor(top_p, device=z.device, dtype=probs.dtype)[:, None]
+    # Keep the smallest prefix whose mass reaches top_p (the token crossing the threshold stays).
+    drop |= (probs.cumsum(-1) - probs) >= p
+    m = torch.tensor(min_p, device=z.device, dtype=probs.dtype)[:, None]
+    drop |= probs < m * probs[:, :1]
+    drop[:, 0] = False
+    sorted_z = sorted_z.masked_fill(drop, float("-inf"))
+    return torch.empty_like(z).scatter_(1, order, sorted_z)
+
+
+class Sampler:
+    def __init__(self, vocab_size: int):
+        self.vocab_size = vocab_size
+
+    @torch.no_grad()
+    def __call__(self, logits: torch.Tensor, reqs: list[Req], eos_ids: tuple[int, ...],
+                 bitmask_fn=None) -> SampleResult:
+        logits = logits[:, : self.vocab_size].float()
+        want_lp = [r.params.logprobs or r.params.top_logprobs > 0 for r in reqs]
+        raw_lp = logits.log_softmax(-1) if any(want_lp) else None
+        logits = logits.clone()
+        apply_penalties(logits, reqs)
+        for i, r in enumerate(reqs):
+            if r.num_output_tokens < r.params.min_new_tokens:
+                banned = list(r.params.stop_token_ids or []) + ([] if r.params.ignore_eos else list(eos_ids))
+                if banned:
+                    logits[i, banned] = float("-inf")
+        if bitmask_fn is not None:
+            bitmask_fn(logits)
+        greedy = [r.params.is_greedy for r in reqs]
+        tokens = logits.argmax(-1)
+        if not all(greedy):
+            rows = [i for i, g in enumerate(greedy) if not g]
+            sub = [reqs[i] for i in rows]
+            temps = torch.tensor([r.params.temperature for r in sub], device=logits.device)[:, None]
+            z = filter_logits(logits[rows] / temps, sub)
+            noise = torch.stack([uniform_noise(r.seed, r.num_output_tokens, self.vocab_size, logits.device)
+                                 for r in sub])
+            tokens[rows] = (z - torch.log(-torch.log(noise))).argmax(-1)
+        token_list = tokens.tolist()
+        logprobs = top = None
+        if raw_lp is not None:
+            chosen = raw_lp.gather(1, tokens[:, None]).squeeze(1).tolist()
+            logprobs = [c if w else 0.0 for c, w in zip(chosen, want_lp)]
+            k = max(r.params.top_logprobs for r in reqs)
+            if k > 0:
+                vals, ids = raw_lp.topk(k, dim=-1)
+                vals, ids = vals.tolist(), ids.tolist()
+                top = [list(zip(ids[i][: r.params.top_logprobs], vals[i][: r.params.top_logprobs]))
+                       for i, r in enumerate(reqs)]
+        return SampleResult(token_list, logprobs, top)

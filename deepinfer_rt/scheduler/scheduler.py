@@ -1,0 +1,176 @@
+"""Continuous-batching scheduler: waiting -> running -> finished, over a token budget per step."""
+from __future__ import annotations
+
+import logging
+from collections import deque
+
+from deepinfer_rt.cache.base import PrefixCache
+from deepinfer_rt.cache.kv_pool import KVPool
+from deepinfer_rt.config import SchedulerConfig
+from deepinfer_rt.request import Req, ReqStatus
+from deepinfer_rt.scheduler.batch import ScheduledBatch, ScheduledReq
+from deepinfer_rt.scheduler.policy import order_waiting
+
+logger = logging.getLogger(__name__)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, pool: KVPool, cache: PrefixCache):
+        self.config = config
+        self.pool = pool
+        self.allocator = pool.allocator
+        self.page_size = pool.page_size
+        self.cache = cache
+        self.waiting: deque[Req] = deque()
+        self.running: list[Req] = []
+        self.num_retractions = 0
+
+    def add(self, req: Req) -> None:
+        self.waiting.append(req)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> ScheduledBatch:
+        # Every request has num_computed_tokens catching up to num_tokens (prompt + outputs so far). A step
+        # hands out a token budget: running requests first (a decode is 1 token, an unfinished prefill its
+        # next chunk), then waiting requests are admitted in policy order, each starting at its cached prefix.
+        # When the pool cannot grow a running request, the running request that loses least is retracted:
+        # its pages are released (its prefix stays in the cache) and it waits again to recompute; nothing
+        # is lost. A request samples a token in the step where it catches up.
+        budget = self.config.chunked_prefill_tokens
+        batch = ScheduledBatch()
+        for req in list(self.running):
+            if req.status is not ReqStatus.RUNNING:
+                continue  # retracted earlier in this loop
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            if num_new <= 0:
+                continue
+            if not self._grow(req, num_new, batch):
+                continue
+            batch.items.append(ScheduledReq(req, num_new))
+            budget -= num_new
+        self._admit(batch, budget)
+        return batch
+
+    def _grow(self, req: Req, num_new: int, batch: ScheduledBatch) -> bool:
+        """Make req's pages cover num_computed_tokens + num_new, retracting others if needed."""
+        need = _cdiv(req.num_computed_tokens + num_new, self.page_size) - len(req.pages)
+        while need > 0:
+            pages = self._alloc(need)
+            if pages is not None:
+                req.pages.extend(pages)
+                return True
+            victims = [r for r in self.running if r is not req]
+            if not victims:
+                # Alone and still too big for the pool: it can never finish.
+                self._drop(req)
+                req.finish("length" if req.num_output_tokens else "error",
+                           None if req.num_output_tokens else "request does not fit in the KV pool")
+                return False
+            victim = min(victims, key=lambda r: (r.num_output_tokens, -r.prompt_len, -r.rid))
+            batch.items = [it for it in batch.items if it.req is not victim]
+            self.retract(victim)
+        return True
+
+    def _alloc(self, num_pages: int) -> list[int] | None:
+        if self.allocator.num_free < num_pages:
+            self.cache.evict(num_pages - self.allocator.num_free)
+        return self.allocator.alloc(num_pages)
+
+    def retract(self, req: Req) -> None:
+        self._drop(req)
+        req.status = ReqStatus.WAITING
+        req.num_retractions += 1
+        self.num_retractions += 1
+        self.waiting.appendleft(req)
+        logger.info("retracted request %d (%d tokens) to free KV pages", req.rid, req.num_tokens)
+
+    def _drop(self, req: Req) -> None:
+        """Take req out of running and give back its pages (its computed prefix is offered to the cache)."""
+        if req in self.running:
+            self.running.remove(req)
+        if req.num_computed_tokens:
+            self.cache.insert(req, req.num_computed_tokens)
+        self.cache.release(req)
+        self.allocator.decref(req.pages)
+        req.pages = []
+        req.num_computed_tokens = 0
+
+    def _admit(self, batch: ScheduledBatch, budget: int) -> None:
+        ordered = order_waiting(list(self.waiting), self.config.schedule_policy, self.cache,
+                                self.config.lpm_fallback_queue_len)
+        for req in ordered:
+            if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+                break
+            leader = req.leader
+            if leader is not None and leader.status is not ReqStatus.FINISHED:
+                if leader.status is ReqStatus.WAITING or leader.num_computed_tokens < req.prompt_len - 1:
+                    continue  # the shared prompt is not computed yet
+                if not self._share_prompt(req, leader):
+                    break
+            else:
+                pages, num_cached = ([], 0) if req.wants_prompt_logprobs else self.cache.match(req)
+                req.pages, req.num_computed_tokens = pages, num_cached
+                req.num_cached_tokens = max(req.num_cached_tokens, num_cached)
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            need = _cdiv(req.num_computed_tokens + num_new, self.page_size) - len(req.pages)
+            pages = self._alloc(need) if need > 0 else []
+            if pages is None:
+                self.cache.release(req)
+                self.allocator.decref(req.pages)
+                req.pages, req.num_computed_tokens = [], 0
+                break
+            req.pages.extend(pages)
+            self.waiting.remove(req)
+            req.status = ReqStatus.RUNNING
+            self.running.append(req)
+            batch.items.append(ScheduledReq(req, num_new))
+            budget -= num_new
+
+    def _share_prompt(self, req: Req, leader: Req) -> bool:
+        """n > 1: start req from its leader's computed prompt, all but the last token (which req computes to
+        get its own logits). Whole pages are shared; a partly filled last page is copied."""
+        num_shared = req.prompt_len - 1
+        num_full, rem = divmod(num_shared, self.page_size)
+        pages = leader.pages[:num_full]
+        self.allocator.incref(pages)
+        if rem:
+            tail = self._alloc(1)
+            if tail is None:
+                self.allocator.decref(pages)
+                return False
+            src = leader.pages[num_full] * self.page_size
+            self.pool.copy_slots(list(range(src, src + rem)),
+                                 list(range(tail[0] * self.page_size, tail[0] * self.page_size + rem)))
+            pages = pages + tail
+        req.pages, req.num_computed_tokens = pages, num_shared
+        req.num_cached_tokens = max(req.num_cached_tokens, num_shared)
+        return True
+
+    def update(self, batch: ScheduledBatch) -> None:
+        """After the forward: advance computed counts and offer completed prompt chunks to the cache."""
+        for item in batch.items:
+            req = item.req
+            req.num_computed_tokens += item.num_new_tokens
+            if req.num_computed_tokens < req.num_tokens:
+                self.cache.insert(req, req.num_computed_tokens)  # a long prompt is reusable chunk by chunk
+
+    def finish(self, req: Req) -> None:
+        """Release a finished request's pages (its tokens are offered to the cache first)."""
+        if req in self.running:
+            self.running.remove(req)
+        if req.pages:
+            self.cache.insert(req, req.num_computed_tokens)
+            self.cache.release(req)
+            self.allocator.decref(req.pages)
+            req.pages = []
+
+    def abort_waiting(self, req: Req) -> None:
+        if req in self.waiting:
+            self.waiting.remove(req)

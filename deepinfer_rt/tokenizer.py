@@ -1,0 +1,70 @@
+"""Tokenizer loading and incremental, UTF-8-safe detokenization with stop strings."""
+from __future__ import annotations
+
+from pathlib import Path
+
+# Prompt tokens fed to the detokenizer before the output, so a first output token's leading space survives
+# tokenizers that strip it at the start of a decode.
+_PROMPT_CONTEXT = 4
+
+
+def load_tokenizer(path: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+class IncrementalDetokenizer:
+    """Text of the output so far, grown one token at a time.
+
+    Decodes the window ids[prefix_offset:] and emits only what goes beyond the decode of
+    ids[prefix_offset:read_offset]; a trailing U+FFFD (an incomplete UTF-8 sequence) is held back until the
+    bytes that complete it arrive. Stop strings end the text before their first occurrence.
+    """
+
+    def __init__(self, tokenizer, prompt_ids: list[int], stop_strings: list[str]):
+        self.tokenizer = tokenizer
+        self.ids = list(prompt_ids[-_PROMPT_CONTEXT:])
+        self.prefix_offset = 0
+        self.read_offset = len(self.ids)
+        self.text = ""
+        self.stop_strings = stop_strings
+        self.max_stop_len = max((len(s) for s in stop_strings), default=0)
+        self.num_emitted = 0
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def add(self, token_id: int, check_stop: bool = True) -> bool:
+        """Append a token; True when a stop string completed (text is then cut before it)."""
+        self.ids.append(token_id)
+        prefix_text = self._decode(self.ids[self.prefix_offset : self.read_offset])
+        new_text = self._decode(self.ids[self.prefix_offset :])
+        if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
+            return False
+        delta = new_text[len(prefix_text) :]
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        start = max(0, len(self.text) - self.max_stop_len + 1)
+        self.text += delta
+        if not check_stop:
+            return False
+        for s in self.stop_strings:
+            idx = self.text.find(s, start)
+            if idx != -1:
+                self.text = self.text[:idx]
+                return True
+        return False
+
+    def flush(self) -> None:
+        """At finish: decode whatever an incomplete UTF-8 tail still holds (shown as U+FFFD)."""
+        if self.read_offset < len(self.ids):
+            prefix_text = self._decode(self.ids[self.prefix_offset : self.read_offset])
+            self.text += self._decode(self.ids[self.prefix_offset :])[len(prefix_text) :]
+            self.read_offset = len(self.ids)
+
+    def take_delta(self, finished: bool) -> str:
+        """Text not yet streamed; while running, hold back a tail that might begin a stop string."""
+        end = len(self.text) if finished else max(self.num_emitted, len(self.text) - max(self.max_stop_len - 1, 0))
+        delta = self.text[self.num_emitted : end]
+        self.num_emitted = end
+        return delta
