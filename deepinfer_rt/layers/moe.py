@@ -1,0 +1,169 @@
+"""Mixture-of-experts block (DeepSeek-V2/V3): router, routed experts, shared experts.
+
+    mlp.gate.weight (E, H), mlp.gate.e_score_correction_bias (E,)   router, kept in fp32 like HF
+    mlp.experts.gate_up_proj (E, 2I, H) = per expert [gate; up]     the fused HF v5 layout
+    mlp.experts.down_proj (E, H, I)
+    mlp.shared_experts.{gate,up,down}_proj                          a dense gated MLP of n_shared * I
+
+Checkpoints store experts either fused (the names above) or per expert (`experts.{e}.gate_proj.weight`, what
+`save_pretrained` and the DeepSeek releases write); `fuse_expert_weights` turns the latter into the former.
+"""
+from __future__ import annotations
+
+import re
+from typing import Iterable, Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from deepinfer_kernels.reference import silu_and_mul
+from deepinfer_rt.config import ModelConfig
+from deepinfer_rt.layers.mlp import GatedMLP
+
+
+def select_experts(router_logits: torch.Tensor, top_k: int, *, scoring_func: str = "softmax",
+                   topk_method: str = "greedy", n_group: int = 1, topk_group: int = 1,
+                   correction_bias: torch.Tensor | None = None, norm_topk_prob: bool = False,
+                   routed_scaling_factor: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """router_logits (T, E) -> (weights (T, k) fp32, expert ids (T, k) int64, ascending per token).
+
+    Scores are softmax or sigmoid of the logits. Experts are chosen on the scores, plus correction_bias for
+    'noaux_tc' (the bias balances load: it steers the choice but never enters the weights), by
+      greedy                top-k over all experts;
+      group_limited_greedy  (V2) top-k within the topk_group groups whose best expert scores highest;
+      noaux_tc              (V3) top-k within the topk_group groups whose two best experts sum highest.
+    The weights are the chosen experts' unbiased scores, renormalised to sum 1 if norm_topk_prob, times
+    routed_scaling_factor. Ids come sorted so that experts are combined in a fixed order.
+    """
+    logits = router_logits.float()
+    if scoring_func == "softmax":
+        scores = logits.softmax(dim=-1)
+    elif scoring_func == "sigmoid":
+        scores = logits.sigmoid()
+    else:
+        raise ValueError(f"unknown MoE scoring_func {scoring_func!r}")
+    choice = scores
+    if topk_method == "noaux_tc":
+        if correction_bias is None:
+            raise ValueError("topk_method 'noaux_tc' needs the e_score_correction_bias")
+        choice = scores + correction_bias.float()
+    if topk_method in ("group_limited_greedy", "noaux_tc"):
+        t, e = choice.shape
+        grouped = choice.view(t, n_group, e // n_group)
+        if topk_method == "group_limited_greedy":
+            group_scores = grouped.max(dim=-1).values  # (T, G)
+        else:
+            group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)
+        kept = torch.zeros_like(group_scores, dtype=torch.bool)
+        kept.scatter_(1, group_scores.topk(topk_group, dim=-1).indices, True)
+        choice = choice.masked_fill(~kept.repeat_interleave(e // n_group, dim=1), float("-inf"))
+    elif topk_method != "greedy":
+        raise ValueError(f"unknown MoE topk_method {topk_method!r}")
+    ids = choice.topk(top_k, dim=-1).indices.sort(dim=-1).values
+    weights = scores.gather(1, ids)
+    if norm_topk_prob:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * routed_scaling_factor, ids
+
+
+class Router(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        e = config.n_routed_experts
+        self.weight = nn.Parameter(torch.empty(e, config.hidden_size, dtype=torch.float32))
+        self.e_score_correction_bias = (
+            nn.Parameter(torch.empty(e, dtype=torch.float32), requires_grad=False)
+            if config.topk_method == "noaux_tc" else None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x.float(), self.weight)  # (T, E) fp32
+
+    def _apply(self, fn, recurse=True):
+        # HF keeps the router in fp32 (_keep_in_fp32_modules_strict): in bf16 the correction bias (entries
+        # ~1e-2 apart on scores near 0.5) would change which experts win. Follow device moves, not dtype casts.
+        fp32 = {name: p.data for name, p in self._parameters.items() if p is not None}
+        super()._apply(fn, recurse)
+        for name, data in fp32.items():
+            self._parameters[name].data = data.to(self._parameters[name].device)
+        return self
+
+
+class RoutedExperts(nn.Module):
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.num_experts = num_experts
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """x (T, H), weights/ids (T, k) -> sum_k weights * expert_ids(x) (T, H).
+
+        Torch reference: (token, slot) pairs are sorted by expert, each expert that received tokens runs one
+        matmul over its contiguous rows, and the k results of a token are summed in slot (= expert id) order.
+        """
+        t, k = ids.shape
+        flat = ids.flatten()
+        order = flat.argsort(stable=True)  # (T*k,) pair indices grouped by expert
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        xs = x[order // k]  # (T*k, H)
+        ys = torch.empty_like(xs)
+        start = 0
+        for e, n in enumerate(counts):
+            if n:
+                rows = slice(start, start + n)
+                ys[rows] = F.linear(silu_and_mul(F.linear(xs[rows], self.gate_up_proj[e])), self.down_proj[e])
+            start += n
+        out = torch.empty_like(ys)
+        out[order] = ys  # back to (token, slot) order
+        return (out.view(t, k, -1) * weights.unsqueeze(-1)).sum(dim=1).to(x.dtype)
+
+
+class MoE(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.gate = Router(config)
+        self.experts = RoutedExperts(config.n_routed_experts, config.hidden_size, config.moe_intermediate_size)
+        self.shared_experts = (
+            GatedMLP(config.hidden_size, config.moe_intermediate_size * config.n_shared_experts)
+            if config.n_shared_experts else None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        c = self.config
+        weights, ids = select_experts(
+            self.gate(x), c.num_experts_per_tok, scoring_func=c.scoring_func, topk_method=c.topk_method,
+            n_group=c.n_group, topk_group=c.topk_group, correction_bias=self.gate.e_score_correction_bias,
+            norm_topk_prob=c.norm_topk_prob, routed_scaling_factor=c.routed_scaling_factor)
+        y = self.experts(x, weights, ids)
+        return y if self.shared_experts is None else y + self.shared_experts(x)
+
+
+_PER_EXPERT = re.compile(r"(?P<prefix>.+\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight")
+
+
+def fuse_expert_weights(weights: Iterable[tuple[str, torch.Tensor]],
+                        num_experts: int) -> Iterator[tuple[str, torch.Tensor]]:
+    """Pass checkpoint tensors through, replacing each layer's per-expert tensors by the fused
+    `experts.gate_up_proj` / `experts.down_proj` once all of that layer's experts have been read (a layer may
+    span shard files, so only the current incomplete layers are held)."""
+    pending: dict[str, dict[tuple[str, int], torch.Tensor]] = {}
+    for name, tensor in weights:
+        m = _PER_EXPERT.fullmatch(name)
+        if m is None:
+            yield name, tensor
+            continue
+        prefix = m["prefix"]
+        layer = pending.setdefault(prefix, {})
+        layer[(m["proj"], int(m["expert"]))] = tensor
+        if len(layer) < 3 * num_experts:
+            continue
+        del pending[prefix]
+        experts = range(num_experts)
+        gate = torch.stack([layer[("gate_proj", e)] for e in experts])  # (E, I, H)
+        up = torch.stack([layer[("up_proj", e)] for e in experts])
+        yield f"{prefix}.gate_up_proj", torch.cat([gate, up], dim=1)  # (E, 2I, H)
+        yield f"{prefix}.down_proj", torch.stack([layer[("down_proj", e)] for e in experts])  # (E, H, I)
+    if pending:
+        prefix, layer = next(iter(pending.items()))
+        raise ValueError(f"checkpoint has {len(layer)} of the {3 * num_experts} per-expert tensors of {prefix}")

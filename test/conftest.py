@@ -1,0 +1,49 @@
+"""Shared fixtures: the embedded SmolLM2 folder, tiny random checkpoints, engines and HF references."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+
+torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> Path:
+    from deepinfer_rt.models.smollm2 import ensure_smollm2
+
+    return ensure_smollm2()
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf(smollm2_path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(smollm2_path, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def smollm2_engine(smollm2_path):
+    from deepinfer_rt import Engine
+
+    with Engine(str(smollm2_path), dtype="float32", kv_cache_tokens=32768) as engine:
+        yield engine
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_path(tmp_path_factory) -> Path:
+    from make_tiny_checkpoint import make_tiny_checkpoint
+
+    return make_tiny_checkpoint("llama", tmp_path_factory.mktemp("tiny-llama"), seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_v3_path(tmp_path_factory) -> Path:
+    from make_tiny_checkpoint import make_tiny_checkpoint
+
+    return make_tiny_checkpoint("deepseek_v3", tmp_path_factory.mktemp("tiny-v3"), seed=0)
