@@ -4,11 +4,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from deepinfer_kernels.reference import silu_and_mul
 from deepinfer_rt.cache.kv_pool import KVLayout
 from deepinfer_rt.config import ModelConfig
 from deepinfer_rt.forward_batch import ForwardBatch
 from deepinfer_rt.layers.linear import Linear, MergedLinear
+from deepinfer_rt.layers.mlp import GatedMLP
 from deepinfer_rt.layers.norm import RMSNorm
 from deepinfer_rt.layers.rotary import RotaryEmbedding
 from deepinfer_rt.models.base import CausalLM
@@ -36,21 +36,11 @@ class LlamaAttention(nn.Module):
         return self.o_proj(o.reshape(t, -1))
 
 
-class LlamaMLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int):
-        super().__init__()
-        self.gate_up_proj = MergedLinear(hidden_size, {"gate": intermediate_size, "up": intermediate_size})
-        self.down_proj = Linear(intermediate_size, hidden_size)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
-
-
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer_id: int):
         super().__init__()
         self.self_attn = LlamaAttention(config, layer_id)
-        self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
