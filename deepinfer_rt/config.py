@@ -141,6 +141,8 @@ class SchedulerConfig:
     """Token budget of one step (decode tokens + prefill chunks)."""
     schedule_policy: str = "lpm"
     """'lpm' (longest cached prefix first; FCFS when the queue is long) or 'fcfs'."""
+    decode_reserve_tokens: int = 16
+    """KV slots a decoding request takes ahead of need, so its KV stays in contiguous runs."""
     lpm_fallback_queue_len: int = 128
     """Above this many waiting requests, 'lpm' falls back to FCFS so nothing starves."""
 

@@ -30,6 +30,8 @@ class Req:
     status: ReqStatus = ReqStatus.WAITING
     num_computed_tokens: int = 0
     pages: list[int] = field(default_factory=list)
+    spare_pages: list[int] = field(default_factory=list)
+    """Pages taken ahead of need for decode locality (held, not yet covering tokens)."""
     num_cached_tokens: int = 0
     """Prompt tokens whose KV came from the prefix cache or a sibling instead of being computed."""
     cache_node: Any = None

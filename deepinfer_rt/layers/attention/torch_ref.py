@@ -68,15 +68,17 @@ class TorchRefBackend(AttentionBackend):
         gqa = q.shape[1] != k_buf.shape[1]
         if meta.decode_rows is not None:
             qd = q[meta.decode_rows].unsqueeze(2)  # (Bd, Hq, 1, D)
-            kd = k_buf[meta.decode_slots].transpose(1, 2)  # (Bd, Hkv, L, D)
-            vd = v_buf[meta.decode_slots].transpose(1, 2)
+            bd, max_len = meta.decode_slots.shape
+            flat = meta.decode_slots.view(-1)  # index_select is much faster than advanced indexing on CPU
+            kd = k_buf.index_select(0, flat).view(bd, max_len, *k_buf.shape[1:]).transpose(1, 2)  # (Bd, Hkv, L, D)
+            vd = v_buf.index_select(0, flat).view(bd, max_len, *v_buf.shape[1:]).transpose(1, 2)
             od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=scale,
                                                 enable_gqa=gqa)
             out[meta.decode_rows] = od.squeeze(2)
         for e in meta.extends:
             qe = q[e.q_start : e.q_start + e.q_len].transpose(0, 1)  # (Hq, q_len, D)
-            ke = k_buf[e.slots].transpose(0, 1)  # (Hkv, kv_len, D)
-            ve = v_buf[e.slots].transpose(0, 1)
+            ke = k_buf.index_select(0, e.slots).transpose(0, 1)  # (Hkv, kv_len, D)
+            ve = v_buf.index_select(0, e.slots).transpose(0, 1)
             oe = F.scaled_dot_product_attention(qe, ke, ve, attn_mask=e.mask, scale=scale, enable_gqa=gqa)
             out[e.q_start : e.q_start + e.q_len] = oe.transpose(0, 1)
         return out
