@@ -1,0 +1,53 @@
+"""Model resolution and loading: dummy weights, hub ids offline, unsupported architectures, the CLI."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from deepinfer_rt import Engine, SamplingParams
+from deepinfer_rt.cli import main as cli_main
+
+
+def test_dummy_weights_from_config_alone(tiny_v3_path, tmp_path):
+    for f in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tiny_v3_path / f, tmp_path / f)
+    with Engine(str(tmp_path), dtype="float32", load_format="dummy", kv_cache_tokens=512, seed=3) as e:
+        out = e.generate(["hello"], sampling_params=SamplingParams(max_new_tokens=4, temperature=0,
+                                                                   ignore_eos=True))[0]
+        assert len(out.token_ids) == 4
+        w = e.model.model.layers[0].self_attn.kv_b_proj.weight
+        assert 0.01 < w.float().std().item() < 0.05  # random, not zeros or the checkpoint's spread
+
+
+def test_hub_id_offline_fails_clearly(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ValueError, match="could not be fetched"):
+        Engine("no-such-org/no-such-model")
+
+
+def test_unsupported_architecture(tiny_llama_path, tmp_path):
+    for f in tiny_llama_path.iterdir():
+        shutil.copy(f, tmp_path / f.name)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg["architectures"] = ["MadeUpForCausalLM"]
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="unsupported model architecture"):
+        Engine(str(tmp_path))
+
+
+def test_bfloat16_runs(tiny_llama_path):
+    with Engine(str(tiny_llama_path), dtype="bfloat16", kv_cache_tokens=256) as e:
+        assert e.model.lm_head.weight.dtype == torch.bfloat16 and e.pool.k[0].dtype == torch.bfloat16
+        out = e.generate(["hi there"], sampling_params=SamplingParams(max_new_tokens=3, temperature=0,
+                                                                      ignore_eos=True))[0]
+        assert len(out.token_ids) == 3
+
+
+def test_cli_generate(tiny_llama_path, capsys):
+    assert cli_main(["generate", "hello", "world", "--model", str(tiny_llama_path), "--max-new-tokens", "3",
+                     "--json", "--dtype", "float32"]) == 0
+    lines = [json.loads(x) for x in capsys.readouterr().out.strip().splitlines()]
+    assert len(lines) == 2 and all(x["completion_tokens"] <= 3 for x in lines)
