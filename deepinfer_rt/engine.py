@@ -103,7 +103,9 @@ class Engine:
         """One scheduling step; returns the requests that finished in it."""
         batch = self.scheduler.schedule()
         if batch.is_empty:
-            return self._reap()
+            if self.scheduler.waiting and not self.scheduler.running:
+                raise RuntimeError("scheduler made no progress with requests waiting")  # a bug, never a hang
+            return []
         result = self.runner.run(batch)
         self.scheduler.update(batch)
         return self._process(batch, result)
@@ -120,14 +122,7 @@ class Engine:
             if self.outputs.append_token(req, token, lp, top):
                 self.scheduler.finish(req)
                 finished.append(req)
-        return finished + self._reap()
-
-    def _reap(self) -> list[Req]:
-        """Requests the scheduler finished itself (e.g. too large for the pool)."""
-        done = [r for r in self.scheduler.running if r.is_finished]
-        for r in done:
-            self.scheduler.finish(r)
-        return done
+        return finished
 
     # ---- submission ----
     def _make_reqs(self, prompts, input_ids, sampling_params) -> list[list[Req]]:

@@ -150,6 +150,12 @@ class Scheduler:
                 self.cache.release(req)
                 self.allocator.decref(req.pages)
                 req.pages, req.num_computed_tokens = [], 0
+                if not self.running and not batch.items:
+                    # Even an empty pool cannot hold this chunk: fail the request instead of waiting forever.
+                    self.waiting.remove(req)
+                    req.finish("error", f"prompt chunk of {num_new} tokens does not fit in the KV pool of "
+                                        f"{self.pool.num_slots} slots")
+                    continue
                 break
             req.pages.extend(pages)
             self.waiting.remove(req)

@@ -163,3 +163,15 @@ def test_context_manager_shutdown(tiny_llama_path):
         e.generate(["x"], sampling_params=greedy(2))
     with pytest.raises(RuntimeError, match="shut down"):
         e.generate(["x"])
+
+
+def test_requests_larger_than_the_pool_fail_alone(tiny_llama_path):
+    """A prompt that cannot fit even an empty pool errors; the other request of the batch still finishes."""
+    with Engine(str(tiny_llama_path), dtype="float32", kv_cache_tokens=8, chunked_prefill_tokens=16) as e:
+        big, small = e.generate(input_ids=[[5] * 12, [6] * 3], sampling_params=greedy(3, ignore_eos=True))
+        assert big.finish_reason == "error" and "KV pool" in big.error
+        assert small.finish_reason == "length" and len(small.token_ids) == 3
+        # Growing past the whole pool while decoding ends the request at the pool's size.
+        (out,) = e.generate(input_ids=[[6] * 3], sampling_params=greedy(20, ignore_eos=True))
+        assert out.finish_reason == "length" and out.prompt_tokens + out.completion_tokens <= 9
+        assert e.pool.allocator.num_free == e.pool.allocator.num_pages
