@@ -111,9 +111,8 @@ class Engine:
         return self._process(batch, result)
 
     def _process(self, batch, result) -> list[Req]:
-        for i, values in result.prompt_logprobs.items():
-            item = batch.items[i]
-            self.outputs.add_prompt_logprobs(item.req, item.req.num_computed_tokens - item.num_new_tokens, values)
+        for i, (first, values) in result.prompt_logprobs.items():
+            self.outputs.add_prompt_logprobs(batch.items[i].req, first, values)
         finished = []
         for j, (i, token) in enumerate(result.sampled):
             req = batch.items[i].req

@@ -22,8 +22,8 @@ class RunResult:
     sampled: list[tuple[int, int]]
     """(item index, token) for items that sampled."""
     sample: SampleResult | None
-    prompt_logprobs: dict[int, list[float]]
-    """item index -> logprob of each next prompt token predicted inside the chunk."""
+    prompt_logprobs: dict[int, tuple[int, list[float]]]
+    """item index -> (first prompt position, logprobs of the prompt tokens from there) computed in the chunk."""
 
 
 class ModelRunner:
@@ -82,12 +82,15 @@ class ModelRunner:
         sampled = list(zip(sampled_items, sample.token_ids)) if sample else []
         return RunResult(sampled, sample, prompt_lps)
 
-    def _prompt_logprobs(self, hidden: torch.Tensor, item, row: int, n: int) -> list[float]:
-        """Row j predicts the token at position start + j + 1; keep those that are prompt tokens."""
+    def _prompt_logprobs(self, hidden: torch.Tensor, item, row: int, n: int) -> tuple[int, list[float]]:
+        """Row j predicts the token at position start + j + 1. Returns (first position, logprobs) for the
+        prompt positions in this chunk that the request still needs."""
         req, start = item.req, item.start
-        num = min(n, req.prompt_len - 1 - start)
+        first = max(start, len(req.prompt_logprobs) - 1)  # rows before it predict positions already known
+        num = min(start + n, req.prompt_len - 1) - first
         if num <= 0:
-            return []
-        logits = self.model.compute_logits(hidden[row : row + num])[:, : self.sampler.vocab_size]
-        targets = torch.tensor(req.prompt_ids[start + 1 : start + 1 + num], device=logits.device)
-        return logits.log_softmax(-1).gather(1, targets[:, None]).squeeze(1).tolist()
+            return first + 1, []
+        rows = hidden[row + first - start : row + first - start + num]
+        logits = self.model.compute_logits(rows)[:, : self.sampler.vocab_size]
+        targets = torch.tensor(req.prompt_ids[first + 1 : first + 1 + num], device=logits.device)
+        return first + 1, logits.log_softmax(-1).gather(1, targets[:, None]).squeeze(1).tolist()

@@ -14,13 +14,13 @@ class OutputProcessor:
     def start(self, req: Req) -> None:
         req.detokenizer = IncrementalDetokenizer(self.tokenizer, req.prompt_ids, req.params.stop_strings)
         if req.params.prompt_logprobs:
-            req.prompt_logprobs = [None]
+            req.prompt_logprobs = [None] * max(1, min(req.params.logprob_start_len, req.prompt_len))
 
-    def add_prompt_logprobs(self, req: Req, start: int, values: list[float]) -> None:
-        """values[j] is the logprob of prompt token start + 1 + j; positions already recorded (a recompute
-        after retraction) are kept as they were."""
+    def add_prompt_logprobs(self, req: Req, first: int, values: list[float]) -> None:
+        """values[j] is the logprob of prompt token first + j; positions already recorded (a recompute after
+        retraction) are kept as they were."""
         for j, v in enumerate(values):
-            if start + 1 + j == len(req.prompt_logprobs):
+            if first + j == len(req.prompt_logprobs):
                 req.prompt_logprobs.append(v)
 
     def append_token(self, req: Req, token: int, logprob: float | None,

@@ -29,6 +29,10 @@ class SamplingParams:
     logprobs: bool = False
     top_logprobs: int = 0
     prompt_logprobs: bool = False
+    logprob_start_len: int = 0
+    """With prompt_logprobs: report logprobs only for prompt positions >= this (earlier entries are None).
+    Positions before it may come from the prefix cache, so scoring continuations of a shared prefix
+    (select-style) computes the prefix once."""
     regex: str | None = None
     json_schema: str | dict | None = None
     ebnf: str | None = None
@@ -79,6 +83,8 @@ class SamplingParams:
         check(self.seed is None or isinstance(self.seed, int), "seed", "must be an int or None")
         check(isinstance(self.top_logprobs, int) and 0 <= self.top_logprobs <= 20, "top_logprobs",
               "must be an int in [0, 20]")
+        check(isinstance(self.logprob_start_len, int) and self.logprob_start_len >= 0, "logprob_start_len",
+              "must be an int >= 0")
         check(all(isinstance(s, str) and s for s in self.stop_strings), "stop", "must be non-empty strings")
         if self.stop_token_ids is not None:
             check(all(isinstance(t, int) and 0 <= t < vocab_size for t in self.stop_token_ids), "stop_token_ids",

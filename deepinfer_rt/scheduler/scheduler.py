@@ -140,7 +140,13 @@ class Scheduler:
                 if not self._share_prompt(req, leader):
                     break
             else:
-                pages, num_cached = ([], 0) if req.wants_prompt_logprobs else self.cache.match(req)
+                pages, num_cached = self.cache.match(req)
+                if req.wants_prompt_logprobs:
+                    # Rows from the first wanted position - 1 on must be computed to score the prompt.
+                    limit = (len(req.prompt_logprobs) - 1) // self.page_size * self.page_size
+                    if num_cached > limit:
+                        self.allocator.decref(pages[limit // self.page_size :])
+                        pages, num_cached = pages[: limit // self.page_size], limit
                 req.pages, req.num_computed_tokens = pages, num_cached
                 req.num_cached_tokens = max(req.num_cached_tokens, num_cached)
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)

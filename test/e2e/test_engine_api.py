@@ -175,3 +175,13 @@ def test_requests_larger_than_the_pool_fail_alone(tiny_llama_path):
         (out,) = e.generate(input_ids=[[6] * 3], sampling_params=greedy(20, ignore_eos=True))
         assert out.finish_reason == "length" and out.prompt_tokens + out.completion_tokens <= 9
         assert e.pool.allocator.num_free == e.pool.allocator.num_pages
+
+
+def test_prompt_logprobs_from_a_start_position(engine):
+    ids = engine.tokenizer.encode("one two three four five six seven eight nine ten")
+    full = engine.generate(input_ids=[ids], sampling_params=greedy(1, prompt_logprobs=True))[0].prompt_logprobs
+    assert len(full) == len(ids) and full[0] is None and all(v is not None for v in full[1:])
+    part = engine.generate(input_ids=[ids], sampling_params=greedy(1, prompt_logprobs=True,
+                                                                   logprob_start_len=6))[0].prompt_logprobs
+    assert part[:6] == [None] * 6
+    assert max(abs(a - b) for a, b in zip(part[6:], full[6:])) < 1e-5
