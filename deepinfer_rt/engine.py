@@ -12,6 +12,7 @@ import torch
 
 from deepinfer_rt.cache.base import NoPrefixCache, PrefixCache
 from deepinfer_rt.cache.kv_pool import KVPool
+from deepinfer_rt.cache.radix_cache import RadixCache
 from deepinfer_rt.config import CacheConfig, EngineConfig, SchedulerConfig
 from deepinfer_rt.env import get_env
 from deepinfer_rt.layers.attention.torch_ref import BACKENDS
@@ -66,7 +67,8 @@ class Engine:
         self.eos_ids = mc.eos_token_ids or ((self.tokenizer.eos_token_id,) if self.tokenizer.eos_token_id
                                             is not None else ())
         self.pool = KVPool(self.model.kv_layout(mc), self._num_pages(), page_size, self.config.dtype, dev)
-        self.cache: PrefixCache = NoPrefixCache(self.pool.allocator, page_size)
+        self.cache: PrefixCache = (RadixCache(self.pool.allocator, page_size) if enable_prefix_cache
+                                   else NoPrefixCache(self.pool.allocator, page_size))
         self.scheduler = Scheduler(self.config.scheduler, self.pool, self.cache)
         self.sampler = Sampler(mc.vocab_size)
         self.runner = ModelRunner(self.model, self.pool, BACKENDS["torch"](), self.sampler, dev, self.eos_ids)
@@ -266,5 +268,10 @@ class Engine:
 
     @property
     def stats(self) -> dict:
-        return {"num_retractions": self.scheduler.num_retractions,
-                "num_free_pages": self.pool.allocator.num_free, "num_pages": self.pool.allocator.num_pages}
+        """Engine counters: retractions, pool occupancy and, with the prefix cache, its hit rate/evictions."""
+        stats = {"num_retractions": self.scheduler.num_retractions,
+                 "num_free_pages": self.pool.allocator.num_free, "num_pages": self.pool.allocator.num_pages,
+                 "num_cached_pages": self.cache.num_cached_pages}
+        if isinstance(self.cache, RadixCache):
+            stats.update(self.cache.stats())
+        return stats

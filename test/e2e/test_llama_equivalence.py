@@ -112,4 +112,4 @@ def test_same_outputs_alone_and_under_pressure(smollm2_path, smollm2_engine, alo
         assert [o.token_ids for o in outs] == alone
         if variant == "tiny_pool":
             assert engine.stats["num_retractions"] > 0
-        assert engine.pool.allocator.num_free == engine.pool.allocator.num_pages
+        assert engine.pool.allocator.num_free + engine.cache.num_cached_pages == engine.pool.allocator.num_pages
