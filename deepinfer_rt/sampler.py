@@ -67,7 +67,8 @@ def filter_logits(z: torch.Tensor, reqs: list[Req]) -> torch.Tensor:
     drop = rank >= k
     p = torch.tensor(top_p, device=z.device, dtype=probs.dtype)[:, None]
     # Keep the smallest prefix whose mass reaches top_p (the token crossing the threshold stays).
-    drop |= (probs.cumsum(-1) - probs) >= p
+    # Rows without top-p are exempt: in fp32 the running sum of a peaked row reaches 1.0 before its tail.
+    drop |= ((probs.cumsum(-1) - probs) >= p) & (p < 1.0)
     m = torch.tensor(min_p, device=z.device, dtype=probs.dtype)[:, None]
     drop |= probs < m * probs[:, :1]
     drop[:, 0] = False

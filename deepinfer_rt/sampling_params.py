@@ -65,9 +65,14 @@ class SamplingParams:
     def validate(self, vocab_size: int) -> None:
         """Raise ValueError naming the offending field."""
 
-        def check(ok: bool, name: str, why: str) -> None:
+        def check(ok, name: str, why: str) -> None:
             if not ok:
                 raise ValueError(f"SamplingParams.{name}: {why} (got {getattr(self, name)!r})")
+
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty",
+                     "presence_penalty"):
+            value = getattr(self, name)
+            check(isinstance(value, (int, float)) and not isinstance(value, bool), name, "must be a number")
 
         check(isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 1, "max_new_tokens", "must be an int >= 1")
         check(isinstance(self.min_new_tokens, int) and 0 <= self.min_new_tokens <= self.max_new_tokens,

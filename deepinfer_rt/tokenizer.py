@@ -48,11 +48,10 @@ class IncrementalDetokenizer:
         self.text += delta
         if not check_stop:
             return False
-        for s in self.stop_strings:
-            idx = self.text.find(s, start)
-            if idx != -1:
-                self.text = self.text[:idx]
-                return True
+        hits = [i for i in (self.text.find(s, start) for s in self.stop_strings) if i != -1]
+        if hits:
+            self.text = self.text[: min(hits)]  # the earliest stop string in the text, whatever its list order
+            return True
         return False
 
     def flush(self) -> None:
