@@ -143,6 +143,9 @@ class SchedulerConfig:
     """'lpm' (longest cached prefix first; FCFS when the queue is long) or 'fcfs'."""
     decode_reserve_tokens: int = 16
     """KV slots a decoding request takes ahead of need, so its KV stays in contiguous runs."""
+    inflight_prefix_min_tokens: int = 32
+    """A waiting request sharing at least this many uncached tokens with a prefill in flight waits a step
+    for it, then reuses those tokens from the prefix cache."""
     lpm_fallback_queue_len: int = 128
     """Above this many waiting requests, 'lpm' falls back to FCFS so nothing starves."""
 

@@ -76,6 +76,7 @@ class Engine:
         self._rng = random.Random(seed)
         self._rids = itertools.count()
         self._lock = threading.RLock()
+        self._grammar = None
         self._closed = False
 
     # ---- sizing ----
@@ -103,14 +104,46 @@ class Engine:
     # ---- the loop ----
     def step(self) -> list[Req]:
         """One scheduling step; returns the requests that finished in it."""
+        finished = self._poll_grammars()
         batch = self.scheduler.schedule()
         if batch.is_empty:
-            if self.scheduler.waiting and not self.scheduler.running:
-                raise RuntimeError("scheduler made no progress with requests waiting")  # a bug, never a hang
-            return []
+            return finished + self._idle()
         result = self.runner.run(batch)
         self.scheduler.update(batch)
-        return self._process(batch, result)
+        return finished + self._process(batch, result)
+
+    def _poll_grammars(self) -> list[Req]:
+        """Constrained requests wait until their grammar is compiled (off this thread); a failed or timed-out
+        compilation finishes that request alone with finish_reason 'error'."""
+        failed = []
+        for req in [r for r in self.scheduler.waiting if r.is_grammar_pending]:
+            state, value = self._grammar.poll(req.grammar_handle)
+            if state == "ready":
+                req.grammar = value
+            elif state == "error":
+                self.scheduler.abort_waiting(req)
+                req.finish("error", value)
+                failed.append(req)
+        return failed
+
+    def _idle(self) -> list[Req]:
+        pending = [r.grammar_handle for r in self.scheduler.waiting if r.is_grammar_pending]
+        if pending and not self.scheduler.has_runnable:
+            self._grammar.wait(pending)
+        elif self.scheduler.waiting and not self.scheduler.running:
+            raise RuntimeError("scheduler made no progress with requests waiting")  # a bug, never a hang
+        return []
+
+    @property
+    def grammar(self):
+        """The structured-output backend (xgrammar), built on first use."""
+        if self._grammar is None:
+            from deepinfer_rt.constrained.grammar import GrammarBackend
+
+            self._grammar = GrammarBackend(self.tokenizer, self.model_config.vocab_size, self.eos_ids,
+                                           get_env().grammar_compile_timeout_s)
+            self.runner.grammar = self._grammar
+        return self._grammar
 
     def _process(self, batch, result) -> list[Req]:
         for i, (first, values) in result.prompt_logprobs.items():
@@ -162,7 +195,7 @@ class Engine:
                 raise ValueError(f"sampling_params[{i}]: expected SamplingParams, got {type(p).__name__}")
             p.validate(vocab)
             if p.constraint is not None:
-                raise ValueError("SamplingParams.regex/json_schema/ebnf: structured output is not enabled")
+                self.grammar.validate(*p.constraint)
         groups = []
         for ids, p in zip(id_lists, params):
             base_seed = p.seed if p.seed is not None else self._rng.getrandbits(63)
@@ -172,6 +205,8 @@ class Engine:
                 req = Req(next(self._rids), ids, p, seed)
                 req.leader = leader
                 leader = leader or req
+                if p.constraint is not None:
+                    req.grammar_handle = self.grammar.submit(*p.constraint)
                 self.outputs.start(req)
                 group.append(req)
             groups.append(group)

@@ -35,6 +35,8 @@ class ModelRunner:
         self.sampler = sampler
         self.device = device
         self.eos_ids = eos_ids
+        self.grammar = None
+        """The structured-output backend once a constrained request arrived (masks logits rows)."""
 
     def build(self, batch: ScheduledBatch) -> ForwardBatch:
         ids, positions, out_slots, q_lens, kv_lens, kv_slots = [], [], [], [], [], []
@@ -60,7 +62,7 @@ class ModelRunner:
         return fb
 
     @torch.no_grad()
-    def run(self, batch: ScheduledBatch, bitmask_fn=None) -> RunResult:
+    def run(self, batch: ScheduledBatch) -> RunResult:
         fb = self.build(batch)
         hidden = self.model(fb)
         sample_rows, sampled_items, lp_rows = [], [], {}
@@ -77,6 +79,10 @@ class ModelRunner:
         if sample_rows:
             logits = self.model.compute_logits(hidden[sample_rows])
             reqs = [batch.items[i].req for i in sampled_items]
+            bitmask_fn = None
+            if any(r.grammar is not None for r in reqs):
+                grammars = [r.grammar for r in reqs]
+                bitmask_fn = lambda rows: self.grammar.fill_and_apply(rows, grammars)  # noqa: E731
             sample = self.sampler(logits, reqs, self.eos_ids, bitmask_fn)
         prompt_lps = {i: self._prompt_logprobs(hidden, batch.items[i], r, n) for i, (r, n) in lp_rows.items()}
         sampled = list(zip(sampled_items, sample.token_ids)) if sample else []

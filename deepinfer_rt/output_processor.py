@@ -32,8 +32,10 @@ class OutputProcessor:
             req.logprobs.append(logprob)
         if p.top_logprobs:
             req.top_logprobs.append(top)
-        if req.grammar is not None:
-            req.grammar.accept(token)
+        if req.grammar is not None and not req.grammar.accept(token):
+            self._finish(req, "error")
+            req.error = req.grammar.error
+            return True
         detok: IncrementalDetokenizer = req.detokenizer
         is_stop_token = token in (p.stop_token_ids or ()) or (not p.ignore_eos and token in self.eos_ids)
         if is_stop_token and req.num_output_tokens > p.min_new_tokens - 1:

@@ -39,6 +39,8 @@ class Req:
     num_locked_tokens: int = 0
     leader: "Req | None" = None
     """For n > 1: the sibling that prefills the shared prompt; the others copy its KV."""
+    grammar_handle: Any = None
+    """Pending grammar compilation (constrained requests); `grammar` is set once it is ready."""
     grammar: Any = None
     finish_reason: str | None = None
     error: str | None = None
@@ -71,6 +73,10 @@ class Req:
     @property
     def is_finished(self) -> bool:
         return self.status is ReqStatus.FINISHED
+
+    @property
+    def is_grammar_pending(self) -> bool:
+        return self.grammar_handle is not None and self.grammar is None
 
     @property
     def wants_prompt_logprobs(self) -> bool:

@@ -12,6 +12,9 @@ from deepinfer_rt.request import Req
 
 
 class PrefixCache:
+    enabled = False
+    """Whether matches can ever hit (the scheduler skips prefix-sharing work otherwise)."""
+
     def match(self, req: Req) -> tuple[list[int], int]:
         """Longest cached, page-aligned prefix of req.token_ids, shorter than the whole sequence.
 

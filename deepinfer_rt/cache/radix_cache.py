@@ -35,6 +35,8 @@ class TreeNode:
 
 
 class RadixCache(PrefixCache):
+    enabled = True
+
     def __init__(self, allocator: PageAllocator, page_size: int):
         self.allocator = allocator
         self.page_size = page_size

@@ -48,6 +48,8 @@ _SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
 _SCHEMA_ONE = ("additionalProperties", "unevaluatedProperties", "items", "additionalItems", "unevaluatedItems",
                "propertyNames")
 _SCHEMA_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems", "items")
+_LOOSE_STRING_CHAR = r'[^\"\\\r\n]'
+_JSON_STRING_CHAR = r'[^\0-\x1f\"\\]'
 _LOG_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: (?:Check failed: \(.*?\) is false: )?")
 
 
@@ -108,26 +110,18 @@ def _unsupported_in_schema(schema, path: str = "#") -> str | None:
     return None
 
 
-def _lengths_as_patterns(schema) -> None:
-    """In place: minLength/maxLength -> an equivalent 'pattern' (both constrain strings only, by code points).
+def _json_schema_grammar(text: str) -> xgrammar.Grammar:
+    """The grammar of a JSON schema (raises RuntimeError from xgrammar if it cannot build one).
 
-    xgrammar 0.2.9 builds a length-bounded string from a character class that excludes only the quote, the
-    backslash, CR and LF, so raw control characters (tab, U+0000-U+001F) get in: invalid JSON. Its pattern
-    path escapes them properly."""
-    if not isinstance(schema, dict):
-        return
-    if "minLength" in schema or "maxLength" in schema:
-        low, high = schema.pop("minLength", 0), schema.pop("maxLength", "")
-        schema["pattern"] = f"^[\\s\\S]{{{low},{high}}}$"
-    for _, sub in _subschemas(schema, ""):
-        _lengths_as_patterns(sub)
-
-
-def _schema_for_xgrammar(text: str) -> str:
-    """The JSON schema text handed to xgrammar (already validated)."""
-    schema = json.loads(text)
-    _lengths_as_patterns(schema)
-    return json.dumps(schema)
+    xgrammar 0.2.9 builds length-bounded strings (minLength/maxLength) from a character class that excludes
+    only the quote, backslash, CR and LF, so raw control characters (tab, U+0000-U+001F) get into the string:
+    invalid JSON. The class is replaced in the grammar's text (which parses back to the same grammar) by the
+    one its unbounded strings use; if a later xgrammar fixes it, the text no longer contains it."""
+    grammar = xgrammar.Grammar.from_json_schema(text, **_JSON_OPTIONS)
+    ebnf = str(grammar)
+    if _LOOSE_STRING_CHAR not in ebnf:
+        return grammar
+    return xgrammar.Grammar.from_ebnf(ebnf.replace(_LOOSE_STRING_CHAR, _JSON_STRING_CHAR))
 
 
 class RequestGrammar:
@@ -178,12 +172,14 @@ class RequestGrammar:
 @dataclass(eq=False)
 class GrammarHandle:
     """A submitted compilation: poll it through GrammarBackend.poll."""
-    key: tuple[str, str]
     future: concurrent.futures.Future = field(repr=False)
     submitted_at: float
 
 
 class GrammarBackend:
+    """One per engine. Not thread-safe: submit/poll/fill_and_apply belong to the thread that runs the steps
+    (compilation itself runs on the backend's own worker threads)."""
+
     def __init__(self, tokenizer, vocab_size: int, eos_ids: tuple[int, ...], compile_timeout_s: float,
                  max_workers: int = 2):
         self.vocab_size = vocab_size
@@ -245,7 +241,7 @@ class GrammarBackend:
             if why is not None:
                 raise ValueError(f"{name}: unsupported schema: {why}")
             try:
-                xgrammar.Grammar.from_json_schema(_schema_for_xgrammar(text), **_JSON_OPTIONS)
+                _json_schema_grammar(text)
             except RuntimeError as e:
                 raise ValueError(f"{name}: unsupported or invalid schema: {_xgrammar_message(e)}") from None
 
@@ -262,13 +258,13 @@ class GrammarBackend:
             self._cache[key] = future
             if len(self._cache) > _CACHE_ENTRIES:
                 self._cache.popitem(last=False)
-        return GrammarHandle(key, future, time.monotonic())
+        return GrammarHandle(future, time.monotonic())
 
     def _compile(self, kind: str, text: str) -> xgrammar.CompiledGrammar:
         if kind == "regex":
             return self.compiler.compile_regex(text)
         if kind == "json":
-            return self.compiler.compile_json_schema(_schema_for_xgrammar(text), **_JSON_OPTIONS)
+            return self.compiler.compile_grammar(_json_schema_grammar(text))
         return self.compiler.compile_grammar(text)
 
     def poll(self, handle: GrammarHandle) -> tuple[str, RequestGrammar | str | None]:

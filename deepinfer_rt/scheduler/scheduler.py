@@ -14,6 +14,9 @@ from deepinfer_rt.scheduler.policy import order_waiting
 logger = logging.getLogger(__name__)
 
 
+_MAX_INFLIGHT_CHECKS = 32
+
+
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -133,6 +136,8 @@ class Scheduler:
         for req in ordered:
             if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
                 break
+            if req.is_grammar_pending:
+                continue  # waits, without blocking others, until its grammar is compiled
             leader = req.leader
             if leader is not None and leader.status is not ReqStatus.FINISHED:
                 if leader.status is ReqStatus.WAITING or leader.num_computed_tokens < req.prompt_len - 1:
@@ -140,6 +145,8 @@ class Scheduler:
                 if not self._share_prompt(req, leader):
                     break
             else:
+                if self._shares_inflight_prefill(req):
+                    continue  # admitted next step, it reuses the prefix instead of computing it again
                 pages, num_cached = self.cache.match(req)
                 if req.wants_prompt_logprobs:
                     # Rows from the first wanted position - 1 on must be computed to score the prompt.
@@ -169,6 +176,24 @@ class Scheduler:
             self.running.append(req)
             batch.items.append(ScheduledReq(req, num_new))
             budget -= num_new
+
+    def _shares_inflight_prefill(self, req: Req) -> bool:
+        """True when a request still prefilling computes a prefix of req's tokens that the cache does not hold
+        yet (by at least `inflight_prefix_min_tokens`): two requests admitted together would both compute it."""
+        if not self.cache.enabled:
+            return False
+        threshold = self.config.inflight_prefix_min_tokens
+        cached = self.cache.peek(req)
+        tokens = req.token_ids
+        for other in self.running[-_MAX_INFLIGHT_CHECKS:]:
+            if other.num_computed_tokens >= other.prompt_len:
+                continue
+            n = min(len(tokens), other.prompt_len)
+            if n - cached < threshold or tokens[cached + threshold - 1] != other.token_ids[cached + threshold - 1]:
+                continue
+            if tokens[: cached + threshold] == other.token_ids[: cached + threshold]:
+                return True
+        return False
 
     def _share_prompt(self, req: Req, leader: Req) -> bool:
         """n > 1: start req from its leader's computed prompt, all but the last token (which req computes to
@@ -212,3 +237,7 @@ class Scheduler:
     def abort_waiting(self, req: Req) -> None:
         if req in self.waiting:
             self.waiting.remove(req)
+
+    @property
+    def has_runnable(self) -> bool:
+        return bool(self.running) or any(not r.is_grammar_pending for r in self.waiting)

@@ -1,0 +1,99 @@
+"""How `select` decides between choices from the logprobs of their tokens.
+
+A method gets, per choice, the logprobs of the choice's tokens after the program's prompt and, if it asks for
+them, after a neutral context instead (RuntimeBackend.unconditional_context_ids says what that context is).
+It returns a ChoicesDecision: the winning index and one score per choice (reported in the select's meta info,
+and the weights select samples with when its temperature is above 0).
+"""
+from __future__ import annotations
+
+import math
+import random
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+
+# Two logprobs closer than this are a tie for greedy_token_selection: the same token after the same prefix,
+# scored in different rows of a batch, differs by numerical noise (fp32 ~1e-6, bf16 up to ~1e-2).
+_TIE_TOLERANCE = 1e-2
+
+
+@dataclass
+class ChoicesDecision:
+    index: int
+    scores: list[float]
+    meta_info: dict = field(default_factory=dict)
+
+
+class ChoicesSamplingMethod(ABC):
+    requires_unconditional_logprobs = False
+
+    @abstractmethod
+    def __call__(self, token_logprobs: list[list[float]],
+                 unconditional_token_logprobs: list[list[float]] | None = None) -> ChoicesDecision:
+        """token_logprobs[i][j]: logprob of choice i's token j after the prompt (each list non-empty)."""
+
+    def __repr__(self) -> str:
+        return type(self).__name__
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values)
+
+
+def _argmax(values: list[float]) -> int:
+    return max(range(len(values)), key=values.__getitem__)
+
+
+class TokenLengthNormalized(ChoicesSamplingMethod):
+    """Highest mean token logprob. Can prefer a long choice whose later tokens are near-certain once started."""
+
+    def __call__(self, token_logprobs, unconditional_token_logprobs=None) -> ChoicesDecision:
+        scores = [_mean(lps) for lps in token_logprobs]
+        return ChoicesDecision(_argmax(scores), scores)
+
+
+class GreedyTokenSelection(ChoicesSamplingMethod):
+    """Highest first-token logprob; ties (within _TIE_TOLERANCE) are broken by the next token, and so on. A
+    choice shorter than the others continues with its own mean logprob, so "organ" can still be compared
+    with "organism" after their shared first token. Scores are the first-token logprobs."""
+
+    def __call__(self, token_logprobs, unconditional_token_logprobs=None) -> ChoicesDecision:
+        width = max(len(lps) for lps in token_logprobs)
+        matrix = [lps + [_mean(lps)] * (width - len(lps)) for lps in token_logprobs]
+        remaining = list(range(len(matrix)))
+        for col in range(width):
+            best = max(matrix[i][col] for i in remaining)
+            remaining = [i for i in remaining if matrix[i][col] >= best - _TIE_TOLERANCE]
+            if len(remaining) == 1:
+                break
+        index = max(remaining, key=lambda i: matrix[i])  # still tied at every column: lexicographic max
+        return ChoicesDecision(index, [row[0] for row in matrix], {"greedy_logprob_matrix": matrix})
+
+
+class UnconditionalLikelihoodNormalized(ChoicesSamplingMethod):
+    """Highest mean, over the choice's tokens, of (logprob after the prompt - logprob after a neutral context):
+    how much the prompt raises each token above its prior, so a choice is not favoured merely for being a
+    common string (EleutherAI, "Multiple Choice Normalization in LM Evaluation"). The neutral context is the
+    tokenizer's BOS, if it adds one, and "\n" (RuntimeBackend.unconditional_context_ids); the choice's tokens
+    are the same ids in both, scored in the same batched engine call."""
+
+    requires_unconditional_logprobs = True
+
+    def __call__(self, token_logprobs, unconditional_token_logprobs=None) -> ChoicesDecision:
+        if unconditional_token_logprobs is None:
+            raise ValueError("unconditional_likelihood_normalized needs the unconditional token logprobs")
+        scores = [_mean([c - u for c, u in zip(cond, uncond, strict=True)])
+                  for cond, uncond in zip(token_logprobs, unconditional_token_logprobs, strict=True)]
+        return ChoicesDecision(_argmax(scores), scores)
+
+
+def sample_index(scores: list[float], temperature: float, rng: random.Random) -> int:
+    """A choice index drawn with probability proportional to exp(score / temperature)."""
+    top = max(scores)
+    weights = [math.exp((s - top) / temperature) for s in scores]
+    return rng.choices(range(len(scores)), weights=weights)[0]
+
+
+token_length_normalized = TokenLengthNormalized()
+greedy_token_selection = GreedyTokenSelection()
+unconditional_likelihood_normalized = UnconditionalLikelihoodNormalized()

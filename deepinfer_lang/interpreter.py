@@ -1,0 +1,515 @@
+"""ProgramState: runs a program's expressions against a backend, keeping the prompt as token ids.
+
+The prompt is a list of token ids that only grows: each appended text segment is tokenized on its own, and a
+gen appends the ids the model produced. Every model call therefore sends an extension of the ids sent before,
+which the engine's prefix cache matches exactly; tokenizing the whole text again could merge tokens across a
+segment boundary (say "\\n" + "\\n") and miss the cache from there on.
+
+Where expressions execute:
+  run()                      each `s += ...` executes at once, in the thread running the program function;
+  run(stream=True)           the same, on a background thread, while the caller reads text_iter();
+  fork branches (s.fork(n))  each branch has its own worker thread: `+=` on a branch queues the expression and
+                             returns, so the branches' gens reach the engine together and share its steps.
+                             Reading a branch (a variable, its text, join) waits for its queue.
+run_batch runs programs on a thread pool, and the engine batches the concurrent calls of all of them.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor, as_completed
+from contextlib import contextmanager
+from typing import Any, Iterator
+
+import tqdm
+
+from deepinfer_lang.backend import RuntimeBackend
+from deepinfer_lang.ir import Expr, ExprList, Gen, GenArgs, RoleBegin, RoleEnd, Select, Text, as_expr
+from deepinfer_rt import GenerateOutput
+
+logger = logging.getLogger("deepinfer_lang")
+
+# When k > 1 requests are about to extend the same prompt (a select's choices, fork branches), the part of the
+# prompt not computed by an earlier call is prefilled once into the prefix cache if it is at least this long;
+# a shorter part costs less to recompute in each request than an extra engine round trip.
+_MIN_TOKENS_TO_PREFILL_ONCE = 16
+
+
+class UnknownVariableError(KeyError):
+    """A variable read that no expression has set (a KeyError, printed without KeyError's quoting)."""
+
+    def __str__(self) -> str:
+        return self.args[0]
+
+
+class _PrefixEnd(Exception):
+    """Ends a prefix probe at its first model call (see _prefill_batch_prefix)."""
+
+
+@contextmanager
+def _named(what: str, program_name: str):
+    try:
+        yield
+    except ValueError as e:
+        raise ValueError(f"{what} in program {program_name!r}: {e}") from e
+
+
+class ProgramState:
+    def __init__(self, backend: RuntimeBackend, program_name: str, defaults: GenArgs, *, is_streaming: bool = False,
+                 is_prefix_probe: bool = False):
+        self.backend = backend
+        self.program_name = program_name
+        self.defaults = defaults
+        self.ids: list[int] = []
+        self.ret_value: Any = None
+        self._text = ""
+        self._variables: dict[str, Any] = {}
+        self._meta_info: dict[str, Any] = {}
+        self._messages: list[dict] = []
+        self._open_role: str | None = None  # the open role, where its content starts in _text, its closing text
+        self._role_start = 0
+        self._role_end_text = ""
+        self._num_known_cached = 0  # leading ids an earlier model call of this state computed
+        self._assigned: dict[str, None] = {}  # variables set by this state (a branch: since its fork), in order
+        self._fork_text_start = 0
+        self._fork_ids_start = 0
+        self._branches: list[ProgramState] = []
+        self._executor: ThreadPoolExecutor | None = None  # a fork branch's worker
+        self._last_queued: Future | None = None
+        self._is_closed = False
+        self._owner = threading.current_thread()  # where this state's expressions execute (streaming root)
+        self._finished: threading.Event | None = None  # streaming root: set when the program function returned
+        self._error: Exception | None = None
+        self._is_streaming = is_streaming
+        self._is_prefix_probe = is_prefix_probe
+        self._changed = threading.Condition()  # notified when text or a variable grows (text_iter)
+
+    # ---- building the program ----
+    def __iadd__(self, other) -> "ProgramState":
+        self._submit(as_expr(other))
+        return self
+
+    def system(self, content=None):
+        return self._role("system", content)
+
+    def user(self, content=None):
+        return self._role("user", content)
+
+    def assistant(self, content=None):
+        return self._role("assistant", content)
+
+    def _role(self, role: str, content):
+        """With content: append the whole message. Without: a context manager (`with s.user(): ...`)."""
+        if content is None:
+            return self._role_scope(role)
+        self._submit(ExprList((RoleBegin(role), as_expr(content), RoleEnd(role))))
+
+    @contextmanager
+    def _role_scope(self, role: str):
+        self._submit(RoleBegin(role))
+        yield
+        self._submit(RoleEnd(role))
+
+    def fork(self, size: int = 1) -> "ProgramStateGroup":
+        """`size` copies of this state, each executing on its own worker thread (see the module docstring)."""
+        self._wait()  # a branch forking: what it has queued must be in its ids before they are copied
+        self._prefill_shared_prefix(size)
+        branches = [self._branch() for _ in range(size)]
+        self._branches += branches
+        return ProgramStateGroup(branches, self)
+
+    # ---- reading results ----
+    def __getitem__(self, name: str):
+        return self.get_var(name)
+
+    def __setitem__(self, name: str, value) -> None:
+        self._set_var(name, value, None)
+
+    def __contains__(self, name: str) -> bool:
+        self._wait()
+        return name in self._variables
+
+    def get_var(self, name: str):
+        self._wait()
+        if name not in self._variables:
+            raise self._unknown(name) from self._error
+        return self._variables[name]
+
+    def set_var(self, name: str, value) -> None:
+        self._set_var(name, value, None)
+
+    def get_meta_info(self, name: str) -> dict | list[dict] | None:
+        """Of a gen: prompt_tokens, completion_tokens, cached_tokens, finish_reason (+ output_token_logprobs /
+        output_top_logprobs as (logprob, token_id) when asked); a list of those when n > 1 or after join.
+        Of a select: scores (the method's score per choice), normalized_prompt_logprobs, input_token_logprobs,
+        prompt_tokens and cached_tokens summed over the select's engine requests."""
+        self._wait()
+        if name not in self._variables:
+            raise self._unknown(name) from self._error
+        return self._meta_info.get(name)
+
+    def text(self) -> str:
+        self._wait()
+        return self._text
+
+    def messages(self) -> list[dict]:
+        """The finished role messages, as {"role", "content"} dicts."""
+        self._wait()
+        return [dict(m) for m in self._messages]
+
+    def error(self) -> Exception | None:
+        """Why the program failed (run_batch, run(stream=True) and fork branches keep it here), or None."""
+        self._wait()
+        return self._error
+
+    def sync(self) -> None:
+        self._wait()
+
+    def text_iter(self, var_name: str | None = None) -> Iterator[str]:
+        """Pieces of the text (or of one variable) as a run(stream=True) program produces them; they join to
+        the final text. Without streaming, the whole text (or variable) once."""
+        if not self._is_streaming:
+            yield self.text() if var_name is None else self.get_var(var_name)
+            return
+        num_seen = 0
+        while True:
+            with self._changed:
+                self._changed.wait_for(lambda: len(self._current(var_name)) > num_seen or self._finished.is_set())
+                piece = self._current(var_name)[num_seen:]
+                is_finished = self._finished.is_set()
+            num_seen += len(piece)
+            if piece:
+                yield piece
+            if is_finished:
+                if var_name is not None and var_name not in self._variables:
+                    raise self._unknown(var_name) from self._error
+                return
+
+    def _current(self, var_name: str | None) -> str:
+        return self._text if var_name is None else self._variables.get(var_name, "")
+
+    def _unknown(self, name: str) -> UnknownVariableError:
+        why = ""
+        if self._error is not None:
+            why = f"; the program failed first: {type(self._error).__name__}: {self._error}"
+        return UnknownVariableError(f"variable {name!r} is not set in program {self.program_name!r} "
+                                    f"(set: {sorted(self._variables)}){why}")
+
+    def __repr__(self) -> str:
+        return f"ProgramState({self.program_name}, {self._text!r})"
+
+    # ---- execution ----
+    def _submit(self, expr: Expr) -> None:
+        if self._executor is None:
+            self._execute(expr)
+            return
+        if self._is_closed:
+            raise RuntimeError(f"a fork branch of program {self.program_name!r} was already joined; append to the "
+                               f"parent state instead")
+        self._last_queued = self._executor.submit(self._execute_queued, expr)
+
+    def _execute_queued(self, expr: Expr) -> None:
+        # A branch stops at its first error; join() and reads of the branch report it.
+        if self._error is None:
+            try:
+                self._execute(expr)
+            except Exception as e:
+                self._error = e
+
+    def _wait(self) -> None:
+        """Block until the expressions queued on this state have executed (at once on its own thread)."""
+        if self._finished is not None and threading.current_thread() is not self._owner:
+            self._finished.wait()
+        if self._last_queued is not None:
+            self._last_queued.result()  # one worker runs the queue in order: the last done means all done
+
+    def _execute(self, expr: Expr) -> None:
+        if isinstance(expr, Text):
+            self._append_text(expr.value)
+        elif isinstance(expr, ExprList):
+            for item in expr.items:
+                self._execute(item)
+        elif isinstance(expr, Gen):
+            self._gen(expr)
+        elif isinstance(expr, Select):
+            self._select(expr)
+        elif isinstance(expr, RoleBegin):
+            self._begin_role(expr.role)
+        elif isinstance(expr, RoleEnd):
+            self._end_role(expr.role)
+        else:
+            raise TypeError(f"unknown expression {expr!r}")
+
+    def _model(self) -> RuntimeBackend:
+        """The backend, for a call that runs the model (where a prefix probe stops)."""
+        if self._is_prefix_probe:
+            raise _PrefixEnd
+        return self.backend
+
+    def _append(self, text: str, ids: list[int]) -> None:
+        with self._changed:
+            self._text += text
+            self.ids += ids
+            self._changed.notify_all()
+
+    def _append_text(self, text: str) -> None:
+        if text:
+            self._append(text, self.backend.encode(text, is_first=not self.ids))
+
+    def _set_var(self, name: str | None, value, meta) -> None:
+        if name is None:
+            return
+        with self._changed:
+            self._variables[name] = value
+            self._meta_info[name] = meta
+            self._assigned[name] = None
+            self._changed.notify_all()
+
+    def _prompt_ids(self, what: str) -> list[int]:
+        if not self.ids:
+            self.ids = list(self.backend.bos_ids)
+        if not self.ids:
+            raise ValueError(f"{what} in program {self.program_name!r}: the prompt is empty; append text first")
+        return list(self.ids)
+
+    def _prefill_shared_prefix(self, num_sharers: int) -> GenerateOutput | None:
+        backend = self._model()
+        num_uncached = len(self.ids) - self._num_known_cached
+        if num_sharers < 2 or not backend.is_prefix_cache_enabled or num_uncached < _MIN_TOKENS_TO_PREFILL_ONCE:
+            return None
+        out = backend.cache_prefix(list(self.ids))
+        self._num_known_cached = len(self.ids)
+        return out
+
+    def _gen(self, gen: Gen) -> None:
+        what = f"gen {gen.name!r}"
+        backend = self._model()
+        params = gen.args.over(self.defaults).to_sampling_params()
+        prompt = self._prompt_ids(what)
+        if self._is_streaming and params.n == 1:
+            with _named(what, self.program_name):
+                self._stream_gen(gen.name, prompt, params)
+            return
+        with _named(what, self.program_name):
+            outs = backend.generate(prompt, params)
+        for out in outs:
+            if out.finish_reason in ("error", "abort"):
+                raise RuntimeError(f"{what} in program {self.program_name!r} failed: {out.error or out.finish_reason}")
+        self._append(outs[0].text, backend.output_ids(prompt, outs[0], params))
+        self._num_known_cached = len(prompt)
+        if params.n == 1:
+            self._set_var(gen.name, outs[0].text, _gen_meta(outs[0]))
+        else:
+            self._set_var(gen.name, [o.text for o in outs], [_gen_meta(o) for o in outs])
+
+    def _stream_gen(self, name: str | None, prompt: list[int], params) -> None:
+        text = ""
+        for delta in self.backend.stream(prompt, params):
+            text += delta
+            with self._changed:
+                self._text += delta
+                if name is not None:
+                    self._variables[name] = text
+                self._changed.notify_all()
+        # engine.stream yields text only: the ids are that text tokenized afresh, and there are no cache or
+        # finish figures to report.
+        ids = self.backend.encode(text, is_first=False)
+        self.ids += ids
+        self._set_var(name, text, {"prompt_tokens": len(prompt), "completion_tokens": len(ids)})
+
+    def _select(self, sel: Select) -> None:
+        what = f"select {sel.name!r}"
+        backend = self._model()
+        choice_ids = [backend.encode(choice, is_first=False) for choice in sel.choices]
+        for choice, ids in zip(sel.choices, choice_ids):
+            if not ids:
+                raise ValueError(f"{what} in program {self.program_name!r}: choice {choice!r} has no tokens")
+        prefix = self._prompt_ids(what)
+        prefill = self._prefill_shared_prefix(len(choice_ids))
+        with _named(what, self.program_name):
+            decision = backend.select(prefix, choice_ids, sel.temperature, sel.choices_method)
+        meta = decision.meta_info
+        if prefill is not None:
+            meta["prompt_tokens"] += prefill.prompt_tokens
+            meta["cached_tokens"] += prefill.cached_tokens
+        choice = sel.choices[decision.index]
+        self._append(choice, choice_ids[decision.index])
+        self._num_known_cached = len(prefix) + len(choice_ids[decision.index])
+        self._set_var(sel.name, choice, meta)
+
+    def _begin_role(self, role: str) -> None:
+        if self._open_role is not None:
+            raise ValueError(f"program {self.program_name!r}: the {role} role begins inside the {self._open_role} "
+                             f"role (roles do not nest)")
+        begin, end = self.backend.chat_template.role_segments(self._messages, role)
+        self._append_text(begin)
+        self._open_role, self._role_start, self._role_end_text = role, len(self._text), end
+
+    def _end_role(self, role: str) -> None:
+        if self._open_role != role:
+            raise ValueError(f"program {self.program_name!r}: the {role} role ends but the open role is "
+                             f"{self._open_role}")
+        content = self._text[self._role_start:]
+        self._append_text(self._role_end_text)
+        self._messages.append({"role": role, "content": content})
+        self._open_role = None
+
+    # ---- fork / lifetime ----
+    def _branch(self) -> "ProgramState":
+        branch = ProgramState(self.backend, self.program_name, self.defaults)
+        branch.ids, branch._text = list(self.ids), self._text
+        branch._variables, branch._meta_info = dict(self._variables), dict(self._meta_info)
+        branch._messages = list(self._messages)
+        branch._open_role, branch._role_start = self._open_role, self._role_start
+        branch._role_end_text = self._role_end_text
+        branch._num_known_cached = self._num_known_cached
+        branch._fork_text_start, branch._fork_ids_start = len(self._text), len(self.ids)
+        branch._executor = ThreadPoolExecutor(1, thread_name_prefix=f"deepinfer-lang-{self.program_name}")
+        return branch
+
+    def _close(self) -> None:
+        """Let every branch finish its queue and stop its worker (at join, and when the program returns)."""
+        for branch in self._branches:
+            branch._wait()
+            branch._close()
+        if self._executor is not None and not self._is_closed:
+            self._executor.shutdown()
+            self._is_closed = True
+
+
+def _gen_meta(out: GenerateOutput) -> dict:
+    meta = {"prompt_tokens": out.prompt_tokens, "completion_tokens": out.completion_tokens,
+            "cached_tokens": out.cached_tokens, "finish_reason": out.finish_reason}
+    if out.logprobs is not None:
+        meta["output_token_logprobs"] = list(zip(out.logprobs, out.token_ids))
+    if out.top_logprobs is not None:
+        meta["output_top_logprobs"] = [[(lp, tid) for tid, lp in top] for top in out.top_logprobs]
+    return meta
+
+
+class ProgramStateGroup:
+    """The branches of s.fork(n). `forks += x` appends x to every branch (a list: x[i] to branch i; a callable:
+    x(i) to branch i); forks[i] is branch i. join() waits for the branches and brings their results back."""
+
+    def __init__(self, branches: list[ProgramState], parent: ProgramState):
+        self._branches = branches
+        self._parent = parent
+
+    def __len__(self) -> int:
+        return len(self._branches)
+
+    def __iter__(self) -> Iterator[ProgramState]:
+        return iter(self._branches)
+
+    def __getitem__(self, i: int) -> ProgramState:
+        return self._branches[i]
+
+    def __iadd__(self, other) -> "ProgramStateGroup":
+        if isinstance(other, (list, tuple)) and len(other) != len(self._branches):
+            raise ValueError(f"forks += list: {len(other)} items for {len(self._branches)} branches")
+        for i, branch in enumerate(self._branches):
+            if callable(other):
+                branch += other(i)
+            elif isinstance(other, (list, tuple)):
+                branch += other[i]
+            else:
+                branch += other
+        return self
+
+    def join(self, mode: str = "gather_variable") -> None:
+        """gather_variable: each variable a branch set becomes, in the parent, the list of the branches' values
+        (meta info likewise). concate_and_append: the parent appends each branch's new text, in branch order
+        (its ids as the branch computed them)."""
+        if mode not in ("gather_variable", "concate_and_append"):
+            raise ValueError(f"join mode must be 'gather_variable' or 'concate_and_append', got {mode!r}")
+        for i, branch in enumerate(self._branches):
+            branch._wait()
+            if branch._error is not None:
+                raise RuntimeError(f"fork branch {i} of program {branch.program_name!r} failed: "
+                                   f"{branch._error}") from branch._error
+        parent = self._parent
+        parent._wait()
+        if mode == "gather_variable":
+            names = dict.fromkeys(name for branch in self._branches for name in branch._assigned)
+            for name in names:
+                setters = [branch for branch in self._branches if name in branch._assigned]
+                parent._set_var(name, [b._variables[name] for b in setters], [b._meta_info[name] for b in setters])
+        else:
+            for branch in self._branches:
+                parent._append(branch._text[branch._fork_text_start:], branch.ids[branch._fork_ids_start:])
+        for branch in self._branches:
+            branch._close()
+
+
+# ---- running programs ----
+def _call(state: ProgramState, func, args: tuple, kwargs: dict, capture_errors: bool) -> None:
+    try:
+        state.ret_value = func(state, *args, **kwargs)
+    except Exception as e:
+        if not capture_errors:
+            raise
+        state._error = e
+        logger.warning("program %r failed: %r", state.program_name, e)
+    finally:
+        state._close()
+
+
+def run_program(func, name: str, backend: RuntimeBackend, args: tuple, kwargs: dict, defaults: GenArgs,
+                stream: bool) -> ProgramState:
+    state = ProgramState(backend, name, defaults, is_streaming=stream)
+    if not stream:
+        _call(state, func, args, kwargs, capture_errors=False)
+        return state
+
+    def run_in_background() -> None:
+        try:
+            _call(state, func, args, kwargs, capture_errors=True)
+        finally:
+            with state._changed:
+                state._finished.set()
+                state._changed.notify_all()
+
+    state._finished = threading.Event()
+    state._owner = threading.Thread(target=run_in_background, name=f"deepinfer-lang-{name}", daemon=True)
+    state._owner.start()
+    return state
+
+
+def run_program_batch(func, name: str, backend: RuntimeBackend, batch_kwargs: list[dict], defaults: GenArgs,
+                      num_threads: int | str, progress_bar: bool) -> list[ProgramState]:
+    """Run one program per kwargs dict on a thread pool; states in input order, each failure kept on its state.
+    num_threads="auto": as many programs at once as the engine runs requests, enough to keep its batch full."""
+    if not batch_kwargs:
+        return []
+    if len(batch_kwargs) > 1:
+        _prefill_batch_prefix(func, name, backend, defaults, batch_kwargs[0])
+    limit = backend.max_running_requests if num_threads == "auto" else num_threads
+
+    def run_one(kwargs: dict) -> ProgramState:
+        state = ProgramState(backend, name, defaults)
+        _call(state, func, (), kwargs, capture_errors=True)
+        return state
+
+    num_workers = max(1, min(limit, len(batch_kwargs)))
+    with ThreadPoolExecutor(num_workers, thread_name_prefix=f"deepinfer-lang-{name}") as pool:
+        futures = [pool.submit(run_one, kwargs) for kwargs in batch_kwargs]
+        with tqdm.tqdm(total=len(futures), desc=name, disable=not progress_bar) as bar:
+            for _ in as_completed(futures):
+                bar.update()
+    return [future.result() for future in futures]
+
+
+def _prefill_batch_prefix(func, name: str, backend: RuntimeBackend, defaults: GenArgs, kwargs: dict) -> None:
+    """The programs of a batch start together, before any of them has a prompt in the prefix cache, so each
+    would compute a header they share (few-shot examples) itself. Run the first program as a probe up to its
+    first model call and prefill the prompt it built: the others then find the shared part cached. Like
+    SGLang's prefix tracing, the probe re-executes the program's code before that call, side effects included."""
+    if not backend.is_prefix_cache_enabled:
+        return
+    probe = ProgramState(backend, name, defaults, is_prefix_probe=True)
+    try:
+        func(probe, **kwargs)
+    except Exception:  # _PrefixEnd, or a failure that the program's real run reports
+        pass
+    if probe.ids:
+        backend.cache_prefix(probe.ids)
