@@ -293,6 +293,8 @@ class Engine:
                 req.finish("abort", "engine shut down")
             self.scheduler.running.clear()
             self.scheduler.waiting.clear()
+            if self._grammar is not None:
+                self._grammar.close()
             self._closed = True
 
     def __enter__(self) -> "Engine":

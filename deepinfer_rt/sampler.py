@@ -89,7 +89,8 @@ class Sampler:
         logits = logits.clone()
         apply_penalties(logits, reqs)
         for i, r in enumerate(reqs):
-            if r.num_output_tokens < r.params.min_new_tokens:
+            # A grammar decides where a constrained output may end; banning EOS there could leave no token.
+            if r.num_output_tokens < r.params.min_new_tokens and r.grammar is None:
                 banned = list(r.params.stop_token_ids or []) + ([] if r.params.ignore_eos else list(eos_ids))
                 if banned:
                     logits[i, banned] = float("-inf")

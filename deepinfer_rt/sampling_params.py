@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 class SamplingParams:
     max_new_tokens: int = 128
     min_new_tokens: int = 0
+    """EOS and stop_token_ids are banned until this many tokens exist (not for constrained requests, whose
+    grammar decides where they may end)."""
     temperature: float = 1.0
     """0 means greedy."""
     top_p: float = 1.0
