@@ -2,9 +2,10 @@
 
     python examples/extract_json.py [--data examples/data/people.jsonl]
 
-Each line of the data file is {"text": ..., "expected": {...}}. The model reads the text in a chat prompt and
-answers under a JSON schema (greedy), so every answer parses and validates; whether the fields are right is
-up to the model (a 135M one gets most, not all), and the summary counts both.
+A generation program (deepinfer_lang) run over the dataset with run_batch: each line of the data file is
+{"text": ..., "expected": {...}}; the program puts the instruction and the text in chat roles and generates the
+assistant's answer under a JSON schema (greedy), so every answer parses and validates. Whether the fields are
+right is up to the model (a 135M one gets most, not all); the summary counts both.
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import jsonschema
 
-from deepinfer_rt import Engine, SamplingParams
+import deepinfer_lang as sgl
 
 SCHEMA = {
     "type": "object",
@@ -34,10 +35,11 @@ def same(a, b) -> bool:
     return a.casefold() == b.casefold() if isinstance(a, str) and isinstance(b, str) else a == b
 
 
-def prompt(engine: Engine, text: str) -> str:
-    return engine.tokenizer.apply_chat_template(
-        [{"role": "system", "content": INSTRUCTION}, {"role": "user", "content": text}],
-        tokenize=False, add_generation_prompt=True)
+@sgl.function
+def extract(s, text):
+    s += sgl.system(INSTRUCTION)
+    s += sgl.user(text)
+    s += sgl.assistant(sgl.gen("record", max_tokens=96, temperature=0, json_schema=SCHEMA))
 
 
 def main() -> None:
@@ -46,16 +48,16 @@ def main() -> None:
     args = ap.parse_args()
     rows = [json.loads(line) for line in Path(args.data).read_text().splitlines() if line.strip()]
 
-    with Engine("smollm2-135m-instruct") as engine:
-        outs = engine.generate([prompt(engine, r["text"]) for r in rows],
-                               sampling_params=SamplingParams(temperature=0, max_new_tokens=96, json_schema=SCHEMA))
+    with sgl.Runtime(model="smollm2-135m-instruct") as runtime:
+        states = extract.run_batch([{"text": r["text"]} for r in rows], backend=runtime, progress_bar=False)
     valid = right = 0
-    for row, out in zip(rows, outs):
+    for row, state in zip(rows, states):
+        text = state["record"]
         try:
-            record = json.loads(out.text)
+            record = json.loads(text)
             jsonschema.validate(record, SCHEMA)
         except (ValueError, jsonschema.ValidationError) as e:
-            print(f"INVALID ({out.finish_reason}): {out.text!r}: {e}")
+            print(f"INVALID ({state.get_meta_info('record')['finish_reason']}): {text!r}: {e}")
             continue
         valid += 1
         right += sum(same(record[k], v) for k, v in row["expected"].items())
