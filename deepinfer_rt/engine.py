@@ -239,6 +239,8 @@ class Engine:
         groups = self._submit(prompts, input_ids, sampling_params)
         reqs = [r for g in groups for r in g]
         self._run_until_done(reqs)
+        if logger.isEnabledFor(logging.INFO):
+            logger.info("generate: %d requests done; engine stats %s", len(reqs), self.stats)
         return [GenerateOutput.from_req(r) for r in reqs]
 
     def stream(self, prompt: str | None = None, sampling_params: SamplingParams | None = None,
