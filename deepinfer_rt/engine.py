@@ -19,7 +19,7 @@ from deepinfer_rt.layers.attention.torch_ref import BACKENDS
 from deepinfer_rt.model_runner import ModelRunner
 from deepinfer_rt.models.loader import build_model, load_model_config, resolve_model_path
 from deepinfer_rt.output_processor import OutputProcessor
-from deepinfer_rt.request import GenerateOutput, Req, ReqStatus
+from deepinfer_rt.request import GenerateOutput, Req
 from deepinfer_rt.sampler import Sampler, stream_seed
 from deepinfer_rt.sampling_params import SamplingParams
 from deepinfer_rt.scheduler.scheduler import Scheduler

@@ -17,8 +17,8 @@ from deepinfer_rt.forward_batch import ForwardBatch
 from deepinfer_rt.layers.mla import MLAttention
 from deepinfer_rt.layers.mlp import GatedMLP
 from deepinfer_rt.layers.moe import MoE, fuse_expert_weights
-from deepinfer_rt.layers.norm import RMSNorm
 from deepinfer_rt.models.base import CausalLM
+from deepinfer_rt.models.blocks import DecoderLayer, DecoderModel
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")
 
@@ -28,40 +28,14 @@ def is_moe_layer(config: ModelConfig, layer_id: int) -> bool:
             and layer_id % config.moe_layer_freq == 0)
 
 
-class DeepseekV3DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_id: int):
-        super().__init__()
-        self.self_attn = MLAttention(config, layer_id)
-        self.mlp = (MoE(config) if is_moe_layer(config, layer_id)
-                    else GatedMLP(config.hidden_size, config.intermediate_size))
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), batch)
-        return x + self.mlp(self.post_attention_layernorm(x))
-
-
-class DeepseekV3Model(nn.Module):
-    def __init__(self, config: ModelConfig):
-        super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DeepseekV3DecoderLayer(config, i) for i in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        x = self.embed_tokens(batch.input_ids)
-        for layer in self.layers:
-            x = layer(x, batch)
-        return self.norm(x)
-
-
 class DeepseekV3ForCausalLM(CausalLM):
     packed_modules = [("gate_up_proj", "gate_proj", "gate"), ("gate_up_proj", "up_proj", "up")]
 
     def __init__(self, config: ModelConfig):
         super().__init__(config)
-        self.model = DeepseekV3Model(config)
+        self.model = DecoderModel(config, lambda i: DecoderLayer(
+            config, MLAttention(config, i),
+            MoE(config) if is_moe_layer(config, i) else GatedMLP(config.hidden_size, config.intermediate_size)))
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_weights()
 

@@ -9,9 +9,9 @@ from deepinfer_rt.config import ModelConfig
 from deepinfer_rt.forward_batch import ForwardBatch
 from deepinfer_rt.layers.linear import Linear, MergedLinear
 from deepinfer_rt.layers.mlp import GatedMLP
-from deepinfer_rt.layers.norm import RMSNorm
 from deepinfer_rt.layers.rotary import RotaryEmbedding
 from deepinfer_rt.models.base import CausalLM
+from deepinfer_rt.models.blocks import DecoderLayer, DecoderModel
 
 
 class LlamaAttention(nn.Module):
@@ -36,40 +36,14 @@ class LlamaAttention(nn.Module):
         return self.o_proj(o.reshape(t, -1))
 
 
-class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_id: int):
-        super().__init__()
-        self.self_attn = LlamaAttention(config, layer_id)
-        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), batch)
-        return x + self.mlp(self.post_attention_layernorm(x))
-
-
-class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig):
-        super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i) for i in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        x = self.embed_tokens(batch.input_ids)
-        for layer in self.layers:
-            x = layer(x, batch)
-        return self.norm(x)
-
-
 class LlamaForCausalLM(CausalLM):
     packed_modules = [("qkv_proj", "q_proj", "q"), ("qkv_proj", "k_proj", "k"), ("qkv_proj", "v_proj", "v"),
                       ("gate_up_proj", "gate_proj", "gate"), ("gate_up_proj", "up_proj", "up")]
 
     def __init__(self, config: ModelConfig):
         super().__init__(config)
-        self.model = LlamaModel(config)
+        self.model = DecoderModel(config, lambda i: DecoderLayer(
+            config, LlamaAttention(config, i), GatedMLP(config.hidden_size, config.intermediate_size)))
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_weights()
 
