@@ -8,7 +8,8 @@ from typing import Callable
 
 from deepinfer_lang.backend import RuntimeBackend, get_default_backend
 from deepinfer_lang.choices import ChoicesSamplingMethod, token_length_normalized
-from deepinfer_lang.interpreter import ProgramState, run_program, run_program_batch
+from deepinfer_lang.interpreter import ProgramState
+from deepinfer_lang.runner import run_program, run_program_batch
 from deepinfer_lang.ir import Expr, ExprList, Gen, GenArgs, RoleBegin, RoleEnd, Select, as_expr
 
 # gen(dtype=...) constrains the text with these (SGLang's regexes). Numbers may end with spaces or a newline,

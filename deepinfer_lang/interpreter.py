@@ -11,17 +11,15 @@ Where expressions execute:
   fork branches (s.fork(n))  each branch has its own worker thread: `+=` on a branch queues the expression and
                              returns, so the branches' gens reach the engine together and share its steps.
                              Reading a branch (a variable, its text, join) waits for its queue.
-run_batch runs programs on a thread pool, and the engine batches the concurrent calls of all of them.
+run_batch (runner.py) runs programs on a thread pool, and the engine batches the concurrent calls of all of them.
 """
 from __future__ import annotations
 
 import logging
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor, as_completed
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any, Iterator
-
-import tqdm
 
 from deepinfer_lang.backend import RuntimeBackend
 from deepinfer_lang.ir import Expr, ExprList, Gen, GenArgs, RoleBegin, RoleEnd, Select, Text, as_expr
@@ -43,7 +41,7 @@ class UnknownVariableError(KeyError):
 
 
 class _PrefixEnd(Exception):
-    """Ends a prefix probe at its first model call (see _prefill_batch_prefix)."""
+    """Ends a prefix probe at its first model call (see runner._prefill_batch_prefix)."""
 
 
 @contextmanager
@@ -439,77 +437,3 @@ class ProgramStateGroup:
                 parent._append(branch._text[branch._fork_text_start:], branch.ids[branch._fork_ids_start:])
         for branch in self._branches:
             branch._close()
-
-
-# ---- running programs ----
-def _call(state: ProgramState, func, args: tuple, kwargs: dict, capture_errors: bool) -> None:
-    try:
-        state.ret_value = func(state, *args, **kwargs)
-    except Exception as e:
-        if not capture_errors:
-            raise
-        state._error = e
-        logger.warning("program %r failed: %r", state.program_name, e)
-    finally:
-        state._close()
-
-
-def run_program(func, name: str, backend: RuntimeBackend, args: tuple, kwargs: dict, defaults: GenArgs,
-                stream: bool) -> ProgramState:
-    state = ProgramState(backend, name, defaults, is_streaming=stream)
-    if not stream:
-        _call(state, func, args, kwargs, capture_errors=False)
-        return state
-
-    def run_in_background() -> None:
-        try:
-            _call(state, func, args, kwargs, capture_errors=True)
-        finally:
-            with state._changed:
-                state._finished.set()
-                state._changed.notify_all()
-
-    state._finished = threading.Event()
-    state._owner = threading.Thread(target=run_in_background, name=f"deepinfer-lang-{name}", daemon=True)
-    state._owner.start()
-    return state
-
-
-def run_program_batch(func, name: str, backend: RuntimeBackend, batch_kwargs: list[dict], defaults: GenArgs,
-                      num_threads: int | str, progress_bar: bool) -> list[ProgramState]:
-    """Run one program per kwargs dict on a thread pool; states in input order, each failure kept on its state.
-    num_threads="auto": as many programs at once as the engine runs requests, enough to keep its batch full."""
-    if not batch_kwargs:
-        return []
-    if len(batch_kwargs) > 1:
-        _prefill_batch_prefix(func, name, backend, defaults, batch_kwargs[0])
-    limit = backend.max_running_requests if num_threads == "auto" else num_threads
-
-    def run_one(kwargs: dict) -> ProgramState:
-        state = ProgramState(backend, name, defaults)
-        _call(state, func, (), kwargs, capture_errors=True)
-        return state
-
-    num_workers = max(1, min(limit, len(batch_kwargs)))
-    with ThreadPoolExecutor(num_workers, thread_name_prefix=f"deepinfer-lang-{name}") as pool:
-        futures = [pool.submit(run_one, kwargs) for kwargs in batch_kwargs]
-        with tqdm.tqdm(total=len(futures), desc=name, disable=not progress_bar) as bar:
-            for _ in as_completed(futures):
-                bar.update()
-    return [future.result() for future in futures]
-
-
-def _prefill_batch_prefix(func, name: str, backend: RuntimeBackend, defaults: GenArgs, kwargs: dict) -> None:
-    """The programs of a batch start together, before any of them has a prompt in the prefix cache, so each
-    would compute a header they share (few-shot examples) itself. Run the first program as a probe up to its
-    first model call and prefill the prompt it built: the others then find the shared part cached. Like
-    SGLang's prefix tracing, the probe re-executes the program's code before that call, side effects included."""
-    if not backend.is_prefix_cache_enabled:
-        return
-    probe = ProgramState(backend, name, defaults, is_prefix_probe=True)
-    try:
-        func(probe, **kwargs)
-    except Exception:  # _PrefixEnd, or a failure that the program's real run reports
-        pass
-    if probe.ids:
-        backend.cache_prefix(probe.ids)
