@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import os
 import random
 import threading
 from typing import AsyncIterator, Iterator, Sequence
@@ -93,8 +94,6 @@ class Engine:
             free, _ = torch.cuda.mem_get_info(cfg.device)
             budget = free * env.kv_cache_memory_fraction
         else:
-            import os
-
             avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
             budget = min(env.kv_cache_max_cpu_gib * 2**30, 0.25 * avail)
         # Never more than every running request at full context could use.

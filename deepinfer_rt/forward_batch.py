@@ -8,7 +8,7 @@ pool at kv_slots[i] (the new tokens' KV is written there by the attention layer 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -30,8 +30,6 @@ class ForwardBatch:
     backend: "AttentionBackend"
     attn_meta: Any = None
     """Backend-specific metadata, built once per batch by `backend.prepare(batch)` and shared by all layers."""
-    extra: dict = field(default_factory=dict)
-    """Per-model per-batch state (e.g. the V4 compressor state); models own their keys."""
 
     @property
     def num_seqs(self) -> int:
