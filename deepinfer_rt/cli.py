@@ -1,4 +1,4 @@
-"""Command line: `deepinfer generate "prompt" [--model ...]`."""
+"""Command line: `deepinfer generate "prompt" [--model ...]`, `deepinfer serve [--model ...] [--port ...]`."""
 from __future__ import annotations
 
 import argparse
@@ -21,7 +21,20 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
     gen.add_argument("--stream", action="store_true", help="print text as it is generated (first prompt)")
     gen.add_argument("--json", action="store_true", help="print one JSON object per output")
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    serve.add_argument("--model", default="smollm2-135m-instruct")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=30000)
+    serve.add_argument("--served-model-name", default=None, help="model id of the API (default: --model)")
+    serve.add_argument("--device", default="cpu")
+    serve.add_argument("--dtype", default="auto")
+    serve.add_argument("--kv-cache-tokens", type=int, default=None)
+    serve.add_argument("--max-num-seqs", type=int, default=256)
+    serve.add_argument("--max-queued-requests", type=int, default=256,
+                       help="sequences admitted beyond --max-num-seqs; more get 503 with Retry-After")
     args = ap.parse_args(argv)
+    if args.command == "serve":
+        return _serve(args)
 
     from deepinfer_rt import Engine, SamplingParams
 
@@ -44,6 +57,16 @@ def main(argv: list[str] | None = None) -> int:
                                   "prompt_tokens": out.prompt_tokens, "completion_tokens": out.completion_tokens}))
             else:
                 print(out.text)
+    return 0
+
+
+def _serve(args) -> int:
+    from deepinfer_rt.server.http_server import ServerArgs, launch_server
+
+    engine_kwargs = {"device": args.device, "dtype": args.dtype, "kv_cache_tokens": args.kv_cache_tokens,
+                     "max_num_seqs": args.max_num_seqs}
+    launch_server(ServerArgs(args.model, args.host, args.port, args.served_model_name, args.max_queued_requests,
+                             engine_kwargs))
     return 0
 
 

@@ -284,6 +284,22 @@ class Engine:
             if req.is_finished:
                 return
 
+    def add_request(self, input_ids: list[int], sampling_params: SamplingParams) -> list[Req]:
+        """Queue one request (its params.n sequences) for a caller that drives step() itself (the server's
+        scheduler process); ValueError as for generate."""
+        (group,) = self._submit(input_ids=[input_ids], sampling_params=sampling_params)
+        return group
+
+    def abort(self, reqs: Sequence[Req]) -> None:
+        """Finish unfinished requests with finish_reason 'abort' and give back their KV pages now."""
+        with self._lock:
+            for req in reqs:
+                if req.is_finished:
+                    continue
+                self.scheduler.abort_waiting(req)
+                self.scheduler.finish(req)
+                req.finish("abort", "aborted")
+
     def flush_cache(self) -> None:
         with self._lock:
             self.cache.flush()

@@ -1,0 +1,9 @@
+"""OpenAI-compatible HTTP server over a multi-process runtime.
+
+    HTTP process (uvicorn/FastAPI)                     scheduler process
+    http_server  -> openai_api / native routes         scheduler_process: Engine.step() loop
+    tokenizer_manager: tokenize, render chat,  --zmq-> add_request / abort / stats
+        admit (queue limit), route outputs    <-zmq--  detokenizer: per-step text deltas, ids, logprobs
+
+Messages between the processes are the plain dataclasses of io_struct (pickled over pyzmq on loopback IPC).
+"""

@@ -1,0 +1,195 @@
+"""OpenAI completions and chat completions over the TokenizerManager: request -> (prompt ids, SamplingParams),
+and sequence deltas -> response bodies or SSE chunks in OpenAI's shapes."""
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from deepinfer_rt.server.chat import ChatRenderer, message_text
+from deepinfer_rt.server.io_struct import SeqDelta
+from deepinfer_rt.server.protocol import ChatCompletionRequest, CompletionRequest
+
+
+def completion_inputs(req: CompletionRequest, encode) -> list[list[int]]:
+    """The prompts of a completions request as token ids (text, texts, ids or lists of ids)."""
+    prompt = req.prompt
+    if isinstance(prompt, str):
+        return [encode(prompt)]
+    if not prompt:
+        raise ValueError("prompt: must not be empty")
+    if isinstance(prompt[0], str):
+        return [encode(p) for p in prompt]
+    if isinstance(prompt[0], int):
+        return [list(prompt)]
+    return [list(p) for p in prompt]
+
+
+def completion_params(req: CompletionRequest):
+    k = req.logprobs
+    return req.sampling_params(req.max_tokens or 16, logprobs=k is not None, top_logprobs=k or 0)
+
+
+def chat_inputs(req: ChatCompletionRequest, renderer: ChatRenderer) -> list[list[int]]:
+    messages = []
+    for m in req.messages:
+        message = m.model_dump(exclude_none=True)
+        message["content"] = message_text(m.content)
+        messages.append(message)
+    return [renderer.render(messages, req.model_dump(exclude_none=True))]
+
+
+def chat_params(req: ChatCompletionRequest, prompt_len: int, max_position: int):
+    max_tokens = req.max_completion_tokens or req.max_tokens or max(1, max_position - prompt_len)
+    top = req.top_logprobs or 0
+    if top and not req.logprobs:
+        raise ValueError("top_logprobs: requires logprobs=true")
+    return req.sampling_params(max_tokens, logprobs=req.logprobs, top_logprobs=top)
+
+
+@dataclass
+class Choice:
+    """One sequence's output, accumulated from its deltas."""
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    finish_reason: str | None = None
+
+
+class Usage:
+    """Token counts over a request's sequences (a prompt counted once, however many samples it has)."""
+
+    def __init__(self):
+        self.prompt = {}
+        self.cached = {}
+        self.completion = {}
+
+    def add(self, d: SeqDelta) -> None:
+        self.prompt[d.rid] = d.prompt_tokens
+        self.cached[d.rid] = d.cached_tokens
+        self.completion[(d.rid, d.index)] = d.completion_tokens
+
+    def body(self) -> dict:
+        prompt, completion = sum(self.prompt.values()), sum(self.completion.values())
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": sum(self.cached.values())}}
+
+
+def check_finish(d: SeqDelta) -> None:
+    """A sequence that failed after admission (e.g. its grammar did not compile) fails the response."""
+    if d.finish_reason == "error":
+        raise RuntimeError(d.error or "generation failed")
+
+
+class Formatter:
+    """Builds response bodies and stream chunks for one request ('text_completion' or 'chat.completion')."""
+
+    def __init__(self, kind: str, model: str, tokenizer, top_logprobs: int):
+        self.kind = kind
+        self.model = model
+        self.tokenizer = tokenizer
+        self.top_logprobs = top_logprobs
+        self.id = ("cmpl-" if kind == "text_completion" else "chatcmpl-") + uuid.uuid4().hex
+        self.created = int(time.time())
+        self.is_chat = kind == "chat.completion"
+        self._roles_sent: set[int] = set()
+
+    def _token(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+    def logprobs(self, ids: list[int], lps: list[float], tops: list, text_start: int = 0) -> dict | None:
+        if not lps:
+            return None
+        if self.is_chat:
+            def entry(tid, lp):
+                s = self._token(tid)
+                return {"token": s, "logprob": lp, "bytes": list(s.encode())}
+            content = []
+            for j, (tid, lp) in enumerate(zip(ids, lps)):
+                item = entry(tid, lp)
+                item["top_logprobs"] = [entry(t, v) for t, v in tops[j]] if tops else []
+                content.append(item)
+            return {"content": content}
+        tokens = [self._token(t) for t in ids]
+        offsets, pos = [], text_start
+        for s in tokens:
+            offsets.append(pos)
+            pos += len(s)
+        top = [{self._token(t): v for t, v in tops[j]} for j in range(len(ids))] if tops else None
+        return {"tokens": tokens, "token_logprobs": list(lps), "top_logprobs": top, "text_offset": offsets}
+
+    def response(self, choices: dict[int, Choice], usage: Usage) -> dict:
+        out = []
+        for index in sorted(choices):
+            c = choices[index]
+            lp = self.logprobs(c.token_ids, c.logprobs, c.top_logprobs)
+            if self.is_chat:
+                out.append({"index": index, "message": {"role": "assistant", "content": c.text},
+                            "logprobs": lp, "finish_reason": c.finish_reason})
+            else:
+                out.append({"index": index, "text": c.text, "logprobs": lp, "finish_reason": c.finish_reason})
+        return {"id": self.id, "object": self.kind, "created": self.created, "model": self.model,
+                "choices": out, "usage": usage.body()}
+
+    def chunk(self, d: SeqDelta, text_start: int) -> dict:
+        lp = self.logprobs(d.token_ids, d.logprobs, d.top_logprobs, text_start)
+        if self.is_chat:
+            delta = {"content": d.text}
+            if d.index not in self._roles_sent:
+                self._roles_sent.add(d.index)
+                delta["role"] = "assistant"
+            choice = {"index": d.index, "delta": delta, "logprobs": lp, "finish_reason": d.finish_reason}
+        else:
+            choice = {"index": d.index, "text": d.text, "logprobs": lp, "finish_reason": d.finish_reason}
+        return {"id": self.id, "object": self.kind + ".chunk" if self.is_chat else self.kind,
+                "created": self.created, "model": self.model, "choices": [choice]}
+
+    def usage_chunk(self, usage: Usage) -> dict:
+        return {"id": self.id, "object": self.kind + ".chunk" if self.is_chat else self.kind,
+                "created": self.created, "model": self.model, "choices": [], "usage": usage.body()}
+
+
+async def collect(stream, formatter: Formatter) -> dict:
+    """The whole response of a non-streaming request."""
+    choices: dict[int, Choice] = {}
+    usage = Usage()
+    async for d in stream:
+        check_finish(d)
+        c = choices.setdefault(d.index, Choice())
+        c.text += d.text
+        c.token_ids += d.token_ids
+        c.logprobs += d.logprobs
+        c.top_logprobs += d.top_logprobs
+        c.finish_reason = d.finish_reason or c.finish_reason
+        usage.add(d)
+    return formatter.response(choices, usage)
+
+
+def sse(payload: dict | str) -> str:
+    return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
+
+
+async def stream_events(first: SeqDelta, rest, formatter: Formatter, include_usage: bool):
+    """SSE events of a streaming request, starting with its already-received first delta."""
+    usage = Usage()
+    offsets: dict[int, int] = {}
+
+    def event(d: SeqDelta) -> str:
+        check_finish(d)
+        usage.add(d)
+        start = offsets.get(d.index, 0)
+        offsets[d.index] = start + len(d.text)
+        return sse(formatter.chunk(d, start))
+
+    try:
+        yield event(first)
+        async for d in rest:
+            yield event(d)
+    except (ValueError, RuntimeError) as e:
+        yield sse({"error": {"message": str(e), "type": "invalid_request_error" if isinstance(e, ValueError)
+                             else "server_error", "param": None, "code": None}})
+    if include_usage:
+        yield sse(formatter.usage_chunk(usage))
+    yield sse("[DONE]")
