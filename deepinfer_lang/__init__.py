@@ -11,7 +11,8 @@
     print(qa.run(question="What is the capital of France?", temperature=0)["answer"])
 
 Modules: api (the public functions), ir (expression nodes), interpreter (ProgramState and execution),
-backend (RuntimeBackend over an Engine), chat_template (role text), choices (select's scoring methods).
+backend (RuntimeBackend over an Engine), endpoint (RuntimeEndpoint over a running server), chat_template
+(role text), choices (select's scoring methods).
 """
 from deepinfer_lang.api import (
     Program,
@@ -38,10 +39,12 @@ from deepinfer_lang.choices import (
     token_length_normalized,
     unconditional_likelihood_normalized,
 )
+from deepinfer_lang.endpoint import RuntimeEndpoint
 from deepinfer_lang.interpreter import ProgramState, ProgramStateGroup
 
 __all__ = [
     "ChoicesSamplingMethod", "Program", "ProgramState", "ProgramStateGroup", "Runtime", "RuntimeBackend",
+    "RuntimeEndpoint",
     "assistant", "assistant_begin", "assistant_end", "flush_cache", "function", "gen", "gen_int", "gen_string",
     "greedy_token_selection", "select", "set_default_backend", "system", "system_begin", "system_end",
     "token_length_normalized", "unconditional_likelihood_normalized", "user", "user_begin", "user_end",

@@ -32,8 +32,8 @@ _DISCONNECT_POLL_S = 0.5
 _RETRY_AFTER_S = 1
 # Engine messages name SamplingParams fields; a client of the OpenAI API knows them by these names.
 _PARAM_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "json_schema": "response_format",
-                "input_ids": "prompt"}
-_FIELD_RE = re.compile(r"^(?:SamplingParams\.)?([A-Za-z_][\w./\[\]]*):")
+                "input_ids": "prompt", "prompts": "prompt"}
+_FIELD_RE = re.compile(r"^(?:SamplingParams\.)?([A-Za-z_][\w.]*)(?:\[\d+\])?[/:]")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -244,12 +244,14 @@ async def _start_manager(args: ServerArgs, to_sched: str, from_sched: str, proc)
             tm.shutdown()
             raise RuntimeError(f"scheduler process exited with code {proc.exitcode} while loading the model")
     ready.result()
+    tm.scheduler_pid = proc.pid
     return tm
 
 
 async def _server_info(tm: TokenizerManager, args: ServerArgs) -> dict:
     stats = await tm.control("stats")
-    return {"model": args.model_name, **dataclasses.asdict(tm.info), "num_inflight_seqs": tm.num_inflight_seqs,
+    return {"model": args.model_name, **dataclasses.asdict(tm.info), "scheduler_pid": tm.scheduler_pid,
+            "num_inflight_seqs": tm.num_inflight_seqs,
             "max_inflight_seqs": tm.max_inflight_seqs, "num_rejected_overload": tm.num_rejected_overload, **stats}
 
 

@@ -75,6 +75,7 @@ class TokenizerManager:
         self.num_rejected_overload = 0
         self.streams: dict[str, RequestStream] = {}
         self.info: ReadyMessage | None = None
+        self.scheduler_pid: int | None = None
         self._controls: dict[str, asyncio.Future] = {}
         self._ids = itertools.count()
         self._ctx = zmq.asyncio.Context()
