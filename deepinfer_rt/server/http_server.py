@@ -98,8 +98,10 @@ def create_app(args: ServerArgs) -> FastAPI:
             tm = state["tm"] = await _start_manager(args, to_sched, from_sched, proc)
             state["proc"] = proc
             state["chat"] = make_chat_renderer(tm.tokenizer, tm.info.model_path)
+            watchdog = asyncio.create_task(_watch_scheduler(tm, proc))
             logger.info("serving %s on http://%s:%d", args.model_name, args.host, args.port)
             yield
+            watchdog.cancel()
         finally:
             if tm is not None:
                 tm.shutdown()
@@ -166,7 +168,7 @@ def create_app(args: ServerArgs) -> FastAPI:
             params = openai_api.completion_params(body)
         except ValueError as e:
             return bad_request(e)
-        formatter = openai_api.Formatter("text_completion", body.model, tm.tokenizer, body.logprobs or 0)
+        formatter = openai_api.Formatter("text_completion", body.model, tm.tokenizer)
         return await run_openai(request, body, prompts, params, formatter)
 
     @app.post("/v1/chat/completions")
@@ -179,7 +181,7 @@ def create_app(args: ServerArgs) -> FastAPI:
             params = openai_api.chat_params(body, len(prompts[0]), tm.info.max_position)
         except ValueError as e:
             return bad_request(e)
-        formatter = openai_api.Formatter("chat.completion", body.model, tm.tokenizer, body.top_logprobs or 0)
+        formatter = openai_api.Formatter("chat.completion", body.model, tm.tokenizer)
         return await run_openai(request, body, prompts, params, formatter)
 
     @app.post("/generate")
@@ -246,6 +248,15 @@ async def _start_manager(args: ServerArgs, to_sched: str, from_sched: str, proc)
     ready.result()
     tm.scheduler_pid = proc.pid
     return tm
+
+
+async def _watch_scheduler(tm: TokenizerManager, proc) -> None:
+    while proc.is_alive():
+        await asyncio.sleep(1.0)
+    logger.error("scheduler process exited with code %s", proc.exitcode)
+    while True:  # requests sent after this fail too
+        tm.fail_all(f"scheduler process exited with code {proc.exitcode}")
+        await asyncio.sleep(1.0)
 
 
 async def _server_info(tm: TokenizerManager, args: ServerArgs) -> dict:

@@ -86,11 +86,10 @@ def check_finish(d: SeqDelta) -> None:
 class Formatter:
     """Builds response bodies and stream chunks for one request ('text_completion' or 'chat.completion')."""
 
-    def __init__(self, kind: str, model: str, tokenizer, top_logprobs: int):
+    def __init__(self, kind: str, model: str, tokenizer):
         self.kind = kind
         self.model = model
         self.tokenizer = tokenizer
-        self.top_logprobs = top_logprobs
         self.id = ("cmpl-" if kind == "text_completion" else "chatcmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
         self.is_chat = kind == "chat.completion"

@@ -86,7 +86,7 @@ class SchedulerLoop:
             for tracked in self.tracked.values():
                 self.engine.abort(tracked.seqs)
                 for req in tracked.seqs:
-                    req.finish_reason, req.error = "error", "internal error in the engine step"
+                    req.finish("error", "internal error in the engine step")
         num_new = self._num_output_tokens() - before
         self.num_generated_tokens += num_new
         now = time.monotonic()
@@ -132,8 +132,9 @@ def run_scheduler_process(engine_kwargs: dict, recv_addr: str, send_addr: str, p
         send.send_pyobj(RuntimeError(f"engine failed to start: {e}"))
         raise
     mc = engine.model_config
-    send.send_pyobj(ReadyMessage(str(resolve_model_path(engine.config.model)), mc.max_position, mc.vocab_size, tuple(engine.eos_ids),
-                                 engine.config.scheduler.max_num_seqs, engine.config.cache.enable_prefix_cache))
+    send.send_pyobj(ReadyMessage(str(resolve_model_path(engine.config.model)), mc.max_position, mc.vocab_size,
+                                 tuple(engine.eos_ids), engine.config.scheduler.max_num_seqs,
+                                 engine.config.cache.enable_prefix_cache))
     try:
         SchedulerLoop(engine, recv, send, parent_pid).run()
     finally:

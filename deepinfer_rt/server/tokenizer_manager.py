@@ -29,21 +29,27 @@ class RequestStream:
 
     def __init__(self, manager: "TokenizerManager", rids: list[str], n: int):
         self.manager = manager
-        self.rids = rids
-        self.n = n
-        self.queue: asyncio.Queue[SeqDelta] = asyncio.Queue()
+        self.queue: asyncio.Queue[SeqDelta | Exception] = asyncio.Queue()
         self.num_open = len(rids) * n
+        self._index_offsets = {rid: i * n for i, rid in enumerate(rids)}
         self.open_rids = set(rids)
         self._num_open_per_rid = {rid: n for rid in rids}
 
     def put(self, delta: SeqDelta) -> None:
-        delta.index += self.rids.index(delta.rid) * self.n
+        delta.index += self._index_offsets[delta.rid]
         self.queue.put_nowait(delta)
 
+    def fail(self, message: str) -> None:
+        self.queue.put_nowait(RuntimeError(message))
+
     async def __aiter__(self) -> AsyncIterator[SeqDelta]:
-        """Deltas until every sequence finished; a rejected prompt raises ValueError (its message)."""
+        """Deltas until every sequence finished; a rejected prompt raises ValueError (its message), a failed
+        scheduler process RuntimeError."""
         while self.num_open:
             delta = await self.queue.get()
+            if isinstance(delta, Exception):
+                self.close()
+                raise delta
             if delta.is_rejected:
                 self.close()
                 raise ValueError(delta.error)
@@ -105,6 +111,11 @@ class TokenizerManager:
                 stream = self.streams.get(delta.rid)
                 if stream is not None:  # None: the request was aborted and its stream closed
                     stream.put(delta)
+
+    def fail_all(self, message: str) -> None:
+        """The scheduler process is gone: every waiting request fails instead of waiting forever."""
+        for stream in set(self.streams.values()):
+            stream.fail(message)
 
     def send(self, msg) -> None:
         self._to_scheduler.send_pyobj(msg)

@@ -45,6 +45,15 @@ def test_abort_mid_stream_frees_kv(server_url):
     assert server_info(server_url)["num_generated_tokens"] - before < 400  # the request stopped early
 
 
+def test_client_gone_before_a_non_streaming_response_aborts(server_url):
+    before = server_info(server_url)["num_generated_tokens"]
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server_url}/v1/chat/completions", json=_chat_body(max_tokens=400, ignore_eos=True),
+                   timeout=httpx.Timeout(60, read=1.5))
+    _assert_kv_idle(server_url)
+    assert server_info(server_url)["num_generated_tokens"] - before < 400
+
+
 def test_queue_limit_answers_503_with_retry_after(server_url):
     limit = MAX_NUM_SEQS + MAX_QUEUED
     too_many = httpx.post(f"{server_url}/v1/chat/completions", json=_chat_body(max_tokens=4, n=limit + 1),
