@@ -12,6 +12,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL_NAME = "smollm2"
@@ -83,3 +84,12 @@ def client(server_url):
     with OpenAI(base_url=f"{server_url}/v1", api_key="none", max_retries=0, timeout=120) as c:
         yield c
 
+
+@pytest.fixture(autouse=True)
+def _one_torch_thread():
+    """The reference engine of these tests shares the machine's cores with the server's engine: one intra-op
+    thread each instead of oversubscribing them."""
+    num_threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(num_threads)
