@@ -6,7 +6,8 @@ the same prompts (the ceiling the server path can reach), in one run.
 Every request streams (SSE, /v1/completions) exactly --max-tokens tokens (ignore_eos), so all modes do the same
 work. The in-process figure is Engine.generate of all prompts in one call (the most batching possible); each
 server rate sends the same prompts with exponential gaps (seeded; rate inf sends all at once), the prefix cache
-flushed before each rate. Per rate: output tokens/s and its ratio to the in-process figure, request
+flushed before each rate. The in-process figure is measured before and after the sweep (this machine's load
+drifts; both are kept, their mean is the reference). Per rate: output tokens/s and its ratio to it, request
 throughput, TTFT, inter-token latency (gaps between streamed chunks) and end-to-end latency percentiles.
 Client, server and scheduler processes share this machine's cores. Writes benchmark/results/serving_<device>.json.
 """
@@ -136,8 +137,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     prompts = make_prompts(args.num_requests, args.seed)
 
-    ceiling = in_process(args, prompts)
-    print(f"in-process Engine.generate: {ceiling['output_tok_s']:.1f} output tok/s ({ceiling['wall_s']:.2f} s)")
+    before = in_process(args, prompts)
+    print(f"in-process Engine.generate: {before['output_tok_s']:.1f} output tok/s ({before['wall_s']:.2f} s)")
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -150,10 +151,8 @@ def main() -> None:
         for rate in (float(r) for r in args.rates.split(",")):
             httpx.post(f"{url}/flush_cache", timeout=60)
             result = asyncio.run(sweep_rate(url, args.model, prompts, rate, args.max_tokens, args.seed))
-            result["ratio_to_in_process"] = result["output_tok_s"] / ceiling["output_tok_s"]
             sweep.append(result)
-            print(f"rate {rate:>5} req/s: {result['output_tok_s']:7.1f} tok/s "
-                  f"({result['ratio_to_in_process']:.2f}x in-process), "
+            print(f"rate {rate:>5} req/s: {result['output_tok_s']:7.1f} tok/s, "
                   f"TTFT p50 {result['ttft'].get('p50_ms', 0):.0f} ms p99 {result['ttft'].get('p99_ms', 0):.0f} ms, "
                   f"ITL p50 {result['itl'].get('p50_ms', 0):.0f} ms p99 {result['itl'].get('p99_ms', 0):.0f} ms")
     finally:
@@ -162,11 +161,18 @@ def main() -> None:
             server.wait(30)
         except subprocess.TimeoutExpired:
             os.killpg(server.pid, signal.SIGKILL)
+    after = in_process(args, prompts)
+    reference = (before["output_tok_s"] + after["output_tok_s"]) / 2
+    print(f"in-process Engine.generate again: {after['output_tok_s']:.1f} output tok/s; reference {reference:.1f}")
+    for result in sweep:
+        result["ratio_to_in_process"] = result["output_tok_s"] / reference
+        print(f"rate {result['rate_req_s']:>5} req/s: {result['ratio_to_in_process']:.2f}x in-process")
 
     result = {"benchmark": "serving", "model": args.model, "device": "cpu", "dtype": args.dtype,
               "num_requests": args.num_requests, "max_tokens": args.max_tokens, "threads": args.threads,
               "max_num_seqs": args.max_num_seqs, "torch": torch.__version__, "machine": platform.machine(),
-              "num_cpus": os.cpu_count(), "load_avg_at_end": os.getloadavg(), "in_process": ceiling,
+              "num_cpus": os.cpu_count(), "load_avg_at_end": os.getloadavg(),
+              "in_process": {"before": before, "after": after, "reference_tok_s": reference},
               "sweep": sweep}
     out = ROOT / "benchmark" / "results" / "serving_cpu.json"
     out.write_text(json.dumps(result, indent=2) + "\n")

@@ -11,6 +11,7 @@ import logging
 import multiprocessing
 import os
 import re
+import shutil
 import tempfile
 from contextlib import asynccontextmanager
 
@@ -30,6 +31,10 @@ logger = logging.getLogger(__name__)
 _READY_TIMEOUT_S = 600.0
 _DISCONNECT_POLL_S = 0.5
 _RETRY_AFTER_S = 1
+_GRACEFUL_SHUTDOWN_S = 5
+"""On SIGTERM, open streams get this long to finish before they are cut."""
+# pydantic names the member of a union it tried (prompt.list[int]); the client named only the field.
+_UNION_MEMBER_RE = re.compile(r"^(str|int|float|bool|list\[.*\]|dict\[.*\])$")
 # Engine messages name SamplingParams fields; a client of the OpenAI API knows them by these names.
 _PARAM_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "json_schema": "response_format",
                 "input_ids": "prompt", "prompts": "prompt"}
@@ -109,13 +114,14 @@ def create_app(args: ServerArgs) -> FastAPI:
             if proc.is_alive():
                 proc.kill()
                 proc.join()
+            shutil.rmtree(ipc, ignore_errors=True)
 
     app = FastAPI(title="deepinfer", lifespan=lifespan)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):
         err = exc.errors()[0]
-        loc = [str(p) for p in err.get("loc", ()) if p != "body"]
+        loc = [str(p) for p in err.get("loc", ()) if p != "body" and not _UNION_MEMBER_RE.match(str(p))]
         if err.get("type") == "json_invalid":
             return error_response(400, f"malformed JSON body: {err.get('msg')}", code="json_invalid")
         param = ".".join(loc) or None
@@ -269,4 +275,5 @@ async def _server_info(tm: TokenizerManager, args: ServerArgs) -> dict:
 def launch_server(args: ServerArgs) -> None:
     import uvicorn
 
-    uvicorn.run(create_app(args), host=args.host, port=args.port, log_level="warning", timeout_keep_alive=30)
+    uvicorn.run(create_app(args), host=args.host, port=args.port, log_level="warning", timeout_keep_alive=30,
+                timeout_graceful_shutdown=_GRACEFUL_SHUTDOWN_S)

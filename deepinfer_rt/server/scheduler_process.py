@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import time
 from collections import deque
 
@@ -119,6 +120,10 @@ class SchedulerLoop:
 
 def run_scheduler_process(engine_kwargs: dict, recv_addr: str, send_addr: str, parent_pid: int) -> None:
     """Entry point of the spawned process: build the engine, announce it, serve until shut down."""
+    # The HTTP process decides when this one ends (a shutdown message, or its own death seen by the loop): a
+    # Ctrl-C or SIGTERM sent to the whole process group must not cut requests off under it.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     from deepinfer_rt import Engine
     from deepinfer_rt.models.loader import resolve_model_path
 

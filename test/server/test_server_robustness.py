@@ -95,6 +95,7 @@ BAD_REQUESTS = [
     ("/v1/completions", {"model": MODEL_NAME, "prompt": "hello " * 9000}, "prompt", "does not fit"),
     ("/v1/completions", {"model": MODEL_NAME, "prompt": [[1, 2], [10**9]]}, "prompt", "token ids"),
     ("/v1/completions", {"model": MODEL_NAME}, "prompt", "Field required"),
+    ("/v1/completions", {"model": MODEL_NAME, "prompt": 42}, "prompt", "valid"),
     ("/generate", {"text": "Hi", "sampling_params": {"max_new_tokens": 4, "bogus": 1}}, "sampling_params",
      "bogus"),
 ]
