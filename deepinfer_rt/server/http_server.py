@@ -18,7 +18,6 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
-from pydantic import ValidationError
 
 from deepinfer_rt.server import metrics, native_api, openai_api
 from deepinfer_rt.server.chat import make_chat_renderer
@@ -195,7 +194,7 @@ def create_app(args: ServerArgs) -> FastAPI:
         tm: TokenizerManager = state["tm"]
         try:
             inputs = native_api.inputs(body, tm.encode)
-        except (ValueError, TypeError, ValidationError) as e:
+        except ValueError as e:
             return bad_request(e)
         try:
             if body.stream:
@@ -241,9 +240,7 @@ def create_app(args: ServerArgs) -> FastAPI:
 async def _start_manager(args: ServerArgs, to_sched: str, from_sched: str, proc) -> TokenizerManager:
     from deepinfer_rt.models.loader import resolve_model_path
 
-    max_num_seqs = args.engine_kwargs.get("max_num_seqs", 256)
-    tm = TokenizerManager(str(resolve_model_path(args.model)), to_sched, from_sched,
-                          max_num_seqs + args.max_queued_requests)
+    tm = TokenizerManager(str(resolve_model_path(args.model)), to_sched, from_sched, args.max_queued_requests)
     ready = asyncio.ensure_future(tm.wait_ready(_READY_TIMEOUT_S))
     while not ready.done():  # a scheduler process that dies while loading must not leave us waiting
         await asyncio.wait({ready}, timeout=1.0)

@@ -74,9 +74,10 @@ class RequestStream:
 
 
 class TokenizerManager:
-    def __init__(self, model_path: str, to_scheduler_addr: str, from_scheduler_addr: str, max_inflight_seqs: int):
+    def __init__(self, model_path: str, to_scheduler_addr: str, from_scheduler_addr: str, max_queued_seqs: int):
         self.tokenizer = load_tokenizer(model_path)
-        self.max_inflight_seqs = max_inflight_seqs
+        self.max_queued_seqs = max_queued_seqs
+        self.max_inflight_seqs = 0  # the queue limit, once ready: the engine's max_num_seqs + max_queued_seqs
         self.num_inflight_seqs = 0
         self.num_rejected_overload = 0
         self.streams: dict[str, RequestStream] = {}
@@ -96,6 +97,7 @@ class TokenizerManager:
         if isinstance(msg, Exception):
             raise msg
         self.info = msg
+        self.max_inflight_seqs = msg.max_num_seqs + self.max_queued_seqs
         self._recv_task = asyncio.create_task(self._recv_loop())
         return msg
 
