@@ -36,7 +36,7 @@ def _process_exists(pid: int) -> bool:
 
 
 @pytest.fixture(scope="session")
-def server_url(smollm2_path, tmp_path_factory):
+def server_url(smollm2_path, tmp_path_factory, request):
     port = _free_port()
     log_path = tmp_path_factory.mktemp("server") / "server.log"
     cmd = [sys.executable, "-m", "deepinfer_rt.cli", "serve", "--model", str(smollm2_path), "--port", str(port),
@@ -50,6 +50,7 @@ def server_url(smollm2_path, tmp_path_factory):
                                 start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
+        request.getfixturevalue("smollm2_engine")  # the tests' in-process reference loads while the server starts
         deadline = time.monotonic() + _START_TIMEOUT_S
         while True:
             if proc.poll() is not None:
