@@ -47,3 +47,10 @@ def tiny_v3_path(tmp_path_factory) -> Path:
     from make_tiny_checkpoint import make_tiny_checkpoint
 
     return make_tiny_checkpoint("deepseek_v3", tmp_path_factory.mktemp("tiny-v3"), seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_v4_path(tmp_path_factory) -> Path:
+    from make_tiny_checkpoint import make_tiny_checkpoint
+
+    return make_tiny_checkpoint("deepseek_v4", tmp_path_factory.mktemp("tiny-v4"), seed=0)
