@@ -2,8 +2,8 @@
 pool for prefill, mixed-length batches, chunks that do not align with compression windows, and decode.
 
 Both variants hold sliding, CSA and HCA layers, hash_moe and moe layers, o_groups 2, a sliding window of 6 and
-compression ratios 4 / 8; prompts span more than 4 windows of the larger ratio. The second variant has
-hc_mult 4, a YaRN compress rope and another layer order.
+compression ratios 4 / 8; prompts span more than 4 windows of the larger ratio. The second variant
+(test/conftest.py) has hc_mult 4, a YaRN compress rope and another layer order.
 """
 from __future__ import annotations
 
@@ -20,23 +20,14 @@ from deepinfer_rt.models.loader import build_model, load_model_config
 
 ATOL = 1e-4
 CPU = torch.device("cpu")
-HC4_YARN = dict(
-    hc_mult=4, rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32,
-                                "beta_fast": 32.0, "beta_slow": 1.0},
-    layer_types=["heavily_compressed_attention", "compressed_sparse_attention", "sliding_attention",
-                 "compressed_sparse_attention"],
-    mlp_layer_types=["hash_moe", "moe", "moe", "moe"])
-VARIANTS = {"hc2": {}, "hc4-yarn": HC4_YARN}
+VARIANTS = {"hc2": "tiny_v4_path", "hc4-yarn": "tiny_v4_hc4_path"}
 
 
 @pytest.fixture(scope="module", params=list(VARIANTS))
-def models(request, tmp_path_factory, tiny_v4_path):
-    from make_tiny_checkpoint import make_tiny_checkpoint
+def models(request):
     from transformers import AutoModelForCausalLM
 
-    overrides = VARIANTS[request.param]
-    path = (make_tiny_checkpoint("deepseek_v4", tmp_path_factory.mktemp(request.param), seed=1, **overrides)
-            if overrides else tiny_v4_path)
+    path = request.getfixturevalue(VARIANTS[request.param])
     config, _ = load_model_config(path)
     model = build_model(config, path, "auto", torch.float32, CPU, seed=0)
     ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
