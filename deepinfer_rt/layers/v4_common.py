@@ -140,7 +140,13 @@ class PoolColumns:
 
 def inv_freq(cfg: V4Config, params: dict) -> tuple[torch.Tensor, float]:
     """Inverse frequencies (rope_dim / 2,) and cos/sin scale of one rope-parameter set, from transformers'
-    own definitions (YaRN included) so they cannot drift."""
+    own definitions (YaRN included) so they cannot drift. Always computed on the CPU (also while a model is
+    built on the meta device)."""
+    with torch.device("cpu"):
+        return _inv_freq(cfg, params)
+
+
+def _inv_freq(cfg: V4Config, params: dict) -> tuple[torch.Tensor, float]:
     rope_type = params.get("rope_type", "default")
     if rope_type == "default":
         dim = cfg.rope_dim

@@ -7,10 +7,15 @@ a 34-token prefix (not a multiple of either ratio), which the prefix cache reuse
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
+import deepinfer_rt
 from deepinfer_rt import Engine, SamplingParams
+from deepinfer_rt.models.deepseek_v4 import DeepseekV4ForCausalLM
+from deepinfer_rt.models.loader import load_model_config
 from helpers import hf_greedy
 
 MAX_NEW = 8
@@ -86,3 +91,26 @@ def test_prefix_cache_on_equals_off(hc2):
     assert sum(o.cached_tokens for o in first) >= len(SHARED)
     assert all(o.cached_tokens > len(p) for o, p in zip(second, PROMPTS))
     assert [o.token_ids for o in second] == [o.token_ids for o in off] == [e[3:] for e in expected]
+
+
+def test_dummy_weights_from_config_alone(tiny_v4_path):
+    """load_format='dummy': random weights (a filled hash table included) from the config, deterministic by seed."""
+    outs = []
+    for _ in range(2):
+        with Engine(str(tiny_v4_path), dtype="float32", load_format="dummy", kv_cache_tokens=256, seed=3) as engine:
+            tid2eid = engine.model.model.layers[0].ffn.gate.tid2eid
+            assert len({tuple(row) for row in tid2eid[:64].tolist()}) > 1  # not all tokens on one expert pair
+            assert all(len(set(row)) == tid2eid.shape[1] for row in tid2eid[:64].tolist())
+            outs.append(engine.generate(input_ids=PROMPTS[:2], sampling_params=GREEDY))
+    assert [o.token_ids for o in outs[0]] == [o.token_ids for o in outs[1]]
+    assert all(len(o.token_ids) > 0 for o in outs[0])
+
+
+def test_published_v4_flash_config_builds():
+    """The shipped V4-Flash config builds (on the meta device) to the published 284B parameters."""
+    config, _ = load_model_config(Path(deepinfer_rt.__file__).parent / "models" / "configs" / "deepseek-v4-flash")
+    with torch.device("meta"):
+        model = DeepseekV4ForCausalLM(config)
+    params = sum(p.numel() for p in model.parameters() if p.is_floating_point())
+    assert 283e9 < params < 286e9
+    assert [t[0] for t in config.raw["layer_types"][:5]] == ["s", "s", "c", "h", "c"]
