@@ -14,10 +14,9 @@ from torch import nn
 
 from deepinfer_rt.cache.kv_pool import KVPool
 from deepinfer_rt.layers.linear import Linear
-from deepinfer_rt.layers.norm import RMSNorm
 from deepinfer_rt.layers.v4_batch import AttnGroup, V4Batch
-from deepinfer_rt.layers.v4_common import (CSA, SLIDING, PoolColumns, V4Config, V4Rotary, apply_rope,
-                                           unweighted_rms_norm)
+from deepinfer_rt.layers.v4_common import (CSA, SLIDING, PoolColumns, V4Config, V4RMSNorm, V4Rotary,
+                                           apply_rope, unweighted_rms_norm)
 from deepinfer_rt.layers.v4_compressor import Compressor, Indexer
 
 
@@ -32,10 +31,10 @@ class V4Attention(nn.Module):
         self.eps = cfg.rms_norm_eps
         self.rotary = rotary
         self.wq_a = Linear(cfg.hidden_size, cfg.q_lora_rank)
-        self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
+        self.q_norm = V4RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
         self.wq_b = Linear(cfg.q_lora_rank, cfg.num_heads * cfg.head_dim)
         self.wkv = Linear(cfg.hidden_size, cfg.head_dim)
-        self.norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        self.norm = V4RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.wo_a = Linear(cfg.num_heads * cfg.head_dim // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank)
         self.wo_b = Linear(cfg.o_groups * cfg.o_lora_rank, cfg.hidden_size)
         self.attn_sink = nn.Parameter(torch.empty(cfg.num_heads))

@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 from deepinfer_rt.config import ModelConfig
 
@@ -187,6 +188,20 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     nope, rope = x[..., :-r], x[..., -r:].float()
     rotated = torch.stack((-rope[..., 1::2], rope[..., 0::2]), dim=-1).flatten(-2)
     return torch.cat([nope, (rope * cos + rotated * sin).to(x.dtype)], dim=-1)
+
+
+class V4RMSNorm(nn.Module):
+    """RMSNorm whose fp32 gain multiplies the fp32 normalised input before the one cast back (the V4
+    reference keeps norm gains in fp32; the model keeps them so, see DeepseekV4ForCausalLM._apply)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        return (self.weight.float() * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps))).to(x.dtype)
 
 
 def unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:

@@ -16,9 +16,8 @@ import torch
 from torch import nn
 
 from deepinfer_rt.layers.linear import Linear
-from deepinfer_rt.layers.norm import RMSNorm
 from deepinfer_rt.layers.v4_batch import Windows
-from deepinfer_rt.layers.v4_common import V4Config, V4Rotary, apply_rope
+from deepinfer_rt.layers.v4_common import V4Config, V4RMSNorm, V4Rotary, apply_rope
 
 
 class Compressor(nn.Module):
@@ -29,7 +28,7 @@ class Compressor(nn.Module):
         self.wkv = Linear(cfg.hidden_size, width)
         self.wgate = Linear(cfg.hidden_size, width)
         self.ape = nn.Parameter(torch.empty(ratio, width))
-        self.norm = RMSNorm(head_dim, cfg.rms_norm_eps)
+        self.norm = V4RMSNorm(head_dim, cfg.rms_norm_eps)
 
     def store(self, x: torch.Tensor, buf: torch.Tensor, slots: torch.Tensor, kv_cols: slice,
               gate_cols: slice) -> None:

@@ -18,14 +18,16 @@ from deepinfer_rt.config import ModelConfig
 from deepinfer_rt.forward_batch import ForwardBatch
 from deepinfer_rt.layers.hyper_connections import HyperConnection, HyperHead
 from deepinfer_rt.layers.moe import fuse_expert_weights
-from deepinfer_rt.layers.norm import RMSNorm
 from deepinfer_rt.layers.v4_attention import V4Attention
 from deepinfer_rt.layers.v4_batch import V4Batch, build_v4_batch
-from deepinfer_rt.layers.v4_common import SLIDING, PoolColumns, V4Config, V4Rotary
+from deepinfer_rt.layers.v4_common import SLIDING, PoolColumns, V4Config, V4RMSNorm, V4Rotary
 from deepinfer_rt.layers.v4_moe import V4MoE
 from deepinfer_rt.models.base import CausalLM
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")
+# Kept in fp32 whatever the model dtype, as the reference does: norm gains, attention sinks, compressor position
+# biases, the router correction bias and the hyper-connection weights.
+_FP32 = re.compile(r"(norm\.weight|attn_sink|\.ape|gate\.bias|\.hc_(attn|ffn)\.\w+|hc_head\.\w+)$")
 _RENAMES = ((re.compile(r"\.hc_(attn|ffn)_(fn|base|scale)$"), r".hc_\1.\2"),
             (re.compile(r"\.experts\.(\d+)\.w1\."), r".experts.\1.gate_proj."),
             (re.compile(r"\.experts\.(\d+)\.w3\."), r".experts.\1.up_proj."),
@@ -37,8 +39,8 @@ class V4DecoderLayer(nn.Module):
         super().__init__()
         self.attn = V4Attention(cfg, layer_id, rotary)
         self.ffn = V4MoE(cfg, layer_id, vocab_size)
-        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.attn_norm = V4RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.ffn_norm = V4RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.hc_attn = HyperConnection(cfg)
         self.hc_ffn = HyperConnection(cfg)
 
@@ -56,7 +58,7 @@ class V4Model(nn.Module):
         self.layers = nn.ModuleList(
             V4DecoderLayer(cfg, i, main if t == SLIDING else compress, config.vocab_size)
             for i, t in enumerate(cfg.layer_types))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = V4RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.hc_head = HyperHead(cfg)
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
@@ -82,6 +84,15 @@ class DeepseekV4ForCausalLM(CausalLM):
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         return self.model(batch)
+
+    def _apply(self, fn, recurse=True):
+        # Follow device moves but not dtype casts for the fp32 parameters (cf. layers/moe.py Router).
+        fp32 = {n: p.data for n, p in self.named_parameters() if _FP32.search(n) and p.dtype == torch.float32}
+        super()._apply(fn, recurse)
+        params = dict(self.named_parameters())
+        for name, data in fp32.items():
+            params[name].data = data.to(params[name].device)
+        return self
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.head(hidden).float()

@@ -126,3 +126,21 @@ def test_config_errors_are_clear(tiny_v4_path, change, message):
     bad = dataclasses.replace(config, raw={**config.raw, **change})
     with pytest.raises(ValueError, match=message):
         V4Config.from_model_config(bad)
+
+
+@torch.no_grad()
+def test_bf16_error_no_worse_than_reference_bf16(tiny_v4_path):
+    """In bfloat16 the fp32-kept parts (norm gains, sinks, position biases, hyper-connections, router bias) stay
+    fp32 as in the reference; our bf16 logits are then as close to the fp32 reference as transformers' bf16."""
+    from transformers import AutoModelForCausalLM
+
+    config, _ = load_model_config(tiny_v4_path)
+    model = build_model(config, tiny_v4_path, "auto", torch.bfloat16, CPU, seed=0)
+    assert model.model.layers[0].hc_attn.fn.dtype == torch.float32
+    assert model.model.layers[0].attn.wq_a.weight.dtype == torch.bfloat16
+    tokens = prompt(0, 40)
+    pool = KVPool(model.kv_layout(config), num_pages=64, page_size=1, dtype=torch.bfloat16, device=CPU)
+    (ours,) = step(model, pool, [(tokens, torch.arange(40), 0, 40)])
+    fp32 = hf_logits(AutoModelForCausalLM.from_pretrained(tiny_v4_path, dtype=torch.float32).eval(), tokens)
+    bf16 = hf_logits(AutoModelForCausalLM.from_pretrained(tiny_v4_path, dtype=torch.bfloat16).eval(), tokens)
+    assert (ours - fp32).abs().max() <= 1.5 * (bf16 - fp32).abs().max()
