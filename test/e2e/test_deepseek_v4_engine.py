@@ -63,9 +63,9 @@ def test_greedy_batch_matches_hf_generate(request, variant):
     assert [o.token_ids for o in outs] == expected
 
 
-def test_small_unaligned_prefill_chunks(hc2):
+def test_small_unaligned_prefill_chunks_with_pages(hc2):
     path, expected = hc2
-    outs, _ = _generate(path, chunked_prefill_tokens=7)
+    outs, _ = _generate(path, chunked_prefill_tokens=7, page_size=4)
     assert [o.token_ids for o in outs] == expected
 
 
