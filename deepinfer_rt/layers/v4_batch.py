@@ -5,8 +5,9 @@ A query at position p of a sequence attends to
   * the compressed entries of the complete windows w < (p + 1) // m (window w covers positions
     w*m .. (w+1)*m - 1; its entry lives in the slot of position (w+1)*m - 1), all of them for HCA, the
     indexer's top-k of them for CSA.
-Queries are processed in groups that share one padded key set: each extend (prefill chunk) sequence is a group
-of its q_len queries; all decode sequences form one group of single queries. Windows whose last token is in
+Queries are processed in groups that share one padded key set: each block of up to `query_block` consecutive
+queries of an extend (prefill chunk) sequence is a group, which bounds the score tensor of a long chunk; all decode
+sequences form one group of single queries. Windows whose last token is in
 this step are compressed first, for every sequence at once.
 """
 from __future__ import annotations
@@ -120,7 +121,7 @@ def _windows(batch: ForwardBatch, ratio: int) -> Windows:
     return Windows(cur_t, prev_t, first_t > 0, first_t, cur_t[:, -1])
 
 
-def build_v4_batch(batch: ForwardBatch, window: int, ratios: tuple[int, ...]) -> V4Batch:
+def build_v4_batch(batch: ForwardBatch, window: int, ratios: tuple[int, ...], query_block: int) -> V4Batch:
     device = batch.input_ids.device
     groups, decode = [], ([], [], [])
     row = 0
@@ -129,7 +130,10 @@ def build_v4_batch(batch: ForwardBatch, window: int, ratios: tuple[int, ...]) ->
             for acc, value in zip(decode, (row, kv_len, slots)):
                 acc.append(value)
         else:
-            groups.append(_extend_group(row, kv_len - q_len, kv_len, slots, window, ratios))
+            start = kv_len - q_len
+            for block_start in range(start, kv_len, query_block):
+                block_end = min(block_start + query_block, kv_len)
+                groups.append(_extend_group(row + block_start - start, block_start, block_end, slots, window, ratios))
         row += q_len
     if decode[0]:
         groups.append(_decode_group(*decode, window, ratios, device))

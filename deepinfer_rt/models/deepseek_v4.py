@@ -4,6 +4,9 @@ compressed (HCA) attention, hyper-connection residual streams, hash-routed then 
 Module names follow the released checkpoints (what transformers' save_pretrained writes back): attn, ffn,
 attn_norm, ffn_norm, hc_attn_*, hc_ffn_*, hc_head, head. Multi-token-prediction weights (mtp.*) are not run.
 What the KV pool keeps per token and layer is described in layers/v4_common.py.
+
+Not covered (the V4.1 line): compression ratios 1 and 2, shifted hyper-connections, cross-layer KV sharing,
+YOCO, Engram, and the DSpark draft model; configs that need them fail on their unknown fields or layer types.
 """
 from __future__ import annotations
 
@@ -60,9 +63,11 @@ class V4Model(nn.Module):
             for i, t in enumerate(cfg.layer_types))
         self.norm = V4RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.hc_head = HyperHead(cfg)
+        self.query_block = 256
+        """Most prefill queries of one sequence attended together (bounds the (Q, H, keys) score tensor)."""
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        vb = build_v4_batch(batch, self.cfg.sliding_window, self.cfg.ratios())
+        vb = build_v4_batch(batch, self.cfg.sliding_window, self.cfg.ratios(), self.query_block)
         x = self.embed_tokens(batch.input_ids)
         streams = x.unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()  # (T, N, D)
         for layer in self.layers:

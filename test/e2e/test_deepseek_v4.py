@@ -84,10 +84,13 @@ def test_prefill_mixed_lengths_in_one_batch(models):
         assert_close(got, hf_logits(ref, p))
 
 
-def test_unaligned_chunks_and_decode_match_hf(models):
+@pytest.mark.parametrize("query_block", [256, 5])
+def test_unaligned_chunks_and_decode_match_hf(models, query_block, monkeypatch):
     """Sequence a: chunks 0-5, 5-14, 14-27 (ratios 4 and 8 never divide a boundary but 0), then decode;
-    sequence b, in the same batches: one 6-token chunk, then decode steps next to a's chunks."""
+    sequence b, in the same batches: one 6-token chunk, then decode steps next to a's chunks. With
+    query_block 5 a chunk's queries are also attended in several blocks."""
     config, model, ref = models
+    monkeypatch.setattr(model.model, "query_block", query_block)
     a, b = prompt(10, 36), prompt(11, 30)
     want_a, want_b = hf_logits(ref, a), hf_logits(ref, b)
     pool = new_pool(model, config)
