@@ -6,7 +6,7 @@ attn_norm, ffn_norm, hc_attn_*, hc_ffn_*, hc_head, head. Multi-token-prediction 
 What the KV pool keeps per token and layer is described in layers/v4_common.py.
 
 Not covered (the V4.1 line): compression ratios 1 and 2, shifted hyper-connections, cross-layer KV sharing,
-YOCO, Engram, and the DSpark draft model; configs that need them fail on their unknown fields or layer types.
+YOCO, Engram, and the DSpark draft model.
 """
 from __future__ import annotations
 
