@@ -9,8 +9,9 @@ and layer count. Routed experts and vocabulary are cut (flags) so both fit a sma
 that differs, keeps its full width.
 
 Reports the full V4-Flash parameter count (built on the meta device, no memory), the reduced models' parameter
-count and bytes, KV-pool bytes per token of each (bf16), and the decode step time per layer at `batch`
-sequences of `context` tokens. The pool is filled with random state instead of a prefill: decode cost does not
+count and bytes, KV-pool bytes stored per token of each (bf16), the KV bytes a decode token must read at
+`context` (the architecture's floor), and the decode step time per layer at `batch` sequences of `context`
+tokens through the torch reference path. The pool is filled with random state instead of a prefill: decode cost does not
 depend on the values, and a CPU prefill of the context would dominate the run. Writes
 benchmark/results/v4_<device>.json.
 """
@@ -30,6 +31,7 @@ from deepinfer_rt.cache.kv_pool import KVPool
 from deepinfer_rt.config import ModelConfig
 from deepinfer_rt.forward_batch import ForwardBatch
 from deepinfer_rt.layers.attention.torch_ref import TorchRefBackend
+from deepinfer_rt.layers.v4_common import CSA, V4Config
 from deepinfer_rt.models.loader import build_model, load_model_config
 
 FLASH = Path(__file__).resolve().parents[1] / "deepinfer_rt" / "models" / "configs" / "deepseek-v4-flash"
@@ -51,6 +53,24 @@ def mla_config(v4: ModelConfig) -> ModelConfig:
                    kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
                    n_shared_experts=1, first_k_dense_replace=0, topk_method="noaux_tc", scoring_func="sigmoid",
                    norm_topk_prob=True, rope_scaling=None, raw={})
+
+
+def attended_kv_bytes(config: ModelConfig, context: int) -> int:
+    """KV bytes (bf16) one decode token must read at `context` tokens: the architecture's floor, whatever the
+    kernel. V4: the sliding window in every layer, plus all indexer keys and the top-k entries in CSA layers,
+    plus all entries in HCA layers. MLA: the latent and rope key of every position in every layer."""
+    if config.architecture != "DeepseekV4ForCausalLM":
+        return 2 * context * (config.kv_lora_rank + config.qk_rope_head_dim) * config.num_layers
+    cfg = V4Config.from_model_config(config)
+    elems = 0
+    for layer_type in cfg.layer_types:
+        elems += min(cfg.sliding_window, context) * cfg.head_dim
+        m = cfg.ratio(layer_type)
+        if m and layer_type == CSA:
+            elems += (context // m) * cfg.index_head_dim + min(cfg.index_topk, context // m) * cfg.head_dim
+        elif m:
+            elems += (context // m) * cfg.head_dim
+    return 2 * elems
 
 
 def full_flash_params() -> int:
@@ -94,13 +114,16 @@ def measure(name: str, config: ModelConfig, args, device: torch.device) -> dict:
     params = sum(p.numel() for p in model.parameters() if p.is_floating_point())
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     kv_bytes = model.kv_layout(config).bytes_per_token(torch.bfloat16)
+    attended = attended_kv_bytes(config, args.context)
     times = decode_step_seconds(model, config, args, device)
     del model
     step = statistics.median(times)
     row = dict(params=params, weight_bytes=weight_bytes, kv_bytes_per_token_bf16=kv_bytes,
+               attended_kv_bytes_per_decode_token_bf16=attended,
                decode_step_s_median=step, decode_step_s_spread=[min(times), max(times)],
                decode_step_per_layer_ms=1e3 * step / config.num_layers)
-    print(f"{name:4s} params {params / 1e9:.2f}B ({weight_bytes / 2**30:.1f} GiB)  KV {kv_bytes} B/token  "
+    print(f"{name:4s} params {params / 1e9:.2f}B ({weight_bytes / 2**30:.1f} GiB)  KV stored {kv_bytes} B/token, "
+          f"read per decode token {attended / 2**10:.0f} KiB  "
           f"decode step {1e3 * step:.1f} ms ({row['decode_step_per_layer_ms']:.1f} ms/layer)")
     return row
 
@@ -123,6 +146,8 @@ def main() -> None:
     v4 = v4_config(args)
     rows = {"v4": measure("v4", v4, args, device), "mla": measure("mla", mla_config(v4), args, device)}
     ratios = {"kv_bytes_v4_over_mla": rows["v4"]["kv_bytes_per_token_bf16"] / rows["mla"]["kv_bytes_per_token_bf16"],
+              "attended_kv_v4_over_mla": (rows["v4"]["attended_kv_bytes_per_decode_token_bf16"]
+                                          / rows["mla"]["attended_kv_bytes_per_decode_token_bf16"]),
               "decode_step_v4_over_mla": rows["v4"]["decode_step_s_median"] / rows["mla"]["decode_step_s_median"]}
     print("ratios v4 / mla:", {k: round(v, 2) for k, v in ratios.items()})
     out = Path(__file__).resolve().parent / "results" / f"v4_{device.type}.json"
