@@ -80,8 +80,8 @@ def _reinit(model: torch.nn.Module, seed: int) -> None:
             b.copy_(0.1 * torch.randn(b.shape, generator=gen))
         elif name.endswith("tid2eid"):
             # Hash routing: each token id gets top_k distinct experts.
-            num_experts = model.config.n_routed_experts
-            b.copy_(torch.stack([torch.randperm(num_experts, generator=gen)[: b.shape[1]] for _ in range(b.shape[0])]))
+            scores = torch.rand(b.shape[0], model.config.n_routed_experts, generator=gen)
+            b.copy_(scores.argsort(dim=-1)[:, : b.shape[1]])
 
 
 def make_tiny_checkpoint(kind: str, out_dir: str | Path, seed: int = 0, **overrides: Any) -> Path:

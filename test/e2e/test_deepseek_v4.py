@@ -132,18 +132,24 @@ def test_config_errors_are_clear(tiny_v4_path, change, message):
 
 
 @torch.no_grad()
-def test_bf16_error_no_worse_than_reference_bf16(tiny_v4_path):
+def test_bf16_error_comparable_to_reference_bf16(tiny_v4_path):
     """In bfloat16 the fp32-kept parts (norm gains, sinks, position biases, hyper-connections, router bias) stay
-    fp32 as in the reference; our bf16 logits are then as close to the fp32 reference as transformers' bf16."""
+    fp32 as in the reference, and our bf16 logits are about as far from the fp32 reference as transformers' bf16
+    logits (RMS over 4 prompts; the max of single entries is too noisy to compare in bf16)."""
     from transformers import AutoModelForCausalLM
 
     config, _ = load_model_config(tiny_v4_path)
     model = build_model(config, tiny_v4_path, "auto", torch.bfloat16, CPU, seed=0)
-    assert model.model.layers[0].hc_attn.fn.dtype == torch.float32
-    assert model.model.layers[0].attn.wq_a.weight.dtype == torch.bfloat16
-    tokens = prompt(0, 40)
-    pool = KVPool(model.kv_layout(config), num_pages=64, page_size=1, dtype=torch.bfloat16, device=CPU)
-    (ours,) = step(model, pool, [(tokens, torch.arange(40), 0, 40)])
-    fp32 = hf_logits(AutoModelForCausalLM.from_pretrained(tiny_v4_path, dtype=torch.float32).eval(), tokens)
-    bf16 = hf_logits(AutoModelForCausalLM.from_pretrained(tiny_v4_path, dtype=torch.bfloat16).eval(), tokens)
-    assert (ours - fp32).abs().max() <= 1.5 * (bf16 - fp32).abs().max()
+    layer = model.model.layers[1]
+    assert {p.dtype for p in (layer.hc_attn.fn, layer.attn.attn_sink, layer.attn.compressor.ape,
+                               layer.attn.norm.weight, model.model.hc_head.hc_fn)} == {torch.float32}
+    assert layer.attn.wq_a.weight.dtype == torch.bfloat16
+    prompts = [prompt(i, 40) for i in range(4)]
+    pool = KVPool(model.kv_layout(config), num_pages=200, page_size=1, dtype=torch.bfloat16, device=CPU)
+    slots = torch.arange(160).view(4, 40)
+    ours = torch.cat(step(model, pool, [(p, s, 0, 40) for p, s in zip(prompts, slots)]))
+    refs = {dtype: AutoModelForCausalLM.from_pretrained(tiny_v4_path, dtype=dtype).eval()
+            for dtype in (torch.float32, torch.bfloat16)}
+    fp32, bf16 = (torch.cat([hf_logits(refs[dtype], p) for p in prompts]) for dtype in refs)
+    rms = lambda x: x.pow(2).mean().sqrt()  # noqa: E731
+    assert rms(ours - fp32) <= 2 * rms(bf16 - fp32)
