@@ -67,14 +67,14 @@ class V4Attention(nn.Module):
     def _attend(self, g: AttnGroup, q: torch.Tensor, x: torch.Tensor, q_residual: torch.Tensor,
                 positions: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
         """Attention of one group's queries -> (G*Q, H, D)."""
-        keys, mask = buf[g.swa_slots][..., self.cols.swa], g.swa_mask  # (G, L, D), (G, Q, L)
+        # Column views first, so the gathers read only the columns used, not whole pool rows.
+        keys, mask = buf[:, self.cols.swa][g.swa_slots], g.swa_mask  # (G, L, D), (G, Q, L)
         if self.ratio:
-            entries = buf[g.entry_slots[self.ratio]]  # (G, E, width)
-            visible = g.entry_mask[self.ratio]
+            slots, visible = g.entry_slots[self.ratio], g.entry_mask[self.ratio]  # (G, E), (G, Q, E)
             if self.indexer is not None:
                 visible = self.indexer.select(x[g.rows], q_residual[g.rows], positions[g.rows],
-                                              entries[..., self.cols.idx_entry], visible)
-            keys = torch.cat([keys, entries[..., self.cols.entry]], dim=1)
+                                              buf[:, self.cols.idx_entry][slots], visible)
+            keys = torch.cat([keys, buf[:, self.cols.entry][slots]], dim=1)
             mask = torch.cat([mask, visible], dim=2)
         qg = q[g.rows].view(g.num_seqs, g.q_len, self.num_heads, self.head_dim)
         scores = torch.einsum("gqhd,gld->gqhl", qg, keys) * self.head_dim ** -0.5

@@ -41,14 +41,13 @@ class Compressor(nn.Module):
         """Write the entry of every window completed in this step into its last token's pool row."""
         if win.num == 0:
             return
-        rows = buf[win.cur]  # (N, m, width)
-        kv, gate = rows[..., kv_cols], rows[..., gate_cols].float() + self.ape.float()
+        kv_buf, gate_buf = buf[:, kv_cols], buf[:, gate_cols]
+        kv, gate = kv_buf[win.cur], gate_buf[win.cur].float() + self.ape.float()  # (N, m, width)
         if self.overlap:
             d = self.head_dim
-            prev = buf[win.prev]
-            prev_gate = (prev[..., gate_cols][..., :d].float() + self.ape[:, :d].float())
+            prev_gate = gate_buf[:, :d][win.prev].float() + self.ape[:, :d].float()
             prev_gate = prev_gate.masked_fill(~win.has_prev[:, None, None], float("-inf"))
-            kv = torch.cat([prev[..., kv_cols][..., :d], kv[..., d:]], dim=1)  # (N, 2m, d)
+            kv = torch.cat([kv_buf[:, :d][win.prev], kv[..., d:]], dim=1)  # (N, 2m, d)
             gate = torch.cat([prev_gate, gate[..., d:]], dim=1)
         pooled = (kv * gate.softmax(dim=1).to(kv.dtype)).sum(dim=1)
         cos, sin = self.rotary.cos_sin(win.positions)
