@@ -11,13 +11,15 @@ from deepinfer_rt import Engine, GenerateOutput, SamplingParams
 # Output ids are decoded after this many preceding ids, as the engine's detokenizer does, so a tokenizer that
 # drops a leading space at the start of a decode does not make the ids look unlike the engine's text.
 _DECODE_CONTEXT = 4
+# Model families whose prompts are rendered by deepseek-recipe rather than a Jinja chat template.
+_CHAT_RECIPES = {"DeepseekV4ForCausalLM": "deepseek_v4"}
 
 
 class RuntimeBackend:
     def __init__(self, engine: Engine):
         self.engine = engine
         self.tokenizer = engine.tokenizer
-        self.chat_template = ChatTemplate(self.tokenizer)
+        self.chat_template = ChatTemplate(self.tokenizer, _CHAT_RECIPES.get(engine.model_config.architecture))
         self.eos_ids = frozenset(engine.eos_ids)
         self.bos_ids = _bos_ids(self.tokenizer)
         # unconditional_likelihood_normalized scores each choice after this neutral context instead of the prompt:

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-KINDS = ("llama", "deepseek_v3", "deepseek_v2")
+KINDS = ("llama", "deepseek_v3", "deepseek_v2", "deepseek_v4")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                     "tokenizer.model", "vocab.json", "merges.txt")
 
@@ -34,6 +34,18 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
     # HF's V2 router implements 'greedy' and 'group_limited_greedy' (softmax scores, no renormalisation).
     "deepseek_v2": dict(_DEEPSEEK_COMMON, topk_method="group_limited_greedy", routed_scaling_factor=2.0,
                         norm_topk_prob=False),
+    # All three attention types, hash_moe then moe layers; sliding window and compression windows far shorter
+    # than test prompts; few indexer picks so the top-k selection matters; a swiglu_limit that clamps.
+    "deepseek_v4": dict(
+        hidden_size=64, moe_intermediate_size=32, num_hidden_layers=4, num_attention_heads=4, head_dim=32,
+        q_lora_rank=48, partial_rotary_factor=0.25, o_groups=2, o_lora_rank=16, n_routed_experts=8,
+        num_experts_per_tok=2, routed_scaling_factor=1.5, swiglu_limit=0.5, hc_mult=2, hc_sinkhorn_iters=20,
+        layer_types=["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention",
+                     "compressed_sparse_attention"],
+        mlp_layer_types=["hash_moe", "hash_moe", "moe", "moe"],
+        compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
+        sliding_window=6, index_n_heads=8, index_head_dim=16, index_topk=3, max_position_embeddings=512,
+        tie_word_embeddings=False),
 }
 
 
@@ -52,7 +64,7 @@ def _config_class(kind: str) -> type:
     import transformers
 
     return {"llama": transformers.LlamaConfig, "deepseek_v3": transformers.DeepseekV3Config,
-            "deepseek_v2": transformers.DeepseekV2Config}[kind]
+            "deepseek_v2": transformers.DeepseekV2Config, "deepseek_v4": transformers.DeepseekV4Config}[kind]
 
 
 @torch.no_grad()
@@ -66,6 +78,10 @@ def _reinit(model: torch.nn.Module, seed: int) -> None:
         if name.endswith("e_score_correction_bias"):
             # Comparable to the spread of the sigmoid scores, so the bias changes which experts win.
             b.copy_(0.1 * torch.randn(b.shape, generator=gen))
+        elif name.endswith("tid2eid"):
+            # Hash routing: each token id gets top_k distinct experts.
+            scores = torch.rand(b.shape[0], model.config.n_routed_experts, generator=gen)
+            b.copy_(scores.argsort(dim=-1)[:, : b.shape[1]])
 
 
 def make_tiny_checkpoint(kind: str, out_dir: str | Path, seed: int = 0, **overrides: Any) -> Path:

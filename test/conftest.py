@@ -47,3 +47,24 @@ def tiny_v3_path(tmp_path_factory) -> Path:
     from make_tiny_checkpoint import make_tiny_checkpoint
 
     return make_tiny_checkpoint("deepseek_v3", tmp_path_factory.mktemp("tiny-v3"), seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_v4_path(tmp_path_factory) -> Path:
+    from make_tiny_checkpoint import make_tiny_checkpoint
+
+    return make_tiny_checkpoint("deepseek_v4", tmp_path_factory.mktemp("tiny-v4"), seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_v4_hc4_path(tmp_path_factory) -> Path:
+    """DeepSeek-V4 with 4 hyper-connection streams, a YaRN compress rope and another layer order."""
+    from make_tiny_checkpoint import make_tiny_checkpoint
+
+    return make_tiny_checkpoint(
+        "deepseek_v4", tmp_path_factory.mktemp("tiny-v4-hc4"), seed=1, hc_mult=4,
+        rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32,
+                         "beta_fast": 32.0, "beta_slow": 1.0},
+        layer_types=["heavily_compressed_attention", "compressed_sparse_attention", "sliding_attention",
+                     "compressed_sparse_attention"],
+        mlp_layer_types=["hash_moe", "moe", "moe", "moe"])

@@ -8,6 +8,8 @@ Layouts:
   GQA: k[layer] (num_slots, num_kv_heads, head_dim), v[layer] the same shape.
   MLA: k[layer] (num_slots, 1, kv_lora_rank + rope_dim) holding [latent | rope key];
        v[layer] is a view of its first kv_lora_rank columns (the absorbed form reads the latent as V).
+  Per-layer widths (`layer_dims`): k[layer] (num_slots, 1, layer_dims[layer]) for models whose layers keep
+       different per-token state (DeepSeek-V4: sliding-window key, compressor inputs, compressed entries).
 """
 from __future__ import annotations
 
@@ -24,12 +26,17 @@ class KVLayout:
     v_shape: tuple[int, int] | None
     """(heads, dim) for V, or None when V is the first `v_dim` columns of K (MLA latent)."""
     v_dim: int
+    layer_dims: tuple[int, ...] | None = None
+    """Per-layer K width replacing k_shape[1] (one head, V a prefix of K), or None when all layers are alike."""
+
+    def layer_k_shape(self, layer: int) -> tuple[int, int]:
+        return self.k_shape if self.layer_dims is None else (1, self.layer_dims[layer])
 
     def bytes_per_token(self, dtype: torch.dtype) -> int:
-        elems = self.k_shape[0] * self.k_shape[1]
+        elems = sum(h * d for h, d in map(self.layer_k_shape, range(self.num_layers)))
         if self.v_shape is not None:
-            elems += self.v_shape[0] * self.v_shape[1]
-        return elems * self.num_layers * torch.empty((), dtype=dtype).element_size()
+            elems += self.v_shape[0] * self.v_shape[1] * self.num_layers
+        return elems * torch.empty((), dtype=dtype).element_size()
 
 
 class PageAllocator:
@@ -76,8 +83,8 @@ class KVPool:
         self.page_size = page_size
         self.num_slots = num_pages * page_size
         self.allocator = PageAllocator(num_pages)
-        self.k = [torch.zeros(self.num_slots, *layout.k_shape, dtype=dtype, device=device)
-                  for _ in range(layout.num_layers)]
+        self.k = [torch.zeros(self.num_slots, *layout.layer_k_shape(layer), dtype=dtype, device=device)
+                  for layer in range(layout.num_layers)]
         if layout.v_shape is None:
             self.v = [k[..., : layout.v_dim] for k in self.k]
         else:

@@ -168,6 +168,18 @@ def test_slots_of_matches_page_formula(page_size, data):
 def test_layout_bytes_per_token():
     assert KVLayout(2, (2, 4), (2, 3), 3).bytes_per_token(torch.float32) == (8 + 6) * 2 * 4
     assert KVLayout(3, (1, 6), None, 4).bytes_per_token(torch.bfloat16) == 6 * 3 * 2
+    assert KVLayout(3, (1, 9), None, 2, layer_dims=(2, 9, 5)).bytes_per_token(torch.float32) == (2 + 9 + 5) * 4
+
+
+def test_per_layer_widths_pool_and_copy():
+    layout = KVLayout(2, (1, 5), None, 2, layer_dims=(2, 5))
+    pool = KVPool(layout, num_pages=4, page_size=1, dtype=torch.float32, device=CPU)
+    assert [tuple(k.shape) for k in pool.k] == [(4, 1, 2), (4, 1, 5)]
+    assert [tuple(v.shape) for v in pool.v] == [(4, 1, 2), (4, 1, 2)]
+    for k in pool.k:
+        k[1] = torch.randn(k.shape[1:])
+    pool.copy_slots([1], [3])
+    assert all(torch.equal(k[3], k[1]) for k in pool.k)
 
 
 def test_gqa_pool_shapes_and_write():

@@ -1,0 +1,69 @@
+"""Manifold-constrained hyper-connections (mHC, DeepSeek-V4): the residual is hc_mult parallel streams.
+
+Before a block, a one-layer perceptron over the RMS-normalised, flattened streams gives per token
+  pre  (N,)    weights that collapse the streams into the block input,
+  post (N,)    weights that spread the block output back over the streams,
+  comb (N, N)  the residual mixing, projected by Sinkhorn-Knopp onto (nearly) doubly-stochastic matrices,
+and the block's streams become  out[k] = post[k] * block(sum_j pre[j] x[j]) + sum_j comb[j, k] x[j].
+The weights are computed in fp32 (the reference keeps these modules in fp32).
+
+Checkpoint names: layers.i.hc_{attn,ffn}_{fn,base,scale} (loaded as hc_attn.fn, ...), hc_head.hc_{fn,base,scale}.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from deepinfer_rt.layers.v4_common import V4Config, unweighted_rms_norm
+
+
+class HyperConnection(nn.Module):
+    def __init__(self, cfg: V4Config):
+        super().__init__()
+        n = cfg.hc_mult
+        self.hc_mult, self.iters, self.hc_eps, self.norm_eps = n, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps
+        self.fn = nn.Parameter(torch.empty((2 + n) * n, n * cfg.hidden_size))
+        self.base = nn.Parameter(torch.empty((2 + n) * n))
+        self.scale = nn.Parameter(torch.empty(3))
+
+    def weights(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """streams (T, N, D) -> pre (T, N), post (T, N), comb (T, N, N), all fp32."""
+        n = self.hc_mult
+        flat = unweighted_rms_norm(streams.flatten(1).float(), self.norm_eps)
+        mix = flat @ self.fn.float().T
+        pre_w, post_w, comb_w = mix.split([n, n, n * n], dim=-1)
+        pre_b, post_b, comb_b = self.base.float().split([n, n, n * n])
+        pre_s, post_s, comb_s = self.scale.float().unbind(0)
+        pre = torch.sigmoid(pre_w * pre_s + pre_b) + self.hc_eps
+        post = 2 * torch.sigmoid(post_w * post_s + post_b)
+        comb = torch.softmax(comb_w.view(-1, n, n) * comb_s + comb_b.view(n, n), dim=-1) + self.hc_eps
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + self.hc_eps)
+        for _ in range(self.iters - 1):
+            comb = comb / (comb.sum(dim=-1, keepdim=True) + self.hc_eps)
+            comb = comb / (comb.sum(dim=-2, keepdim=True) + self.hc_eps)
+        return pre, post, comb
+
+    def forward(self, streams: torch.Tensor, block) -> torch.Tensor:
+        """Run `block` (D -> D per token) between the collapse and the spread of the streams (T, N, D)."""
+        pre, post, comb = self.weights(streams)
+        dtype = streams.dtype
+        y = block((pre.unsqueeze(-1) * streams).sum(dim=1).to(dtype))
+        mixed = torch.einsum("tjk,tjd->tkd", comb.to(dtype), streams)
+        return post.to(dtype).unsqueeze(-1) * y.unsqueeze(1) + mixed
+
+
+class HyperHead(nn.Module):
+    """Final collapse of the streams into one hidden state, with sigmoid weights from the streams."""
+
+    def __init__(self, cfg: V4Config):
+        super().__init__()
+        n = cfg.hc_mult
+        self.hc_eps, self.norm_eps = cfg.hc_eps, cfg.rms_norm_eps
+        self.hc_fn = nn.Parameter(torch.empty(n, n * cfg.hidden_size))
+        self.hc_base = nn.Parameter(torch.empty(n))
+        self.hc_scale = nn.Parameter(torch.empty(1))
+
+    def forward(self, streams: torch.Tensor) -> torch.Tensor:
+        flat = unweighted_rms_norm(streams.flatten(1).float(), self.norm_eps)
+        pre = torch.sigmoid((flat @ self.hc_fn.float().T) * self.hc_scale.float() + self.hc_base.float())
+        return ((pre + self.hc_eps).unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)

@@ -1,0 +1,208 @@
+"""DeepSeek-V4 pieces shared by its layers: the normalised config, the interleaved partial RoPE, and the
+per-token columns each layer keeps in the KV pool.
+
+Pool columns per token slot (D = head_dim, Di = index_head_dim); `c` = 2 for CSA (two overlapping series),
+1 for HCA:
+
+    sliding_attention              [ swa_k D ]
+    heavily_compressed_attention   [ swa_k D | kv c*D | gate c*D | entry D ]
+    compressed_sparse_attention    [ swa_k D | kv c*D | gate c*D | entry D | idx_kv 2Di | idx_gate 2Di | idx_entry Di ]
+
+swa_k is the token's normalised, rotated key (= value). kv/gate are the compressor's raw projections of the
+token, kept so a window can be compressed whenever its last token arrives, whatever chunk its earlier tokens
+came in. `entry` is meaningful only in the slot of the last token of a compression window: the compressed entry
+of that window, written when that token is computed. Everything is a function of the token's prefix, so a
+prefix-cache hit at any position restores the exact state, and freeing a request's slots frees all of it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from deepinfer_rt.config import ModelConfig
+
+SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
+_SCORING = ("sqrtsoftplus", "softmax", "sigmoid")
+
+
+@dataclass(frozen=True)
+class V4Config:
+    """The DeepSeek-V4 fields of the HF config, validated once."""
+
+    hidden_size: int
+    num_heads: int
+    head_dim: int
+    rope_dim: int
+    """Trailing channels of each head (and of indexer heads) that get RoPE."""
+    q_lora_rank: int
+    o_groups: int
+    o_lora_rank: int
+    layer_types: tuple[str, ...]
+    mlp_layer_types: tuple[str, ...]
+    compress_rates: dict
+    """Layer type -> tokens per compressed entry (CSA m, HCA m')."""
+    sliding_window: int
+    index_n_heads: int
+    index_head_dim: int
+    index_topk: int
+    hc_mult: int
+    hc_sinkhorn_iters: int
+    hc_eps: float
+    n_routed_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    routed_scaling_factor: float
+    scoring_func: str
+    swiglu_limit: float
+    rms_norm_eps: float
+    max_position: int
+    rope_main: dict
+    """HF rope parameters of sliding layers ('main') and of compressed layers and their compressors
+    ('compress', possibly YaRN)."""
+    rope_compress: dict
+
+    @classmethod
+    def from_model_config(cls, config: ModelConfig) -> "V4Config":
+        raw = config.raw
+        n = config.num_layers
+        layer_types, mlp_types = tuple(raw["layer_types"]), tuple(raw["mlp_layer_types"])
+        for name, types, allowed in (("layer_types", layer_types, (SLIDING, CSA, HCA)),
+                                     ("mlp_layer_types", mlp_types, ("hash_moe", "moe"))):
+            if len(types) != n:
+                raise ValueError(f"{name} has {len(types)} entries but num_hidden_layers is {n}")
+            if set(types) - set(allowed):
+                raise ValueError(f"{name} entries must be in {allowed}, got {sorted(set(types) - set(allowed))}")
+        if config.num_heads % raw["o_groups"]:
+            raise ValueError(f"o_groups ({raw['o_groups']}) must divide num_attention_heads ({config.num_heads})")
+        if raw["scoring_func"] not in _SCORING:
+            raise ValueError(f"scoring_func must be one of {_SCORING}, got {raw['scoring_func']!r}")
+        rope_dim = int(raw["qk_rope_head_dim"])
+        if rope_dim % 2 or rope_dim > min(config.head_dim, raw["index_head_dim"]):
+            raise ValueError(f"qk_rope_head_dim ({rope_dim}) must be even and fit head_dim and index_head_dim")
+        rates = dict(raw["compress_rates"])
+        if any(rates[t] < 1 for t in set(layer_types) - {SLIDING}):
+            raise ValueError(f"compress_rates must be >= 1, got {rates}")
+        return cls(
+            hidden_size=config.hidden_size, num_heads=config.num_heads, head_dim=config.head_dim,
+            rope_dim=rope_dim, q_lora_rank=raw["q_lora_rank"], o_groups=raw["o_groups"],
+            o_lora_rank=raw["o_lora_rank"], layer_types=layer_types, mlp_layer_types=mlp_types,
+            compress_rates=rates, sliding_window=raw["sliding_window"], index_n_heads=raw["index_n_heads"],
+            index_head_dim=raw["index_head_dim"], index_topk=raw["index_topk"], hc_mult=raw["hc_mult"],
+            hc_sinkhorn_iters=raw["hc_sinkhorn_iters"], hc_eps=float(raw["hc_eps"]),
+            n_routed_experts=raw["n_routed_experts"], num_experts_per_tok=raw["num_experts_per_tok"],
+            moe_intermediate_size=raw["moe_intermediate_size"],
+            routed_scaling_factor=float(raw["routed_scaling_factor"]), scoring_func=raw["scoring_func"],
+            swiglu_limit=float(raw["swiglu_limit"]), rms_norm_eps=config.rms_norm_eps,
+            max_position=config.max_position, rope_main=dict(raw["rope_parameters"]["main"]), rope_compress=dict(raw["rope_parameters"]["compress"]))
+
+    def ratio(self, layer_type: str) -> int:
+        return 0 if layer_type == SLIDING else self.compress_rates[layer_type]
+
+    def ratios(self) -> tuple[int, ...]:
+        """Distinct compression ratios in use (each gets one set of window indices per batch)."""
+        return tuple(sorted({self.ratio(t) for t in self.layer_types} - {0}))
+
+
+@dataclass(frozen=True)
+class PoolColumns:
+    """Column ranges of one layer's per-token pool row (see the module docstring); width 0 = absent."""
+
+    swa: slice
+    kv: slice
+    gate: slice
+    entry: slice
+    idx_kv: slice
+    idx_gate: slice
+    idx_entry: slice
+
+    @property
+    def width(self) -> int:
+        return max(s.stop for s in (self.swa, self.kv, self.gate, self.entry, self.idx_kv, self.idx_gate,
+                                    self.idx_entry))
+
+    @classmethod
+    def for_layer(cls, cfg: V4Config, layer_type: str) -> "PoolColumns":
+        d, di = cfg.head_dim, cfg.index_head_dim
+        c = 2 if layer_type == CSA else 1
+        widths = [d]
+        if layer_type != SLIDING:
+            widths += [c * d, c * d, d]
+        else:
+            widths += [0, 0, 0]
+        widths += [2 * di, 2 * di, di] if layer_type == CSA else [0, 0, 0]
+        bounds, start = [], 0
+        for w in widths:
+            bounds.append(slice(start, start + w))
+            start += w
+        return cls(*bounds)
+
+
+def inv_freq(cfg: V4Config, params: dict) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies (rope_dim / 2,) and cos/sin scale of one rope-parameter set, from transformers'
+    own definitions (YaRN included) so they cannot drift. Always computed on the CPU (also while a model is
+    built on the meta device)."""
+    with torch.device("cpu"):
+        return _inv_freq(cfg, params)
+
+
+def _inv_freq(cfg: V4Config, params: dict) -> tuple[torch.Tensor, float]:
+    rope_type = params.get("rope_type", "default")
+    if rope_type == "default":
+        dim = cfg.rope_dim
+        return 1.0 / (params["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)), 1.0
+    from transformers import DeepseekV4Config
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    hf = DeepseekV4Config(head_dim=cfg.head_dim, num_attention_heads=cfg.num_heads,
+                          partial_rotary_factor=cfg.rope_dim / cfg.head_dim,
+                          max_position_embeddings=cfg.max_position,
+                          rope_parameters={"main": dict(cfg.rope_main), "compress": dict(params)})
+    freq, scale = ROPE_INIT_FUNCTIONS[rope_type](hf, torch.device("cpu"), layer_type="compress")
+    return freq.float(), float(scale)
+
+
+class V4Rotary:
+    """cos/sin tables (rope_dim / 2 per position) for one rope-parameter set; RoPE rotates adjacent channel
+    pairs of the trailing rope_dim channels, leaving the leading ones alone."""
+
+    def __init__(self, cfg: V4Config, params: dict):
+        # Plain attributes, not buffers: casting the model to bfloat16 must not round the frequencies.
+        self.inv_freq, self.scale = inv_freq(cfg, params)
+
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.inv_freq.device != positions.device:
+            self.inv_freq = self.inv_freq.to(positions.device)
+        freqs = positions[:, None].float() * self.inv_freq[None, :]
+        return freqs.cos() * self.scale, freqs.sin() * self.scale
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x (N, ..., D) rotated on its trailing 2 * cos.shape[-1] channels; cos/sin (N, R/2) broadcast over the
+    middle dims. Pass -sin to undo a rotation."""
+    extra = (1,) * (x.dim() - 2)
+    cos = cos.repeat_interleave(2, dim=-1).view(cos.shape[0], *extra, -1)
+    sin = sin.repeat_interleave(2, dim=-1).view(sin.shape[0], *extra, -1)
+    r = cos.shape[-1]
+    nope, rope = x[..., :-r], x[..., -r:].float()
+    rotated = torch.stack((-rope[..., 1::2], rope[..., 0::2]), dim=-1).flatten(-2)
+    return torch.cat([nope, (rope * cos + rotated * sin).to(x.dtype)], dim=-1)
+
+
+class V4RMSNorm(nn.Module):
+    """RMSNorm whose fp32 gain multiplies the fp32 normalised input before the one cast back (the V4
+    reference keeps norm gains in fp32; the model keeps them so, see DeepseekV4ForCausalLM._apply)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        return (self.weight.float() * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps))).to(x.dtype)
+
+
+def unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)

@@ -1,0 +1,107 @@
+"""DeepSeek-V4 mixture of experts: sqrtsoftplus routing, hash routing, clamped SwiGLU experts.
+
+    ffn.gate.weight (E, H), ffn.gate.bias (E,)          'moe' layers: top-k of scores + bias (the bias steers
+                                                          the choice, never the weights)
+    ffn.gate.tid2eid (vocab, k)                          'hash_moe' layers: experts fixed by the token id
+    ffn.experts.gate_up_proj (E, 2I, H), down_proj (E, H, I)  fused from the per-expert w1 (gate), w3 (up), w2
+    ffn.shared_experts.{w1, w2, w3}                      one always-on expert of width I
+
+Weights are the chosen experts' scores renormalised to sum 1, times routed_scaling_factor. SwiGLU clamps
+gate <= limit and |up| <= limit before silu(gate) * up.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from deepinfer_rt.layers.linear import Linear
+from deepinfer_rt.layers.v4_common import V4Config
+
+
+def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+    return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
+
+
+def score(logits: torch.Tensor, scoring_func: str) -> torch.Tensor:
+    if scoring_func == "sqrtsoftplus":
+        return F.softplus(logits).sqrt()
+    if scoring_func == "sigmoid":
+        return logits.sigmoid()
+    return logits.softmax(dim=-1)
+
+
+class V4Router(nn.Module):
+    def __init__(self, cfg: V4Config, is_hash: bool, vocab_size: int):
+        super().__init__()
+        e, k = cfg.n_routed_experts, cfg.num_experts_per_tok
+        self.top_k, self.scoring_func, self.scaling = k, cfg.scoring_func, cfg.routed_scaling_factor
+        self.weight = nn.Parameter(torch.empty(e, cfg.hidden_size))
+        if is_hash:
+            self.tid2eid = nn.Parameter(torch.zeros(vocab_size, k, dtype=torch.long), requires_grad=False)
+            self.bias = None
+        else:
+            self.tid2eid = None
+            self.bias = nn.Parameter(torch.empty(e, dtype=torch.float32), requires_grad=False)
+
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x (T, H) -> weights (T, k) fp32, expert ids (T, k)."""
+        scores = score(F.linear(x.float(), self.weight.float()), self.scoring_func)
+        if self.tid2eid is not None:
+            ids = self.tid2eid[input_ids]
+        else:
+            ids = (scores + self.bias.float()).topk(self.top_k, dim=-1).indices
+        weights = scores.gather(1, ids)
+        return weights / (weights.sum(dim=-1, keepdim=True) + 1e-20) * self.scaling, ids
+
+
+class ClampedExperts(nn.Module):
+    def __init__(self, cfg: V4Config):
+        super().__init__()
+        e, h, i = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        self.num_experts, self.limit = e, cfg.swiglu_limit
+        self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h))
+        self.down_proj = nn.Parameter(torch.empty(e, h, i))
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """(token, slot) pairs grouped by expert, one matmul per expert hit, slots summed per token."""
+        t, k = ids.shape
+        flat = ids.flatten()
+        order = flat.argsort(stable=True)
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        xs = x[order // k]
+        ys = torch.empty_like(xs)
+        start = 0
+        for e, n in enumerate(counts):
+            if n:
+                rows = slice(start, start + n)
+                gate, up = F.linear(xs[rows], self.gate_up_proj[e]).chunk(2, dim=-1)
+                ys[rows] = F.linear(clamped_swiglu(gate, up, self.limit), self.down_proj[e])
+            start += n
+        out = torch.empty_like(ys)
+        out[order] = ys
+        return (out.view(t, k, -1) * weights.unsqueeze(-1).to(out.dtype)).sum(dim=1)
+
+
+class SharedExpert(nn.Module):
+    def __init__(self, cfg: V4Config):
+        super().__init__()
+        self.limit = cfg.swiglu_limit
+        self.w1 = Linear(cfg.hidden_size, cfg.moe_intermediate_size)
+        self.w3 = Linear(cfg.hidden_size, cfg.moe_intermediate_size)
+        self.w2 = Linear(cfg.moe_intermediate_size, cfg.hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(clamped_swiglu(self.w1(x), self.w3(x), self.limit))
+
+
+class V4MoE(nn.Module):
+    def __init__(self, cfg: V4Config, layer_id: int, vocab_size: int):
+        super().__init__()
+        self.gate = V4Router(cfg, cfg.mlp_layer_types[layer_id] == "hash_moe", vocab_size)
+        self.experts = ClampedExperts(cfg)
+        self.shared_experts = SharedExpert(cfg)
+
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.gate(x, input_ids)
+        return self.experts(x, weights, ids) + self.shared_experts(x)

@@ -1,0 +1,133 @@
+"""DeepSeek-V4 (V4-Flash / V4-Pro layout): per-layer sliding-window, compressed-sparse (CSA) or heavily
+compressed (HCA) attention, hyper-connection residual streams, hash-routed then learned-routed MoE.
+
+Module names follow the released checkpoints (what transformers' save_pretrained writes back): attn, ffn,
+attn_norm, ffn_norm, hc_attn_*, hc_ffn_*, hc_head, head. Multi-token-prediction weights (mtp.*) are not run.
+What the KV pool keeps per token and layer is described in layers/v4_common.py.
+
+Not covered (the V4.1 line): compression ratios 1 and 2, shifted hyper-connections, cross-layer KV sharing,
+YOCO, Engram, and the DSpark draft model.
+"""
+from __future__ import annotations
+
+import re
+from typing import Iterable, Iterator
+
+import torch
+from torch import nn
+
+from deepinfer_rt.cache.kv_pool import KVLayout, KVPool
+from deepinfer_rt.config import ModelConfig
+from deepinfer_rt.forward_batch import ForwardBatch
+from deepinfer_rt.layers.hyper_connections import HyperConnection, HyperHead
+from deepinfer_rt.layers.moe import fuse_expert_weights
+from deepinfer_rt.layers.v4_attention import V4Attention
+from deepinfer_rt.layers.v4_batch import V4Batch, build_v4_batch
+from deepinfer_rt.layers.v4_common import SLIDING, PoolColumns, V4Config, V4RMSNorm, V4Rotary
+from deepinfer_rt.layers.v4_moe import V4MoE
+from deepinfer_rt.models.base import CausalLM
+
+_LAYER = re.compile(r"model\.layers\.(\d+)\.")
+# Kept in fp32 whatever the model dtype, as the reference does: norm gains, attention sinks, compressor position
+# biases, the router correction bias and the hyper-connection weights.
+_FP32 = re.compile(r"(norm\.weight|attn_sink|\.ape|gate\.bias|\.hc_(attn|ffn)\.\w+|hc_head\.\w+)$")
+_RENAMES = ((re.compile(r"\.hc_(attn|ffn)_(fn|base|scale)$"), r".hc_\1.\2"),
+            (re.compile(r"\.experts\.(\d+)\.w1\."), r".experts.\1.gate_proj."),
+            (re.compile(r"\.experts\.(\d+)\.w3\."), r".experts.\1.up_proj."),
+            (re.compile(r"\.experts\.(\d+)\.w2\."), r".experts.\1.down_proj."))
+
+
+class V4DecoderLayer(nn.Module):
+    def __init__(self, cfg: V4Config, layer_id: int, rotary: V4Rotary, vocab_size: int):
+        super().__init__()
+        self.attn = V4Attention(cfg, layer_id, rotary)
+        self.ffn = V4MoE(cfg, layer_id, vocab_size)
+        self.attn_norm = V4RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.ffn_norm = V4RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.hc_attn = HyperConnection(cfg)
+        self.hc_ffn = HyperConnection(cfg)
+
+    def forward(self, streams: torch.Tensor, vb: V4Batch, pool: KVPool) -> torch.Tensor:
+        streams = self.hc_attn(streams, lambda x: self.attn(self.attn_norm(x), vb, pool))
+        return self.hc_ffn(streams, lambda x: self.ffn(self.ffn_norm(x), vb.input_ids))
+
+
+class V4Model(nn.Module):
+    def __init__(self, config: ModelConfig, cfg: V4Config):
+        super().__init__()
+        self.cfg = cfg
+        main, compress = V4Rotary(cfg, cfg.rope_main), V4Rotary(cfg, cfg.rope_compress)
+        self.embed_tokens = nn.Embedding(config.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(
+            V4DecoderLayer(cfg, i, main if t == SLIDING else compress, config.vocab_size)
+            for i, t in enumerate(cfg.layer_types))
+        self.norm = V4RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.hc_head = HyperHead(cfg)
+        self.query_block = 256
+        """Most prefill queries of one sequence attended together (bounds the (Q, H, keys) score tensor)."""
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        vb = build_v4_batch(batch, self.cfg.sliding_window, self.cfg.ratios(), self.query_block)
+        x = self.embed_tokens(batch.input_ids)
+        streams = x.unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()  # (T, N, D)
+        for layer in self.layers:
+            streams = layer(streams, vb, batch.pool)
+        return self.norm(self.hc_head(streams))
+
+
+class DeepseekV4ForCausalLM(CausalLM):
+    def __init__(self, config: ModelConfig):
+        super().__init__(config)
+        self.model = V4Model(config, V4Config.from_model_config(config))
+        self.head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    @staticmethod
+    def kv_layout(config: ModelConfig) -> KVLayout:
+        cfg = V4Config.from_model_config(config)
+        dims = tuple(PoolColumns.for_layer(cfg, t).width for t in cfg.layer_types)
+        return KVLayout(config.num_layers, (1, max(dims)), None, cfg.head_dim, layer_dims=dims)
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        return self.model(batch)
+
+    def _apply(self, fn, recurse=True):
+        # Follow device moves but not dtype casts for the fp32 parameters (cf. layers/moe.py Router).
+        fp32 = {n: p.data for n, p in self.named_parameters() if _FP32.search(n) and p.dtype == torch.float32}
+        super()._apply(fn, recurse)
+        params = dict(self.named_parameters())
+        for name, data in fp32.items():
+            params[name].data = data.to(params[name].device)
+        return self
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.head(hidden).float()
+
+    def tie_weights(self) -> None:
+        if self.config.tie_word_embeddings:
+            self.head.weight = self.model.embed_tokens.weight
+
+    def _is_tied(self, name: str) -> bool:
+        return self.config.tie_word_embeddings and name == "head.weight"
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        num_layers = self.config.num_layers
+
+        def renamed() -> Iterator[tuple[str, torch.Tensor]]:
+            for name, tensor in weights:
+                m = _LAYER.match(name)
+                if name.startswith("mtp.") or (m is not None and int(m[1]) >= num_layers):
+                    continue  # multi-token-prediction layers are not run
+                for pattern, repl in _RENAMES:
+                    name = pattern.sub(repl, name)
+                yield name, tensor
+
+        super().load_weights(fuse_expert_weights(renamed(), self.config.n_routed_experts))
+
+    @torch.no_grad()
+    def init_dummy(self, seed: int) -> None:
+        super().init_dummy(seed)
+        gen = torch.Generator(device="cpu").manual_seed(seed + 1)
+        for name, p in self.named_parameters():
+            if name.endswith("tid2eid"):  # a random hash: each token id gets top_k distinct experts
+                e = self.config.n_routed_experts
+                p.copy_(torch.rand(p.shape[0], e, generator=gen).argsort(dim=-1)[:, : p.shape[1]])
