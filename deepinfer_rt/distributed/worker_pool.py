@@ -137,18 +137,30 @@ class WorkerPool:
                 _, payload = self._sock.recv_multipart()
                 got, rank, *rest = pickle.loads(payload)
                 if got == "error":
-                    self._fail(f"expert-parallel worker {rank} failed:\n{rest[0]}")
+                    # A peer's death surfaces first as a collective error in the survivors: name the cause.
+                    dead = self._dead_worker(wait_s=1.0)
+                    self._fail(f"{dead}; worker {rank} then failed: {rest[0].strip().splitlines()[-1]}" if dead
+                               else f"expert-parallel worker {rank} failed:\n{rest[0]}")
                 replies[rank] = tuple(rest)
                 continue
-            for rank, proc in enumerate(self._procs):
-                if not proc.is_alive():
-                    self._fail(f"expert-parallel worker {rank} (pid {proc.pid}) died with exit code "
-                               f"{proc.exitcode}{self._late_error()}")
+            dead = self._dead_worker(wait_s=0.0)
+            if dead:
+                self._fail(dead + self._late_error())
             if time.monotonic() > deadline:
                 missing = sorted(set(range(self.size)) - set(replies))
                 self._fail(f"expert-parallel worker(s) {missing} did not answer within {timeout_s:g} s "
                            f"(hung?); set DEEPINFER_EP_STEP_TIMEOUT for longer steps")
         return replies
+
+    def _dead_worker(self, wait_s: float) -> str | None:
+        deadline = time.monotonic() + wait_s
+        while True:
+            for rank, proc in enumerate(self._procs):
+                if not proc.is_alive():
+                    return f"expert-parallel worker {rank} (pid {proc.pid}) died with exit code {proc.exitcode}"
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.05)
 
     def _late_error(self) -> str:
         """The traceback a dying worker sent, if it arrives shortly after its death was noticed."""
