@@ -19,6 +19,7 @@ PROMPTS = ["Hello", "The capital of France is", "1 2 3 4 5 6 7 8 9 10 11 12", "d
 GREEDY = SamplingParams(max_new_tokens=10, temperature=0, ignore_eos=True, logprobs=True, top_logprobs=3,
                         prompt_logprobs=True)
 SAMPLED = SamplingParams(max_new_tokens=6, temperature=0.9, top_p=0.9, n=3, seed=11, ignore_eos=True)
+CONSTRAINED = [SamplingParams(max_new_tokens=10, temperature=0, regex=r"[a-z]{3,8} [0-9]+"), GREEDY]
 
 
 def _engine(path, **kwargs) -> Engine:
@@ -29,7 +30,8 @@ def _engine(path, **kwargs) -> Engine:
 def reference(tiny_v3_path):
     with _engine(tiny_v3_path, kv_cache_tokens=4096) as engine:
         yield {"greedy": engine.generate(PROMPTS, sampling_params=GREEDY),
-               "sampled": engine.generate(PROMPTS[:3], sampling_params=SAMPLED)}
+               "sampled": engine.generate(PROMPTS[:3], sampling_params=SAMPLED),
+               "constrained": engine.generate(PROMPTS[:2], sampling_params=CONSTRAINED)}
 
 
 @pytest.fixture(scope="module")
@@ -72,6 +74,13 @@ def test_ep2_seeded_siblings_match_ep1(ep2, reference):
     # n=3 siblings copy their leader's partly filled KV page (page_size 4): slot copies reach the workers.
     outs = ep2.generate(PROMPTS[:3], sampling_params=SAMPLED)
     assert [o.token_ids for o in outs] == [r.token_ids for r in reference["sampled"]]
+
+
+def test_ep2_constrained_rows_match_ep1(ep2, reference):
+    # The engine keeps the grammar matchers and ships bitmask rows; the unconstrained row in the batch is untouched.
+    outs = ep2.generate(PROMPTS[:2], sampling_params=CONSTRAINED)
+    assert [o.token_ids for o in outs] == [r.token_ids for r in reference["constrained"]]
+    assert outs[0].text.split(" ")[0].isalpha()
 
 
 def test_ep_size_must_divide_experts(tiny_v3_path):
