@@ -17,10 +17,20 @@ import torch
 import torch.distributed as dist
 
 from deepinfer_rt.cache.kv_pool import KVLayout, KVPool
-from deepinfer_rt.distributed.ep import (ExpertPlacement, LoadRecorder, init_dummy_sharded, moe_layers,
-                                         shard_experts)
-from deepinfer_rt.distributed.eplb import (LoadWindow, contiguous_placement, place_experts, plan_moves,
-                                           window_objective)
+from deepinfer_rt.distributed.ep import (
+    ExpertPlacement,
+    LoadRecorder,
+    init_dummy_sharded,
+    moe_layers,
+    shard_experts,
+)
+from deepinfer_rt.distributed.eplb import (
+    LoadWindow,
+    contiguous_placement,
+    place_experts,
+    plan_moves,
+    window_objective,
+)
 from deepinfer_rt.distributed.protocol import StepMsg, StepReply, WorkerArgs
 from deepinfer_rt.env import get_env
 from deepinfer_rt.layers.attention.torch_ref import BACKENDS
@@ -242,7 +252,7 @@ def worker_main(args: WorkerArgs) -> None:
             if kind == "stop":
                 break
             sock.send(pickle.dumps(("step", args.rank, worker.step(msg)), protocol=pickle.HIGHEST_PROTOCOL))
-    except Exception:
+    except Exception:  # any failure is reported to the engine, which names this rank in its error
         sock.send(pickle.dumps(("error", args.rank, traceback.format_exc())))
         code = 1
     finally:

@@ -25,7 +25,13 @@ import zmq
 from deepinfer_rt.cache.kv_pool import PageAllocator
 from deepinfer_rt.config import EngineConfig, ModelConfig
 from deepinfer_rt.distributed.eplb import EPLBConfig
-from deepinfer_rt.distributed.protocol import NewReq, StepItem, StepMsg, StepReply, WorkerArgs
+from deepinfer_rt.distributed.protocol import (
+    NewReq,
+    StepItem,
+    StepMsg,
+    StepReply,
+    WorkerArgs,
+)
 from deepinfer_rt.distributed.worker import worker_main
 from deepinfer_rt.env import get_env
 from deepinfer_rt.model_runner import RunResult
@@ -123,9 +129,8 @@ class WorkerPool:
         """Set by the engine; the matchers stay here and the workers receive filled bitmask rows."""
         self._sent: dict[int, tuple[int, int, int]] = {}
         """rid -> (tokens, retractions, pages) the workers' mirror holds after the previous step."""
-        self._rank_tokens = [0] * n
-        self._sum_mean = self._sum_max = 0.0
         self._last: StepReply | None = None
+        self.reset_stats()
 
     # ---- supervision ----
     def _collect(self, kind: str, timeout_s: float) -> dict[int, tuple]:
@@ -166,7 +171,7 @@ class WorkerPool:
         """The traceback a dying worker sent, if it arrives shortly after its death was noticed."""
         if self._sock.poll(500):
             _, payload = self._sock.recv_multipart()
-            got, rank, *rest = pickle.loads(payload)
+            got, _, *rest = pickle.loads(payload)
             if got == "error":
                 return f":\n{rest[0]}"
         return ""
@@ -227,6 +232,11 @@ class WorkerPool:
             self._rank_tokens = [a + b for a, b in zip(self._rank_tokens, layer)]
             self._sum_mean += sum(layer) / self.size
             self._sum_max += max(layer)
+
+    def reset_stats(self) -> None:
+        """Restart the balance counters (a benchmark measures after its warm-up)."""
+        self._rank_tokens = [0] * self.size
+        self._sum_mean = self._sum_max = 0.0
 
     def stats(self) -> dict:
         """MoE balance over all steps and layers: moe_balance = sum of mean / sum of max (token, expert) pairs

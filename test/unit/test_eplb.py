@@ -6,8 +6,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from deepinfer_rt.distributed.ep import ExpertPlacement
-from deepinfer_rt.distributed.eplb import (LoadWindow, balance, contiguous_placement, match_slots, place_experts,
-                                           plan_moves, rank_loads, window_objective)
+from deepinfer_rt.distributed.eplb import (
+    LoadWindow,
+    balance,
+    contiguous_placement,
+    match_slots,
+    place_experts,
+    plan_moves,
+    rank_loads,
+    window_objective,
+)
 
 
 def zipf_loads(num_steps: int, num_experts: int, skew: float, tokens: int, seed: int) -> torch.Tensor:
@@ -39,7 +47,7 @@ def test_redundancy_improves_max_over_mean_on_skewed_load():
     assert after < 1.15
     assert window_objective(loads, balanced) < 0.75 * window_objective(loads, plain)
     # The redundant slots went to the hottest experts.
-    copies = torch.bincount(torch.tensor(sum(balanced, [])), minlength=64)
+    copies = torch.bincount(torch.tensor([e for experts in balanced for e in experts]), minlength=64)
     hottest = loads.sum(0).argsort(descending=True)[:4]
     assert (copies[hottest] > 1).all()
 
