@@ -49,6 +49,13 @@ class Env:
     """DEEPINFER_NUM_THREADS: torch intra-op threads on CPU (0 = torch's default)."""
     ep_worker_pool: bool
     """DEEPINFER_EP_WORKER_POOL=1: run ep_size=1 through the expert-parallel worker pool too (one worker)."""
+    ep_local_workers: int
+    """DEEPINFER_EP_LOCAL_WORKERS: EP ranks the engine starts itself (0 = all); ranks from this one on are
+    started elsewhere: `python -m deepinfer_rt.distributed.worker tcp://DEEPINFER_EP_HOST:DEEPINFER_EP_PORT`."""
+    ep_host: str
+    """DEEPINFER_EP_HOST: address the engine listens on for its EP workers and their rendezvous (127.0.0.1)."""
+    ep_port: int
+    """DEEPINFER_EP_PORT: the engine's port for EP workers (0 = any free port; fix it for remote workers)."""
     ep_step_timeout_s: float
     """DEEPINFER_EP_STEP_TIMEOUT: seconds a step may take before an EP worker counts as hung (default 30)."""
     ep_start_timeout_s: float
@@ -75,6 +82,9 @@ def get_env() -> Env:
         grammar_compile_timeout_s=_float("DEEPINFER_GRAMMAR_COMPILE_TIMEOUT", 30.0),
         num_threads=_int("DEEPINFER_NUM_THREADS", 0),
         ep_worker_pool=_bool("DEEPINFER_EP_WORKER_POOL", False),
+        ep_local_workers=_int("DEEPINFER_EP_LOCAL_WORKERS", 0),
+        ep_host=_str("DEEPINFER_EP_HOST", "127.0.0.1"),
+        ep_port=_int("DEEPINFER_EP_PORT", 0),
         ep_step_timeout_s=_float("DEEPINFER_EP_STEP_TIMEOUT", 30.0),
         ep_start_timeout_s=_float("DEEPINFER_EP_START_TIMEOUT", 600.0),
         eplb=_bool("DEEPINFER_EPLB", False),

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import os
 import pickle
+import sys
 import traceback
+from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
 
@@ -230,15 +232,39 @@ class Worker:
                 p.data[slot].copy_(b)
 
 
-def worker_main(args: WorkerArgs) -> None:
-    """Process entry: connect to the engine, load, report ready, serve steps until told to stop."""
+def _connect(engine_addr: str, rank: int):
     import zmq
 
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.IDENTITY, f"w{args.rank}".encode())
+    sock.setsockopt(zmq.IDENTITY, f"w{rank}".encode())
     sock.setsockopt(zmq.LINGER, 2000)  # a last error report must leave before the process exits
-    sock.connect(args.engine_addr)
+    sock.connect(engine_addr)
+    return ctx, sock
+
+
+def worker_main(args: WorkerArgs) -> None:
+    """Entry of a worker the engine spawned."""
+    _serve(args, *_connect(args.engine_addr, args.rank))
+
+
+def main() -> None:
+    """Entry of a worker started outside the engine, e.g. on another node (DEEPINFER_EP_LOCAL_WORKERS):
+
+        RANK=2 LOCAL_RANK=0 python -m deepinfer_rt.distributed.worker tcp://ENGINE_HOST:DEEPINFER_EP_PORT
+
+    RANK and LOCAL_RANK come from the launcher's environment (torchrun sets them); the engine sends the rest,
+    including the rendezvous address."""
+    rank = int(os.environ["RANK"])
+    ctx, sock = _connect(sys.argv[1], rank)
+    sock.send(pickle.dumps(("hello", rank)))
+    args: WorkerArgs = pickle.loads(sock.recv())
+    args = replace(args, dist_env={**args.dist_env, "LOCAL_RANK": os.environ.get("LOCAL_RANK", "0")})
+    _serve(args, ctx, sock)
+
+
+def _serve(args: WorkerArgs, ctx, sock) -> None:
+    """Load, report ready, serve steps until told to stop (or the engine that spawned this process is gone)."""
     code = 0
     try:
         worker = Worker(args)
@@ -262,3 +288,7 @@ def worker_main(args: WorkerArgs) -> None:
         ctx.term()
     if code:
         os._exit(code)
+
+
+if __name__ == "__main__":
+    main()

@@ -3,7 +3,10 @@
 `WorkerPool.run(batch)` keeps ModelRunner's contract, so the engine loop does not change: the scheduler stays in
 the engine process, each step's batch goes to every worker as plain data (pickled once, sent over one zmq
 ROUTER socket) and rank 0's sampled tokens come back. Workers are torch.multiprocessing processes (spawn),
-one per GPU on CUDA; they find each other through torch.distributed's env:// rendezvous.
+one per GPU on CUDA; they find each other through torch.distributed's env:// rendezvous. Ranks beyond
+DEEPINFER_EP_LOCAL_WORKERS are started elsewhere (another node, by torchrun or any launcher that sets RANK and
+LOCAL_RANK) with `python -m deepinfer_rt.distributed.worker tcp://HOST:PORT`; they ask the engine for their
+arguments and the rendezvous address, then serve like the local ones.
 
 Supervision: while waiting for a step the engine polls the socket and the workers' liveness every 0.2 s. A
 worker that dies, reports an exception, or does not answer within DEEPINFER_EP_STEP_TIMEOUT makes `run` raise a
@@ -59,16 +62,16 @@ class RemotePool:
         return copies
 
 
-def _free_port() -> int:
+def _free_port(host: str) -> int:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return s.getsockname()[1]
 
 
-def _stop_workers(procs, sock, ctx) -> None:
-    """Ask politely, then terminate, then kill: a worker blocked in a collective (its peer died) or stopped
-    by a signal answers only to SIGKILL."""
-    for rank in range(len(procs)):
+def _stop_workers(num_workers: int, procs, sock, ctx) -> None:
+    """Ask every rank politely, then terminate, then kill the ones this engine started: a worker blocked in a
+    collective (its peer died) or stopped by a signal answers only to SIGKILL."""
+    for rank in range(num_workers):
         try:
             sock.send_multipart([f"w{rank}".encode(), pickle.dumps(("stop", None))], flags=zmq.NOBLOCK)
         except zmq.ZMQError:
@@ -95,33 +98,40 @@ class WorkerPool:
             raise ValueError(f"ep_size={n} needs a mixture-of-experts model; {model_config.architecture} is dense")
         if model_config.is_moe and model_config.n_routed_experts % n:
             raise ValueError(f"ep_size={n} must divide the {model_config.n_routed_experts} routed experts")
-        if config.device.type == "cuda" and n > torch.cuda.device_count():
-            raise ValueError(f"ep_size={n} needs {n} GPUs; {torch.cuda.device_count()} visible")
+        num_local = env.ep_local_workers or n
+        if config.device.type == "cuda" and num_local > torch.cuda.device_count():
+            raise ValueError(f"{num_local} local EP workers need as many GPUs; {torch.cuda.device_count()} visible")
         self.size = n
         self.step_timeout_s = env.ep_step_timeout_s
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
-        engine_addr = f"tcp://127.0.0.1:{self._sock.bind_to_random_port('tcp://127.0.0.1')}"
-        master = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": str(n)}
+        host = env.ep_host
+        if env.ep_port:
+            port = env.ep_port
+            self._sock.bind(f"tcp://{host}:{port}")
+        else:
+            port = self._sock.bind_to_random_port(f"tcp://{host}")
+        master = {"MASTER_ADDR": host, "MASTER_PORT": str(_free_port(host)), "WORLD_SIZE": str(n)}
         eplb = EPLBConfig(env.eplb, env.eplb_window_steps, env.eplb_interval_steps, env.eplb_redundant_per_rank)
-        threads = env.num_threads or max(1, torch.get_num_threads() // n)
+        # Every rank gets the same arguments but its rank; ranks >= num_local ask for theirs ("hello").
+        self._worker_args = [WorkerArgs(
+            rank=rank, world_size=n, engine_addr=f"tcp://{host}:{port}",
+            dist_env=dict(master, RANK=str(rank), LOCAL_RANK=str(rank)),
+            parent_pid=os.getpid() if rank < num_local else 0,
+            model_path=str(path), model_config=model_config, dtype=config.dtype, device_type=config.device.type,
+            load_format=config.load_format, seed=config.seed, page_size=config.cache.page_size,
+            num_pages=(config.cache.kv_cache_tokens // config.cache.page_size
+                       if config.cache.kv_cache_tokens is not None else None),
+            max_num_seqs=config.scheduler.max_num_seqs, max_position=model_config.max_position, eos_ids=eos_ids,
+            num_threads=env.num_threads or max(1, torch.get_num_threads() // num_local), eplb=eplb,
+            timeout_s=max(60.0, 2 * env.ep_step_timeout_s)) for rank in range(n)]
         spawn = torch.multiprocessing.get_context("spawn")
-        self._procs = []
-        for rank in range(n):
-            args = WorkerArgs(
-                rank=rank, world_size=n, engine_addr=engine_addr,
-                dist_env=dict(master, RANK=str(rank), LOCAL_RANK=str(rank)), parent_pid=os.getpid(),
-                model_path=str(path), model_config=model_config, dtype=config.dtype, device_type=config.device.type,
-                load_format=config.load_format, seed=config.seed, page_size=config.cache.page_size,
-                num_pages=(config.cache.kv_cache_tokens // config.cache.page_size
-                           if config.cache.kv_cache_tokens is not None else None),
-                max_num_seqs=config.scheduler.max_num_seqs, max_position=model_config.max_position,
-                eos_ids=eos_ids, num_threads=threads, eplb=eplb, timeout_s=max(60.0, 2 * env.ep_step_timeout_s))
-            proc = spawn.Process(target=worker_main, args=(args,), name=f"deepinfer-ep{rank}", daemon=True)
+        self._procs = [spawn.Process(target=worker_main, args=(self._worker_args[rank],), name=f"deepinfer-ep{rank}",
+                                     daemon=True) for rank in range(num_local)]
+        for proc in self._procs:
             proc.start()
-            self._procs.append(proc)
-        self._finalizer = weakref.finalize(self, _stop_workers, self._procs, self._sock, self._ctx)
+        self._finalizer = weakref.finalize(self, _stop_workers, n, self._procs, self._sock, self._ctx)
         self._broken: str | None = None
         ready = self._collect("ready", env.ep_start_timeout_s)
         self.pool = RemotePool(min(num_pages for (num_pages,) in ready.values()), config.cache.page_size)
@@ -141,6 +151,9 @@ class WorkerPool:
             if self._sock.poll(_POLL_MS):
                 _, payload = self._sock.recv_multipart()
                 got, rank, *rest = pickle.loads(payload)
+                if got == "hello":  # a worker started outside the engine asks for its arguments
+                    self._sock.send_multipart([f"w{rank}".encode(), pickle.dumps(self._worker_args[rank])])
+                    continue
                 if got == "error":
                     # A peer's death surfaces first as a collective error in the survivors: name the cause.
                     dead = self._dead_worker(wait_s=1.0)

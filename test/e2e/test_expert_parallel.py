@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
+import subprocess
+import sys
 import time
 
 import pytest
@@ -82,6 +85,26 @@ def test_ep2_constrained_rows_match_ep1(ep2, reference):
     outs = ep2.generate(PROMPTS[:2], sampling_params=CONSTRAINED)
     assert [o.token_ids for o in outs] == [r.token_ids for r in reference["constrained"]]
     assert outs[0].text.split(" ")[0].isalpha()
+
+
+def test_worker_started_outside_the_engine(tiny_v3_path, reference):
+    # As on a second node: rank 1 is launched by hand (RANK/LOCAL_RANK from the launcher) and joins the pool.
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    launched = subprocess.Popen([sys.executable, "-m", "deepinfer_rt.distributed.worker", f"tcp://127.0.0.1:{port}"],
+                                env=dict(os.environ, RANK="1", LOCAL_RANK="0"))
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("DEEPINFER_EP_LOCAL_WORKERS", "1")
+            mp.setenv("DEEPINFER_EP_PORT", str(port))
+            with _engine(tiny_v3_path, kv_cache_tokens=4096, ep_size=2) as engine:
+                assert len(engine.runner.pids) == 1
+                outs = engine.generate(PROMPTS[:3], sampling_params=GREEDY)
+        assert [o.token_ids for o in outs] == [r.token_ids for r in reference["greedy"][:3]]
+        assert launched.wait(timeout=30) == 0  # the engine's shutdown stopped it
+    finally:
+        launched.kill()
 
 
 def test_ep_size_must_divide_experts(tiny_v3_path):
