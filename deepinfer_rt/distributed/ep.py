@@ -96,12 +96,21 @@ class ExpertParallelMoE:
 
     def __call__(self, moe: MoE, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         num_tokens = x.shape[0]
-        slots = self.placement.route(self.layer, ids)
-        self.recorder.record(self.layer, ids, slots // self.placement.slots_per_rank)
+        per_rank = self.placement.slots_per_rank
+        slots = self.placement.route(self.layer, ids)  # (T, k) global slots
+        dest = slots // per_rank
+        self.recorder.record(self.layer, ids, dest)
         chunk = -(-num_tokens // self.size)
         lo, hi = min(self.rank * chunk, num_tokens), min((self.rank + 1) * chunk, num_tokens)
+        # Every rank routes every token, so each knows what every rank sends every other: no count exchange.
+        source = (torch.arange(num_tokens, device=x.device) // chunk)[:, None].expand_as(slots)
+        counts = torch.bincount((source * self.size + dest).flatten(), minlength=self.size**2)
+        counts = counts.view(self.size, self.size).tolist()  # [source][destination] (token, k) pairs
+        send_split = counts[self.rank]
+        recv_split = [row[self.rank] for row in counts]
         xs = x[lo:hi]
-        y = self._dispatch_compute_combine(moe.experts, xs, weights[lo:hi], slots[lo:hi])
+        y = self._dispatch_compute_combine(moe.experts, xs, weights[lo:hi], slots, source, send_split, recv_split,
+                                           lo, hi)
         if moe.shared_experts is not None:
             y = y + moe.shared_experts(xs)
         padded = x.new_zeros(chunk, x.shape[1])
@@ -116,19 +125,18 @@ class ExpertParallelMoE:
         return out
 
     def _dispatch_compute_combine(self, experts: RoutedExperts, xs: torch.Tensor, weights: torch.Tensor,
-                                  slots: torch.Tensor) -> torch.Tensor:
-        t, k = slots.shape
-        hidden = xs.shape[1]
+                                  slots: torch.Tensor, source: torch.Tensor, send_split: list[int],
+                                  recv_split: list[int], lo: int, hi: int) -> torch.Tensor:
+        k, hidden = slots.shape[1], xs.shape[1]
         per_rank = self.placement.slots_per_rank
-        flat = slots.flatten()
-        order = flat.argsort(stable=True)  # pairs grouped by destination rank, then slot, token order kept
-        send_counts = torch.bincount(flat // per_rank, minlength=self.size)
-        recv_counts = torch.empty_like(send_counts)
-        dist.all_to_all_single(recv_counts, send_counts, group=self.group)
-        send_split, recv_split = send_counts.tolist(), recv_counts.tolist()
+        mine = slots[lo:hi].flatten()
+        order = mine.argsort(stable=True)  # this chunk's pairs by destination rank, then slot, token order kept
         recv_x = self._all_to_all(xs[order // k], recv_split, send_split)
-        recv_slot = self._all_to_all(flat[order] % per_rank, recv_split, send_split)
         if recv_x.shape[0]:
+            # The received rows come by source chunk, each sorted by slot: recompute that order locally.
+            flat, src, num_slots = slots.flatten(), source.flatten(), per_rank * self.size
+            key = torch.where(flat // per_rank == self.rank, src * num_slots + flat, num_slots * self.size)
+            recv_slot = flat[key.argsort(stable=True)[: recv_x.shape[0]]] % per_rank
             # Weight 1 (exact): the routing weights are applied after combine, as without EP.
             ones = torch.ones(recv_x.shape[0], 1, dtype=torch.float32, device=xs.device)
             recv_y = experts(recv_x, ones, recv_slot[:, None])
@@ -137,7 +145,7 @@ class ExpertParallelMoE:
         back = self._all_to_all(recv_y, send_split, recv_split)
         out = torch.empty_like(back)
         out[order] = back  # (token, k) order
-        return (out.view(t, k, hidden) * weights.unsqueeze(-1)).sum(dim=1).to(xs.dtype)
+        return (out.view(hi - lo, k, hidden) * weights.unsqueeze(-1)).sum(dim=1).to(xs.dtype)
 
 
 def moe_layers(model: nn.Module) -> list[MoE]:
