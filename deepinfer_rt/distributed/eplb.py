@@ -110,14 +110,10 @@ def place_experts(load: torch.Tensor, num_ranks: int, slots_per_rank: int,
     per_step = torch.zeros(num_ranks, load.shape[0], dtype=load.dtype)
     for e, share in copies:
         peak = per_step.max(dim=0).values
-        best_key, best = None, -1
-        for r in range(num_ranks):
-            if len(sets[r]) >= slots_per_rank or e in sets[r]:
-                continue
-            raise_by = (torch.maximum(per_step[r] + share, peak) - peak).sum().item()
-            key = (round(raise_by, 9), e not in held_before[r], per_step[r].sum().item(), r)
-            if best_key is None or key < best_key:
-                best_key, best = key, r
+        raise_by = (torch.maximum(per_step + share, peak) - peak).sum(dim=1).tolist()  # per rank
+        totals = per_step.sum(dim=1).tolist()
+        best = min((r for r in range(num_ranks) if len(sets[r]) < slots_per_rank and e not in sets[r]),
+                   key=lambda r: (round(raise_by[r], 9), e not in held_before[r], totals[r], r))
         sets[best].append(e)
         per_step[best] += share
     return match_slots(sets, previous) if previous else [sorted(s) for s in sets]

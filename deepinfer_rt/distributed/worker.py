@@ -125,7 +125,9 @@ class Worker:
             shard_experts(model, self.placement, self.rank, self.recorder)
         if args.load_format == "dummy":
             model = model.to(args.dtype)
-            init_dummy_sharded(model, self.placement, self.rank, args.seed) if self.placement else \
+            if self.placement is not None:
+                init_dummy_sharded(model, self.placement, self.rank, args.seed)
+            else:
                 model.init_dummy(args.seed)
         elif args.load_format in ("auto", "safetensors"):
             model.load_weights(iter_safetensors(Path(args.model_path)))
