@@ -15,6 +15,7 @@ Decode tok/s = batch * (new tokens - 1) / (time of the full generate - time of a
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import json
 import os
@@ -95,20 +96,26 @@ def copy_bandwidth(device: str) -> float:
     return 2 * n * 4 / best
 
 
+@functools.cache
+def param_counts(path: Path) -> tuple[int, int, int]:
+    """(routed expert weights, weights every step reads (embedding excluded), MoE layers) of the model."""
+    mc, _ = load_model_config(path)
+    model = get_model_class(mc.architecture)(mc)  # routed experts are torch.empty: reserved, never touched
+    routed = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    always = sum(p.numel() for n, p in model.named_parameters() if ".experts." not in n and "embed_tokens" not in n)
+    return routed, always, sum(1 for n, _ in model.named_parameters() if n.endswith("experts.down_proj"))
+
+
 def decode_floor(path: Path, dtype: torch.dtype, batch: int, context: int, ep: int, bandwidth: float) -> float:
     """PERF.md decode floor in tok/s for one EP rank: replicated weights (embedding rows excluded) + its share of
     the routed experts uniform routing touches + the KV the step attends to."""
     mc, _ = load_model_config(path)
-    with torch.device("meta"):
-        model = get_model_class(mc.architecture)(mc)
     size = torch.empty((), dtype=dtype).element_size()
-    routed = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
-    always = sum(p.numel() for n, p in model.named_parameters() if ".experts." not in n and "embed_tokens" not in n)
-    num_moe = sum(1 for n, _ in model.named_parameters() if n.endswith("experts.down_proj"))
+    routed, always, num_moe = param_counts(path)
     e, k = mc.n_routed_experts, mc.num_experts_per_tok
     touched = e * (1 - (1 - k / e) ** batch)
     expert_bytes = routed / (num_moe * e) * size
-    kv = model.kv_layout(mc).bytes_per_token(dtype) * batch * context
+    kv = get_model_class(mc.architecture).kv_layout(mc).bytes_per_token(dtype) * batch * context
     step_bytes = always * size + num_moe * touched * expert_bytes / ep + kv
     return batch / (step_bytes / bandwidth)
 
@@ -120,11 +127,12 @@ def timed(engine: Engine, prompts: list[list[int]], max_new: int) -> float:
     return time.perf_counter() - t
 
 
-def measure(engine: Engine, batch: int, prompt_len: int, max_new: int, repeats: int, vocab: int, rng) -> dict:
+def measure(engine: Engine, batch: int, prompt_len: int, max_new: int, repeats: int, vocab: int, rng,
+            warmup_steps: int) -> dict:
     def prompts():  # fresh ids every call: nothing comes from the prefix cache
         return [[rng.randrange(vocab) for _ in range(prompt_len)] for _ in range(batch)]
 
-    timed(engine, prompts(), max_new)  # warm-up (and, with EPLB, the first rearrangements)
+    timed(engine, prompts(), max(max_new, warmup_steps))  # warm-up (with EPLB: the first rearrangements)
     if hasattr(engine.runner, "reset_stats"):
         engine.runner.reset_stats()
     runs = []
@@ -177,7 +185,8 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--eplb-interval", type=int, default=8)
+    ap.add_argument("--eplb-interval", type=int, default=16,
+                    help="steps between rearrangements; the warm-up runs two intervals so EPLB is settled")
     ap.add_argument("--threads", type=int, default=1,
                     help="CPU: torch threads per process (EP=N uses N processes, i.e. N cores)")
     ap.add_argument("--check-tiny", action="store_true", help="also compare tiny DeepSeek-V3 tokens, EP=2 vs EP=1")
@@ -214,7 +223,7 @@ def main() -> None:
     if args.device == "cpu" and 1 in eps:
         with Engine(str(path), **common) as engine:  # the single-process engine: no worker pool
             for b in batches:
-                run = measure(engine, b, args.prompt_len, args.max_new_tokens, args.repeats, vocab, rng)
+                run = measure(engine, b, args.prompt_len, args.max_new_tokens, args.repeats, vocab, rng, 0)
                 result["runs"].append({"mode": "in_process", "ep": 1, "skew": 0.0, "eplb": False, "batch": b, **run})
                 print(f"in-process EP=1 batch {b}: {run['decode_tok_s']:.1f} tok/s")
                 save()
@@ -223,7 +232,8 @@ def main() -> None:
                  DEEPINFER_EPLB_INTERVAL=args.eplb_interval, DEEPINFER_EPLB_WINDOW=4 * args.eplb_interval):
             with Engine(str(path), ep_size=ep, **common) as engine:
                 for b in batches:
-                    run = measure(engine, b, args.prompt_len, args.max_new_tokens, args.repeats, vocab, rng)
+                    run = measure(engine, b, args.prompt_len, args.max_new_tokens, args.repeats, vocab, rng,
+                                  2 * args.eplb_interval + 2 if eplb else 0)
                     floor = decode_floor(path, dtype, b, context, ep, bandwidth)
                     run.update(floor_tok_s=floor, fraction_of_floor=run["decode_tok_s"] / floor)
                     result["runs"].append({"mode": "worker_pool", "ep": ep, "skew": skew, "eplb": eplb, "batch": b,

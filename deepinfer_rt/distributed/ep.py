@@ -152,14 +152,16 @@ def moe_layers(model: nn.Module) -> list[MoE]:
     return [m for m in model.modules() if isinstance(m, MoE)]
 
 
-def shard_experts(model: nn.Module, placement: ExpertPlacement, rank: int, recorder: LoadRecorder) -> None:
-    """Give each MoE layer only this rank's slots. Checkpoint tensors hold every expert (fused, (E, ...));
-    the weight loader keeps the rows of the experts in this rank's slots."""
+def shard_experts(model: nn.Module, placement: ExpertPlacement, rank: int, recorder: LoadRecorder,
+                  device: torch.device, dtype: torch.dtype) -> None:
+    """Replace each MoE layer's full-size expert tensors by this rank's slots (uninitialised, on `device` in
+    `dtype`). Checkpoint tensors hold every expert (fused, (E, ...)); the weight loader keeps the rows of the
+    experts in this rank's slots."""
     for layer, moe in enumerate(moe_layers(model)):
         local = placement.layers[layer][rank]
         full = moe.experts
-        with torch.device(full.gate_up_proj.device):
-            experts = RoutedExperts(len(local), full.gate_up_proj.shape[2], full.down_proj.shape[2])
+        with torch.device(device):
+            experts = RoutedExperts(len(local), full.gate_up_proj.shape[2], full.down_proj.shape[2]).to(dtype)
         for param in (experts.gate_up_proj, experts.down_proj):
             param.weight_loader = _expert_rows_loader(local)
         moe.experts = experts

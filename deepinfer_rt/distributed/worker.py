@@ -113,8 +113,11 @@ class Worker:
 
     def _build_model(self, cls):
         args = self.args
-        # Dummy weights are drawn on the device; checkpoints load on the CPU and move once.
-        with torch.device(self.device if args.load_format == "dummy" else "cpu"):
+        # Built on the CPU (routed experts are torch.empty there: reserved, never touched, dropped when sharded).
+        # Dummy weights are drawn on the device, so their experts are allocated there directly; checkpoints load
+        # on the CPU and move once.
+        dummy = args.load_format == "dummy"
+        with torch.device("cpu"):
             model = cls(self.config)
         num_moe = len(moe_layers(model))
         if num_moe:
@@ -122,9 +125,10 @@ class Worker:
             self.placement = ExpertPlacement([self._initial_placement() for _ in range(num_moe)], experts,
                                              self.device)
             self.recorder = LoadRecorder(num_moe, experts, self.size, self.device)
-            shard_experts(model, self.placement, self.rank, self.recorder)
-        if args.load_format == "dummy":
-            model = model.to(args.dtype)
+            where = (self.device, args.dtype) if dummy else (torch.device("cpu"), torch.float32)
+            shard_experts(model, self.placement, self.rank, self.recorder, *where)
+        if dummy:
+            model = model.to(device=self.device, dtype=args.dtype)
             if self.placement is not None:
                 init_dummy_sharded(model, self.placement, self.rank, args.seed)
             else:
