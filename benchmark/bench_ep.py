@@ -93,6 +93,9 @@ def copy_bandwidth(device: str) -> float:
         if device == "cuda":
             torch.cuda.synchronize()
         best = min(best, time.perf_counter() - t)
+    del src, dst
+    if device == "cuda":
+        torch.cuda.empty_cache()  # leave GPU 0 to the EP worker on it
     return 2 * n * 4 / best
 
 
@@ -240,7 +243,8 @@ def main() -> None:
                                            **run})
                     print(f"EP={ep} skew={skew} eplb={'on' if eplb else 'off'} batch {b}: "
                           f"{run['decode_tok_s']:.1f} tok/s (floor {floor:.0f}, {run['fraction_of_floor']:.2%}) "
-                          f"balance mean/max {run.get('moe_balance', 1.0):.3f} moved {run.get('eplb_moved_experts', 0)}")
+                          f"balance mean/max {run.get('moe_balance', 1.0):.3f} "
+                          f"moved {run.get('eplb_moved_experts', 0)}")
                     save()
     print(f"wrote {out}")
 
