@@ -53,8 +53,8 @@ class Engine:
             raise ValueError(f"schedule_policy must be 'lpm' or 'fcfs', got {schedule_policy!r}")
         if page_size < 1 or chunked_prefill_tokens < 1 or max_num_seqs < 1:
             raise ValueError("page_size, chunked_prefill_tokens and max_num_seqs must be >= 1")
-        if ep_size != 1:
-            raise ValueError("ep_size > 1 needs the expert-parallel worker pool (not available in this build)")
+        if ep_size < 1:
+            raise ValueError(f"ep_size must be >= 1, got {ep_size}")
         self.config = EngineConfig(
             model=model, dtype=_resolve_dtype(dtype, dev), device=dev, load_format=load_format, seed=seed,
             batch_invariant=batch_invariant or env.batch_invariant, ep_size=ep_size,
@@ -63,16 +63,24 @@ class Engine:
         path = resolve_model_path(model)
         self.model_config, _ = load_model_config(path)
         self.tokenizer = load_tokenizer(path)
-        self.model = build_model(self.model_config, path, load_format, self.config.dtype, dev, seed)
         mc = self.model_config
         self.eos_ids = mc.eos_token_ids or ((self.tokenizer.eos_token_id,) if self.tokenizer.eos_token_id
                                             is not None else ())
-        self.pool = KVPool(self.model.kv_layout(mc), self._num_pages(), page_size, self.config.dtype, dev)
+        self.sampler = Sampler(mc.vocab_size)
+        if ep_size > 1 or env.ep_worker_pool:
+            from deepinfer_rt.distributed.worker_pool import WorkerPool
+
+            # The model lives in the EP worker processes; the pool here is the page allocator over theirs.
+            self.model = None
+            self.runner = WorkerPool(self.config, path, mc, self.eos_ids)
+            self.pool = self.runner.pool
+        else:
+            self.model = build_model(self.model_config, path, load_format, self.config.dtype, dev, seed)
+            self.pool = KVPool(self.model.kv_layout(mc), self._num_pages(), page_size, self.config.dtype, dev)
+            self.runner = ModelRunner(self.model, self.pool, BACKENDS["torch"](), self.sampler, dev, self.eos_ids)
         self.cache: PrefixCache = (RadixCache(self.pool.allocator, page_size) if enable_prefix_cache
                                    else NoPrefixCache(self.pool.allocator, page_size))
         self.scheduler = Scheduler(self.config.scheduler, self.pool, self.cache)
-        self.sampler = Sampler(mc.vocab_size)
-        self.runner = ModelRunner(self.model, self.pool, BACKENDS["torch"](), self.sampler, dev, self.eos_ids)
         self.outputs = OutputProcessor(self.tokenizer, self.eos_ids, mc.max_position)
         self._rng = random.Random(seed)
         self._rids = itertools.count()
@@ -312,6 +320,8 @@ class Engine:
             self.scheduler.waiting.clear()
             if self._grammar is not None:
                 self._grammar.close()
+            if hasattr(self.runner, "shutdown"):  # the EP worker pool stops its processes
+                self.runner.shutdown()
             self._closed = True
 
     def __enter__(self) -> "Engine":
@@ -328,4 +338,6 @@ class Engine:
                  "num_cached_pages": self.cache.num_cached_pages}
         if isinstance(self.cache, RadixCache):
             stats.update(self.cache.stats())
+        if hasattr(self.runner, "stats"):  # the EP worker pool: MoE balance across ranks, EPLB moves
+            stats.update(self.runner.stats())
         return stats

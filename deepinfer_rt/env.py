@@ -47,6 +47,29 @@ class Env:
     """DEEPINFER_GRAMMAR_COMPILE_TIMEOUT: seconds a grammar may take to compile before its request errors."""
     num_threads: int
     """DEEPINFER_NUM_THREADS: torch intra-op threads on CPU (0 = torch's default)."""
+    ep_worker_pool: bool
+    """DEEPINFER_EP_WORKER_POOL=1: run ep_size=1 through the expert-parallel worker pool too (one worker)."""
+    ep_local_workers: int
+    """DEEPINFER_EP_LOCAL_WORKERS: EP ranks the engine starts itself (0 = all); ranks from this one on are
+    started elsewhere: `python -m deepinfer_rt.distributed.worker tcp://DEEPINFER_EP_HOST:DEEPINFER_EP_PORT`."""
+    ep_host: str
+    """DEEPINFER_EP_HOST: address the engine listens on for its EP workers and their rendezvous (127.0.0.1)."""
+    ep_port: int
+    """DEEPINFER_EP_PORT: the engine's port for EP workers (0 = any free port; fix it for remote workers)."""
+    ep_step_timeout_s: float
+    """DEEPINFER_EP_STEP_TIMEOUT: seconds a step may take before an EP worker counts as hung (default 30)."""
+    ep_start_timeout_s: float
+    """DEEPINFER_EP_START_TIMEOUT: seconds EP workers may take to load the model and report ready."""
+    eplb: bool
+    """DEEPINFER_EPLB=1: expert-parallel load balancing (redundant copies of hot experts, rearranged)."""
+    eplb_window_steps: int
+    """DEEPINFER_EPLB_WINDOW: steps of per-expert load the placement policy judges (default 64)."""
+    eplb_interval_steps: int
+    """DEEPINFER_EPLB_INTERVAL: steps between expert rearrangements (default 32)."""
+    eplb_redundant_per_rank: int
+    """DEEPINFER_EPLB_REDUNDANT: extra expert slots per rank for copies of hot experts (default 2)."""
+    moe_router_skew: float
+    """DEEPINFER_MOE_ROUTER_SKEW: benchmarks only; biases MoE routers toward low expert ids (Zipf exponent)."""
 
 
 def get_env() -> Env:
@@ -58,4 +81,15 @@ def get_env() -> Env:
         kv_cache_max_cpu_gib=_float("DEEPINFER_KV_CACHE_MAX_CPU_GIB", 2.0),
         grammar_compile_timeout_s=_float("DEEPINFER_GRAMMAR_COMPILE_TIMEOUT", 30.0),
         num_threads=_int("DEEPINFER_NUM_THREADS", 0),
+        ep_worker_pool=_bool("DEEPINFER_EP_WORKER_POOL", False),
+        ep_local_workers=_int("DEEPINFER_EP_LOCAL_WORKERS", 0),
+        ep_host=_str("DEEPINFER_EP_HOST", "127.0.0.1"),
+        ep_port=_int("DEEPINFER_EP_PORT", 0),
+        ep_step_timeout_s=_float("DEEPINFER_EP_STEP_TIMEOUT", 30.0),
+        ep_start_timeout_s=_float("DEEPINFER_EP_START_TIMEOUT", 600.0),
+        eplb=_bool("DEEPINFER_EPLB", False),
+        eplb_window_steps=_int("DEEPINFER_EPLB_WINDOW", 64),
+        eplb_interval_steps=_int("DEEPINFER_EPLB_INTERVAL", 32),
+        eplb_redundant_per_rank=_int("DEEPINFER_EPLB_REDUNDANT", 2),
+        moe_router_skew=_float("DEEPINFER_MOE_ROUTER_SKEW", 0.0),
     )

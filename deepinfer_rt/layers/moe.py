@@ -19,6 +19,7 @@ from torch import nn
 
 from deepinfer_kernels.reference import silu_and_mul
 from deepinfer_rt.config import ModelConfig
+from deepinfer_rt.env import get_env
 from deepinfer_rt.layers.mlp import GatedMLP
 
 
@@ -75,9 +76,15 @@ class Router(nn.Module):
         self.e_score_correction_bias = (
             nn.Parameter(torch.empty(e, dtype=torch.float32), requires_grad=False)
             if config.topk_method == "noaux_tc" else None)
+        skew = get_env().moe_router_skew
+        # Benchmarks only: a Zipf-like preference for low expert ids, p(e) ~ (1 + e)^-skew under softmax.
+        self.skew_bias = -skew * torch.arange(1, e + 1, dtype=torch.float32).log() if skew else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x.float(), self.weight)  # (T, E) fp32
+        logits = F.linear(x.float(), self.weight)  # (T, E) fp32
+        if self.skew_bias is not None:
+            logits = logits + self.skew_bias.to(logits.device)
+        return logits
 
     def _apply(self, fn, recurse=True):
         # HF keeps the router in fp32 (_keep_in_fp32_modules_strict): in bf16 the correction bias (entries
@@ -128,6 +135,9 @@ class MoE(nn.Module):
         self.shared_experts = (
             GatedMLP(config.hidden_size, config.moe_intermediate_size * config.n_shared_experts)
             if config.n_shared_experts else None)
+        self.expert_parallel = None
+        """In an expert-parallel worker, the hook that runs routed and shared experts across the EP group
+        (deepinfer_rt/distributed/ep.py); `experts` then holds only this rank's slots."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         c = self.config
@@ -135,6 +145,8 @@ class MoE(nn.Module):
             self.gate(x), c.num_experts_per_tok, scoring_func=c.scoring_func, topk_method=c.topk_method,
             n_group=c.n_group, topk_group=c.topk_group, correction_bias=self.gate.e_score_correction_bias,
             norm_topk_prob=c.norm_topk_prob, routed_scaling_factor=c.routed_scaling_factor)
+        if self.expert_parallel is not None:
+            return self.expert_parallel(self, x, weights, ids)
         y = self.experts(x, weights, ids)
         return y if self.shared_experts is None else y + self.shared_experts(x)
 

@@ -1,0 +1,200 @@
+"""Expert parallelism inside a worker: expert placement tables, the MoE dispatch/combine hook, expert sharding.
+
+Every EP rank runs attention over the whole batch (attention is replicated), so every rank holds the same
+hidden states and router output. A MoE layer then splits the tokens into one contiguous chunk per rank and,
+for its own chunk, each rank
+
+    route      each (token, k) pair -> a slot (rank, local slot) holding a copy of the chosen expert
+    dispatch   all-to-all: the pairs' hidden rows go to the slots' ranks
+    compute    the local experts over the rows they received (RoutedExperts, the same grouped reference)
+    combine    all-to-all back; the k results of a token are weighted and summed in slot (= expert id) order
+    gather     all-gather of the chunks: every rank again holds the whole batch for the next attention
+
+A receiving rank orders an expert's rows by source rank, then by token within the source: that is the global
+token order, so each expert multiplies exactly the matrix it would without EP, and the weighted sum runs in the
+same order. EP size therefore does not change the routed result; only the shared experts see chunk-sized
+matmuls, which moves fp32 results by float rounding at most.
+"""
+from __future__ import annotations
+
+import zlib
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from deepinfer_rt.distributed.eplb import Placement
+from deepinfer_rt.layers.moe import MoE, RoutedExperts
+
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.12
+
+
+class ExpertPlacement:
+    """The placement of every MoE layer and its routing tables on the device.
+
+    copies[l, e, j] = global slot (rank * S + local slot) of the j-th copy of expert e (padded by repetition),
+    num_copies[l, e] = its number of copies.
+    """
+
+    def __init__(self, layers: list[Placement], num_experts: int, device: torch.device):
+        self.layers = layers
+        self.num_experts = num_experts
+        self.num_ranks = len(layers[0])
+        self.slots_per_rank = len(layers[0][0])
+        self.copies = torch.zeros(len(layers), num_experts, self.num_ranks, dtype=torch.long, device=device)
+        self.num_copies = torch.zeros(len(layers), num_experts, dtype=torch.long, device=device)
+        for i, placement in enumerate(layers):
+            self.set_layer(i, placement)
+
+    def set_layer(self, layer: int, placement: Placement) -> None:
+        slots: list[list[int]] = [[] for _ in range(self.num_experts)]
+        for r, experts in enumerate(placement):
+            for s, e in enumerate(experts):
+                slots[e].append(r * self.slots_per_rank + s)
+        if any(not s for s in slots):
+            raise ValueError(f"layer {layer}: placement leaves experts without a copy")
+        table = [s + [s[0]] * (self.num_ranks - len(s)) for s in slots]
+        self.layers[layer] = placement
+        self.copies[layer] = torch.tensor(table, device=self.copies.device)
+        self.num_copies[layer] = torch.tensor([len(s) for s in slots], device=self.copies.device)
+
+    def route(self, layer: int, ids: torch.Tensor) -> torch.Tensor:
+        """ids (T, k) logical experts -> (T, k) global slots; token i takes copy i mod (number of copies)."""
+        token = torch.arange(ids.shape[0], device=ids.device)[:, None]
+        return self.copies[layer][ids, token % self.num_copies[layer][ids]]
+
+
+class LoadRecorder:
+    """Per-step counts, kept on the device until the step ends: tokens per logical expert (EPLB's input) and
+    (token, expert) pairs per rank (the balance reported in engine stats)."""
+
+    def __init__(self, num_layers: int, num_experts: int, num_ranks: int, device: torch.device):
+        self.expert_tokens = torch.zeros(num_layers, num_experts, dtype=torch.long, device=device)
+        self.rank_tokens = torch.zeros(num_layers, num_ranks, dtype=torch.long, device=device)
+
+    def record(self, layer: int, ids: torch.Tensor, ranks: torch.Tensor) -> None:
+        self.expert_tokens[layer] += torch.bincount(ids.flatten(), minlength=self.expert_tokens.shape[1])
+        self.rank_tokens[layer] += torch.bincount(ranks.flatten(), minlength=self.rank_tokens.shape[1])
+
+    def take(self) -> tuple[torch.Tensor, torch.Tensor]:
+        counts = self.expert_tokens.clone().cpu(), self.rank_tokens.clone().cpu()
+        self.expert_tokens.zero_()
+        self.rank_tokens.zero_()
+        return counts
+
+
+class ExpertParallelMoE:
+    """The hook a worker installs as `moe.expert_parallel` on each MoE layer (see layers/moe.py)."""
+
+    def __init__(self, layer: int, placement: ExpertPlacement, recorder: LoadRecorder, group=None):
+        self.layer = layer
+        self.placement = placement
+        self.recorder = recorder
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.size = dist.get_world_size(group)
+
+    def __call__(self, moe: MoE, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        per_rank = self.placement.slots_per_rank
+        slots = self.placement.route(self.layer, ids)  # (T, k) global slots
+        dest = slots // per_rank
+        self.recorder.record(self.layer, ids, dest)
+        chunk = -(-num_tokens // self.size)
+        lo, hi = min(self.rank * chunk, num_tokens), min((self.rank + 1) * chunk, num_tokens)
+        # Every rank routes every token, so each knows what every rank sends every other: no count exchange.
+        source = (torch.arange(num_tokens, device=x.device) // chunk)[:, None].expand_as(slots)
+        counts = torch.bincount((source * self.size + dest).flatten(), minlength=self.size**2)
+        counts = counts.view(self.size, self.size).tolist()  # [source][destination] (token, k) pairs
+        send_split = counts[self.rank]
+        recv_split = [row[self.rank] for row in counts]
+        xs = x[lo:hi]
+        y = self._dispatch_compute_combine(moe.experts, xs, weights[lo:hi], slots, source, send_split, recv_split,
+                                           lo, hi)
+        if moe.shared_experts is not None:
+            y = y + moe.shared_experts(xs)
+        padded = x.new_zeros(chunk, x.shape[1])
+        padded[: hi - lo] = y
+        out = x.new_empty(chunk * self.size, x.shape[1])
+        _all_gather(out, padded, group=self.group)
+        return out[:num_tokens]
+
+    def _all_to_all(self, rows: torch.Tensor, out_split: list[int], in_split: list[int]) -> torch.Tensor:
+        out = rows.new_empty(sum(out_split), *rows.shape[1:])
+        dist.all_to_all_single(out, rows, out_split, in_split, group=self.group)
+        return out
+
+    def _dispatch_compute_combine(self, experts: RoutedExperts, xs: torch.Tensor, weights: torch.Tensor,
+                                  slots: torch.Tensor, source: torch.Tensor, send_split: list[int],
+                                  recv_split: list[int], lo: int, hi: int) -> torch.Tensor:
+        k, hidden = slots.shape[1], xs.shape[1]
+        per_rank = self.placement.slots_per_rank
+        mine = slots[lo:hi].flatten()
+        order = mine.argsort(stable=True)  # this chunk's pairs by destination rank, then slot, token order kept
+        recv_x = self._all_to_all(xs[order // k], recv_split, send_split)
+        if recv_x.shape[0]:
+            # The received rows come by source chunk, each sorted by slot: recompute that order locally.
+            flat, src, num_slots = slots.flatten(), source.flatten(), per_rank * self.size
+            key = torch.where(flat // per_rank == self.rank, src * num_slots + flat, num_slots * self.size)
+            recv_slot = flat[key.argsort(stable=True)[: recv_x.shape[0]]] % per_rank
+            # Weight 1 (exact): the routing weights are applied after combine, as without EP.
+            ones = torch.ones(recv_x.shape[0], 1, dtype=torch.float32, device=xs.device)
+            recv_y = experts(recv_x, ones, recv_slot[:, None])
+        else:
+            recv_y = recv_x
+        back = self._all_to_all(recv_y, send_split, recv_split)
+        out = torch.empty_like(back)
+        out[order] = back  # (token, k) order
+        return (out.view(hi - lo, k, hidden) * weights.unsqueeze(-1)).sum(dim=1).to(xs.dtype)
+
+
+def moe_layers(model: nn.Module) -> list[MoE]:
+    return [m for m in model.modules() if isinstance(m, MoE)]
+
+
+def shard_experts(model: nn.Module, placement: ExpertPlacement, rank: int, recorder: LoadRecorder,
+                  device: torch.device, dtype: torch.dtype) -> None:
+    """Replace each MoE layer's full-size expert tensors by this rank's slots (uninitialised, on `device` in
+    `dtype`). Checkpoint tensors hold every expert (fused, (E, ...)); the weight loader keeps the rows of the
+    experts in this rank's slots."""
+    for layer, moe in enumerate(moe_layers(model)):
+        local = placement.layers[layer][rank]
+        full = moe.experts
+        with torch.device(device):
+            experts = RoutedExperts(len(local), full.gate_up_proj.shape[2], full.down_proj.shape[2]).to(dtype)
+        for param in (experts.gate_up_proj, experts.down_proj):
+            param.weight_loader = _expert_rows_loader(local)
+        moe.experts = experts
+        moe.expert_parallel = ExpertParallelMoE(layer, placement, recorder)
+
+
+def _expert_rows_loader(local: list[int]):
+    def load(param: nn.Parameter, tensor: torch.Tensor) -> None:
+        param.data.copy_(tensor[local])
+    return load
+
+
+def _seed(seed: int, *parts) -> int:
+    return seed * 1_000_003 + zlib.crc32(repr(parts).encode())
+
+
+@torch.no_grad()
+def init_dummy_sharded(model: nn.Module, placement: ExpertPlacement, rank: int, seed: int) -> None:
+    """load_format='dummy' for EP workers: normal(0, 0.02) (norms 1) drawn on the device, each expert from a
+    seed of its own, so the same logical expert gets the same weights whatever rank and slot hold it and the
+    model is the same for every EP size."""
+    gen = torch.Generator(device=next(model.parameters()).device)
+    expert_params = {}
+    for layer, moe in enumerate(moe_layers(model)):
+        for p in (moe.experts.gate_up_proj, moe.experts.down_proj):
+            expert_params[id(p)] = (layer, placement.layers[layer][rank])
+    for name, p in model.named_parameters():
+        if "norm" in name and p.dim() == 1:
+            p.fill_(1.0)
+        elif id(p) in expert_params:
+            layer, local = expert_params[id(p)]
+            kind = name.rsplit(".", 1)[-1]
+            for s, e in enumerate(local):
+                p[s].normal_(0.0, 0.02, generator=gen.manual_seed(_seed(seed, layer, kind, e)))
+        else:
+            p.normal_(0.0, 0.02, generator=gen.manual_seed(_seed(seed, name)))

@@ -1,0 +1,87 @@
+"""Plain data exchanged between the engine and its EP workers (pickled over zmq).
+
+Workers keep a mirror `Req` of each request in the previous step's batch; a step message carries only what
+changed since then. A request absent from a step is forgotten by the workers and sent whole if it returns
+(after a retraction, or a step that had no budget for it), so the mirrors never drift from the engine.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from deepinfer_rt.config import ModelConfig
+from deepinfer_rt.distributed.eplb import EPLBConfig
+from deepinfer_rt.model_runner import RunResult
+from deepinfer_rt.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class WorkerArgs:
+    rank: int
+    world_size: int
+    engine_addr: str
+    """zmq address of the engine's ROUTER socket."""
+    dist_env: dict[str, str]
+    """torchrun-style variables (MASTER_ADDR, MASTER_PORT, RANK, LOCAL_RANK, WORLD_SIZE) for env:// init."""
+    parent_pid: int
+    model_path: str
+    model_config: ModelConfig
+    """Parsed by the engine (workers need not import transformers)."""
+    dtype: torch.dtype
+    device_type: str
+    load_format: str
+    seed: int
+    page_size: int
+    num_pages: int | None
+    """KV pool size, or None: each worker sizes it from its memory after loading, and all take the minimum."""
+    max_num_seqs: int
+    max_position: int
+    eos_ids: tuple[int, ...]
+    num_threads: int
+    eplb: EPLBConfig
+    timeout_s: float
+
+
+@dataclass
+class NewReq:
+    """A request the workers do not hold (first step, or back after an absence)."""
+    rid: int
+    prompt_ids: list[int]
+    token_ids: list[int]
+    params: SamplingParams
+    seed: int
+
+
+@dataclass
+class StepItem:
+    rid: int
+    num_computed_tokens: int
+    num_new_tokens: int
+    new_token_ids: list[int]
+    """Tokens appended since the previous step (the whole list for a NewReq is in NewReq.token_ids)."""
+    pages_from: int
+    """new_pages extend the mirror's pages from this index (0: replace them)."""
+    new_pages: list[int]
+    num_prompt_logprobs: int
+    bitmask: torch.Tensor | None = None
+    """Grammar bitmask row (int32, ceil(V / 32)) filled by the engine when the item samples constrained."""
+
+
+@dataclass
+class StepMsg:
+    new_reqs: list[NewReq] = field(default_factory=list)
+    items: list[StepItem] = field(default_factory=list)
+    kv_copies: list[tuple[list[int], list[int]]] = field(default_factory=list)
+    """(src slots, dst slots) copies the scheduler asked for since the previous step, done before the forward."""
+
+
+@dataclass
+class StepReply:
+    rank: int
+    result: RunResult | None
+    """Rank 0's result (every rank computes the same; only one is sent)."""
+    rank_tokens: list[list[int]] | None
+    """(moe layers, ranks) (token, expert) pairs computed per rank this step; rank 0 only."""
+    num_moved_experts: int = 0
+    num_rearrangements: int = 0

@@ -1,0 +1,300 @@
+"""An expert-parallel worker process: one EP rank (one GPU on CUDA, one CPU process with gloo on CPU).
+
+It joins the EP group through torch.distributed's env:// rendezvous (the variables torchrun sets: MASTER_ADDR,
+MASTER_PORT, RANK, WORLD_SIZE, LOCAL_RANK), holds the attention/dense weights, its slots of every MoE layer
+and a KV pool, and runs the engine's plain-data steps through the ordinary ModelRunner. Steps arrive on a zmq
+DEALER socket; every rank answers each step, rank 0 with the sampled tokens (all ranks compute the same).
+"""
+from __future__ import annotations
+
+import os
+import pickle
+import sys
+import traceback
+from dataclasses import replace
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from deepinfer_rt.cache.kv_pool import KVLayout, KVPool
+from deepinfer_rt.distributed.ep import (
+    ExpertPlacement,
+    LoadRecorder,
+    init_dummy_sharded,
+    moe_layers,
+    shard_experts,
+)
+from deepinfer_rt.distributed.eplb import (
+    LoadWindow,
+    contiguous_placement,
+    place_experts,
+    plan_moves,
+    window_objective,
+)
+from deepinfer_rt.distributed.protocol import StepMsg, StepReply, WorkerArgs
+from deepinfer_rt.env import get_env
+from deepinfer_rt.layers.attention.torch_ref import BACKENDS
+from deepinfer_rt.model_runner import ModelRunner
+from deepinfer_rt.models.loader import iter_safetensors
+from deepinfer_rt.models.registry import get_model_class
+from deepinfer_rt.request import Req
+from deepinfer_rt.sampler import Sampler
+from deepinfer_rt.scheduler.batch import ScheduledBatch, ScheduledReq
+
+
+class ShippedBitmasks:
+    """Stands in for the grammar backend in a worker: the engine holds the grammar matchers, fills each
+    constrained row's bitmask and ships it with the step (as that mirror request's `grammar`)."""
+
+    def __init__(self, vocab_size: int):
+        self.vocab_size = vocab_size
+
+    def fill_and_apply(self, logits: torch.Tensor, bitmasks: list[torch.Tensor | None]) -> None:
+        import xgrammar
+
+        rows = [i for i, b in enumerate(bitmasks) if b is not None]
+        full = torch.full((logits.shape[0], bitmasks[rows[0]].shape[0]), -1, dtype=torch.int32)
+        full[rows] = torch.stack([bitmasks[i] for i in rows])
+        width = logits.shape[1]
+        xgrammar.apply_token_bitmask_inplace(logits, full.to(logits.device), vocab_size=min(width, self.vocab_size),
+                                             indices=rows)
+        if width > self.vocab_size:
+            logits[rows, self.vocab_size:] = float("-inf")
+
+
+class Worker:
+    def __init__(self, args: WorkerArgs):
+        self.args = args
+        self.device = self._init_distributed(args)
+        self.rank, self.size = dist.get_rank(), dist.get_world_size()
+        self.config = args.model_config
+        mc = self.config
+        self.eplb = args.eplb if args.eplb.enabled and self.size > 1 else None
+        self.placement: ExpertPlacement | None = None
+        self.recorder: LoadRecorder | None = None
+        self.model = self._build_model(get_model_class(mc.architecture))
+        self.experts = [moe.experts for moe in moe_layers(self.model)]
+        layout = self.model.kv_layout(mc)
+        self.num_pages = args.num_pages or self._size_kv_pages(layout)
+        self.pool = KVPool(layout, self.num_pages, args.page_size, args.dtype, self.device)
+        self.runner = ModelRunner(self.model, self.pool, BACKENDS["torch"](), Sampler(mc.vocab_size), self.device,
+                                  args.eos_ids)
+        self.runner.grammar = ShippedBitmasks(mc.vocab_size)
+        self.mirrors: dict[int, Req] = {}
+        self.window = LoadWindow(self.eplb.window_steps) if self.eplb else None
+        self.num_steps = 0
+        self.num_moved_experts = 0
+        self.num_rearrangements = 0
+
+    # ---- start ----
+    @staticmethod
+    def _init_distributed(args: WorkerArgs) -> torch.device:
+        os.environ.update(args.dist_env)
+        if args.num_threads:
+            torch.set_num_threads(args.num_threads)
+        timeout = timedelta(seconds=args.timeout_s)
+        if args.device_type == "cuda":
+            device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+            torch.cuda.set_device(device)
+            dist.init_process_group("nccl", timeout=timeout, device_id=device)
+        else:
+            device = torch.device("cpu")
+            dist.init_process_group("gloo", timeout=timeout)
+        return device
+
+    def _initial_placement(self):
+        experts = self.config.n_routed_experts
+        if self.eplb is None:
+            return contiguous_placement(experts, self.size)
+        slots = experts // self.size + self.eplb.redundant_per_rank
+        return place_experts(torch.ones(1, experts, dtype=torch.float64), self.size, slots)
+
+    def _build_model(self, cls):
+        args = self.args
+        # Built on the CPU (routed experts are torch.empty there: reserved, never touched, dropped when sharded).
+        # Dummy weights are drawn on the device, so their experts are allocated there directly; checkpoints load
+        # on the CPU and move once.
+        dummy = args.load_format == "dummy"
+        with torch.device("cpu"):
+            model = cls(self.config)
+        num_moe = len(moe_layers(model))
+        if num_moe:
+            experts = self.config.n_routed_experts
+            self.placement = ExpertPlacement([self._initial_placement() for _ in range(num_moe)], experts,
+                                             self.device)
+            self.recorder = LoadRecorder(num_moe, experts, self.size, self.device)
+            where = (self.device, args.dtype) if dummy else (torch.device("cpu"), torch.float32)
+            shard_experts(model, self.placement, self.rank, self.recorder, *where)
+        if dummy:
+            model = model.to(device=self.device, dtype=args.dtype)
+            if self.placement is not None:
+                init_dummy_sharded(model, self.placement, self.rank, args.seed)
+            else:
+                model.init_dummy(args.seed)
+        elif args.load_format in ("auto", "safetensors"):
+            model.load_weights(iter_safetensors(Path(args.model_path)))
+        else:
+            raise ValueError(f"load_format must be 'auto' or 'dummy', got {args.load_format!r}")
+        model.tie_weights()
+        model = model.to(device=self.device, dtype=args.dtype).eval()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # construction leftovers must not count as used when sizing the KV pool
+        return model
+
+    def _size_kv_pages(self, layout: KVLayout) -> int:
+        """Same budget rule as the single-process engine, measured after the weights are in place; every rank
+        holds a full pool (attention is replicated), so on a shared CPU the budget is split between ranks.
+        All ranks take the smallest size."""
+        env, args = get_env(), self.args
+        if self.device.type == "cuda":
+            budget = torch.cuda.mem_get_info(self.device)[0] * env.kv_cache_memory_fraction
+        else:
+            avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+            budget = min(env.kv_cache_max_cpu_gib * 2**30, 0.25 * avail) / self.size
+        tokens = min(int(budget // layout.bytes_per_token(args.dtype)), args.max_num_seqs * args.max_position)
+        pages = torch.tensor([max(tokens // args.page_size, 1)], device=self.device)
+        dist.all_reduce(pages, op=dist.ReduceOp.MIN)
+        return int(pages.item())
+
+    # ---- each step ----
+    def step(self, msg: StepMsg) -> StepReply:
+        for src, dst in msg.kv_copies:
+            self.pool.copy_slots(src, dst)
+        result = self.runner.run(self._batch(msg))
+        rank_tokens = None
+        if self.recorder is not None:
+            expert_tokens, rank_tokens = self.recorder.take()
+            self.num_steps += 1
+            if self.eplb is not None:
+                self.window.add(expert_tokens)
+                if self.num_steps % self.eplb.interval_steps == 0:
+                    self._rearrange()
+            rank_tokens = rank_tokens.tolist()
+        if self.rank != 0:
+            return StepReply(self.rank, None, None)
+        return StepReply(0, result, rank_tokens, self.num_moved_experts, self.num_rearrangements)
+
+    def _batch(self, msg: StepMsg) -> ScheduledBatch:
+        """Mirror requests of this step: new ones whole, returning ones advanced by the message's deltas."""
+        mirrors = {}
+        for new in msg.new_reqs:
+            req = Req(new.rid, new.prompt_ids, new.params, new.seed)
+            req.token_ids = list(new.token_ids)
+            mirrors[new.rid] = req
+        batch = ScheduledBatch()
+        for item in msg.items:
+            req = mirrors.get(item.rid) or self.mirrors[item.rid]
+            req.token_ids.extend(item.new_token_ids)
+            if item.pages_from == 0:
+                req.pages = list(item.new_pages)
+            else:
+                assert len(req.pages) == item.pages_from, f"request {item.rid}: KV pages out of step with the engine"
+                req.pages.extend(item.new_pages)
+            req.num_computed_tokens = item.num_computed_tokens
+            req.prompt_logprobs = [None] * item.num_prompt_logprobs
+            req.grammar = item.bitmask
+            mirrors[item.rid] = req
+            batch.items.append(ScheduledReq(req, item.num_new_tokens))
+        self.mirrors = mirrors
+        return batch
+
+    # ---- EPLB ----
+    def _rearrange(self) -> None:
+        """Every rank holds the same routing counts, so each computes the same new placement with no messages;
+        only the slots whose expert changed receive weights, point to point from a rank that held it."""
+        loads = self.window.loads()  # (steps, layers, experts)
+        moves = []
+        for layer, old in enumerate(self.placement.layers):
+            load = loads[:, layer]
+            new = place_experts(load, self.size, len(old[0]), old)
+            if window_objective(load, new) > (1 - self.eplb.min_improvement) * window_objective(load, old):
+                continue
+            moves.extend(plan_moves(layer, old, new))
+            self.placement.set_layer(layer, new)
+        self._move_weights(moves)
+        self.num_moved_experts += len(moves)
+        self.num_rearrangements += 1
+
+    def _move_weights(self, moves) -> None:
+        ops, received = [], []
+        for i, move in enumerate(moves):
+            experts = self.experts[move.layer]
+            params = (experts.gate_up_proj, experts.down_proj)
+            if self.rank == move.src_rank:
+                ops += [dist.P2POp(dist.isend, p.data[move.src_slot], move.dst_rank, tag=2 * i + j)
+                        for j, p in enumerate(params)]
+            elif self.rank == move.dst_rank:
+                bufs = [torch.empty_like(p.data[move.dst_slot]) for p in params]
+                ops += [dist.P2POp(dist.irecv, b, move.src_rank, tag=2 * i + j) for j, b in enumerate(bufs)]
+                received.append((params, move.dst_slot, bufs))
+        if ops:
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+        # Written only after every send completed: a slot may be a source and a destination in one move.
+        for params, slot, bufs in received:
+            for p, b in zip(params, bufs):
+                p.data[slot].copy_(b)
+
+
+def _connect(engine_addr: str, rank: int):
+    import zmq
+
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.IDENTITY, f"w{rank}".encode())
+    sock.setsockopt(zmq.LINGER, 2000)  # a last error report must leave before the process exits
+    sock.connect(engine_addr)
+    return ctx, sock
+
+
+def worker_main(args: WorkerArgs) -> None:
+    """Entry of a worker the engine spawned."""
+    _serve(args, *_connect(args.engine_addr, args.rank))
+
+
+def main() -> None:
+    """Entry of a worker started outside the engine, e.g. on another node (DEEPINFER_EP_LOCAL_WORKERS):
+
+        RANK=2 LOCAL_RANK=0 python -m deepinfer_rt.distributed.worker tcp://ENGINE_HOST:DEEPINFER_EP_PORT
+
+    RANK and LOCAL_RANK come from the launcher's environment (torchrun sets them); the engine sends the rest,
+    including the rendezvous address."""
+    rank = int(os.environ["RANK"])
+    ctx, sock = _connect(sys.argv[1], rank)
+    sock.send(pickle.dumps(("hello", rank)))
+    args: WorkerArgs = pickle.loads(sock.recv())
+    args = replace(args, dist_env={**args.dist_env, "LOCAL_RANK": os.environ.get("LOCAL_RANK", "0")})
+    _serve(args, ctx, sock)
+
+
+def _serve(args: WorkerArgs, ctx, sock) -> None:
+    """Load, report ready, serve steps until told to stop (or the engine that spawned this process is gone)."""
+    code = 0
+    try:
+        worker = Worker(args)
+        sock.send(pickle.dumps(("ready", args.rank, worker.num_pages)))
+        while True:
+            if not sock.poll(1000):
+                if args.parent_pid and os.getppid() != args.parent_pid:
+                    break  # the engine is gone: do not outlive it
+                continue
+            kind, msg = pickle.loads(sock.recv())
+            if kind == "stop":
+                break
+            sock.send(pickle.dumps(("step", args.rank, worker.step(msg)), protocol=pickle.HIGHEST_PROTOCOL))
+    except Exception:  # any failure is reported to the engine, which names this rank in its error
+        sock.send(pickle.dumps(("error", args.rank, traceback.format_exc())))
+        code = 1
+    finally:
+        if dist.is_initialized() and code == 0:
+            dist.destroy_process_group()
+        sock.close()
+        ctx.term()
+    if code:
+        os._exit(code)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,260 @@
+"""Engine side of expert parallelism: starts, feeds and supervises the EP worker processes.
+
+`WorkerPool.run(batch)` keeps ModelRunner's contract, so the engine loop does not change: the scheduler stays in
+the engine process, each step's batch goes to every worker as plain data (pickled once, sent over one zmq
+ROUTER socket) and rank 0's sampled tokens come back. Workers are torch.multiprocessing processes (spawn),
+one per GPU on CUDA; they find each other through torch.distributed's env:// rendezvous. Ranks beyond
+DEEPINFER_EP_LOCAL_WORKERS are started elsewhere (another node, by torchrun or any launcher that sets RANK and
+LOCAL_RANK) with `python -m deepinfer_rt.distributed.worker tcp://HOST:PORT`; they ask the engine for their
+arguments and the rendezvous address, then serve like the local ones.
+
+Supervision: while waiting for a step the engine polls the socket and the workers' liveness every 0.2 s. A
+worker that dies, reports an exception, or does not answer within DEEPINFER_EP_STEP_TIMEOUT makes `run` raise a
+RuntimeError naming it, and all workers are stopped: none outlives the engine (a finalizer stops them even if
+shutdown is never called, and workers exit on their own when their parent disappears).
+"""
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+import time
+import weakref
+from pathlib import Path
+
+import torch
+import zmq
+
+from deepinfer_rt.cache.kv_pool import PageAllocator
+from deepinfer_rt.config import EngineConfig, ModelConfig
+from deepinfer_rt.distributed.eplb import EPLBConfig
+from deepinfer_rt.distributed.protocol import (
+    NewReq,
+    StepItem,
+    StepMsg,
+    StepReply,
+    WorkerArgs,
+)
+from deepinfer_rt.distributed.worker import worker_main
+from deepinfer_rt.env import get_env
+from deepinfer_rt.model_runner import RunResult
+from deepinfer_rt.scheduler.batch import ScheduledBatch
+
+_POLL_MS = 200
+
+
+class RemotePool:
+    """The engine's view of the workers' KV pools: the page allocator the scheduler and prefix cache use, and
+    slot copies (forking a partly filled page) queued for the workers to do before the next forward."""
+
+    def __init__(self, num_pages: int, page_size: int):
+        self.allocator = PageAllocator(num_pages)
+        self.page_size = page_size
+        self.num_slots = num_pages * page_size
+        self._copies: list[tuple[list[int], list[int]]] = []
+
+    def copy_slots(self, src: list[int], dst: list[int]) -> None:
+        if src:
+            self._copies.append((list(src), list(dst)))
+
+    def take_copies(self) -> list[tuple[list[int], list[int]]]:
+        copies, self._copies = self._copies, []
+        return copies
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _stop_workers(num_workers: int, procs, sock, ctx) -> None:
+    """Ask every rank politely, then terminate, then kill the ones this engine started: a worker blocked in a
+    collective (its peer died) or stopped by a signal answers only to SIGKILL."""
+    for rank in range(num_workers):
+        try:
+            sock.send_multipart([f"w{rank}".encode(), pickle.dumps(("stop", None))], flags=zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass
+    deadline = time.monotonic() + 3.0
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+            p.join(1.0)
+        if p.is_alive():
+            p.kill()
+            p.join(5.0)
+    sock.close(linger=0)
+    ctx.term()
+
+
+class WorkerPool:
+    def __init__(self, config: EngineConfig, path: Path, model_config: ModelConfig, eos_ids: tuple[int, ...]):
+        env = get_env()
+        n = config.ep_size
+        if n > 1 and not model_config.is_moe:
+            raise ValueError(f"ep_size={n} needs a mixture-of-experts model; {model_config.architecture} is dense")
+        if model_config.is_moe and model_config.n_routed_experts % n:
+            raise ValueError(f"ep_size={n} must divide the {model_config.n_routed_experts} routed experts")
+        num_local = env.ep_local_workers or n
+        if config.device.type == "cuda" and num_local > torch.cuda.device_count():
+            raise ValueError(f"{num_local} local EP workers need as many GPUs; {torch.cuda.device_count()} visible")
+        self.size = n
+        self.step_timeout_s = env.ep_step_timeout_s
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        host = env.ep_host
+        if env.ep_port:
+            port = env.ep_port
+            self._sock.bind(f"tcp://{host}:{port}")
+        else:
+            port = self._sock.bind_to_random_port(f"tcp://{host}")
+        master = {"MASTER_ADDR": host, "MASTER_PORT": str(_free_port(host)), "WORLD_SIZE": str(n)}
+        eplb = EPLBConfig(env.eplb, env.eplb_window_steps, env.eplb_interval_steps, env.eplb_redundant_per_rank)
+        # Every rank gets the same arguments but its rank; ranks >= num_local ask for theirs ("hello").
+        self._worker_args = [WorkerArgs(
+            rank=rank, world_size=n, engine_addr=f"tcp://{host}:{port}",
+            dist_env=dict(master, RANK=str(rank), LOCAL_RANK=str(rank)),
+            parent_pid=os.getpid() if rank < num_local else 0,
+            model_path=str(path), model_config=model_config, dtype=config.dtype, device_type=config.device.type,
+            load_format=config.load_format, seed=config.seed, page_size=config.cache.page_size,
+            num_pages=(config.cache.kv_cache_tokens // config.cache.page_size
+                       if config.cache.kv_cache_tokens is not None else None),
+            max_num_seqs=config.scheduler.max_num_seqs, max_position=model_config.max_position, eos_ids=eos_ids,
+            num_threads=env.num_threads or max(1, torch.get_num_threads() // num_local), eplb=eplb,
+            timeout_s=max(60.0, 2 * env.ep_step_timeout_s)) for rank in range(n)]
+        spawn = torch.multiprocessing.get_context("spawn")
+        self._procs = [spawn.Process(target=worker_main, args=(self._worker_args[rank],), name=f"deepinfer-ep{rank}",
+                                     daemon=True) for rank in range(num_local)]
+        for proc in self._procs:
+            proc.start()
+        self._finalizer = weakref.finalize(self, _stop_workers, n, self._procs, self._sock, self._ctx)
+        self._broken: str | None = None
+        ready = self._collect("ready", env.ep_start_timeout_s)
+        self.pool = RemotePool(min(num_pages for (num_pages,) in ready.values()), config.cache.page_size)
+        self.grammar = None
+        """Set by the engine; the matchers stay here and the workers receive filled bitmask rows."""
+        self._sent: dict[int, tuple[int, int, int]] = {}
+        """rid -> (tokens, retractions, pages) the workers' mirror holds after the previous step."""
+        self._last: StepReply | None = None
+        self.reset_stats()
+
+    # ---- supervision ----
+    def _collect(self, kind: str, timeout_s: float) -> dict[int, tuple]:
+        """One `kind` message from every worker, or RuntimeError naming the worker that failed."""
+        replies: dict[int, tuple] = {}
+        deadline = time.monotonic() + timeout_s
+        while len(replies) < self.size:
+            if self._sock.poll(_POLL_MS):
+                _, payload = self._sock.recv_multipart()
+                got, rank, *rest = pickle.loads(payload)
+                if got == "hello":  # a worker started outside the engine asks for its arguments
+                    self._sock.send_multipart([f"w{rank}".encode(), pickle.dumps(self._worker_args[rank])])
+                    continue
+                if got == "error":
+                    # A peer's death surfaces first as a collective error in the survivors: name the cause.
+                    dead = self._dead_worker(wait_s=1.0)
+                    self._fail(f"{dead}; worker {rank} then failed: {rest[0].strip().splitlines()[-1]}" if dead
+                               else f"expert-parallel worker {rank} failed:\n{rest[0]}")
+                replies[rank] = tuple(rest)
+                continue
+            dead = self._dead_worker(wait_s=0.0)
+            if dead:
+                self._fail(dead + self._late_error())
+            if time.monotonic() > deadline:
+                missing = sorted(set(range(self.size)) - set(replies))
+                self._fail(f"expert-parallel worker(s) {missing} did not answer within {timeout_s:g} s "
+                           f"(hung?); set DEEPINFER_EP_STEP_TIMEOUT for longer steps")
+        return replies
+
+    def _dead_worker(self, wait_s: float) -> str | None:
+        deadline = time.monotonic() + wait_s
+        while True:
+            for rank, proc in enumerate(self._procs):
+                if not proc.is_alive():
+                    return f"expert-parallel worker {rank} (pid {proc.pid}) died with exit code {proc.exitcode}"
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.05)
+
+    def _late_error(self) -> str:
+        """The traceback a dying worker sent, if it arrives shortly after its death was noticed."""
+        if self._sock.poll(500):
+            _, payload = self._sock.recv_multipart()
+            got, _, *rest = pickle.loads(payload)
+            if got == "error":
+                return f":\n{rest[0]}"
+        return ""
+
+    def _fail(self, message: str) -> None:
+        self._broken = message
+        self._finalizer()
+        raise RuntimeError(message)
+
+    def shutdown(self) -> None:
+        self._finalizer()
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self._procs]
+
+    # ---- each step ----
+    def run(self, batch: ScheduledBatch) -> RunResult:
+        if self._broken is not None:
+            raise RuntimeError(f"the expert-parallel worker pool is down: {self._broken}")
+        payload = pickle.dumps(("step", self._step_msg(batch)), protocol=pickle.HIGHEST_PROTOCOL)
+        for rank in range(self.size):
+            self._sock.send_multipart([f"w{rank}".encode(), payload])
+        reply: StepReply = self._collect("step", self.step_timeout_s)[0][0]
+        self._account(reply)
+        return reply.result
+
+    def _step_msg(self, batch: ScheduledBatch) -> StepMsg:
+        msg, sent = StepMsg(kv_copies=self.pool.take_copies()), {}
+        for item in batch.items:
+            req = item.req
+            prev = self._sent.get(req.rid)
+            if prev is None:
+                msg.new_reqs.append(NewReq(req.rid, req.prompt_ids, list(req.token_ids), req.params, req.seed))
+                prev = (req.num_tokens, -1, 0)
+            num_tokens, retractions, num_pages = prev
+            if retractions != req.num_retractions:
+                num_pages = 0  # pages were given back and taken anew: send them all
+            msg.items.append(StepItem(
+                req.rid, req.num_computed_tokens, item.num_new_tokens, req.token_ids[num_tokens:], num_pages,
+                req.pages[num_pages:], len(req.prompt_logprobs),
+                self._bitmask(req) if item.samples and req.grammar is not None else None))
+            sent[req.rid] = (req.num_tokens, req.num_retractions, len(req.pages))
+        self._sent = sent
+        return msg
+
+    def _bitmask(self, req) -> torch.Tensor:
+        import xgrammar
+
+        mask = xgrammar.allocate_token_bitmask(1, self.grammar.vocab_size)
+        req.grammar.matcher.fill_next_token_bitmask(mask, 0)
+        return mask[0]
+
+    # ---- statistics ----
+    def _account(self, reply: StepReply) -> None:
+        self._last = reply
+        for layer in reply.rank_tokens or []:
+            self._rank_tokens = [a + b for a, b in zip(self._rank_tokens, layer)]
+            self._sum_mean += sum(layer) / self.size
+            self._sum_max += max(layer)
+
+    def reset_stats(self) -> None:
+        """Restart the balance counters (a benchmark measures after its warm-up)."""
+        self._rank_tokens = [0] * self.size
+        self._sum_mean = self._sum_max = 0.0
+
+    def stats(self) -> dict:
+        """MoE balance over all steps and layers: moe_balance = sum of mean / sum of max (token, expert) pairs
+        per rank (1.0 = even); per-rank totals; EPLB rearrangements and expert copies moved."""
+        return {"ep_size": self.size, "ep_tokens_per_rank": list(self._rank_tokens),
+                "moe_balance": self._sum_mean / self._sum_max if self._sum_max else 1.0,
+                "eplb_rearrangements": self._last.num_rearrangements if self._last else 0,
+                "eplb_moved_experts": self._last.num_moved_experts if self._last else 0}
