@@ -47,6 +47,10 @@ class Env:
     """DEEPINFER_GRAMMAR_COMPILE_TIMEOUT: seconds a grammar may take to compile before its request errors."""
     num_threads: int
     """DEEPINFER_NUM_THREADS: torch intra-op threads on CPU (0 = torch's default)."""
+    cuda_graph_max_bs: int
+    """DEEPINFER_CUDA_GRAPH_MAX_BS: largest decode batch replayed from a CUDA graph (0 = no graphs)."""
+    cuda_graph_max_context: int
+    """DEEPINFER_CUDA_GRAPH_MAX_CONTEXT: longest context a graph decodes (sizes its page table)."""
 
 
 def get_env() -> Env:
@@ -58,4 +62,6 @@ def get_env() -> Env:
         kv_cache_max_cpu_gib=_float("DEEPINFER_KV_CACHE_MAX_CPU_GIB", 2.0),
         grammar_compile_timeout_s=_float("DEEPINFER_GRAMMAR_COMPILE_TIMEOUT", 30.0),
         num_threads=_int("DEEPINFER_NUM_THREADS", 0),
+        cuda_graph_max_bs=_int("DEEPINFER_CUDA_GRAPH_MAX_BS", 256),
+        cuda_graph_max_context=_int("DEEPINFER_CUDA_GRAPH_MAX_CONTEXT", 16384),
     )
