@@ -59,7 +59,10 @@ def _decode_split_kernel(Q, K, V, PageTable, TableRows, SeqLens, PartO, PartLse,
         qk = tl.dot(q, tl.trans(k))
         if DT > 0:
             k_t = tl.load(k_base + DK + offs_dt[None, :], mask=nmask[:, None], other=0.0)
-            qk += tl.dot(q_t, tl.trans(k_t))
+            if DT >= 16:
+                qk += tl.dot(q_t, tl.trans(k_t))
+            else:  # tl.dot needs K >= 16
+                qk += tl.sum(q_t.to(tl.float32)[:, None, :] * k_t.to(tl.float32)[None, :, :], 2)
         qk = tl.where(nmask[None, :], qk * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         alpha = tl.exp2(m_i - m_new)

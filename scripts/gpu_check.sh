@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# The one command the GPU machine runs (from the repository root): install the carried wheels (.whl/),
+# run test/gpu/, then the GPU benchmark; logs and JSON land in $OUT.
+#   device tool:  run(command="bash scripts/gpu_check.sh", carry=[".whl"])
+set -u
+OUT=${OUT:-/tmp/gpu_check_out}
+mkdir -p "$OUT" /tmp/kpath
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+  || exit 1
+ln -sfn "$PWD/kernels" /tmp/kpath/deepinfer_kernels
+export PYTHONPATH=/tmp/site:/tmp/kpath:$PWD PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,clocks.mem,power.draw,temperature.gpu --format=csv \
+  > "$OUT/gpu_state.txt" 2>&1
+python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)"
+timeout "${KERNEL_TEST_S:-120}" python3 -m pytest -q -p no:cacheprovider test/gpu/test_gpu_kernels.py \
+  > "$OUT/test_kernels.log" 2>&1
+tail -n 4 "$OUT/test_kernels.log"
+timeout "${MODEL_TEST_S:-120}" python3 -m pytest -q -p no:cacheprovider test/gpu/test_gpu_model.py \
+  > "$OUT/test_model.log" 2>&1
+tail -n 4 "$OUT/test_model.log"
+timeout "${BENCH_S:-320}" python3 benchmark/bench_gpu.py --out "$OUT/gpu_h200.json" ${BENCH_ARGS:-} \
+  > "$OUT/bench.log" 2>&1
+tail -n 14 "$OUT/bench.log"
