@@ -160,7 +160,23 @@ def bench_decode(engine: Engine, batch: int, context: int, steps: int, copy_bw: 
                             20)
         row.update(gpu_step_ms=step_s * 1e3, gpu_tok_s=batch / step_s,
                    gpu_fraction_of_floor=(batch / step_s) / floor["tok_s"])
+        row["profile"] = _profile(lambda: (graphs._graphs[batch].replay(),
+                                           engine.model.compute_logits(out).argmax(-1)))
     return row
+
+
+def _profile(fn) -> list[str] | str:
+    """Top kernels of one call by GPU time (kernels inside a graph replay are recorded individually)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    try:
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            fn()
+            _sync()
+        return prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60
+                                         ).splitlines()
+    except Exception as e:  # the profiler is a diagnostic: its failure must not lose the figures
+        return f"profile failed: {e!r}"
 
 
 def bench_prefill(engine: Engine, context: int, num_seqs: int, matmul_rate: float, vocab: int) -> dict:
@@ -219,11 +235,6 @@ def run_model(name: str, spec: dict, args, ceil: dict, result: dict, save) -> No
     path = model_dir(spec, work)
     vocab = spec["vocab_size"]
     section = result.setdefault(name, {})
-    try:
-        section["transformers"] = bench_hf(path, args.hf_batches, args.context, args.hf_steps, vocab)
-    except Exception:  # a peer failure must not lose our own figures
-        section["transformers_error"] = traceback.format_exc()[-2000:]
-    save()
     max_bs = max(args.batches)
     engine = Engine(str(path), dtype=DTYPE, device=DEVICE, load_format="dummy", max_num_seqs=max_bs,
                     kv_cache_tokens=max(max_bs, 4) * (args.context + args.steps + 8), chunked_prefill_tokens=8192,
@@ -242,6 +253,11 @@ def run_model(name: str, spec: dict, args, ceil: dict, result: dict, save) -> No
         del engine
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+    save()
+    try:  # after ours: one model on the GPU at a time
+        section["transformers"] = bench_hf(path, args.hf_batches, args.context, args.hf_steps, vocab)
+    except Exception:  # a peer failure must not lose our own figures
+        section["transformers_error"] = traceback.format_exc()[-2000:]
     save()
 
 

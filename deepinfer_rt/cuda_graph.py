@@ -43,7 +43,7 @@ class PageTable:
         self.width = width
         self._free = list(range(num_rows - 1, -1, -1))
         self._entries: dict[int, _Entry] = {}
-        self._staging = torch.empty(0, dtype=torch.int64).pin_memory()
+        self._staging = torch.empty(2 * 65536, dtype=torch.int64).pin_memory()
 
     def _release_idle(self, keep: set[int]) -> None:
         for rid, e in list(self._entries.items()):
@@ -79,7 +79,7 @@ class PageTable:
     def _upload(self, index: list[int], values: list[int]) -> None:
         n = len(index)
         if self._staging.numel() < 2 * n:
-            self._staging = torch.empty(2 * max(n, 4096), dtype=torch.int64).pin_memory()
+            self._staging = torch.empty(4 * n, dtype=torch.int64).pin_memory()
         stage = self._staging[: 2 * n].view(2, n)
         stage[0] = torch.tensor(index, dtype=torch.int64)
         stage[1] = torch.tensor(values, dtype=torch.int64)

@@ -122,7 +122,8 @@ def num_splits_for(batch: int, kv_heads: int, num_sms: int) -> int:
 
 def paged_decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, page_table: torch.Tensor,
                            table_rows: torch.Tensor, seq_lens: torch.Tensor, page_size: int, scale: float,
-                           num_splits: int, out: torch.Tensor | None = None) -> torch.Tensor:
+                           num_splits: int, out: torch.Tensor | None = None, block_n: int | None = None,
+                           num_warps: int = 4) -> torch.Tensor:
     """q (B, Hq, Dqk); k_buf (slots, Hkv, Dqk); v_buf (slots, Hkv, Dv), for MLA a column view of k_buf;
     page_table (R, W) int32 page ids; table_rows (B,) int32 row of each sequence; seq_lens (B,) int32.
     Returns (B, Hq, Dv) in q's dtype."""
@@ -136,13 +137,13 @@ def paged_decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Te
     part_o = torch.empty(bsz, hq, num_splits, dv, dtype=torch.float32, device=q.device)
     part_lse = torch.empty(bsz, hq, num_splits, dtype=torch.float32, device=q.device)
     block_h = max(16, triton.next_power_of_2(group))
-    block_n = 32 if dk > 256 else 64
+    block_n = block_n or (32 if dk > 256 else 64)
     _decode_split_kernel[(bsz, hkv, num_splits)](
         q, k_buf, v_buf, page_table, table_rows, seq_lens, part_o, part_lse,
         q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
         page_table.stride(0), scale, page_size,
         GROUP=group, BLOCK_H=block_h, DK=head, DT=tail, DV=dv, BLOCK_N=block_n, NUM_SPLITS=num_splits,
-        V_IS_K=v_is_k, num_warps=4, num_stages=2)
+        V_IS_K=v_is_k, num_warps=num_warps, num_stages=2)
     _merge_splits_kernel[(bsz, hq)](part_o, part_lse, out, out.stride(0), out.stride(1), NUM_HEADS=hq,
                                     NUM_SPLITS=num_splits, BLOCK_S=max(2, triton.next_power_of_2(num_splits)),
                                     DV=dv, num_warps=4)

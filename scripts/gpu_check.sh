@@ -18,6 +18,9 @@ tail -n 4 "$OUT/test_kernels.log"
 timeout "${MODEL_TEST_S:-120}" python3 -m pytest -q -p no:cacheprovider test/gpu/test_gpu_model.py \
   > "$OUT/test_model.log" 2>&1
 tail -n 4 "$OUT/test_model.log"
-timeout "${BENCH_S:-320}" python3 benchmark/bench_gpu.py --out "$OUT/gpu_h200.json" ${BENCH_ARGS:-} \
+timeout "${KERNEL_BENCH_S:-60}" python3 benchmark/bench_kernels.py --out "$OUT/gpu_kernels_h200.json" \
+  > "$OUT/bench_kernels.log" 2>&1
+tail -n 3 "$OUT/bench_kernels.log"
+timeout "${BENCH_S:-300}" python3 benchmark/bench_gpu.py --out "$OUT/gpu_h200.json" ${BENCH_ARGS:-} \
   > "$OUT/bench.log" 2>&1
 tail -n 14 "$OUT/bench.log"
