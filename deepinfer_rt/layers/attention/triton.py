@@ -105,6 +105,8 @@ class TritonBackend(AttentionBackend):
             qe = q[q_start : q_start + q_len].transpose(0, 1)  # (Hq, L, D)
             ke = _to_query_heads(k_buf.index_select(0, slots).transpose(0, 1), hq)
             ve = _to_query_heads(v_buf.index_select(0, slots).transpose(0, 1), hq)
-            oe = F.scaled_dot_product_attention(qe, ke, ve, attn_mask=mask, is_causal=mask is None, scale=scale)
-            out[q_start : q_start + q_len] = oe.transpose(0, 1)
+            # 4-D: the fused SDPA kernels (flash, memory-efficient) take only batched inputs.
+            oe = F.scaled_dot_product_attention(qe[None], ke[None], ve[None], attn_mask=mask, is_causal=mask is None,
+                                                scale=scale)
+            out[q_start : q_start + q_len] = oe[0].transpose(0, 1)
         return out
