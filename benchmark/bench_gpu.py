@@ -67,7 +67,7 @@ def model_dir(spec: dict, out: Path) -> Path:
 
 def _sync() -> None:
     if torch.cuda.is_available():
-        _sync()
+        torch.cuda.synchronize()
 
 
 def _cuda_time(fn, iters: int) -> float:
@@ -218,11 +218,14 @@ def bench_hf(path: Path, batches: list[int], context: int, steps: int, vocab: in
         for batch in batches:
             ids = torch.randint(0, vocab, (batch, context), device=DEVICE)
             clock = _StepClock()
+            t0 = time.perf_counter()
             model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=steps, min_new_tokens=steps,
                            do_sample=False, streamer=clock, pad_token_id=0)
             # times[0]: the prompt; times[1]: the first token (prefill); later ones: decode steps
             decode_s = clock.times[-1] - clock.times[1]
             rows.append({"batch": batch, "context": context, "hf_tok_s": batch * (len(clock.times) - 2) / decode_s})
+            if clock.times[-1] - t0 > 60:
+                break
     finally:
         del model
         if torch.cuda.is_available():

@@ -35,8 +35,18 @@ def _pair_rows(SortedPairs, BlockExpert, NumPadded, pid_m, num_pairs, BLOCK_M: t
     return pair, expert.to(tl.int64), valid
 
 
+def _tuned(kernel):
+    """Autotune the N/K tiles, warps and stages per (N, K, pair-count bucket, rows per block). The first call
+    of a key benchmarks the configs (eagerly: CUDA-graph warm-up runs it before capture); later calls reuse
+    the winner. BLOCK_M is fixed by the caller, since the expert padding of `moe_align` depends on it."""
+    configs = [triton.Config(dict(BLOCK_N=bn, BLOCK_K=bk), num_warps=w, num_stages=st)
+               for bn, bk, w, st in ((64, 128, 4, 3), (128, 64, 4, 4), (128, 128, 8, 3), (64, 256, 4, 3))]
+    return triton.autotune(configs, key=["N", "K", "pairs_bucket", "BLOCK_M", "PER_PAIR"], warmup=5, rep=20)(kernel)
+
+
+@_tuned
 @triton.jit
-def _moe_gate_up_kernel(X, W, H, SortedPairs, BlockExpert, NumPadded, num_pairs, top_k, N, K,
+def _moe_gate_up_kernel(X, W, H, SortedPairs, BlockExpert, NumPadded, num_pairs, pairs_bucket, top_k, N, K,
                         stride_xm, stride_we, stride_wn, stride_hm,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                         PER_PAIR: tl.constexpr):
@@ -69,8 +79,9 @@ def _moe_gate_up_kernel(X, W, H, SortedPairs, BlockExpert, NumPadded, num_pairs,
                  mask=mmask[:, None] & nmask[None, :])
 
 
+@_tuned
 @triton.jit
-def _moe_down_kernel(H, W, Y, TopkWeights, SortedPairs, BlockExpert, NumPadded, num_pairs, N, K,
+def _moe_down_kernel(H, W, Y, TopkWeights, SortedPairs, BlockExpert, NumPadded, num_pairs, pairs_bucket, N, K,
                      stride_hm, stride_we, stride_wn, stride_ym,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      PER_PAIR: tl.constexpr):
@@ -120,12 +131,11 @@ def moe_align(ids: torch.Tensor, num_experts: int, block_m: int
     return sorted_pairs, block_expert.to(torch.int32), pad_end[-1:]
 
 
-def _config(num_pairs: int, num_experts: int) -> dict:
-    if num_pairs >= 32 * num_experts:
-        return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3)
-    if num_pairs >= 4 * num_experts:
-        return dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3)
-    return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3)
+def _block_m(num_pairs: int, num_experts: int) -> int:
+    """Rows per block: about the pairs an expert receives (padding rows cost compute, not weight reads)."""
+    if num_pairs <= PER_PAIR_MAX or num_pairs < 4 * num_experts:
+        return 16
+    return 32 if num_pairs < 32 * num_experts else 64
 
 
 def fused_moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,
@@ -138,22 +148,21 @@ def fused_moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weight
     num_pairs = t * k
     if not (x.is_contiguous() and gate_up.is_contiguous() and down.is_contiguous()):
         raise ValueError("fused_moe needs contiguous x and expert weights")
-    cfg = _config(num_pairs, e)
+    block_m = _block_m(num_pairs, e)
     per_pair = num_pairs <= PER_PAIR_MAX
     if per_pair:
-        cfg = dict(cfg, BLOCK_M=16)
         sorted_pairs, block_expert, num_padded = ids, ids.flatten(), ids  # the flat ids double as block experts
         num_blocks = num_pairs
     else:
-        sorted_pairs, block_expert, num_padded = moe_align(ids, e, cfg["BLOCK_M"])
-        num_blocks = sorted_pairs.numel() // cfg["BLOCK_M"]
+        sorted_pairs, block_expert, num_padded = moe_align(ids, e, block_m)
+        num_blocks = sorted_pairs.numel() // block_m
     h = x.new_empty(num_pairs, inter)
     y = x.new_empty(num_pairs, hidden)
-    bn = cfg["BLOCK_N"]
-    _moe_gate_up_kernel[(num_blocks, triton.cdiv(inter, bn))](
-        x, gate_up, h, sorted_pairs, block_expert, num_padded, num_pairs, k, inter, hidden,
-        x.stride(0), gate_up.stride(0), gate_up.stride(1), h.stride(0), PER_PAIR=per_pair, **cfg)
-    _moe_down_kernel[(num_blocks, triton.cdiv(hidden, bn))](
-        h, down, y, weights.flatten().float(), sorted_pairs, block_expert, num_padded, num_pairs, hidden, inter,
-        h.stride(0), down.stride(0), down.stride(1), y.stride(0), PER_PAIR=per_pair, **cfg)
+    bucket = triton.next_power_of_2(num_pairs)
+    _moe_gate_up_kernel[lambda meta: (num_blocks, triton.cdiv(inter, meta["BLOCK_N"]))](
+        x, gate_up, h, sorted_pairs, block_expert, num_padded, num_pairs, bucket, k, inter, hidden,
+        x.stride(0), gate_up.stride(0), gate_up.stride(1), h.stride(0), BLOCK_M=block_m, PER_PAIR=per_pair)
+    _moe_down_kernel[lambda meta: (num_blocks, triton.cdiv(hidden, meta["BLOCK_N"]))](
+        h, down, y, weights.flatten().float(), sorted_pairs, block_expert, num_padded, num_pairs, bucket, hidden,
+        inter, h.stride(0), down.stride(0), down.stride(1), y.stride(0), BLOCK_M=block_m, PER_PAIR=per_pair)
     return y.view(t, k, hidden).sum(dim=1, dtype=torch.float32).to(x.dtype)
