@@ -14,6 +14,7 @@ For each model shape (DeepSeek-V2-Lite: MLA + MoE; SmolLM2-135M: GQA), in one pr
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import shutil
@@ -121,12 +122,13 @@ def decode_floor(engine: Engine, batch: int, context: int, copy_bw: float) -> di
 
 
 def prefill_flops(engine: Engine, tokens_per_seq: int, num_seqs: int) -> float:
-    """2 * active matmul params * tokens + causal attention (QK and PV over half the square)."""
+    """2 * active matmul params (no embeddings, no LM head) * tokens + causal attention (QK and PV over half
+    the square)."""
     mc = engine.model_config
     active = 0
     for name, p in engine.model.named_parameters():
-        if p.dim() < 2 or "embed_tokens" in name:
-            continue
+        if p.dim() < 2 or "embed_tokens" in name or "lm_head" in name:
+            continue  # prefill computes logits for the last token of each prompt only
         n = p.numel()
         if ".experts." in name:
             n = n // mc.n_routed_experts * mc.num_experts_per_tok
@@ -254,6 +256,7 @@ def run_model(name: str, spec: dict, args, ceil: dict, result: dict, save) -> No
     finally:
         engine.shutdown()
         del engine
+        gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     save()
