@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 from deepinfer_rt import Engine, SamplingParams  # noqa: E402
 
 V2_LITE = dict(
-    model_type="deepseek_v2", vocab_size=102400, hidden_size=2048, intermediate_size=10944,
+    model_type="deepseek_v2", architectures=["DeepseekV2ForCausalLM"], vocab_size=102400, hidden_size=2048, intermediate_size=10944,
     moe_intermediate_size=1408, num_hidden_layers=27, num_attention_heads=16, num_key_value_heads=16,
     n_routed_experts=64, n_shared_experts=2, num_experts_per_tok=6, first_k_dense_replace=1, moe_layer_freq=1,
     kv_lora_rank=512, q_lora_rank=None, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
@@ -41,7 +41,7 @@ V2_LITE = dict(
     rope_scaling=dict(type="yarn", factor=40, original_max_position_embeddings=4096, beta_fast=32, beta_slow=1,
                       mscale=0.707, mscale_all_dim=0.707), rms_norm_eps=1e-6)
 SMOLLM2 = dict(
-    model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+    model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
     num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192, rope_theta=100000.0,
     tie_word_embeddings=True, rms_norm_eps=1e-5)
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: a smoke run of the script's logic only
