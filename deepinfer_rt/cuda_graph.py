@@ -12,15 +12,18 @@ slot, table row, KV length) go up in one pinned, non-blocking copy, so preparing
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from deepinfer_rt.cache.kv_pool import KVPool
 from deepinfer_rt.forward_batch import ForwardBatch
-from deepinfer_rt.layers.attention.triton import TritonBackend, TritonMeta
 from deepinfer_rt.models.base import CausalLM
 from deepinfer_rt.request import Req
 from deepinfer_rt.scheduler.batch import ScheduledBatch
+
+if TYPE_CHECKING:  # the Triton backend imports triton, which CPU installs may lack
+    from deepinfer_rt.layers.attention.triton import TritonBackend
 
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
 _TOKEN, _POS, _SLOT, _ROW, _LEN = range(5)
@@ -43,7 +46,8 @@ class PageTable:
         self.width = width
         self._free = list(range(num_rows - 1, -1, -1))
         self._entries: dict[int, _Entry] = {}
-        self._staging = torch.empty(2 * 65536, dtype=torch.int64).pin_memory()
+        self._pin = self.table.is_cuda  # pinned staging makes the upload asynchronous; CPU tables copy directly
+        self._staging = torch.empty(2 * 65536, dtype=torch.int64, pin_memory=self._pin)
 
     def _release_idle(self, keep: set[int]) -> None:
         for rid, e in list(self._entries.items()):
@@ -79,7 +83,7 @@ class PageTable:
     def _upload(self, index: list[int], values: list[int]) -> None:
         n = len(index)
         if self._staging.numel() < 2 * n:
-            self._staging = torch.empty(4 * n, dtype=torch.int64).pin_memory()
+            self._staging = torch.empty(4 * n, dtype=torch.int64, pin_memory=self._pin)
         stage = self._staging[: 2 * n].view(2, n)
         stage[0] = torch.tensor(index, dtype=torch.int64)
         stage[1] = torch.tensor(values, dtype=torch.int64)
@@ -88,7 +92,7 @@ class PageTable:
 
 
 class CudaGraphRunner:
-    def __init__(self, model: CausalLM, pool: KVPool, backend: TritonBackend, max_batch_size: int,
+    def __init__(self, model: CausalLM, pool: KVPool, backend: "TritonBackend", max_batch_size: int,
                  max_context: int, batch_sizes: tuple[int, ...] = DEFAULT_BATCH_SIZES):
         self.model = model
         self.pool = pool
@@ -111,6 +115,8 @@ class CudaGraphRunner:
         self._stage[_SLOT, start:] = -1
 
     def _forward_batch(self, bs: int) -> ForwardBatch:
+        from deepinfer_rt.layers.attention.triton import TritonMeta
+
         io = self._io[:, :bs]
         fb = ForwardBatch(input_ids=io[_TOKEN], positions=io[_POS], out_slots=io[_SLOT], q_lens=[1] * bs,
                           kv_lens=[1] * bs, kv_slots=[], pool=self.pool, backend=self.backend)
