@@ -77,7 +77,15 @@ class Engine:
         else:
             self.model = build_model(self.model_config, path, load_format, self.config.dtype, dev, seed)
             self.pool = KVPool(self.model.kv_layout(mc), self._num_pages(), page_size, self.config.dtype, dev)
-            self.runner = ModelRunner(self.model, self.pool, BACKENDS["torch"](), self.sampler, dev, self.eos_ids)
+            gpu = dev.type == "cuda" and not self.config.batch_invariant
+            backend = self._gpu_backend(dev) if gpu else BACKENDS["torch"]()
+            self.runner = ModelRunner(self.model, self.pool, backend, self.sampler, dev, self.eos_ids)
+            if gpu and env.cuda_graph_max_bs > 0:
+                from deepinfer_rt.cuda_graph import CudaGraphRunner
+
+                self.runner.graphs = CudaGraphRunner(self.model, self.pool, backend, min(max_num_seqs,
+                                                     env.cuda_graph_max_bs), min(mc.max_position,
+                                                     env.cuda_graph_max_context))
         self.cache: PrefixCache = (RadixCache(self.pool.allocator, page_size) if enable_prefix_cache
                                    else NoPrefixCache(self.pool.allocator, page_size))
         self.scheduler = Scheduler(self.config.scheduler, self.pool, self.cache)
@@ -87,6 +95,12 @@ class Engine:
         self._lock = threading.RLock()
         self._grammar = None
         self._closed = False
+
+    @staticmethod
+    def _gpu_backend(dev: torch.device):
+        from deepinfer_rt.layers.attention.triton import TritonBackend
+
+        return TritonBackend(dev)
 
     # ---- sizing ----
     def _num_pages(self) -> int:

@@ -70,6 +70,10 @@ class Env:
     """DEEPINFER_EPLB_REDUNDANT: extra expert slots per rank for copies of hot experts (default 2)."""
     moe_router_skew: float
     """DEEPINFER_MOE_ROUTER_SKEW: benchmarks only; biases MoE routers toward low expert ids (Zipf exponent)."""
+    cuda_graph_max_bs: int
+    """DEEPINFER_CUDA_GRAPH_MAX_BS: largest decode batch replayed from a CUDA graph (0 = no graphs)."""
+    cuda_graph_max_context: int
+    """DEEPINFER_CUDA_GRAPH_MAX_CONTEXT: longest context a graph decodes (sizes its page table)."""
 
 
 def get_env() -> Env:
@@ -92,4 +96,6 @@ def get_env() -> Env:
         eplb_interval_steps=_int("DEEPINFER_EPLB_INTERVAL", 32),
         eplb_redundant_per_rank=_int("DEEPINFER_EPLB_REDUNDANT", 2),
         moe_router_skew=_float("DEEPINFER_MOE_ROUTER_SKEW", 0.0),
+        cuda_graph_max_bs=_int("DEEPINFER_CUDA_GRAPH_MAX_BS", 256),
+        cuda_graph_max_context=_int("DEEPINFER_CUDA_GRAPH_MAX_CONTEXT", 16384),
     )

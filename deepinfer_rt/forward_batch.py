@@ -42,5 +42,5 @@ class ForwardBatch:
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, layer_id: int,
                   scale: float) -> torch.Tensor:
         """Store the new tokens' k/v in the pool, then attend. q (T, Hq, Dqk) -> (T, Hq, Dv)."""
-        self.pool.write(layer_id, self.out_slots, k, v)
+        self.backend.store_kv(self, layer_id, k, v)
         return self.backend.forward(q, layer_id, scale, self)

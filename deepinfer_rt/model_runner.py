@@ -37,6 +37,8 @@ class ModelRunner:
         self.eos_ids = eos_ids
         self.grammar = None
         """The structured-output backend once a constrained request arrived (masks logits rows)."""
+        self.graphs = None
+        """CUDA-graph runner for decode batches (deepinfer_rt.cuda_graph), set by the engine on GPU."""
 
     def build(self, batch: ScheduledBatch) -> ForwardBatch:
         ids, positions, out_slots, q_lens, kv_lens, kv_slots = [], [], [], [], [], []
@@ -63,8 +65,9 @@ class ModelRunner:
 
     @torch.no_grad()
     def run(self, batch: ScheduledBatch) -> RunResult:
-        fb = self.build(batch)
-        hidden = self.model(fb)
+        hidden = self.graphs.run(batch) if self.graphs is not None else None
+        if hidden is None:
+            hidden = self.model(self.build(batch))
         sample_rows, sampled_items, lp_rows = [], [], {}
         row = 0
         for i, item in enumerate(batch.items):
@@ -77,7 +80,8 @@ class ModelRunner:
             row += n
         sample = None
         if sample_rows:
-            logits = self.model.compute_logits(hidden[sample_rows])
+            rows = hidden if len(sample_rows) == hidden.shape[0] else hidden[sample_rows]
+            logits = self.model.compute_logits(rows)
             reqs = [batch.items[i].req for i in sampled_items]
             bitmask_fn = None
             if any(r.grammar is not None for r in reqs):

@@ -84,14 +84,16 @@ def _reinit(model: torch.nn.Module, seed: int) -> None:
             b.copy_(scores.argsort(dim=-1)[:, : b.shape[1]])
 
 
-def make_tiny_checkpoint(kind: str, out_dir: str | Path, seed: int = 0, **overrides: Any) -> Path:
-    """Write a tiny random `kind` model with a real tokenizer to out_dir; overrides go to the HF config."""
+def make_tiny_checkpoint(kind: str, out_dir: str | Path, seed: int = 0, tokenizer_dir: Path | None = None,
+                         **overrides: Any) -> Path:
+    """Write a tiny random `kind` model with a real tokenizer (that of `tokenizer_dir` if given) to out_dir;
+    overrides go to the HF config."""
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     out = Path(out_dir)
-    tok_dir = _tokenizer_dir(kind)
+    tok_dir = tokenizer_dir or _tokenizer_dir(kind)
     tok = AutoTokenizer.from_pretrained(tok_dir)
     # Every id the tokenizer can produce must be a valid embedding row.
     kwargs = dict(_DEFAULTS[kind], vocab_size=len(tok), bos_token_id=tok.bos_token_id,

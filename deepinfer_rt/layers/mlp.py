@@ -4,7 +4,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from deepinfer_kernels.reference import silu_and_mul
+from deepinfer_kernels import reference
+from deepinfer_kernels.dispatch import on_gpu
 from deepinfer_rt.layers.linear import Linear, MergedLinear
 
 
@@ -17,4 +18,9 @@ class GatedMLP(nn.Module):
         self.down_proj = Linear(intermediate_size, hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        h = self.gate_up_proj(x)
+        if on_gpu(h) and h.dim() == 2:
+            from deepinfer_kernels.elementwise import silu_and_mul
+
+            return self.down_proj(silu_and_mul(h))
+        return self.down_proj(reference.silu_and_mul(h))

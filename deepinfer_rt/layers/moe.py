@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from deepinfer_kernels.dispatch import on_gpu
 from deepinfer_kernels.reference import silu_and_mul
 from deepinfer_rt.config import ModelConfig
 from deepinfer_rt.env import get_env
@@ -109,6 +110,10 @@ class RoutedExperts(nn.Module):
         Torch reference: (token, slot) pairs are sorted by expert, each expert that received tokens runs one
         matmul over its contiguous rows, and the k results of a token are summed in slot (= expert id) order.
         """
+        if on_gpu(x):
+            from deepinfer_kernels.fused_moe import fused_moe
+
+            return fused_moe(x.contiguous(), self.gate_up_proj, self.down_proj, weights, ids)
         t, k = ids.shape
         flat = ids.flatten()
         order = flat.argsort(stable=True)  # (T*k,) pair indices grouped by expert

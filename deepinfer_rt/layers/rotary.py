@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from deepinfer_kernels.dispatch import on_gpu
 from deepinfer_kernels.reference import apply_rope
 from deepinfer_rt.config import ModelConfig
 
@@ -31,6 +32,9 @@ class RotaryEmbedding(nn.Module):
         # A plain attribute, not a buffer: model.to(bfloat16) must not round the frequencies.
         self.inv_freq = inv_freq
         self.attention_scaling = scaling
+        self.max_position = config.max_position
+        self._tables: tuple[torch.Tensor, torch.Tensor] | None = None
+        """(cos, sin) per position, built on the first GPU call (the Triton kernel rotates in place)."""
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         # Same arithmetic as the HF reference (fp32 outer product, then cos/sin), so fp32 runs match bitwise.
@@ -41,6 +45,16 @@ class RotaryEmbedding(nn.Module):
         return (emb.cos() * self.attention_scaling).to(dtype), (emb.sin() * self.attention_scaling).to(dtype)
 
     def forward(self, positions: torch.Tensor, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """Rotate each x (T, H, D) by its token's position."""
+        """Rotate each x (T, H, D) by its token's position. On GPU the xs are rotated in place."""
+        if on_gpu(positions) and all(x.stride(-1) == 1 for x in xs):
+            return self._forward_gpu(positions, xs)
         cos, sin = self.cos_sin(positions, xs[0].dtype)
         return tuple(apply_rope(x, cos, sin, self.interleave) for x in xs)
+
+    def _forward_gpu(self, positions: torch.Tensor, xs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        from deepinfer_kernels.elementwise import apply_rope_, rope_cache
+
+        if self._tables is None or self._tables[0].device != positions.device:
+            self._tables = rope_cache(self.inv_freq, self.attention_scaling, self.max_position, positions.device)
+        cos, sin = self._tables
+        return tuple(apply_rope_(x, positions, cos, sin, self.interleave) for x in xs)

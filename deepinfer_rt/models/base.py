@@ -76,10 +76,13 @@ class CausalLM(nn.Module):
 
     @torch.no_grad()
     def init_dummy(self, seed: int) -> None:
-        """Random weights from the config alone (load_format='dummy'): normal(0, 0.02), norms at 1."""
-        gen = torch.Generator(device="cpu").manual_seed(seed)
+        """Random weights from the config alone (load_format='dummy'): normal(0, 0.02), norms at 1. Drawn on
+        the parameters' device (the values depend on the seed and the device type)."""
+        gen = None
         for name, p in self.named_parameters():
+            if gen is None:
+                gen = torch.Generator(device=p.device).manual_seed(seed)
             if "norm" in name and p.dim() == 1:
                 p.fill_(1.0)
             else:
-                p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32).mul_(0.02).to(p.dtype))
+                p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32, device=p.device).mul_(0.02))

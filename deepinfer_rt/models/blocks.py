@@ -24,8 +24,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), batch)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h, x = self.post_attention_layernorm.forward_add(self.self_attn(self.input_layernorm(x), batch), x)
+        return x + self.mlp(h)
 
 
 class DecoderModel(nn.Module):

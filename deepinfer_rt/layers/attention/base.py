@@ -3,7 +3,8 @@
 A backend computes causal attention of each sequence's new queries over all of its KV in the pool:
 query j of sequence i (absolute position p = kv_lens[i] - q_lens[i] + j) attends to positions 0..p.
 GQA is expressed by Hq being a multiple of the pool's KV heads; MLA (absorbed) by one KV head whose V is a
-prefix of K's columns. Backends never write the pool (ForwardBatch.attention does) and never make policy.
+prefix of K's columns. Backends write the pool only in `store_kv` (called by ForwardBatch.attention) and never
+make policy.
 
 Adding a backend is one file: subclass, implement `prepare` and `forward`, register in `BACKENDS`.
 """
@@ -23,6 +24,10 @@ class AttentionBackend:
     def prepare(self, batch: "ForwardBatch") -> None:
         """Build per-batch metadata into batch.attn_meta (index tensors, masks); called once per step."""
         raise NotImplementedError
+
+    def store_kv(self, batch: "ForwardBatch", layer_id: int, k: torch.Tensor, v: torch.Tensor | None) -> None:
+        """Write the new tokens' k/v (T, Hkv, D) to the pool at batch.out_slots."""
+        batch.pool.write(layer_id, batch.out_slots, k, v)
 
     def forward(self, q: torch.Tensor, layer_id: int, scale: float, batch: "ForwardBatch") -> torch.Tensor:
         """q (T, Hq, Dqk) -> (T, Hq, Dv), reading k/v of `layer_id` from batch.pool."""

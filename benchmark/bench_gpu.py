@@ -1,0 +1,312 @@
+"""GPU benchmark: decode and prefill of random-weight models beside the memory-bandwidth floor and transformers.
+
+For each model shape (DeepSeek-V2-Lite: MLA + MoE; SmolLM2-135M: GQA), in one process on one GPU:
+  ceilings   device copy bandwidth (bytes read + written) and the bf16 matmul rate, measured first;
+  decode     B requests with `context`-token prompts, then `steps` greedy tokens each: engine tok/s over the
+             decode steps (host included), and the GPU time of one decode step (CUDA-graph replay + LM head);
+  floor      bytes one decode step must read (PERF.md: always-used weights, the routed experts the batch is
+             expected to touch, the KV attended) over the copy bandwidth -> tok/s; fraction = ours / floor;
+  prefill    4 x `context`-token prompts, tokens/s and FLOP/s over the measured matmul rate;
+  peer       transformers `generate` on the same architecture (random weights), decode tok/s at batch 1, 32.
+
+    python benchmark/bench_gpu.py --out benchmark/results/gpu_h200.json
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import shutil
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import sys
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+
+from deepinfer_rt import Engine, SamplingParams  # noqa: E402
+
+V2_LITE = dict(
+    model_type="deepseek_v2", architectures=["DeepseekV2ForCausalLM"], vocab_size=102400, hidden_size=2048, intermediate_size=10944,
+    moe_intermediate_size=1408, num_hidden_layers=27, num_attention_heads=16, num_key_value_heads=16,
+    n_routed_experts=64, n_shared_experts=2, num_experts_per_tok=6, first_k_dense_replace=1, moe_layer_freq=1,
+    kv_lora_rank=512, q_lora_rank=None, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+    topk_method="greedy", n_group=1, topk_group=1, scoring_func="softmax", norm_topk_prob=False,
+    routed_scaling_factor=1.0, max_position_embeddings=163840, rope_theta=10000.0, tie_word_embeddings=False,
+    rope_scaling=dict(type="yarn", factor=40, original_max_position_embeddings=4096, beta_fast=32, beta_slow=1,
+                      mscale=0.707, mscale_all_dim=0.707), rms_norm_eps=1e-6)
+SMOLLM2 = dict(
+    model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+    num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192, rope_theta=100000.0,
+    tie_word_embeddings=True, rms_norm_eps=1e-5)
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: a smoke run of the script's logic only
+DTYPE = "bfloat16" if DEVICE == "cuda" else "float32"
+TINY = dict(V2_LITE, vocab_size=1024, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8,
+            kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16, max_position_embeddings=4096)
+
+
+def model_dir(spec: dict, out: Path) -> Path:
+    """A config.json (+ any tokenizer: the benchmark feeds token ids) for load_format='dummy'."""
+    import transformers
+    from make_tiny_checkpoint import _TOKENIZER_FILES, _tokenizer_dir
+
+    spec = dict(spec)
+    cls = transformers.AutoConfig.for_model(spec.pop("model_type"), **spec)
+    cls.save_pretrained(out)
+    tok = _tokenizer_dir("deepseek_v2")
+    for name in _TOKENIZER_FILES:
+        if (tok / name).exists():
+            shutil.copy(tok / name, out / name)
+    return out
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _cuda_time(fn, iters: int) -> float:
+    """Median seconds of fn() over iters runs, by CUDA events."""
+    fn()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def ceilings() -> dict:
+    n = 1 << 30  # 1 GiB each way, far beyond L2
+    src = torch.randn(n // 2, dtype=torch.bfloat16, device="cuda")
+    dst = torch.empty_like(src)
+    copy_s = _cuda_time(lambda: dst.copy_(src), 20)
+    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    b = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    mm_s = _cuda_time(lambda: a @ b, 20)
+    del src, dst, a, b
+    return {"copy_bytes_per_s": 2 * n / copy_s, "bf16_matmul_flop_per_s": 2 * 8192**3 / mm_s}
+
+
+def weight_bytes(engine: Engine) -> tuple[int, float, int]:
+    """(bytes of weights every step reads, bytes of one routed expert, number of MoE layers)."""
+    always, experts, moe_layers = 0, 0, 0
+    for name, p in engine.model.named_parameters():
+        size = p.numel() * p.element_size()
+        if ".experts." in name:
+            experts += size
+            moe_layers += name.endswith("gate_up_proj")
+        elif "embed_tokens" not in name or engine.model_config.tie_word_embeddings:
+            always += size  # an untied embedding table is only gathered (B rows)
+    per_expert = experts / (moe_layers * engine.model_config.n_routed_experts) if moe_layers else 0.0
+    return always, per_expert, moe_layers
+
+
+def decode_floor(engine: Engine, batch: int, context: int, copy_bw: float) -> dict:
+    mc = engine.model_config
+    always, expert, moe_layers = weight_bytes(engine)
+    touched = mc.n_routed_experts * (1 - (1 - mc.num_experts_per_tok / mc.n_routed_experts) ** batch) \
+        if moe_layers else 0.0
+    kv = batch * context * engine.pool.layout.bytes_per_token(engine.config.dtype)
+    total = always + moe_layers * touched * expert + kv
+    return {"bytes": total, "step_s": total / copy_bw, "tok_s": batch / (total / copy_bw)}
+
+
+def prefill_flops(engine: Engine, tokens_per_seq: int, num_seqs: int) -> float:
+    """2 * active matmul params (no embeddings, no LM head) * tokens + causal attention (QK and PV over half
+    the square)."""
+    mc = engine.model_config
+    active = 0
+    for name, p in engine.model.named_parameters():
+        if p.dim() < 2 or "embed_tokens" in name or "lm_head" in name:
+            continue  # prefill computes logits for the last token of each prompt only
+        n = p.numel()
+        if ".experts." in name:
+            n = n // mc.n_routed_experts * mc.num_experts_per_tok
+        active += n
+    layout = engine.pool.layout
+    qk_dim = layout.k_shape[1]
+    attn = 2 * mc.num_layers * mc.num_heads * (qk_dim + layout.v_dim) * tokens_per_seq**2 / 2 * num_seqs
+    return 2 * active * tokens_per_seq * num_seqs + attn
+
+
+def bench_decode(engine: Engine, batch: int, context: int, steps: int, copy_bw: float, vocab: int) -> dict:
+    g = torch.Generator().manual_seed(batch)
+    prompts = torch.randint(0, vocab, (batch, context), generator=g).tolist()
+    params = SamplingParams(max_new_tokens=steps + 1, temperature=0.0, ignore_eos=True)
+    reqs = [r for grp in engine._submit(None, prompts, params) for r in grp]
+    while not all(r.num_output_tokens >= 1 for r in reqs):
+        engine.step()
+    _sync()
+    n0, t0 = sum(r.num_output_tokens for r in reqs), time.perf_counter()
+    while not all(r.is_finished for r in reqs):
+        engine.step()
+    seconds = time.perf_counter() - t0
+    tok_s = (sum(r.num_output_tokens for r in reqs) - n0) / seconds
+    floor = decode_floor(engine, batch, context, copy_bw)
+    row = {"batch": batch, "context": context, "engine_tok_s": tok_s, "floor_tok_s": floor["tok_s"],
+           "floor_bytes": floor["bytes"], "fraction_of_floor": tok_s / floor["tok_s"]}
+    graphs = engine.runner.graphs
+    if graphs is not None and batch in graphs._graphs:  # the step that just ran: replay it (inputs kept)
+        out = graphs._outputs[batch]
+        step_s = _cuda_time(lambda: (graphs._graphs[batch].replay(), engine.model.compute_logits(out).argmax(-1)),
+                            20)
+        row.update(gpu_step_ms=step_s * 1e3, gpu_tok_s=batch / step_s,
+                   gpu_fraction_of_floor=(batch / step_s) / floor["tok_s"])
+        row["profile"] = _profile(lambda: (graphs._graphs[batch].replay(),
+                                           engine.model.compute_logits(out).argmax(-1)))
+    return row
+
+
+def _profile(fn) -> list[str] | str:
+    """Top kernels of one call by GPU time (kernels inside a graph replay are recorded individually)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    try:
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            fn()
+            _sync()
+        return prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60
+                                         ).splitlines()
+    except Exception as e:  # the profiler is a diagnostic: its failure must not lose the figures
+        return f"profile failed: {e!r}"
+
+
+def bench_prefill(engine: Engine, context: int, num_seqs: int, matmul_rate: float, vocab: int) -> dict:
+    g = torch.Generator().manual_seed(7)
+    params = SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True)
+    for _ in range(2):  # the first compiles the prefill-shaped kernels
+        prompts = torch.randint(0, vocab, (num_seqs, context), generator=g).tolist()
+        _sync()
+        t0 = time.perf_counter()
+        engine.generate(input_ids=prompts, sampling_params=params)
+        seconds = time.perf_counter() - t0
+    flops = prefill_flops(engine, context, num_seqs)
+    return {"num_seqs": num_seqs, "context": context, "tok_s": num_seqs * context / seconds,
+            "flop_per_s": flops / seconds, "fraction_of_matmul_rate": flops / seconds / matmul_rate}
+
+
+class _StepClock:
+    """A transformers streamer that timestamps each generation step (after the GPU finishes it)."""
+
+    def __init__(self):
+        self.times = []
+
+    def put(self, value):
+        _sync()
+        self.times.append(time.perf_counter())
+
+    def end(self):
+        pass
+
+
+def bench_hf(path: Path, batches: list[int], context: int, steps: int, vocab: int) -> list[dict]:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.from_pretrained(path)
+    with torch.device(DEVICE):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
+    rows = []
+    try:
+        for batch in batches:
+            ids = torch.randint(0, vocab, (batch, context), device=DEVICE)
+            clock = _StepClock()
+            t0 = time.perf_counter()
+            model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=steps, min_new_tokens=steps,
+                           do_sample=False, streamer=clock, pad_token_id=0)
+            # times[0]: the prompt; times[1]: the first token (prefill); later ones: decode steps
+            decode_s = clock.times[-1] - clock.times[1]
+            rows.append({"batch": batch, "context": context, "hf_tok_s": batch * (len(clock.times) - 2) / decode_s})
+            if clock.times[-1] - t0 > 60:
+                break
+    finally:
+        del model
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    return rows
+
+
+def run_model(name: str, spec: dict, args, ceil: dict, result: dict, save) -> None:
+    work = Path(tempfile.mkdtemp(prefix=f"bench-{name}-"))
+    path = model_dir(spec, work)
+    vocab = spec["vocab_size"]
+    section = result.setdefault(name, {})
+    max_bs = max(args.batches)
+    engine = Engine(str(path), dtype=DTYPE, device=DEVICE, load_format="dummy", max_num_seqs=max_bs,
+                    kv_cache_tokens=max(max_bs, 4) * (args.context + args.steps + 8), chunked_prefill_tokens=8192,
+                    enable_prefix_cache=False)
+    try:
+        section["decode"] = []
+        for batch in args.batches:
+            section["decode"].append(bench_decode(engine, batch, args.context, args.steps,
+                                                  ceil["copy_bytes_per_s"], vocab))
+            save()
+            print(name, section["decode"][-1], flush=True)
+        section["prefill"] = bench_prefill(engine, args.context, 4, ceil["bf16_matmul_flop_per_s"], vocab)
+        print(name, section["prefill"], flush=True)
+    finally:
+        engine.shutdown()
+        del engine
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    save()
+    try:  # after ours: one model on the GPU at a time
+        section["transformers"] = bench_hf(path, args.hf_batches, args.context, args.hf_steps, vocab)
+    except Exception:  # a peer failure must not lose our own figures
+        section["transformers_error"] = traceback.format_exc()[-2000:]
+    save()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="benchmark/results/gpu_h200.json")
+    parser.add_argument("--models", nargs="+", default=["deepseek-v2-lite", "smollm2-135m"])
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64, 256])
+    parser.add_argument("--hf-batches", type=int, nargs="+", default=[1, 32])
+    parser.add_argument("--context", type=int, default=2048)
+    parser.add_argument("--steps", type=int, default=32)
+    parser.add_argument("--hf-steps", type=int, default=8)
+    args = parser.parse_args()
+    specs = {"deepseek-v2-lite": V2_LITE, "smollm2-135m": SMOLLM2, "tiny": TINY}
+    ceil = ceilings() if DEVICE == "cuda" else {"copy_bytes_per_s": 1e10, "bf16_matmul_flop_per_s": 1e12}
+    result = {"device": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu (smoke run)",
+              "torch": torch.__version__, "ceilings": ceil,
+              "args": vars(args)}
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+
+    def save():
+        out.write_text(json.dumps(result, indent=1, default=float))
+
+    print(ceil, flush=True)
+    for name in args.models:
+        try:
+            run_model(name, specs[name], args, ceil, result, save)
+        except Exception:
+            result.setdefault(name, {})["error"] = traceback.format_exc()[-3000:]
+            print(result[name]["error"], flush=True)
+        save()
+    for name in args.models:
+        for row in result.get(name, {}).get("decode", []):
+            print(f"{name:18s} B={row['batch']:4d} engine {row['engine_tok_s']:9.1f} tok/s  "
+                  f"gpu {row.get('gpu_tok_s', math.nan):9.1f}  floor {row['floor_tok_s']:9.1f}  "
+                  f"frac {row['fraction_of_floor']:.2f} / gpu {row.get('gpu_fraction_of_floor', math.nan):.2f}")
+        for row in result.get(name, {}).get("transformers", []):
+            print(f"{name:18s} B={row['batch']:4d} transformers {row['hf_tok_s']:9.1f} tok/s")
+        if "prefill" in result.get(name, {}):
+            p = result[name]["prefill"]
+            print(f"{name:18s} prefill {p['tok_s']:9.0f} tok/s  {p['fraction_of_matmul_rate']:.2f} of matmul rate")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,170 @@
+"""CUDA graphs for decode steps.
+
+A decode step (every item computes one token) launches hundreds of small kernels; replaying a captured graph
+removes their launch cost. Graphs are captured once per batch size in `batch_sizes`; a batch runs in the
+smallest graph that holds it, padding rows reading no KV (seq_len 0) and storing none (slot -1).
+
+Host work per step is kept proportional to the batch, not to its context: each running request owns a row of
+a persistent device page table, and only pages added since the last step are uploaded (a request whose page
+list was replaced -- retracted, re-admitted -- is uploaded again). The per-row inputs (token, position, store
+slot, table row, KV length) go up in one pinned, non-blocking copy, so preparing a step never waits on the GPU.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from deepinfer_rt.cache.kv_pool import KVPool
+from deepinfer_rt.forward_batch import ForwardBatch
+from deepinfer_rt.models.base import CausalLM
+from deepinfer_rt.request import Req
+from deepinfer_rt.scheduler.batch import ScheduledBatch
+
+if TYPE_CHECKING:  # the Triton backend imports triton, which CPU installs may lack
+    from deepinfer_rt.layers.attention.triton import TritonBackend
+
+DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
+_TOKEN, _POS, _SLOT, _ROW, _LEN = range(5)
+
+
+@dataclass
+class _Entry:
+    req: Req
+    row: int
+    pages: list[int]
+    """The request's page list object when uploaded (identity tells a replaced list from an extended one)."""
+    uploaded: int
+
+
+class PageTable:
+    """Persistent device page table: one row per running request, updated incrementally."""
+
+    def __init__(self, num_rows: int, width: int, device: torch.device):
+        self.table = torch.zeros(num_rows, width, dtype=torch.int32, device=device)
+        self.width = width
+        self._free = list(range(num_rows - 1, -1, -1))
+        self._entries: dict[int, _Entry] = {}
+        self._pin = self.table.is_cuda  # pinned staging makes the upload asynchronous; CPU tables copy directly
+        self._staging = torch.empty(2 * 65536, dtype=torch.int64, pin_memory=self._pin)
+
+    def _release_idle(self, keep: set[int]) -> None:
+        for rid, e in list(self._entries.items()):
+            if rid not in keep and (e.req.is_finished or e.req.pages is not e.pages):
+                self._free.append(e.row)
+                del self._entries[rid]
+
+    def rows(self, reqs: list[Req]) -> list[int] | None:
+        """Table row of each request after uploading its new pages; None if rows ran out."""
+        missing = sum(1 for r in reqs if r.rid not in self._entries)
+        if missing > len(self._free):
+            self._release_idle({r.rid for r in reqs})
+            if missing > len(self._free):
+                return None
+        rows, index, values = [], [], []
+        for r in reqs:
+            e = self._entries.get(r.rid)
+            if e is None:
+                e = self._entries[r.rid] = _Entry(r, self._free.pop(), r.pages, 0)
+            elif e.pages is not r.pages or len(r.pages) < e.uploaded:
+                e.pages, e.uploaded = r.pages, 0
+            n = len(r.pages)
+            if n > e.uploaded:
+                base = e.row * self.width
+                index.extend(range(base + e.uploaded, base + n))
+                values.extend(r.pages[e.uploaded:])
+                e.uploaded = n
+            rows.append(e.row)
+        if index:
+            self._upload(index, values)
+        return rows
+
+    def _upload(self, index: list[int], values: list[int]) -> None:
+        n = len(index)
+        if self._staging.numel() < 2 * n:
+            self._staging = torch.empty(4 * n, dtype=torch.int64, pin_memory=self._pin)
+        stage = self._staging[: 2 * n].view(2, n)
+        stage[0] = torch.tensor(index, dtype=torch.int64)
+        stage[1] = torch.tensor(values, dtype=torch.int64)
+        dev = stage.to(self.table.device, non_blocking=True)
+        self.table.view(-1).index_copy_(0, dev[0], dev[1].to(torch.int32))
+
+
+class CudaGraphRunner:
+    def __init__(self, model: CausalLM, pool: KVPool, backend: "TritonBackend", max_batch_size: int,
+                 max_context: int, batch_sizes: tuple[int, ...] = DEFAULT_BATCH_SIZES):
+        self.model = model
+        self.pool = pool
+        self.backend = backend
+        self.page_size = pool.page_size
+        self.max_context = max_context
+        dev = pool.k[0].device
+        self.batch_sizes = sorted({b for b in batch_sizes if b < max_batch_size} | {max_batch_size})
+        self.max_bs = self.batch_sizes[-1]
+        width = -(-max_context // self.page_size)
+        self.pages = PageTable(self.max_bs * 2, width, dev)
+        self._io = torch.zeros(5, self.max_bs, dtype=torch.int64, device=dev)
+        self._stage = torch.zeros(5, self.max_bs, dtype=torch.int64).pin_memory()
+        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._outputs: dict[int, torch.Tensor] = {}
+        self._capture_all()
+
+    def _padding(self, start: int) -> None:
+        self._stage[:, start:] = 0
+        self._stage[_SLOT, start:] = -1
+
+    def _forward_batch(self, bs: int) -> ForwardBatch:
+        from deepinfer_rt.layers.attention.triton import TritonMeta
+
+        io = self._io[:, :bs]
+        fb = ForwardBatch(input_ids=io[_TOKEN], positions=io[_POS], out_slots=io[_SLOT], q_lens=[1] * bs,
+                          kv_lens=[1] * bs, kv_slots=[], pool=self.pool, backend=self.backend)
+        decode = self.backend.decode_meta(self.pages.table, io[_ROW], io[_LEN], self.page_size,
+                                          self.pool.k[0].shape[1])
+        fb.attn_meta = TritonMeta(decode, None)
+        return fb
+
+    @torch.no_grad()
+    def _capture_all(self) -> None:
+        self._padding(0)
+        self._io.copy_(self._stage)
+        mempool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for bs in reversed(self.batch_sizes):  # largest first: the smaller graphs reuse its memory
+                fb = self._forward_batch(bs)
+                self.model(fb)  # compiles the kernels and fills lazy tables outside the capture
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=mempool, stream=stream):
+                    self._outputs[bs] = self.model(fb)
+                self._graphs[bs] = graph
+        torch.cuda.current_stream().wait_stream(stream)
+
+    def can_run(self, batch: ScheduledBatch) -> bool:
+        items = batch.items
+        return (0 < len(items) <= self.max_bs and all(it.num_new_tokens == 1 for it in items)
+                and max(it.start for it in items) < self.max_context)
+
+    def run(self, batch: ScheduledBatch) -> torch.Tensor | None:
+        """Hidden states (n, hidden) of a decode batch, or None when it does not fit a graph."""
+        if not self.can_run(batch):
+            return None
+        reqs = [it.req for it in batch.items]
+        rows = self.pages.rows(reqs)
+        if rows is None:
+            return None
+        n = len(reqs)
+        bs = next(b for b in self.batch_sizes if b >= n)
+        ps = self.page_size
+        positions = [it.start for it in batch.items]
+        self._stage[_TOKEN, :n] = torch.tensor([r.token_ids[p] for r, p in zip(reqs, positions)])
+        self._stage[_POS, :n] = torch.tensor(positions)
+        self._stage[_SLOT, :n] = torch.tensor([r.pages[p // ps] * ps + p % ps for r, p in zip(reqs, positions)])
+        self._stage[_ROW, :n] = torch.tensor(rows)
+        self._stage[_LEN, :n] = self._stage[_POS, :n] + 1
+        self._padding(n)
+        self._io.copy_(self._stage, non_blocking=True)  # whole buffer: a strided copy would stage through pageable memory
+        self._graphs[bs].replay()
+        return self._outputs[bs][:n]

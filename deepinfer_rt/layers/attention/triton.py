@@ -1,0 +1,112 @@
+"""Triton attention backend (chosen on CUDA).
+
+Decode rows (one query per sequence) run the paged decode kernel (deepinfer_kernels.decode_attention) over a
+page table; eager batches use a slot table (page size 1) built from the batch's slot lists, CUDA graphs
+(deepinfer_rt.cuda_graph) hand in their own persistent page table through `DecodeMeta`. Prefill chunks run
+torch SDPA per sequence: with no cached prefix it is the causal kernel (flash / memory-efficient), otherwise
+an explicit mask offset by the prefix. New K/V are stored by a scatter kernel that skips negative slots, so
+graph padding rows write nothing.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch.nn.utils.rnn import pad_sequence
+
+from deepinfer_kernels.decode_attention import num_splits_for, paged_decode_attention
+from deepinfer_kernels.elementwise import store_kv
+from deepinfer_rt.forward_batch import ForwardBatch
+from deepinfer_rt.layers.attention.base import AttentionBackend
+from deepinfer_rt.layers.attention.torch_ref import causal_mask
+
+
+def _to_query_heads(x: torch.Tensor, hq: int) -> torch.Tensor:
+    """(Hkv, L, D) -> (Hq, L, D): the fused SDPA kernels take no GQA broadcast. One KV head (MLA) is
+    expanded without a copy."""
+    return x.expand(hq, -1, -1) if x.shape[0] == 1 else x.repeat_interleave(hq // x.shape[0], dim=0)
+
+
+@dataclass
+class DecodeMeta:
+    page_table: torch.Tensor
+    """(R, W) int32 page ids per table row."""
+    table_rows: torch.Tensor
+    """(B,) int32 table row of each decode sequence."""
+    seq_lens: torch.Tensor
+    """(B,) int32 KV length of each decode sequence (0 for padding rows)."""
+    page_size: int
+    num_splits: int
+
+
+@dataclass
+class TritonMeta:
+    decode: DecodeMeta | None
+    decode_rows: torch.Tensor | None
+    """Token rows of the decode queries; None when every row is a decode query (no gather needed)."""
+    extends: list[tuple[int, int, torch.Tensor, torch.Tensor | None]] = field(default_factory=list)
+    """(q_start, q_len, kv slots, causal mask or None when the chunk has no cached prefix)."""
+
+
+class TritonBackend(AttentionBackend):
+    name = "triton"
+
+    def __init__(self, device: torch.device):
+        self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+
+    def decode_meta(self, page_table, table_rows, seq_lens, page_size, kv_heads) -> DecodeMeta:
+        splits = num_splits_for(int(table_rows.shape[0]), kv_heads, self.num_sms)
+        return DecodeMeta(page_table, table_rows, seq_lens, page_size, splits)
+
+    def prepare(self, batch: ForwardBatch) -> None:
+        dev = batch.input_ids.device
+        rows, slots, lens, extends = [], [], [], []
+        start = 0
+        for q_len, kv_len, kv_slots in zip(batch.q_lens, batch.kv_lens, batch.kv_slots):
+            if q_len == 1:
+                rows.append(start)
+                slots.append(kv_slots)
+                lens.append(kv_len)
+            else:
+                mask = None if q_len == kv_len else causal_mask(q_len, kv_len, dev)
+                extends.append((start, q_len, kv_slots, mask))
+            start += q_len
+        decode = None
+        if rows:
+            table = pad_sequence(slots, batch_first=True).to(torch.int32)
+            n = len(rows)
+            decode = self.decode_meta(table, torch.arange(n, dtype=torch.int32, device=dev),
+                                      torch.tensor(lens, dtype=torch.int32, device=dev), 1,
+                                      batch.pool.k[0].shape[1])
+        all_decode = len(rows) == batch.num_tokens
+        batch.attn_meta = TritonMeta(decode, None if all_decode or not rows else torch.tensor(rows, device=dev),
+                                     extends)
+
+    def store_kv(self, batch: ForwardBatch, layer_id: int, k: torch.Tensor, v: torch.Tensor | None) -> None:
+        store_kv(batch.pool.k[layer_id], batch.out_slots, k)
+        if v is not None:
+            store_kv(batch.pool.v[layer_id], batch.out_slots, v)
+
+    def forward(self, q: torch.Tensor, layer_id: int, scale: float, batch: ForwardBatch) -> torch.Tensor:
+        meta: TritonMeta = batch.attn_meta
+        k_buf, v_buf = batch.pool.k[layer_id], batch.pool.v[layer_id]
+        d = meta.decode
+        if d is not None and meta.decode_rows is None:
+            return paged_decode_attention(q, k_buf, v_buf, d.page_table, d.table_rows, d.seq_lens, d.page_size,
+                                          scale, d.num_splits)
+        out = q.new_empty(q.shape[0], q.shape[1], v_buf.shape[-1])
+        if d is not None:
+            out[meta.decode_rows] = paged_decode_attention(q[meta.decode_rows], k_buf, v_buf, d.page_table,
+                                                           d.table_rows, d.seq_lens, d.page_size, scale,
+                                                           d.num_splits)
+        hq = q.shape[1]
+        for q_start, q_len, slots, mask in meta.extends:
+            qe = q[q_start : q_start + q_len].transpose(0, 1)  # (Hq, L, D)
+            ke = _to_query_heads(k_buf.index_select(0, slots).transpose(0, 1), hq)
+            ve = _to_query_heads(v_buf.index_select(0, slots).transpose(0, 1), hq)
+            # 4-D: the fused SDPA kernels (flash, memory-efficient) take only batched inputs.
+            oe = F.scaled_dot_product_attention(qe[None], ke[None], ve[None], attn_mask=mask, is_causal=mask is None,
+                                                scale=scale)
+            out[q_start : q_start + q_len] = oe[0].transpose(0, 1)
+        return out

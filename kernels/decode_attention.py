@@ -1,0 +1,168 @@
+"""Paged decode attention (one query per sequence) in Triton, for GQA and absorbed MLA.
+
+Each sequence's KV is found through a page table: position j of row b lives in slot
+`page_table[table_rows[b], j // page_size] * page_size + j % page_size` of the layer's K/V buffers.
+
+One program handles one (sequence, KV head, split): all the query heads of that KV head (GQA group, or all
+heads for MLA, whose single latent KV head is shared) against one contiguous chunk of the sequence, so each
+KV entry is read once per step. Splits (flash-decoding) give small batches enough programs to fill the GPU;
+a second kernel merges the splits by their log-sum-exp. K's columns come as a power-of-two head part
+(latent, or the whole head) plus an optional power-of-two tail (MLA's rope part); MLA's V is K's head part,
+so it is reused from registers instead of being loaded again. Empty rows (seq_len 0, CUDA-graph padding)
+yield zeros.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _decode_split_kernel(Q, K, V, PageTable, TableRows, SeqLens, PartO, PartLse,
+                         stride_qb, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_pt,
+                         sm_scale, page_size,
+                         GROUP: tl.constexpr, BLOCK_H: tl.constexpr, DK: tl.constexpr, DT: tl.constexpr,
+                         DV: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                         V_IS_K: tl.constexpr):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(SeqLens + b)
+    chunk = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = split * chunk
+    end = tl.minimum(start + chunk, seq_len)
+    row = tl.load(TableRows + b).to(tl.int64)
+
+    offs_h = tl.arange(0, BLOCK_H)
+    heads = kvh * GROUP + offs_h
+    hmask = offs_h < GROUP
+    offs_dk = tl.arange(0, DK)
+    offs_dv = tl.arange(0, DV)
+    q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + offs_dk[None, :], mask=hmask[:, None], other=0.0)
+    if DT > 0:
+        offs_dt = tl.arange(0, DT)
+        q_t = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + DK + offs_dt[None, :],
+                      mask=hmask[:, None], other=0.0)
+    qk_scale = sm_scale * 1.4426950408889634  # exp2 below
+
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, DV], tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        nmask = offs_n < end
+        page = tl.load(PageTable + row * stride_pt + offs_n // page_size, mask=nmask, other=0).to(tl.int64)
+        slot = page * page_size + offs_n % page_size
+        k_base = K + slot[:, None] * stride_kn + kvh * stride_kh
+        k = tl.load(k_base + offs_dk[None, :], mask=nmask[:, None], other=0.0)  # (N, DK)
+        qk = tl.dot(q, tl.trans(k))
+        if DT > 0:
+            k_t = tl.load(k_base + DK + offs_dt[None, :], mask=nmask[:, None], other=0.0)
+            if DT >= 16:
+                qk += tl.dot(q_t, tl.trans(k_t))
+            else:  # tl.dot needs K >= 16
+                qk += tl.sum(q_t.to(tl.float32)[:, None, :] * k_t.to(tl.float32)[None, :, :], 2)
+        qk = tl.where(nmask[None, :], qk * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if V_IS_K:
+            v = k
+        else:
+            v = tl.load(V + slot[:, None] * stride_vn + kvh * stride_vh + offs_dv[None, :], mask=nmask[:, None],
+                        other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+
+    empty = l_i == 0.0
+    out = acc / tl.where(empty, 1.0, l_i)[:, None]
+    lse = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
+    part = (b * (GROUP * tl.num_programs(1)) + heads) * NUM_SPLITS + split  # PartLse (B, Hq, S)
+    tl.store(PartO + part[:, None] * DV + offs_dv[None, :], out, mask=hmask[:, None])
+    tl.store(PartLse + part, lse, mask=hmask)
+
+
+@triton.jit
+def _merge_splits_kernel(PartO, PartLse, O, stride_ob, stride_oh, NUM_HEADS: tl.constexpr,
+                         NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, DV: tl.constexpr):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    smask = offs_s < NUM_SPLITS
+    base = (b * NUM_HEADS + h) * NUM_SPLITS
+    lse = tl.load(PartLse + base + offs_s, mask=smask, other=float("-inf"))
+    m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp2(lse - m)  # 0 for empty splits
+    offs_d = tl.arange(0, DV)
+    parts = tl.load(PartO + (base + offs_s)[:, None] * DV + offs_d[None, :], mask=smask[:, None], other=0.0)
+    total = tl.sum(w, 0)
+    out = tl.sum(parts * w[:, None], 0) / tl.where(total == 0.0, 1.0, total)
+    tl.store(O + b * stride_ob + h * stride_oh + offs_d, out.to(O.dtype.element_ty))
+
+
+def _split_head_dim(dk: int, dv: int) -> tuple[int, int]:
+    """K columns as (power-of-two head part, power-of-two tail or 0); the head part covers V's columns."""
+    head = triton.next_power_of_2(dv)
+    if head > dk:
+        raise ValueError(f"decode attention: V dim {dv} exceeds K dim {dk}")
+    tail = dk - head
+    if head != dv or (tail and triton.next_power_of_2(tail) != tail):
+        raise ValueError(f"decode attention: unsupported head dims qk={dk}, v={dv}")
+    return head, tail
+
+
+def num_splits_for(batch: int, kv_heads: int, num_sms: int) -> int:
+    """Enough (sequence, head, split) programs to cover the multiprocessors about twice."""
+    want = triton.cdiv(2 * num_sms, max(1, batch * kv_heads))
+    return max(1, min(32, triton.next_power_of_2(want)))
+
+
+def paged_decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, page_table: torch.Tensor,
+                           table_rows: torch.Tensor, seq_lens: torch.Tensor, page_size: int, scale: float,
+                           num_splits: int, out: torch.Tensor | None = None, block_n: int | None = None,
+                           num_warps: int = 4) -> torch.Tensor:
+    """q (B, Hq, Dqk); k_buf (slots, Hkv, Dqk); v_buf (slots, Hkv, Dv), for MLA a column view of k_buf;
+    page_table (R, W) int32 page ids; table_rows (B,) int32 row of each sequence; seq_lens (B,) int32.
+    Returns (B, Hq, Dv) in q's dtype."""
+    bsz, hq, dk = q.shape
+    hkv, dv = k_buf.shape[1], v_buf.shape[-1]
+    group = hq // hkv
+    head, tail = _split_head_dim(dk, dv)
+    v_is_k = v_buf.data_ptr() == k_buf.data_ptr() and v_buf.stride() == k_buf.stride()
+    if out is None:
+        out = q.new_empty(bsz, hq, dv)
+    part_o = torch.empty(bsz, hq, num_splits, dv, dtype=torch.float32, device=q.device)
+    part_lse = torch.empty(bsz, hq, num_splits, dtype=torch.float32, device=q.device)
+    block_h = max(16, triton.next_power_of_2(group))
+    # Measured on an H200 (MLA, 2K context): 64-token tiles are best at batch 256, 32-token tiles at 1-64.
+    block_n = block_n or (64 if dk <= 256 or bsz >= 128 else 32)
+    _decode_split_kernel[(bsz, hkv, num_splits)](
+        q, k_buf, v_buf, page_table, table_rows, seq_lens, part_o, part_lse,
+        q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
+        page_table.stride(0), scale, page_size,
+        GROUP=group, BLOCK_H=block_h, DK=head, DT=tail, DV=dv, BLOCK_N=block_n, NUM_SPLITS=num_splits,
+        V_IS_K=v_is_k, num_warps=num_warps, num_stages=2)
+    _merge_splits_kernel[(bsz, hq)](part_o, part_lse, out, out.stride(0), out.stride(1), NUM_HEADS=hq,
+                                    NUM_SPLITS=num_splits, BLOCK_S=max(2, triton.next_power_of_2(num_splits)),
+                                    DV=dv, num_warps=4)
+    return out
+
+
+def paged_decode_attention_ref(q, k_buf, v_buf, page_table, table_rows, seq_lens, page_size, scale):
+    """Torch reference of paged_decode_attention (fp32 softmax), one sequence at a time."""
+    bsz, hq, _ = q.shape
+    out = q.new_zeros(bsz, hq, v_buf.shape[-1])
+    for b in range(bsz):
+        n = int(seq_lens[b])
+        if n == 0:
+            continue
+        pos = torch.arange(n, device=q.device)
+        slots = page_table[int(table_rows[b])][pos // page_size].long() * page_size + pos % page_size
+        k = k_buf[slots].float().repeat_interleave(hq // k_buf.shape[1], dim=1)  # (n, Hq, D)
+        v = v_buf[slots].float().repeat_interleave(hq // v_buf.shape[1], dim=1)
+        p = (torch.einsum("hd,nhd->hn", q[b].float(), k) * scale).softmax(-1)
+        out[b] = torch.einsum("hn,nhd->hd", p, v).to(q.dtype)
+    return out

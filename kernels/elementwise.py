@@ -1,0 +1,124 @@
+"""Row-wise Triton kernels: RMSNorm (optionally fused with the residual add), rotary embedding in place,
+SiLU-and-mul, and the KV-store scatter. Each replaces a chain of small torch ops by one launch, which is
+what decode at small batch is bound by. Numerics follow `reference`: fp32 math, rounding to the model dtype
+where the reference rounds.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rms_norm_kernel(X, R, W, Out, ResOut, stride_x, stride_r, stride_o, stride_ro, n_cols, eps,
+                     BLOCK: tl.constexpr, HAS_RES: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < n_cols
+    x = tl.load(X + row * stride_x + offs, mask=mask, other=0.0)
+    if HAS_RES:
+        x = (x + tl.load(R + row * stride_r + offs, mask=mask, other=0.0)).to(X.dtype.element_ty)
+        tl.store(ResOut + row * stride_ro + offs, x, mask=mask)
+    xf = x.to(tl.float32)
+    inv = tl.rsqrt(tl.sum(xf * xf, 0) / n_cols + eps)
+    xn = (xf * inv).to(X.dtype.element_ty).to(tl.float32)
+    w = tl.load(W + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(Out + row * stride_o + offs, (w * xn).to(Out.dtype.element_ty), mask=mask)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+    """x (T, D) rows with unit column stride. Without residual: norm(x). With it: (norm(x + residual),
+    x + residual) -- the sum is what the next residual add starts from."""
+    if x.stride(-1) != 1 or x.dim() != 2:
+        raise ValueError("rms_norm kernel takes 2-D rows with unit column stride")
+    t, d = x.shape
+    out = torch.empty(t, d, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+    res_out = torch.empty_like(x) if residual is not None else out
+    r = residual if residual is not None else x
+    block = triton.next_power_of_2(d)
+    _rms_norm_kernel[(t,)](x, r, weight, out, res_out, x.stride(0), r.stride(0), out.stride(0),
+                           res_out.stride(0), d, eps, BLOCK=block, HAS_RES=residual is not None,
+                           num_warps=4 if block <= 4096 else 8)
+    return out if residual is None else (out, res_out)
+
+
+@triton.jit
+def _rope_kernel(X, Positions, Cos, Sin, stride_xt, stride_xh, num_heads,
+                 HALF: tl.constexpr, BLOCK_H: tl.constexpr, INTERLEAVE: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    pos = tl.load(Positions + t).to(tl.int64)
+    offs_j = tl.arange(0, HALF)
+    cos = tl.load(Cos + pos * HALF + offs_j)[None, :]
+    sin = tl.load(Sin + pos * HALF + offs_j)[None, :]
+    offs_h = tl.arange(0, BLOCK_H)
+    hmask = offs_h[:, None] < num_heads
+    base = X + t * stride_xt + offs_h[:, None] * stride_xh
+    if INTERLEAVE:  # pairs (x[2j], x[2j+1]) rotate; the result is written half-split, as the reference does
+        x1 = tl.load(base + 2 * offs_j[None, :], mask=hmask, other=0.0).to(tl.float32)
+        x2 = tl.load(base + 2 * offs_j[None, :] + 1, mask=hmask, other=0.0).to(tl.float32)
+    else:
+        x1 = tl.load(base + offs_j[None, :], mask=hmask, other=0.0).to(tl.float32)
+        x2 = tl.load(base + HALF + offs_j[None, :], mask=hmask, other=0.0).to(tl.float32)
+    tl.debug_barrier()  # every lane has read its row before any lane overwrites it (in place)
+    tl.store(base + offs_j[None, :], (x1 * cos - x2 * sin).to(X.dtype.element_ty), mask=hmask)
+    tl.store(base + HALF + offs_j[None, :], (x2 * cos + x1 * sin).to(X.dtype.element_ty), mask=hmask)
+
+
+def rope_cache(inv_freq: torch.Tensor, scaling: float, max_positions: int, device: torch.device):
+    """(cos, sin) tables (max_positions, D/2) fp32, the reference's fp32 arithmetic done once."""
+    pos = torch.arange(max_positions, dtype=torch.float32)
+    freqs = pos[:, None] * inv_freq.float().cpu()[None, :]
+    return (freqs.cos() * scaling).to(device), (freqs.sin() * scaling).to(device)
+
+
+def apply_rope_(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                interleave: bool) -> torch.Tensor:
+    """Rotate x (T, H, D) in place (unit column stride) by the tables' rows at `positions`."""
+    t, h, d = x.shape
+    if x.stride(-1) != 1:
+        raise ValueError("apply_rope_ needs a unit column stride")
+    _rope_kernel[(t,)](x, positions, cos, sin, x.stride(0), x.stride(1), h, HALF=d // 2,
+                       BLOCK_H=triton.next_power_of_2(h), INTERLEAVE=interleave, num_warps=1)
+    return x
+
+
+@triton.jit
+def _silu_mul_kernel(X, Out, stride_x, stride_o, d, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < d
+    g = tl.load(X + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(X + row * stride_x + d + offs, mask=mask, other=0.0)
+    s = (g / (1.0 + tl.exp(-g))).to(X.dtype.element_ty)
+    tl.store(Out + row * stride_o + offs, s * u, mask=mask)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x (T, 2d) = [gate | up] -> silu(gate) * up (T, d)."""
+    t, two_d = x.shape
+    d = two_d // 2
+    out = x.new_empty(t, d)
+    block = min(1024, triton.next_power_of_2(d))
+    _silu_mul_kernel[(t, triton.cdiv(d, block))](x, out, x.stride(0), out.stride(0), d, BLOCK=block)
+    return out
+
+
+@triton.jit
+def _store_kv_kernel(Src, Dst, Slots, stride_src, stride_dst, n, BLOCK: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    slot = tl.load(Slots + t).to(tl.int64)
+    if slot >= 0:  # negative slots are padding rows (CUDA graphs): nothing to store
+        offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        tl.store(Dst + slot * stride_dst + offs, tl.load(Src + t * stride_src + offs, mask=mask), mask=mask)
+
+
+def store_kv(buf: torch.Tensor, slots: torch.Tensor, src: torch.Tensor) -> None:
+    """buf[slots[t]] = src[t] for slots >= 0; buf (slots, H, D) with (H, D) contiguous, src (T, H, D)."""
+    t = src.shape[0]
+    if src[0].numel() and not src[0].is_contiguous():
+        src = src.contiguous()
+    n = buf[0].numel()
+    block = min(1024, triton.next_power_of_2(n))
+    _store_kv_kernel[(t, triton.cdiv(n, block))](src, buf, slots, src.stride(0), buf.stride(0), n, BLOCK=block)

@@ -1,0 +1,168 @@
+"""Fused mixture-of-experts in Triton: (token, slot) pairs sorted by expert, then two grouped GEMMs.
+
+    gate_up: h[pair] = silu(x[tok] @ W_gate[e]^T) * (x[tok] @ W_up[e]^T)     (one kernel, both halves)
+    down:    y[pair] = weight[pair] * (h[pair] @ W_down[e]^T)
+    out[tok] = sum over the token's k slots of y                              (fp32 sum)
+
+Each program owns BLOCK_M sorted rows of one expert and BLOCK_N output columns, so an expert's weights are
+read once per block of its tokens. `moe_align` builds the sorted order on the device with no host sync (CUDA
+graphs capture it): each expert's pairs are padded to a multiple of BLOCK_M; padding rows hold the sentinel
+pair id `num_pairs` and are masked. With only a few pairs (small decode batches) sorting costs more than it
+saves: each pair then gets its own block (`per_pair`), which needs no align kernels at all.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# Up to this many (token, slot) pairs each pair gets its own block instead of being sorted.
+PER_PAIR_MAX = 16
+
+
+@triton.jit
+def _pair_rows(SortedPairs, BlockExpert, NumPadded, pid_m, num_pairs, BLOCK_M: tl.constexpr,
+               PER_PAIR: tl.constexpr):
+    offs = tl.arange(0, BLOCK_M)
+    if PER_PAIR:
+        pair = tl.where(offs == 0, pid_m, num_pairs)
+        expert = tl.load(BlockExpert + pid_m)  # the flat expert ids (T*k,)
+        valid = True
+    else:
+        pair = tl.load(SortedPairs + pid_m * BLOCK_M + offs)
+        expert = tl.load(BlockExpert + pid_m)
+        valid = pid_m * BLOCK_M < tl.load(NumPadded)
+    return pair, expert.to(tl.int64), valid
+
+
+def _tuned(kernel):
+    """Autotune the N/K tiles, warps and stages per (N, K, pair-count bucket, rows per block). The first call
+    of a key benchmarks the configs (eagerly: CUDA-graph warm-up runs it before capture); later calls reuse
+    the winner. BLOCK_M is fixed by the caller, since the expert padding of `moe_align` depends on it."""
+    configs = [triton.Config(dict(BLOCK_N=bn, BLOCK_K=bk), num_warps=w, num_stages=st)
+               for bn, bk, w, st in ((64, 128, 4, 3), (128, 64, 4, 4), (128, 128, 8, 3), (64, 256, 4, 3))]
+    return triton.autotune(configs, key=["N", "K", "pairs_bucket", "BLOCK_M", "PER_PAIR"], warmup=5, rep=20)(kernel)
+
+
+@_tuned
+@triton.jit
+def _moe_gate_up_kernel(X, W, H, SortedPairs, BlockExpert, NumPadded, num_pairs, pairs_bucket, top_k, N, K,
+                        stride_xm, stride_we, stride_wn, stride_hm,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        PER_PAIR: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pair, e, valid = _pair_rows(SortedPairs, BlockExpert, NumPadded, pid_m, num_pairs, BLOCK_M, PER_PAIR)
+    if valid:
+        mmask = pair < num_pairs
+        tok = (pair // top_k).to(tl.int64)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        nmask = offs_n < N
+        offs_k = tl.arange(0, BLOCK_K)
+        a_ptrs = X + tok[:, None] * stride_xm + offs_k[None, :]
+        g_ptrs = W + e * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]  # (K, N) view of W_gate^T
+        u_ptrs = g_ptrs + N * stride_wn
+        acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            kmask = offs_k < K - k0
+            a = tl.load(a_ptrs, mask=mmask[:, None] & kmask[None, :], other=0.0)
+            g = tl.load(g_ptrs, mask=kmask[:, None] & nmask[None, :], other=0.0)
+            u = tl.load(u_ptrs, mask=kmask[:, None] & nmask[None, :], other=0.0)
+            acc_g = tl.dot(a, g, acc_g)
+            acc_u = tl.dot(a, u, acc_u)
+            a_ptrs += BLOCK_K
+            g_ptrs += BLOCK_K
+            u_ptrs += BLOCK_K
+        h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+        tl.store(H + pair.to(tl.int64)[:, None] * stride_hm + offs_n[None, :], h.to(H.dtype.element_ty),
+                 mask=mmask[:, None] & nmask[None, :])
+
+
+@_tuned
+@triton.jit
+def _moe_down_kernel(H, W, Y, TopkWeights, SortedPairs, BlockExpert, NumPadded, num_pairs, pairs_bucket, N, K,
+                     stride_hm, stride_we, stride_wn, stride_ym,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     PER_PAIR: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pair, e, valid = _pair_rows(SortedPairs, BlockExpert, NumPadded, pid_m, num_pairs, BLOCK_M, PER_PAIR)
+    if valid:
+        mmask = pair < num_pairs
+        pair64 = pair.to(tl.int64)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        nmask = offs_n < N
+        offs_k = tl.arange(0, BLOCK_K)
+        a_ptrs = H + pair64[:, None] * stride_hm + offs_k[None, :]
+        w_ptrs = W + e * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            kmask = offs_k < K - k0
+            a = tl.load(a_ptrs, mask=mmask[:, None] & kmask[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=kmask[:, None] & nmask[None, :], other=0.0)
+            acc = tl.dot(a, w, acc)
+            a_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
+        acc *= tl.load(TopkWeights + pair64, mask=mmask, other=0.0)[:, None]
+        tl.store(Y + pair64[:, None] * stride_ym + offs_n[None, :], acc.to(Y.dtype.element_ty),
+                 mask=mmask[:, None] & nmask[None, :])
+
+
+def moe_align(ids: torch.Tensor, num_experts: int, block_m: int
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """ids (T, k) -> (sorted pair ids padded per expert to block_m with the sentinel T*k, expert of each
+    block, number of used padded rows as a 1-element tensor). Device ops only, no host sync."""
+    flat = ids.flatten()
+    num_pairs = flat.numel()
+    dev = flat.device
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=dev).scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m
+    pad_end = padded.cumsum(0)
+    cnt_start = counts.cumsum(0) - counts
+    order = flat.argsort(stable=True)
+    sorted_e = flat[order]
+    dest = pad_end[sorted_e] - padded[sorted_e] + torch.arange(num_pairs, device=dev) - cnt_start[sorted_e]
+    max_rows = triton.cdiv(num_pairs + min(num_experts, num_pairs) * (block_m - 1), block_m) * block_m
+    sorted_pairs = torch.full((max_rows,), num_pairs, dtype=torch.int32, device=dev)
+    sorted_pairs.scatter_(0, dest, order.to(torch.int32))
+    block_start = torch.arange(0, max_rows, block_m, device=dev)
+    block_expert = torch.searchsorted(pad_end, block_start, right=True).clamp_(max=num_experts - 1)
+    return sorted_pairs, block_expert.to(torch.int32), pad_end[-1:]
+
+
+def _block_m(num_pairs: int, num_experts: int) -> int:
+    """Rows per block: about the pairs an expert receives (padding rows cost compute, not weight reads)."""
+    if num_pairs <= PER_PAIR_MAX or num_pairs < 4 * num_experts:
+        return 16
+    return 32 if num_pairs < 32 * num_experts else 64
+
+
+def fused_moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,
+              ids: torch.Tensor) -> torch.Tensor:
+    """x (T, H); gate_up (E, 2I, H) = per expert [gate; up]; down (E, H, I); weights (T, k) fp32; ids (T, k).
+    Returns sum_k weights * down(silu(gate x) * up x), (T, H) in x's dtype."""
+    t, k = ids.shape
+    e, two_i, hidden = gate_up.shape
+    inter = two_i // 2
+    num_pairs = t * k
+    if not (x.is_contiguous() and gate_up.is_contiguous() and down.is_contiguous()):
+        raise ValueError("fused_moe needs contiguous x and expert weights")
+    block_m = _block_m(num_pairs, e)
+    per_pair = num_pairs <= PER_PAIR_MAX
+    if per_pair:
+        sorted_pairs, block_expert, num_padded = ids, ids.flatten(), ids  # the flat ids double as block experts
+        num_blocks = num_pairs
+    else:
+        sorted_pairs, block_expert, num_padded = moe_align(ids, e, block_m)
+        num_blocks = sorted_pairs.numel() // block_m
+    h = x.new_empty(num_pairs, inter)
+    y = x.new_empty(num_pairs, hidden)
+    bucket = triton.next_power_of_2(num_pairs)
+    _moe_gate_up_kernel[lambda meta: (num_blocks, triton.cdiv(inter, meta["BLOCK_N"]))](
+        x, gate_up, h, sorted_pairs, block_expert, num_padded, num_pairs, bucket, k, inter, hidden,
+        x.stride(0), gate_up.stride(0), gate_up.stride(1), h.stride(0), BLOCK_M=block_m, PER_PAIR=per_pair)
+    _moe_down_kernel[lambda meta: (num_blocks, triton.cdiv(hidden, meta["BLOCK_N"]))](
+        h, down, y, weights.flatten().float(), sorted_pairs, block_expert, num_padded, num_pairs, bucket, hidden,
+        inter, h.stride(0), down.stride(0), down.stride(1), y.stride(0), BLOCK_M=block_m, PER_PAIR=per_pair)
+    return y.view(t, k, hidden).sum(dim=1, dtype=torch.float32).to(x.dtype)

@@ -1,0 +1,118 @@
+"""Each Triton kernel against its torch reference on random data (CUDA only)."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+DEV = "cuda"
+BF16 = torch.bfloat16
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    assert not out.isnan().any()
+    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+@pytest.mark.parametrize("shape", [(16, 1, 576, 512), (4, 1, 40, 32), (9, 3, 64, 64), (32, 8, 128, 128)],
+                         ids=["mla-v2", "mla-tiny", "gqa-smollm2", "gqa-llama8b"])
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("num_splits", [1, 8])
+def test_paged_decode_attention(shape, page_size, num_splits):
+    from deepinfer_kernels.decode_attention import paged_decode_attention, paged_decode_attention_ref
+
+    hq, hkv, dk, dv = shape
+    torch.manual_seed(hash((shape, page_size, num_splits)) % 2**31)
+    lens = torch.tensor([1, 0, 300, 77, 1025], dtype=torch.int32, device=DEV)
+    width = 1100 // page_size + 1
+    num_pages = 6 * width
+    k = torch.randn(num_pages * page_size, hkv, dk, dtype=BF16, device=DEV)
+    v = k[..., :dv] if hkv == 1 else torch.randn(num_pages * page_size, hkv, dv, dtype=BF16, device=DEV)
+    table = torch.randperm(num_pages, device=DEV)[: 6 * width].view(6, width).to(torch.int32)
+    rows = torch.tensor([5, 1, 0, 3, 2], dtype=torch.int32, device=DEV)
+    q = torch.randn(5, hq, dk, dtype=BF16, device=DEV)
+    out = torch.full((5, hq, dv), float("nan"), dtype=BF16, device=DEV)  # poisoned: every element written
+    paged_decode_attention(q, k, v, table, rows, lens, page_size, dk**-0.5, num_splits, out=out)
+    ref = paged_decode_attention_ref(q, k, v, table, rows, lens, page_size, dk**-0.5)
+    assert rel_err(out, ref) < 1e-2
+    assert (out[1] == 0).all()  # an empty sequence yields zeros
+
+
+@pytest.mark.parametrize("num_tokens", [1, 3, 40, 700])
+def test_fused_moe(num_tokens):
+    from deepinfer_kernels.fused_moe import fused_moe
+    from deepinfer_rt.layers.moe import RoutedExperts, select_experts
+
+    torch.manual_seed(num_tokens)
+    e, hidden, inter, k = 64, 256, 176, 6
+    experts = RoutedExperts(e, hidden, inter).to(DEV, BF16)
+    with torch.no_grad():
+        experts.gate_up_proj.normal_(0, 0.05)
+        experts.down_proj.normal_(0, 0.05)
+    x = torch.randn(num_tokens, hidden, dtype=BF16, device=DEV)
+    weights, ids = select_experts(torch.randn(num_tokens, e, device=DEV), k)
+    out = fused_moe(x, experts.gate_up_proj, experts.down_proj, weights, ids)
+    # RoutedExperts' torch path (what runs on CPU), in fp32 on copies of the same weights.
+    ref = copy.deepcopy(experts).float().cpu()(x.float().cpu(), weights.cpu(), ids.cpu())
+    assert rel_err(out.cpu(), ref) < 1e-2
+
+
+def test_moe_align_sorts_pairs_by_expert():
+    from deepinfer_kernels.fused_moe import moe_align
+
+    torch.manual_seed(1)
+    ids = torch.randint(0, 8, (50, 2), device=DEV)
+    sorted_pairs, block_expert, num_padded = moe_align(ids, 8, 16)
+    flat = ids.flatten()
+    pairs = sorted_pairs[: int(num_padded)].view(-1, 16)
+    for b in range(pairs.shape[0]):
+        real = pairs[b][pairs[b] < flat.numel()]
+        assert (flat[real.long()] == block_expert[b]).all()
+    assert sorted(sorted_pairs[sorted_pairs < flat.numel()].tolist()) == list(range(flat.numel()))
+
+
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm(with_residual):
+    from deepinfer_kernels import elementwise, reference
+
+    x = torch.randn(37, 2048, dtype=BF16, device=DEV)
+    w = torch.randn(2048, dtype=BF16, device=DEV)
+    if with_residual:
+        r = torch.randn_like(x)
+        out, s = elementwise.rms_norm(x, w, 1e-6, r)
+        assert torch.equal(s, x + r)
+        assert rel_err(out, reference.rms_norm(x + r, w, 1e-6)) < 1e-2
+    else:
+        assert rel_err(elementwise.rms_norm(x, w, 1e-6), reference.rms_norm(x, w, 1e-6)) < 1e-2
+
+
+@pytest.mark.parametrize("interleave", [False, True])
+def test_rope(interleave):
+    from deepinfer_kernels import elementwise, reference
+
+    d = 64
+    inv = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
+    cos, sin = elementwise.rope_cache(inv, 1.0, 4096, torch.device(DEV))
+    pos = torch.randint(0, 4096, (33,), device=DEV)
+    x = torch.randn(33, 16, 192, dtype=BF16, device=DEV)[..., 128:]  # a strided view, as MLA's q_pe
+    freqs = pos[:, None].float() * inv.to(DEV)[None]
+    emb = torch.cat((freqs, freqs), -1)
+    ref = reference.apply_rope(x.clone(), emb.cos().to(BF16), emb.sin().to(BF16), interleave)
+    assert rel_err(elementwise.apply_rope_(x, pos, cos, sin, interleave), ref) < 1e-2
+
+
+def test_silu_and_mul_and_store_kv():
+    from deepinfer_kernels import elementwise, reference
+
+    x = torch.randn(9, 2 * 1408, dtype=BF16, device=DEV)
+    assert rel_err(elementwise.silu_and_mul(x), reference.silu_and_mul(x)) < 1e-2
+    buf = torch.randn(64, 1, 576, dtype=BF16, device=DEV)
+    src = torch.randn(4, 1, 576, dtype=BF16, device=DEV)
+    slots = torch.tensor([3, -1, 60, 7], device=DEV)
+    expect = buf.clone()
+    expect[[3, 60, 7]] = src[[0, 2, 3]]
+    elementwise.store_kv(buf, slots, src)
+    assert torch.equal(buf, expect)
