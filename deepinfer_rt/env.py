@@ -47,6 +47,8 @@ class Env:
     """DEEPINFER_GRAMMAR_COMPILE_TIMEOUT: seconds a grammar may take to compile before its request errors."""
     num_threads: int
     """DEEPINFER_NUM_THREADS: torch intra-op threads on CPU (0 = torch's default)."""
+    spec_max_draft: int
+    """DEEPINFER_SPEC_MAX_DRAFT: most draft tokens a request verifies per step under speculation (default 5)."""
 
 
 def get_env() -> Env:
@@ -58,4 +60,5 @@ def get_env() -> Env:
         kv_cache_max_cpu_gib=_float("DEEPINFER_KV_CACHE_MAX_CPU_GIB", 2.0),
         grammar_compile_timeout_s=_float("DEEPINFER_GRAMMAR_COMPILE_TIMEOUT", 30.0),
         num_threads=_int("DEEPINFER_NUM_THREADS", 0),
+        spec_max_draft=_int("DEEPINFER_SPEC_MAX_DRAFT", 5),
     )
