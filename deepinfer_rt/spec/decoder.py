@@ -125,5 +125,5 @@ def build_spec_decoder(config: SpeculativeConfig, model, model_config, path, loa
     else:
         from deepinfer_rt.spec.mtp import MTPDrafter
 
-        drafter = MTPDrafter.load(model, model_config, path, load_format, seed)
+        drafter = MTPDrafter.load(model, model_config, path, load_format, seed, config.num_draft)
     return SpecDecoder(config, drafter, batch_invariant, model_config.max_position)
