@@ -47,12 +47,13 @@ class DraftRow:
 
 
 def num_grammar_valid(req: Req, tokens: list[int]) -> int:
-    """How many leading drafts req's grammar accepts (all of them for unconstrained requests)."""
+    """How many leading drafts req's grammar accepts without terminating (a draft that ends the grammar
+    would leave the row after it nothing to mask; verification emits that token itself)."""
     if req.grammar is None:
         return len(tokens)
-    fork = req.grammar.fork()
+    matcher = req.grammar.fork().matcher
     for i, token in enumerate(tokens):
-        if fork.is_terminated() or not fork.accept(token):
+        if not matcher.accept_token(token) or matcher.is_terminated():
             return i
     return len(tokens)
 
@@ -75,6 +76,7 @@ def verify(logits: torch.Tensor, rows: list[DraftRow], spans: list[tuple[Req, Pr
     """logits (R, V): processed rows (Sampler.process) of every item, item after item, len(proposal) + 1 each.
     Returns per item the emitted tokens: accepted drafts, then the replacement or bonus token."""
     scaled = _scaled(logits, rows)
+    probs = scaled.softmax(-1) if any(p.probs is not None for _, p in spans) else None
     emitted, row = [], 0
     for req, proposal in spans:
         m = len(proposal.tokens)
@@ -84,7 +86,7 @@ def verify(logits: torch.Tensor, rows: list[DraftRow], spans: list[tuple[Req, Pr
         elif proposal.probs is None:
             emitted.append(_accept_point_mass(z, proposal.tokens, rows[row : row + m + 1]))
         else:
-            emitted.append(_accept_rejection(z, proposal, rows[row : row + m + 1]))
+            emitted.append(_accept_rejection(z, probs[row : row + m + 1], proposal, rows[row : row + m + 1]))
         row += m + 1
     return emitted
 
@@ -127,13 +129,15 @@ def _accept_point_mass(z: torch.Tensor, drafts: list[int], rows: list[DraftRow])
     return out + [_draw(z[len(drafts)], rows[len(drafts)])]
 
 
-def _accept_rejection(z: torch.Tensor, proposal: Proposal, rows: list[DraftRow]) -> list[int]:
-    p = z.softmax(-1)
+def _accept_rejection(z: torch.Tensor, p: torch.Tensor, proposal: Proposal, rows: list[DraftRow]) -> list[int]:
     q = proposal.probs.to(p.device, p.dtype)
+    m = len(proposal.tokens)
+    drafts = torch.tensor(proposal.tokens, device=p.device)[:, None]
+    p_draft, q_draft = p[:m].gather(1, drafts).squeeze(1).tolist(), q.gather(1, drafts).squeeze(1).tolist()
     out = []
     for j, d in enumerate(proposal.tokens):
         u = random.Random(stream_seed(rows[j].seed ^ _ACCEPT_SALT, rows[j].num_output_tokens)).random()
-        if u * float(q[j, d]) < float(p[j, d]):
+        if u * q_draft[j] < p_draft[j]:
             out.append(d)
             continue
         residual = (p[j] - q[j]).clamp_(min=0.0)
