@@ -185,9 +185,11 @@ class MTPDrafter(Drafter):
         """Greedy requests draft the argmax (a point mass); sampled ones draw from q = softmax(logits / T)
         with the request's seed, reporting q for rejection sampling. Confidence: q(draft)."""
         tokens, confs, qs = [], [], []
+        temps = torch.tensor([1.0 if r.params.is_greedy else r.params.temperature for r in reqs],
+                             device=logits.device)
+        probs = (logits / temps[:, None]).softmax(-1)
         for j, req in enumerate(reqs):
-            temp = 1.0 if req.params.is_greedy else req.params.temperature
-            q = (logits[j] / temp).softmax(-1)
+            q = probs[j]
             if req.params.is_greedy:
                 d = int(q.argmax())
             else:
