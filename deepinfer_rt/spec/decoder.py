@@ -109,7 +109,6 @@ class SpecDecoder:
         self.num_drafted += num_drafted
         self.num_accepted += num_accepted
         self.num_verify_steps += 1
-        self.drafter.feedback(req, num_drafted, num_accepted)
 
     # ---- engine ----
     def stats(self) -> dict:

@@ -44,9 +44,6 @@ class Drafter:
     def observe(self, runner, batch, hidden: torch.Tensor, emitted: dict[int, list[int]]) -> None:
         """After a target forward: hidden (T, H) rows of `batch`; emitted[i] = tokens item i produced."""
 
-    def feedback(self, req: Req, num_drafted: int, num_accepted: int) -> None:
-        """The verification outcome of a proposal of req."""
-
 
 class PromptLookupDrafter(Drafter):
     """Finds the latest earlier occurrence of the request's last n tokens (longest n first) and proposes the
@@ -55,22 +52,13 @@ class PromptLookupDrafter(Drafter):
 
     def __init__(self, min_ngram: int = 1, max_ngram: int = 3):
         self.min_ngram, self.max_ngram = min_ngram, max_ngram
-        self._rates: dict[int, tuple[int, int]] = {}
 
     def propose(self, req: Req, k: int) -> Proposal | None:
         tokens = find_continuation(req.token_ids, k, self.min_ngram, self.max_ngram)
         if not tokens:
             return None
-        drafted, accepted = self._rates.get(req.rid, (0, 0))
-        rate = (accepted + 1) / (drafted + 2)
+        rate = (req.num_accepted_tokens + 1) / (req.num_draft_tokens + 2)
         return Proposal(tokens, [rate] * len(tokens), None, req.num_tokens)
-
-    def feedback(self, req: Req, num_drafted: int, num_accepted: int) -> None:
-        drafted, accepted = self._rates.get(req.rid, (0, 0))
-        if req.is_finished:
-            self._rates.pop(req.rid, None)
-        else:
-            self._rates[req.rid] = (drafted + num_drafted, accepted + num_accepted)
 
 
 def find_continuation(token_ids: list[int], k: int, min_ngram: int, max_ngram: int) -> list[int]:

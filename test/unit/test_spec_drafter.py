@@ -36,7 +36,7 @@ def test_confidence_follows_acceptance():
     req = Req(0, [5, 6, 7, 5, 6], SamplingParams(), 0)
     first = drafter.propose(req, 3)
     assert first.tokens == [7, 5, 6] and first.confidences == [0.5] * 3
-    drafter.feedback(req, 3, 3)
+    req.num_draft_tokens, req.num_accepted_tokens = 3, 3
     assert drafter.propose(req, 3).confidences[0] > 0.5
-    drafter.feedback(req, 10, 0)
+    req.num_draft_tokens = 13
     assert drafter.propose(req, 3).confidences[0] < 0.5
