@@ -225,9 +225,14 @@ def test_mtp_random_under_dummy_load(tiny_v3_path):
     params = SamplingParams(max_new_tokens=6, temperature=0, ignore_eos=True)
     with Engine(str(tiny_v3_path), dtype="float32", kv_cache_tokens=1024, load_format="dummy") as e:
         ref = e.generate(input_ids=PROMPTS[:2], sampling_params=params)
+    sampled = SamplingParams(max_new_tokens=6, temperature=1.0, seed=0, n=2, ignore_eos=True)
     with Engine(str(tiny_v3_path), dtype="float32", kv_cache_tokens=1024, load_format="dummy",
                 speculative=MTP) as e:
         outs = e.generate(input_ids=PROMPTS[:2], sampling_params=params)
+        # Sampled requests verify drafts drawn from the head's distribution (rejection sampling).
+        drafted = e.stats["spec"]["drafted"]
+        assert all(o.completion_tokens == 6 for o in e.generate(input_ids=PROMPTS[:2], sampling_params=sampled))
+        assert e.stats["spec"]["drafted"] > drafted
     assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
     with pytest.raises(ValueError, match="no MTP layer"):
         Engine(str(tiny_v3_path), dtype="float32", kv_cache_tokens=1024, speculative="mtp")
