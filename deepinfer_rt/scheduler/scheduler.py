@@ -73,13 +73,11 @@ class Scheduler:
         for item, drafts in zip(items, self.spec.plan([it.req for it in items], batch.num_tokens, budget)):
             req = item.req
             need = _cdiv(item.start + 1 + len(drafts), self.page_size) - len(req.pages)
-            if need > 0 and req.spare_pages:
-                req.pages.extend(req.spare_pages[:need])
-                del req.spare_pages[:need]
-                need = _cdiv(item.start + 1 + len(drafts), self.page_size) - len(req.pages)
-            pages = self.allocator.alloc(need) if need > 0 else []
+            spares = req.spare_pages[: max(need, 0)]
+            pages = self.allocator.alloc(need - len(spares)) if need > len(spares) else []
             if drafts and pages is not None:
-                req.pages.extend(pages)
+                del req.spare_pages[: len(spares)]
+                req.pages.extend(spares + pages)
                 item.draft_tokens = drafts
                 item.num_new_tokens += len(drafts)
                 used += len(drafts)
