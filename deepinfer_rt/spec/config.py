@@ -25,7 +25,7 @@ class SpeculativeConfig:
     """A Drafter object to use instead of `method` (tests, external drafters)."""
 
     @classmethod
-    def parse(cls, value: "str | SpeculativeConfig") -> "SpeculativeConfig":
+    def parse(cls, value: str | SpeculativeConfig) -> SpeculativeConfig:
         if isinstance(value, cls):
             config = value
         elif isinstance(value, str):

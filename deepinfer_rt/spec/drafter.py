@@ -28,7 +28,7 @@ class Proposal:
     num_tokens: int = 0
     """req.num_tokens the proposal continues (a stale proposal is never verified)."""
 
-    def truncate(self, k: int) -> "Proposal":
+    def truncate(self, k: int) -> Proposal:
         probs = None if self.probs is None else self.probs[:k]
         return Proposal(self.tokens[:k], self.confidences[:k], probs, self.num_tokens)
 

@@ -14,8 +14,6 @@ token (prefix-cache hits included). Drafts chain the layer on its own output: d1
 """
 from __future__ import annotations
 
-import random
-import re
 from pathlib import Path
 
 import torch
@@ -81,7 +79,7 @@ def mtp_weights(path: Path, layer_id: int):
     prefix = f"model.layers.{layer_id}."
     for f in sorted(Path(path).glob("*.safetensors")):
         with safe_open(f, framework="pt") as sf:
-            for name in sf.keys():
+            for name in sf.keys():  # noqa: SIM118 (safe_open is not a dict)
                 if name.startswith(prefix):
                     yield "layer." + name[len(prefix):], sf.get_tensor(name)
 
@@ -96,7 +94,7 @@ class MTPDrafter(Drafter):
 
     @classmethod
     def load(cls, model: CausalLM, config: ModelConfig, path: Path, load_format: str, seed: int,
-             max_draft: int) -> "MTPDrafter":
+             max_draft: int) -> MTPDrafter:
         if not config.is_mla or config.raw.get("num_nextn_predict_layers", 0) < 1:
             raise ValueError("speculative='mtp' needs a DeepSeek-V3 model with num_nextn_predict_layers >= 1")
         with torch.device("cpu"):

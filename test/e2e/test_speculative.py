@@ -135,7 +135,8 @@ def test_fixed_length_needle_is_batch_invariant(tiny_llama_path, reference):
 
 
 def test_prompt_lookup_smollm2_identical(smollm2_engine, smollm2_path):
-    rows = [json.loads(line) for line in open(Path(__file__).parents[2] / "examples/data/people.jsonl")][:2]
+    data = (Path(__file__).parents[2] / "examples/data/people.jsonl").read_text().splitlines()
+    rows = [json.loads(line) for line in data[:2]]
     prompts = [f"Copy the sentence exactly.\nSentence: {r['text']}\nCopy: " for r in rows]
     params = SamplingParams(max_new_tokens=24, temperature=0)
     ref = smollm2_engine.generate(prompts, sampling_params=params)

@@ -2,7 +2,8 @@
 search), and confidences that follow the request's acceptance."""
 from __future__ import annotations
 
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 from deepinfer_rt.request import Req
 from deepinfer_rt.sampling_params import SamplingParams

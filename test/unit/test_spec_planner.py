@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import itertools
 
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from deepinfer_rt.spec.planner import StepTimeModel, plan_drafts
 

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from scheduler_fakes import CPU, LAYOUT, cdiv, expected_output, fake_token, make_req
 
 from deepinfer_rt.cache.kv_pool import KVPool, slots_of
 from deepinfer_rt.cache.radix_cache import RadixCache
 from deepinfer_rt.config import SchedulerConfig
 from deepinfer_rt.scheduler.scheduler import Scheduler
-from scheduler_fakes import CPU, LAYOUT, cdiv, expected_output, fake_token, make_req
 
 
 class FakeSpec:
