@@ -23,6 +23,10 @@ from deepinfer_rt.spec.stats import spec_stats
 from deepinfer_rt.spec.verify import draft_rows, num_grammar_valid, verify
 
 
+_FORCED_CONFIDENCE = 0.9
+"""Confidence of grammar-forced drafts: the text is certain, the target's tokenization of it nearly so."""
+
+
 class SpecDecoder:
     def __init__(self, config: SpeculativeConfig, drafter: Drafter, batch_invariant: bool, max_position: int):
         self.config = config
@@ -61,10 +65,16 @@ class SpecDecoder:
         if k <= 0:
             return None
         proposal = self.drafter.propose(req, k)
-        if proposal is None or proposal.num_tokens != req.num_tokens:
-            return None
-        proposal = proposal.truncate(min(k, num_grammar_valid(req, proposal.tokens)))
-        return proposal if proposal.tokens else None
+        if proposal is not None and proposal.num_tokens == req.num_tokens:
+            proposal = proposal.truncate(min(k, num_grammar_valid(req, proposal.tokens)))
+        else:
+            proposal = None
+        if req.grammar is not None and (proposal is None or len(proposal.tokens) < k):
+            # Where the grammar forces the text (JSON keys, literals), its tokens are drafts too.
+            forced = req.grammar.matcher.find_jump_forward_tokens()[:k]
+            if forced and (proposal is None or len(forced) > len(proposal.tokens)):
+                proposal = Proposal(forced, [_FORCED_CONFIDENCE] * len(forced), None, req.num_tokens)
+        return proposal if proposal is not None and proposal.tokens else None
 
     # ---- model runner ----
     @torch.no_grad()

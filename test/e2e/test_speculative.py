@@ -328,3 +328,20 @@ def test_sampling_distribution_is_exact(small_vocab_llama, drafter):
     # The test has power: the same counts against another position's distribution fail it.
     counts = torch.bincount(torch.tensor([o.token_ids[2] for o in outs]), minlength=VOCAB)
     assert chi_square_pvalue(counts, marginals[0]) < alpha
+
+
+class NoDrafter(Drafter):
+    def propose(self, req, k):
+        return None
+
+
+def test_grammar_forced_tokens_are_drafted(tiny_llama_path):
+    """A constrained request drafts the text its grammar forces, even when the drafter has nothing."""
+    params = SamplingParams(max_new_tokens=24, temperature=0, regex=r"name: [a-z]{1,5}, id: [0-9]{2}")
+    with Engine(str(tiny_llama_path), dtype="float32", kv_cache_tokens=2048) as e:
+        ref = e.generate(input_ids=PROMPTS[:2], sampling_params=params)
+    spec = SpeculativeConfig(drafter=NoDrafter(), fixed_length=True)
+    with Engine(str(tiny_llama_path), dtype="float32", kv_cache_tokens=2048, speculative=spec) as e:
+        outs = e.generate(input_ids=PROMPTS[:2], sampling_params=params)
+        assert e.stats["spec"]["accepted"] > 0
+    assert [(o.token_ids, o.text) for o in outs] == [(r.token_ids, r.text) for r in ref]
