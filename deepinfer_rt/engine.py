@@ -24,6 +24,8 @@ from deepinfer_rt.request import GenerateOutput, Req
 from deepinfer_rt.sampler import Sampler, stream_seed
 from deepinfer_rt.sampling_params import SamplingParams
 from deepinfer_rt.scheduler.scheduler import Scheduler
+from deepinfer_rt.spec.config import SpeculativeConfig
+from deepinfer_rt.spec.decoder import build_spec_decoder
 from deepinfer_rt.tokenizer import load_tokenizer
 
 logger = logging.getLogger("deepinfer_rt")
@@ -43,7 +45,8 @@ class Engine:
     def __init__(self, model: str = "smollm2-135m-instruct", dtype: str = "auto", device: str = "cpu",
                  load_format: str = "auto", max_num_seqs: int = 256, kv_cache_tokens: int | None = None,
                  page_size: int = 1, chunked_prefill_tokens: int = 2048, enable_prefix_cache: bool = True,
-                 schedule_policy: str = "lpm", batch_invariant: bool = False, ep_size: int = 1, seed: int = 0):
+                 schedule_policy: str = "lpm", batch_invariant: bool = False, ep_size: int = 1, seed: int = 0,
+                 speculative: "str | SpeculativeConfig | None" = None):
         env = get_env()
         logging.getLogger("deepinfer_rt").setLevel(env.log_level.upper())
         if env.num_threads:
@@ -67,19 +70,27 @@ class Engine:
         self.eos_ids = mc.eos_token_ids or ((self.tokenizer.eos_token_id,) if self.tokenizer.eos_token_id
                                             is not None else ())
         self.sampler = Sampler(mc.vocab_size)
+        self.spec = None
         if ep_size > 1 or env.ep_worker_pool:
             from deepinfer_rt.distributed.worker_pool import WorkerPool
 
+            if speculative is not None:
+                raise ValueError("speculative decoding does not run with the expert-parallel worker pool yet")
             # The model lives in the EP worker processes; the pool here is the page allocator over theirs.
             self.model = None
             self.runner = WorkerPool(self.config, path, mc, self.eos_ids)
             self.pool = self.runner.pool
         else:
             self.model = build_model(self.model_config, path, load_format, self.config.dtype, dev, seed)
-            self.pool = KVPool(self.model.kv_layout(mc), self._num_pages(), page_size, self.config.dtype, dev)
+            # Speculative decoding (off unless asked): "prompt_lookup", "mtp" or a SpeculativeConfig.
+            self.spec = None if speculative is None else build_spec_decoder(
+                SpeculativeConfig.parse(speculative), self.model, self.model_config, path, load_format,
+                self.config.batch_invariant, seed)
+            self.pool = KVPool(self._kv_layout(), self._num_pages(), page_size, self.config.dtype, dev)
             gpu = dev.type == "cuda" and not self.config.batch_invariant
             backend = self._gpu_backend(dev) if gpu else BACKENDS["torch"]()
             self.runner = ModelRunner(self.model, self.pool, backend, self.sampler, dev, self.eos_ids)
+            self.runner.spec = self.spec
             if gpu and env.cuda_graph_max_bs > 0:
                 from deepinfer_rt.cuda_graph import CudaGraphRunner
 
@@ -89,6 +100,7 @@ class Engine:
         self.cache: PrefixCache = (RadixCache(self.pool.allocator, page_size) if enable_prefix_cache
                                    else NoPrefixCache(self.pool.allocator, page_size))
         self.scheduler = Scheduler(self.config.scheduler, self.pool, self.cache)
+        self.scheduler.spec = self.spec
         self.outputs = OutputProcessor(self.tokenizer, self.eos_ids, mc.max_position)
         self._rng = random.Random(seed)
         self._rids = itertools.count()
@@ -110,7 +122,7 @@ class Engine:
             if cfg.cache.kv_cache_tokens < ps:
                 raise ValueError(f"kv_cache_tokens must be >= page_size ({ps})")
             return cfg.cache.kv_cache_tokens // ps
-        per_token = self.model.kv_layout(mc).bytes_per_token(cfg.dtype)
+        per_token = self._kv_layout().bytes_per_token(cfg.dtype)
         env = get_env()
         if cfg.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(cfg.device)
@@ -121,6 +133,10 @@ class Engine:
         # Never more than every running request at full context could use.
         tokens = min(int(budget // per_token), cfg.scheduler.max_num_seqs * mc.max_position)
         return max(tokens // ps, 1)
+
+    def _kv_layout(self):
+        layout = self.model.kv_layout(self.model_config)
+        return layout if self.spec is None else self.spec.kv_layout(layout)
 
     # ---- the loop ----
     def step(self) -> list[Req]:
@@ -172,8 +188,9 @@ class Engine:
         finished = []
         for j, (i, token) in enumerate(result.sampled):
             req = batch.items[i].req
-            lp = result.sample.logprobs[j] if result.sample.logprobs is not None else None
-            top = result.sample.top_logprobs[j] if result.sample.top_logprobs is not None else None
+            if req.is_finished:
+                continue  # verified drafts past a stop
+            lp, top = result.logprobs_of(j)
             if self.outputs.append_token(req, token, lp, top):
                 self.scheduler.finish(req)
                 finished.append(req)
@@ -354,4 +371,6 @@ class Engine:
             stats.update(self.cache.stats())
         if hasattr(self.runner, "stats"):  # the EP worker pool: MoE balance across ranks, EPLB moves
             stats.update(self.runner.stats())
+        if self.spec is not None:
+            stats["spec"] = self.spec.stats()
         return stats

@@ -74,6 +74,8 @@ class Env:
     """DEEPINFER_CUDA_GRAPH_MAX_BS: largest decode batch replayed from a CUDA graph (0 = no graphs)."""
     cuda_graph_max_context: int
     """DEEPINFER_CUDA_GRAPH_MAX_CONTEXT: longest context a graph decodes (sizes its page table)."""
+    spec_max_draft: int
+    """DEEPINFER_SPEC_MAX_DRAFT: most draft tokens a request verifies per step under speculation (default 5)."""
 
 
 def get_env() -> Env:
@@ -98,4 +100,5 @@ def get_env() -> Env:
         moe_router_skew=_float("DEEPINFER_MOE_ROUTER_SKEW", 0.0),
         cuda_graph_max_bs=_int("DEEPINFER_CUDA_GRAPH_MAX_BS", 256),
         cuda_graph_max_context=_int("DEEPINFER_CUDA_GRAPH_MAX_CONTEXT", 16384),
+        spec_max_draft=_int("DEEPINFER_SPEC_MAX_DRAFT", 5),
     )

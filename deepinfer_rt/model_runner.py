@@ -5,6 +5,7 @@ the sampled token (items that catch up) and the prompt logprobs of the chunk (it
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -25,6 +26,14 @@ class RunResult:
     prompt_logprobs: dict[int, tuple[int, list[float]]]
     """item index -> (first prompt position, logprobs of the prompt tokens from there) computed in the chunk."""
 
+    def logprobs_of(self, j: int) -> tuple[float | None, list[tuple[int, float]] | None]:
+        """Logprob and top logprobs of sampled[j] (verified drafts, listed after the sampler's rows, have none)."""
+        s = self.sample
+        if s is None or j >= len(s.token_ids):
+            return None, None
+        return (s.logprobs[j] if s.logprobs is not None else None,
+                s.top_logprobs[j] if s.top_logprobs is not None else None)
+
 
 class ModelRunner:
     def __init__(self, model: CausalLM, pool: KVPool, backend: AttentionBackend, sampler: Sampler,
@@ -39,6 +48,8 @@ class ModelRunner:
         """The structured-output backend once a constrained request arrived (masks logits rows)."""
         self.graphs = None
         """CUDA-graph runner for decode batches (deepinfer_rt.cuda_graph), set by the engine on GPU."""
+        self.spec = None
+        """SpecDecoder when speculation is on: verifies items carrying drafts, updates the drafter."""
 
     def build(self, batch: ScheduledBatch) -> ForwardBatch:
         ids, positions, out_slots, q_lens, kv_lens, kv_slots = [], [], [], [], [], []
@@ -46,7 +57,7 @@ class ModelRunner:
         for item in batch.items:
             req, start, n = item.req, item.start, item.num_new_tokens
             slots = slots_of(req.pages, start + n, ps)
-            ids.extend(req.token_ids[start : start + n])
+            ids.extend(req.token_ids[start : start + n - len(item.draft_tokens)] + item.draft_tokens)
             positions.extend(range(start, start + n))
             out_slots.extend(slots[start:])
             q_lens.append(n)
@@ -65,16 +76,19 @@ class ModelRunner:
 
     @torch.no_grad()
     def run(self, batch: ScheduledBatch) -> RunResult:
+        t0 = time.perf_counter()
         hidden = self.graphs.run(batch) if self.graphs is not None else None
         if hidden is None:
             hidden = self.model(self.build(batch))
-        sample_rows, sampled_items, lp_rows = [], [], {}
+        sample_rows, sampled_items, lp_rows, spec_rows = [], [], {}, {}
         row = 0
         for i, item in enumerate(batch.items):
             n = item.num_new_tokens
             if item.wants_prompt_logprobs:
                 lp_rows[i] = (row, n)
-            if item.samples:
+            if item.samples and item.draft_tokens:
+                spec_rows[i] = row
+            elif item.samples:
                 sample_rows.append(row + n - 1)
                 sampled_items.append(i)
             row += n
@@ -90,6 +104,9 @@ class ModelRunner:
             sample = self.sampler(logits, reqs, self.eos_ids, bitmask_fn)
         prompt_lps = {i: self._prompt_logprobs(hidden, batch.items[i], r, n) for i, (r, n) in lp_rows.items()}
         sampled = list(zip(sampled_items, sample.token_ids)) if sample else []
+        if self.spec is not None:
+            sampled += self.spec.verify(self, batch, hidden, spec_rows)
+            self.spec.observe(self, batch, hidden, sampled, time.perf_counter() - t0)
         return RunResult(sampled, sample, prompt_lps)
 
     def _prompt_logprobs(self, hidden: torch.Tensor, item, row: int, n: int) -> tuple[int, list[float]]:

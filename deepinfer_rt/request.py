@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from deepinfer_rt.sampling_params import SamplingParams
+from deepinfer_rt.spec.stats import spec_stats
 
 
 class ReqStatus(enum.Enum):
@@ -50,6 +51,10 @@ class Req:
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     prompt_logprobs: list[float | None] = field(default_factory=list)
     num_retractions: int = 0
+    num_draft_tokens: int = 0
+    """Speculation: draft tokens verified for this request, accepted ones, and verification steps."""
+    num_accepted_tokens: int = 0
+    num_spec_steps: int = 0
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_ids)
@@ -101,6 +106,8 @@ class GenerateOutput:
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
     prompt_logprobs: list[float | None] | None = None
+    spec_stats: dict | None = None
+    """Speculation: drafted, accepted, acceptance_rate, mean_accepted_length (None if nothing was drafted)."""
 
     @classmethod
     def from_req(cls, req: Req) -> "GenerateOutput":
@@ -116,4 +123,6 @@ class GenerateOutput:
             logprobs=list(req.logprobs) if p.logprobs or p.top_logprobs else None,
             top_logprobs=list(req.top_logprobs) if p.top_logprobs else None,
             prompt_logprobs=list(req.prompt_logprobs) if p.prompt_logprobs else None,
+            spec_stats=spec_stats(req.num_draft_tokens, req.num_accepted_tokens, req.num_spec_steps)
+            if req.num_spec_steps else None,
         )

@@ -80,12 +80,10 @@ class Sampler:
     def __init__(self, vocab_size: int):
         self.vocab_size = vocab_size
 
-    @torch.no_grad()
-    def __call__(self, logits: torch.Tensor, reqs: list[Req], eos_ids: tuple[int, ...],
-                 bitmask_fn=None) -> SampleResult:
-        logits = logits[:, : self.vocab_size].float()
-        want_lp = [r.params.logprobs or r.params.top_logprobs > 0 for r in reqs]
-        raw_lp = logits.log_softmax(-1) if any(want_lp) else None
+    def process(self, logits: torch.Tensor, reqs: list, eos_ids: tuple[int, ...], bitmask_fn=None
+                ) -> torch.Tensor:
+        """A processed copy of fp32 logits (B, vocab): penalties, the min_new_tokens ban, the grammar mask.
+        Speculative verification reads the same rows, so its target distribution is the sampler's."""
         logits = logits.clone()
         apply_penalties(logits, reqs)
         for i, r in enumerate(reqs):
@@ -96,6 +94,15 @@ class Sampler:
                     logits[i, banned] = float("-inf")
         if bitmask_fn is not None:
             bitmask_fn(logits)
+        return logits
+
+    @torch.no_grad()
+    def __call__(self, logits: torch.Tensor, reqs: list[Req], eos_ids: tuple[int, ...],
+                 bitmask_fn=None) -> SampleResult:
+        logits = logits[:, : self.vocab_size].float()
+        want_lp = [r.params.logprobs or r.params.top_logprobs > 0 for r in reqs]
+        raw_lp = logits.log_softmax(-1) if any(want_lp) else None
+        logits = self.process(logits, reqs, eos_ids, bitmask_fn)
         greedy = [r.params.is_greedy for r in reqs]
         tokens = logits.argmax(-1)
         if not all(greedy):

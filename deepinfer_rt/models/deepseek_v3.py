@@ -1,7 +1,8 @@
 """DeepSeek-V3 and DeepSeek-V2: MLA attention, dense MLP in the first layers, MoE with shared experts after.
 
 V2 and V3 differ only in configuration (router scoring/top-k method, rope layout), which the shared blocks read
-from ModelConfig. Multi-token-prediction layers stored after the last layer are not run and not loaded.
+from ModelConfig. Multi-token-prediction layers stored after the last layer are not part of this model
+(speculative decoding loads them as a drafter: deepinfer_rt/spec/mtp.py).
 """
 from __future__ import annotations
 

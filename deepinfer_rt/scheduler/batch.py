@@ -11,6 +11,10 @@ class ScheduledReq:
     req: Req
     num_new_tokens: int
     """Tokens computed this step: positions num_computed_tokens .. num_computed_tokens + num_new_tokens - 1."""
+    draft_tokens: list[int] = field(default_factory=list)
+    """Speculation: drafts verified after the request's last token (counted in num_new_tokens)."""
+    num_accepted: int = 0
+    """Speculation: how many of draft_tokens verification accepted (set by the model runner)."""
 
     @property
     def start(self) -> int:
@@ -19,7 +23,7 @@ class ScheduledReq:
     @property
     def samples(self) -> bool:
         """The step brings the request up to date, so it samples its next token."""
-        return self.req.num_computed_tokens + self.num_new_tokens == self.req.num_tokens
+        return self.req.num_computed_tokens + self.num_new_tokens - len(self.draft_tokens) == self.req.num_tokens
 
     @property
     def wants_prompt_logprobs(self) -> bool:

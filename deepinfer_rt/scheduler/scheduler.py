@@ -31,6 +31,8 @@ class Scheduler:
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
         self.num_retractions = 0
+        self.spec = None
+        """SpecDecoder when speculation is on: decoding requests then also verify drafts it plans."""
 
     def add(self, req: Req) -> None:
         self.waiting.append(req)
@@ -58,8 +60,28 @@ class Scheduler:
                 continue
             batch.items.append(ScheduledReq(req, num_new))
             budget -= num_new
+        if self.spec is not None:
+            budget -= self._add_drafts(batch, budget)
         self._admit(batch, budget)
         return batch
+
+    def _add_drafts(self, batch: ScheduledBatch, budget: int) -> int:
+        """Speculation: decoding items also verify the drafts the planner gives them, where free pages allow
+        (drafts never evict or retract). Returns the tokens added."""
+        items = [it for it in batch.items if it.num_new_tokens == 1 and it.samples]
+        used = 0
+        for item, drafts in zip(items, self.spec.plan([it.req for it in items], batch.num_tokens, budget)):
+            req = item.req
+            need = _cdiv(item.start + 1 + len(drafts), self.page_size) - len(req.pages)
+            spares = req.spare_pages[: max(need, 0)]
+            pages = self.allocator.alloc(need - len(spares)) if need > len(spares) else []
+            if drafts and pages is not None:
+                del req.spare_pages[: len(spares)]
+                req.pages.extend(spares + pages)
+                item.draft_tokens = drafts
+                item.num_new_tokens += len(drafts)
+                used += len(drafts)
+        return used
 
     def _grow(self, req: Req, num_new: int, batch: ScheduledBatch) -> bool:
         """Make req's pages cover num_computed_tokens + num_new, retracting others if needed."""
@@ -219,7 +241,12 @@ class Scheduler:
         """After the forward: advance computed counts and offer completed prompt chunks to the cache."""
         for item in batch.items:
             req = item.req
-            req.num_computed_tokens += item.num_new_tokens
+            req.num_computed_tokens += item.num_new_tokens - len(item.draft_tokens) + item.num_accepted
+            if item.draft_tokens:
+                # Roll back rejected drafts: their KV is garbage, and pages past the verified tokens go back.
+                keep = _cdiv(req.num_computed_tokens, self.page_size)
+                self.allocator.decref(req.pages[keep:])
+                del req.pages[keep:]
             if req.num_computed_tokens < req.num_tokens:
                 self.cache.insert(req, req.num_computed_tokens)  # a long prompt is reusable chunk by chunk
 
@@ -227,6 +254,8 @@ class Scheduler:
         """Release a finished request's pages (its tokens are offered to the cache first)."""
         if req in self.running:
             self.running.remove(req)
+        # A stop inside accepted drafts leaves verified KV past the last kept token.
+        req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens)
         if req.pages:
             self.cache.insert(req, req.num_computed_tokens)
             self.cache.release(req)

@@ -1,6 +1,7 @@
 """Reference attention in plain torch (CPU and any device).
 
-Decode rows (one query per sequence) run as one padded batched SDPA over gathered KV; sequences with several
+Decode rows (one query per sequence) run as one padded batched SDPA over gathered KV; so do sequences with a
+few new tokens (speculative verification: last token + drafts), padded to the longest; sequences with more
 new tokens (prefill chunks) run one SDPA each with an explicit causal mask offset by their cached prefix.
 """
 from __future__ import annotations
@@ -22,12 +23,25 @@ class _Extend:
     mask: torch.Tensor  # (q_len, kv_len) bool, True = attend
 
 
+_SHORT_QUERY = 8
+"""Sequences with 1 < q_len <= this many new tokens are batched together (one SDPA call per layer)."""
+
+
+@dataclass
+class _Short:
+    rows: torch.Tensor  # (Bs, Qmax) token rows of each sequence's queries, padded with row 0
+    valid: torch.Tensor  # (Bs, Qmax) bool, False on padding
+    slots: torch.Tensor  # (Bs, Lmax) padded with slot 0
+    mask: torch.Tensor  # (Bs, 1, Qmax, Lmax) bool: causal, offset by each cached prefix
+
+
 @dataclass
 class _Meta:
     decode_rows: torch.Tensor | None  # (Bd,) token rows of decode queries
     decode_slots: torch.Tensor | None  # (Bd, Lmax) padded with slot 0
     decode_mask: torch.Tensor | None  # (Bd, 1, 1, Lmax) bool
     extends: list[_Extend]
+    short: _Short | None = None
 
 
 def causal_mask(q_len: int, kv_len: int, device: torch.device) -> torch.Tensor:
@@ -40,16 +54,18 @@ class TorchRefBackend(AttentionBackend):
 
     def prepare(self, batch: ForwardBatch) -> None:
         device = batch.input_ids.device
-        decode_rows, decode_slots, extends = [], [], []
+        decode_rows, decode_slots, extends, short = [], [], [], []
         start = 0
         for q_len, kv_len, slots in zip(batch.q_lens, batch.kv_lens, batch.kv_slots):
             if q_len == 1:
                 decode_rows.append(start)
                 decode_slots.append(slots)
+            elif q_len <= _SHORT_QUERY:
+                short.append((start, q_len, slots))
             else:
                 extends.append(_Extend(start, q_len, slots, causal_mask(q_len, kv_len, device)))
             start += q_len
-        meta = _Meta(None, None, None, extends)
+        meta = _Meta(None, None, None, extends, _short_meta(short, device) if short else None)
         if decode_rows:
             lens = torch.tensor([len(s) for s in decode_slots], device=device)
             max_len = int(lens.max())
@@ -75,6 +91,15 @@ class TorchRefBackend(AttentionBackend):
             od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=scale,
                                                 enable_gqa=gqa)
             out[meta.decode_rows] = od.squeeze(2)
+        if meta.short is not None:
+            s = meta.short
+            bs, q_max = s.rows.shape
+            qs = q[s.rows.view(-1)].view(bs, q_max, *q.shape[1:]).transpose(1, 2)  # (Bs, Hq, Qmax, D)
+            flat = s.slots.view(-1)
+            ks = k_buf.index_select(0, flat).view(bs, s.slots.shape[1], *k_buf.shape[1:]).transpose(1, 2)
+            vs = v_buf.index_select(0, flat).view(bs, s.slots.shape[1], *v_buf.shape[1:]).transpose(1, 2)
+            os_ = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=s.mask, scale=scale, enable_gqa=gqa)
+            out[s.rows[s.valid]] = os_.transpose(1, 2)[s.valid]
         for e in meta.extends:
             qe = q[e.q_start : e.q_start + e.q_len].transpose(0, 1)  # (Hq, q_len, D)
             ke = k_buf.index_select(0, e.slots).transpose(0, 1)  # (Hkv, kv_len, D)
@@ -82,6 +107,23 @@ class TorchRefBackend(AttentionBackend):
             oe = F.scaled_dot_product_attention(qe, ke, ve, attn_mask=e.mask, scale=scale, enable_gqa=gqa)
             out[e.q_start : e.q_start + e.q_len] = oe.transpose(0, 1)
         return out
+
+
+def _short_meta(short: list[tuple[int, int, torch.Tensor]], device: torch.device) -> _Short:
+    q_max, l_max = max(q for _, q, _ in short), max(len(s) for _, _, s in short)
+    rows = torch.zeros(len(short), q_max, dtype=torch.long, device=device)
+    slots = torch.zeros(len(short), l_max, dtype=torch.long, device=device)
+    kv_lens, q_lens = [], []
+    for b, (start, q_len, s) in enumerate(short):
+        rows[b, :q_len] = torch.arange(start, start + q_len, device=device)
+        slots[b, : len(s)] = s
+        kv_lens.append(len(s))
+        q_lens.append(q_len)
+    kv = torch.tensor(kv_lens, device=device)[:, None, None]
+    q_pos = kv - torch.tensor(q_lens, device=device)[:, None, None] + torch.arange(q_max, device=device)[None, :, None]
+    mask = torch.arange(l_max, device=device)[None, None, :] <= q_pos  # padded query rows see a valid prefix
+    valid = torch.arange(q_max, device=device)[None, :] < torch.tensor(q_lens, device=device)[:, None]
+    return _Short(rows, valid, slots, mask[:, None])
 
 
 BACKENDS = {"torch": TorchRefBackend}

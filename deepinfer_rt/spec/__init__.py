@@ -1,0 +1,11 @@
+"""Speculative decoding: drafters propose tokens, the target verifies them exactly in one step.
+
+    drafter.py   the Drafter contract and the prompt-lookup drafter (no weights)
+    mtp.py       DeepSeek multi-token-prediction head as a drafter
+    planner.py   confidence scheduling: how many drafts each request verifies this step
+    verify.py    exact verification (greedy prefix match, rejection sampling)
+    decoder.py   the hooks the scheduler, model runner and engine call
+"""
+from deepinfer_rt.spec.config import SpeculativeConfig
+
+__all__ = ["SpeculativeConfig"]
