@@ -16,6 +16,7 @@ from deepinfer_rt.cache.kv_pool import KVPool
 from deepinfer_rt.cache.radix_cache import RadixCache
 from deepinfer_rt.config import CacheConfig, EngineConfig, SchedulerConfig
 from deepinfer_rt.env import get_env
+from deepinfer_rt.layers.attention.batch_invariant import BatchInvariantBackend
 from deepinfer_rt.layers.attention.torch_ref import BACKENDS
 from deepinfer_rt.model_runner import ModelRunner
 from deepinfer_rt.models.loader import build_model, load_model_config, resolve_model_path
@@ -72,7 +73,9 @@ class Engine:
                                    else NoPrefixCache(self.pool.allocator, page_size))
         self.scheduler = Scheduler(self.config.scheduler, self.pool, self.cache)
         self.sampler = Sampler(mc.vocab_size)
-        self.runner = ModelRunner(self.model, self.pool, BACKENDS["torch"](), self.sampler, dev, self.eos_ids)
+        backend = BatchInvariantBackend() if self.config.batch_invariant else BACKENDS["torch"]()
+        self.runner = ModelRunner(self.model, self.pool, backend, self.sampler, dev, self.eos_ids,
+                                  batch_invariant=self.config.batch_invariant)
         self.outputs = OutputProcessor(self.tokenizer, self.eos_ids, mc.max_position)
         self._rng = random.Random(seed)
         self._rids = itertools.count()

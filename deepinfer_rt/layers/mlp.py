@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from deepinfer_kernels.reference import silu_and_mul
+from deepinfer_rt.layers.batch_invariant import silu_and_mul
 from deepinfer_rt.layers.linear import Linear, MergedLinear
 
 

@@ -14,11 +14,11 @@ import re
 from typing import Iterable, Iterator
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from deepinfer_kernels.reference import silu_and_mul
 from deepinfer_rt.config import ModelConfig
+from deepinfer_rt.layers import batch_invariant
+from deepinfer_rt.layers.batch_invariant import linear, silu_and_mul
 from deepinfer_rt.layers.mlp import GatedMLP
 
 
@@ -40,7 +40,7 @@ def select_experts(router_logits: torch.Tensor, top_k: int, *, scoring_func: str
     if scoring_func == "softmax":
         scores = logits.softmax(dim=-1)
     elif scoring_func == "sigmoid":
-        scores = logits.sigmoid()
+        scores = batch_invariant.sigmoid(logits)
     else:
         raise ValueError(f"unknown MoE scoring_func {scoring_func!r}")
     choice = scores
@@ -77,7 +77,7 @@ class Router(nn.Module):
             if config.topk_method == "noaux_tc" else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x.float(), self.weight)  # (T, E) fp32
+        return linear(x.float(), self.weight)  # (T, E) fp32
 
     def _apply(self, fn, recurse=True):
         # HF keeps the router in fp32 (_keep_in_fp32_modules_strict): in bf16 the correction bias (entries
@@ -112,11 +112,17 @@ class RoutedExperts(nn.Module):
         for e, n in enumerate(counts):
             if n:
                 rows = slice(start, start + n)
-                ys[rows] = F.linear(silu_and_mul(F.linear(xs[rows], self.gate_up_proj[e])), self.down_proj[e])
+                ys[rows] = linear(silu_and_mul(linear(xs[rows], self.gate_up_proj[e])), self.down_proj[e])
             start += n
         out = torch.empty_like(ys)
         out[order] = ys  # back to (token, slot) order
-        return (out.view(t, k, -1) * weights.unsqueeze(-1)).sum(dim=1).to(x.dtype)
+        out, weights = out.view(t, k, -1), weights.unsqueeze(-1)
+        if not batch_invariant.is_enabled():
+            return (out * weights).sum(dim=1).to(x.dtype)
+        y = out[:, 0] * weights[:, 0]
+        for j in range(1, k):  # slot (= expert id) order, one rounding per add, whatever the expert loads
+            y = y + out[:, j] * weights[:, j]
+        return y.to(x.dtype)
 
 
 class MoE(nn.Module):

@@ -3,7 +3,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from deepinfer_kernels.reference import rms_norm
+from deepinfer_rt.layers.batch_invariant import rms_norm
 
 
 class RMSNorm(nn.Module):
