@@ -58,14 +58,16 @@ def tiled_mm(x: torch.Tensor, w_t: torch.Tensor) -> torch.Tensor:
         from deepinfer_kernels.batch_invariant import matmul
 
         return matmul(x, w_t)
-    t = x.shape[0]
-    num_tiles = -(-t // ROW_TILE)
-    padded = x.new_zeros(num_tiles * ROW_TILE, x.shape[1])
-    padded[:t] = x
-    out = x.new_empty(num_tiles * ROW_TILE, w_t.shape[1])
-    for i in range(0, num_tiles * ROW_TILE, ROW_TILE):
-        torch.mm(padded[i : i + ROW_TILE], w_t, out=out[i : i + ROW_TILE])
-    return out[:t]
+    x = x.contiguous()
+    t, full = x.shape[0], x.shape[0] - x.shape[0] % ROW_TILE
+    out = x.new_empty(t, w_t.shape[1])
+    for i in range(0, full, ROW_TILE):
+        torch.mm(x[i : i + ROW_TILE], w_t, out=out[i : i + ROW_TILE])
+    if full < t:
+        last = x.new_zeros(ROW_TILE, x.shape[1])
+        last[: t - full] = x[full:]
+        out[full:] = torch.mm(last, w_t)[: t - full]
+    return out
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
