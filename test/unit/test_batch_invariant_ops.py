@@ -158,3 +158,40 @@ def test_attention_invariant_to_chunking_batching_and_close(mla):
                 got[s].append(o)
         for s in range(len(lens)):
             assert torch.equal(torch.cat(got[s]), alone[s])
+
+
+# ---- Triton kernels, through Triton's CPU interpreter (small shapes) ----
+
+@pytest.fixture
+def triton_bi(monkeypatch):
+    """deepinfer_kernels.batch_invariant compiled for the interpreter (TRITON_INTERPRET is read at @jit)."""
+    pytest.importorskip("triton")
+    import importlib
+    import sys
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    sys.modules.pop("deepinfer_kernels.batch_invariant", None)
+    module = importlib.import_module("deepinfer_kernels.batch_invariant")
+    yield module
+    sys.modules.pop("deepinfer_kernels.batch_invariant", None)
+
+
+def test_triton_matmul_rows_invariant_and_close(triton_bi):
+    gen = torch.Generator().manual_seed(5)
+    w_t, x = torch.randn(72, 40, generator=gen), torch.randn(3, 72, generator=gen)
+    alone = torch.cat([triton_bi.matmul(x[i : i + 1], w_t) for i in range(3)])
+    for m in (1, 70, 130):
+        batch = torch.randn(m + 3, 72, generator=gen)
+        batch[m // 2 : m // 2 + 3] = x
+        assert torch.equal(triton_bi.matmul(batch, w_t)[m // 2 : m // 2 + 3], alone)
+    torch.testing.assert_close(alone, x @ w_t, rtol=1e-5, atol=1e-5)
+
+
+def test_triton_rms_norm_and_silu_close_and_invariant(triton_bi):
+    gen = torch.Generator().manual_seed(6)
+    x, w = torch.randn(5, 48, generator=gen), torch.rand(48, generator=gen) + 0.5
+    torch.testing.assert_close(triton_bi.rms_norm(x, w, 1e-6), reference.rms_norm(x, w, 1e-6))
+    torch.testing.assert_close(triton_bi.silu_and_mul(x), reference.silu_and_mul(x))
+    for fn in (lambda t: triton_bi.rms_norm(t, w, 1e-6), triton_bi.silu_and_mul):
+        alone = torch.cat([fn(x[i : i + 1]) for i in range(5)])
+        assert torch.equal(fn(torch.cat([torch.randn(9, 48, generator=gen), x]))[9:], alone)
