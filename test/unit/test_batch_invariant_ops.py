@@ -2,7 +2,11 @@
 the default op; the default ops are shown to lack this where they do."""
 from __future__ import annotations
 
+import os
 import random
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -161,37 +165,47 @@ def test_attention_invariant_to_chunking_batching_and_close(mla):
 
 
 # ---- Triton kernels, through Triton's CPU interpreter (small shapes) ----
+# TRITON_INTERPRET is read when triton is imported, which may already have happened in this process, so the
+# checks run in a fresh interpreter.
 
-@pytest.fixture
-def triton_bi(monkeypatch):
-    """deepinfer_kernels.batch_invariant compiled for the interpreter (TRITON_INTERPRET is read at @jit)."""
+def _in_triton_interpreter(check: str) -> None:
     pytest.importorskip("triton")
-    import importlib
-    import sys
-
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    sys.modules.pop("deepinfer_kernels.batch_invariant", None)
-    module = importlib.import_module("deepinfer_kernels.batch_invariant")
-    yield module
-    sys.modules.pop("deepinfer_kernels.batch_invariant", None)
+    here = Path(__file__).resolve().parent
+    env = dict(os.environ, TRITON_INTERPRET="1",
+               PYTHONPATH=os.pathsep.join([str(here), os.getcwd(), os.environ.get("PYTHONPATH", "")]))
+    code = f"import torch; torch.set_num_threads(1); import {Path(__file__).stem} as t; t.{check}()"
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
 
 
-def test_triton_matmul_rows_invariant_and_close(triton_bi):
+def check_triton_matmul() -> None:
+    from deepinfer_kernels import batch_invariant as kernels
+
     gen = torch.Generator().manual_seed(5)
     w_t, x = torch.randn(72, 40, generator=gen), torch.randn(3, 72, generator=gen)
-    alone = torch.cat([triton_bi.matmul(x[i : i + 1], w_t) for i in range(3)])
+    alone = torch.cat([kernels.matmul(x[i : i + 1], w_t) for i in range(3)])
     for m in (1, 70, 130):
         batch = torch.randn(m + 3, 72, generator=gen)
         batch[m // 2 : m // 2 + 3] = x
-        assert torch.equal(triton_bi.matmul(batch, w_t)[m // 2 : m // 2 + 3], alone)
+        assert torch.equal(kernels.matmul(batch, w_t)[m // 2 : m // 2 + 3], alone)
     torch.testing.assert_close(alone, x @ w_t, rtol=1e-5, atol=1e-5)
 
 
-def test_triton_rms_norm_and_silu_close_and_invariant(triton_bi):
+def check_triton_rms_norm_and_silu() -> None:
+    from deepinfer_kernels import batch_invariant as kernels
+
     gen = torch.Generator().manual_seed(6)
     x, w = torch.randn(5, 48, generator=gen), torch.rand(48, generator=gen) + 0.5
-    torch.testing.assert_close(triton_bi.rms_norm(x, w, 1e-6), reference.rms_norm(x, w, 1e-6))
-    torch.testing.assert_close(triton_bi.silu_and_mul(x), reference.silu_and_mul(x))
-    for fn in (lambda t: triton_bi.rms_norm(t, w, 1e-6), triton_bi.silu_and_mul):
+    torch.testing.assert_close(kernels.rms_norm(x, w, 1e-6), reference.rms_norm(x, w, 1e-6))
+    torch.testing.assert_close(kernels.silu_and_mul(x), reference.silu_and_mul(x))
+    for fn in (lambda t: kernels.rms_norm(t, w, 1e-6), kernels.silu_and_mul):
         alone = torch.cat([fn(x[i : i + 1]) for i in range(5)])
         assert torch.equal(fn(torch.cat([torch.randn(9, 48, generator=gen), x]))[9:], alone)
+
+
+def test_triton_matmul_rows_invariant_and_close():
+    _in_triton_interpreter("check_triton_matmul")
+
+
+def test_triton_rms_norm_and_silu_close_and_invariant():
+    _in_triton_interpreter("check_triton_rms_norm_and_silu")
