@@ -11,8 +11,8 @@ import torch
 
 from deepinfer_rt.cache.kv_pool import KVPool, slots_of
 from deepinfer_rt.forward_batch import ForwardBatch
-from deepinfer_rt.layers.batch_invariant import batch_invariant_mode
 from deepinfer_rt.layers.attention.base import AttentionBackend
+from deepinfer_rt.layers.batch_invariant import batch_invariant_mode
 from deepinfer_rt.models.base import CausalLM
 from deepinfer_rt.sampler import SampleResult, Sampler
 from deepinfer_rt.scheduler.batch import ScheduledBatch
