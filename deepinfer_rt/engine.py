@@ -16,6 +16,7 @@ from deepinfer_rt.cache.kv_pool import KVPool
 from deepinfer_rt.cache.radix_cache import RadixCache
 from deepinfer_rt.config import CacheConfig, EngineConfig, SchedulerConfig
 from deepinfer_rt.env import get_env
+from deepinfer_rt.layers.attention.batch_invariant import BatchInvariantBackend
 from deepinfer_rt.layers.attention.torch_ref import BACKENDS
 from deepinfer_rt.model_runner import ModelRunner
 from deepinfer_rt.models.loader import build_model, load_model_config, resolve_model_path
@@ -88,8 +89,10 @@ class Engine:
                 self.config.batch_invariant, seed)
             self.pool = KVPool(self._kv_layout(), self._num_pages(), page_size, self.config.dtype, dev)
             gpu = dev.type == "cuda" and not self.config.batch_invariant
-            backend = self._gpu_backend(dev) if gpu else BACKENDS["torch"]()
-            self.runner = ModelRunner(self.model, self.pool, backend, self.sampler, dev, self.eos_ids)
+            backend = (BatchInvariantBackend() if self.config.batch_invariant
+                       else self._gpu_backend(dev) if gpu else BACKENDS["torch"]())
+            self.runner = ModelRunner(self.model, self.pool, backend, self.sampler, dev, self.eos_ids,
+                                      batch_invariant=self.config.batch_invariant)
             self.runner.spec = self.spec
             if gpu and env.cuda_graph_max_bs > 0:
                 from deepinfer_rt.cuda_graph import CudaGraphRunner

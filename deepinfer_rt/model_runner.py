@@ -13,6 +13,7 @@ import torch
 from deepinfer_rt.cache.kv_pool import KVPool, slots_of
 from deepinfer_rt.forward_batch import ForwardBatch
 from deepinfer_rt.layers.attention.base import AttentionBackend
+from deepinfer_rt.layers.batch_invariant import batch_invariant_mode
 from deepinfer_rt.models.base import CausalLM
 from deepinfer_rt.sampler import SampleResult, Sampler
 from deepinfer_rt.scheduler.batch import ScheduledBatch
@@ -37,13 +38,14 @@ class RunResult:
 
 class ModelRunner:
     def __init__(self, model: CausalLM, pool: KVPool, backend: AttentionBackend, sampler: Sampler,
-                 device: torch.device, eos_ids: tuple[int, ...]):
+                 device: torch.device, eos_ids: tuple[int, ...], batch_invariant: bool = False):
         self.model = model
         self.pool = pool
         self.backend = backend
         self.sampler = sampler
         self.device = device
         self.eos_ids = eos_ids
+        self.batch_invariant = batch_invariant
         self.grammar = None
         """The structured-output backend once a constrained request arrived (masks logits rows)."""
         self.graphs = None
@@ -76,6 +78,10 @@ class ModelRunner:
 
     @torch.no_grad()
     def run(self, batch: ScheduledBatch) -> RunResult:
+        with batch_invariant_mode(self.batch_invariant):
+            return self._run(batch)
+
+    def _run(self, batch: ScheduledBatch) -> RunResult:
         t0 = time.perf_counter()
         hidden = self.graphs.run(batch) if self.graphs is not None else None
         if hidden is None:

@@ -8,10 +8,15 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from deepinfer_rt.layers import batch_invariant
+
 
 class Linear(nn.Linear):
     def __init__(self, in_features: int, out_features: int, bias: bool = False):
         super().__init__(in_features, out_features, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return batch_invariant.linear(x, self.weight, self.bias)
 
 
 class MergedLinear(nn.Linear):
@@ -29,6 +34,9 @@ class MergedLinear(nn.Linear):
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str) -> None:
         start, size = self.shard_offsets[shard_id]
         param.data[start : start + size].copy_(loaded)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return batch_invariant.linear(x, self.weight, self.bias)
 
     def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return y.split([size for _, size in self.shard_offsets.values()], dim=-1)

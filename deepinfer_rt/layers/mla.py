@@ -18,6 +18,7 @@ from torch import nn
 
 from deepinfer_rt.config import ModelConfig
 from deepinfer_rt.forward_batch import ForwardBatch
+from deepinfer_rt.layers.batch_invariant import head_matmul
 from deepinfer_rt.layers.linear import Linear
 from deepinfer_rt.layers.norm import RMSNorm
 from deepinfer_rt.layers.rotary import RotaryEmbedding
@@ -78,9 +79,9 @@ class MLAttention(nn.Module):
         latent = self.kv_a_layernorm(latent)  # (T, C)
         q_pe, k_pe = self.rotary_emb(batch.positions, q_pe, k_pe.reshape(t, 1, self.rope_dim))
         w_uk, w_uv = self.absorbed_weights()
-        q_latent = torch.einsum("thn,hnc->thc", q_nope, w_uk)  # (T, H, C)
+        q_latent = head_matmul(q_nope, w_uk)  # (T, H, C)
         q = torch.cat([q_latent, q_pe], dim=-1)  # (T, H, C + R)
         k = torch.cat([latent.unsqueeze(1), k_pe], dim=-1)  # (T, 1, C + R)
         o = batch.attention(q, k, None, self.layer_id, self.scale)  # (T, H, C)
-        o = torch.einsum("thc,hvc->thv", o, w_uv)  # (T, H, v)
+        o = head_matmul(o, w_uv.transpose(1, 2))  # (T, H, v)
         return self.o_proj(o.reshape(t, self.num_heads * self.v_dim))

@@ -4,8 +4,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from deepinfer_kernels import reference
 from deepinfer_kernels.dispatch import on_gpu
+from deepinfer_rt.layers import batch_invariant
+from deepinfer_rt.layers.batch_invariant import silu_and_mul
 from deepinfer_rt.layers.linear import Linear, MergedLinear
 
 
@@ -19,8 +20,8 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.gate_up_proj(x)
-        if on_gpu(h) and h.dim() == 2:
-            from deepinfer_kernels.elementwise import silu_and_mul
+        if on_gpu(h) and h.dim() == 2 and not batch_invariant.is_enabled():
+            from deepinfer_kernels.elementwise import silu_and_mul as silu_and_mul_gpu
 
-            return self.down_proj(silu_and_mul(h))
-        return self.down_proj(reference.silu_and_mul(h))
+            return self.down_proj(silu_and_mul_gpu(h))
+        return self.down_proj(silu_and_mul(h))

@@ -14,13 +14,13 @@ import re
 from typing import Iterable, Iterator
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from deepinfer_kernels.dispatch import on_gpu
-from deepinfer_kernels.reference import silu_and_mul
 from deepinfer_rt.config import ModelConfig
 from deepinfer_rt.env import get_env
+from deepinfer_rt.layers import batch_invariant
+from deepinfer_rt.layers.batch_invariant import linear, silu_and_mul
 from deepinfer_rt.layers.mlp import GatedMLP
 
 
@@ -42,7 +42,7 @@ def select_experts(router_logits: torch.Tensor, top_k: int, *, scoring_func: str
     if scoring_func == "softmax":
         scores = logits.softmax(dim=-1)
     elif scoring_func == "sigmoid":
-        scores = logits.sigmoid()
+        scores = batch_invariant.sigmoid(logits)
     else:
         raise ValueError(f"unknown MoE scoring_func {scoring_func!r}")
     choice = scores
@@ -82,7 +82,7 @@ class Router(nn.Module):
         self.skew_bias = -skew * torch.arange(1, e + 1, dtype=torch.float32).log() if skew else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(x.float(), self.weight)  # (T, E) fp32
+        logits = linear(x.float(), self.weight)  # (T, E) fp32
         if self.skew_bias is not None:
             logits = logits + self.skew_bias.to(logits.device)
         return logits
@@ -110,7 +110,7 @@ class RoutedExperts(nn.Module):
         Torch reference: (token, slot) pairs are sorted by expert, each expert that received tokens runs one
         matmul over its contiguous rows, and the k results of a token are summed in slot (= expert id) order.
         """
-        if on_gpu(x):
+        if on_gpu(x) and not batch_invariant.is_enabled():
             from deepinfer_kernels.fused_moe import fused_moe
 
             return fused_moe(x.contiguous(), self.gate_up_proj, self.down_proj, weights, ids)
@@ -124,11 +124,17 @@ class RoutedExperts(nn.Module):
         for e, n in enumerate(counts):
             if n:
                 rows = slice(start, start + n)
-                ys[rows] = F.linear(silu_and_mul(F.linear(xs[rows], self.gate_up_proj[e])), self.down_proj[e])
+                ys[rows] = linear(silu_and_mul(linear(xs[rows], self.gate_up_proj[e])), self.down_proj[e])
             start += n
         out = torch.empty_like(ys)
         out[order] = ys  # back to (token, slot) order
-        return (out.view(t, k, -1) * weights.unsqueeze(-1)).sum(dim=1).to(x.dtype)
+        out, weights = out.view(t, k, -1), weights.unsqueeze(-1)
+        if not batch_invariant.is_enabled():
+            return (out * weights).sum(dim=1).to(x.dtype)
+        y = out[:, 0] * weights[:, 0]
+        for j in range(1, k):  # slot (= expert id) order, one rounding per add, whatever the expert loads
+            y = y + out[:, j] * weights[:, j]
+        return y.to(x.dtype)
 
 
 class MoE(nn.Module):

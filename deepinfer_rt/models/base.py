@@ -18,6 +18,7 @@ from torch import nn
 from deepinfer_rt.cache.kv_pool import KVLayout
 from deepinfer_rt.config import ModelConfig
 from deepinfer_rt.forward_batch import ForwardBatch
+from deepinfer_rt.layers.batch_invariant import linear
 
 
 class CausalLM(nn.Module):
@@ -37,7 +38,7 @@ class CausalLM(nn.Module):
         raise NotImplementedError
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        return linear(hidden, self.lm_head.weight, self.lm_head.bias).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         params = dict(self.named_parameters())

@@ -1,0 +1,118 @@
+"""Batch-invariant numerics: the switch the layers consult, and the CPU (torch) forms of the ops it changes.
+
+With the switch on, every value a token's output depends on is computed by the same sequence of floating-point
+operations whatever else shares its batch. On CPU the default ops break this in two ways:
+
+  * GEMM: the BLAS picks its kernel, blocking and thread split from the shape, so a row of x @ w.T differs
+    with the number of rows (M = 1 takes a GEMV path, small M another kernel, some M split K across threads).
+    Here every matmul is a loop of calls of one fixed shape, (ROW_TILE, K) @ (K, N): the BLAS then makes the
+    same choice on every call, and rows of one call do not interact.
+  * Elementwise ops: torch runs the bulk of a tensor through SIMD code and the last few elements of each
+    thread's range through scalar code; for sigmoid/silu the two differ in the last bit, so a value depends
+    on where its row landed. exp, log, sqrt and the IEEE arithmetic ops agree in both paths, so sigmoid and
+    silu are rebuilt from them.
+
+Row-wise reductions over the last dim (RMSNorm's mean, softmax, log-softmax, argmax) are already computed per
+row the same way for any number of rows (test/unit/test_batch_invariant_ops.py checks every op here).
+On CUDA the same entry points dispatch to the Triton kernels in deepinfer_kernels.batch_invariant.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+import torch
+import torch.nn.functional as F
+
+from deepinfer_kernels import reference
+
+ROW_TILE = 16
+"""Rows per GEMM call on CPU. Larger tiles amortise weight reads in prefill, smaller ones waste less in decode;
+16 is the smallest M where the BLAS leaves its small-M kernels."""
+
+_enabled = False
+
+
+def is_enabled() -> bool:
+    return _enabled
+
+
+@contextlib.contextmanager
+def batch_invariant_mode(enabled: bool = True) -> Iterator[None]:
+    """Scope in which the layers use the batch-invariant forms (the engine wraps each model step in it)."""
+    global _enabled
+    previous, _enabled = _enabled, enabled
+    try:
+        yield
+    finally:
+        _enabled = previous
+
+
+def _use_triton(x: torch.Tensor) -> bool:
+    return x.is_cuda
+
+
+def tiled_mm(x: torch.Tensor, w_t: torch.Tensor) -> torch.Tensor:
+    """x (T, K) @ w_t (K, N) as ceil(T / ROW_TILE) GEMMs of the one shape (ROW_TILE, K) @ (K, N)."""
+    if _use_triton(x):
+        from deepinfer_kernels.batch_invariant import matmul
+
+        return matmul(x, w_t)
+    x = x.contiguous()
+    t, full = x.shape[0], x.shape[0] - x.shape[0] % ROW_TILE
+    out = x.new_empty(t, w_t.shape[1])
+    for i in range(0, full, ROW_TILE):
+        torch.mm(x[i : i + ROW_TILE], w_t, out=out[i : i + ROW_TILE])
+    if full < t:
+        last = x.new_zeros(ROW_TILE, x.shape[1])
+        last[: t - full] = x[full:]
+        out[full:] = torch.mm(last, w_t)[: t - full]
+    return out
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear, batch-invariant when the switch is on. x (..., K), weight (N, K)."""
+    if not _enabled:
+        return F.linear(x, weight, bias)
+    y = tiled_mm(x.reshape(-1, x.shape[-1]), weight.t())
+    if bias is not None:
+        y = y + bias
+    return y.view(*x.shape[:-1], weight.shape[0])
+
+
+def head_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Per-head matmul x (T, H, A) @ w (H, A, B) -> (T, H, B) (MLA's absorbed projections)."""
+    if not _enabled:
+        return torch.einsum("tha,hab->thb", x, w)
+    return torch.stack([tiled_mm(x[:, h], w[h]) for h in range(w.shape[0])], dim=1)
+
+
+def sigmoid(x: torch.Tensor) -> torch.Tensor:
+    if not _enabled:
+        return x.sigmoid()
+    return 1.0 / (1.0 + torch.exp(-x))
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x (..., 2d) = [gate | up] -> silu(gate) * up (..., d)."""
+    if not _enabled:
+        return reference.silu_and_mul(x)
+    if _use_triton(x):
+        from deepinfer_kernels.batch_invariant import silu_and_mul as triton_silu_and_mul
+
+        return triton_silu_and_mul(x)
+    gate, up = x.chunk(2, dim=-1)
+    return gate / (1.0 + torch.exp(-gate)) * up
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if not _enabled:
+        return reference.rms_norm(x, weight, eps)
+    if _use_triton(x):
+        from deepinfer_kernels.batch_invariant import rms_norm as triton_rms_norm
+
+        return triton_rms_norm(x, weight, eps)
+    if x.dim() == 2 and x.shape[0] == 1:
+        # A single output lets torch split one row's reduction across threads; two rows never do.
+        return reference.rms_norm(torch.cat([x, x]), weight, eps)[:1]
+    return reference.rms_norm(x, weight, eps)

@@ -1,0 +1,109 @@
+"""Batch-invariant Triton kernels (GPU; also run by Triton's interpreter on CPU with TRITON_INTERPRET=1).
+
+Each output element is reduced in one fixed order that depends only on the problem's inner sizes, never on the
+number of rows: one tile configuration for every M (no autotuning by shape), no split-K, and one program per
+row for the norms. `deepinfer_rt.layers.batch_invariant` dispatches here for CUDA tensors.
+
+    matmul        persistent GEMM: programs walk the output tiles in a grid-stride loop, each tile owning the
+                  whole K loop in BLOCK_K steps, so a row's result is the same for M = 1 or M = 4096
+    rms_norm      one program per row, the row's sum of squares in one fixed-width block reduction
+    silu_and_mul  elementwise, silu as x / (1 + exp(-x))
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK_M, BLOCK_N, BLOCK_K = 64, 64, 32
+
+
+@triton.jit
+def _matmul_kernel(a_ptr, b_ptr, c_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn, stride_cm,
+                   stride_cn, NUM_PROGRAMS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_K: tl.constexpr, IS_FP32: tl.constexpr):
+    pid = tl.program_id(0)
+    num_n = tl.cdiv(N, BLOCK_N)
+    num_tiles = tl.cdiv(M, BLOCK_M) * num_n
+    for tile in range(pid, num_tiles, NUM_PROGRAMS):
+        rm = (tile // num_n) * BLOCK_M + tl.arange(0, BLOCK_M)
+        rn = (tile % num_n) * BLOCK_N + tl.arange(0, BLOCK_N)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            rk = k0 + tl.arange(0, BLOCK_K)
+            a = tl.load(a_ptr + rm[:, None] * stride_am + rk[None, :] * stride_ak,
+                        mask=(rm[:, None] < M) & (rk[None, :] < K), other=0.0)
+            b = tl.load(b_ptr + rk[:, None] * stride_bk + rn[None, :] * stride_bn,
+                        mask=(rk[:, None] < K) & (rn[None, :] < N), other=0.0)
+            if IS_FP32:  # full fp32 products, not TF32: fp32 runs stay comparable to the CPU reference
+                acc = tl.dot(a, b, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, b, acc)
+        tl.store(c_ptr + rm[:, None] * stride_cm + rn[None, :] * stride_cn, acc.to(c_ptr.dtype.element_ty),
+                 mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+def _num_programs(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
+
+
+def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a (M, K) @ b (K, N) -> (M, N) in a's dtype, accumulated in fp32."""
+    m, k = a.shape
+    n = b.shape[1]
+    c = a.new_empty(m, n)
+    if m == 0:
+        return c
+    programs = _num_programs(a.device)
+    _matmul_kernel[(programs,)](a, b, c, m, n, k, a.stride(0), a.stride(1), b.stride(0), b.stride(1),
+                                c.stride(0), c.stride(1), NUM_PROGRAMS=programs, BLOCK_M=BLOCK_M,
+                                BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, IS_FP32=a.dtype == torch.float32)
+    return c
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, n, stride_x, stride_out, eps, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    inv = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / n + eps)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0)
+    y = (x * inv).to(out_ptr.dtype.element_ty) * w
+    tl.store(out_ptr + row * stride_out + cols, y, mask=mask)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim, fp32 statistics, cast back before the weight (as the torch reference)."""
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1]).contiguous()
+    out = torch.empty_like(x2)
+    if x2.shape[0]:
+        _rms_norm_kernel[(x2.shape[0],)](x2, weight, out, shape[-1], x2.stride(0), out.stride(0), eps,
+                                         BLOCK=triton.next_power_of_2(shape[-1]))
+    return out.view(shape)
+
+
+@triton.jit
+def _silu_and_mul_kernel(x_ptr, out_ptr, d, stride_x, stride_out, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < d
+    gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + row * stride_x + d + cols, mask=mask, other=0.0).to(tl.float32)
+    y = gate / (1.0 + tl.exp(-gate)) * up
+    tl.store(out_ptr + row * stride_out + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x (..., 2d) = [gate | up] -> silu(gate) * up (..., d)."""
+    d = x.shape[-1] // 2
+    x2 = x.reshape(-1, 2 * d).contiguous()
+    out = x2.new_empty(x2.shape[0], d)
+    block = min(1024, triton.next_power_of_2(d))
+    if x2.shape[0]:
+        _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(d, block))](x2, out, d, x2.stride(0), out.stride(0),
+                                                                  BLOCK=block)
+    return out.view(*x.shape[:-1], d)

@@ -1,0 +1,211 @@
+"""Batch-invariant ops (CPU): a row's result is bitwise the same alone, at any place in any batch, and close to
+the default op; the default ops are shown to lack this where they do."""
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from deepinfer_kernels import reference
+from deepinfer_rt.cache.kv_pool import KVLayout, KVPool
+from deepinfer_rt.forward_batch import ForwardBatch
+from deepinfer_rt.layers import batch_invariant as bi
+from deepinfer_rt.layers.attention.batch_invariant import BatchInvariantBackend, fixed_bmm
+from deepinfer_rt.layers.attention.torch_ref import TorchRefBackend
+
+_BATCH_SIZES = (1, 2, 3, 7, 15, 16, 17, 33, 64, 100)
+
+
+def _rows_invariant(fn, rows: torch.Tensor, seed: int = 0) -> bool:
+    """fn on each row alone == fn on batches of random sizes holding that row at a random place."""
+    gen = torch.Generator().manual_seed(seed)
+    alone = torch.cat([fn(rows[i : i + 1]) for i in range(len(rows))])
+    for m in _BATCH_SIZES:
+        for i in range(0, len(rows), max(1, len(rows) // 4)):
+            batch = torch.randn(m, *rows.shape[1:], generator=gen) * rows.std()
+            at = int(torch.randint(m, (1,), generator=gen))
+            batch[at] = rows[i]
+            if not torch.equal(fn(batch)[at], alone[i]):
+                return False
+    return True
+
+
+@pytest.mark.parametrize("k,n", [(576, 1536), (1536, 576), (64, 8), (40, 200)])
+def test_linear_rows_invariant_and_close(k, n):
+    gen = torch.Generator().manual_seed(k + n)
+    w, b, x = torch.randn(n, k, generator=gen), torch.randn(n, generator=gen), torch.randn(8, k, generator=gen)
+    with bi.batch_invariant_mode():
+        assert _rows_invariant(lambda t: bi.linear(t, w, b), x)
+        torch.testing.assert_close(bi.linear(x, w, b), F.linear(x, w, b), rtol=1e-5, atol=1e-4)
+
+
+def test_default_linear_is_not_batch_invariant():
+    """The BLAS takes a GEMV path for one row and other kernels for more, so F.linear is not invariant."""
+    gen = torch.Generator().manual_seed(0)
+    w, x = torch.randn(1536, 576, generator=gen), torch.randn(8, 576, generator=gen)
+    assert not _rows_invariant(lambda t: F.linear(t, w), x)
+
+
+def test_default_sigmoid_is_not_batch_invariant():
+    """torch computes a thread's last elements with scalar code that rounds sigmoid/silu differently."""
+    x = torch.randn(4000, generator=torch.Generator().manual_seed(0)) * 4
+    alone = torch.cat([x[i : i + 1].sigmoid() for i in range(len(x))])
+    assert not torch.equal(alone, x.sigmoid())
+    with bi.batch_invariant_mode():
+        assert torch.equal(torch.cat([bi.sigmoid(x[i : i + 1]) for i in range(len(x))]), bi.sigmoid(x))
+
+
+@pytest.mark.parametrize("width", [8, 17, 32, 128])
+def test_elementwise_rows_invariant_and_close(width):
+    x = torch.randn(16, 2 * width, generator=torch.Generator().manual_seed(width)) * 4
+    with bi.batch_invariant_mode():
+        assert _rows_invariant(bi.silu_and_mul, x)
+        assert _rows_invariant(bi.sigmoid, x)
+        torch.testing.assert_close(bi.silu_and_mul(x), reference.silu_and_mul(x))
+        torch.testing.assert_close(bi.sigmoid(x), x.sigmoid())
+
+
+@pytest.mark.parametrize("dim", [64, 576, 33000])  # one row of 33000 passes torch's parallel-reduction grain
+def test_rms_norm_rows_invariant_and_close(dim):
+    gen = torch.Generator().manual_seed(dim)
+    x, w = torch.randn(6 if dim < 1000 else 1, dim, generator=gen), torch.rand(dim, generator=gen) + 0.5
+    with bi.batch_invariant_mode():
+        assert _rows_invariant(lambda t: bi.rms_norm(t, w, 1e-5), x)
+        torch.testing.assert_close(bi.rms_norm(x, w, 1e-5), reference.rms_norm(x, w, 1e-5))
+
+
+def test_row_softmax_and_argmax_invariant():
+    """The sampler's row ops (log-softmax, softmax, argmax) are per-row kernels: invariant as they are."""
+    x = torch.randn(2, 4099, generator=torch.Generator().manual_seed(1)) * 3
+    assert _rows_invariant(lambda t: t.log_softmax(-1), x)
+    assert _rows_invariant(lambda t: t.softmax(-1), x)
+    assert _rows_invariant(lambda t: t.argmax(-1), x)
+
+
+def test_head_matmul_rows_invariant_and_close():
+    gen = torch.Generator().manual_seed(2)
+    x, w = torch.randn(8, 4, 16, generator=gen), torch.randn(4, 16, 24, generator=gen)
+    with bi.batch_invariant_mode():
+        assert _rows_invariant(lambda t: bi.head_matmul(t, w), x)
+        torch.testing.assert_close(bi.head_matmul(x, w), torch.einsum("tha,hab->thb", x, w))
+
+
+def test_fixed_bmm_entries_invariant():
+    gen = torch.Generator().manual_seed(3)
+    a, b = torch.randn(5, 12, 64, generator=gen), torch.randn(5, 64, 64, generator=gen)
+    alone = torch.cat([fixed_bmm(a[i : i + 1], b[i : i + 1]) for i in range(5)])
+    for n in (5, 70, 130):
+        big_a, big_b = torch.randn(n, 12, 64, generator=gen), torch.randn(n, 64, 64, generator=gen)
+        big_a[-5:], big_b[-5:] = a, b
+        assert torch.equal(fixed_bmm(big_a, big_b)[-5:], alone)
+    torch.testing.assert_close(alone, torch.bmm(a, b))
+
+
+# ---- attention ----
+
+def _attend(backend, pool, q_all, seqs, layout):
+    """seqs: list of (start, q_len) for sequences whose slots are 0.. in `layout` order; q_all[(seq, pos)]."""
+    qs, q_lens, kv_lens, kv_slots = [], [], [], []
+    for s, (start, q_len) in enumerate(seqs):
+        qs.extend(q_all[s][start : start + q_len])
+        q_lens.append(q_len)
+        kv_lens.append(start + q_len)
+        kv_slots.append(layout[s][: start + q_len])
+    fb = ForwardBatch(input_ids=torch.zeros(len(qs), dtype=torch.long), positions=torch.zeros(len(qs)),
+                      out_slots=torch.zeros(len(qs)), q_lens=q_lens, kv_lens=kv_lens, kv_slots=kv_slots,
+                      pool=pool, backend=backend)
+    backend.prepare(fb)
+    out = backend.forward(torch.stack(qs), 0, 0.125, fb)
+    return list(out.split(q_lens))
+
+
+@pytest.mark.parametrize("mla", [False, True])
+def test_attention_invariant_to_chunking_batching_and_close(mla):
+    rng = random.Random(4)
+    gen = torch.Generator().manual_seed(4)
+    heads, kv_heads, dim = (4, 1, 40) if mla else (6, 2, 16)
+    layout_kv = KVLayout(1, (kv_heads, dim), None if mla else (kv_heads, dim), 32 if mla else dim)
+    lens = [rng.randrange(1, 200) for _ in range(5)]
+    pool = KVPool(layout_kv, sum(lens) + 8, 1, torch.float32, torch.device("cpu"))
+    perm = torch.randperm(pool.num_slots, generator=gen)
+    layout, start = [], 0
+    for n in lens:
+        layout.append(perm[start : start + n])
+        start += n
+    pool.k[0].copy_(torch.randn(pool.k[0].shape, generator=gen))
+    if not mla:
+        pool.v[0].copy_(torch.randn(pool.v[0].shape, generator=gen))
+    q_all = [list(torch.randn(n, heads, dim, generator=gen)) for n in lens]
+    backend = BatchInvariantBackend()
+    # Reference result per sequence: one prefill of the whole sequence, alone.
+    alone = [_attend(backend, pool, [q_all[s]], [(0, n)], [layout[s]])[0] for s, n in enumerate(lens)]
+    expected = [_attend(TorchRefBackend(), pool, [q_all[s]], [(0, n)], [layout[s]])[0] for s, n in enumerate(lens)]
+    for got, ref in zip(alone, expected):
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    for _ in range(6):  # every sequence cut into random chunks, chunks of different sequences batched together
+        cuts = [sorted(rng.sample(range(1, n), min(n - 1, rng.randrange(0, 4)))) if n > 1 else [] for n in lens]
+        pieces = [list(zip([0, *c], [*c, n])) for c, n in zip(cuts, lens)]
+        got = [[] for _ in lens]
+        for step in range(max(len(p) for p in pieces)):
+            live = [s for s in range(len(lens)) if step < len(pieces[s])]
+            rng.shuffle(live)
+            outs = _attend(backend, pool, [q_all[s] for s in live],
+                           [(pieces[s][step][0], pieces[s][step][1] - pieces[s][step][0]) for s in live],
+                           [layout[s] for s in live])
+            for s, o in zip(live, outs):
+                got[s].append(o)
+        for s in range(len(lens)):
+            assert torch.equal(torch.cat(got[s]), alone[s])
+
+
+# ---- Triton kernels, through Triton's CPU interpreter (small shapes) ----
+# TRITON_INTERPRET is read when triton is imported, which may already have happened in this process, so the
+# checks run in a fresh interpreter.
+
+def _in_triton_interpreter(check: str) -> None:
+    pytest.importorskip("triton")
+    here = Path(__file__).resolve().parent
+    env = dict(os.environ, TRITON_INTERPRET="1",
+               PYTHONPATH=os.pathsep.join([str(here), os.getcwd(), os.environ.get("PYTHONPATH", "")]))
+    code = f"import torch; torch.set_num_threads(1); import {Path(__file__).stem} as t; t.{check}()"
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
+def check_triton_matmul() -> None:
+    from deepinfer_kernels import batch_invariant as kernels
+
+    gen = torch.Generator().manual_seed(5)
+    w_t, x = torch.randn(72, 40, generator=gen), torch.randn(3, 72, generator=gen)
+    alone = torch.cat([kernels.matmul(x[i : i + 1], w_t) for i in range(3)])
+    for m in (1, 70, 130):
+        batch = torch.randn(m + 3, 72, generator=gen)
+        batch[m // 2 : m // 2 + 3] = x
+        assert torch.equal(kernels.matmul(batch, w_t)[m // 2 : m // 2 + 3], alone)
+    torch.testing.assert_close(alone, x @ w_t, rtol=1e-5, atol=1e-5)
+
+
+def check_triton_rms_norm_and_silu() -> None:
+    from deepinfer_kernels import batch_invariant as kernels
+
+    gen = torch.Generator().manual_seed(6)
+    x, w = torch.randn(5, 48, generator=gen), torch.rand(48, generator=gen) + 0.5
+    torch.testing.assert_close(kernels.rms_norm(x, w, 1e-6), reference.rms_norm(x, w, 1e-6))
+    torch.testing.assert_close(kernels.silu_and_mul(x), reference.silu_and_mul(x))
+    for fn in (lambda t: kernels.rms_norm(t, w, 1e-6), kernels.silu_and_mul):
+        alone = torch.cat([fn(x[i : i + 1]) for i in range(5)])
+        assert torch.equal(fn(torch.cat([torch.randn(9, 48, generator=gen), x]))[9:], alone)
+
+
+def test_triton_matmul_rows_invariant_and_close():
+    _in_triton_interpreter("check_triton_matmul")
+
+
+def test_triton_rms_norm_and_silu_close_and_invariant():
+    _in_triton_interpreter("check_triton_rms_norm_and_silu")
