@@ -94,7 +94,7 @@ class Engine:
             self.runner = ModelRunner(self.model, self.pool, backend, self.sampler, dev, self.eos_ids,
                                       batch_invariant=self.config.batch_invariant)
             self.runner.spec = self.spec
-            if gpu and env.cuda_graph_max_bs > 0:
+            if gpu and env.cuda_graph_max_bs > 0 and self.model.supports_cuda_graphs:
                 from deepinfer_rt.cuda_graph import CudaGraphRunner
 
                 self.runner.graphs = CudaGraphRunner(self.model, self.pool, backend, min(max_num_seqs,

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# The one command the GPU machine runs (from the repository root): install the carried wheels (.whl/), run the
-# GPU benchmark, then test/gpu/; logs and JSON land in $OUT. Stage time limits (seconds) come from the
-# environment: BENCH_S, KERNEL_TEST_S, MODEL_TEST_S, KERNEL_BENCH_S (0 skips the kernel micro-benchmark).
-#   device tool:  run(command="bash scripts/gpu_check.sh", carry=[".whl"])
+# The one command the GPU machine runs (from the repository root): install the carried wheels (.whl/), then the
+# stages named in STAGES (default bench,tests,kernel_bench,ep): the GPU benchmark, test/gpu/, the kernel
+# micro-benchmark, and on a machine with two GPUs the expert-parallel check (scripts/gpu_ep_check.sh).
+# Logs and JSON land in $OUT. Stage time limits (seconds): BENCH_S, TEST_S, KERNEL_BENCH_S, EP_S.
+#   device tool:  run(command="bash scripts/gpu_check.sh", carry=[".whl"])          (one H200)
+#                 run(command="STAGES=tests,ep bash scripts/gpu_check.sh", kind="nvidia-h200-x2", carry=[".whl"])
 set -u
 OUT=${OUT:-/tmp/gpu_check_out}
 mkdir -p "$OUT" /tmp/kpath
@@ -13,17 +15,22 @@ export PYTHONPATH=/tmp/site:/tmp/kpath:$PWD PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,clocks.mem,power.draw,temperature.gpu --format=csv \
   > "$OUT/gpu_state.txt" 2>&1
 python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)"
-timeout "${BENCH_S:-360}" python3 benchmark/bench_gpu.py --out "$OUT/gpu_h200.json" ${BENCH_ARGS:-} \
-  > "$OUT/bench.log" 2>&1
-tail -n 16 "$OUT/bench.log"
-timeout "${KERNEL_TEST_S:-100}" python3 -m pytest -q -p no:cacheprovider test/gpu/test_gpu_kernels.py \
-  > "$OUT/test_kernels.log" 2>&1
-tail -n 3 "$OUT/test_kernels.log"
-timeout "${MODEL_TEST_S:-100}" python3 -m pytest -q -p no:cacheprovider test/gpu/test_gpu_model.py \
-  > "$OUT/test_model.log" 2>&1
-tail -n 3 "$OUT/test_model.log"
-if [ "${KERNEL_BENCH_S:-60}" != 0 ]; then
+STAGES=",${STAGES:-bench,tests,kernel_bench,ep},"
+if [[ $STAGES == *,bench,* ]]; then
+  timeout "${BENCH_S:-360}" python3 benchmark/bench_gpu.py --out "$OUT/gpu_h200.json" ${BENCH_ARGS:-} \
+    > "$OUT/bench.log" 2>&1
+  tail -n 16 "$OUT/bench.log"
+fi
+if [[ $STAGES == *,tests,* ]]; then
+  timeout "${TEST_S:-300}" python3 -m pytest -q -p no:cacheprovider -rf test/gpu > "$OUT/test_gpu.log" 2>&1
+  tail -n 12 "$OUT/test_gpu.log"
+fi
+if [[ $STAGES == *,kernel_bench,* ]]; then
   timeout "${KERNEL_BENCH_S:-60}" python3 benchmark/bench_kernels.py --out "$OUT/gpu_kernels_h200.json" \
     > "$OUT/bench_kernels.log" 2>&1
   tail -n 3 "$OUT/bench_kernels.log"
+fi
+if [[ $STAGES == *,ep,* ]] && [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
+  OUT=$OUT timeout "${EP_S:-400}" bash scripts/gpu_ep_check.sh > "$OUT/ep.log" 2>&1
+  tail -n 20 "$OUT/ep.log"
 fi

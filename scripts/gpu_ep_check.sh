@@ -20,7 +20,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 # The kernels folder is imported as deepinfer_kernels.
 mkdir -p /tmp/kpath && ln -sfn "$PWD/kernels" /tmp/kpath/deepinfer_kernels
 export PYTHONPATH=/tmp/site:/tmp/kpath:$PWD
-export NCCL_NVLS_ENABLE=0          # NVLink multicast stays off on these machines
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # NVLink multicast stays off
 export DEEPINFER_EP_STEP_TIMEOUT=120  # a first bf16 prefill at batch 256 may take a while
 OUT=${OUT:-benchmark/results}
 mkdir -p "$OUT"
@@ -29,7 +29,7 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 python3 -c "import torch; assert torch.cuda.device_count() >= 2, 'needs two GPUs'; print('torch', torch.__version__)"
 
 python3 benchmark/bench_ep.py --check-tiny --shape v2-lite --device cuda --dtype bfloat16 --batch 64,256 \
-  --ep 1,2 --skew 0,1.2 --prompt-len 256 --max-new-tokens 32 --repeats 2 --eplb-interval 16 \
+  --ep 1,2 --skew 0,1.2 --prompt-len 256 --max-new-tokens "${EP_NEW_TOKENS:-32}" --repeats "${EP_REPEATS:-2}" --eplb-interval 16 \
   --out "$OUT/ep_h200x2.json"
 python3 - "$OUT/ep_h200x2.json" <<'EOF'
 import json, sys

@@ -25,6 +25,8 @@ class CausalLM(nn.Module):
     packed_modules: ClassVar[list[tuple[str, str, str]]] = []
     ignored_weights: ClassVar[tuple[str, ...]] = ("rotary_emb.inv_freq",)
     """Checkpoint name fragments that are not parameters here (buffers, heads we do not run)."""
+    supports_cuda_graphs: ClassVar[bool] = True
+    """Whether a decode step reads only the attention backend's graph-static metadata (CUDA-graph capture)."""
 
     def __init__(self, config: ModelConfig):
         super().__init__()

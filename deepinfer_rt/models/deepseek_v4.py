@@ -76,6 +76,8 @@ class V4Model(nn.Module):
 
 
 class DeepseekV4ForCausalLM(CausalLM):
+    supports_cuda_graphs = False  # per-step window/compressor indices are built on the host each step
+
     def __init__(self, config: ModelConfig):
         super().__init__(config)
         self.model = V4Model(config, V4Config.from_model_config(config))
