@@ -39,8 +39,11 @@ def _tuned(kernel):
     """Autotune the N/K tiles, warps and stages per (N, K, pair-count bucket, rows per block). The first call
     of a key benchmarks the configs (eagerly: CUDA-graph warm-up runs it before capture); later calls reuse
     the winner. BLOCK_M is fixed by the caller, since the expert padding of `moe_align` depends on it."""
+    # The last two fit in shared memory for fp32 at BLOCK_M 128, where every other config runs out of it (the
+    # autotuner scores a config that cannot launch as infinitely slow, so one that fits must be there).
     configs = [triton.Config(dict(BLOCK_N=bn, BLOCK_K=bk), num_warps=w, num_stages=st)
-               for bn, bk, w, st in ((64, 128, 4, 3), (128, 64, 4, 4), (128, 128, 8, 3), (64, 256, 4, 3))]
+               for bn, bk, w, st in ((64, 128, 4, 3), (128, 64, 4, 4), (128, 128, 8, 3), (64, 256, 4, 3),
+                                     (64, 64, 4, 2), (32, 32, 4, 2))]
     return triton.autotune(configs, key=["N", "K", "pairs_bucket", "BLOCK_M", "PER_PAIR"], warmup=5, rep=20)(kernel)
 
 
