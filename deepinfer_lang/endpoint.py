@@ -13,6 +13,7 @@ from typing import Iterator
 
 from deepinfer_lang.backend import RuntimeBackend
 from deepinfer_rt import GenerateOutput, SamplingParams
+from deepinfer_rt.models.loader import load_model_config
 from deepinfer_rt.tokenizer import load_tokenizer
 
 _TIMEOUT_S = 600.0
@@ -43,6 +44,7 @@ class HttpEngine:
         self.client = httpx.Client(base_url=self.base_url, timeout=_TIMEOUT_S)
         self.info = self._check(self.client.get("/get_server_info")).json()
         self.tokenizer = load_tokenizer(self.info["model_path"])
+        self.model_config, _ = load_model_config(self.info["model_path"])  # picks the chat renderer
         self.eos_ids = tuple(self.info["eos_ids"])
 
     @staticmethod
