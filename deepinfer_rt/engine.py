@@ -16,8 +16,7 @@ from deepinfer_rt.cache.kv_pool import KVPool
 from deepinfer_rt.cache.radix_cache import RadixCache
 from deepinfer_rt.config import CacheConfig, EngineConfig, SchedulerConfig
 from deepinfer_rt.env import get_env
-from deepinfer_rt.layers.attention.batch_invariant import BatchInvariantBackend
-from deepinfer_rt.layers.attention.torch_ref import BACKENDS
+from deepinfer_rt.layers.attention.select import select_backend
 from deepinfer_rt.model_runner import ModelRunner
 from deepinfer_rt.models.loader import build_model, load_model_config, resolve_model_path
 from deepinfer_rt.output_processor import OutputProcessor
@@ -89,8 +88,7 @@ class Engine:
                 self.config.batch_invariant, seed)
             self.pool = KVPool(self._kv_layout(), self._num_pages(), page_size, self.config.dtype, dev)
             gpu = dev.type == "cuda" and not self.config.batch_invariant
-            backend = (BatchInvariantBackend() if self.config.batch_invariant
-                       else self._gpu_backend(dev) if gpu else BACKENDS["torch"]())
+            backend = select_backend(dev, self.config.batch_invariant)
             self.runner = ModelRunner(self.model, self.pool, backend, self.sampler, dev, self.eos_ids,
                                       batch_invariant=self.config.batch_invariant)
             self.runner.spec = self.spec
@@ -110,12 +108,6 @@ class Engine:
         self._lock = threading.RLock()
         self._grammar = None
         self._closed = False
-
-    @staticmethod
-    def _gpu_backend(dev: torch.device):
-        from deepinfer_rt.layers.attention.triton import TritonBackend
-
-        return TritonBackend(dev)
 
     # ---- sizing ----
     def _num_pages(self) -> int:

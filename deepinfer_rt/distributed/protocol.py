@@ -41,6 +41,7 @@ class WorkerArgs:
     num_threads: int
     eplb: EPLBConfig
     timeout_s: float
+    batch_invariant: bool = False
 
 
 @dataclass

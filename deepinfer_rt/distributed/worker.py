@@ -35,7 +35,7 @@ from deepinfer_rt.distributed.eplb import (
 )
 from deepinfer_rt.distributed.protocol import StepMsg, StepReply, WorkerArgs
 from deepinfer_rt.env import get_env
-from deepinfer_rt.layers.attention.torch_ref import BACKENDS
+from deepinfer_rt.layers.attention.select import select_backend
 from deepinfer_rt.model_runner import ModelRunner
 from deepinfer_rt.models.loader import iter_safetensors
 from deepinfer_rt.models.registry import get_model_class
@@ -79,8 +79,10 @@ class Worker:
         layout = self.model.kv_layout(mc)
         self.num_pages = args.num_pages or self._size_kv_pages(layout)
         self.pool = KVPool(layout, self.num_pages, args.page_size, args.dtype, self.device)
-        self.runner = ModelRunner(self.model, self.pool, BACKENDS["torch"](), Sampler(mc.vocab_size), self.device,
-                                  args.eos_ids)
+        # The engine's backend rule, so EP=1 in-process and EP=N in workers run the same attention.
+        self.runner = ModelRunner(self.model, self.pool, select_backend(self.device, args.batch_invariant),
+                                  Sampler(mc.vocab_size), self.device, args.eos_ids,
+                                  batch_invariant=args.batch_invariant)
         self.runner.grammar = ShippedBitmasks(mc.vocab_size)
         self.mirrors: dict[int, Req] = {}
         self.window = LoadWindow(self.eplb.window_steps) if self.eplb else None

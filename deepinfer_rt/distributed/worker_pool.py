@@ -125,7 +125,8 @@ class WorkerPool:
                        if config.cache.kv_cache_tokens is not None else None),
             max_num_seqs=config.scheduler.max_num_seqs, max_position=model_config.max_position, eos_ids=eos_ids,
             num_threads=env.num_threads or max(1, torch.get_num_threads() // num_local), eplb=eplb,
-            timeout_s=max(60.0, 2 * env.ep_step_timeout_s)) for rank in range(n)]
+            timeout_s=max(60.0, 2 * env.ep_step_timeout_s), batch_invariant=config.batch_invariant)
+            for rank in range(n)]
         spawn = torch.multiprocessing.get_context("spawn")
         self._procs = [spawn.Process(target=worker_main, args=(self._worker_args[rank],), name=f"deepinfer-ep{rank}",
                                      daemon=True) for rank in range(num_local)]
