@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from deepinfer_rt.cache.kv_pool import KVPool
+from deepinfer_rt.layers import batch_invariant, v4_invariant
 from deepinfer_rt.layers.linear import Linear
 from deepinfer_rt.layers.v4_batch import AttnGroup, V4Batch
 from deepinfer_rt.layers.v4_common import (CSA, SLIDING, PoolColumns, V4Config, V4RMSNorm, V4Rotary,
@@ -62,11 +63,15 @@ class V4Attention(nn.Module):
         out = apply_rope(out, cos, -sin)  # undo the rotation V carried into the output
         grouped = out.reshape(t, self.o_groups, -1)
         w = self.wo_a.weight.view(self.o_groups, -1, grouped.shape[-1])  # (g, o_lora_rank, H*D/g)
+        if batch_invariant.is_enabled():
+            return self.wo_b(batch_invariant.head_matmul(grouped, w.transpose(1, 2)).reshape(t, -1))
         return self.wo_b(torch.einsum("tgi,gri->tgr", grouped, w).reshape(t, -1))
 
     def _attend(self, g: AttnGroup, q: torch.Tensor, x: torch.Tensor, q_residual: torch.Tensor,
                 positions: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
         """Attention of one group's queries -> (G*Q, H, D)."""
+        if batch_invariant.is_enabled():
+            return self._attend_invariant(g, q, x, q_residual, positions, buf)
         # Column views first, so the gathers read only the columns used, not whole pool rows.
         keys, mask = buf[:, self.cols.swa][g.swa_slots], g.swa_mask  # (G, L, D), (G, Q, L)
         if self.ratio:
@@ -84,3 +89,18 @@ class V4Attention(nn.Module):
         probs = (logits - logits.amax(dim=-1, keepdim=True)).softmax(dim=-1)[..., :-1]
         out = torch.einsum("gqhl,gld->gqhd", probs.to(keys.dtype), keys)
         return out.reshape(-1, self.num_heads, self.head_dim)
+
+    def _attend_invariant(self, g: AttnGroup, q: torch.Tensor, x: torch.Tensor, q_residual: torch.Tensor,
+                          positions: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
+        """_attend with each query's keys in its own fixed blocks (layers/v4_invariant.py)."""
+        entry_slots = entry_mask = None
+        if self.ratio:
+            entry_slots, entry_mask = g.entry_slots[self.ratio], g.entry_mask[self.ratio]
+            if self.indexer is not None:
+                entry_mask = self.indexer.select(x[g.rows], q_residual[g.rows], positions[g.rows],
+                                                 buf[:, self.cols.idx_entry][entry_slots], entry_mask)
+        slots, valid, is_entry = v4_invariant.key_lists(g.swa_slots, g.swa_mask, entry_slots, entry_mask)
+        keys = buf[:, self.cols.swa][slots]
+        if entry_slots is not None:
+            keys = torch.where(is_entry[..., None], buf[:, self.cols.entry][slots], keys)
+        return v4_invariant.attend(q[g.rows], keys.to(q.dtype), valid, self.head_dim ** -0.5, self.attn_sink)

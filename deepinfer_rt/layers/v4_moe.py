@@ -15,15 +15,21 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from deepinfer_rt.layers import batch_invariant, v4_invariant
 from deepinfer_rt.layers.linear import Linear
 from deepinfer_rt.layers.v4_common import V4Config
 
 
 def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+    if batch_invariant.is_enabled():
+        return v4_invariant.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
     return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
 
 
 def score(logits: torch.Tensor, scoring_func: str) -> torch.Tensor:
+    if batch_invariant.is_enabled() and scoring_func != "softmax":
+        return (v4_invariant.softplus(logits).sqrt() if scoring_func == "sqrtsoftplus"
+                else batch_invariant.sigmoid(logits))
     if scoring_func == "sqrtsoftplus":
         return F.softplus(logits).sqrt()
     if scoring_func == "sigmoid":
@@ -46,7 +52,7 @@ class V4Router(nn.Module):
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x (T, H) -> weights (T, k) fp32, expert ids (T, k)."""
-        scores = score(F.linear(x.float(), self.weight.float()), self.scoring_func)
+        scores = score(batch_invariant.linear(x.float(), self.weight.float()), self.scoring_func)
         if self.tid2eid is not None:
             ids = self.tid2eid[input_ids]
         else:
@@ -75,12 +81,15 @@ class ClampedExperts(nn.Module):
         for e, n in enumerate(counts):
             if n:
                 rows = slice(start, start + n)
-                gate, up = F.linear(xs[rows], self.gate_up_proj[e]).chunk(2, dim=-1)
-                ys[rows] = F.linear(clamped_swiglu(gate, up, self.limit), self.down_proj[e])
+                gate, up = batch_invariant.linear(xs[rows], self.gate_up_proj[e]).chunk(2, dim=-1)
+                ys[rows] = batch_invariant.linear(clamped_swiglu(gate, up, self.limit), self.down_proj[e])
             start += n
         out = torch.empty_like(ys)
         out[order] = ys
-        return (out.view(t, k, -1) * weights.unsqueeze(-1).to(out.dtype)).sum(dim=1)
+        weighted = out.view(t, k, -1) * weights.unsqueeze(-1).to(out.dtype)
+        if batch_invariant.is_enabled():
+            return v4_invariant.ordered_sum(weighted, dim=1)
+        return weighted.sum(dim=1)
 
 
 class SharedExpert(nn.Module):

@@ -19,6 +19,7 @@ from torch import nn
 from deepinfer_rt.cache.kv_pool import KVLayout, KVPool
 from deepinfer_rt.config import ModelConfig
 from deepinfer_rt.forward_batch import ForwardBatch
+from deepinfer_rt.layers.batch_invariant import linear
 from deepinfer_rt.layers.hyper_connections import HyperConnection, HyperHead
 from deepinfer_rt.layers.moe import fuse_expert_weights
 from deepinfer_rt.layers.v4_attention import V4Attention
@@ -102,7 +103,7 @@ class DeepseekV4ForCausalLM(CausalLM):
         return self
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.head(hidden).float()
+        return linear(hidden, self.head.weight).float()
 
     def tie_weights(self) -> None:
         if self.config.tie_word_embeddings:

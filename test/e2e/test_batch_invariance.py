@@ -93,6 +93,11 @@ def test_tiny_deepseek_v3_batch_invariant(tiny_v3_path, one_thread):
     _check_invariance(tiny_v3_path, num_trials=100, num_small_pool_trials=2)
 
 
+def test_tiny_deepseek_v4_batch_invariant(tiny_v4_path, one_thread):
+    """Sliding-window, compressed (CSA with indexer, HCA) attention, hyper-connections and hash/learned MoE."""
+    _check_invariance(tiny_v4_path, num_trials=40, num_small_pool_trials=2)
+
+
 def test_smollm2_batch_invariant(smollm2_path, one_thread):
     _check_invariance(smollm2_path, num_trials=8, num_small_pool_trials=1)
 
