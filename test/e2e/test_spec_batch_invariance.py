@@ -34,8 +34,7 @@ def test_fixed_length_prompt_lookup_is_batch_invariant(tiny_llama_path):
     with Engine(str(tiny_llama_path), dtype="float32", kv_cache_tokens=4096, batch_invariant=True,
                 speculative=spec) as engine:
         alone, alone_stats = _run(engine, needle, [], rng)
-        for _ in range(4):
-            chunk = rng.choice([5, 16, 2048])
+        for chunk in (5, 2048, 16, 2048):
             engine.scheduler.config = dataclasses.replace(
                 engine.scheduler.config, chunked_prefill_tokens=chunk, max_num_seqs=rng.choice([2, 256]))
             if rng.random() < 0.5:
