@@ -95,9 +95,9 @@ def _merge(m0, l0, o0, m1, l1, o1):
 
 def key_lists(swa_slots: torch.Tensor, swa_mask: torch.Tensor, entry_slots: torch.Tensor | None,
               entry_mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per query of a group: slots (G*Q, L), validity and is-entry flags of its key list — visible sliding-window keys in
-    position order, then entries 0..E-1 — padded to whole KEY_BLOCKs. swa_slots (G, Ls), swa_mask (G, Q, Ls),
-    entry_slots (G, E), entry_mask (G, Q, E)."""
+    """Per query of a group: slots (G*Q, L), validity and is-entry flags of its key list — visible
+    sliding-window keys in position order, then entries 0..E-1 — padded to whole KEY_BLOCKs.
+    swa_slots (G, Ls), swa_mask (G, Q, Ls), entry_slots (G, E), entry_mask (G, Q, E)."""
     g, q_len, ls = swa_mask.shape
     order = swa_mask.to(torch.int8).argsort(dim=-1, descending=True, stable=True)  # visible first, in order
     slots = swa_slots[:, None].expand(g, q_len, ls).gather(-1, order)
