@@ -1,11 +1,11 @@
 """Cost of batch-invariant mode: offline throughput with the switch off vs on, same prompts, in one run.
 
-    python benchmark/bench_batch_invariant.py [--num-prompts 16] [--max-new-tokens 32] [--repeats 3]
+    python benchmark/bench_determinism.py [--num-prompts 16] [--max-new-tokens 32] [--repeats 3]
 
 Two engines (mode off, mode on) take turns on the same prompts (greedy, fixed output length) so machine drift
 hits both alike; each figure is the median over repeats. Also checks that the mode-on outputs match between
 the batched run and each prompt run alone (the property the mode buys). Writes
-benchmark/results/batch_invariant.json.
+benchmark/results/determinism_cpu.json (determinism_<device>.json).
 """
 from __future__ import annotations
 
@@ -60,11 +60,11 @@ def main() -> None:
     invariant = all(a.token_ids == b.token_ids and a.logprobs == b.logprobs for a, b in zip(alone, outs["on"]))
     med = {mode: statistics.median(decode[mode]) for mode in decode}
     result = {
-        "benchmark": "batch_invariant", "model": args.model, "device": args.device, "dtype": args.dtype,
+        "benchmark": "determinism", "model": args.model, "device": args.device, "dtype": args.dtype,
         "num_prompts": args.num_prompts, "max_new_tokens": args.max_new_tokens, "repeats": args.repeats,
         "torch": torch.__version__, "threads": torch.get_num_threads(),
         "machine": platform.processor() or platform.machine(),
-        "command": "python benchmark/bench_batch_invariant.py " + " ".join(sys.argv[1:]),
+        "command": "python benchmark/bench_determinism.py " + " ".join(sys.argv[1:]),
         "off_output_tok_s": med["off"], "on_output_tok_s": med["on"], "on_over_off": med["on"] / med["off"],
         "overhead_pct": 100 * (med["off"] / med["on"] - 1),
         "off_total_tok_s": statistics.median(total["off"]), "on_total_tok_s": statistics.median(total["on"]),
@@ -73,7 +73,7 @@ def main() -> None:
     }
     print(f"output tok/s: off {med['off']:.1f}  on {med['on']:.1f}  ratio on/off {result['on_over_off']:.2f} "
           f"(overhead {result['overhead_pct']:.0f}%); mode-on batched == alone: {invariant}")
-    out = Path(args.out or Path(__file__).resolve().parent / "results" / "batch_invariant.json")
+    out = Path(args.out or Path(__file__).resolve().parent / "results" / f"determinism_{args.device}.json")
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {out}")
 
