@@ -7,7 +7,7 @@ Workloads whose outputs copy spans of their input (where prompt lookup drafts we
   summarisation  three people's sentences per prompt -> a summary naming each person, job and city
 Batch b = b requests submitted together (batch 1: one at a time). Greedy, so both modes must produce identical
 tokens (checked). Reports tok/s of each mode (median over repeats, with spread), speedup, acceptance rate and
-mean accepted drafts per verification; writes benchmark/results/spec.json.
+mean accepted drafts per verification; writes benchmark/results/spec_cpu.json.
 """
 from __future__ import annotations
 
@@ -64,7 +64,7 @@ def main() -> None:
     ap.add_argument("--max-draft", type=int, default=0, help="0: DEEPINFER_SPEC_MAX_DRAFT (default 5)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--out", default=str(ROOT / "benchmark/results/spec.json"))
+    ap.add_argument("--out", default=str(ROOT / "benchmark/results/spec_cpu.json"))
     args = ap.parse_args()
 
     from deepinfer_rt.spec import SpeculativeConfig
