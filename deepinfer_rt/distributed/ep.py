@@ -6,7 +6,7 @@ for its own chunk, each rank
 
     route      each (token, k) pair -> a slot (rank, local slot) holding a copy of the chosen expert
     dispatch   all-to-all: the pairs' hidden rows go to the slots' ranks
-    compute    the local experts over the rows they received (RoutedExperts, the same grouped reference)
+    compute    the local experts over the rows they received (the model's own grouped reference)
     combine    all-to-all back; the k results of a token are weighted and summed in slot (= expert id) order
     gather     all-gather of the chunks: every rank again holds the whole batch for the next attention
 
@@ -24,7 +24,6 @@ import torch.distributed as dist
 from torch import nn
 
 from deepinfer_rt.distributed.eplb import Placement
-from deepinfer_rt.layers.moe import MoE, RoutedExperts
 
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.12
 
@@ -94,7 +93,7 @@ class ExpertParallelMoE:
         self.rank = dist.get_rank(group)
         self.size = dist.get_world_size(group)
 
-    def __call__(self, moe: MoE, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    def __call__(self, moe: nn.Module, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         num_tokens = x.shape[0]
         per_rank = self.placement.slots_per_rank
         slots = self.placement.route(self.layer, ids)  # (T, k) global slots
@@ -124,7 +123,7 @@ class ExpertParallelMoE:
         dist.all_to_all_single(out, rows, out_split, in_split, group=self.group)
         return out
 
-    def _dispatch_compute_combine(self, experts: RoutedExperts, xs: torch.Tensor, weights: torch.Tensor,
+    def _dispatch_compute_combine(self, experts: nn.Module, xs: torch.Tensor, weights: torch.Tensor,
                                   slots: torch.Tensor, source: torch.Tensor, send_split: list[int],
                                   recv_split: list[int], lo: int, hi: int) -> torch.Tensor:
         k, hidden = slots.shape[1], xs.shape[1]
@@ -148,8 +147,11 @@ class ExpertParallelMoE:
         return (out.view(hi - lo, k, hidden) * weights.unsqueeze(-1)).sum(dim=1).to(xs.dtype)
 
 
-def moe_layers(model: nn.Module) -> list[MoE]:
-    return [m for m in model.modules() if isinstance(m, MoE)]
+def moe_layers(model: nn.Module) -> list[nn.Module]:
+    """The MoE blocks: modules with an `expert_parallel` hook slot, routed `experts` holding fused (E, ...)
+    tensors gate_up_proj and down_proj (layers/moe.py RoutedExperts, layers/v4_moe.py ClampedExperts), and
+    `shared_experts` (or None)."""
+    return [m for m in model.modules() if hasattr(m, "expert_parallel") and hasattr(m, "experts")]
 
 
 def shard_experts(model: nn.Module, placement: ExpertPlacement, rank: int, recorder: LoadRecorder,
@@ -159,12 +161,13 @@ def shard_experts(model: nn.Module, placement: ExpertPlacement, rank: int, recor
     experts in this rank's slots."""
     for layer, moe in enumerate(moe_layers(model)):
         local = placement.layers[layer][rank]
-        full = moe.experts
-        with torch.device(device):
-            experts = RoutedExperts(len(local), full.gate_up_proj.shape[2], full.down_proj.shape[2]).to(dtype)
-        for param in (experts.gate_up_proj, experts.down_proj):
+        experts = moe.experts  # kept (its other settings too, e.g. the SwiGLU clamp); only its tensors shrink
+        for name in ("gate_up_proj", "down_proj"):
+            full = getattr(experts, name)
+            param = nn.Parameter(torch.empty(len(local), *full.shape[1:], device=device, dtype=dtype))
             param.weight_loader = _expert_rows_loader(local)
-        moe.experts = experts
+            setattr(experts, name, param)
+        experts.num_experts = len(local)
         moe.expert_parallel = ExpertParallelMoE(layer, placement, recorder)
 
 
@@ -191,6 +194,8 @@ def init_dummy_sharded(model: nn.Module, placement: ExpertPlacement, rank: int, 
     for name, p in model.named_parameters():
         if "norm" in name and p.dim() == 1:
             p.fill_(1.0)
+        elif not p.is_floating_point():
+            continue  # tables (e.g. V4's token -> expert hash), drawn below by the model's own rule
         elif id(p) in expert_params:
             layer, local = expert_params[id(p)]
             kind = name.rsplit(".", 1)[-1]
@@ -198,3 +203,6 @@ def init_dummy_sharded(model: nn.Module, placement: ExpertPlacement, rank: int, 
                 p[s].normal_(0.0, 0.02, generator=gen.manual_seed(_seed(seed, layer, kind, e)))
         else:
             p.normal_(0.0, 0.02, generator=gen.manual_seed(_seed(seed, name)))
+    init_tables = getattr(model, "init_dummy_tables", None)
+    if init_tables is not None:
+        init_tables(seed)

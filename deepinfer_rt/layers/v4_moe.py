@@ -110,7 +110,11 @@ class V4MoE(nn.Module):
         self.gate = V4Router(cfg, cfg.mlp_layer_types[layer_id] == "hash_moe", vocab_size)
         self.experts = ClampedExperts(cfg)
         self.shared_experts = SharedExpert(cfg)
+        self.expert_parallel = None
+        """The expert-parallel hook, as on layers/moe.py MoE (routing, hash routing included, stays here)."""
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x, input_ids)
+        if self.expert_parallel is not None:
+            return self.expert_parallel(self, x, weights, ids)
         return self.experts(x, weights, ids) + self.shared_experts(x)

@@ -129,6 +129,11 @@ class DeepseekV4ForCausalLM(CausalLM):
     @torch.no_grad()
     def init_dummy(self, seed: int) -> None:
         super().init_dummy(seed)
+        self.init_dummy_tables(seed)
+
+    @torch.no_grad()
+    def init_dummy_tables(self, seed: int) -> None:
+        """The integer parameters of load_format='dummy' (also called by EP workers' sharded dummy init)."""
         gen = torch.Generator(device="cpu").manual_seed(seed + 1)
         for name, p in self.named_parameters():
             if name.endswith("tid2eid"):  # a random hash: each token id gets top_k distinct experts
