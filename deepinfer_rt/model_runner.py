@@ -65,6 +65,11 @@ class ModelRunner:
             q_lens.append(n)
             kv_lens.append(start + n)
             kv_slots.append(slots)
+        return self.forward_batch(ids, positions, out_slots, q_lens, kv_lens, kv_slots)
+
+    def forward_batch(self, ids: list[int], positions: list[int], out_slots: list[int], q_lens: list[int],
+                      kv_lens: list[int], kv_slots: list[list[int]]) -> ForwardBatch:
+        """Flattened varlen rows (plain lists) -> device tensors, prepared by the attention backend."""
         dev = self.device
         fb = ForwardBatch(
             input_ids=torch.tensor(ids, dtype=torch.long, device=dev),

@@ -136,7 +136,7 @@ class MTPDrafter(Drafter):
             out_row += valid
             if i in emitted:
                 ends.append((req, out_row - 1, slots, len(seq)))
-        fb = self._batch(runner, ids, positions, out_slots, q_lens, kv_lens, kv_slots)
+        fb = runner.forward_batch(ids, positions, out_slots, q_lens, kv_lens, kv_slots)
         x = self.mtp(fb, hidden[rows])
         self._proposals = self._draft(runner, ends, x) if ends else {}
 
@@ -176,7 +176,7 @@ class MTPDrafter(Drafter):
             out_slots.append(own[-1])
             kv_slots.append(slots + own)
             kv_lens.append(len(slots) + step)
-        fb = self._batch(runner, prev_tokens, positions, out_slots, [1] * len(ends), kv_lens, kv_slots)
+        fb = runner.forward_batch(prev_tokens, positions, out_slots, [1] * len(ends), kv_lens, kv_slots)
         return self.mtp(fb, h)
 
     def _pick(self, logits: torch.Tensor, reqs: list[Req], step: int):
@@ -199,15 +199,3 @@ class MTPDrafter(Drafter):
             qs.append(q)
         return tokens, confs, qs
 
-    @staticmethod
-    def _batch(runner, ids, positions, out_slots, q_lens, kv_lens, kv_slots) -> ForwardBatch:
-        dev = runner.device
-        fb = ForwardBatch(
-            input_ids=torch.tensor(ids, dtype=torch.long, device=dev),
-            positions=torch.tensor(positions, dtype=torch.long, device=dev),
-            out_slots=torch.tensor(out_slots, dtype=torch.long, device=dev),
-            q_lens=q_lens, kv_lens=kv_lens,
-            kv_slots=[torch.tensor(s, dtype=torch.long, device=dev) for s in kv_slots],
-            pool=runner.pool, backend=runner.backend)
-        runner.backend.prepare(fb)
-        return fb
