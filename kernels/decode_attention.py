@@ -24,7 +24,7 @@ def _decode_split_kernel(Q, K, V, PageTable, TableRows, SeqLens, PartO, PartLse,
                          sm_scale, page_size,
                          GROUP: tl.constexpr, BLOCK_H: tl.constexpr, DK: tl.constexpr, DT: tl.constexpr,
                          DV: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                         V_IS_K: tl.constexpr):
+                         V_IS_K: tl.constexpr, IEEE: tl.constexpr):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -56,11 +56,17 @@ def _decode_split_kernel(Q, K, V, PageTable, TableRows, SeqLens, PartO, PartLse,
         slot = page * page_size + offs_n % page_size
         k_base = K + slot[:, None] * stride_kn + kvh * stride_kh
         k = tl.load(k_base + offs_dk[None, :], mask=nmask[:, None], other=0.0)  # (N, DK)
-        qk = tl.dot(q, tl.trans(k))
+        if IEEE:  # fp32 caches: full fp32 products (TF32 would drift from the CPU reference)
+            qk = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            qk = tl.dot(q, tl.trans(k))
         if DT > 0:
             k_t = tl.load(k_base + DK + offs_dt[None, :], mask=nmask[:, None], other=0.0)
             if DT >= 16:
-                qk += tl.dot(q_t, tl.trans(k_t))
+                if IEEE:
+                    qk += tl.dot(q_t, tl.trans(k_t), input_precision="ieee")
+                else:
+                    qk += tl.dot(q_t, tl.trans(k_t))
             else:  # tl.dot needs K >= 16
                 qk += tl.sum(q_t.to(tl.float32)[:, None, :] * k_t.to(tl.float32)[None, :, :], 2)
         qk = tl.where(nmask[None, :], qk * qk_scale, float("-inf"))
@@ -73,7 +79,10 @@ def _decode_split_kernel(Q, K, V, PageTable, TableRows, SeqLens, PartO, PartLse,
         else:
             v = tl.load(V + slot[:, None] * stride_vn + kvh * stride_vh + offs_dv[None, :], mask=nmask[:, None],
                         other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
 
     empty = l_i == 0.0
@@ -144,7 +153,7 @@ def paged_decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Te
         q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
         page_table.stride(0), scale, page_size,
         GROUP=group, BLOCK_H=block_h, DK=head, DT=tail, DV=dv, BLOCK_N=block_n, NUM_SPLITS=num_splits,
-        V_IS_K=v_is_k, num_warps=num_warps, num_stages=2)
+        V_IS_K=v_is_k, IEEE=k_buf.dtype == torch.float32, num_warps=num_warps, num_stages=2)
     _merge_splits_kernel[(bsz, hq)](part_o, part_lse, out, out.stride(0), out.stride(1), NUM_HEADS=hq,
                                     NUM_SPLITS=num_splits, BLOCK_S=max(2, triton.next_power_of_2(num_splits)),
                                     DV=dv, num_warps=4)

@@ -52,7 +52,7 @@ def _tuned(kernel):
 def _moe_gate_up_kernel(X, W, H, SortedPairs, BlockExpert, NumPadded, num_pairs, pairs_bucket, top_k, N, K,
                         stride_xm, stride_we, stride_wn, stride_hm,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        PER_PAIR: tl.constexpr):
+                        PER_PAIR: tl.constexpr, IEEE: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pair, e, valid = _pair_rows(SortedPairs, BlockExpert, NumPadded, pid_m, num_pairs, BLOCK_M, PER_PAIR)
@@ -72,8 +72,12 @@ def _moe_gate_up_kernel(X, W, H, SortedPairs, BlockExpert, NumPadded, num_pairs,
             a = tl.load(a_ptrs, mask=mmask[:, None] & kmask[None, :], other=0.0)
             g = tl.load(g_ptrs, mask=kmask[:, None] & nmask[None, :], other=0.0)
             u = tl.load(u_ptrs, mask=kmask[:, None] & nmask[None, :], other=0.0)
-            acc_g = tl.dot(a, g, acc_g)
-            acc_u = tl.dot(a, u, acc_u)
+            if IEEE:  # fp32 weights: full fp32 products (TF32 would drift from the CPU reference)
+                acc_g = tl.dot(a, g, acc_g, input_precision="ieee")
+                acc_u = tl.dot(a, u, acc_u, input_precision="ieee")
+            else:
+                acc_g = tl.dot(a, g, acc_g)
+                acc_u = tl.dot(a, u, acc_u)
             a_ptrs += BLOCK_K
             g_ptrs += BLOCK_K
             u_ptrs += BLOCK_K
@@ -87,7 +91,7 @@ def _moe_gate_up_kernel(X, W, H, SortedPairs, BlockExpert, NumPadded, num_pairs,
 def _moe_down_kernel(H, W, Y, TopkWeights, SortedPairs, BlockExpert, NumPadded, num_pairs, pairs_bucket, N, K,
                      stride_hm, stride_we, stride_wn, stride_ym,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     PER_PAIR: tl.constexpr):
+                     PER_PAIR: tl.constexpr, IEEE: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pair, e, valid = _pair_rows(SortedPairs, BlockExpert, NumPadded, pid_m, num_pairs, BLOCK_M, PER_PAIR)
@@ -104,7 +108,10 @@ def _moe_down_kernel(H, W, Y, TopkWeights, SortedPairs, BlockExpert, NumPadded, 
             kmask = offs_k < K - k0
             a = tl.load(a_ptrs, mask=mmask[:, None] & kmask[None, :], other=0.0)
             w = tl.load(w_ptrs, mask=kmask[:, None] & nmask[None, :], other=0.0)
-            acc = tl.dot(a, w, acc)
+            if IEEE:
+                acc = tl.dot(a, w, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, w, acc)
             a_ptrs += BLOCK_K
             w_ptrs += BLOCK_K
         acc *= tl.load(TopkWeights + pair64, mask=mmask, other=0.0)[:, None]
@@ -164,8 +171,10 @@ def fused_moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weight
     bucket = triton.next_power_of_2(num_pairs)
     _moe_gate_up_kernel[lambda meta: (num_blocks, triton.cdiv(inter, meta["BLOCK_N"]))](
         x, gate_up, h, sorted_pairs, block_expert, num_padded, num_pairs, bucket, k, inter, hidden,
-        x.stride(0), gate_up.stride(0), gate_up.stride(1), h.stride(0), BLOCK_M=block_m, PER_PAIR=per_pair)
+        x.stride(0), gate_up.stride(0), gate_up.stride(1), h.stride(0), BLOCK_M=block_m, PER_PAIR=per_pair,
+        IEEE=x.dtype == torch.float32)
     _moe_down_kernel[lambda meta: (num_blocks, triton.cdiv(hidden, meta["BLOCK_N"]))](
         h, down, y, weights.flatten().float(), sorted_pairs, block_expert, num_padded, num_pairs, bucket, hidden,
-        inter, h.stride(0), down.stride(0), down.stride(1), y.stride(0), BLOCK_M=block_m, PER_PAIR=per_pair)
+        inter, h.stride(0), down.stride(0), down.stride(1), y.stride(0), BLOCK_M=block_m, PER_PAIR=per_pair,
+        IEEE=x.dtype == torch.float32)
     return y.view(t, k, hidden).sum(dim=1, dtype=torch.float32).to(x.dtype)
