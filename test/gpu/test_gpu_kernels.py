@@ -60,18 +60,22 @@ def test_fused_moe(num_tokens):
     assert rel_err(out.cpu(), ref) < 1e-2
 
 
-def test_moe_align_sorts_pairs_by_expert():
+@pytest.mark.parametrize("num_tokens,num_experts,k,block_m", [(50, 8, 2, 16), (64, 64, 6, 32), (256, 64, 6, 64),
+                                                               (700, 256, 8, 64), (3, 160, 6, 16)])
+def test_moe_align_equals_torch_form(num_tokens, num_experts, k, block_m):
+    from deepinfer_kernels import reference
     from deepinfer_kernels.fused_moe import moe_align
 
-    torch.manual_seed(1)
-    ids = torch.randint(0, 8, (50, 2), device=DEV)
-    sorted_pairs, block_expert, num_padded = moe_align(ids, 8, 16)
+    torch.manual_seed(num_tokens)
+    ids = torch.rand(num_tokens, num_experts, device=DEV).pow(4).topk(k, dim=-1).indices  # skewed, distinct per row
+    got, ref = moe_align(ids, num_experts, block_m), reference.moe_align(ids, num_experts, block_m)
+    assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1]) and int(got[2]) == int(ref[2])
     flat = ids.flatten()
-    pairs = sorted_pairs[: int(num_padded)].view(-1, 16)
+    pairs = got[0][: int(got[2])].view(-1, block_m)
     for b in range(pairs.shape[0]):
         real = pairs[b][pairs[b] < flat.numel()]
-        assert (flat[real.long()] == block_expert[b]).all()
-    assert sorted(sorted_pairs[sorted_pairs < flat.numel()].tolist()) == list(range(flat.numel()))
+        assert (flat[real.long()] == got[1][b]).all()
+    assert sorted(got[0][got[0] < flat.numel()].tolist()) == list(range(flat.numel()))
 
 
 @pytest.mark.parametrize("with_residual", [False, True])
