@@ -38,6 +38,14 @@ def select_experts(router_logits: torch.Tensor, top_k: int, *, scoring_func: str
     The weights are the chosen experts' unbiased scores, renormalised to sum 1 if norm_topk_prob, times
     routed_scaling_factor. Ids come sorted so that experts are combined in a fixed order.
     """
+    if router_logits.is_cuda and not batch_invariant.is_enabled() and scoring_func in ("softmax", "sigmoid") \
+            and topk_method in ("greedy", "group_limited_greedy", "noaux_tc") \
+            and (topk_method != "noaux_tc" or correction_bias is not None):
+        from deepinfer_kernels.moe_router import route  # one kernel instead of about seven small ones
+
+        return route(router_logits, top_k, scoring_func=scoring_func, topk_method=topk_method, n_group=n_group,
+                     topk_group=topk_group, correction_bias=correction_bias, norm_topk_prob=norm_topk_prob,
+                     routed_scaling_factor=routed_scaling_factor)
     logits = router_logits.float()
     if scoring_func == "softmax":
         scores = logits.softmax(dim=-1)

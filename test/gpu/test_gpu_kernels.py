@@ -78,6 +78,29 @@ def test_moe_align_equals_torch_form(num_tokens, num_experts, k, block_m):
     assert sorted(got[0][got[0] < flat.numel()].tolist()) == list(range(flat.numel()))
 
 
+ROUTER_CASES = {  # (experts, k, scoring, method, groups, kept groups, renormalise, scaling): V2-Lite, V2, V3
+    "v2-lite": (64, 6, "softmax", "greedy", 1, 1, False, 1.0),
+    "v2": (160, 6, "softmax", "group_limited_greedy", 8, 3, False, 16.0),
+    "v3": (256, 8, "sigmoid", "noaux_tc", 8, 4, True, 2.5)}
+
+
+@pytest.mark.parametrize("case", sorted(ROUTER_CASES))
+@pytest.mark.parametrize("num_tokens", [1, 37, 300])
+def test_moe_router_kernel_equals_torch_form(case, num_tokens):
+    from deepinfer_rt.layers.moe import select_experts
+
+    e, k, scoring, method, groups, kept, norm, scale = ROUTER_CASES[case]
+    torch.manual_seed(num_tokens)
+    logits = torch.randn(num_tokens, e, device=DEV) * 3
+    bias = torch.randn(e, device=DEV) * 0.1 if method == "noaux_tc" else None
+    kw = dict(scoring_func=scoring, topk_method=method, n_group=groups, topk_group=kept, correction_bias=bias,
+              norm_topk_prob=norm, routed_scaling_factor=scale)
+    weights, ids = select_experts(logits, k, **kw)  # on CUDA: the Triton kernel
+    ref_w, ref_ids = select_experts(logits.cpu(), k, **{**kw, "correction_bias": None if bias is None else bias.cpu()})
+    assert torch.equal(ids.cpu(), ref_ids)
+    torch.testing.assert_close(weights.cpu(), ref_w, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("with_residual", [False, True])
 def test_rms_norm(with_residual):
     from deepinfer_kernels import elementwise, reference

@@ -1,0 +1,91 @@
+"""MoE routing in one Triton kernel: a token's router logits -> its top-k experts (ascending ids) and weights.
+
+The torch form (deepinfer_rt.layers.moe.select_experts) takes about seven small kernels per layer (cast,
+softmax, top-k, group masks, sort, gather, scale), which at small decode batches cost more than the expert
+GEMMs' weight reads. Here one program per token holds its E scores as a (groups, experts per group) tile:
+softmax or sigmoid, optional correction bias, group selection (V2's best expert per group, V3's best two), then
+k rounds of "take the best remaining" and k rounds of "take the lowest chosen id". Ties go to the lower expert id.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+GREEDY, GROUP_LIMITED_GREEDY, NOAUX_TC = 0, 1, 2
+METHODS = {"greedy": GREEDY, "group_limited_greedy": GROUP_LIMITED_GREEDY, "noaux_tc": NOAUX_TC}
+
+
+@triton.jit
+def _route_kernel(Logits, Bias, Weights, Ids, stride_l, scaling,
+                  G: tl.constexpr, EG: tl.constexpr, BG: tl.constexpr, BEG: tl.constexpr, K: tl.constexpr,
+                  KP: tl.constexpr, KEEP_GROUPS: tl.constexpr, SIGMOID: tl.constexpr, METHOD: tl.constexpr,
+                  NORM: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    offs_g = tl.arange(0, BG)
+    j = tl.arange(0, BEG)[None, :]
+    valid = (offs_g[:, None] < G) & (j < EG)
+    idx = offs_g[:, None] * EG + j  # the expert id of each tile entry
+    none = G * EG  # larger than every id
+    logit = tl.load(Logits + t * stride_l + idx, mask=valid, other=float("-inf")).to(tl.float32)
+    if SIGMOID:
+        scores = 1.0 / (1.0 + tl.exp(-logit))
+    else:
+        p = tl.exp(logit - tl.max(tl.max(logit, 1), 0))
+        scores = p / tl.sum(tl.sum(p, 1), 0)
+    choice = tl.where(valid, scores, float("-inf"))
+    if METHOD == 2:
+        choice += tl.load(Bias + idx, mask=valid, other=0.0).to(tl.float32)
+    if METHOD != 0:
+        best = tl.max(choice, 1)
+        if METHOD == 1:
+            group_score = best
+        else:  # best two of each group: remove one copy of the best, take the best again
+            first = tl.min(tl.where(choice == best[:, None], j, BEG), 1)
+            group_score = best + tl.max(tl.where(j == first[:, None], float("-inf"), choice), 1)
+        group_score = tl.where(offs_g < G, group_score, float("-inf"))
+        kept = offs_g < 0
+        for _ in tl.static_range(KEEP_GROUPS):
+            top = tl.max(group_score, 0)
+            g = tl.min(tl.where(group_score == top, offs_g, BG), 0)
+            kept = kept | (offs_g == g)
+            group_score = tl.where(offs_g == g, float("-inf"), group_score)
+        choice = tl.where(kept[:, None], choice, float("-inf"))
+    chosen = idx < 0
+    for _ in tl.static_range(K):
+        top = tl.max(tl.max(choice, 1), 0)
+        pick = tl.min(tl.min(tl.where((choice == top) & valid, idx, none), 1), 0)
+        chosen = chosen | (idx == pick)
+        choice = tl.where(idx == pick, float("-inf"), choice)
+    offs_k = tl.arange(0, KP)
+    ids = tl.zeros([KP], tl.int64)
+    w = tl.zeros([KP], tl.float32)
+    for i in tl.static_range(K):  # chosen ids in ascending order, with their unbiased scores
+        low = tl.min(tl.min(tl.where(chosen, idx, none), 1), 0)
+        ids = tl.where(offs_k == i, low, ids)
+        w = tl.where(offs_k == i, tl.sum(tl.sum(tl.where(idx == low, scores, 0.0), 1), 0), w)
+        chosen = chosen & (idx != low)
+    if NORM:
+        w = w / (tl.sum(w, 0) + 1e-20)
+    tl.store(Ids + t * K + offs_k, ids, mask=offs_k < K)
+    tl.store(Weights + t * K + offs_k, w * scaling, mask=offs_k < K)
+
+
+def route(router_logits: torch.Tensor, top_k: int, *, scoring_func: str, topk_method: str, n_group: int,
+          topk_group: int, correction_bias: torch.Tensor | None, norm_topk_prob: bool,
+          routed_scaling_factor: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same contract as select_experts: (weights (T, k) fp32, ids (T, k) int64 ascending per token)."""
+    t, e = router_logits.shape
+    method = METHODS[topk_method]
+    groups = n_group if method != GREEDY else 1
+    logits = router_logits.contiguous()
+    weights = torch.empty(t, top_k, dtype=torch.float32, device=logits.device)
+    ids = torch.empty(t, top_k, dtype=torch.int64, device=logits.device)
+    if t:
+        bias = correction_bias if correction_bias is not None else logits
+        _route_kernel[(t,)](logits, bias, weights, ids, logits.stride(0), float(routed_scaling_factor),
+                            G=groups, EG=e // groups, BG=triton.next_power_of_2(groups),
+                            BEG=triton.next_power_of_2(e // groups), K=top_k, KP=triton.next_power_of_2(top_k),
+                            KEEP_GROUPS=topk_group if method != GREEDY else 1, SIGMOID=scoring_func == "sigmoid",
+                            METHOD=method, NORM=norm_topk_prob, num_warps=1)
+    return weights, ids
