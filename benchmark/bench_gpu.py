@@ -191,8 +191,10 @@ def bench_prefill(engine: Engine, context: int, num_seqs: int, matmul_rate: floa
         engine.generate(input_ids=prompts, sampling_params=params)
         seconds = time.perf_counter() - t0
     flops = prefill_flops(engine, context, num_seqs)
+    prompts = torch.randint(0, vocab, (num_seqs, context), generator=g).tolist()  # fresh: no cache hits
     return {"num_seqs": num_seqs, "context": context, "tok_s": num_seqs * context / seconds,
-            "flop_per_s": flops / seconds, "fraction_of_matmul_rate": flops / seconds / matmul_rate}
+            "flop_per_s": flops / seconds, "fraction_of_matmul_rate": flops / seconds / matmul_rate,
+            "profile": _profile(lambda: engine.generate(input_ids=prompts, sampling_params=params))}
 
 
 class _StepClock:
