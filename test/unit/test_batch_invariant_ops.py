@@ -184,10 +184,12 @@ def check_triton_matmul() -> None:
     gen = torch.Generator().manual_seed(5)
     w_t, x = torch.randn(72, 40, generator=gen), torch.randn(3, 72, generator=gen)
     alone = torch.cat([kernels.matmul(x[i : i + 1], w_t) for i in range(3)])
-    for m in (1, 70, 130):
+    for m in (1, 70, 130, 600):  # 600: more than one GROUP_M band of row tiles
         batch = torch.randn(m + 3, 72, generator=gen)
         batch[m // 2 : m // 2 + 3] = x
-        assert torch.equal(kernels.matmul(batch, w_t)[m // 2 : m // 2 + 3], alone)
+        out = kernels.matmul(batch, w_t)
+        assert torch.equal(out[m // 2 : m // 2 + 3], alone)
+        torch.testing.assert_close(out, batch @ w_t, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(alone, x @ w_t, rtol=1e-5, atol=1e-5)
 
 
