@@ -33,10 +33,13 @@ from bench_offline import chat, make_prompts  # noqa: E402
 MATMUL_K, MATMUL_N = 4096, 14336
 
 
-def run(engine: Engine, prompts: list[str], max_new: int):
+def run(engine: Engine, prompts: list[str] | list[list[int]], max_new: int):
     sp = SamplingParams(max_new_tokens=max_new, temperature=0, ignore_eos=True, logprobs=True)
     t = time.perf_counter()
-    outs = engine.generate(prompts, sampling_params=sp)
+    if isinstance(prompts[0], str):
+        outs = engine.generate(prompts, sampling_params=sp)
+    else:
+        outs = engine.generate(input_ids=prompts, sampling_params=sp)
     elapsed = time.perf_counter() - t
     prompt_tokens = sum(o.prompt_tokens for o in outs)
     return sum(o.completion_tokens for o in outs) / elapsed, (prompt_tokens + max_new * len(outs)) / elapsed, outs
@@ -89,7 +92,12 @@ def main() -> None:
     on_cuda = args.device.startswith("cuda")
     matmul = matmul_rows() if on_cuda else None
     engines = make_engines(args)
-    prompts = chat(engines["off"].tokenizer, make_prompts(args.num_prompts))
+    if args.dummy:  # random weights: random token ids of the chat prompts' length (the tokenizer is another's)
+        gen = torch.Generator().manual_seed(0)
+        vocab = engines["off"].model_config.vocab_size
+        prompts = [torch.randint(0, vocab, (36 + i % 3,), generator=gen).tolist() for i in range(args.num_prompts)]
+    else:
+        prompts = chat(engines["off"].tokenizer, make_prompts(args.num_prompts))
     for engine in engines.values():
         run(engine, prompts[:2], 4)  # warm-up
     decode, total, outs = {"off": [], "on": []}, {"off": [], "on": []}, {}

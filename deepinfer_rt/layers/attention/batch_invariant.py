@@ -36,7 +36,7 @@ class _Meta:
     num_tiles: int
     item_rows: torch.Tensor  # (items * QUERY_TILE,) token row of each item query; T (a zero row) if absent
     key_slots: torch.Tensor  # (items * KEY_BLOCK,) pool slot of each key (the last key's where past the KV)
-    mask: torch.Tensor  # (items, QUERY_TILE, KEY_BLOCK) bool, True = attend
+    hidden: torch.Tensor  # (items, QUERY_TILE, KEY_BLOCK) bool, True = the query does not see the key
     by_block: list[tuple[torch.Tensor, torch.Tensor]]  # block b -> (tiles, items) that have it; b = 0: all tiles
     out_rows: torch.Tensor  # (T,) row of each token in the flattened (tiles * QUERY_TILE) output
 
@@ -92,7 +92,7 @@ def _plan(q_lens: list[int], kv_lens: list[int], kv_slots: list[torch.Tensor]) -
     q_pos_t = torch.cat([q_pos_t, torch.full((pad, QUERY_TILE), -1)])
     kp = torch.cat([item_block_t, item_block_t.new_zeros(pad)])[:, None] * KEY_BLOCK + key_offsets
     return _Meta(num_tiles=num_tiles, item_rows=item_rows.view(-1), key_slots=key_slots_t.view(-1),
-                 mask=kp[:, None, :] <= q_pos_t[:, :, None], by_block=by_block, out_rows=torch.cat(out_rows))
+                 hidden=kp[:, None, :] > q_pos_t[:, :, None], by_block=by_block, out_rows=torch.cat(out_rows))
 
 
 class BatchInvariantBackend(AttentionBackend):
@@ -102,7 +102,7 @@ class BatchInvariantBackend(AttentionBackend):
         meta = _plan(batch.q_lens, batch.kv_lens, batch.kv_slots)
         dev = batch.input_ids.device
         batch.attn_meta = _Meta(
-            meta.num_tiles, *(getattr(meta, f).to(dev) for f in ("item_rows", "key_slots", "mask")),
+            meta.num_tiles, *(getattr(meta, f).to(dev) for f in ("item_rows", "key_slots", "hidden")),
             by_block=[(tiles.to(dev), items.to(dev)) for tiles, items in meta.by_block],
             out_rows=meta.out_rows.to(dev))
 
@@ -110,7 +110,7 @@ class BatchInvariantBackend(AttentionBackend):
         meta: _Meta = batch.attn_meta
         k_buf, v_buf = batch.pool.k[layer_id], batch.pool.v[layer_id]
         num_kv, head_dim, v_dim = k_buf.shape[1], k_buf.shape[2], v_buf.shape[2]
-        num_items, (t, num_heads, _) = len(meta.mask), q.shape
+        num_items, (t, num_heads, _) = len(meta.hidden), q.shape
         group = num_heads // num_kv
         # Queries of each item: (items * Hkv, QT * G, D); keys (items * Hkv, D, KB); values (items * Hkv, KB, Dv).
         qz = torch.cat([q, q.new_zeros(1, num_heads, head_dim)])
@@ -120,7 +120,7 @@ class BatchInvariantBackend(AttentionBackend):
         vi = v_buf.index_select(0, meta.key_slots).view(num_items, KEY_BLOCK, num_kv, v_dim).transpose(1, 2)
         scores = fixed_bmm(qi, ki.reshape(num_items * num_kv, head_dim, KEY_BLOCK)) * scale
         scores = scores.view(num_items, num_kv, QUERY_TILE, group, KEY_BLOCK)
-        scores = scores.masked_fill(~meta.mask[:, None, :, None, :], float("-inf"))
+        scores = scores.masked_fill(meta.hidden[:, None, :, None, :], float("-inf"))
         m = scores.amax(dim=-1)  # (items, Hkv, QT, G); -inf where a query sees no key of the block
         p = torch.exp(scores - _finite(m)[..., None])
         l = p.sum(dim=-1)
@@ -133,7 +133,8 @@ class BatchInvariantBackend(AttentionBackend):
 
 
 def _finite(m: torch.Tensor) -> torch.Tensor:
-    return torch.where(torch.isinf(m), torch.zeros_like(m), m)
+    """m with -inf raised to the lowest finite value: x - m stays -inf for x = -inf, and exp of it 0."""
+    return m.clamp(min=torch.finfo(m.dtype).min)
 
 
 def _merge_blocks(meta: _Meta, m: torch.Tensor, l: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
