@@ -24,7 +24,7 @@ def _matmul_config(dtype: torch.dtype) -> dict:
     """Tiles and pipelining per dtype, never per M. 16-bit: tensor-core tiles with a 3-deep load pipeline (the
     usual Hopper GEMM shape); fp32 takes full-precision products, whose register cost wants smaller tiles."""
     if dtype == torch.float32:
-        return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=2)
+        return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=3)
     return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3)
 
 
@@ -37,10 +37,10 @@ def _matmul_kernel(a_ptr, b_ptr, c_ptr, M, N, K, stride_am, stride_ak, stride_bk
     num_n = tl.cdiv(N, BLOCK_N)
     num_tiles = num_m * num_n
     for tile in range(pid, num_tiles, NUM_PROGRAMS):
-        band = tile // (GROUP_M * num_n)  # GROUP_M row tiles x all column tiles, column-major inside
-        band_rows = tl.minimum(num_m - band * GROUP_M, GROUP_M)
-        rm = (band * GROUP_M + tile % band_rows) * BLOCK_M + tl.arange(0, BLOCK_M)
-        rn = ((tile % (GROUP_M * num_n)) // band_rows) * BLOCK_N + tl.arange(0, BLOCK_N)
+        band, local = tile // (GROUP_M * num_n), tile % (GROUP_M * num_n)  # GROUP_M row tiles x all columns
+        band_rows = tl.minimum(num_m - band * GROUP_M, GROUP_M)  # the last band may be shorter
+        rm = (band * GROUP_M + local % band_rows) * BLOCK_M + tl.arange(0, BLOCK_M)
+        rn = (local // band_rows) * BLOCK_N + tl.arange(0, BLOCK_N)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             rk = k0 + tl.arange(0, BLOCK_K)
