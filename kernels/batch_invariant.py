@@ -5,7 +5,9 @@ number of rows: one tile configuration for every M (no autotuning by shape), no 
 row for the norms. `deepinfer_rt.layers.batch_invariant` dispatches here for CUDA tensors.
 
     matmul        persistent GEMM: programs walk the output tiles in a grid-stride loop, each tile owning the
-                  whole K loop in BLOCK_K steps, so a row's result is the same for M = 1 or M = 4096
+                  whole K loop in BLOCK_K steps, so a row's result is the same for M = 1 or M = 4096. The tile
+                  configuration depends on the dtype only; tiles are visited in GROUP_M-row bands so programs
+                  running together share weight columns in L2 (which program computes a tile does not change it)
     rms_norm      one program per row, the row's sum of squares in one fixed-width block reduction
     silu_and_mul  elementwise, silu as x / (1 + exp(-x))
 """
@@ -15,19 +17,30 @@ import torch
 import triton
 import triton.language as tl
 
-BLOCK_M, BLOCK_N, BLOCK_K = 64, 64, 32
+GROUP_M = 8
+
+
+def _matmul_config(dtype: torch.dtype) -> dict:
+    """Tiles and pipelining per dtype, never per M. 16-bit: tensor-core tiles with a 3-deep load pipeline (the
+    usual Hopper GEMM shape); fp32 takes full-precision products, whose register cost wants smaller tiles."""
+    if dtype == torch.float32:
+        return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=3)
+    return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3)
 
 
 @triton.jit
 def _matmul_kernel(a_ptr, b_ptr, c_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn, stride_cm,
                    stride_cn, NUM_PROGRAMS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr, IS_FP32: tl.constexpr):
+                   BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, IS_FP32: tl.constexpr):
     pid = tl.program_id(0)
+    num_m = tl.cdiv(M, BLOCK_M)
     num_n = tl.cdiv(N, BLOCK_N)
-    num_tiles = tl.cdiv(M, BLOCK_M) * num_n
+    num_tiles = num_m * num_n
     for tile in range(pid, num_tiles, NUM_PROGRAMS):
-        rm = (tile // num_n) * BLOCK_M + tl.arange(0, BLOCK_M)
-        rn = (tile % num_n) * BLOCK_N + tl.arange(0, BLOCK_N)
+        band, local = tile // (GROUP_M * num_n), tile % (GROUP_M * num_n)  # GROUP_M row tiles x all columns
+        band_rows = tl.minimum(num_m - band * GROUP_M, GROUP_M)  # the last band may be shorter
+        rm = (band * GROUP_M + local % band_rows) * BLOCK_M + tl.arange(0, BLOCK_M)
+        rn = (local // band_rows) * BLOCK_N + tl.arange(0, BLOCK_N)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             rk = k0 + tl.arange(0, BLOCK_K)
@@ -58,8 +71,8 @@ def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return c
     programs = _num_programs(a.device)
     _matmul_kernel[(programs,)](a, b, c, m, n, k, a.stride(0), a.stride(1), b.stride(0), b.stride(1),
-                                c.stride(0), c.stride(1), NUM_PROGRAMS=programs, BLOCK_M=BLOCK_M,
-                                BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, IS_FP32=a.dtype == torch.float32)
+                                c.stride(0), c.stride(1), NUM_PROGRAMS=programs, GROUP_M=GROUP_M,
+                                IS_FP32=a.dtype == torch.float32, **_matmul_config(a.dtype))
     return c
 
 

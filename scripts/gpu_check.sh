@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The one command the GPU machine runs (from the repository root): install the carried wheels (.whl/), then the
 # stages named in STAGES (default bench,tests,kernel_bench,ep): the GPU benchmark, test/gpu/, the kernel
-# micro-benchmark, and on a machine with two GPUs the expert-parallel check (scripts/gpu_ep_check.sh).
-# Logs and JSON land in $OUT. Stage time limits (seconds): BENCH_S, TEST_S, KERNEL_BENCH_S, EP_S.
+# micro-benchmark, and on a machine with two GPUs the expert-parallel check (scripts/gpu_ep_check.sh); the
+# `determinism` stage (batch-invariant mode on vs off, SmolLM2- and V2-Lite-shaped) runs when named.
+# Logs and JSON land in $OUT. Stage time limits (seconds): BENCH_S, TEST_S, KERNEL_BENCH_S, EP_S, DET_S.
 #   device tool:  run(command="bash scripts/gpu_check.sh", carry=[".whl"])          (one H200)
 #                 run(command="STAGES=tests,ep bash scripts/gpu_check.sh", kind="nvidia-h200-x2", carry=[".whl"])
 set -u
@@ -29,6 +30,13 @@ if [[ $STAGES == *,kernel_bench,* ]]; then
   timeout "${KERNEL_BENCH_S:-60}" python3 benchmark/bench_kernels.py --out "$OUT/gpu_kernels_h200.json" \
     > "$OUT/bench_kernels.log" 2>&1
   tail -n 3 "$OUT/bench_kernels.log"
+fi
+if [[ $STAGES == *,determinism,* ]]; then
+  timeout "${DET_S:-150}" bash -c "python3 benchmark/bench_determinism.py --device cuda --dtype bfloat16 \
+      --dummy smollm2-135m --out '$OUT/determinism_h200.json' \
+    && python3 benchmark/bench_determinism.py --device cuda --dtype bfloat16 --dummy deepseek-v2-lite \
+      --num-prompts 8 --max-new-tokens 16 --out '$OUT/determinism_v2lite_h200.json'" > "$OUT/determinism.log" 2>&1
+  grep -E "^(matmul|output)" "$OUT/determinism.log"; tail -n 3 "$OUT/determinism.log"
 fi
 if [[ $STAGES == *,ep,* ]] && [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
   OUT=$OUT timeout "${EP_S:-400}" bash scripts/gpu_ep_check.sh > "$OUT/ep.log" 2>&1

@@ -5,8 +5,8 @@ operations whatever else shares its batch. On CPU the default ops break this in 
 
   * GEMM: the BLAS picks its kernel, blocking and thread split from the shape, so a row of x @ w.T differs
     with the number of rows (M = 1 takes a GEMV path, small M another kernel, some M split K across threads).
-    Here every matmul is a loop of calls of one fixed shape, (ROW_TILE, K) @ (K, N): the BLAS then makes the
-    same choice on every call, and rows of one call do not interact.
+    Here every matmul is cut into calls of a few fixed shapes whose rows are checked to agree
+    (deepinfer_rt.layers.invariant_gemm).
   * Elementwise ops: torch runs the bulk of a tensor through SIMD code and the last few elements of each
     thread's range through scalar code; for sigmoid/silu the two differ in the last bit, so a value depends
     on where its row landed. exp, log, sqrt and the IEEE arithmetic ops agree in both paths, so sigmoid and
@@ -25,10 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from deepinfer_kernels import reference
-
-ROW_TILE = 16
-"""Rows per GEMM call on CPU. Larger tiles amortise weight reads in prefill, smaller ones waste less in decode;
-16 is the smallest M where the BLAS leaves its small-M kernels."""
+from deepinfer_rt.layers import invariant_gemm
 
 _enabled = False
 
@@ -53,21 +50,12 @@ def _use_triton(x: torch.Tensor) -> bool:
 
 
 def tiled_mm(x: torch.Tensor, w_t: torch.Tensor) -> torch.Tensor:
-    """x (T, K) @ w_t (K, N) as ceil(T / ROW_TILE) GEMMs of the one shape (ROW_TILE, K) @ (K, N)."""
+    """x (T, K) @ w_t (K, N), each row computed the same way for any T."""
     if _use_triton(x):
         from deepinfer_kernels.batch_invariant import matmul
 
         return matmul(x, w_t)
-    x = x.contiguous()
-    t, full = x.shape[0], x.shape[0] - x.shape[0] % ROW_TILE
-    out = x.new_empty(t, w_t.shape[1])
-    for i in range(0, full, ROW_TILE):
-        torch.mm(x[i : i + ROW_TILE], w_t, out=out[i : i + ROW_TILE])
-    if full < t:
-        last = x.new_zeros(ROW_TILE, x.shape[1])
-        last[: t - full] = x[full:]
-        out[full:] = torch.mm(last, w_t)[: t - full]
-    return out
+    return invariant_gemm.tiled_mm(x, w_t)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -102,7 +90,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
         return triton_silu_and_mul(x)
     gate, up = x.chunk(2, dim=-1)
-    return gate / (1.0 + torch.exp(-gate)) * up
+    return (gate / gate.neg().exp_().add_(1.0)).mul_(up)  # gate / (1 + exp(-gate)) * up, fewer temporaries
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -16,10 +16,11 @@ from deepinfer_kernels import reference
 from deepinfer_rt.cache.kv_pool import KVLayout, KVPool
 from deepinfer_rt.forward_batch import ForwardBatch
 from deepinfer_rt.layers import batch_invariant as bi
+from deepinfer_rt.layers import invariant_gemm
 from deepinfer_rt.layers.attention.batch_invariant import BatchInvariantBackend, fixed_bmm
 from deepinfer_rt.layers.attention.torch_ref import TorchRefBackend
 
-_BATCH_SIZES = (1, 2, 3, 7, 15, 16, 17, 33, 64, 100)
+_BATCH_SIZES = (1, 2, 3, 7, 15, 16, 17, 33, 64, 100, 129, 300)  # 129, 300: large GEMM tiles and a tail
 
 
 def _rows_invariant(fn, rows: torch.Tensor, seed: int = 0) -> bool:
@@ -43,6 +44,38 @@ def test_linear_rows_invariant_and_close(k, n):
     with bi.batch_invariant_mode():
         assert _rows_invariant(lambda t: bi.linear(t, w, b), x)
         torch.testing.assert_close(bi.linear(x, w, b), F.linear(x, w, b), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("k_chunk", [None, 512])
+def test_gemm_plans_rows_invariant_and_close(k_chunk):
+    """Both GEMM forms (whole K, K in ordered slices) with large tiles, forced: invariant wherever the planner
+    found the large tile agreeing with the small one, and close to F.linear always."""
+    gen = torch.Generator().manual_seed(7)
+    w, x = torch.randn(576, 1536, generator=gen), torch.randn(4, 1536, generator=gen)
+    plan = invariant_gemm.GemmPlan(use_large=True, k_chunk=k_chunk or 1536)
+    fn = lambda t: invariant_gemm.tiled_mm_with(t, w.t(), plan)  # noqa: E731
+    torch.testing.assert_close(fn(torch.cat([x] * 60)), F.linear(torch.cat([x] * 60), w), rtol=1e-5, atol=1e-4)
+    if invariant_gemm.tiles_agree(torch.randn(invariant_gemm.LARGE_TILE, 1536, generator=gen), w.t(), plan.k_chunk):
+        assert _rows_invariant(fn, x)
+
+
+def test_gemm_planner_falls_back_when_tile_sizes_disagree(monkeypatch):
+    """A BLAS that rounds large calls differently (simulated: K summed in reverse there) must not get large
+    tiles: the planner tries K slices, then small tiles only, and the result stays invariant."""
+    real_call = invariant_gemm._call
+
+    def call(x_tile, w_t, k_chunk):
+        if len(x_tile) == invariant_gemm.LARGE_TILE:
+            return real_call(x_tile.flip(1), w_t.flip(0), k_chunk)
+        return real_call(x_tile, w_t, k_chunk)
+
+    monkeypatch.setattr(invariant_gemm, "_call", call)
+    gen = torch.Generator().manual_seed(8)
+    w, x = torch.randn(40, 1030, generator=gen), torch.randn(4, 1030, generator=gen)
+    assert not invariant_gemm.tiles_agree(torch.randn(128, 1030, generator=gen), w.t(), 1030)
+    plan = invariant_gemm._plan.__wrapped__(40, 1030, torch.float32, True, 1)
+    assert plan == invariant_gemm.GemmPlan(use_large=False, k_chunk=1030)
+    assert _rows_invariant(lambda t: invariant_gemm.tiled_mm_with(t, w.t(), plan), x)
 
 
 def test_default_linear_is_not_batch_invariant():
@@ -184,10 +217,12 @@ def check_triton_matmul() -> None:
     gen = torch.Generator().manual_seed(5)
     w_t, x = torch.randn(72, 40, generator=gen), torch.randn(3, 72, generator=gen)
     alone = torch.cat([kernels.matmul(x[i : i + 1], w_t) for i in range(3)])
-    for m in (1, 70, 130):
+    for m in (1, 70, 130, 600):  # 600: more than one GROUP_M band of row tiles
         batch = torch.randn(m + 3, 72, generator=gen)
         batch[m // 2 : m // 2 + 3] = x
-        assert torch.equal(kernels.matmul(batch, w_t)[m // 2 : m // 2 + 3], alone)
+        out = kernels.matmul(batch, w_t)
+        assert torch.equal(out[m // 2 : m // 2 + 3], alone)
+        torch.testing.assert_close(out, batch @ w_t, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(alone, x @ w_t, rtol=1e-5, atol=1e-5)
 
 
