@@ -2,8 +2,9 @@
 
 For each model shape (DeepSeek-V2-Lite: MLA + MoE; SmolLM2-135M: GQA), in one process on one GPU:
   ceilings   device copy bandwidth (bytes read + written) and the bf16 matmul rate, measured first;
-  decode     B requests with `context`-token prompts, then `steps` greedy tokens each: engine tok/s over the
-             decode steps (host included), and the GPU time of one decode step (CUDA-graph replay + LM head);
+  decode     B requests with `context`-token prompts; once all are prefilled, `steps` engine steps with the whole
+             batch decoding (requests run long enough not to finish inside them): engine tok/s over those
+             steps (host included), and the GPU time of one decode step (CUDA-graph replay + LM head);
   floor      bytes one decode step must read (PERF.md: always-used weights, the routed experts the batch is
              expected to touch, the KV attended) over the copy bandwidth -> tok/s; fraction = ours / floor;
   prefill    4 x `context`-token prompts, tokens/s and FLOP/s over the measured matmul rate;
@@ -49,6 +50,10 @@ DTYPE = "bfloat16" if DEVICE == "cuda" else "float32"
 TINY = dict(V2_LITE, vocab_size=1024, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8,
             kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16, max_position_embeddings=4096)
+
+
+PREFILL_CHUNK = 8192
+"""Prompt tokens per engine step (chunked prefill)."""
 
 
 def model_dir(spec: dict, out: Path) -> Path:
@@ -139,21 +144,31 @@ def prefill_flops(engine: Engine, tokens_per_seq: int, num_seqs: int) -> float:
     return 2 * active * tokens_per_seq * num_seqs + attn
 
 
+def _decode_tokens(batch: int, context: int, steps: int) -> int:
+    """New tokens per request: the timed steps, plus the steps that prefill the batch (requests prefilled
+    early decode meanwhile), so every request is still running through the timed window."""
+    return steps + -(-batch * context // PREFILL_CHUNK) + 2
+
+
 def bench_decode(engine: Engine, batch: int, context: int, steps: int, copy_bw: float, vocab: int) -> dict:
     g = torch.Generator().manual_seed(batch)
     prompts = torch.randint(0, vocab, (batch, context), generator=g).tolist()
-    params = SamplingParams(max_new_tokens=steps + 1, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_new_tokens=_decode_tokens(batch, context, steps), temperature=0.0, ignore_eos=True)
     reqs = [r for grp in engine._submit(None, prompts, params) for r in grp]
     while not all(r.num_output_tokens >= 1 for r in reqs):
         engine.step()
     _sync()
     n0, t0 = sum(r.num_output_tokens for r in reqs), time.perf_counter()
-    while not all(r.is_finished for r in reqs):
+    for _ in range(steps):  # full-batch decode steps only
         engine.step()
     seconds = time.perf_counter() - t0
     tok_s = (sum(r.num_output_tokens for r in reqs) - n0) / seconds
+    full_batch = not any(r.is_finished for r in reqs)
+    while not all(r.is_finished for r in reqs):
+        engine.step()
     floor = decode_floor(engine, batch, context, copy_bw)
-    row = {"batch": batch, "context": context, "engine_tok_s": tok_s, "floor_tok_s": floor["tok_s"],
+    row = {"batch": batch, "context": context, "full_batch_throughout": full_batch, "engine_tok_s": tok_s,
+           "floor_tok_s": floor["tok_s"],
            "floor_bytes": floor["bytes"], "fraction_of_floor": tok_s / floor["tok_s"]}
     graphs = engine.runner.graphs
     if graphs is not None and batch in graphs._graphs:  # the step that just ran: replay it (inputs kept)
@@ -244,7 +259,8 @@ def run_model(name: str, spec: dict, args, ceil: dict, result: dict, save) -> No
     section = result.setdefault(name, {})
     max_bs = max(args.batches)
     engine = Engine(str(path), dtype=DTYPE, device=DEVICE, load_format="dummy", max_num_seqs=max_bs,
-                    kv_cache_tokens=max(max_bs, 4) * (args.context + args.steps + 8), chunked_prefill_tokens=8192,
+                    kv_cache_tokens=max(max_bs, 4) * (args.context + _decode_tokens(max_bs, args.context, args.steps) + 8),
+                    chunked_prefill_tokens=PREFILL_CHUNK,
                     enable_prefix_cache=False)
     try:
         section["decode"] = []
