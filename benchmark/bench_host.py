@@ -1,0 +1,171 @@
+"""Host (Python) cost of an engine decode step, beside the model forward of the same steps.
+
+B requests with `context`-token random prompts are prefilled, then `steps` greedy decode steps are timed one
+by one. In the same run the model's own work is timed: on CPU the model forward + LM head calls (wrapped,
+synchronous); on CUDA the replay of the step's CUDA graph + LM head + argmax, by CUDA events. The eager
+non-graph path's input building (`ModelRunner.build`: tensors + attention metadata) is reported on its own:
+on CPU it is the reference backend's O(context) gather, which CUDA graphs do not run.
+
+    host per step  = median engine step - model forward per step
+    per request    = host per step / B
+With overlap scheduling on CUDA the host work of a step runs while the GPU computes the previous one, so the
+exposed host time (step - forward) is what is left of it; the CPU run (synchronous model) shows all of it.
+
+    python benchmark/bench_host.py                       # CPU, tiny DeepSeek-V2 shape
+    python benchmark/bench_host.py --device cuda --model deepseek-v2-lite --out benchmark/results/host_h200.json
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import json
+import os
+import pstats
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_gpu import SMOLLM2, TINY, V2_LITE, model_dir  # noqa: E402
+
+from deepinfer_rt import Engine, SamplingParams  # noqa: E402
+
+SPECS = {"tiny": TINY, "deepseek-v2-lite": V2_LITE, "smollm2-135m": SMOLLM2}
+
+
+class _Timer:
+    """Accumulates wall seconds of wrapped callables (synchronous on CPU)."""
+
+    def __init__(self):
+        self.seconds = {"forward": 0.0, "build": 0.0}
+
+    def wrap(self, obj, attr: str, key: str) -> None:
+        fn = getattr(obj, attr)
+
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            out = fn(*args, **kwargs)
+            self.seconds[key] += time.perf_counter() - t0
+            return out
+
+        setattr(obj, attr, timed)
+
+    def reset(self) -> None:
+        self.seconds = dict.fromkeys(self.seconds, 0.0)
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _graph_step_s(engine: Engine, batch: int) -> float | None:
+    """Median GPU seconds of one decode step of `batch` rows: graph replay + LM head + argmax (CUDA events)."""
+    graphs = engine.runner.graphs
+    bs = None if graphs is None else next((b for b in graphs.batch_sizes if b >= batch), None)
+    if bs is None:
+        return None
+    out = graphs._outputs[bs][:batch]
+
+    def step():
+        graphs._graphs[bs].replay()
+        engine.model.compute_logits(out).argmax(-1)
+
+    step()
+    times = []
+    for _ in range(20):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        step()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
+def bench_batch(engine: Engine, timer: _Timer, batch: int, context: int, steps: int, vocab: int,
+                device: str, profile: bool) -> dict:
+    g = torch.Generator().manual_seed(batch)
+    prompts = torch.randint(0, vocab, (batch, context), generator=g).tolist()
+    params = SamplingParams(max_new_tokens=steps + 4, temperature=0.0, ignore_eos=True)
+    reqs = [r for grp in engine._submit(None, prompts, params) for r in grp]
+    while not all(r.num_output_tokens >= 2 for r in reqs):  # prefill, then one decode step to warm up
+        engine.step()
+    _sync(device)
+    prof = cProfile.Profile() if profile else None
+    times, forwards, builds = [], [], []
+    for _ in range(steps):
+        timer.reset()
+        t0 = time.perf_counter()
+        if prof is not None:
+            prof.enable()
+        engine.step()
+        if prof is not None:
+            prof.disable()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+        forwards.append(timer.seconds["forward"])
+        builds.append(timer.seconds["build"])
+    while not all(r.is_finished for r in reqs):
+        engine.step()
+    if prof is not None:
+        pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+    step_s = statistics.median(times)
+    graph_s = _graph_step_s(engine, batch) if device == "cuda" else None
+    if graph_s is not None:
+        forward_s, host_s = graph_s, max(step_s - graph_s, 0.0)
+    else:
+        forward_s = statistics.median(forwards)
+        host_s = statistics.median(t - f for t, f in zip(times, forwards))
+    return {"batch": batch, "context": context, "steps": steps, "step_ms": step_s * 1e3,
+            "step_spread_ms": [min(times) * 1e3, max(times) * 1e3], "forward_ms": forward_s * 1e3,
+            "eager_build_ms": statistics.median(builds) * 1e3, "host_ms_per_step": host_s * 1e3,
+            "host_us_per_req_step": host_s / batch * 1e6, "forward_fraction_of_step": forward_s / step_s}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--model", default="tiny", choices=sorted(SPECS))
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64, 256])
+    parser.add_argument("--context", type=int, default=1024)
+    parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--profile", action="store_true", help="print the top functions of the timed steps")
+    parser.add_argument("--out", default=None, help="default benchmark/results/host_<device>.json")
+    args = parser.parse_args()
+    spec = SPECS[args.model]
+    path = model_dir(spec, Path(tempfile.mkdtemp(prefix="bench-host-")))
+    max_bs = max(args.batches)
+    dtype = "bfloat16" if args.device == "cuda" else "float32"
+    engine = Engine(str(path), dtype=dtype, device=args.device, load_format="dummy", max_num_seqs=max_bs,
+                    kv_cache_tokens=max_bs * (args.context + args.steps + 16), chunked_prefill_tokens=8192)
+    timer = _Timer()
+    timer.wrap(engine.model, "forward", "forward")
+    timer.wrap(engine.model, "compute_logits", "forward")
+    timer.wrap(engine.runner, "build", "build")
+    result = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+              "model": args.model, "torch": torch.__version__, "args": vars(args),
+              "overlap": getattr(engine, "overlap", None) is not None,
+              "cpu_load": os.getloadavg(), "rows": []}
+    try:
+        for batch in args.batches:
+            row = bench_batch(engine, timer, batch, args.context, args.steps, spec["vocab_size"], args.device,
+                              args.profile)
+            result["rows"].append(row)
+            print(f"B={batch:4d} step {row['step_ms']:8.2f} ms  forward {row['forward_ms']:8.2f} ms  "
+                  f"(eager build {row['eager_build_ms']:6.2f})  host {row['host_ms_per_step']:8.2f} ms/step  "
+                  f"{row['host_us_per_req_step']:7.1f} us/req/step", flush=True)
+    finally:
+        engine.shutdown()
+    out = Path(args.out or f"benchmark/results/host_{args.device}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
