@@ -15,6 +15,7 @@ from deepinfer_rt.forward_batch import ForwardBatch
 from deepinfer_rt.layers.attention.base import AttentionBackend
 from deepinfer_rt.layers.batch_invariant import batch_invariant_mode
 from deepinfer_rt.models.base import CausalLM
+from deepinfer_rt.overlap import resolve_placeholders
 from deepinfer_rt.sampler import SampleResult, Sampler
 from deepinfer_rt.scheduler.batch import ScheduledBatch
 
@@ -52,6 +53,9 @@ class ModelRunner:
         """CUDA-graph runner for decode batches (deepinfer_rt.cuda_graph), set by the engine on GPU."""
         self.spec = None
         """SpecDecoder when speculation is on: verifies items carrying drafts, updates the drafter."""
+        self.future_tokens: torch.Tensor | None = None
+        """Overlap scheduling: the previous step's sampled tokens, still on the device; token ids
+        written as placeholders (deepinfer_rt.overlap) are read from it."""
 
     def build(self, batch: ScheduledBatch) -> ForwardBatch:
         ids, positions, out_slots, q_lens, kv_lens, kv_slots = [], [], [], [], [], []
@@ -71,8 +75,11 @@ class ModelRunner:
                       kv_lens: list[int], kv_slots: list[list[int]]) -> ForwardBatch:
         """Flattened varlen rows (plain lists) -> device tensors, prepared by the attention backend."""
         dev = self.device
+        input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
+        if self.future_tokens is not None:
+            input_ids = resolve_placeholders(input_ids, self.future_tokens)
         fb = ForwardBatch(
-            input_ids=torch.tensor(ids, dtype=torch.long, device=dev),
+            input_ids=input_ids,
             positions=torch.tensor(positions, dtype=torch.long, device=dev),
             out_slots=torch.tensor(out_slots, dtype=torch.long, device=dev),
             q_lens=q_lens, kv_lens=kv_lens,
