@@ -11,8 +11,9 @@ on CPU it is the reference backend's O(context) gather, which CUDA graphs do not
 With overlap scheduling on CUDA the host work of a step runs while the GPU computes the previous one, so the
 exposed host time (step - forward) is what is left of it; the CPU run (synchronous model) shows all of it.
 
-    python benchmark/bench_host.py                       # CPU, tiny DeepSeek-V2 shape
-    python benchmark/bench_host.py --device cuda --model deepseek-v2-lite --out benchmark/results/host_h200.json
+    python benchmark/bench_host.py                       # CPU, tiny DeepSeek-V2 shape, overlap off and on
+    python benchmark/bench_host.py --device cuda --model deepseek-v2-lite --context 2048 \
+        --out benchmark/results/host_h200.json
 """
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_gpu import SMOLLM2, TINY, V2_LITE, model_dir  # noqa: E402
 
 from deepinfer_rt import Engine, SamplingParams  # noqa: E402
+from deepinfer_rt.overlap import OverlapScheduler  # noqa: E402
 
 SPECS = {"tiny": TINY, "deepseek-v2-lite": V2_LITE, "smollm2-135m": SMOLLM2}
 
@@ -107,10 +109,10 @@ def bench_batch(engine: Engine, timer: _Timer, batch: int, context: int, steps: 
         engine.step()
         if prof is not None:
             prof.disable()
-        _sync(device)
         times.append(time.perf_counter() - t0)
         forwards.append(timer.seconds["forward"])
         builds.append(timer.seconds["build"])
+    _sync(device)  # not per step: that would stop the next step's host work overlapping this one's GPU work
     while not all(r.is_finished for r in reqs):
         engine.step()
     if prof is not None:
@@ -135,6 +137,8 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64, 256])
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--overlap", nargs="+", default=["off", "on"], choices=["off", "on"],
+                        help="scheduling modes, interleaved per batch size on one engine")
     parser.add_argument("--profile", action="store_true", help="print the top functions of the timed steps")
     parser.add_argument("--out", default=None, help="default benchmark/results/host_<device>.json")
     args = parser.parse_args()
@@ -143,25 +147,30 @@ def main() -> None:
     max_bs = max(args.batches)
     dtype = "bfloat16" if args.device == "cuda" else "float32"
     engine = Engine(str(path), dtype=dtype, device=args.device, load_format="dummy", max_num_seqs=max_bs,
-                    kv_cache_tokens=max_bs * (args.context + args.steps + 16), chunked_prefill_tokens=8192)
+                    kv_cache_tokens=max_bs * (args.context + args.steps + 64), chunked_prefill_tokens=8192)
     timer = _Timer()
     timer.wrap(engine.model, "forward", "forward")
     timer.wrap(engine.model, "compute_logits", "forward")
     timer.wrap(engine.runner, "build", "build")
     result = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
               "model": args.model, "torch": torch.__version__, "args": vars(args),
-              "overlap": getattr(engine, "overlap", None) is not None,
-              "cpu_load": os.getloadavg(), "rows": []}
+              "cpu_load_before": os.getloadavg(), "rows": []}
     try:
         for batch in args.batches:
-            row = bench_batch(engine, timer, batch, args.context, args.steps, spec["vocab_size"], args.device,
-                              args.profile)
-            result["rows"].append(row)
-            print(f"B={batch:4d} step {row['step_ms']:8.2f} ms  forward {row['forward_ms']:8.2f} ms  "
-                  f"(eager build {row['eager_build_ms']:6.2f})  host {row['host_ms_per_step']:8.2f} ms/step  "
-                  f"{row['host_us_per_req_step']:7.1f} us/req/step", flush=True)
+            for mode in args.overlap:
+                # Between batches nothing is in flight, so the mode can change on the one engine.
+                engine.overlap = OverlapScheduler(engine) if mode == "on" else None
+                row = bench_batch(engine, timer, batch, args.context, args.steps, spec["vocab_size"],
+                                  args.device, args.profile)
+                row["overlap"] = mode
+                result["rows"].append(row)
+                print(f"B={batch:4d} overlap {mode:3s} step {row['step_ms']:8.2f} ms  forward "
+                      f"{row['forward_ms']:8.2f} ms  (eager build {row['eager_build_ms']:6.2f})  host "
+                      f"{row['host_ms_per_step']:8.2f} ms/step  {row['host_us_per_req_step']:7.1f} us/req/step",
+                      flush=True)
     finally:
         engine.shutdown()
+    result["cpu_load_after"] = os.getloadavg()
     out = Path(args.out or f"benchmark/results/host_{args.device}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))

@@ -84,7 +84,8 @@ class OverlapScheduler:
         if prev is not None:
             prev.place()
         batch = e.scheduler.schedule()
-        if prev is not None and (batch.is_empty or not overlappable(batch)):
+        overlap = not batch.is_empty and overlappable(batch)
+        if prev is not None and not overlap:
             finished += self._apply(prev)
             batch.items = [it for it in batch.items if not it.req.is_finished]
             if batch.is_empty:
@@ -92,7 +93,7 @@ class OverlapScheduler:
             prev = None
         if batch.is_empty:
             return finished + e._idle()
-        if not overlappable(batch):
+        if not overlap:
             result = e.runner.run(batch)
             e.scheduler.update(batch)
             return finished + e._process(batch, result)
