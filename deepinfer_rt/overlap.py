@@ -42,7 +42,8 @@ class _Pending:
     """Pinned host copy of `tokens`, valid once `ready` has completed."""
     ready: torch.cuda.Event | None
     placed: list[bool] | None = None
-    """Per request: a placeholder was appended to its token_ids for the step being scheduled."""
+    """Per request: a placeholder was appended to its token_ids for the step being scheduled (set by
+    `place`, which every step does before it applies the tokens)."""
 
     def place(self) -> None:
         """Append each live request's placeholder (finished ones, e.g. aborted, get none)."""
@@ -134,13 +135,10 @@ class OverlapScheduler:
         e = self.engine
         tokens = prev.take()
         finished = []
-        for req, token, placed in zip(prev.reqs, tokens, prev.placed or [False] * len(prev.reqs)):
-            if prev.placed is None:
-                placed = not req.is_finished
-            elif placed:
-                req.token_ids.pop()
+        for req, token, placed in zip(prev.reqs, tokens, prev.placed):
             if not placed:
                 continue  # finished (aborted) before this step
+            req.token_ids.pop()
             # A request the scheduler finished in this step (it could not grow) still gets the token the
             # synchronous engine appended before scheduling; a stop there takes precedence, as it would.
             if e.outputs.append_token(req, token, None, None):
