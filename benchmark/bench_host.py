@@ -32,9 +32,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_gpu import SMOLLM2, TINY, V2_LITE, model_dir  # noqa: E402
+from bench_gpu import SMOLLM2, TINY, V2_LITE, model_dir
 
-from deepinfer_rt import Engine, SamplingParams  # noqa: E402
+from deepinfer_rt import Engine, SamplingParams
 
 SPECS = {"tiny": TINY, "deepseek-v2-lite": V2_LITE, "smollm2-135m": SMOLLM2}
 

@@ -17,7 +17,7 @@ from deepinfer_rt.layers.attention.base import AttentionBackend
 from deepinfer_rt.layers.batch_invariant import batch_invariant_mode
 from deepinfer_rt.models.base import CausalLM
 from deepinfer_rt.overlap import resolve_placeholders
-from deepinfer_rt.sampler import SampleResult, Sampler, to_device
+from deepinfer_rt.sampler import Sampler, SampleResult, to_device
 from deepinfer_rt.scheduler.batch import ScheduledBatch
 
 

@@ -74,7 +74,7 @@ def overlappable(batch: ScheduledBatch) -> bool:
 class OverlapScheduler:
     """Drives Engine.step when DEEPINFER_OVERLAP is on (speculation and the EP worker pool keep it off)."""
 
-    def __init__(self, engine: "Engine"):
+    def __init__(self, engine: Engine):
         self.engine = engine
         self.pending: _Pending | None = None
 
