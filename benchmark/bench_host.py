@@ -6,7 +6,7 @@ synchronous); on CUDA the replay of the step's CUDA graph + LM head + argmax, by
 non-graph path's input building (`ModelRunner.build`: tensors + attention metadata) is reported on its own:
 on CPU it is the reference backend's O(context) gather, which CUDA graphs do not run.
 
-    host per step  = median engine step - model forward per step
+    host per step  = median engine step - model forward per step   (CPU: thread CPU time; CUDA: wall time)
     per request    = host per step / B  (also without the eager build: the GPU decode path replays graphs)
 With overlap scheduling on CUDA the host work of a step runs while the GPU computes the previous one, so the
 exposed host time (step - forward) is what is left of it; the CPU run (synchronous model) shows all of it.
@@ -36,22 +36,28 @@ from bench_gpu import SMOLLM2, TINY, V2_LITE, model_dir
 
 from deepinfer_rt import Engine, SamplingParams
 
+_CHUNK = 8192
+"""Prefill tokens per step."""
 SPECS = {"tiny": TINY, "deepseek-v2-lite": V2_LITE, "smollm2-135m": SMOLLM2}
 
 
 class _Timer:
-    """Accumulates wall seconds of wrapped callables (synchronous on CPU)."""
+    """Accumulates seconds of wrapped callables on `clock`.
 
-    def __init__(self):
+    CPU: the main thread's CPU time (with DEEPINFER_NUM_THREADS=1 torch computes on that thread), which other
+    processes sharing the cores do not inflate as they do wall time. CUDA: wall time, which overlap changes."""
+
+    def __init__(self, device: str):
         self.seconds = {"forward": 0.0, "build": 0.0}
+        self.clock = time.perf_counter if device == "cuda" else time.thread_time
 
     def wrap(self, obj, attr: str, key: str) -> None:
         fn = getattr(obj, attr)
 
         def timed(*args, **kwargs):
-            t0 = time.perf_counter()
+            t0 = self.clock()
             out = fn(*args, **kwargs)
-            self.seconds[key] += time.perf_counter() - t0
+            self.seconds[key] += self.clock() - t0
             return out
 
         setattr(obj, attr, timed)
@@ -89,31 +95,40 @@ def _graph_step_s(engine: Engine, batch: int) -> float | None:
     return statistics.median(times)
 
 
+def _prefill_steps(batch: int, context: int) -> int:
+    return -(-batch * context // _CHUNK)
+
+
 def bench_batch(engine: Engine, timer: _Timer, batch: int, context: int, steps: int, vocab: int,
                 device: str, profile: bool) -> dict:
     g = torch.Generator().manual_seed(batch)
     prompts = torch.randint(0, vocab, (batch, context), generator=g).tolist()
-    params = SamplingParams(max_new_tokens=steps + 4, temperature=0.0, ignore_eos=True)
+    # Long enough that the first prompts prefilled are still decoding when the last ones start: every timed
+    # step decodes all B requests.
+    params = SamplingParams(max_new_tokens=steps + 4 + _prefill_steps(batch, context), temperature=0.0,
+                            ignore_eos=True)
     reqs = [r for grp in engine._submit(None, prompts, params) for r in grp]
     while not all(r.num_output_tokens >= 2 for r in reqs):  # prefill, then one decode step to warm up
         engine.step()
     _sync(device)
+    assert len(engine.scheduler.running) == batch, "the timed steps must decode the whole batch"
     prof = cProfile.Profile() if profile else None
     times, forwards, builds = [], [], []
     for _ in range(steps):
         timer.reset()
-        t0 = time.perf_counter()
+        t0 = timer.clock()
         if prof is not None:
             prof.enable()
         engine.step()
         if prof is not None:
             prof.disable()
-        times.append(time.perf_counter() - t0)
+        times.append(timer.clock() - t0)
         forwards.append(timer.seconds["forward"])
         builds.append(timer.seconds["build"])
     _sync(device)  # not per step: that would stop the next step's host work overlapping this one's GPU work
-    while not all(r.is_finished for r in reqs):
-        engine.step()
+    assert len(engine.scheduler.running) == batch
+    engine.abort(reqs)
+    _sync(device)
     if prof is not None:
         pstats.Stats(prof).sort_stats("tottime").print_stats(25)
     step_s = statistics.median(times)
@@ -143,17 +158,21 @@ def main() -> None:
     parser.add_argument("--out", default=None, help="default benchmark/results/host_<device>.json")
     args = parser.parse_args()
     spec = SPECS[args.model]
+    if args.device == "cpu":
+        torch.set_num_threads(1)  # the model computes on the timed thread (see _Timer)
     path = model_dir(spec, Path(tempfile.mkdtemp(prefix="bench-host-")))
     max_bs = max(args.batches)
     dtype = "bfloat16" if args.device == "cuda" else "float32"
+    per_req = args.context + args.steps + _prefill_steps(max_bs, args.context) + 64
     engine = Engine(str(path), dtype=dtype, device=args.device, load_format="dummy", max_num_seqs=max_bs,
-                    kv_cache_tokens=max_bs * (args.context + args.steps + 64), chunked_prefill_tokens=8192)
-    timer = _Timer()
+                    kv_cache_tokens=max_bs * per_req, chunked_prefill_tokens=_CHUNK)
+    timer = _Timer(args.device)
     timer.wrap(engine.model, "forward", "forward")
     timer.wrap(engine.model, "compute_logits", "forward")
     timer.wrap(engine.runner, "build", "build")
     result = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
               "model": args.model, "torch": torch.__version__, "args": vars(args),
+              "clock": "wall" if args.device == "cuda" else "main-thread CPU time",
               "cpu_load_before": os.getloadavg(), "rows": []}
     try:
         for batch in args.batches:
