@@ -8,7 +8,8 @@ only) and applied as the synchronous engine would: detokenization, stop conditio
 A request that finished at N - 1 was computed once more at N; that token is dropped.
 
 Between steps no placeholder is left in any token_ids: readers outside the step (stream deltas, the server)
-see real tokens only. Steps that need their tokens on the host first -- prefill chunks, speculation,
+see real tokens only (a request whose token is in flight looks caught up: num_computed_tokens == num_tokens).
+Steps that need their tokens on the host first -- prefill chunks, speculation,
 grammars, logprobs, penalties, a min_new_tokens ban -- run synchronously after the pending step is applied,
 so outputs are token-identical to the synchronous engine.
 """
