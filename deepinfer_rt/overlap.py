@@ -9,9 +9,9 @@ A request that finished at N - 1 was computed once more at N; that token is drop
 
 Between steps no placeholder is left in any token_ids: readers outside the step (stream deltas, the server)
 see real tokens only (a request whose token is in flight looks caught up: num_computed_tokens == num_tokens).
-Steps that need their tokens on the host first -- prefill chunks, speculation,
-grammars, logprobs, penalties, a min_new_tokens ban -- run synchronously after the pending step is applied,
-so outputs are token-identical to the synchronous engine.
+Steps that need their tokens on the host first -- prefill chunks, speculation, grammars, logprobs, penalties,
+a min_new_tokens ban -- run synchronously after the pending step is applied, so outputs are token-identical
+to the synchronous engine.
 """
 from __future__ import annotations
 
