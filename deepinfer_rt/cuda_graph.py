@@ -19,6 +19,7 @@ import torch
 from deepinfer_rt.cache.kv_pool import KVPool
 from deepinfer_rt.forward_batch import ForwardBatch
 from deepinfer_rt.models.base import CausalLM
+from deepinfer_rt.overlap import resolve_placeholders
 from deepinfer_rt.request import Req
 from deepinfer_rt.scheduler.batch import ScheduledBatch
 
@@ -108,6 +109,8 @@ class CudaGraphRunner:
         self._stage = torch.zeros(5, self.max_bs, dtype=torch.int64).pin_memory()
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._outputs: dict[int, torch.Tensor] = {}
+        self._staged = torch.cuda.Event()
+        """Recorded after the uploads from the pinned staging buffers (page table and per-row inputs)."""
         self._capture_all()
 
     def _padding(self, start: int) -> None:
@@ -147,10 +150,14 @@ class CudaGraphRunner:
         return (0 < len(items) <= self.max_bs and all(it.num_new_tokens == 1 for it in items)
                 and max(it.start for it in items) < self.max_context)
 
-    def run(self, batch: ScheduledBatch) -> torch.Tensor | None:
-        """Hidden states (n, hidden) of a decode batch, or None when it does not fit a graph."""
+    def run(self, batch: ScheduledBatch, future: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Hidden states (n, hidden) of a decode batch, or None when it does not fit a graph. `future`: the
+        previous step's tokens on the device, read where token ids are placeholders (overlap scheduling)."""
         if not self.can_run(batch):
             return None
+        # Under overlap scheduling the previous step's upload may still be queued behind the GPU's work:
+        # the pinned staging buffers are rewritten only once it has been read.
+        self._staged.synchronize()
         reqs = [it.req for it in batch.items]
         rows = self.pages.rows(reqs)
         if rows is None:
@@ -166,5 +173,8 @@ class CudaGraphRunner:
         self._stage[_LEN, :n] = self._stage[_POS, :n] + 1
         self._padding(n)
         self._io.copy_(self._stage, non_blocking=True)  # whole buffer: a strided copy would stage through pageable memory
+        self._staged.record()
+        if future is not None:
+            self._io[_TOKEN, :n] = resolve_placeholders(self._io[_TOKEN, :n], future)
         self._graphs[bs].replay()
         return self._outputs[bs][:n]

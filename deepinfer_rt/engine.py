@@ -20,6 +20,7 @@ from deepinfer_rt.layers.attention.select import select_backend
 from deepinfer_rt.model_runner import ModelRunner
 from deepinfer_rt.models.loader import build_model, load_model_config, resolve_model_path
 from deepinfer_rt.output_processor import OutputProcessor
+from deepinfer_rt.overlap import OverlapScheduler
 from deepinfer_rt.request import GenerateOutput, Req
 from deepinfer_rt.sampler import Sampler, stream_seed
 from deepinfer_rt.sampling_params import SamplingParams
@@ -103,6 +104,9 @@ class Engine:
         self.scheduler = Scheduler(self.config.scheduler, self.pool, self.cache)
         self.scheduler.spec = self.spec
         self.outputs = OutputProcessor(self.tokenizer, self.eos_ids, mc.max_position)
+        overlap = env.overlap if env.overlap is not None else dev.type == "cuda"
+        self.overlap = (OverlapScheduler(self) if overlap and self.spec is None
+                        and isinstance(self.runner, ModelRunner) else None)
         self._rng = random.Random(seed)
         self._rids = itertools.count()
         self._lock = threading.RLock()
@@ -136,6 +140,8 @@ class Engine:
     # ---- the loop ----
     def step(self) -> list[Req]:
         """One scheduling step; returns the requests that finished in it."""
+        if self.overlap is not None:
+            return self.overlap.step()
         finished = self._poll_grammars()
         batch = self.scheduler.schedule()
         if batch.is_empty:

@@ -26,6 +26,11 @@ def _float(name: str, default: float) -> float:
     return default if value in (None, "") else float(value)
 
 
+def _optional_bool(name: str) -> bool | None:
+    value = os.environ.get(name)
+    return None if value in (None, "") else _bool(name, False)
+
+
 def _str(name: str, default: str) -> str:
     value = os.environ.get(name)
     return default if value in (None, "") else value
@@ -76,6 +81,9 @@ class Env:
     """DEEPINFER_CUDA_GRAPH_MAX_CONTEXT: longest context a graph decodes (sizes its page table)."""
     spec_max_draft: int
     """DEEPINFER_SPEC_MAX_DRAFT: most draft tokens a request verifies per step under speculation (default 5)."""
+    overlap: bool | None
+    """DEEPINFER_OVERLAP: overlap scheduling (prepare step N+1 while the device runs step N); unset = on for
+    CUDA, off on CPU (where the device is the host, so nothing overlaps)."""
 
 
 def get_env() -> Env:
@@ -101,4 +109,5 @@ def get_env() -> Env:
         cuda_graph_max_bs=_int("DEEPINFER_CUDA_GRAPH_MAX_BS", 256),
         cuda_graph_max_context=_int("DEEPINFER_CUDA_GRAPH_MAX_CONTEXT", 16384),
         spec_max_draft=_int("DEEPINFER_SPEC_MAX_DRAFT", 5),
+        overlap=_optional_bool("DEEPINFER_OVERLAP"),
     )

@@ -5,6 +5,7 @@ the sampled token (items that catch up) and the prompt logprobs of the chunk (it
 """
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass
 
@@ -15,7 +16,8 @@ from deepinfer_rt.forward_batch import ForwardBatch
 from deepinfer_rt.layers.attention.base import AttentionBackend
 from deepinfer_rt.layers.batch_invariant import batch_invariant_mode
 from deepinfer_rt.models.base import CausalLM
-from deepinfer_rt.sampler import SampleResult, Sampler
+from deepinfer_rt.overlap import resolve_placeholders
+from deepinfer_rt.sampler import Sampler, SampleResult, to_device
 from deepinfer_rt.scheduler.batch import ScheduledBatch
 
 
@@ -52,6 +54,9 @@ class ModelRunner:
         """CUDA-graph runner for decode batches (deepinfer_rt.cuda_graph), set by the engine on GPU."""
         self.spec = None
         """SpecDecoder when speculation is on: verifies items carrying drafts, updates the drafter."""
+        self.future_tokens: torch.Tensor | None = None
+        """Overlap scheduling: the previous step's sampled tokens, still on the device; token ids
+        written as placeholders (deepinfer_rt.overlap) are read from it."""
 
     def build(self, batch: ScheduledBatch) -> ForwardBatch:
         ids, positions, out_slots, q_lens, kv_lens, kv_slots = [], [], [], [], [], []
@@ -70,13 +75,15 @@ class ModelRunner:
     def forward_batch(self, ids: list[int], positions: list[int], out_slots: list[int], q_lens: list[int],
                       kv_lens: list[int], kv_slots: list[list[int]]) -> ForwardBatch:
         """Flattened varlen rows (plain lists) -> device tensors, prepared by the attention backend."""
-        dev = self.device
+        # One upload for the whole batch (a copy per sequence cost a host sync each on a GPU).
+        t = len(ids)
+        flat = to_device(list(itertools.chain(ids, positions, out_slots, *kv_slots)), torch.long, self.device)
+        input_ids = flat[:t]
+        if self.future_tokens is not None:
+            input_ids = resolve_placeholders(input_ids, self.future_tokens)
         fb = ForwardBatch(
-            input_ids=torch.tensor(ids, dtype=torch.long, device=dev),
-            positions=torch.tensor(positions, dtype=torch.long, device=dev),
-            out_slots=torch.tensor(out_slots, dtype=torch.long, device=dev),
-            q_lens=q_lens, kv_lens=kv_lens,
-            kv_slots=[torch.tensor(s, dtype=torch.long, device=dev) for s in kv_slots],
+            input_ids=input_ids, positions=flat[t : 2 * t], out_slots=flat[2 * t : 3 * t],
+            q_lens=q_lens, kv_lens=kv_lens, kv_slots=list(flat[3 * t :].split([len(s) for s in kv_slots])),
             pool=self.pool, backend=self.backend)
         self.backend.prepare(fb)
         return fb

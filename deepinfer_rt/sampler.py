@@ -39,6 +39,15 @@ class SampleResult:
     top_logprobs: list[list[tuple[int, float]]] | None
 
 
+def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small host list as a device tensor without a host sync: on CUDA through pinned memory, copied
+    asynchronously (a pageable copy would wait for the queued GPU work)."""
+    host = torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 def apply_penalties(logits: torch.Tensor, reqs: list[Req]) -> None:
     for i, req in enumerate(reqs):
         p = req.params
@@ -63,13 +72,13 @@ def filter_logits(z: torch.Tensor, reqs: list[Req]) -> torch.Tensor:
     sorted_z, order = z.sort(dim=-1, descending=True)
     probs = sorted_z.softmax(dim=-1)
     rank = torch.arange(vocab, device=z.device)[None, :]
-    k = torch.tensor([k if k > 0 else vocab for k in top_k], device=z.device)[:, None]
+    k = to_device([k if k > 0 else vocab for k in top_k], torch.long, z.device)[:, None]
     drop = rank >= k
-    p = torch.tensor(top_p, device=z.device, dtype=probs.dtype)[:, None]
+    p = to_device(top_p, probs.dtype, z.device)[:, None]
     # Keep the smallest prefix whose mass reaches top_p (the token crossing the threshold stays).
     # Rows without top-p are exempt: in fp32 the running sum of a peaked row reaches 1.0 before its tail.
     drop |= ((probs.cumsum(-1) - probs) >= p) & (p < 1.0)
-    m = torch.tensor(min_p, device=z.device, dtype=probs.dtype)[:, None]
+    m = to_device(min_p, probs.dtype, z.device)[:, None]
     drop |= probs < m * probs[:, :1]
     drop[:, 0] = False
     sorted_z = sorted_z.masked_fill(drop, float("-inf"))
@@ -102,17 +111,7 @@ class Sampler:
         logits = logits[:, : self.vocab_size].float()
         want_lp = [r.params.logprobs or r.params.top_logprobs > 0 for r in reqs]
         raw_lp = logits.log_softmax(-1) if any(want_lp) else None
-        logits = self.process(logits, reqs, eos_ids, bitmask_fn)
-        greedy = [r.params.is_greedy for r in reqs]
-        tokens = logits.argmax(-1)
-        if not all(greedy):
-            rows = [i for i, g in enumerate(greedy) if not g]
-            sub = [reqs[i] for i in rows]
-            temps = torch.tensor([r.params.temperature for r in sub], device=logits.device)[:, None]
-            z = filter_logits(logits[rows] / temps, sub)
-            noise = torch.stack([uniform_noise(r.seed, r.num_output_tokens, self.vocab_size, logits.device)
-                                 for r in sub])
-            tokens[rows] = (z - torch.log(-torch.log(noise))).argmax(-1)
+        tokens = self._choose(logits, reqs, eos_ids, bitmask_fn)
         token_list = tokens.tolist()
         logprobs = top = None
         if raw_lp is not None:
@@ -125,3 +124,30 @@ class Sampler:
                 top = [list(zip(ids[i][: r.params.top_logprobs], vals[i][: r.params.top_logprobs]))
                        for i, r in enumerate(reqs)]
         return SampleResult(token_list, logprobs, top)
+
+    @torch.no_grad()
+    def sample(self, logits: torch.Tensor, reqs: list[Req], eos_ids: tuple[int, ...]) -> torch.Tensor:
+        """The tokens `__call__` picks, left on the device (overlap scheduling reads them a step later).
+        No host sync for rows without penalties or a min_new_tokens ban."""
+        return self._choose(logits[:, : self.vocab_size].float(), reqs, eos_ids, None)
+
+    def _choose(self, logits: torch.Tensor, reqs: list[Req], eos_ids: tuple[int, ...], bitmask_fn
+                ) -> torch.Tensor:
+        logits = self.process(logits, reqs, eos_ids, bitmask_fn)
+        greedy = [r.params.is_greedy for r in reqs]
+        tokens = logits.argmax(-1)
+        if not all(greedy):
+            rows = [i for i, g in enumerate(greedy) if not g]
+            sub = [reqs[i] for i in rows]
+            # Row indices go up as a tensor: indexing with a list would copy it to the device synchronously.
+            index = None if len(rows) == len(reqs) else to_device(rows, torch.long, logits.device)
+            temps = to_device([r.params.temperature for r in sub], torch.float32, logits.device)[:, None]
+            z = filter_logits((logits if index is None else logits[index]) / temps, sub)
+            noise = torch.stack([uniform_noise(r.seed, r.num_output_tokens, self.vocab_size, logits.device)
+                                 for r in sub])
+            drawn = (z - torch.log(-torch.log(noise))).argmax(-1)
+            if index is None:
+                tokens = drawn
+            else:
+                tokens[index] = drawn
+        return tokens

@@ -282,3 +282,18 @@ def test_take_delta_random(tok, text, data):
     for e in emitted:
         assert d.text.startswith(e)
         assert "\ufffd" not in e
+
+
+def test_ids_decoder_equals_tokenizer_decode(tok):
+    """The direct Rust decode the detokenizer uses matches transformers' decode, special tokens included."""
+    import random
+
+    from deepinfer_rt.tokenizer import ids_decoder
+
+    rng = random.Random(0)
+    special = tok.all_special_ids
+    decode_ids = ids_decoder(tok)
+    for _ in range(500):
+        ids = [rng.choice(special) if rng.random() < 0.2 else rng.randrange(len(tok))
+               for _ in range(rng.randint(1, 8))]
+        assert decode_ids(ids) == tok.decode(ids, skip_special_tokens=True)

@@ -1,0 +1,43 @@
+"""Overlap scheduling on CUDA (skipped without a GPU): the launch of an overlapped decode step (CUDA graph
+inputs, replay, LM head, sampling) raises under the sync debug mode if anything in it waits for the GPU, and
+outputs equal the synchronous engine's."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deepinfer_rt import Engine, SamplingParams
+from deepinfer_rt.overlap import OverlapScheduler
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+PARAMS = [SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True),
+          SamplingParams(max_new_tokens=12, temperature=0.8, top_p=0.9, top_k=30, min_p=0.01, seed=1,
+                         ignore_eos=True),
+          SamplingParams(max_new_tokens=7, temperature=0.0)]
+PROMPTS = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16, 17]]
+
+
+def _generate(path, overlap: bool, monkeypatch):
+    monkeypatch.setenv("DEEPINFER_OVERLAP", "1" if overlap else "0")
+    with Engine(str(path), device="cuda", dtype="float32", kv_cache_tokens=4096, max_num_seqs=8) as engine:
+        assert (engine.overlap is not None) == overlap
+        return [o.token_ids for o in engine.generate(input_ids=PROMPTS, sampling_params=PARAMS)]
+
+
+def test_gpu_overlapped_launch_never_syncs(tiny_llama_path, monkeypatch):
+    launch, launches = OverlapScheduler._launch, []
+
+    def guarded(self, batch, prev):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            launches.append(prev is not None)
+            return launch(self, batch, prev)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    monkeypatch.setattr(OverlapScheduler, "_launch", guarded)
+    overlapped = _generate(tiny_llama_path, True, monkeypatch)
+    assert sum(launches) >= 6
+    monkeypatch.undo()
+    assert overlapped == _generate(tiny_llama_path, False, monkeypatch)
