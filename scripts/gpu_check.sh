@@ -2,8 +2,9 @@
 # The one command the GPU machine runs (from the repository root): install the carried wheels (.whl/), then the
 # stages named in STAGES (default bench,tests,kernel_bench,ep): the GPU benchmark, test/gpu/, the kernel
 # micro-benchmark, and on a machine with two GPUs the expert-parallel check (scripts/gpu_ep_check.sh); the
-# `determinism` stage (batch-invariant mode on vs off, SmolLM2- and V2-Lite-shaped) runs when named.
-# Logs and JSON land in $OUT. Stage time limits (seconds): BENCH_S, TEST_S, KERNEL_BENCH_S, EP_S, DET_S.
+# `determinism` stage (batch-invariant mode on vs off, SmolLM2- and V2-Lite-shaped) and the `host` stage (host
+# time per decode step, overlap off and on, V2-Lite shape) run when named.
+# Logs and JSON land in $OUT. Stage time limits (seconds): BENCH_S, TEST_S, KERNEL_BENCH_S, EP_S, DET_S, HOST_S.
 #   device tool:  run(command="bash scripts/gpu_check.sh", carry=[".whl"])          (one H200)
 #                 run(command="STAGES=tests,ep bash scripts/gpu_check.sh", kind="nvidia-h200-x2", carry=[".whl"])
 set -u
@@ -37,6 +38,11 @@ if [[ $STAGES == *,determinism,* ]]; then
     && python3 benchmark/bench_determinism.py --device cuda --dtype bfloat16 --dummy deepseek-v2-lite \
       --num-prompts 8 --max-new-tokens 16 --out '$OUT/determinism_v2lite_h200.json'" > "$OUT/determinism.log" 2>&1
   grep -E "^(matmul|output)" "$OUT/determinism.log"; tail -n 3 "$OUT/determinism.log"
+fi
+if [[ $STAGES == *,host,* ]]; then
+  timeout "${HOST_S:-150}" python3 benchmark/bench_host.py --device cuda --model deepseek-v2-lite --context 2048 \
+    --steps 16 --out "$OUT/host_h200.json" > "$OUT/host.log" 2>&1
+  tail -n 12 "$OUT/host.log"
 fi
 if [[ $STAGES == *,ep,* ]] && [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
   OUT=$OUT timeout "${EP_S:-400}" bash scripts/gpu_ep_check.sh > "$OUT/ep.log" 2>&1
