@@ -135,7 +135,7 @@ class GrammarDrafter(Drafter):
                     copied = copy_from_prompt(self._prompt(req), partial)
                     step, confidence = (copied + '"' if copied else ""), _COPY_CONFIDENCE
                 else:
-                    nxt = _forced_char(matcher)
+                    nxt = _forced_char(matcher, last)
                     if nxt is None and last != ":":
                         break
                     done = text + out
@@ -168,7 +168,12 @@ class GrammarDrafter(Drafter):
         return text
 
 
-def _forced_char(matcher) -> str | None:
-    """The one structural character the grammar allows next (after optional whitespace), or None."""
-    allowed = [c for c in _STRUCTURAL + _VALUE_CHARS if matcher.fork().accept_string(c)]
-    return allowed[0] if len(allowed) == 1 and allowed[0] in _STRUCTURAL else None
+def _forced_char(matcher, last: str) -> str | None:
+    """The one structural character the grammar allows next (after optional whitespace), or None. Value
+    characters are tested only where a value may continue or start (not after a closed string or container)."""
+    allowed = [c for c in _STRUCTURAL if matcher.fork().accept_string(c)]
+    if len(allowed) != 1:
+        return None
+    if last not in '"}]' and any(matcher.fork().accept_string(c) for c in _VALUE_CHARS):
+        return None
+    return allowed[0]
