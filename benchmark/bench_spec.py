@@ -1,13 +1,16 @@
 """Speculative decoding (prompt lookup) on SmolLM2: the engine with speculation on vs off, in one run.
 
     python benchmark/bench_spec.py [--batch-sizes 1 8 32] [--max-new-tokens 64] [--repeats 3]
+    python benchmark/bench_spec.py --device cuda --dtype bfloat16   (writes benchmark/results/spec_h200.json)
 
 Workloads whose outputs copy spans of their input (where prompt lookup drafts well):
   extraction     one person per prompt from examples/data/people.jsonl -> a JSON record (JSON-schema constrained)
   summarisation  three people's sentences per prompt -> a summary naming each person, job and city
 Batch b = b requests submitted together (batch 1: one at a time). Greedy, so both modes must produce identical
 tokens (checked). Reports tok/s of each mode (median over repeats, with spread), speedup, acceptance rate and
-mean accepted drafts per verification; writes benchmark/results/spec_cpu.json.
+mean accepted drafts per verification; writes benchmark/results/spec_cpu.json (on cuda: spec_h200.json).
+On a GPU, bf16 argmax ties can make the two modes differ legitimately (a verify step's rows are computed in a
+different batch shape than single decode rows); `identical_outputs` then reports it rather than hiding it.
 """
 from __future__ import annotations
 
@@ -64,19 +67,23 @@ def main() -> None:
     ap.add_argument("--max-draft", type=int, default=0, help="0: DEEPINFER_SPEC_MAX_DRAFT (default 5)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--out", default=str(ROOT / "benchmark/results/spec_cpu.json"))
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--out", default=None, help="default: benchmark/results/spec_cpu.json, or spec_h200.json on cuda")
     args = ap.parse_args()
+    if args.out is None:
+        args.out = str(ROOT / "benchmark/results" / ("spec_h200.json" if args.device == "cuda" else "spec_cpu.json"))
 
     from deepinfer_rt.spec import SpeculativeConfig
 
-    common = dict(dtype=args.dtype, enable_prefix_cache=False, kv_cache_tokens=16384)
+    common = dict(dtype=args.dtype, device=args.device, enable_prefix_cache=False, kv_cache_tokens=16384)
     engines = {"off": Engine(args.model, **common),
                "on": Engine(args.model, speculative=SpeculativeConfig("prompt_lookup", max_draft=args.max_draft),
                             **common)}
     tokenizer = engines["off"].tokenizer
-    result = {"benchmark": "spec", "model": args.model, "dtype": args.dtype, "device": "cpu",
+    result = {"benchmark": "spec", "model": args.model, "dtype": args.dtype, "device": args.device,
               "max_new_tokens": args.max_new_tokens, "repeats": args.repeats, "torch": torch.__version__,
-              "threads": torch.get_num_threads(), "machine": platform.processor() or platform.machine(),
+              "threads": torch.get_num_threads(), "machine": (torch.cuda.get_device_name() if args.device == "cuda"
+                                                              else platform.processor() or platform.machine()),
               "command": "python benchmark/bench_spec.py " + " ".join(sys.argv[1:]), "runs": []}
     for batch in args.batch_sizes:
         n = args.prompts_at_batch_1 if batch == 1 else batch

@@ -1,6 +1,7 @@
 """Speculative decoding: drafters propose tokens, the target verifies them exactly in one step.
 
     drafter.py   the Drafter contract and the prompt-lookup drafter (no weights)
+    grammar_draft.py  constrained requests: the grammar's forced text, JSON layout and copied values as drafts
     mtp.py       DeepSeek multi-token-prediction head as a drafter
     planner.py   confidence scheduling: how many drafts each request verifies this step
     verify.py    exact verification (greedy prefix match, rejection sampling)

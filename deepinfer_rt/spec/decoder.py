@@ -130,7 +130,11 @@ def build_spec_decoder(config: SpeculativeConfig, model, model_config, path, loa
     if config.drafter is not None:
         drafter = config.drafter
     elif config.method == "prompt_lookup":
-        drafter = PromptLookupDrafter(config.min_ngram, config.max_ngram)
+        from deepinfer_rt.spec.grammar_draft import GrammarDrafter
+        from deepinfer_rt.tokenizer import load_tokenizer
+
+        # Constrained requests draft the grammar's text too (tokenized as the engine's tokenizer does).
+        drafter = GrammarDrafter(load_tokenizer(path), PromptLookupDrafter(config.min_ngram, config.max_ngram))
     else:
         from deepinfer_rt.spec.mtp import MTPDrafter
 

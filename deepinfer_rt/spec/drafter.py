@@ -54,11 +54,14 @@ class PromptLookupDrafter(Drafter):
         self.min_ngram, self.max_ngram = min_ngram, max_ngram
 
     def propose(self, req: Req, k: int) -> Proposal | None:
-        tokens = find_continuation(req.token_ids, k, self.min_ngram, self.max_ngram)
+        tokens = self.continuation(req.token_ids, k)
         if not tokens:
             return None
         rate = (req.num_accepted_tokens + 1) / (req.num_draft_tokens + 2)
         return Proposal(tokens, [rate] * len(tokens), None, req.num_tokens)
+
+    def continuation(self, token_ids: list[int], k: int) -> list[int]:
+        return find_continuation(token_ids, k, self.min_ngram, self.max_ngram)
 
 
 def find_continuation(token_ids: list[int], k: int, min_ngram: int, max_ngram: int) -> list[int]:
