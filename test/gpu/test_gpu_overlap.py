@@ -25,7 +25,15 @@ def _generate(path, overlap: bool, monkeypatch):
         return [o.token_ids for o in engine.generate(input_ids=PROMPTS, sampling_params=PARAMS)]
 
 
-def test_gpu_overlapped_launch_never_syncs(tiny_llama_path, monkeypatch):
+@pytest.fixture(scope="module")
+def tiny_path(tmp_path_factory):
+    """Tiny DeepSeek-V3 (MLA + MoE kernels) with the DeepSeek tokenizer the GPU machine carries."""
+    from make_tiny_checkpoint import make_tiny_checkpoint
+
+    return make_tiny_checkpoint("deepseek_v3", tmp_path_factory.mktemp("tiny-v3"), seed=0)
+
+
+def test_gpu_overlapped_launch_never_syncs(tiny_path, monkeypatch):
     launch, launches = OverlapScheduler._launch, []
 
     def guarded(self, batch, prev):
@@ -37,7 +45,7 @@ def test_gpu_overlapped_launch_never_syncs(tiny_llama_path, monkeypatch):
             torch.cuda.set_sync_debug_mode("default")
 
     monkeypatch.setattr(OverlapScheduler, "_launch", guarded)
-    overlapped = _generate(tiny_llama_path, True, monkeypatch)
+    overlapped = _generate(tiny_path, True, monkeypatch)
     assert sum(launches) >= 6
     monkeypatch.undo()
-    assert overlapped == _generate(tiny_llama_path, False, monkeypatch)
+    assert overlapped == _generate(tiny_path, False, monkeypatch)
