@@ -16,13 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
-from deepinfer_kernels import reference
-
 # Up to this many (token, slot) pairs each pair gets its own block instead of being sorted.
 PER_PAIR_MAX = 16
-# Up to this many pairs moe_align runs as one Triton program. Its loop is serial in the pairs: measured 3.0 ms
-# per layer for the 49K pairs of a 4 x 2K-token prefill on an H200, so prefill keeps the torch form (a sort).
-ALIGN_KERNEL_MAX_PAIRS = 4096
 
 
 @triton.jit
@@ -124,61 +119,26 @@ def _moe_down_kernel(H, W, Y, TopkWeights, SortedPairs, BlockExpert, NumPadded, 
                  mask=mmask[:, None] & nmask[None, :])
 
 
-@triton.jit
-def _moe_align_kernel(Ids, SortedPairs, BlockExpert, NumPadded, num_pairs, num_experts, max_rows,
-                      E: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr):
-    """One program: count pairs per expert, pad each count to BLOCK_M, then place every pair at its expert's
-    start + its rank among that expert's earlier pairs (a stable counting sort), fill the padding rows with
-    the sentinel and label each block with its expert. Pairs are handled CHUNK at a time as a (CHUNK, E) one-hot
-    matrix, so ranks come from a cumulative sum instead of a sort. Passes write disjoint rows: no barrier."""
-    offs_e = tl.arange(0, E)
-    counts = tl.zeros([E], tl.int32)
-    for c0 in range(0, num_pairs, CHUNK):
-        offs = c0 + tl.arange(0, CHUNK)
-        ids = tl.load(Ids + offs, mask=offs < num_pairs, other=E)
-        counts += tl.sum((ids[:, None] == offs_e[None, :]).to(tl.int32), 0)
-    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    pad_end = tl.cumsum(padded, 0)
-    pad_start = pad_end - padded
-    seen = pad_start
-    for c0 in range(0, num_pairs, CHUNK):
-        offs = c0 + tl.arange(0, CHUNK)
-        ids = tl.load(Ids + offs, mask=offs < num_pairs, other=E)
-        hit = (ids[:, None] == offs_e[None, :]).to(tl.int32)
-        before = tl.cumsum(hit, 0) - hit  # earlier pairs of the same expert within this chunk
-        pos = tl.sum(hit * (seen[None, :] + before), 1)
-        tl.store(SortedPairs + pos, offs, mask=offs < num_pairs)
-        seen += tl.sum(hit, 0)
-    for r0 in range(0, max_rows, CHUNK):
-        rows = r0 + tl.arange(0, CHUNK)
-        owner = (offs_e[None, :] == tl.sum((pad_end[None, :] <= rows[:, None]).to(tl.int32), 1)[:, None])
-        first_pad = tl.sum(tl.where(owner, seen[None, :], 0), 1)  # 0 past the last expert: all padding
-        tl.store(SortedPairs + rows, num_pairs, mask=(rows >= first_pad) & (rows < max_rows))
-    for b0 in range(0, max_rows // BLOCK_M, CHUNK):
-        blocks = b0 + tl.arange(0, CHUNK)
-        expert = tl.sum((pad_end[None, :] <= (blocks * BLOCK_M)[:, None]).to(tl.int32), 1)
-        tl.store(BlockExpert + blocks, tl.minimum(expert, num_experts - 1), mask=blocks < max_rows // BLOCK_M)
-    tl.store(NumPadded, tl.sum(padded, 0))
-
-
 def moe_align(ids: torch.Tensor, num_experts: int, block_m: int
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """ids (T, k) -> (sorted pair ids padded per expert to block_m with the sentinel T*k, in pair order within
-    an expert; expert of each block; number of used padded rows as a 1-element tensor). No host sync (CUDA
-    graphs capture it). Decode-sized inputs take the one-program kernel (one launch instead of about fifteen);
-    prefill-sized ones the torch form `reference.moe_align` (same output), whose parallel sort wins there."""
+    """ids (T, k) -> (sorted pair ids padded per expert to block_m with the sentinel T*k, expert of each
+    block, number of used padded rows as a 1-element tensor). Device ops only, no host sync."""
     flat = ids.flatten()
     num_pairs = flat.numel()
-    if num_pairs > ALIGN_KERNEL_MAX_PAIRS:
-        return reference.moe_align(ids, num_experts, block_m)
+    dev = flat.device
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=dev).scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m
+    pad_end = padded.cumsum(0)
+    cnt_start = counts.cumsum(0) - counts
+    order = flat.argsort(stable=True)
+    sorted_e = flat[order]
+    dest = pad_end[sorted_e] - padded[sorted_e] + torch.arange(num_pairs, device=dev) - cnt_start[sorted_e]
     max_rows = triton.cdiv(num_pairs + min(num_experts, num_pairs) * (block_m - 1), block_m) * block_m
-    sorted_pairs = torch.empty(max_rows, dtype=torch.int32, device=flat.device)
-    block_expert = torch.empty(max_rows // block_m, dtype=torch.int32, device=flat.device)
-    num_padded = torch.empty(1, dtype=torch.int32, device=flat.device)
-    e = triton.next_power_of_2(num_experts)
-    _moe_align_kernel[(1,)](flat, sorted_pairs, block_expert, num_padded, num_pairs, num_experts, max_rows,
-                            E=e, BLOCK_M=block_m, CHUNK=max(16, min(128, 4096 // e)), num_warps=4)
-    return sorted_pairs, block_expert, num_padded
+    sorted_pairs = torch.full((max_rows,), num_pairs, dtype=torch.int32, device=dev)
+    sorted_pairs.scatter_(0, dest, order.to(torch.int32))
+    block_start = torch.arange(0, max_rows, block_m, device=dev)
+    block_expert = torch.searchsorted(pad_end, block_start, right=True).clamp_(max=num_experts - 1)
+    return sorted_pairs, block_expert.to(torch.int32), pad_end[-1:]
 
 
 def _block_m(num_pairs: int, num_experts: int) -> int:

@@ -35,25 +35,3 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave
         x = x.view(t, h, d // 2, 2).transpose(-1, -2).reshape(t, h, d)
     cos, sin = cos[:, None, :], sin[:, None, :]
     return (x * cos + rotate_half(x) * sin).to(x.dtype)
-
-
-def moe_align(ids: torch.Tensor, num_experts: int, block_m: int
-              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The torch form of deepinfer_kernels.fused_moe.moe_align: ids (T, k) -> (pair ids sorted by expert, each
-    expert padded to block_m with the sentinel T*k; expert of each block; used padded rows, 1 element)."""
-    flat = ids.flatten()
-    num_pairs = flat.numel()
-    dev = flat.device
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=dev).scatter_add_(0, flat, torch.ones_like(flat))
-    padded = (counts + block_m - 1) // block_m * block_m
-    pad_end = padded.cumsum(0)
-    cnt_start = counts.cumsum(0) - counts
-    order = flat.argsort(stable=True)
-    sorted_e = flat[order]
-    dest = pad_end[sorted_e] - padded[sorted_e] + torch.arange(num_pairs, device=dev) - cnt_start[sorted_e]
-    max_rows = -(-(num_pairs + min(num_experts, num_pairs) * (block_m - 1)) // block_m) * block_m
-    sorted_pairs = torch.full((max_rows,), num_pairs, dtype=torch.int32, device=dev)
-    sorted_pairs.scatter_(0, dest, order.to(torch.int32))
-    block_start = torch.arange(0, max_rows, block_m, device=dev)
-    block_expert = torch.searchsorted(pad_end, block_start, right=True).clamp_(max=num_experts - 1)
-    return sorted_pairs, block_expert.to(torch.int32), pad_end[-1:]

@@ -62,14 +62,12 @@ def test_fused_moe(num_tokens):
 
 @pytest.mark.parametrize("num_tokens,num_experts,k,block_m", [(50, 8, 2, 16), (64, 64, 6, 32), (256, 64, 6, 64),
                                                                (500, 256, 8, 64), (3, 160, 6, 16)])
-def test_moe_align_equals_torch_form(num_tokens, num_experts, k, block_m):
-    from deepinfer_kernels import reference
+def test_moe_align_sorts_pairs_by_expert(num_tokens, num_experts, k, block_m):
     from deepinfer_kernels.fused_moe import moe_align
 
     torch.manual_seed(num_tokens)
     ids = torch.rand(num_tokens, num_experts, device=DEV).pow(4).topk(k, dim=-1).indices  # skewed, distinct per row
-    got, ref = moe_align(ids, num_experts, block_m), reference.moe_align(ids, num_experts, block_m)
-    assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1]) and int(got[2]) == int(ref[2])
+    got = moe_align(ids, num_experts, block_m)
     flat = ids.flatten()
     pairs = got[0][: int(got[2])].view(-1, block_m)
     for b in range(pairs.shape[0]):
