@@ -6,9 +6,11 @@ row differently for different M. Here a matmul is cut into calls of a few fixed 
     x rows   [0, L) [L, 2L) ... | [.., +S) ... [.., +S)    L = LARGE_TILE, S = SMALL_TILE; the last small tile
              large tiles          small tiles                is zero-padded to S rows
 
-Each call is made weight-major, w (N, K) @ x_tile.T (K, R): the batch is then the BLAS's narrow n dimension,
-which it walks in fixed column blocks with the whole K loop per block, so a column (token) does not depend on
-its neighbours, and the cost of R = 16 columns is that of a GEMV-like call (decode pays no padding penalty).
+Each call is weight-major for the BLAS: torch.mm(x_tile, w_t) with w_t = w.t() writes the row-major (R, N)
+result, which the column-major BLAS sees as w (N, K) @ x_tile.T (K, R), so the batch is its narrow n dimension,
+walked in fixed column blocks with the whole K loop per block: a column (token) does not depend on its
+neighbours, and R = 16 columns cost about a GEMV-like call (decode pays no padding penalty). Each tile's result
+is written straight into its rows of the output (no transposed copies).
 
 A call of one shape is invariant by construction; that a row comes out the same from a large tile and from a
 small one is a property of the BLAS's choices for (N, K), so it is checked once per shape on random data
@@ -37,13 +39,12 @@ class GemmPlan:
     k_chunk: int  # inner-dim slice per call; slices added in ascending order
 
 
-def _call(x_tile: torch.Tensor, w_t: torch.Tensor, k_chunk: int) -> torch.Tensor:
-    """One fixed-shape call: x_tile (R, K) @ w_t (K, N) -> (N, R), as sum over K slices in ascending order."""
+def _call(x_tile: torch.Tensor, w_t: torch.Tensor, k_chunk: int, out: torch.Tensor) -> None:
+    """One fixed-shape call: out (R, N) = x_tile (R, K) @ w_t (K, N), as a sum over K slices in ascending order."""
     k = x_tile.shape[1]
-    out = torch.mm(w_t[:k_chunk].t(), x_tile[:, :k_chunk].t())
+    torch.mm(x_tile[:, :k_chunk], w_t[:k_chunk], out=out)
     for k0 in range(k_chunk, k, k_chunk):
-        out += torch.mm(w_t[k0 : k0 + k_chunk].t(), x_tile[:, k0 : k0 + k_chunk].t())
-    return out
+        out += torch.mm(x_tile[:, k0 : k0 + k_chunk], w_t[k0 : k0 + k_chunk])
 
 
 def tiled_mm_with(x: torch.Tensor, w_t: torch.Tensor, plan: GemmPlan) -> torch.Tensor:
@@ -51,16 +52,17 @@ def tiled_mm_with(x: torch.Tensor, w_t: torch.Tensor, plan: GemmPlan) -> torch.T
     x = x.contiguous()
     t = x.shape[0]
     out = x.new_empty(t, w_t.shape[1])
-    row = 0
-    if plan.use_large:
-        for row in range(0, t - t % LARGE_TILE, LARGE_TILE):
-            out[row : row + LARGE_TILE] = _call(x[row : row + LARGE_TILE], w_t, plan.k_chunk).t()
-        row = t - t % LARGE_TILE
-    for row in range(row, t, SMALL_TILE):
-        tile = x[row : row + SMALL_TILE]
-        if len(tile) < SMALL_TILE:
-            tile = torch.cat([tile, tile.new_zeros(SMALL_TILE - len(tile), x.shape[1])])
-        out[row : row + SMALL_TILE] = _call(tile, w_t, plan.k_chunk).t()[: t - row]
+    start = t - t % LARGE_TILE if plan.use_large else 0
+    for row in range(0, start, LARGE_TILE):
+        _call(x[row : row + LARGE_TILE], w_t, plan.k_chunk, out[row : row + LARGE_TILE])
+    full = start + (t - start) // SMALL_TILE * SMALL_TILE
+    for row in range(start, full, SMALL_TILE):
+        _call(x[row : row + SMALL_TILE], w_t, plan.k_chunk, out[row : row + SMALL_TILE])
+    if full < t:  # the last small tile, zero-padded
+        tile = torch.cat([x[full:], x.new_zeros(SMALL_TILE - (t - full), x.shape[1])])
+        last = x.new_empty(SMALL_TILE, w_t.shape[1])
+        _call(tile, w_t, plan.k_chunk, last)
+        out[full:] = last[: t - full]
     return out
 
 

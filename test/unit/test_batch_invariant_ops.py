@@ -64,10 +64,10 @@ def test_gemm_planner_falls_back_when_tile_sizes_disagree(monkeypatch):
     tiles: the planner tries K slices, then small tiles only, and the result stays invariant."""
     real_call = invariant_gemm._call
 
-    def call(x_tile, w_t, k_chunk):
+    def call(x_tile, w_t, k_chunk, out):
         if len(x_tile) == invariant_gemm.LARGE_TILE:
-            return real_call(x_tile.flip(1), w_t.flip(0), k_chunk)
-        return real_call(x_tile, w_t, k_chunk)
+            return real_call(x_tile.flip(1), w_t.flip(0), k_chunk, out)
+        return real_call(x_tile, w_t, k_chunk, out)
 
     monkeypatch.setattr(invariant_gemm, "_call", call)
     gen = torch.Generator().manual_seed(8)
