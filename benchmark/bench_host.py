@@ -32,12 +32,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_gpu import SMOLLM2, TINY, V2_LITE, model_dir
+from bench_gpu import PREFILL_CHUNK, SMOLLM2, TINY, V2_LITE, _cuda_time, model_dir
 
 from deepinfer_rt import Engine, SamplingParams
 
-_CHUNK = 8192
-"""Prefill tokens per step."""
 SPECS = {"tiny": TINY, "deepseek-v2-lite": V2_LITE, "smollm2-135m": SMOLLM2}
 
 
@@ -83,20 +81,11 @@ def _graph_step_s(engine: Engine, batch: int) -> float | None:
         graphs._graphs[bs].replay()
         engine.model.compute_logits(out).argmax(-1)
 
-    step()
-    times = []
-    for _ in range(20):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        step()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return statistics.median(times)
+    return _cuda_time(step, 20)
 
 
 def _prefill_steps(batch: int, context: int) -> int:
-    return -(-batch * context // _CHUNK)
+    return -(-batch * context // PREFILL_CHUNK)
 
 
 def bench_batch(engine: Engine, timer: _Timer, batch: int, context: int, steps: int, vocab: int,
@@ -165,7 +154,7 @@ def main() -> None:
     dtype = "bfloat16" if args.device == "cuda" else "float32"
     per_req = args.context + args.steps + _prefill_steps(max_bs, args.context) + 64
     engine = Engine(str(path), dtype=dtype, device=args.device, load_format="dummy", max_num_seqs=max_bs,
-                    kv_cache_tokens=max_bs * per_req, chunked_prefill_tokens=_CHUNK)
+                    kv_cache_tokens=max_bs * per_req, chunked_prefill_tokens=PREFILL_CHUNK)
     timer = _Timer(args.device)
     timer.wrap(engine.model, "forward", "forward")
     timer.wrap(engine.model, "compute_logits", "forward")
