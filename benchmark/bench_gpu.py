@@ -150,10 +150,12 @@ def _decode_tokens(batch: int, context: int, steps: int) -> int:
     return steps + -(-batch * context // PREFILL_CHUNK) + 2
 
 
-def bench_decode(engine: Engine, batch: int, context: int, steps: int, copy_bw: float, vocab: int) -> dict:
+def bench_decode(engine: Engine, batch: int, context: int, steps: int, copy_bw: float, vocab: int,
+                 profile_steps: int = 0) -> dict:
     g = torch.Generator().manual_seed(batch)
     prompts = torch.randint(0, vocab, (batch, context), generator=g).tolist()
-    params = SamplingParams(max_new_tokens=_decode_tokens(batch, context, steps), temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_new_tokens=_decode_tokens(batch, context, steps + profile_steps), temperature=0.0,
+                            ignore_eos=True)
     reqs = [r for grp in engine._submit(None, prompts, params) for r in grp]
     while not all(r.num_output_tokens >= 1 for r in reqs):
         engine.step()
@@ -164,22 +166,53 @@ def bench_decode(engine: Engine, batch: int, context: int, steps: int, copy_bw: 
     seconds = time.perf_counter() - t0
     tok_s = (sum(r.num_output_tokens for r in reqs) - n0) / seconds
     full_batch = not any(r.is_finished for r in reqs)
-    while not all(r.is_finished for r in reqs):
-        engine.step()
     floor = decode_floor(engine, batch, context, copy_bw)
     row = {"batch": batch, "context": context, "full_batch_throughout": full_batch, "engine_tok_s": tok_s,
            "floor_tok_s": floor["tok_s"],
            "floor_bytes": floor["bytes"], "fraction_of_floor": tok_s / floor["tok_s"]}
+    if profile_steps:
+        row["step_profile"] = _step_profile(engine, profile_steps)
     graphs = engine.runner.graphs
-    if graphs is not None and batch in graphs._graphs:  # the step that just ran: replay it (inputs kept)
+    if graphs is not None and batch in graphs._graphs:
+        # The step that just ran, every row still decoding: replay it (inputs kept). Replaying rewrites the same
+        # KV slots with the same values.
         out = graphs._outputs[batch]
-        step_s = _cuda_time(lambda: (graphs._graphs[batch].replay(), engine.model.compute_logits(out).argmax(-1)),
-                            20)
+
+        def replay():
+            graphs._graphs[batch].replay()
+            engine.model.compute_logits(out).argmax(-1)
+
+        step_s = _cuda_time(replay, 20)
         row.update(gpu_step_ms=step_s * 1e3, gpu_tok_s=batch / step_s,
                    gpu_fraction_of_floor=(batch / step_s) / floor["tok_s"])
-        row["profile"] = _profile(lambda: (graphs._graphs[batch].replay(),
-                                           engine.model.compute_logits(out).argmax(-1)))
+        row["profile"] = _profile(replay)
+    while not all(r.is_finished for r in reqs):
+        engine.step()
     return row
+
+
+def _step_profile(engine: Engine, steps: int) -> dict:
+    """Every GPU kernel of `steps` real engine steps, in and out of the CUDA graph: kernel time per step beside
+    wall time per step (their gap is time the GPU sat idle), and the top kernels."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    try:
+        _sync()
+        t0 = time.perf_counter()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                engine.step()
+            _sync()
+        wall = time.perf_counter() - t0
+        events = prof.key_averages()
+        kernel_us = sum(e.self_device_time_total for e in events if e.device_type == DeviceType.CUDA)
+        return {"steps": steps, "wall_ms_per_step": wall / steps * 1e3,
+                "kernel_ms_per_step": kernel_us / steps / 1e3,
+                "top": events.table(sort_by="self_cuda_time_total", row_limit=24, max_name_column_width=60
+                                    ).splitlines()}
+    except Exception as e:  # a diagnostic: its failure must not lose the figures
+        return {"error": repr(e)}
 
 
 def _profile(fn) -> list[str] | str:
@@ -259,14 +292,15 @@ def run_model(name: str, spec: dict, args, ceil: dict, result: dict, save) -> No
     section = result.setdefault(name, {})
     max_bs = max(args.batches)
     engine = Engine(str(path), dtype=DTYPE, device=DEVICE, load_format="dummy", max_num_seqs=max_bs,
-                    kv_cache_tokens=max(max_bs, 4) * (args.context + _decode_tokens(max_bs, args.context, args.steps) + 8),
+                    kv_cache_tokens=max(max_bs, 4) * (args.context + 8
+                                                    + _decode_tokens(max_bs, args.context, args.steps + args.profile_steps)),
                     chunked_prefill_tokens=PREFILL_CHUNK,
                     enable_prefix_cache=False)
     try:
         section["decode"] = []
         for batch in args.batches:
             section["decode"].append(bench_decode(engine, batch, args.context, args.steps,
-                                                  ceil["copy_bytes_per_s"], vocab))
+                                                  ceil["copy_bytes_per_s"], vocab, args.profile_steps))
             save()
             print(name, section["decode"][-1], flush=True)
         section["prefill"] = bench_prefill(engine, args.context, 4, ceil["bf16_matmul_flop_per_s"], vocab)
@@ -278,6 +312,8 @@ def run_model(name: str, spec: dict, args, ceil: dict, result: dict, save) -> No
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     save()
+    if not args.hf_batches:
+        return
     try:  # after ours: one model on the GPU at a time
         section["transformers"] = bench_hf(path, args.hf_batches, args.context, args.hf_steps, vocab)
     except Exception:  # a peer failure must not lose our own figures
@@ -290,7 +326,8 @@ def main() -> None:
     parser.add_argument("--out", default="benchmark/results/gpu_h200.json")
     parser.add_argument("--models", nargs="+", default=["deepseek-v2-lite", "smollm2-135m"])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64, 256])
-    parser.add_argument("--hf-batches", type=int, nargs="+", default=[1, 32])
+    parser.add_argument("--hf-batches", type=int, nargs="*", default=[1, 32], help="none: skip the peer")
+    parser.add_argument("--profile-steps", type=int, default=4, help="real engine steps profiled per batch")
     parser.add_argument("--context", type=int, default=2048)
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--hf-steps", type=int, default=8)

@@ -29,9 +29,9 @@ def attention_rows(context: int, num_sms: int) -> list[dict]:
         q = torch.randn(batch, 16, 576, dtype=torch.bfloat16, device="cuda")
         rows_ = torch.arange(batch, dtype=torch.int32, device="cuda")
         lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
-        splits = num_splits_for(batch, 1, num_sms)
-        for block_n in (16, 32, 64):
-            for warps in (4, 8):
+        default_splits = num_splits_for(batch, 1, num_sms)
+        for splits, block_n, warps in [(default_splits, bn, w) for bn in (16, 32, 64) for w in (4, 8)] + \
+                [(s, bn, 4) for s in (2 * default_splits, 4 * default_splits) for bn in (16, 32) if batch < 64]:
                 s = _time(lambda: paged_decode_attention(q, k, k[..., :512], table, rows_, lens, 1, 0.1, splits,
                                                          block_n=block_n, num_warps=warps))
                 rows.append({"kernel": "mla_decode", "batch": batch, "block_n": block_n, "num_warps": warps,
