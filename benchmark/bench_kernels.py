@@ -31,11 +31,11 @@ def attention_rows(context: int, num_sms: int) -> list[dict]:
         lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
         default_splits = num_splits_for(batch, 1, num_sms)
         for splits, block_n, warps in [(default_splits, bn, w) for bn in (16, 32, 64) for w in (4, 8)] + \
-                [(s, bn, 4) for s in (2 * default_splits, 4 * default_splits) for bn in (16, 32) if batch < 64]:
-                s = _time(lambda: paged_decode_attention(q, k, k[..., :512], table, rows_, lens, 1, 0.1, splits,
-                                                         block_n=block_n, num_warps=warps))
-                rows.append({"kernel": "mla_decode", "batch": batch, "block_n": block_n, "num_warps": warps,
-                             "splits": splits, "us": s * 1e6, "bytes_per_s": k.numel() * 2 / s})
+                [(n, bn, 4) for n in (2 * default_splits, 4 * default_splits) for bn in (16, 32) if batch < 64]:
+            s = _time(lambda: paged_decode_attention(q, k, k[..., :512], table, rows_, lens, 1, 0.1, splits,
+                                                     block_n=block_n, num_warps=warps))
+            rows.append({"kernel": "mla_decode", "batch": batch, "block_n": block_n, "num_warps": warps,
+                         "splits": splits, "us": s * 1e6, "bytes_per_s": k.numel() * 2 / s})
         del k, table
     return rows
 
