@@ -57,9 +57,9 @@ def _tuned(kernel):
 # num_pairs is never specialised (to 1 or to multiples of 16): one compiled kernel for every batch.
 @triton.jit(do_not_specialize=["num_pairs"])
 def _gate_up(X, W, H, SortedPairs, BlockExpert, NumPadded, num_pairs, pairs_bucket, top_k, N, K,
-                        stride_xm, stride_we, stride_wn, stride_hm,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        PER_PAIR: tl.constexpr, IEEE: tl.constexpr):
+             stride_xm, stride_we, stride_wn, stride_hm,
+             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+             PER_PAIR: tl.constexpr, IEEE: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pair, e, valid = _pair_rows(SortedPairs, BlockExpert, NumPadded, pid_m, num_pairs, BLOCK_M, PER_PAIR)
@@ -95,9 +95,9 @@ def _gate_up(X, W, H, SortedPairs, BlockExpert, NumPadded, num_pairs, pairs_buck
 
 @triton.jit(do_not_specialize=["num_pairs"])
 def _down(H, W, Y, TopkWeights, SortedPairs, BlockExpert, NumPadded, num_pairs, pairs_bucket, N, K,
-                     stride_hm, stride_we, stride_wn, stride_ym,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     PER_PAIR: tl.constexpr, IEEE: tl.constexpr):
+          stride_hm, stride_we, stride_wn, stride_ym,
+          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+          PER_PAIR: tl.constexpr, IEEE: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pair, e, valid = _pair_rows(SortedPairs, BlockExpert, NumPadded, pid_m, num_pairs, BLOCK_M, PER_PAIR)
