@@ -3,11 +3,21 @@ each kernel must read, beside the device copy bandwidth measured in the same run
 attention's tile (BLOCK_N) and warps show which to use.
 
     python benchmark/bench_kernels.py --out benchmark/results/gpu_kernels_h200.json
+
+`--only moe_invariant` times the batch-invariant fused MoE beside the default (autotuned) one at V2-Lite shapes,
+T = 1 .. 4096 tokens, with the floor max(bytes of the touched experts / copy bandwidth, FLOPs / bf16 matmul
+rate), both ceilings measured in the same run. On CPU (`--device cpu`, under TRITON_INTERPRET=1, tiny shapes: a
+smoke run, no timing worth reading) the peer is RoutedExperts' torch path, since the autotuner needs a GPU.
+
+    python benchmark/bench_kernels.py --device cuda --only moe_invariant --out benchmark/results/gpu_moe_invariant_h200.json
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import statistics
+import time
 from pathlib import Path
 
 import torch
@@ -15,6 +25,8 @@ import triton
 
 from deepinfer_kernels.decode_attention import num_splits_for, paged_decode_attention
 from deepinfer_kernels.fused_moe import fused_moe
+from deepinfer_rt.layers import batch_invariant
+from deepinfer_rt.layers.moe import RoutedExperts
 
 
 def _time(fn) -> float:
@@ -56,11 +68,77 @@ def moe_rows() -> list[dict]:
     return rows
 
 
+def _time_any(fn, device: str) -> float:
+    """Seconds per call: CUDA events on the GPU, else the median of 3 wall-clock calls."""
+    if device.startswith("cuda"):
+        return _time(fn)
+    fn()
+    return statistics.median(_wall(fn) for _ in range(3))
+
+
+def _wall(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def ceilings(device: str, numel: int) -> tuple[float, float]:
+    """(copy bytes/s, bf16 matmul FLOP/s) measured now on `device`."""
+    src = torch.randn(numel, dtype=torch.bfloat16, device=device)
+    dst = torch.empty_like(src)
+    copy_bw = 2 * src.numel() * 2 / _time_any(lambda: dst.copy_(src), device)
+    n = 8192 if device.startswith("cuda") else 512
+    a = torch.randn(n, n, dtype=torch.bfloat16, device=device)
+    return copy_bw, 2 * n**3 / _time_any(lambda: a @ a, device)
+
+
+def moe_invariant_rows(device: str, copy_bw: float, mm_rate: float) -> list[dict]:
+    """Batch-invariant fused MoE beside the default fused MoE (the torch path on CPU), uniform random routing."""
+    on_cuda = device.startswith("cuda")
+    e, hidden, inter, topk = (64, 2048, 1408, 6) if on_cuda else (8, 64, 48, 3)
+    dtype = torch.bfloat16 if on_cuda else torch.float32  # the interpreter multiplies bf16 as raw integers
+    experts = RoutedExperts(e, hidden, inter).to(device, dtype).requires_grad_(False)
+    experts.gate_up_proj.normal_(0, 0.02)
+    experts.down_proj.normal_(0, 0.02)
+    gate_up, down = experts.gate_up_proj, experts.down_proj
+    rows = []
+    for batch in (1, 16, 64, 256, 4096) if on_cuda else (1, 16):
+        x = torch.randn(batch, hidden, dtype=dtype, device=device)
+        weights, ids = torch.rand(batch, e, device=device).topk(topk, dim=-1)
+        touched = int(ids.unique().numel())
+        invariant = _time_any(lambda: fused_moe(x, gate_up, down, weights, ids, batch_invariant=True), device)
+        if on_cuda:
+            peer = _time_any(lambda: fused_moe(x, gate_up, down, weights, ids), device)
+        else:
+            with batch_invariant.batch_invariant_mode():
+                peer = _time_any(lambda: experts(x, weights, ids), device)
+        floor = max(touched * (gate_up[0].numel() + down[0].numel()) * gate_up.element_size() / copy_bw,
+                    2 * batch * topk * 3 * hidden * inter / mm_rate)
+        rows.append({"kernel": "fused_moe_invariant", "batch": batch, "experts_touched": touched,
+                     "us": invariant * 1e6, "peer": "fused_moe" if on_cuda else "torch_invariant",
+                     "peer_us": peer * 1e6, "ratio_to_peer": invariant / peer, "floor_us": floor * 1e6,
+                     "fraction_of_floor": floor / invariant, "peer_fraction_of_floor": floor / peer})
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="benchmark/results/gpu_kernels_h200.json")
     parser.add_argument("--context", type=int, default=2048)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--only", choices=["kernels", "moe_invariant"], default="kernels",
+                        help="kernels: the default fused MoE and the decode attention variants")
     args = parser.parse_args()
+    if args.only == "moe_invariant":
+        if args.device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise SystemExit("--device cpu runs the Triton kernels in the interpreter: set TRITON_INTERPRET=1")
+        copy_bw, mm_rate = ceilings(args.device, 1 << 29 if args.device.startswith("cuda") else 1 << 22)
+        rows = moe_invariant_rows(args.device, copy_bw, mm_rate)
+        for r in rows:
+            print({k: round(v, 3) if isinstance(v, float) else v for k, v in r.items()}, flush=True)
+        Path(args.out).write_text(json.dumps({"device": args.device, "copy_bytes_per_s": copy_bw,
+                                              "matmul_flop_per_s": mm_rate, "rows": rows}, indent=1))
+        return
     src = torch.randn(1 << 29, dtype=torch.bfloat16, device="cuda")
     dst = torch.empty_like(src)
     copy_bw = 2 * src.numel() * 2 / _time(lambda: dst.copy_(src))

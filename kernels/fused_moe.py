@@ -9,6 +9,13 @@ read once per block of its tokens. `moe_align` builds the sorted order on the de
 graphs capture it): each expert's pairs are padded to a multiple of BLOCK_M; padding rows hold the sentinel
 pair id `num_pairs` and are masked. With only a few pairs (small decode batches) sorting costs more than it
 saves: each pair then gets its own block (`per_pair`), which needs no align kernels at all.
+
+Batch-invariant mode (`batch_invariant=True`) gives each (token, slot) pair the same result whatever else is in
+the batch: one tile configuration per dtype (`invariant_tiles`: no autotuning, no choice by pair count, always
+sorted), each row's K loop in the same BLOCK_K steps with no split-K; a row of a tile's tl.dot depends only on
+its own inputs, so which pairs share its block does not matter. The top-k weight scales each pair's fp32 result
+in the down kernel, and a token's k slots are summed in slot order (`_combine_kernel`), not by a torch reduction
+whose vectorisation may change with the number of tokens.
 """
 from __future__ import annotations
 
@@ -47,12 +54,12 @@ def _tuned(kernel):
     return triton.autotune(configs, key=["N", "K", "pairs_bucket", "BLOCK_M", "PER_PAIR"], warmup=5, rep=20)(kernel)
 
 
-@_tuned
-@triton.jit
-def _moe_gate_up_kernel(X, W, H, SortedPairs, BlockExpert, NumPadded, num_pairs, pairs_bucket, top_k, N, K,
-                        stride_xm, stride_we, stride_wn, stride_hm,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        PER_PAIR: tl.constexpr, IEEE: tl.constexpr):
+# num_pairs is never specialised (to 1 or to multiples of 16): one compiled kernel for every batch.
+@triton.jit(do_not_specialize=["num_pairs"])
+def _gate_up(X, W, H, SortedPairs, BlockExpert, NumPadded, num_pairs, pairs_bucket, top_k, N, K,
+             stride_xm, stride_we, stride_wn, stride_hm,
+             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+             PER_PAIR: tl.constexpr, IEEE: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pair, e, valid = _pair_rows(SortedPairs, BlockExpert, NumPadded, pid_m, num_pairs, BLOCK_M, PER_PAIR)
@@ -86,12 +93,11 @@ def _moe_gate_up_kernel(X, W, H, SortedPairs, BlockExpert, NumPadded, num_pairs,
                  mask=mmask[:, None] & nmask[None, :])
 
 
-@_tuned
-@triton.jit
-def _moe_down_kernel(H, W, Y, TopkWeights, SortedPairs, BlockExpert, NumPadded, num_pairs, pairs_bucket, N, K,
-                     stride_hm, stride_we, stride_wn, stride_ym,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     PER_PAIR: tl.constexpr, IEEE: tl.constexpr):
+@triton.jit(do_not_specialize=["num_pairs"])
+def _down(H, W, Y, TopkWeights, SortedPairs, BlockExpert, NumPadded, num_pairs, pairs_bucket, N, K,
+          stride_hm, stride_we, stride_wn, stride_ym,
+          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+          PER_PAIR: tl.constexpr, IEEE: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pair, e, valid = _pair_rows(SortedPairs, BlockExpert, NumPadded, pid_m, num_pairs, BLOCK_M, PER_PAIR)
@@ -117,6 +123,9 @@ def _moe_down_kernel(H, W, Y, TopkWeights, SortedPairs, BlockExpert, NumPadded, 
         acc *= tl.load(TopkWeights + pair64, mask=mmask, other=0.0)[:, None]
         tl.store(Y + pair64[:, None] * stride_ym + offs_n[None, :], acc.to(Y.dtype.element_ty),
                  mask=mmask[:, None] & nmask[None, :])
+
+
+_moe_gate_up_kernel, _moe_down_kernel = _tuned(_gate_up), _tuned(_down)
 
 
 def moe_align(ids: torch.Tensor, num_experts: int, block_m: int
@@ -149,15 +158,18 @@ def _block_m(num_pairs: int, num_experts: int) -> int:
 
 
 def fused_moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,
-              ids: torch.Tensor) -> torch.Tensor:
+              ids: torch.Tensor, batch_invariant: bool = False) -> torch.Tensor:
     """x (T, H); gate_up (E, 2I, H) = per expert [gate; up]; down (E, H, I); weights (T, k) fp32; ids (T, k).
-    Returns sum_k weights * down(silu(gate x) * up x), (T, H) in x's dtype."""
+    Returns sum_k weights * down(silu(gate x) * up x), (T, H) in x's dtype. batch_invariant: each token's
+    result is bitwise the same for any batch (see the module docstring)."""
     t, k = ids.shape
     e, two_i, hidden = gate_up.shape
     inter = two_i // 2
     num_pairs = t * k
     if not (x.is_contiguous() and gate_up.is_contiguous() and down.is_contiguous()):
         raise ValueError("fused_moe needs contiguous x and expert weights")
+    if batch_invariant:
+        return _fused_moe_invariant(x, gate_up, down, weights, ids)
     block_m = _block_m(num_pairs, e)
     per_pair = num_pairs <= PER_PAIR_MAX
     if per_pair:
@@ -178,3 +190,56 @@ def fused_moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weight
         inter, h.stride(0), down.stride(0), down.stride(1), y.stride(0), BLOCK_M=block_m, PER_PAIR=per_pair,
         IEEE=x.dtype == torch.float32)
     return y.view(t, k, hidden).sum(dim=1, dtype=torch.float32).to(x.dtype)
+
+
+def invariant_tiles(dtype: torch.dtype) -> dict:
+    """The one tile configuration of batch-invariant mode for a dtype, whatever the batch (BLOCK_M fixes the
+    expert padding of moe_align too). 16-bit: decode reads each touched expert's weights once whatever BLOCK_M,
+    and BLOCK_N 64 spreads V2-Lite's six decode experts over the H200's 132 SMs (6 x 1408/64 = 132 gate_up
+    programs); BLOCK_M 32 halves the padding rows' tensor-core work at decode against 64, and halves the weight
+    tile re-reads from L2 at prefill (hundreds of pairs per expert) against 16. fp32 (full-precision products
+    on CUDA cores) wants smaller K tiles for its registers and shared memory."""
+    if dtype == torch.float32:
+        return dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=2)
+    return dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3)
+
+
+COMBINE_BLOCK = 1024
+
+
+@triton.jit
+def _combine_kernel(Y, Out, hidden, TOP_K: tl.constexpr, BLOCK: tl.constexpr):
+    """out[t] = y[t, 0] + y[t, 1] + ... + y[t, k-1]: fp32 adds in slot order, one rounding at the store."""
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < hidden
+    rows = Y + t * TOP_K * hidden + cols
+    acc = tl.load(rows, mask=mask, other=0.0).to(tl.float32)
+    for j in tl.static_range(1, TOP_K):
+        acc += tl.load(rows + j * hidden, mask=mask, other=0.0).to(tl.float32)
+    tl.store(Out + t * hidden + cols, acc.to(Out.dtype.element_ty), mask=mask)
+
+
+def _fused_moe_invariant(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,
+                         ids: torch.Tensor) -> torch.Tensor:
+    t, k = ids.shape
+    e, two_i, hidden = gate_up.shape
+    inter = two_i // 2
+    num_pairs = t * k
+    tiles = invariant_tiles(x.dtype)
+    block_m, block_n = tiles["BLOCK_M"], tiles["BLOCK_N"]
+    sorted_pairs, block_expert, num_padded = moe_align(ids, e, block_m)
+    num_blocks = sorted_pairs.numel() // block_m
+    h = x.new_empty(num_pairs, inter)
+    y = x.new_empty(num_pairs, hidden)
+    ieee = x.dtype == torch.float32
+    # The kernels unwrapped from their autotuner (whose key pairs_bucket is then unused: 0).
+    _gate_up[(num_blocks, triton.cdiv(inter, block_n))](
+        x, gate_up, h, sorted_pairs, block_expert, num_padded, num_pairs, 0, k, inter, hidden,
+        x.stride(0), gate_up.stride(0), gate_up.stride(1), h.stride(0), PER_PAIR=False, IEEE=ieee, **tiles)
+    _down[(num_blocks, triton.cdiv(hidden, block_n))](
+        h, down, y, weights.flatten().float(), sorted_pairs, block_expert, num_padded, num_pairs, 0, hidden,
+        inter, h.stride(0), down.stride(0), down.stride(1), y.stride(0), PER_PAIR=False, IEEE=ieee, **tiles)
+    out = x.new_empty(t, hidden)
+    _combine_kernel[(t, triton.cdiv(hidden, COMBINE_BLOCK))](y, out, hidden, TOP_K=k, BLOCK=COMBINE_BLOCK)
+    return out

@@ -3,8 +3,10 @@
 # stages named in STAGES (default bench,tests,kernel_bench,ep): the GPU benchmark, test/gpu/, the kernel
 # micro-benchmark, and on a machine with two GPUs the expert-parallel check (scripts/gpu_ep_check.sh); the
 # `determinism` stage (batch-invariant mode on vs off, SmolLM2- and V2-Lite-shaped) and the `host` stage (host
-# time per decode step, overlap off and on, V2-Lite shape) run when named.
-# Logs and JSON land in $OUT. Stage time limits (seconds): BENCH_S, TEST_S, KERNEL_BENCH_S, EP_S, DET_S, HOST_S.
+# time per decode step, overlap off and on, V2-Lite shape) and the `moe_invariant` stage (batch-invariant fused
+# MoE beside the default one, V2-Lite shapes) run when named.
+# Logs and JSON land in $OUT. Stage time limits (seconds): BENCH_S, TEST_S, KERNEL_BENCH_S, EP_S, DET_S, HOST_S,
+# MOE_BI_S.
 #   device tool:  run(command="bash scripts/gpu_check.sh", carry=[".whl"])          (one H200)
 #                 run(command="STAGES=tests,ep bash scripts/gpu_check.sh", kind="nvidia-h200-x2", carry=[".whl"])
 set -u
@@ -43,6 +45,11 @@ if [[ $STAGES == *,host,* ]]; then
   timeout "${HOST_S:-150}" python3 benchmark/bench_host.py --device cuda --model deepseek-v2-lite --context 2048 \
     --steps 16 --out "$OUT/host_h200.json" > "$OUT/host.log" 2>&1
   tail -n 12 "$OUT/host.log"
+fi
+if [[ $STAGES == *,moe_invariant,* ]]; then
+  timeout "${MOE_BI_S:-180}" python3 benchmark/bench_kernels.py --device cuda --only moe_invariant \
+    --out "$OUT/gpu_moe_invariant_h200.json" > "$OUT/moe_invariant.log" 2>&1
+  tail -n 6 "$OUT/moe_invariant.log"
 fi
 if [[ $STAGES == *,ep,* ]] && [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
   OUT=$OUT timeout "${EP_S:-400}" bash scripts/gpu_ep_check.sh > "$OUT/ep.log" 2>&1

@@ -38,7 +38,8 @@ def select_experts(router_logits: torch.Tensor, top_k: int, *, scoring_func: str
     The weights are the chosen experts' unbiased scores, renormalised to sum 1 if norm_topk_prob, times
     routed_scaling_factor. Ids come sorted so that experts are combined in a fixed order.
     """
-    if router_logits.is_cuda and not batch_invariant.is_enabled() and scoring_func in ("softmax", "sigmoid") \
+    # The routing kernel computes each token in its own program with tiles fixed by E and k: batch-invariant too.
+    if router_logits.is_cuda and scoring_func in ("softmax", "sigmoid") \
             and topk_method in ("greedy", "group_limited_greedy", "noaux_tc") \
             and (topk_method != "noaux_tc" or correction_bias is not None):
         from deepinfer_kernels.moe_router import route  # one kernel instead of about seven small ones
@@ -118,10 +119,11 @@ class RoutedExperts(nn.Module):
         Torch reference: (token, slot) pairs are sorted by expert, each expert that received tokens runs one
         matmul over its contiguous rows, and the k results of a token are summed in slot (= expert id) order.
         """
-        if on_gpu(x) and not batch_invariant.is_enabled():
+        if on_gpu(x):
             from deepinfer_kernels.fused_moe import fused_moe
 
-            return fused_moe(x.contiguous(), self.gate_up_proj, self.down_proj, weights, ids)
+            return fused_moe(x.contiguous(), self.gate_up_proj, self.down_proj, weights, ids,
+                             batch_invariant=batch_invariant.is_enabled())
         t, k = ids.shape
         flat = ids.flatten()
         order = flat.argsort(stable=True)  # (T*k,) pair indices grouped by expert
