@@ -5,8 +5,8 @@
     out[tok] = sum over the token's k slots of y                              (fp32 sum)
 
 Each program owns BLOCK_M sorted rows of one expert and BLOCK_N output columns, so an expert's weights are
-read once per block of its tokens. `moe_align` builds the sorted order on the device with no host sync (CUDA
-graphs capture it): each expert's pairs are padded to a multiple of BLOCK_M; padding rows hold the sentinel
+read once per block of its tokens. `moe_align` (deepinfer_kernels.moe_align, one launch) builds the sorted order on
+the device with no host sync (CUDA graphs capture it): each expert's pairs are padded to a multiple of BLOCK_M; padding rows hold the sentinel
 pair id `num_pairs` and are masked. With only a few pairs (small decode batches) sorting costs more than it
 saves: each pair then gets its own block (`per_pair`), which needs no align kernels at all.
 
@@ -22,6 +22,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from deepinfer_kernels.moe_align import moe_align
 
 # Up to this many (token, slot) pairs each pair gets its own block instead of being sorted.
 PER_PAIR_MAX = 16
@@ -128,9 +130,10 @@ def _down(H, W, Y, TopkWeights, SortedPairs, BlockExpert, NumPadded, num_pairs, 
 _moe_gate_up_kernel, _moe_down_kernel = _tuned(_gate_up), _tuned(_down)
 
 
-def moe_align(ids: torch.Tensor, num_experts: int, block_m: int
-              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """ids (T, k) -> (sorted pair ids padded per expert to block_m with the sentinel T*k, expert of each
+def moe_align_torch(ids: torch.Tensor, num_experts: int, block_m: int
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The torch form of `deepinfer_kernels.moe_align.moe_align` (about ten kernels; the reference in tests):
+    ids (T, k) -> (sorted pair ids padded per expert to block_m with the sentinel T*k, expert of each
     block, number of used padded rows as a 1-element tensor). Device ops only, no host sync."""
     flat = ids.flatten()
     num_pairs = flat.numel()

@@ -63,17 +63,22 @@ def test_fused_moe(num_tokens):
 @pytest.mark.parametrize("num_tokens,num_experts,k,block_m", [(50, 8, 2, 16), (64, 64, 6, 32), (256, 64, 6, 64),
                                                                (500, 256, 8, 64), (3, 160, 6, 16)])
 def test_moe_align_sorts_pairs_by_expert(num_tokens, num_experts, k, block_m):
-    from deepinfer_kernels.fused_moe import moe_align
+    from deepinfer_kernels.fused_moe import moe_align, moe_align_torch
 
     torch.manual_seed(num_tokens)
     ids = torch.rand(num_tokens, num_experts, device=DEV).pow(4).topk(k, dim=-1).indices  # skewed, distinct per row
     got = moe_align(ids, num_experts, block_m)
     flat = ids.flatten()
-    pairs = got[0][: int(got[2])].view(-1, block_m)
+    used = int(got[2])
+    pairs = got[0][:used].view(-1, block_m)
     for b in range(pairs.shape[0]):
         real = pairs[b][pairs[b] < flat.numel()]
         assert (flat[real.long()] == got[1][b]).all()
-    assert sorted(got[0][got[0] < flat.numel()].tolist()) == list(range(flat.numel()))
+    assert sorted(got[0][:used][got[0][:used] < flat.numel()].tolist()) == list(range(flat.numel()))
+    ref = moe_align_torch(ids, num_experts, block_m)  # the same rows, in the same (stable) order
+    assert int(ref[2]) == used
+    assert torch.equal(got[0][:used].long(), ref[0][:used].long())
+    assert torch.equal(got[1][: used // block_m].long(), ref[1][: used // block_m].long())
 
 
 ROUTER_CASES = {  # (experts, k, scoring, method, groups, kept groups, renormalise, scaling): V2-Lite, V2, V3
