@@ -34,20 +34,25 @@ def _time(fn) -> float:
 
 
 def attention_rows(context: int, num_sms: int) -> list[dict]:
+    """MLA decode (16 heads, 512 + 64 latent) over `context` keys per sequence, laid out as the engine's pool
+    does (each sequence's slots contiguous), for the engine's choice of splits and tile and the variants around
+    it."""
     rows = []
-    for batch in (1, 64, 256):
+    for batch in (1, 16, 64, 256):
         k = torch.randn(batch * context, 1, 576, dtype=torch.bfloat16, device="cuda")
-        table = torch.randperm(batch * context, device="cuda").view(batch, context).to(torch.int32)
+        table = torch.arange(batch * context, device="cuda", dtype=torch.int32).view(batch, context)
         q = torch.randn(batch, 16, 576, dtype=torch.bfloat16, device="cuda")
         rows_ = torch.arange(batch, dtype=torch.int32, device="cuda")
         lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
         default_splits = num_splits_for(batch, 1, num_sms)
-        for splits, block_n, warps in [(default_splits, bn, w) for bn in (16, 32, 64) for w in (4, 8)] + \
-                [(n, bn, 4) for n in (2 * default_splits, 4 * default_splits) for bn in (16, 32) if batch < 64]:
-            s = _time(lambda: paged_decode_attention(q, k, k[..., :512], table, rows_, lens, 1, 0.1, splits,
-                                                     block_n=block_n, num_warps=warps))
-            rows.append({"kernel": "mla_decode", "batch": batch, "block_n": block_n, "num_warps": warps,
-                         "splits": splits, "us": s * 1e6, "bytes_per_s": k.numel() * 2 / s})
+        for splits in sorted({max(1, default_splits // 2), default_splits, 2 * default_splits}):
+            for block_n in (32, 64):
+                for warps in (4, 8):
+                    s = _time(lambda: paged_decode_attention(q, k, k[..., :512], table, rows_, lens, 1, 0.1,
+                                                             splits, block_n=block_n, num_warps=warps))
+                    rows.append({"kernel": "mla_decode", "batch": batch, "block_n": block_n, "num_warps": warps,
+                                 "splits": splits, "engine_choice": splits == default_splits,
+                                 "us": s * 1e6, "bytes_per_s": k.numel() * 2 / s})
         del k, table
     return rows
 
