@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from deepinfer_kernels.moe_align import moe_align
+from deepinfer_kernels.moe_align import MAX_PAIRS, moe_align
 
 # Up to this many (token, slot) pairs each pair gets its own block instead of being sorted.
 PER_PAIR_MAX = 16
@@ -153,6 +153,12 @@ def moe_align_torch(ids: torch.Tensor, num_experts: int, block_m: int
     return sorted_pairs, block_expert.to(torch.int32), pad_end[-1:]
 
 
+def _align(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The one-launch kernel at decode sizes, the torch form's parallel sort at prefill sizes (same result)."""
+    align = moe_align if ids.numel() <= MAX_PAIRS else moe_align_torch
+    return align(ids, num_experts, block_m)
+
+
 def _block_m(num_pairs: int, num_experts: int) -> int:
     """Rows per block: about the pairs an expert receives (padding rows cost compute, not weight reads)."""
     if num_pairs <= PER_PAIR_MAX or num_pairs < 4 * num_experts:
@@ -179,7 +185,7 @@ def fused_moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weight
         sorted_pairs, block_expert, num_padded = ids, ids.flatten(), ids  # the flat ids double as block experts
         num_blocks = num_pairs
     else:
-        sorted_pairs, block_expert, num_padded = moe_align(ids, e, block_m)
+        sorted_pairs, block_expert, num_padded = _align(ids, e, block_m)
         num_blocks = sorted_pairs.numel() // block_m
     h = x.new_empty(num_pairs, inter)
     y = x.new_empty(num_pairs, hidden)
@@ -231,7 +237,7 @@ def _fused_moe_invariant(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Ten
     num_pairs = t * k
     tiles = invariant_tiles(x.dtype)
     block_m, block_n = tiles["BLOCK_M"], tiles["BLOCK_N"]
-    sorted_pairs, block_expert, num_padded = moe_align(ids, e, block_m)
+    sorted_pairs, block_expert, num_padded = _align(ids, e, block_m)
     num_blocks = sorted_pairs.numel() // block_m
     h = x.new_empty(num_pairs, inter)
     y = x.new_empty(num_pairs, hidden)

@@ -4,8 +4,8 @@ The torch form (`fused_moe.moe_align_torch`) is about ten kernels (histogram, tw
 scatters, a search); at decode sizes they cost more than the expert GEMMs they feed save. Here one program per
 expert does all of its part:
 
-    counts   every program counts all experts' pairs (the ids are at most a few tens of KB, read from L2),
-             so each knows its own padded start without a second launch or a global barrier;
+    counts   every program histograms all experts' pairs (the ids are a few KB at decode, read from L2), so
+             each knows its own padded start without a second launch or a global barrier;
     scatter  its pairs, in pair order (the stable order of the torch form), to its rows of the sorted list;
     pad      its padding rows (the sentinel pair id `num_pairs`) and the expert id of each of its blocks.
 
@@ -27,8 +27,10 @@ def _moe_align_kernel(Ids, SortedPairs, BlockExpert, NumPadded, num_pairs, num_e
     counts = tl.zeros([BLOCK_E], tl.int32)
     for p0 in range(0, num_pairs, BLOCK_P):
         offs = p0 + tl.arange(0, BLOCK_P)
-        ids = tl.load(Ids + offs, mask=offs < num_pairs, other=-1)
-        counts += tl.sum((ids[:, None] == experts[None, :]).to(tl.int32), 0)
+        # Lanes past the end count as expert 0 and are taken off again below (no masked histogram needed).
+        counts += tl.histogram(tl.load(Ids + offs, mask=offs < num_pairs, other=0).to(tl.int32), BLOCK_E)
+    over = tl.cdiv(num_pairs, BLOCK_P) * BLOCK_P - num_pairs
+    counts -= tl.where(experts == 0, over, 0)
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     start = tl.sum(tl.where(experts < e, padded, 0), 0)
     count = tl.sum(tl.where(experts == e, counts, 0), 0)
@@ -48,6 +50,11 @@ def _moe_align_kernel(Ids, SortedPairs, BlockExpert, NumPadded, num_pairs, num_e
         tl.store(NumPadded, end)
 
 
+MAX_PAIRS = 4096
+"""Above this many pairs (prefill) every program's serial passes over all ids cost more than the torch form's
+parallel sort; `fused_moe` then uses the torch form."""
+
+
 def moe_align(ids: torch.Tensor, num_experts: int, block_m: int
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """ids (T, k) -> (sorted pair ids padded per expert to block_m with the sentinel T*k, expert of each
@@ -58,9 +65,8 @@ def moe_align(ids: torch.Tensor, num_experts: int, block_m: int
     sorted_pairs = torch.empty(max_rows, dtype=torch.int32, device=flat.device)
     block_expert = torch.zeros(max_rows // block_m, dtype=torch.int32, device=flat.device)
     num_padded = torch.empty(1, dtype=torch.int32, device=flat.device)
-    block_e = triton.next_power_of_2(num_experts)
-    # The (pairs x experts) compare of the count pass lives in registers: about 16K elements per program.
-    block_p = max(16, min(1024, 16384 // block_e, triton.next_power_of_2(num_pairs)))
+    block_p = max(16, min(1024, triton.next_power_of_2(num_pairs)))
     _moe_align_kernel[(num_experts,)](flat, sorted_pairs, block_expert, num_padded, num_pairs, num_experts,
-                                      BLOCK_M=block_m, BLOCK_P=block_p, BLOCK_E=block_e, num_warps=4)
+                                      BLOCK_M=block_m, BLOCK_P=block_p, BLOCK_E=triton.next_power_of_2(num_experts),
+                                      num_warps=8 if block_p >= 512 else 4)
     return sorted_pairs, block_expert, num_padded

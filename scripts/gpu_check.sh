@@ -6,7 +6,7 @@
 # time per decode step, overlap off and on, V2-Lite shape) and the `moe_invariant` stage (batch-invariant fused
 # MoE beside the default one, V2-Lite shapes) run when named.
 # Logs and JSON land in $OUT. Stage time limits (seconds): BENCH_S, TEST_S, KERNEL_BENCH_S, EP_S, DET_S, HOST_S,
-# MOE_BI_S.
+# MOE_BI_S. TEST_ARGS: the pytest targets of the tests stage (default test/gpu).
 #   device tool:  run(command="bash scripts/gpu_check.sh", carry=[".whl"])          (one H200)
 #                 run(command="STAGES=tests,ep bash scripts/gpu_check.sh", kind="nvidia-h200-x2", carry=[".whl"])
 set -u
@@ -26,7 +26,7 @@ if [[ $STAGES == *,bench,* ]]; then
   tail -n 16 "$OUT/bench.log"
 fi
 if [[ $STAGES == *,tests,* ]]; then
-  timeout "${TEST_S:-300}" python3 -m pytest -q -p no:cacheprovider -rf test/gpu > "$OUT/test_gpu.log" 2>&1
+  timeout "${TEST_S:-300}" python3 -m pytest -q -p no:cacheprovider -rf ${TEST_ARGS:-test/gpu} > "$OUT/test_gpu.log" 2>&1
   tail -n 12 "$OUT/test_gpu.log"
 fi
 if [[ $STAGES == *,kernel_bench,* ]]; then

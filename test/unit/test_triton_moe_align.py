@@ -14,7 +14,7 @@ _ALIGN = textwrap.dedent("""
     import torch
     from deepinfer_kernels.fused_moe import moe_align_torch
     from deepinfer_kernels.moe_align import moe_align
-    cases = [(1, 6, 64, 16), (7, 6, 64, 16), (40, 2, 8, 32), (300, 8, 16, 64), (5, 4, 256, 16)]
+    cases = [(1, 6, 64, 16), (7, 6, 64, 16), (40, 2, 8, 32), (300, 8, 16, 64), (5, 4, 256, 16), (700, 6, 64, 32)]
     for seed, (t, k, e, block_m) in enumerate(cases):
         g = torch.Generator().manual_seed(seed)
         ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
