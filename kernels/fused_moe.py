@@ -2,7 +2,7 @@
 
     gate_up: h[pair] = silu(x[tok] @ W_gate[e]^T) * (x[tok] @ W_up[e]^T)     (one kernel, both halves)
     down:    y[pair] = weight[pair] * (h[pair] @ W_down[e]^T)
-    out[tok] = sum over the token's k slots of y                              (fp32 sum)
+    out[tok] = sum over the token's k slots of y, in slot order               (fp32 sum, one kernel)
 
 Each program owns BLOCK_M sorted rows of one expert and BLOCK_N output columns, so an expert's weights are
 read once per block of its tokens. `moe_align` (deepinfer_kernels.moe_align, one launch) builds the sorted order on
@@ -198,7 +198,7 @@ def fused_moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weight
         h, down, y, weights.flatten().float(), sorted_pairs, block_expert, num_padded, num_pairs, bucket, hidden,
         inter, h.stride(0), down.stride(0), down.stride(1), y.stride(0), BLOCK_M=block_m, PER_PAIR=per_pair,
         IEEE=x.dtype == torch.float32)
-    return y.view(t, k, hidden).sum(dim=1, dtype=torch.float32).to(x.dtype)
+    return _combine(y, t, k, hidden)
 
 
 def invariant_tiles(dtype: torch.dtype) -> dict:
@@ -249,6 +249,12 @@ def _fused_moe_invariant(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Ten
     _down[(num_blocks, triton.cdiv(hidden, block_n))](
         h, down, y, weights.flatten().float(), sorted_pairs, block_expert, num_padded, num_pairs, 0, hidden,
         inter, h.stride(0), down.stride(0), down.stride(1), y.stride(0), PER_PAIR=False, IEEE=ieee, **tiles)
-    out = x.new_empty(t, hidden)
-    _combine_kernel[(t, triton.cdiv(hidden, COMBINE_BLOCK))](y, out, hidden, TOP_K=k, BLOCK=COMBINE_BLOCK)
+    return _combine(y, t, k, hidden)
+
+
+def _combine(y: torch.Tensor, t: int, k: int, hidden: int) -> torch.Tensor:
+    """(T*k, H) weighted expert outputs -> (T, H): each token's k rows summed in slot order, in fp32."""
+    out = y.new_empty(t, hidden)
+    if t:
+        _combine_kernel[(t, triton.cdiv(hidden, COMBINE_BLOCK))](y, out, hidden, TOP_K=k, BLOCK=COMBINE_BLOCK)
     return out
