@@ -10,6 +10,13 @@ a second kernel merges the splits by their log-sum-exp. K's columns come as a po
 (latent, or the whole head) plus an optional power-of-two tail (MLA's rope part); MLA's V is K's head part,
 so it is reused from registers instead of being loaded again. Empty rows (seq_len 0, CUDA-graph padding)
 yield zeros.
+
+Fixed-split mode (`paged_decode_attention_fixed`, batch-invariant attention): the default mode picks the split
+count and tile size from the batch size, which moves a row's split points and so its rounding. Here split s
+of every row covers absolute positions [s * FIXED_SPLIT_SIZE, (s + 1) * FIXED_SPLIT_SIZE), tiles and warps
+depend on the head dims only, and a second kernel merges the row's own splits one after another in ascending
+order. The grid's split count only has to cover the longest row (programs past a row's end do nothing), so a
+CUDA graph captures the count of its longest context.
 """
 from __future__ import annotations
 
