@@ -8,9 +8,15 @@ Host work per step is kept proportional to the batch, not to its context: each r
 a persistent device page table, and only pages added since the last step are uploaded (a request whose page
 list was replaced -- retracted, re-admitted -- is uploaded again). The per-row inputs (token, position, store
 slot, table row, KV length) go up in one pinned, non-blocking copy, so preparing a step never waits on the GPU.
+
+In batch-invariant mode the graphs are captured with the invariant layers and the backend's fixed-split
+attention (its split count covers `max_context`), so a replayed step is bitwise an eager one. A model whose
+decode step reads values back to the host in that mode (the torch expert loop of MoE layers) cannot be
+captured; such a runner captures nothing and every step runs eagerly.
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -18,6 +24,7 @@ import torch
 
 from deepinfer_rt.cache.kv_pool import KVPool
 from deepinfer_rt.forward_batch import ForwardBatch
+from deepinfer_rt.layers.batch_invariant import batch_invariant_mode
 from deepinfer_rt.models.base import CausalLM
 from deepinfer_rt.overlap import resolve_placeholders
 from deepinfer_rt.request import Req
@@ -26,6 +33,7 @@ from deepinfer_rt.scheduler.batch import ScheduledBatch
 if TYPE_CHECKING:  # the Triton backend imports triton, which CPU installs may lack
     from deepinfer_rt.layers.attention.triton import TritonBackend
 
+logger = logging.getLogger("deepinfer_rt")
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
 _TOKEN, _POS, _SLOT, _ROW, _LEN = range(5)
 
@@ -94,7 +102,8 @@ class PageTable:
 
 class CudaGraphRunner:
     def __init__(self, model: CausalLM, pool: KVPool, backend: "TritonBackend", max_batch_size: int,
-                 max_context: int, batch_sizes: tuple[int, ...] = DEFAULT_BATCH_SIZES):
+                 max_context: int, batch_sizes: tuple[int, ...] = DEFAULT_BATCH_SIZES,
+                 batch_invariant: bool = False):
         self.model = model
         self.pool = pool
         self.backend = backend
@@ -111,7 +120,8 @@ class CudaGraphRunner:
         self._outputs: dict[int, torch.Tensor] = {}
         self._staged = torch.cuda.Event()
         """Recorded after the uploads from the pinned staging buffers (page table and per-row inputs)."""
-        self._capture_all()
+        with batch_invariant_mode(batch_invariant):
+            self._capture_all()
 
     def _padding(self, start: int) -> None:
         self._stage[:, start:] = 0
@@ -139,15 +149,32 @@ class CudaGraphRunner:
             for bs in reversed(self.batch_sizes):  # largest first: the smaller graphs reuse its memory
                 fb = self._forward_batch(bs)
                 self.model(fb)  # compiles the kernels and fills lazy tables outside the capture
+                if not self._graphs and self._syncs_host(fb):
+                    break
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=mempool, stream=stream):
                     self._outputs[bs] = self.model(fb)
                 self._graphs[bs] = graph
         torch.cuda.current_stream().wait_stream(stream)
 
+    def _syncs_host(self, fb: ForwardBatch) -> bool:
+        """Whether a warm decode step waits on the GPU (reads a value back), which a capture cannot hold."""
+        previous = torch.cuda.get_sync_debug_mode()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            self.model(fb)
+        except RuntimeError as e:
+            if "synchroniz" not in str(e):
+                raise
+            logger.warning("decode steps of this model synchronize with the host; CUDA graphs are off (%s)", e)
+            return True
+        finally:
+            torch.cuda.set_sync_debug_mode(previous)
+        return False
+
     def can_run(self, batch: ScheduledBatch) -> bool:
         items = batch.items
-        return (0 < len(items) <= self.max_bs and all(it.num_new_tokens == 1 for it in items)
+        return (bool(self._graphs) and 0 < len(items) <= self.max_bs and all(it.num_new_tokens == 1 for it in items)
                 and max(it.start for it in items) < self.max_context)
 
     def run(self, batch: ScheduledBatch, future: torch.Tensor | None = None) -> torch.Tensor | None:

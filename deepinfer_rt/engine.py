@@ -88,17 +88,17 @@ class Engine:
                 SpeculativeConfig.parse(speculative), self.model, self.model_config, path, load_format,
                 self.config.batch_invariant, seed)
             self.pool = KVPool(self._kv_layout(), self._num_pages(), page_size, self.config.dtype, dev)
-            gpu = dev.type == "cuda" and not self.config.batch_invariant
             backend = select_backend(dev, self.config.batch_invariant)
             self.runner = ModelRunner(self.model, self.pool, backend, self.sampler, dev, self.eos_ids,
                                       batch_invariant=self.config.batch_invariant)
             self.runner.spec = self.spec
-            if gpu and env.cuda_graph_max_bs > 0 and self.model.supports_cuda_graphs:
+            if dev.type == "cuda" and env.cuda_graph_max_bs > 0 and self.model.supports_cuda_graphs:
                 from deepinfer_rt.cuda_graph import CudaGraphRunner
 
                 self.runner.graphs = CudaGraphRunner(self.model, self.pool, backend, min(max_num_seqs,
                                                      env.cuda_graph_max_bs), min(mc.max_position,
-                                                     env.cuda_graph_max_context))
+                                                     env.cuda_graph_max_context),
+                                                     batch_invariant=self.config.batch_invariant)
         self.cache: PrefixCache = (RadixCache(self.pool.allocator, page_size) if enable_prefix_cache
                                    else NoPrefixCache(self.pool.allocator, page_size))
         self.scheduler = Scheduler(self.config.scheduler, self.pool, self.cache)

@@ -10,6 +10,13 @@ a second kernel merges the splits by their log-sum-exp. K's columns come as a po
 (latent, or the whole head) plus an optional power-of-two tail (MLA's rope part); MLA's V is K's head part,
 so it is reused from registers instead of being loaded again. Empty rows (seq_len 0, CUDA-graph padding)
 yield zeros.
+
+Fixed-split mode (`paged_decode_attention_fixed`, batch-invariant attention): the default mode picks the split
+count and tile size from the batch size, which moves a row's split points and so its rounding. Here split s
+of every row covers absolute positions [s * FIXED_SPLIT_SIZE, (s + 1) * FIXED_SPLIT_SIZE), tiles and warps
+depend on the head dims only, and a second kernel merges the row's own splits one after another in ascending
+order. The grid's split count only has to cover the longest row (programs past a row's end do nothing), so a
+CUDA graph captures the count of its longest context.
 """
 from __future__ import annotations
 
@@ -19,21 +26,12 @@ import triton.language as tl
 
 
 @triton.jit
-def _decode_split_kernel(Q, K, V, PageTable, TableRows, SeqLens, PartO, PartLse,
-                         stride_qb, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_pt,
-                         sm_scale, page_size,
-                         GROUP: tl.constexpr, BLOCK_H: tl.constexpr, DK: tl.constexpr, DT: tl.constexpr,
-                         DV: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                         V_IS_K: tl.constexpr, IEEE: tl.constexpr):
-    b = tl.program_id(0)
-    kvh = tl.program_id(1)
-    split = tl.program_id(2)
-    seq_len = tl.load(SeqLens + b)
-    chunk = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    start = split * chunk
-    end = tl.minimum(start + chunk, seq_len)
-    row = tl.load(TableRows + b).to(tl.int64)
-
+def _attend_range(Q, K, V, PageTable, b, kvh, row, start, end, stride_qb, stride_qh, stride_kn, stride_kh,
+                  stride_vn, stride_vh, stride_pt, sm_scale, page_size, GROUP: tl.constexpr, BLOCK_H: tl.constexpr,
+                  DK: tl.constexpr, DT: tl.constexpr, DV: tl.constexpr, BLOCK_N: tl.constexpr,
+                  V_IS_K: tl.constexpr, IEEE: tl.constexpr):
+    """The query heads of KV head `kvh` of row b over positions [start, end), in BLOCK_N-token tiles from
+    `start`: (normalised output (BLOCK_H, DV) fp32, base-2 log-sum-exp (BLOCK_H,), -inf when empty)."""
     offs_h = tl.arange(0, BLOCK_H)
     heads = kvh * GROUP + offs_h
     hmask = offs_h < GROUP
@@ -88,9 +86,63 @@ def _decode_split_kernel(Q, K, V, PageTable, TableRows, SeqLens, PartO, PartLse,
     empty = l_i == 0.0
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
     lse = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
+    return out, lse
+
+
+@triton.jit
+def _decode_split_kernel(Q, K, V, PageTable, TableRows, SeqLens, PartO, PartLse,
+                         stride_qb, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_pt,
+                         sm_scale, page_size,
+                         GROUP: tl.constexpr, BLOCK_H: tl.constexpr, DK: tl.constexpr, DT: tl.constexpr,
+                         DV: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                         V_IS_K: tl.constexpr, IEEE: tl.constexpr):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(SeqLens + b)
+    chunk = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = split * chunk
+    end = tl.minimum(start + chunk, seq_len)
+    row = tl.load(TableRows + b).to(tl.int64)
+    out, lse = _attend_range(Q, K, V, PageTable, b, kvh, row, start, end, stride_qb, stride_qh, stride_kn,
+                             stride_kh, stride_vn, stride_vh, stride_pt, sm_scale, page_size, GROUP, BLOCK_H, DK,
+                             DT, DV, BLOCK_N, V_IS_K, IEEE)
+    offs_h = tl.arange(0, BLOCK_H)
+    heads = kvh * GROUP + offs_h
+    hmask = offs_h < GROUP
+    offs_dv = tl.arange(0, DV)
     part = (b * (GROUP * tl.num_programs(1)) + heads) * NUM_SPLITS + split  # PartLse (B, Hq, S)
     tl.store(PartO + part[:, None] * DV + offs_dv[None, :], out, mask=hmask[:, None])
     tl.store(PartLse + part, lse, mask=hmask)
+
+
+@triton.jit
+def _fixed_split_kernel(Q, K, V, PageTable, TableRows, SeqLens, PartO, PartLse,
+                        stride_qb, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_pt,
+                        sm_scale, page_size, num_splits,
+                        GROUP: tl.constexpr, BLOCK_H: tl.constexpr, DK: tl.constexpr, DT: tl.constexpr,
+                        DV: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_SIZE: tl.constexpr,
+                        V_IS_K: tl.constexpr, IEEE: tl.constexpr):
+    """Split s covers absolute positions [s * SPLIT_SIZE, (s + 1) * SPLIT_SIZE); splits past the row's KV
+    write nothing (the merge reads only the row's own splits)."""
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(SeqLens + b)
+    start = split * SPLIT_SIZE
+    if start < seq_len:
+        end = tl.minimum(start + SPLIT_SIZE, seq_len)
+        row = tl.load(TableRows + b).to(tl.int64)
+        out, lse = _attend_range(Q, K, V, PageTable, b, kvh, row, start, end, stride_qb, stride_qh, stride_kn,
+                                 stride_kh, stride_vn, stride_vh, stride_pt, sm_scale, page_size, GROUP, BLOCK_H,
+                                 DK, DT, DV, BLOCK_N, V_IS_K, IEEE)
+        offs_h = tl.arange(0, BLOCK_H)
+        heads = kvh * GROUP + offs_h
+        hmask = offs_h < GROUP
+        offs_dv = tl.arange(0, DV)
+        part = (b * (GROUP * tl.num_programs(1)) + heads) * num_splits + split  # PartLse (B, Hq, num_splits)
+        tl.store(PartO + part[:, None] * DV + offs_dv[None, :], out, mask=hmask[:, None])
+        tl.store(PartLse + part, lse, mask=hmask)
 
 
 @triton.jit
@@ -112,6 +164,32 @@ def _merge_splits_kernel(PartO, PartLse, O, stride_ob, stride_oh, NUM_HEADS: tl.
     tl.store(O + b * stride_ob + h * stride_oh + offs_d, out.to(O.dtype.element_ty))
 
 
+@triton.jit
+def _merge_fixed_splits_kernel(PartO, PartLse, SeqLens, O, stride_ob, stride_oh, num_splits,
+                               NUM_HEADS: tl.constexpr, SPLIT_SIZE: tl.constexpr, DV: tl.constexpr):
+    """Online merge of the row's own splits 0 .. cdiv(seq_len, SPLIT_SIZE) - 1 in ascending order: the same
+    operations whatever the grid's split count (a vector reduction over the splits would change with it)."""
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    seq_len = tl.load(SeqLens + b)
+    base = (b * NUM_HEADS + h) * num_splits
+    offs_d = tl.arange(0, DV)
+    m = float("-inf")
+    total = 0.0
+    acc = tl.zeros([DV], tl.float32)
+    for s in range(0, tl.cdiv(seq_len, SPLIT_SIZE)):
+        lse = tl.load(PartLse + base + s)  # finite: every split before seq_len holds at least one key
+        part = tl.load(PartO + (base + s) * DV + offs_d)
+        m_new = tl.maximum(m, lse)
+        alpha = tl.exp2(m - m_new)
+        w = tl.exp2(lse - m_new)
+        acc = acc * alpha + part * w
+        total = total * alpha + w
+        m = m_new
+    out = acc / tl.where(total == 0.0, 1.0, total)  # seq_len 0: zeros
+    tl.store(O + b * stride_ob + h * stride_oh + offs_d, out.to(O.dtype.element_ty))
+
+
 def _split_head_dim(dk: int, dv: int) -> tuple[int, int]:
     """K columns as (power-of-two head part, power-of-two tail or 0); the head part covers V's columns."""
     head = triton.next_power_of_2(dv)
@@ -129,6 +207,16 @@ def num_splits_for(batch: int, kv_heads: int, num_sms: int) -> int:
     return max(1, min(32, triton.next_power_of_2(want)))
 
 
+def _layout(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor) -> dict:
+    """The kernels' shape constants for these buffers."""
+    hq, dk = q.shape[1:]
+    hkv, dv = k_buf.shape[1], v_buf.shape[-1]
+    head, tail = _split_head_dim(dk, dv)
+    return dict(GROUP=hq // hkv, BLOCK_H=max(16, triton.next_power_of_2(hq // hkv)), DK=head, DT=tail, DV=dv,
+                V_IS_K=v_buf.data_ptr() == k_buf.data_ptr() and v_buf.stride() == k_buf.stride(),
+                IEEE=k_buf.dtype == torch.float32)
+
+
 def paged_decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, page_table: torch.Tensor,
                            table_rows: torch.Tensor, seq_lens: torch.Tensor, page_size: int, scale: float,
                            num_splits: int, out: torch.Tensor | None = None, block_n: int | None = None,
@@ -138,25 +226,70 @@ def paged_decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Te
     Returns (B, Hq, Dv) in q's dtype."""
     bsz, hq, dk = q.shape
     hkv, dv = k_buf.shape[1], v_buf.shape[-1]
-    group = hq // hkv
-    head, tail = _split_head_dim(dk, dv)
-    v_is_k = v_buf.data_ptr() == k_buf.data_ptr() and v_buf.stride() == k_buf.stride()
+    layout = _layout(q, k_buf, v_buf)
     if out is None:
         out = q.new_empty(bsz, hq, dv)
     part_o = torch.empty(bsz, hq, num_splits, dv, dtype=torch.float32, device=q.device)
     part_lse = torch.empty(bsz, hq, num_splits, dtype=torch.float32, device=q.device)
-    block_h = max(16, triton.next_power_of_2(group))
     # Measured on an H200 (MLA, 2K context): 64-token tiles are best at batch 256, 32-token tiles at 1-64.
     block_n = block_n or (64 if dk <= 256 or bsz >= 128 else 32)
     _decode_split_kernel[(bsz, hkv, num_splits)](
         q, k_buf, v_buf, page_table, table_rows, seq_lens, part_o, part_lse,
         q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
-        page_table.stride(0), scale, page_size,
-        GROUP=group, BLOCK_H=block_h, DK=head, DT=tail, DV=dv, BLOCK_N=block_n, NUM_SPLITS=num_splits,
-        V_IS_K=v_is_k, IEEE=k_buf.dtype == torch.float32, num_warps=num_warps, num_stages=2)
+        page_table.stride(0), scale, page_size, BLOCK_N=block_n, NUM_SPLITS=num_splits, **layout,
+        num_warps=num_warps, num_stages=2)
     _merge_splits_kernel[(bsz, hq)](part_o, part_lse, out, out.stride(0), out.stride(1), NUM_HEADS=hq,
                                     NUM_SPLITS=num_splits, BLOCK_S=max(2, triton.next_power_of_2(num_splits)),
                                     DV=dv, num_warps=4)
+    return out
+
+
+FIXED_SPLIT_SIZE = 256
+"""Tokens per split in the fixed-split mode (a multiple of the tile size)."""
+FIXED_BLOCK_N = 64
+"""Tokens per tile in the fixed-split mode; MLA's wide keys (576 columns) take half as many."""
+_FIXED_PART_BYTES = 256 << 20
+"""Bound on the fixed mode's fp32 split results per launch: more rows (prefill rows over a long context) run in
+several launches, each row still computed alone."""
+
+
+def fixed_num_splits(max_len: int) -> int:
+    """The fixed mode's split count for KV lengths up to max_len."""
+    return max(1, triton.cdiv(max_len, FIXED_SPLIT_SIZE))
+
+
+def paged_decode_attention_fixed(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
+                                 page_table: torch.Tensor, table_rows: torch.Tensor, seq_lens: torch.Tensor,
+                                 page_size: int, scale: float, num_splits: int,
+                                 out: torch.Tensor | None = None) -> torch.Tensor:
+    """paged_decode_attention with every numerical choice fixed by the model, never by the batch: split s of a
+    row covers absolute positions [s * FIXED_SPLIT_SIZE, (s + 1) * FIXED_SPLIT_SIZE), the tile size and warps
+    depend on the head dims only, and the row's splits merge in ascending order. A row's result is therefore
+    bitwise the same in any batch and for any grid split count `num_splits` that covers the page table
+    (>= fixed_num_splits of its capacity; CUDA graphs capture the count of their longest context)."""
+    bsz, hq, dk = q.shape
+    hkv, dv = k_buf.shape[1], v_buf.shape[-1]
+    if num_splits < fixed_num_splits(page_table.shape[1] * page_size):
+        raise ValueError(f"fixed-split attention: {num_splits} splits do not cover the page table's "
+                         f"{page_table.shape[1] * page_size} positions")
+    layout = _layout(q, k_buf, v_buf)
+    if out is None:
+        out = q.new_empty(bsz, hq, dv)
+    rows = max(1, min(bsz, _FIXED_PART_BYTES // (hq * num_splits * dv * 4)))
+    part_o = torch.empty(rows, hq, num_splits, dv, dtype=torch.float32, device=q.device)
+    part_lse = torch.empty(rows, hq, num_splits, dtype=torch.float32, device=q.device)
+    for r0 in range(0, bsz, rows):
+        r1 = min(bsz, r0 + rows)
+        lens = seq_lens[r0:r1]
+        _fixed_split_kernel[(r1 - r0, hkv, num_splits)](
+            q[r0:r1], k_buf, v_buf, page_table, table_rows[r0:r1], lens, part_o, part_lse,
+            q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
+            page_table.stride(0), scale, page_size, num_splits,
+            BLOCK_N=FIXED_BLOCK_N if dk <= 256 else FIXED_BLOCK_N // 2,
+            SPLIT_SIZE=FIXED_SPLIT_SIZE, **layout, num_warps=4, num_stages=2)
+        o = out[r0:r1]
+        _merge_fixed_splits_kernel[(r1 - r0, hq)](part_o, part_lse, lens, o, o.stride(0), o.stride(1), num_splits,
+                                                  NUM_HEADS=hq, SPLIT_SIZE=FIXED_SPLIT_SIZE, DV=dv, num_warps=4)
     return out
 
 

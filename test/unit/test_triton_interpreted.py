@@ -1,5 +1,6 @@
 """Triton kernels whose logic can run on CPU through Triton's interpreter (TRITON_INTERPRET=1, set before
-triton is imported, hence a subprocess): each against its torch form, exactly. The GPU suite (test/gpu) runs
+triton is imported, hence a subprocess): each against its torch form, exactly, or, for the fixed-split
+attention, bitwise against itself in other batches and close to its reference. The GPU suite (test/gpu) runs
 the same kernels compiled."""
 from __future__ import annotations
 
@@ -64,6 +65,84 @@ _FUSED_MOE_INVARIANT = textwrap.dedent("""
     print("ok")
 """)
 
+# Fixed-split attention with its split and tile scaled down (32 and 16 tokens) so the interpreter runs in
+# seconds; the GPU suite runs the real sizes.
+_SCALED_DOWN = """
+    import torch
+    from deepinfer_kernels import decode_attention as da
+    da.FIXED_SPLIT_SIZE, da.FIXED_BLOCK_N = 32, 16
+"""
+
+# A row alone vs among random rows, in batches of other sizes with other grid split counts and launch chunks.
+_FIXED_SPLITS = textwrap.dedent(_SCALED_DOWN + """
+    for seed, (hq, hkv, dk, dv, ps) in enumerate([(4, 2, 32, 32, 4), (2, 1, 40, 32, 1)]):  # GQA; MLA, rope 8
+        g = torch.Generator().manual_seed(seed)
+        width = 80 // ps
+        k = torch.randn(3 * width * ps, hkv, dk, generator=g)
+        v = k[..., :dv] if hkv == 1 else torch.randn(3 * width * ps, hkv, dv, generator=g)
+        table = torch.randperm(3 * width, generator=g).view(3, width).to(torch.int32)
+        rows = torch.tensor([0, 1, 2, 1], dtype=torch.int32)
+        lens = torch.tensor([70, 1, 0, 33], dtype=torch.int32)  # 70: three splits, the last one partial
+        q = torch.randn(4, hq, dk, generator=g)
+        splits = da.fixed_num_splits(width * ps)
+        run = lambda q, r, n, s: da.paged_decode_attention_fixed(q, k, v, table, r, n, ps, dk**-0.5, s)
+        alone = torch.cat([run(q[i : i + 1], rows[i : i + 1], lens[i : i + 1], splits) for i in range(4)])
+        ref = da.paged_decode_attention_ref(q, k, v, table, rows, lens, ps, dk**-0.5)
+        torch.testing.assert_close(alone, ref, rtol=1e-5, atol=1e-5)
+        assert (alone[2] == 0).all()
+        for extra, more_splits, part_bytes in [(3, 2, 1 << 28), (1, 0, 1)]:  # part_bytes 1: a row per launch
+            da._FIXED_PART_BYTES = part_bytes
+            perm = torch.randperm(4 + extra, generator=g)
+            bq = torch.randn(4 + extra, hq, dk, generator=g)
+            br = torch.randint(0, 3, (4 + extra,), generator=g, dtype=torch.int32)
+            bn = torch.randint(0, 40, (4 + extra,), generator=g, dtype=torch.int32)
+            bq[perm[:4]], br[perm[:4]], bn[perm[:4]] = q, rows, lens
+            out = run(bq, br, bn, splits + more_splits)
+            assert torch.equal(out[perm[:4]], alone), (seed, extra, more_splits)
+        da._FIXED_PART_BYTES = 1 << 28
+        try:
+            run(q, rows, lens, splits - 1)
+            raise AssertionError("too few splits accepted")
+        except ValueError:
+            pass
+    print("ok")
+""")
+
+# The backend (MLA-like: one latent KV head, V a prefix of K, rope part 8): a sequence's tokens attended in one
+# prefill, in chunks (the prefix read back from the pool) and as decode rows next to another sequence give
+# bitwise the same rows, close to causal attention in torch.
+_INVARIANT_BACKEND = textwrap.dedent(_SCALED_DOWN + """
+    from deepinfer_rt.cache.kv_pool import KVLayout, KVPool
+    from deepinfer_rt.forward_batch import ForwardBatch
+    from deepinfer_rt.layers.attention.triton_invariant import TritonInvariantBackend
+    hq, dk, dv, n = 2, 40, 32, 36  # n: two splits
+    g = torch.Generator().manual_seed(0)
+    backend = TritonInvariantBackend()
+    pool = KVPool(KVLayout(1, (1, dk), None, dv), 100, 1, torch.float32, torch.device("cpu"))
+    slots = torch.randperm(100, generator=g)[: 2 * n].view(2, n)  # disjoint: the pool is shared
+    q, k = torch.randn(2, n, hq, dk, generator=g), torch.randn(2, n, 1, dk, generator=g)
+
+    def attend(chunks):  # chunks: [(sequence, start, length)] run as one batch
+        tok = lambda x: torch.cat([x[s, a : a + m] for s, a, m in chunks])
+        fb = ForwardBatch(torch.zeros(sum(m for *_, m in chunks), dtype=torch.long),
+                          torch.cat([torch.arange(a, a + m) for _, a, m in chunks]),
+                          torch.cat([slots[s][a : a + m] for s, a, m in chunks]), [m for *_, m in chunks],
+                          [a + m for _, a, m in chunks], [slots[s][: a + m] for s, a, m in chunks], pool, backend)
+        backend.prepare(fb)
+        return fb.attention(tok(q), tok(k), None, 0, dk**-0.5)
+
+    whole = attend([(1, 0, 3), (0, 0, n)])[3:]
+    parts = torch.cat([attend([(0, a, m), (1, 0, 1)])[:m] for a, m in [(0, 7), (7, 26), (33, 2)]])
+    assert torch.equal(parts, whole[:35])
+    for p in (31, 32, n - 1):
+        assert torch.equal(attend([(1, 2, 1), (0, p, 1)])[1], whole[p]), p
+    scores = torch.einsum("qhd,kd->hqk", q[0], k[0, :, 0]) * dk**-0.5
+    scores = scores.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+    ref = torch.einsum("hqk,kd->qhd", scores.softmax(-1), k[0, :, 0, :dv])
+    torch.testing.assert_close(whole, ref, rtol=1e-5, atol=1e-5)
+    print("ok")
+""")
+
 
 def _interpret(code: str) -> str:
     env = {**os.environ, "TRITON_INTERPRET": "1"}
@@ -78,3 +157,11 @@ def test_moe_router_kernel_equals_torch_form():
 
 def test_fused_moe_batch_invariant_kernels():
     assert _interpret(_FUSED_MOE_INVARIANT).strip().endswith("ok")
+
+
+def test_fixed_split_attention_rows_invariant_and_close():
+    assert _interpret(_FIXED_SPLITS).strip().endswith("ok")
+
+
+def test_invariant_backend_prefill_chunks_and_decode_agree():
+    assert _interpret(_INVARIANT_BACKEND).strip().endswith("ok")

@@ -1,4 +1,5 @@
 """Batch-invariant attention: each query's reduction over its keys has split points at fixed absolute positions.
+(The CPU form; CUDA runs the same idea in Triton kernels, deepinfer_rt.layers.attention.triton_invariant.)
 
 Work is cut on a grid of absolute positions, the same for every batch, chunking and cache state:
 
