@@ -30,6 +30,7 @@ from deepinfer_rt.env import get_env
 from deepinfer_rt.forward_batch import ForwardBatch
 from deepinfer_rt.layers import batch_invariant
 from deepinfer_rt.layers.attention.torch_ref import causal_mask
+from deepinfer_rt.sampler import to_device
 
 if TYPE_CHECKING:
     from deepinfer_rt.layers.mla import MLAttention
@@ -93,7 +94,7 @@ def build_plan(batch: ForwardBatch, min_queries: int | None) -> MLAPrefillPlan:
         start += q_len
     if not rows:
         return MLAPrefillPlan(segments)
-    absorbed_rows = torch.tensor(rows, device=dev)
+    absorbed_rows = to_device(rows, torch.long, dev)
     absorbed = ForwardBatch(
         input_ids=batch.input_ids[absorbed_rows], positions=batch.positions[absorbed_rows],
         out_slots=batch.out_slots[absorbed_rows], q_lens=[batch.q_lens[i] for i in keep],
