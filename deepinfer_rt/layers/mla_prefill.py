@@ -112,7 +112,7 @@ def _causal(q_len: int, kv_len: int, device: torch.device) -> torch.Tensor | Cau
     return causal_lower_right(q_len, kv_len) if device.type == "cuda" else causal_mask(q_len, kv_len, device)
 
 
-def prefill_attention(layer: "MLAttention", plan: MLAPrefillPlan, q_nope: torch.Tensor, q_pe: torch.Tensor,
+def prefill_attention(layer: MLAttention, plan: MLAPrefillPlan, q_nope: torch.Tensor, q_pe: torch.Tensor,
                       batch: ForwardBatch) -> torch.Tensor:
     """Attention output (T, H, v) of every row, before o_proj; the new tokens' KV is already in the pool."""
     out = q_nope.new_empty(q_nope.shape[0], layer.num_heads, layer.v_dim)
@@ -127,7 +127,7 @@ def prefill_attention(layer: "MLAttention", plan: MLAPrefillPlan, q_nope: torch.
     return out
 
 
-def standard_attention(layer: "MLAttention", q_nope: torch.Tensor, q_pe: torch.Tensor, kv_rows: torch.Tensor,
+def standard_attention(layer: MLAttention, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_rows: torch.Tensor,
                        mask: torch.Tensor | CausalBias | None) -> torch.Tensor:
     """One sequence: q_nope (n, H, nope), q_pe (n, H, rope), kv_rows (L, C + rope) pool rows [c | k_pe] of
     all its KV positions -> (n, H, v)."""

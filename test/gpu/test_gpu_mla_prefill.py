@@ -17,7 +17,7 @@ from deepinfer_rt.layers.attention.triton import TritonBackend
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 CUDA = torch.device("cuda")
-TOLERANCE = {torch.float32: dict(rtol=1e-3, atol=2e-4), torch.bfloat16: dict(rtol=4e-2, atol=4e-2)}
+TOLERANCE = {torch.float32: {"rtol": 1e-3, "atol": 2e-4}, torch.bfloat16: {"rtol": 4e-2, "atol": 4e-2}}
 
 
 def _tiny(kind: str, tmp_path_factory):
