@@ -1,18 +1,18 @@
 """MLA prefill chunks in the standard ("MHA") form; decode rows keep the absorbed form.
 
 The absorbed form (layers/mla.py) attends with head dims 576 (q.k) and 512 (p.V) over one shared latent head:
-cheap per cached token, which suits decode, but 3.4x the FLOPs of the model's own dims (192 and 128), and the
-fused SDPA kernels take no such head dims. For a prefill chunk of n new tokens over L KV positions the
-standard form instead expands each position's latent once through kv_b_proj into per-head K_nope and V and
-attends with the native dims:
+cheap per cached token, which suits decode, but 3.4x the FLOPs of the model's own dims (192 and 128), and
+flash attention takes no head dim above 256, so SDPA falls back to its memory-efficient kernel. For a prefill
+chunk of n new tokens over L KV positions the standard form instead expands each position's latent once
+through kv_b_proj into per-head K_nope and V and attends with the native dims:
 
     k = [W_UK c | k_pe] (L, H, nope + rope)    v = W_UV c (L, H, v)    q = [q_nope | q_pe] (n, H, nope + rope)
 
 Expansion costs 2 L C H (nope + v) FLOPs against the absorbed form's extra 2 n L H (2C - nope - v), so it
-pays once n reaches C (nope + v) / (2C - nope - v) ~ 170 new tokens (C = 512) at equal kernel speed;
-flash attention runs several times faster than the memory-efficient kernel the absorbed dims force, so the
-break-even is lower and MHA_MIN_QUERIES sits below it. Shorter chunks (speculative verification, small tails
-of chunked prefill over a long prefix) stay absorbed.
+pays once n reaches C (nope + v) / (2C - nope - v) ~ 170 new tokens (C = 512) if both ran at one rate; the
+expansion is a plain GEMM and flash beats the memory-efficient kernel per FLOP, so the break-even is lower, and
+MHA_MIN_QUERIES assumes a ~2.5x rate advantage (not measured per chunk size). Shorter chunks (speculative
+verification, small tails of chunked prefill over a long prefix) stay absorbed.
 
 The latents are read back from the pool after the new tokens are stored, so a chunk over a cached prefix
 (prefix-cache hit, chunked prefill) sees its whole context.
