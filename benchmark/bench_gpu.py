@@ -128,7 +128,7 @@ def decode_floor(engine: Engine, batch: int, context: int, copy_bw: float) -> di
 
 def prefill_flops(engine: Engine, tokens_per_seq: int, num_seqs: int) -> float:
     """2 * active matmul params (no embeddings, no LM head) * tokens + causal attention (QK and PV over half
-    the square)."""
+    the square) at the model's head dims."""
     mc = engine.model_config
     active = 0
     for name, p in engine.model.named_parameters():
@@ -139,8 +139,10 @@ def prefill_flops(engine: Engine, tokens_per_seq: int, num_seqs: int) -> float:
             n = n // mc.n_routed_experts * mc.num_experts_per_tok
         active += n
     layout = engine.pool.layout
-    qk_dim = layout.k_shape[1]
-    attn = 2 * mc.num_layers * mc.num_heads * (qk_dim + layout.v_dim) * tokens_per_seq**2 / 2 * num_seqs
+    qk_dim, v_dim = layout.k_shape[1], layout.v_dim
+    if mc.is_mla:  # the model's own head dims, not the absorbed form's latent-wide ones (576 / 512)
+        qk_dim, v_dim = mc.qk_nope_head_dim + mc.qk_rope_head_dim, mc.v_head_dim
+    attn = 2 * mc.num_layers * mc.num_heads * (qk_dim + v_dim) * tokens_per_seq**2 / 2 * num_seqs
     return 2 * active * tokens_per_seq * num_seqs + attn
 
 

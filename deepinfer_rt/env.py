@@ -84,6 +84,10 @@ class Env:
     overlap: bool | None
     """DEEPINFER_OVERLAP: overlap scheduling (prepare step N+1 while the device runs step N); unset = on for
     CUDA, off on CPU (where the device is the host, so nothing overlaps)."""
+    mla_mha_prefill: bool | None
+    """DEEPINFER_MLA_MHA_PREFILL: MLA prefill chunks in the standard (expanded K/V) form. Unset = on for the
+    Triton backend, for chunks of at least deepinfer_rt.layers.mla_prefill.MHA_MIN_QUERIES new tokens; 1 = every
+    chunk of more than one new token, on any backend (CPU tests); 0 = never. Never in batch-invariant mode."""
 
 
 def get_env() -> Env:
@@ -110,4 +114,5 @@ def get_env() -> Env:
         cuda_graph_max_context=_int("DEEPINFER_CUDA_GRAPH_MAX_CONTEXT", 16384),
         spec_max_draft=_int("DEEPINFER_SPEC_MAX_DRAFT", 5),
         overlap=_optional_bool("DEEPINFER_OVERLAP"),
+        mla_mha_prefill=_optional_bool("DEEPINFER_MLA_MHA_PREFILL"),
     )

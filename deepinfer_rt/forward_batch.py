@@ -30,6 +30,9 @@ class ForwardBatch:
     backend: "AttentionBackend"
     attn_meta: Any = None
     """Backend-specific metadata, built once per batch by `backend.prepare(batch)` and shared by all layers."""
+    mla_plan: Any = None
+    """How MLA layers split this batch between the absorbed and standard forms (layers.mla_prefill), built by
+    the first MLA layer and shared by the rest."""
 
     @property
     def num_seqs(self) -> int:

@@ -1,4 +1,5 @@
-"""Multi-head latent attention (DeepSeek-V2/V3), in the weight-absorbed form for every token.
+"""Multi-head latent attention (DeepSeek-V2/V3): the weight-absorbed form for decode rows; long prefill chunks
+take the standard form (layers/mla_prefill.py).
 
 Per token the pool stores only [c | k_pe]: the normalised compressed latent c (kv_lora_rank) and the rotated
 rope key shared by all heads (qk_rope_head_dim). kv_b_proj's per-head blocks W_UK (nope x C) and W_UV (v x C)
@@ -18,6 +19,7 @@ from torch import nn
 
 from deepinfer_rt.config import ModelConfig
 from deepinfer_rt.forward_batch import ForwardBatch
+from deepinfer_rt.layers import mla_prefill
 from deepinfer_rt.layers.batch_invariant import head_matmul
 from deepinfer_rt.layers.linear import Linear
 from deepinfer_rt.layers.norm import RMSNorm
@@ -78,10 +80,18 @@ class MLAttention(nn.Module):
         latent, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
         latent = self.kv_a_layernorm(latent)  # (T, C)
         q_pe, k_pe = self.rotary_emb(batch.positions, q_pe, k_pe.reshape(t, 1, self.rope_dim))
-        w_uk, w_uv = self.absorbed_weights()
-        q_latent = head_matmul(q_nope, w_uk)  # (T, H, C)
-        q = torch.cat([q_latent, q_pe], dim=-1)  # (T, H, C + R)
         k = torch.cat([latent.unsqueeze(1), k_pe], dim=-1)  # (T, 1, C + R)
-        o = batch.attention(q, k, None, self.layer_id, self.scale)  # (T, H, C)
-        o = head_matmul(o, w_uv.transpose(1, 2))  # (T, H, v)
+        batch.backend.store_kv(batch, self.layer_id, k, None)
+        plan = mla_prefill.plan_for(batch)
+        if plan.segments:
+            o = mla_prefill.prefill_attention(self, plan, q_nope, q_pe, batch)
+        else:
+            o = self.absorbed_attention(q_nope, q_pe, batch)
         return self.o_proj(o.reshape(t, self.num_heads * self.v_dim))
+
+    def absorbed_attention(self, q_nope: torch.Tensor, q_pe: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """(T, H, nope), (T, H, R) -> (T, H, v) over the pool's latents (the new tokens' already stored)."""
+        w_uk, w_uv = self.absorbed_weights()
+        q = torch.cat([head_matmul(q_nope, w_uk), q_pe], dim=-1)  # (T, H, C + R)
+        o = batch.backend.forward(q, self.layer_id, self.scale, batch)  # (T, H, C)
+        return head_matmul(o, w_uv.transpose(1, 2))

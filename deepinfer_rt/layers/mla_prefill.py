@@ -1,0 +1,145 @@
+"""MLA prefill chunks in the standard ("MHA") form; decode rows keep the absorbed form.
+
+The absorbed form (layers/mla.py) attends with head dims 576 (q.k) and 512 (p.V) over one shared latent head:
+cheap per cached token, which suits decode, but 3.4x the FLOPs of the model's own dims (192 and 128), and
+flash attention takes no head dim above 256, so SDPA falls back to its memory-efficient kernel. For a prefill
+chunk of n new tokens over L KV positions the standard form instead expands each position's latent once
+through kv_b_proj into per-head K_nope and V and attends with the native dims:
+
+    k = [W_UK c | k_pe] (L, H, nope + rope)    v = W_UV c (L, H, v)    q = [q_nope | q_pe] (n, H, nope + rope)
+
+Expansion costs 2 L C H (nope + v) FLOPs against the absorbed form's extra 2 n L H (2C - nope - v), so it
+pays once n reaches C (nope + v) / (2C - nope - v) ~ 170 new tokens (C = 512) if both ran at one rate; the
+expansion is a plain GEMM and flash beats the memory-efficient kernel per FLOP, so the break-even is lower, and
+MHA_MIN_QUERIES assumes a ~2.5x rate advantage (not measured per chunk size). Shorter chunks (speculative
+verification, small tails of chunked prefill over a long prefix) stay absorbed.
+
+The latents are read back from the pool after the new tokens are stored, so a chunk over a cached prefix
+(prefix-cache hit, chunked prefill) sees its whole context.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention.bias import CausalBias, causal_lower_right
+
+from deepinfer_rt.env import get_env
+from deepinfer_rt.forward_batch import ForwardBatch
+from deepinfer_rt.layers import batch_invariant
+from deepinfer_rt.layers.attention.torch_ref import causal_mask
+from deepinfer_rt.sampler import to_device
+
+if TYPE_CHECKING:
+    from deepinfer_rt.layers.mla import MLAttention
+
+MHA_MIN_QUERIES = 64
+"""Fewest new tokens of a chunk run in the standard form by default (see the module docstring)."""
+
+
+@dataclass
+class Segment:
+    q_start: int
+    q_len: int
+    slots: torch.Tensor
+    """(kv_len,) pool slots of all the sequence's KV positions, cached prefix first."""
+    mask: torch.Tensor | CausalBias | None
+    """None: no cached prefix (plain causal); else causal aligned to the last KV position."""
+
+
+@dataclass
+class MLAPrefillPlan:
+    segments: list[Segment]
+    """Sequences attended in the standard form; empty when the whole batch is absorbed."""
+    absorbed_rows: torch.Tensor | None = None
+    """Token rows of the other sequences (None when there are none)."""
+    absorbed: ForwardBatch | None = None
+    """Those sequences as a batch of their own, prepared by the backend."""
+
+
+def min_mha_queries(backend_name: str) -> int | None:
+    """Fewest new tokens of a chunk taken in the standard form, or None for none (DEEPINFER_MLA_MHA_PREFILL).
+    Batch-invariant mode keeps the absorbed form: its attention splits are fixed for any batch."""
+    mode = get_env().mla_mha_prefill
+    if batch_invariant.is_enabled() or mode is False:
+        return None
+    if mode:
+        return 2
+    return MHA_MIN_QUERIES if backend_name == "triton" else None
+
+
+def plan_for(batch: ForwardBatch) -> MLAPrefillPlan:
+    """The batch's plan, built once and kept on it for every MLA layer."""
+    if batch.mla_plan is None:
+        batch.mla_plan = build_plan(batch, min_mha_queries(batch.backend.name))
+    return batch.mla_plan
+
+
+def build_plan(batch: ForwardBatch, min_queries: int | None) -> MLAPrefillPlan:
+    """Chunks of at least `min_queries` new tokens go to the standard form. Pure Python for an all-absorbed
+    batch (decode steps, CUDA-graph capture): it creates no tensors then."""
+    if min_queries is None or max(batch.q_lens, default=0) < min_queries:
+        return MLAPrefillPlan([])
+    dev = batch.input_ids.device
+    segments, rows, keep = [], [], []
+    start = 0
+    for i, (q_len, kv_len, slots) in enumerate(zip(batch.q_lens, batch.kv_lens, batch.kv_slots)):
+        if q_len >= min_queries:
+            segments.append(Segment(start, q_len, slots, _causal(q_len, kv_len, dev)))
+        else:
+            rows.extend(range(start, start + q_len))
+            keep.append(i)
+        start += q_len
+    if not rows:
+        return MLAPrefillPlan(segments)
+    absorbed_rows = to_device(rows, torch.long, dev)
+    absorbed = ForwardBatch(
+        input_ids=batch.input_ids[absorbed_rows], positions=batch.positions[absorbed_rows],
+        out_slots=batch.out_slots[absorbed_rows], q_lens=[batch.q_lens[i] for i in keep],
+        kv_lens=[batch.kv_lens[i] for i in keep], kv_slots=[batch.kv_slots[i] for i in keep], pool=batch.pool,
+        backend=batch.backend, mla_plan=MLAPrefillPlan([]))
+    batch.backend.prepare(absorbed)
+    return MLAPrefillPlan(segments, absorbed_rows, absorbed)
+
+
+def _causal(q_len: int, kv_len: int, device: torch.device) -> torch.Tensor | CausalBias | None:
+    if q_len == kv_len:
+        return None
+    # CUDA: the lower-right causal bias runs in the flash / memory-efficient kernels; elsewhere it would only
+    # be materialised (with a warning per call), so build the boolean mask once here.
+    return causal_lower_right(q_len, kv_len) if device.type == "cuda" else causal_mask(q_len, kv_len, device)
+
+
+def prefill_attention(layer: MLAttention, plan: MLAPrefillPlan, q_nope: torch.Tensor, q_pe: torch.Tensor,
+                      batch: ForwardBatch) -> torch.Tensor:
+    """Attention output (T, H, v) of every row, before o_proj; the new tokens' KV is already in the pool."""
+    out = q_nope.new_empty(q_nope.shape[0], layer.num_heads, layer.v_dim)
+    kv_buf = batch.pool.k[layer.layer_id]
+    for seg in plan.segments:
+        rows = slice(seg.q_start, seg.q_start + seg.q_len)
+        out[rows] = standard_attention(layer, q_nope[rows], q_pe[rows], kv_buf.index_select(0, seg.slots)[:, 0],
+                                       seg.mask)
+    if plan.absorbed is not None:
+        rows = plan.absorbed_rows
+        out[rows] = layer.absorbed_attention(q_nope[rows], q_pe[rows], plan.absorbed)
+    return out
+
+
+def standard_attention(layer: MLAttention, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_rows: torch.Tensor,
+                       mask: torch.Tensor | CausalBias | None) -> torch.Tensor:
+    """One sequence: q_nope (n, H, nope), q_pe (n, H, rope), kv_rows (L, C + rope) pool rows [c | k_pe] of
+    all its KV positions -> (n, H, v)."""
+    num_kv, heads = kv_rows.shape[0], layer.num_heads
+    latent, k_pe = kv_rows.split([layer.kv_lora_rank, layer.rope_dim], dim=-1)
+    k_nope, v = layer.kv_b_proj(latent).view(num_kv, heads, -1).split([layer.nope_dim, layer.v_dim], dim=-1)
+    k = torch.cat([k_nope, k_pe[:, None].expand(num_kv, heads, layer.rope_dim)], dim=-1)  # (L, H, nope + rope)
+    q = torch.cat([q_nope, q_pe], dim=-1)  # (n, H, nope + rope)
+    qk_dim = q.shape[-1]
+    if q.is_cuda and layer.v_dim < qk_dim:
+        v = F.pad(v, (0, qk_dim - layer.v_dim))  # flash attention takes one head dim for q, k and v
+    # 4-D (1, H, len, dim): the fused kernels take only batched inputs.
+    o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                                       attn_mask=mask, is_causal=mask is None, scale=layer.scale)
+    return o[0, ..., : layer.v_dim].transpose(0, 1)
