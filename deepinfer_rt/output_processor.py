@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from deepinfer_rt.request import Req
-from deepinfer_rt.tokenizer import IncrementalDetokenizer
+from deepinfer_rt.tokenizer import IncrementalDetokenizer, batch_decoder
 
 
 class OutputProcessor:
@@ -10,6 +10,7 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.eos_ids = set(eos_ids)
         self.max_position = max_position
+        self._decode_batch = batch_decoder(tokenizer)
 
     def start(self, req: Req) -> None:
         req.detokenizer = IncrementalDetokenizer(self.tokenizer, req.prompt_ids, req.params.stop_strings)
@@ -26,6 +27,30 @@ class OutputProcessor:
     def append_token(self, req: Req, token: int, logprob: float | None,
                      top: list[tuple[int, float]] | None) -> bool:
         """Append a sampled token; True when the request is now finished (reason set on req)."""
+        if self._append(req, token, logprob, top):
+            return True
+        stopped = req.detokenizer.add(token, check_stop=req.num_output_tokens >= req.params.min_new_tokens)
+        return self._after_text(req, stopped)
+
+    def append_tokens(self, reqs: list[Req], tokens: list[int]) -> list[bool]:
+        """`append_token(req, token, None, None)` for each request (each at most once), with the detokenizer
+        windows of all of them decoded in two batched tokenizer calls instead of two calls per request."""
+        done = [self._append(req, token, None, None) for req, token in zip(reqs, tokens)]
+        live = [i for i, d in enumerate(done) if not d]
+        if not live:
+            return done
+        windows = [reqs[i].detokenizer.push(tokens[i]) for i in live]
+        prefixes = self._decode_batch([prefix for prefix, _ in windows])
+        texts = self._decode_batch([whole for _, whole in windows])
+        for i, prefix, text in zip(live, prefixes, texts):
+            req = reqs[i]
+            check_stop = req.num_output_tokens >= req.params.min_new_tokens
+            done[i] = self._after_text(req, req.detokenizer.commit(prefix, text, check_stop))
+        return done
+
+    def _append(self, req: Req, token: int, logprob: float | None, top: list[tuple[int, float]] | None) -> bool:
+        """The token and its logprobs, then the checks that come before its text (grammar, stop tokens);
+        True when they finished the request."""
         p = req.params
         req.token_ids.append(token)
         if p.logprobs or p.top_logprobs:
@@ -36,19 +61,23 @@ class OutputProcessor:
             self._finish(req, "error")
             req.error = req.grammar.error
             return True
-        detok: IncrementalDetokenizer = req.detokenizer
         is_stop_token = token in (p.stop_token_ids or ()) or (not p.ignore_eos and token in self.eos_ids)
         if is_stop_token and req.num_output_tokens > p.min_new_tokens - 1:
             self._finish(req, "stop")
             return True
-        if detok.add(token, check_stop=req.num_output_tokens >= p.min_new_tokens):
+        return False
+
+    def _after_text(self, req: Req, stopped: bool) -> bool:
+        """The checks after the token's text: a stop string (`stopped`), grammar end, length limits."""
+        detok: IncrementalDetokenizer = req.detokenizer
+        if stopped:
             req.text = detok.text
             req.finish("stop")
             return True
         if req.grammar is not None and req.grammar.is_terminated():
             self._finish(req, "stop")
             return True
-        if req.num_output_tokens >= p.max_new_tokens or req.num_tokens >= self.max_position:
+        if req.num_output_tokens >= req.params.max_new_tokens or req.num_tokens >= self.max_position:
             self._finish(req, "length")
             return True
         req.text = detok.text

@@ -135,15 +135,14 @@ class OverlapScheduler:
         """Apply a launched step's tokens in the synchronous engine's order; returns requests it finished."""
         e = self.engine
         tokens = prev.take()
-        finished = []
-        for req, token, placed in zip(prev.reqs, tokens, prev.placed):
-            if not placed:
-                continue  # finished (aborted) before this step
+        live = [(req, token) for req, token, placed in zip(prev.reqs, tokens, prev.placed) if placed]
+        for req, _ in live:  # requests not placed were finished (aborted) before this step
             req.token_ids.pop()
-            # A request the scheduler finished in this step (it could not grow) still gets the token the
-            # synchronous engine appended before scheduling; a stop there takes precedence, as it would.
-            if e.outputs.append_token(req, token, None, None):
-                e.scheduler.abort_waiting(req)  # retracted in this step's scheduling
-                e.scheduler.finish(req)
-                finished.append(req)
+        # A request the scheduler finished in this step (it could not grow) still gets the token the
+        # synchronous engine appended before scheduling; a stop there takes precedence, as it would.
+        done = e.outputs.append_tokens([req for req, _ in live], [token for _, token in live])
+        finished = [req for (req, _), d in zip(live, done) if d]
+        for req in finished:
+            e.scheduler.abort_waiting(req)  # retracted in this step's scheduling
+            e.scheduler.finish(req)
         return finished

@@ -24,6 +24,15 @@ def ids_decoder(tokenizer):
     return lambda ids: backend.decode(ids, skip_special_tokens=True)
 
 
+def batch_decoder(tokenizer):
+    """`[ids, ...] -> [text, ...]`, as ids_decoder on each, in one tokenizer call (the Rust tokenizer decodes
+    the batch in parallel): a decode step's detokenizer windows of every request at once."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", True):
+        return lambda batch: tokenizer.batch_decode(batch, skip_special_tokens=True)
+    return lambda batch: backend.decode_batch(batch, skip_special_tokens=True)
+
+
 class IncrementalDetokenizer:
     """Text of the output so far, grown one token at a time.
 
@@ -45,9 +54,17 @@ class IncrementalDetokenizer:
 
     def add(self, token_id: int, check_stop: bool = True) -> bool:
         """Append a token; True when a stop string completed (text is then cut before it)."""
+        prefix_ids, window_ids = self.push(token_id)
+        return self.commit(self._decode(prefix_ids), self._decode(window_ids), check_stop)
+
+    def push(self, token_id: int) -> tuple[list[int], list[int]]:
+        """First half of `add`: append the token; returns the two id windows to decode (prefix, whole), so
+        that a caller can decode many detokenizers' windows in one batched call before `commit`."""
         self.ids.append(token_id)
-        prefix_text = self._decode(self.ids[self.prefix_offset : self.read_offset])
-        new_text = self._decode(self.ids[self.prefix_offset :])
+        return self.ids[self.prefix_offset : self.read_offset], self.ids[self.prefix_offset :]
+
+    def commit(self, prefix_text: str, new_text: str, check_stop: bool = True) -> bool:
+        """Second half of `add`, given the decodes of `push`'s windows."""
         if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
             return False
         delta = new_text[len(prefix_text) :]

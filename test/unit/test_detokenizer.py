@@ -297,3 +297,29 @@ def test_ids_decoder_equals_tokenizer_decode(tok):
         ids = [rng.choice(special) if rng.random() < 0.2 else rng.randrange(len(tok))
                for _ in range(rng.randint(1, 8))]
         assert decode_ids(ids) == tok.decode(ids, skip_special_tokens=True)
+
+
+def test_batched_decode_of_many_detokenizers_equals_one_at_a_time(tok):
+    """The overlap scheduler's path: every request's windows of a step decoded in one batched call (push,
+    batch decode, commit) gives the texts and stops of `add` one request at a time."""
+    from deepinfer_rt.tokenizer import batch_decoder
+
+    decode_batch = batch_decoder(tok)
+    streams = [tok.encode(t, add_special_tokens=False) for t in TEXTS]
+    stops = [["ü"], [], ["mir"], ["👦 flags"], [], [], []]
+    one = [IncrementalDetokenizer(tok, tok.encode(p), s) for p, s in zip(PROMPTS * 3, stops)]
+    many = [IncrementalDetokenizer(tok, tok.encode(p), s) for p, s in zip(PROMPTS * 3, stops)]
+    stopped_one, stopped_many = [None] * len(one), [None] * len(one)
+    for step in range(max(map(len, streams))):
+        live = [i for i, ids in enumerate(streams) if step < len(ids) and stopped_one[i] is None]
+        for i in live:
+            if one[i].add(streams[i][step]):
+                stopped_one[i] = step
+        windows = [many[i].push(streams[i][step]) for i in live]
+        prefixes, texts = decode_batch([w[0] for w in windows]), decode_batch([w[1] for w in windows])
+        for i, prefix, text in zip(live, prefixes, texts):
+            if many[i].commit(prefix, text):
+                stopped_many[i] = step
+    assert stopped_many == stopped_one
+    assert [d.text for d in many] == [d.text for d in one]
+    assert any(s is not None for s in stopped_one) and any(s is None for s in stopped_one)
