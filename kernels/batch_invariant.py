@@ -6,8 +6,11 @@ row for the norms. `deepinfer_rt.layers.batch_invariant` dispatches here for CUD
 
     matmul        persistent GEMM: programs walk the output tiles in a grid-stride loop, each tile owning the
                   whole K loop in BLOCK_K steps, so a row's result is the same for M = 1 or M = 4096. The tile
-                  configuration depends on the dtype only; tiles are visited in GROUP_M-row bands so programs
-                  running together share weight columns in L2 (which program computes a tile does not change it)
+                  configuration depends on the dtype and N (the weight), never on M; tiles are visited in
+                  GROUP_M-row bands so programs running together share weight columns in L2 (which program
+                  computes a tile does not change it)
+    head_matmul   per-head matmul (MLA's absorbed projections) in one launch: one tile of one head per program,
+                  the matmul's tiles, the whole K loop
     rms_norm      one program per row, the row's sum of squares in one fixed-width block reduction
     silu_and_mul  elementwise, silu as x / (1 + exp(-x))
 """
@@ -20,12 +23,14 @@ import triton.language as tl
 GROUP_M = 8
 
 
-def _matmul_config(dtype: torch.dtype) -> dict:
-    """Tiles and pipelining per dtype, never per M. 16-bit: tensor-core tiles with a 3-deep load pipeline (the
-    usual Hopper GEMM shape); fp32 takes full-precision products, whose register cost wants smaller tiles."""
+def _matmul_config(dtype: torch.dtype, n: int) -> dict:
+    """Tiles and pipelining per dtype and output width, never per M (the row count). 16-bit: tensor-core tiles
+    with a 3-deep load pipeline (the usual Hopper GEMM shape); fp32 takes full-precision products, whose
+    register cost wants smaller tiles. Narrow weights (N below 4096 / 1024) get narrower column tiles, so that
+    a decode step's few rows still spread over more than N/128 programs."""
     if dtype == torch.float32:
-        return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=3)
-    return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3)
+        return dict(BLOCK_M=64, BLOCK_N=64 if n >= 1024 else 16, BLOCK_K=32, num_warps=4, num_stages=3)
+    return dict(BLOCK_M=128, BLOCK_N=128 if n >= 4096 else 64, BLOCK_K=64, num_warps=8, num_stages=3)
 
 
 @triton.jit
@@ -72,8 +77,52 @@ def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     programs = _num_programs(a.device)
     _matmul_kernel[(programs,)](a, b, c, m, n, k, a.stride(0), a.stride(1), b.stride(0), b.stride(1),
                                 c.stride(0), c.stride(1), NUM_PROGRAMS=programs, GROUP_M=GROUP_M,
-                                IS_FP32=a.dtype == torch.float32, **_matmul_config(a.dtype))
+                                IS_FP32=a.dtype == torch.float32, **_matmul_config(a.dtype, n))
     return c
+
+
+@triton.jit
+def _bmm_kernel(a_ptr, b_ptr, c_ptr, M, N, K, stride_ab, stride_am, stride_ak, stride_bb, stride_bk, stride_bn,
+                stride_cb, stride_cm, stride_cn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                BLOCK_K: tl.constexpr, IS_FP32: tl.constexpr):
+    """One (BLOCK_M x BLOCK_N) tile of one batch entry per program, the whole K loop in BLOCK_K steps."""
+    tile, batch = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    num_n = tl.cdiv(N, BLOCK_N)
+    rm = (tile // num_n) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = (tile % num_n) * BLOCK_N + tl.arange(0, BLOCK_N)
+    a_ptr += batch * stride_ab
+    b_ptr += batch * stride_bb
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        rk = k0 + tl.arange(0, BLOCK_K)
+        a = tl.load(a_ptr + rm[:, None] * stride_am + rk[None, :] * stride_ak,
+                    mask=(rm[:, None] < M) & (rk[None, :] < K), other=0.0)
+        b = tl.load(b_ptr + rk[:, None] * stride_bk + rn[None, :] * stride_bn,
+                    mask=(rk[:, None] < K) & (rn[None, :] < N), other=0.0)
+        if IS_FP32:
+            acc = tl.dot(a, b, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, b, acc)
+    tl.store(c_ptr + batch * stride_cb + rm[:, None] * stride_cm + rn[None, :] * stride_cn,
+             acc.to(c_ptr.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+def head_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Per-head x (T, H, A) @ w (H, A, B) -> (T, H, B) in one launch (MLA's absorbed projections), each row
+    the same for any T: the tiles of `matmul` for the dtype, no split-K. Strided inputs are read in place."""
+    t, h, a = x.shape
+    b = w.shape[2]
+    out = x.new_empty(t, h, b)
+    if t == 0:
+        return out
+    cfg = _matmul_config(x.dtype, b)
+    bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
+    grid = (triton.cdiv(t, bm) * triton.cdiv(b, bn), h)
+    _bmm_kernel[grid](x, w, out, t, b, a, x.stride(1), x.stride(0), x.stride(2), w.stride(0), w.stride(1),
+                      w.stride(2), out.stride(1), out.stride(0), out.stride(2), BLOCK_M=bm, BLOCK_N=bn,
+                      BLOCK_K=cfg["BLOCK_K"], IS_FP32=x.dtype == torch.float32, num_warps=cfg["num_warps"],
+                      num_stages=cfg["num_stages"])
+    return out
 
 
 @triton.jit

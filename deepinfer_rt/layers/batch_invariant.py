@@ -72,6 +72,10 @@ def head_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """Per-head matmul x (T, H, A) @ w (H, A, B) -> (T, H, B) (MLA's absorbed projections)."""
     if not _enabled:
         return torch.einsum("tha,hab->thb", x, w)
+    if _use_triton(x):
+        from deepinfer_kernels.batch_invariant import head_matmul as triton_head_matmul
+
+        return triton_head_matmul(x, w)
     return torch.stack([tiled_mm(x[:, h], w[h]) for h in range(w.shape[0])], dim=1)
 
 

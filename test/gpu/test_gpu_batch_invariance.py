@@ -24,7 +24,7 @@ def _check_rows(fn, rows: torch.Tensor) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("k,n", [(2048, 5632), (7168, 1536), (576, 49152)])
+@pytest.mark.parametrize("k,n", [(2048, 5632), (7168, 1536), (576, 49152), (2048, 64), (2048, 576)])
 def test_gpu_linear_rows_invariant_and_close(dtype, k, n):
     gen = torch.Generator(device="cuda").manual_seed(k)
     w = (torch.randn(n, k, device="cuda", generator=gen) / k**0.5).to(dtype)
@@ -47,6 +47,23 @@ def test_gpu_norm_and_silu_rows_invariant_and_close(dtype):
         tol = 1e-5 if dtype == torch.float32 else 2e-2
         torch.testing.assert_close(bi.rms_norm(x, w, 1e-6), reference.rms_norm(x, w, 1e-6), rtol=tol, atol=tol)
         torch.testing.assert_close(bi.silu_and_mul(x), reference.silu_and_mul(x), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_head_matmul_rows_invariant_and_close(dtype):
+    """MLA's absorbed per-head projections (16 heads, 128 -> 512 and back) in one launch, strided as the layer
+    passes them."""
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    w_uk = (torch.randn(16, 128, 512, device="cuda", generator=gen) / 128**0.5).to(dtype)
+    w_uv_t = (torch.randn(16, 128, 512, device="cuda", generator=gen) / 512**0.5).to(dtype).transpose(1, 2)
+    q = torch.randn(4, 16, 192, device="cuda", generator=gen).to(dtype)[..., :128]
+    o = torch.randn(4, 16, 512, device="cuda", generator=gen).to(dtype)
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    with bi.batch_invariant_mode():
+        for x, w in ((q, w_uk), (o, w_uv_t)):
+            _check_rows(lambda t: bi.head_matmul(t, w), x)
+            ref = torch.einsum("tha,hab->thb", x.double(), w.double())
+            torch.testing.assert_close(bi.head_matmul(x, w).double(), ref, rtol=tol, atol=tol)
 
 
 def test_gpu_default_linear_is_not_batch_invariant():
