@@ -147,7 +147,7 @@ class BatchInvariantBackend(AttentionBackend):
         for h in range(num_kv):
             fixed_bmm(p[h], vi[:, :, h], out=o[h])
         if not meta.one_block:
-            l, o = _merge_blocks(meta, m.view(num_kv, num_items, rows), l, o)
+            l, o = merge_blocks(meta.item_tile, meta.num_tiles + 1, m.view(num_kv, num_items, rows), l, o)
         o_rows = o.view(num_kv, -1, group, v_dim).index_select(1, meta.out_rows)  # (Hkv, T, G, Dv)
         l_rows = l.view(num_kv, -1, group).index_select(1, meta.out_rows)
         out = q.new_empty(t, num_kv, group, v_dim)
@@ -160,14 +160,15 @@ def _finite(m: torch.Tensor) -> torch.Tensor:
     return m.clamp(min=torch.finfo(m.dtype).min)
 
 
-def _merge_blocks(meta: _Meta, m: torch.Tensor, l: torch.Tensor, o: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per tile (and spare tile), sum_items l * exp(m - M) and sum_items o * exp(m - M), M the tile's max m.
-    m, l (Hkv, items, R); o (Hkv, items, R, Dv). index_add_ along dim 1 of a 3- or 4-dim tensor adds the
-    items sequentially in list order (CPU; dims 0 and last would take scatter_add's path, also sequential)."""
-    shape = (m.shape[0], meta.num_tiles + 1, m.shape[2])
-    index = meta.item_tile[None, :, None].expand_as(m)
-    tile_m = m.new_full(shape, float("-inf")).scatter_reduce_(1, index, m, "amax")
-    weight = torch.exp(m - _finite(tile_m).index_select(1, meta.item_tile))
-    l_sum = l.new_full(shape, -0.0).index_add_(1, meta.item_tile, l * weight)
-    o_sum = o.new_full((*shape, o.shape[-1]), -0.0).index_add_(1, meta.item_tile, o * weight[..., None])
+def merge_blocks(item_tile: torch.Tensor, num_tiles: int, m: torch.Tensor, l: torch.Tensor,
+                 o: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per tile, sum_items l * exp(m - M) and sum_items o * exp(m - M), M the tile's max m, the items of a tile
+    listed in ascending block order. m, l (Hkv, items, R); o (Hkv, items, R, Dv) -> (Hkv, tiles, R[, Dv]).
+    index_add_ along dim 1 of a 3- or 4-dim CPU tensor runs one slice add per item, in list order (dims 0 and
+    last may take scatter_add's path instead, also sequential along the index but not relied on here)."""
+    shape = (m.shape[0], num_tiles, m.shape[2])
+    tile_m = m.new_full(shape, float("-inf")).scatter_reduce_(1, item_tile[None, :, None].expand_as(m), m, "amax")
+    weight = torch.exp(m - _finite(tile_m).index_select(1, item_tile))
+    l_sum = l.new_full(shape, -0.0).index_add_(1, item_tile, l * weight)
+    o_sum = o.new_full((*shape, o.shape[-1]), -0.0).index_add_(1, item_tile, o * weight[..., None])
     return l_sum, o_sum
