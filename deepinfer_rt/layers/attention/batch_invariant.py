@@ -47,6 +47,7 @@ class _Meta:
     key_bias: torch.Tensor  # (items, QUERY_TILE, KEY_BLOCK) 0 where the query sees the key, -inf where not
     key_weight: torch.Tensor  # (items, QUERY_TILE, KEY_BLOCK) 1 where the query sees the key, 0 where not
     item_tile: torch.Tensor  # (items,) tile of each item, ascending blocks within a tile; num_tiles for padding
+    item_block: torch.Tensor  # (items,) key block of each item (0 for padding)
     one_block: bool  # every tile has one item (its block 0), in tile order: the merge is o / l as it stands
     out_rows: torch.Tensor  # (T,) row of each token in the flattened (tiles * QUERY_TILE) output
 
@@ -101,6 +102,7 @@ def _plan(q_lens: list[int], kv_lens: list[int], kv_slots: list[torch.Tensor]) -
     return _Meta(num_tiles=num_tiles, item_rows=item_rows.view(-1), key_slots=key_slots_t.view(-1),
                  key_bias=torch.zeros(hidden.shape).masked_fill_(hidden, float("-inf")), key_weight=(~hidden).float(),
                  item_tile=torch.cat([item_tile_t, torch.full((pad,), num_tiles)]),
+                 item_block=torch.cat([item_block_t, item_block_t.new_zeros(pad)]),
                  one_block=len(item_tile_t) == num_tiles, out_rows=torch.cat(out_rows))
 
 
@@ -112,7 +114,7 @@ class BatchInvariantBackend(AttentionBackend):
         dev, dtype = batch.input_ids.device, batch.pool.k[0].dtype
         batch.attn_meta = _Meta(
             meta.num_tiles, meta.item_rows.to(dev), meta.key_slots.to(dev), meta.key_bias.to(dev, dtype),
-            meta.key_weight.to(dev, dtype), meta.item_tile.to(dev),
+            meta.key_weight.to(dev, dtype), meta.item_tile.to(dev), meta.item_block.to(dev),
             one_block=meta.one_block, out_rows=meta.out_rows.to(dev))
 
     def forward(self, q: torch.Tensor, layer_id: int, scale: float, batch: ForwardBatch) -> torch.Tensor:
@@ -147,7 +149,8 @@ class BatchInvariantBackend(AttentionBackend):
         for h in range(num_kv):
             fixed_bmm(p[h], vi[:, :, h], out=o[h])
         if not meta.one_block:
-            l, o = merge_blocks(meta.item_tile, meta.num_tiles + 1, m.view(num_kv, num_items, rows), l, o)
+            l, o = merge_blocks(meta.item_tile, meta.item_block, meta.num_tiles + 1,
+                                m.view(num_kv, num_items, rows), l, o)
         o_rows = o.view(num_kv, -1, group, v_dim).index_select(1, meta.out_rows)  # (Hkv, T, G, Dv)
         l_rows = l.view(num_kv, -1, group).index_select(1, meta.out_rows)
         out = q.new_empty(t, num_kv, group, v_dim)
@@ -160,15 +163,30 @@ def _finite(m: torch.Tensor) -> torch.Tensor:
     return m.clamp(min=torch.finfo(m.dtype).min)
 
 
-def merge_blocks(item_tile: torch.Tensor, num_tiles: int, m: torch.Tensor, l: torch.Tensor,
-                 o: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def merge_blocks(item_tile: torch.Tensor, item_block: torch.Tensor, num_tiles: int, m: torch.Tensor,
+                 l: torch.Tensor, o: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per tile, sum_items l * exp(m - M) and sum_items o * exp(m - M), M the tile's max m, the items of a tile
-    listed in ascending block order. m, l (Hkv, items, R); o (Hkv, items, R, Dv) -> (Hkv, tiles, R[, Dv]).
-    index_add_ along dim 1 of a 3- or 4-dim CPU tensor runs one slice add per item, in list order (dims 0 and
-    last may take scatter_add's path instead, also sequential along the index but not relied on here)."""
+    listed in ascending block order. m, l (Hkv, items, R); o (Hkv, items, R, Dv) -> (Hkv, tiles, R[, Dv])."""
     shape = (m.shape[0], num_tiles, m.shape[2])
     tile_m = m.new_full(shape, float("-inf")).scatter_reduce_(1, item_tile[None, :, None].expand_as(m), m, "amax")
     weight = torch.exp(m - _finite(tile_m).index_select(1, item_tile))
-    l_sum = l.new_full(shape, -0.0).index_add_(1, item_tile, l * weight)
-    o_sum = o.new_full((*shape, o.shape[-1]), -0.0).index_add_(1, item_tile, o * weight[..., None])
-    return l_sum, o_sum
+    return (ordered_sum(l * weight, item_tile, item_block, num_tiles),
+            ordered_sum(o * weight[..., None], item_tile, item_block, num_tiles))
+
+
+def ordered_sum(x: torch.Tensor, item_tile: torch.Tensor, item_block: torch.Tensor, num_tiles: int) -> torch.Tensor:
+    """x (Hkv, items, ...) summed per tile along dim 1 as -0.0 + x_block0 + x_block1 + ... (-0.0 is the exact
+    identity of addition). On CPU one index_add_: along dim 1 of a 3- or 4-dim tensor it runs one slice add per
+    item in list order (dims 0 and last may take scatter_add's path instead). Elsewhere index_add_ uses atomics,
+    so the items are placed in a dense (tile, block) grid, absent ones -0.0, and the blocks added in a loop."""
+    shape = (x.shape[0], num_tiles, *x.shape[2:])
+    if x.is_cpu:
+        return x.new_full(shape, -0.0).index_add_(1, item_tile, x)
+    num_blocks = int(item_block.max()) + 1
+    dense = x.new_full((x.shape[0], num_tiles * num_blocks, *x.shape[2:]), -0.0)
+    dense = dense.index_copy_(1, item_tile * num_blocks + item_block, x).view(x.shape[0], num_tiles, num_blocks,
+                                                                             *x.shape[2:])
+    total = dense[:, :, 0]
+    for b in range(1, num_blocks):
+        total = total + dense[:, :, b]
+    return total
