@@ -42,28 +42,30 @@ class GemmPlan:
 def _call(x_tile: torch.Tensor, w_t: torch.Tensor, k_chunk: int, out: torch.Tensor) -> None:
     """One fixed-shape call: out (R, N) = x_tile (R, K) @ w_t (K, N), as a sum over K slices in ascending order."""
     k = x_tile.shape[1]
+    if k_chunk >= k:
+        torch.mm(x_tile, w_t, out=out)
+        return
     torch.mm(x_tile[:, :k_chunk], w_t[:k_chunk], out=out)
     for k0 in range(k_chunk, k, k_chunk):
         out += torch.mm(x_tile[:, k0 : k0 + k_chunk], w_t[k0 : k0 + k_chunk])
 
 
 def tiled_mm_with(x: torch.Tensor, w_t: torch.Tensor, plan: GemmPlan) -> torch.Tensor:
-    """x (T, K) @ w_t (K, N) -> (T, N) in calls of the plan's fixed shapes."""
-    x = x.contiguous()
+    """x (T, K) @ w_t (K, N) -> (T, N) in calls of the plan's fixed shapes. The rows past the large tiles are
+    zero-padded to whole small tiles, and the result is the first T rows of the padded output (no copy back)."""
     t = x.shape[0]
-    out = x.new_empty(t, w_t.shape[1])
     start = t - t % LARGE_TILE if plan.use_large else 0
+    padded_t = start + -(-(t - start) // SMALL_TILE) * SMALL_TILE
+    if padded_t == t:
+        x = x.contiguous()
+    else:
+        x = torch.cat([x, x.new_zeros(padded_t - t, x.shape[1])])
+    out = x.new_empty(padded_t, w_t.shape[1])
     for row in range(0, start, LARGE_TILE):
         _call(x[row : row + LARGE_TILE], w_t, plan.k_chunk, out[row : row + LARGE_TILE])
-    full = start + (t - start) // SMALL_TILE * SMALL_TILE
-    for row in range(start, full, SMALL_TILE):
+    for row in range(start, padded_t, SMALL_TILE):
         _call(x[row : row + SMALL_TILE], w_t, plan.k_chunk, out[row : row + SMALL_TILE])
-    if full < t:  # the last small tile, zero-padded
-        tile = torch.cat([x[full:], x.new_zeros(SMALL_TILE - (t - full), x.shape[1])])
-        last = x.new_empty(SMALL_TILE, w_t.shape[1])
-        _call(tile, w_t, plan.k_chunk, last)
-        out[full:] = last[: t - full]
-    return out
+    return out[:t]
 
 
 def tiled_mm(x: torch.Tensor, w_t: torch.Tensor) -> torch.Tensor:

@@ -17,7 +17,7 @@ from deepinfer_rt.cache.kv_pool import KVLayout, KVPool
 from deepinfer_rt.forward_batch import ForwardBatch
 from deepinfer_rt.layers import batch_invariant as bi
 from deepinfer_rt.layers import invariant_gemm
-from deepinfer_rt.layers.attention.batch_invariant import BatchInvariantBackend, fixed_bmm
+from deepinfer_rt.layers.attention.batch_invariant import BatchInvariantBackend, fixed_bmm, merge_blocks, ordered_sum
 from deepinfer_rt.layers.attention.torch_ref import TorchRefBackend
 
 _BATCH_SIZES = (1, 2, 3, 7, 15, 16, 17, 33, 64, 100, 129, 300)  # 129, 300: large GEMM tiles and a tail
@@ -195,6 +195,56 @@ def test_attention_invariant_to_chunking_batching_and_close(mla):
                 got[s].append(o)
         for s in range(len(lens)):
             assert torch.equal(torch.cat(got[s]), alone[s])
+
+
+def _block_items(gen: torch.Generator, num_blocks: int, rows_seen: int, heads: int = 2, rows: int = 3, dv: int = 5):
+    """(m, l, o) of one tile's blocks: the first rows_seen rows see every block, the others only block 0."""
+    m = torch.randn(heads, num_blocks, rows, generator=gen) * 4
+    l = torch.rand(heads, num_blocks, rows, generator=gen) * 30 + 1
+    o = torch.randn(heads, num_blocks, rows, dv, generator=gen) * 10
+    m[:, 1:, rows_seen:], l[:, 1:, rows_seen:], o[:, 1:, rows_seen:] = float("-inf"), 0, 0
+    return m, l, o
+
+
+def test_merge_blocks_invariant_to_batch_and_unseen_blocks_and_close():
+    """A tile's merged rows are bitwise the same among any other tiles (of any block counts), with blocks that
+    none of its queries see appended, and equal to o / l exactly when the tile has one block."""
+    gen = torch.Generator().manual_seed(9)
+    target = _block_items(gen, 4, rows_seen=2)
+    alone_l, alone_o = merge_blocks(torch.zeros(4, dtype=torch.long), torch.arange(4), 1, *target)
+    m, l, o = (x.double() for x in target)
+    big_m = m.amax(1, keepdim=True)
+    torch.testing.assert_close(alone_l[:, 0], (l * (m - big_m).exp()).sum(1).float())
+    torch.testing.assert_close(alone_o[:, 0], (o * (m - big_m).exp()[..., None]).sum(1).float())
+    for trial in range(8):
+        unseen = _block_items(gen, 1 + trial % 3, rows_seen=0)
+        unseen[0][:, :, 1:], unseen[1][:, :, 1:], unseen[2][:, :, 1:] = float("-inf"), 0, 0
+        mine = [torch.cat([a, b[:, 1:]], 1) for a, b in zip(target, unseen)]  # the tile plus unseen blocks
+        tiles = [_block_items(gen, int(torch.randint(1, 6, (1,), generator=gen)), 1) for _ in range(3)]
+        at = trial % 4
+        tiles.insert(at, mine)
+        item_tile = torch.cat([torch.full((t[0].shape[1],), i) for i, t in enumerate(tiles)])
+        item_block = torch.cat([torch.arange(t[0].shape[1]) for t in tiles])
+        got_l, got_o = merge_blocks(item_tile, item_block, len(tiles), *(torch.cat(x, 1) for x in zip(*tiles)))
+        assert torch.equal(got_l[:, at], alone_l[:, 0]) and torch.equal(got_o[:, at], alone_o[:, 0])
+    one = _block_items(gen, 1, rows_seen=0)
+    one_l, one_o = merge_blocks(torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long), 1, *one)
+    assert torch.equal(one_l, one[1]) and torch.equal(one_o, one[2])
+
+
+def test_ordered_sum_dense_form_matches_index_add(monkeypatch):
+    """The dense block loop (non-CPU devices) adds in the same order as CPU index_add_: the same bits, signed
+    zeros included."""
+    gen = torch.Generator().manual_seed(10)
+    counts = [3, 1, 5, 2]
+    item_tile = torch.cat([torch.full((c,), i) for i, c in enumerate(counts)])
+    item_block = torch.cat([torch.arange(c) for c in counts])
+    x = torch.randn(2, len(item_tile), 3, 4, generator=gen) * 1e4
+    x[:, ::3] = -0.0
+    on_cpu = ordered_sum(x, item_tile, item_block, len(counts))
+    monkeypatch.setattr(torch.Tensor, "is_cpu", property(lambda self: False))
+    dense = ordered_sum(x, item_tile, item_block, len(counts))
+    assert torch.equal(on_cpu, dense) and torch.equal(on_cpu.signbit(), dense.signbit())
 
 
 # ---- Triton kernels, through Triton's CPU interpreter (small shapes) ----

@@ -3,18 +3,24 @@
 
 Work is cut on a grid of absolute positions, the same for every batch, chunking and cache state:
 
-    query tiles   positions [t*QUERY_TILE, (t+1)*QUERY_TILE) of one sequence (absent queries are zero rows)
+    query tiles   positions [t*QUERY_TILE, (t+1)*QUERY_TILE) of one sequence (absent queries are masked)
     key blocks    positions [b*KEY_BLOCK, (b+1)*KEY_BLOCK)  (keys past the sequence's KV are zeroed, masked)
 
 One work item is (tile, block) for every block at or before the tile's last query. Per item, a fixed-shape
-GEMM gives the scores, the block-local max m, sum l and unnormalised output o; the items of a tile are then
-merged in ascending block order (online softmax). A block a query cannot see has m = -inf, l = 0, o = 0, and
-merging it is an exact identity, so a query's result is the same whether its tile holds other queries or not
-(chunked prefill, prefill vs decode, prefix-cache hit vs miss, recompute after retraction).
+GEMM gives the scores, the block-local max m, sum l and unnormalised output o. The items of a tile are merged
+in a fixed number of ops whatever the context length: M = max of the tile's m (exact in any order), each item
+scaled by exp(m - M) (elementwise), then the scaled l and o summed by `index_add_` along a middle dimension,
+which on CPU adds the items one after another in list order, i.e. ascending block order. A block a query cannot
+see has m = -inf, hence l = o = 0 after scaling, and adding it is an exact identity; the sums start from -0.0,
+the exact identity of addition, so a tile of one item gives o / l bit for bit. A query's result is therefore
+the same whether its tile holds other queries or not (chunked prefill, prefill vs decode, prefix-cache hit vs
+miss, recompute after retraction).
 
-Keys past a sequence's KV read its last key's slot (finite data) and are masked to -inf in the scores, so their
-p is exactly 0 and neither keys nor values need zeroing. The item list is padded with empty items (no query,
-nothing visible) to a multiple of GEMM_BATCH, so the batched GEMMs need no padding copies.
+Queries, scores and outputs are head-major, (kv head, item, ...); keys and values stay as gathered from the
+pool, and one kv head's are a strided view that the GEMMs read directly (no transposed copies). Absent queries of a tile read row 0 and
+keys past a sequence's KV read its last key's slot (finite data); both are masked to -inf in the scores, so
+their p is exactly 0 and no operand needs zeroing. The item list is padded with empty items (nothing visible,
+merged into a spare tile that no output reads) to a multiple of GEMM_BATCH, so the GEMMs need no padding copies.
 """
 from __future__ import annotations
 
@@ -27,6 +33,8 @@ from deepinfer_rt.layers.attention.base import AttentionBackend
 
 QUERY_TILE = 4
 KEY_BLOCK = 64
+EXP_FLOOR = -80.0
+"""Lowest softmax exponent (score minus max) taken as it is: exp(-80) ~ 2e-35 is negligible beside the max's 1."""
 GEMM_BATCH = 8
 """Matrices per batched GEMM call: every call has the same shape, so the BLAS takes the same path each time.
 Small, so a decode step (one item per sequence and KV head) is not padded far."""
@@ -35,14 +43,17 @@ Small, so a decode step (one item per sequence and KV head) is not padded far.""
 @dataclass
 class _Meta:
     num_tiles: int
-    item_rows: torch.Tensor  # (items * QUERY_TILE,) token row of each item query; T (a zero row) if absent
+    item_rows: torch.Tensor  # (items * QUERY_TILE,) token row of each item query; 0 (masked) if absent
     key_slots: torch.Tensor  # (items * KEY_BLOCK,) pool slot of each key (the last key's where past the KV)
-    hidden: torch.Tensor  # (items, QUERY_TILE, KEY_BLOCK) bool, True = the query does not see the key
-    by_block: list[tuple[torch.Tensor, torch.Tensor]]  # block b -> (tiles, items) that have it; b = 0: all tiles
+    key_bias: torch.Tensor  # (items, QUERY_TILE, KEY_BLOCK) 0 where the query sees the key, -inf where not
+    key_weight: torch.Tensor  # (items, QUERY_TILE, KEY_BLOCK) 1 where the query sees the key, 0 where not
+    item_tile: torch.Tensor  # (items,) tile of each item, ascending blocks within a tile; num_tiles for padding
+    item_block: torch.Tensor  # (items,) key block of each item (0 for padding)
+    one_block: bool  # every tile has one item (its block 0), in tile order: the merge is o / l as it stands
     out_rows: torch.Tensor  # (T,) row of each token in the flattened (tiles * QUERY_TILE) output
 
 
-def fixed_bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+def fixed_bmm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """a (N, M, K) @ b (N, K, P) as calls of the one shape (GEMM_BATCH, M, K) @ (GEMM_BATCH, K, P)."""
     n = a.shape[0]
     padded_n = -(-n // GEMM_BATCH) * GEMM_BATCH
@@ -52,7 +63,8 @@ def fixed_bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         a_pad = a.new_zeros(padded_n, *a.shape[1:])
         b_pad = b.new_zeros(padded_n, *b.shape[1:])
         a_pad[:n], b_pad[:n] = a, b
-    out = a.new_empty(padded_n, a.shape[1], b.shape[2])
+    if out is None or padded_n != n:
+        out = a.new_empty(padded_n, a.shape[1], b.shape[2])
     for i in range(0, padded_n, GEMM_BATCH):
         torch.bmm(a_pad[i : i + GEMM_BATCH], b_pad[i : i + GEMM_BATCH], out=out[i : i + GEMM_BATCH])
     return out[:n]
@@ -61,7 +73,6 @@ def fixed_bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 def _plan(q_lens: list[int], kv_lens: list[int], kv_slots: list[torch.Tensor]) -> _Meta:
     """The work items of a batch (on CPU; moved to the device by `prepare`)."""
     tile_rows, item_tile, item_block, key_slots, q_pos, out_rows = [], [], [], [], [], []
-    total = sum(q_lens)
     row = num_tiles = 0
     offsets, key_offsets = torch.arange(QUERY_TILE), torch.arange(KEY_BLOCK)
     for q_len, kv_len, slots in zip(q_lens, kv_lens, kv_slots):
@@ -69,7 +80,7 @@ def _plan(q_lens: list[int], kv_lens: list[int], kv_slots: list[torch.Tensor]) -
         t0 = first // QUERY_TILE
         pos = (t0 + torch.arange((kv_len - 1) // QUERY_TILE + 1 - t0))[:, None] * QUERY_TILE + offsets  # (nt, QT)
         present = (pos >= first) & (pos < kv_len)
-        tile_rows.append(torch.where(present, row + pos - first, total))
+        tile_rows.append(torch.where(present, row + pos - first, 0))
         out_rows.append((num_tiles * QUERY_TILE + torch.arange(pos.numel())).view_as(pos)[present])
         num_blocks = pos[:, -1].clamp(max=kv_len - 1) // KEY_BLOCK + 1  # (nt,) blocks up to the last query
         local_tile = torch.repeat_interleave(torch.arange(len(pos)), num_blocks)
@@ -83,17 +94,17 @@ def _plan(q_lens: list[int], kv_lens: list[int], kv_slots: list[torch.Tensor]) -
         num_tiles += len(pos)
     item_tile_t, item_block_t, q_pos_t = torch.cat(item_tile), torch.cat(item_block), torch.cat(q_pos)
     key_slots_t = torch.cat(key_slots)
-    by_block = []
-    for b in range(int(item_block_t.max()) + 1):
-        items = (item_block_t == b).nonzero().squeeze(1)
-        by_block.append((item_tile_t[items], items))
-    pad = -len(item_tile_t) % GEMM_BATCH  # empty items: zero queries, every key masked, never merged
-    item_rows = torch.cat([torch.cat(tile_rows)[item_tile_t], torch.full((pad, QUERY_TILE), total)])
+    pad = -len(item_tile_t) % GEMM_BATCH  # empty items: any query, every key masked, merged into a spare tile
+    item_rows = torch.cat([torch.cat(tile_rows)[item_tile_t], item_tile_t.new_zeros(pad, QUERY_TILE)])
     key_slots_t = torch.cat([key_slots_t, key_slots_t[:1].expand(pad, KEY_BLOCK)])
     q_pos_t = torch.cat([q_pos_t, torch.full((pad, QUERY_TILE), -1)])
     kp = torch.cat([item_block_t, item_block_t.new_zeros(pad)])[:, None] * KEY_BLOCK + key_offsets
+    hidden = kp[:, None, :] > q_pos_t[:, :, None]
     return _Meta(num_tiles=num_tiles, item_rows=item_rows.view(-1), key_slots=key_slots_t.view(-1),
-                 hidden=kp[:, None, :] > q_pos_t[:, :, None], by_block=by_block, out_rows=torch.cat(out_rows))
+                 key_bias=torch.zeros(hidden.shape).masked_fill_(hidden, float("-inf")), key_weight=(~hidden).float(),
+                 item_tile=torch.cat([item_tile_t, torch.full((pad,), num_tiles)]),
+                 item_block=torch.cat([item_block_t, item_block_t.new_zeros(pad)]),
+                 one_block=len(item_tile_t) == num_tiles, out_rows=torch.cat(out_rows))
 
 
 class BatchInvariantBackend(AttentionBackend):
@@ -101,36 +112,51 @@ class BatchInvariantBackend(AttentionBackend):
 
     def prepare(self, batch: ForwardBatch) -> None:
         meta = _plan(batch.q_lens, batch.kv_lens, batch.kv_slots)
-        dev = batch.input_ids.device
+        dev, dtype = batch.input_ids.device, batch.pool.k[0].dtype
         batch.attn_meta = _Meta(
-            meta.num_tiles, *(getattr(meta, f).to(dev) for f in ("item_rows", "key_slots", "hidden")),
-            by_block=[(tiles.to(dev), items.to(dev)) for tiles, items in meta.by_block],
-            out_rows=meta.out_rows.to(dev))
+            meta.num_tiles, meta.item_rows.to(dev), meta.key_slots.to(dev), meta.key_bias.to(dev, dtype),
+            meta.key_weight.to(dev, dtype), meta.item_tile.to(dev), meta.item_block.to(dev),
+            one_block=meta.one_block, out_rows=meta.out_rows.to(dev))
 
     def forward(self, q: torch.Tensor, layer_id: int, scale: float, batch: ForwardBatch) -> torch.Tensor:
         meta: _Meta = batch.attn_meta
         k_buf, v_buf = batch.pool.k[layer_id], batch.pool.v[layer_id]
         num_kv, head_dim, v_dim = k_buf.shape[1], k_buf.shape[2], v_buf.shape[2]
-        num_items, (t, num_heads, _) = len(meta.hidden), q.shape
-        group = num_heads // num_kv
-        # Queries of each item: (items * Hkv, QT * G, D); keys (items * Hkv, D, KB); values (items * Hkv, KB, Dv).
-        qz = torch.cat([q, q.new_zeros(1, num_heads, head_dim)])
-        qi = qz.index_select(0, meta.item_rows).view(num_items, QUERY_TILE, num_kv, group, head_dim)
-        qi = qi.permute(0, 2, 1, 3, 4).reshape(num_items * num_kv, QUERY_TILE * group, head_dim)
-        ki = k_buf.index_select(0, meta.key_slots).view(num_items, KEY_BLOCK, num_kv, head_dim).permute(0, 2, 3, 1)
-        vi = v_buf.index_select(0, meta.key_slots).view(num_items, KEY_BLOCK, num_kv, v_dim).transpose(1, 2)
-        scores = fixed_bmm(qi, ki.reshape(num_items * num_kv, head_dim, KEY_BLOCK)) * scale
-        scores = scores.view(num_items, num_kv, QUERY_TILE, group, KEY_BLOCK)
-        scores = scores.masked_fill(meta.hidden[:, None, :, None, :], float("-inf"))
-        m = scores.amax(dim=-1)  # (items, Hkv, QT, G); -inf where a query sees no key of the block
-        p = torch.exp(scores - _finite(m)[..., None])
-        l = p.sum(dim=-1)
-        o = fixed_bmm(p.view(num_items * num_kv, QUERY_TILE * group, KEY_BLOCK),
-                      vi.reshape(num_items * num_kv, KEY_BLOCK, v_dim))
-        o = o.view(num_items, num_kv, QUERY_TILE, group, v_dim)
-        out = _merge_blocks(meta, m, l, o)  # (tiles, Hkv, QT, G, Dv)
-        out = out.permute(0, 2, 1, 3, 4).reshape(-1, num_heads, v_dim)
-        return out[meta.out_rows]
+        num_items, (t, num_heads, _) = len(meta.key_bias), q.shape
+        group, rows = num_heads // num_kv, QUERY_TILE * num_heads // num_kv
+        # Head-major: queries (Hkv, items, QT * G, D), scores (Hkv, items, QT * G, KB). Keys and values stay
+        # as gathered, (items, KB, Hkv, D): one kv head's are a strided view the GEMMs read as they are.
+        qs = torch.mul(q.view(t, num_kv, group, head_dim).transpose(0, 1), scale,
+                       out=q.new_empty(num_kv, t, group, head_dim))
+        qi = qs.index_select(1, meta.item_rows).view(num_kv, num_items, rows, head_dim)
+        ki = k_buf.index_select(0, meta.key_slots).view(num_items, KEY_BLOCK, num_kv, head_dim)
+        if v_buf.data_ptr() == k_buf.data_ptr() and v_buf.stride() == k_buf.stride():  # values lead the keys (MLA)
+            vi = ki[..., :v_dim]
+        else:
+            vi = v_buf.index_select(0, meta.key_slots).view(num_items, KEY_BLOCK, num_kv, v_dim)
+        scores = q.new_empty(num_kv, num_items, rows, KEY_BLOCK)
+        for h in range(num_kv):
+            fixed_bmm(qi[h], ki[:, :, h].transpose(1, 2), out=scores[h])
+        scores = scores.view(num_kv, num_items, QUERY_TILE, group, KEY_BLOCK)
+        scores.add_(meta.key_bias[None, :, :, None, :])
+        m = scores.amax(dim=-1)  # (Hkv, items, QT, G); -inf where a query sees no key of the block
+        # exp is fast only where its result is a normal number: arguments below EXP_FLOOR (hidden keys: -inf)
+        # are raised to it, and the hidden keys' p is then zeroed exactly by their weight.
+        p = torch.sub(scores, _finite(m)[..., None], out=scores).clamp_(min=EXP_FLOOR).exp_()
+        p.mul_(meta.key_weight[None, :, :, None, :])
+        l = p.sum(dim=-1).view(num_kv, num_items, rows)
+        p = p.view(num_kv, num_items, rows, KEY_BLOCK)
+        o = q.new_empty(num_kv, num_items, rows, v_dim)
+        for h in range(num_kv):
+            fixed_bmm(p[h], vi[:, :, h], out=o[h])
+        if not meta.one_block:
+            l, o = merge_blocks(meta.item_tile, meta.item_block, meta.num_tiles + 1,
+                                m.view(num_kv, num_items, rows), l, o)
+        o_rows = o.view(num_kv, -1, group, v_dim).index_select(1, meta.out_rows)  # (Hkv, T, G, Dv)
+        l_rows = l.view(num_kv, -1, group).index_select(1, meta.out_rows)
+        out = q.new_empty(t, num_kv, group, v_dim)
+        torch.div(o_rows, l_rows[..., None], out=out.transpose(0, 1))
+        return out.view(t, num_heads, v_dim)
 
 
 def _finite(m: torch.Tensor) -> torch.Tensor:
@@ -138,20 +164,30 @@ def _finite(m: torch.Tensor) -> torch.Tensor:
     return m.clamp(min=torch.finfo(m.dtype).min)
 
 
-def _merge_blocks(meta: _Meta, m: torch.Tensor, l: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
-    """Online softmax over each tile's blocks in ascending absolute order; returns sum_j p_j v_j / sum_j p_j.
-    Every tile has block 0, and merging it into the empty state is exact, so the state starts as block 0."""
-    shape = (meta.num_tiles, *m.shape[1:])
-    tiles, items = meta.by_block[0]
-    acc_m = m.new_empty(shape).index_copy_(0, tiles, m[items])
-    acc_l = l.new_empty(shape).index_copy_(0, tiles, l[items])
-    acc_o = o.new_empty(*shape, o.shape[-1]).index_copy_(0, tiles, o[items])
-    for tiles, items in meta.by_block[1:]:
-        m_old, m_blk = acc_m[tiles], m[items]
-        m_new = torch.maximum(m_old, m_blk)
-        safe = _finite(m_new)
-        a, c = torch.exp(m_old - safe), torch.exp(m_blk - safe)
-        acc_m[tiles] = m_new
-        acc_l[tiles] = acc_l[tiles] * a + l[items] * c
-        acc_o[tiles] = acc_o[tiles] * a[..., None] + o[items] * c[..., None]
-    return acc_o / acc_l[..., None]
+def merge_blocks(item_tile: torch.Tensor, item_block: torch.Tensor, num_tiles: int, m: torch.Tensor,
+                 l: torch.Tensor, o: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per tile, sum_items l * exp(m - M) and sum_items o * exp(m - M), M the tile's max m, the items of a tile
+    listed in ascending block order. m, l (Hkv, items, R); o (Hkv, items, R, Dv) -> (Hkv, tiles, R[, Dv])."""
+    shape = (m.shape[0], num_tiles, m.shape[2])
+    tile_m = m.new_full(shape, float("-inf")).scatter_reduce_(1, item_tile[None, :, None].expand_as(m), m, "amax")
+    weight = torch.exp(m - _finite(tile_m).index_select(1, item_tile))
+    return (ordered_sum(l * weight, item_tile, item_block, num_tiles),
+            ordered_sum(o * weight[..., None], item_tile, item_block, num_tiles))
+
+
+def ordered_sum(x: torch.Tensor, item_tile: torch.Tensor, item_block: torch.Tensor, num_tiles: int) -> torch.Tensor:
+    """x (Hkv, items, ...) summed per tile along dim 1 as -0.0 + x_block0 + x_block1 + ... (-0.0 is the exact
+    identity of addition). On CPU one index_add_: along dim 1 of a 3- or 4-dim tensor it runs one slice add per
+    item in list order (dims 0 and last may take scatter_add's path instead). Elsewhere index_add_ uses atomics,
+    so the items are placed in a dense (tile, block) grid, absent ones -0.0, and the blocks added in a loop."""
+    shape = (x.shape[0], num_tiles, *x.shape[2:])
+    if x.is_cpu:
+        return x.new_full(shape, -0.0).index_add_(1, item_tile, x)
+    num_blocks = int(item_block.max()) + 1
+    dense = x.new_full((x.shape[0], num_tiles * num_blocks, *x.shape[2:]), -0.0)
+    dense = dense.index_copy_(1, item_tile * num_blocks + item_block, x).view(x.shape[0], num_tiles, num_blocks,
+                                                                             *x.shape[2:])
+    total = dense[:, :, 0]
+    for b in range(1, num_blocks):
+        total = total + dense[:, :, b]
+    return total
