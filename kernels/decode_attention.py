@@ -90,6 +90,19 @@ def _attend_range(Q, K, V, PageTable, b, kvh, row, start, end, stride_qb, stride
 
 
 @triton.jit
+def _store_split(PartO, PartLse, out, lse, b, kvh, split, num_splits, GROUP: tl.constexpr, BLOCK_H: tl.constexpr,
+                 DV: tl.constexpr):
+    """A split's (BLOCK_H, DV) partial output and log-sum-exp at PartO / PartLse (B, Hq, num_splits[, DV])."""
+    offs_h = tl.arange(0, BLOCK_H)
+    heads = kvh * GROUP + offs_h
+    hmask = offs_h < GROUP
+    offs_dv = tl.arange(0, DV)
+    part = (b * (GROUP * tl.num_programs(1)) + heads) * num_splits + split
+    tl.store(PartO + part[:, None] * DV + offs_dv[None, :], out, mask=hmask[:, None])
+    tl.store(PartLse + part, lse, mask=hmask)
+
+
+@triton.jit
 def _decode_split_kernel(Q, K, V, PageTable, TableRows, SeqLens, PartO, PartLse,
                          stride_qb, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_pt,
                          sm_scale, page_size,
@@ -107,13 +120,7 @@ def _decode_split_kernel(Q, K, V, PageTable, TableRows, SeqLens, PartO, PartLse,
     out, lse = _attend_range(Q, K, V, PageTable, b, kvh, row, start, end, stride_qb, stride_qh, stride_kn,
                              stride_kh, stride_vn, stride_vh, stride_pt, sm_scale, page_size, GROUP, BLOCK_H, DK,
                              DT, DV, BLOCK_N, V_IS_K, IEEE)
-    offs_h = tl.arange(0, BLOCK_H)
-    heads = kvh * GROUP + offs_h
-    hmask = offs_h < GROUP
-    offs_dv = tl.arange(0, DV)
-    part = (b * (GROUP * tl.num_programs(1)) + heads) * NUM_SPLITS + split  # PartLse (B, Hq, S)
-    tl.store(PartO + part[:, None] * DV + offs_dv[None, :], out, mask=hmask[:, None])
-    tl.store(PartLse + part, lse, mask=hmask)
+    _store_split(PartO, PartLse, out, lse, b, kvh, split, NUM_SPLITS, GROUP, BLOCK_H, DV)
 
 
 @triton.jit
@@ -136,13 +143,7 @@ def _fixed_split_kernel(Q, K, V, PageTable, TableRows, SeqLens, PartO, PartLse,
         out, lse = _attend_range(Q, K, V, PageTable, b, kvh, row, start, end, stride_qb, stride_qh, stride_kn,
                                  stride_kh, stride_vn, stride_vh, stride_pt, sm_scale, page_size, GROUP, BLOCK_H,
                                  DK, DT, DV, BLOCK_N, V_IS_K, IEEE)
-        offs_h = tl.arange(0, BLOCK_H)
-        heads = kvh * GROUP + offs_h
-        hmask = offs_h < GROUP
-        offs_dv = tl.arange(0, DV)
-        part = (b * (GROUP * tl.num_programs(1)) + heads) * num_splits + split  # PartLse (B, Hq, num_splits)
-        tl.store(PartO + part[:, None] * DV + offs_dv[None, :], out, mask=hmask[:, None])
-        tl.store(PartLse + part, lse, mask=hmask)
+        _store_split(PartO, PartLse, out, lse, b, kvh, split, num_splits, GROUP, BLOCK_H, DV)
 
 
 @triton.jit

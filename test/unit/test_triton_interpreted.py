@@ -90,6 +90,8 @@ _FIXED_SPLITS = textwrap.dedent(_SCALED_DOWN + """
         ref = da.paged_decode_attention_ref(q, k, v, table, rows, lens, ps, dk**-0.5)
         torch.testing.assert_close(alone, ref, rtol=1e-5, atol=1e-5)
         assert (alone[2] == 0).all()
+        default = da.paged_decode_attention(q, k, v, table, rows, lens, ps, dk**-0.5, 2, block_n=16)
+        torch.testing.assert_close(default, ref, rtol=1e-5, atol=1e-5)  # the default split kernel, same helpers
         for extra, more_splits, part_bytes in [(3, 2, 1 << 28), (1, 0, 1)]:  # part_bytes 1: a row per launch
             da._FIXED_PART_BYTES = part_bytes
             perm = torch.randperm(4 + extra, generator=g)
