@@ -5,9 +5,9 @@
     out[tok] = sum over the token's k slots of y, in slot order               (fp32 sum, one kernel)
 
 Each program owns BLOCK_M sorted rows of one expert and BLOCK_N output columns, so an expert's weights are
-read once per block of its tokens. `moe_align` (deepinfer_kernels.moe_align, one launch) builds the sorted order on
-the device with no host sync (CUDA graphs capture it): each expert's pairs are padded to a multiple of BLOCK_M; padding rows hold the sentinel
-pair id `num_pairs` and are masked. With only a few pairs (small decode batches) sorting costs more than it
+read once per block of its tokens. `moe_align` (deepinfer_kernels.moe_align, one launch) builds the sorted
+order on the device with no host sync (CUDA graphs capture it): each expert's pairs are padded to a multiple of
+BLOCK_M; padding rows hold the sentinel pair id `num_pairs` and are masked. With only a few pairs (small decode batches) sorting costs more than it
 saves: each pair then gets its own block (`per_pair`), which needs no align kernels at all.
 
 Batch-invariant mode (`batch_invariant=True`) gives each (token, slot) pair the same result whatever else is in
@@ -177,10 +177,14 @@ def fused_moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weight
     num_pairs = t * k
     if not (x.is_contiguous() and gate_up.is_contiguous() and down.is_contiguous()):
         raise ValueError("fused_moe needs contiguous x and expert weights")
-    if batch_invariant:
-        return _fused_moe_invariant(x, gate_up, down, weights, ids)
-    block_m = _block_m(num_pairs, e)
-    per_pair = num_pairs <= PER_PAIR_MAX
+    if batch_invariant:  # one tile configuration for every batch, always sorted (see the module docstring)
+        config = invariant_tiles(x.dtype)
+        gate_up_kernel, down_kernel = _gate_up, _down  # unwrapped from their autotuner
+        block_m, per_pair, bucket = config.pop("BLOCK_M"), False, 0  # bucket: the autotuner's key only
+    else:
+        config = {}
+        gate_up_kernel, down_kernel = _moe_gate_up_kernel, _moe_down_kernel
+        block_m, per_pair, bucket = _block_m(num_pairs, e), num_pairs <= PER_PAIR_MAX, triton.next_power_of_2(num_pairs)
     if per_pair:
         sorted_pairs, block_expert, num_padded = ids, ids.flatten(), ids  # the flat ids double as block experts
         num_blocks = num_pairs
@@ -189,15 +193,15 @@ def fused_moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weight
         num_blocks = sorted_pairs.numel() // block_m
     h = x.new_empty(num_pairs, inter)
     y = x.new_empty(num_pairs, hidden)
-    bucket = triton.next_power_of_2(num_pairs)
-    _moe_gate_up_kernel[lambda meta: (num_blocks, triton.cdiv(inter, meta["BLOCK_N"]))](
+    ieee = x.dtype == torch.float32
+    gate_up_kernel[lambda meta: (num_blocks, triton.cdiv(inter, meta["BLOCK_N"]))](
         x, gate_up, h, sorted_pairs, block_expert, num_padded, num_pairs, bucket, k, inter, hidden,
         x.stride(0), gate_up.stride(0), gate_up.stride(1), h.stride(0), BLOCK_M=block_m, PER_PAIR=per_pair,
-        IEEE=x.dtype == torch.float32)
-    _moe_down_kernel[lambda meta: (num_blocks, triton.cdiv(hidden, meta["BLOCK_N"]))](
+        IEEE=ieee, **config)
+    down_kernel[lambda meta: (num_blocks, triton.cdiv(hidden, meta["BLOCK_N"]))](
         h, down, y, weights.flatten().float(), sorted_pairs, block_expert, num_padded, num_pairs, bucket, hidden,
         inter, h.stride(0), down.stride(0), down.stride(1), y.stride(0), BLOCK_M=block_m, PER_PAIR=per_pair,
-        IEEE=x.dtype == torch.float32)
+        IEEE=ieee, **config)
     return _combine(y, t, k, hidden)
 
 
@@ -227,29 +231,6 @@ def _combine_kernel(Y, Out, hidden, TOP_K: tl.constexpr, BLOCK: tl.constexpr):
     for j in tl.static_range(1, TOP_K):
         acc += tl.load(rows + j * hidden, mask=mask, other=0.0).to(tl.float32)
     tl.store(Out + t * hidden + cols, acc.to(Out.dtype.element_ty), mask=mask)
-
-
-def _fused_moe_invariant(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,
-                         ids: torch.Tensor) -> torch.Tensor:
-    t, k = ids.shape
-    e, two_i, hidden = gate_up.shape
-    inter = two_i // 2
-    num_pairs = t * k
-    tiles = invariant_tiles(x.dtype)
-    block_m, block_n = tiles["BLOCK_M"], tiles["BLOCK_N"]
-    sorted_pairs, block_expert, num_padded = _align(ids, e, block_m)
-    num_blocks = sorted_pairs.numel() // block_m
-    h = x.new_empty(num_pairs, inter)
-    y = x.new_empty(num_pairs, hidden)
-    ieee = x.dtype == torch.float32
-    # The kernels unwrapped from their autotuner (whose key pairs_bucket is then unused: 0).
-    _gate_up[(num_blocks, triton.cdiv(inter, block_n))](
-        x, gate_up, h, sorted_pairs, block_expert, num_padded, num_pairs, 0, k, inter, hidden,
-        x.stride(0), gate_up.stride(0), gate_up.stride(1), h.stride(0), PER_PAIR=False, IEEE=ieee, **tiles)
-    _down[(num_blocks, triton.cdiv(hidden, block_n))](
-        h, down, y, weights.flatten().float(), sorted_pairs, block_expert, num_padded, num_pairs, 0, hidden,
-        inter, h.stride(0), down.stride(0), down.stride(1), y.stride(0), PER_PAIR=False, IEEE=ieee, **tiles)
-    return _combine(y, t, k, hidden)
 
 
 def _combine(y: torch.Tensor, t: int, k: int, hidden: int) -> torch.Tensor:
