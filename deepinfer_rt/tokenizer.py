@@ -14,12 +14,19 @@ def load_tokenizer(path: Path):
     return AutoTokenizer.from_pretrained(path)
 
 
+def _rust_tokenizer(tokenizer):
+    """The Rust tokenizer under a transformers one where decoding through it directly gives the same text (no
+    clean-up pass), else None."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    return None if getattr(tokenizer, "clean_up_tokenization_spaces", True) else backend
+
+
 def ids_decoder(tokenizer):
     """`ids -> tokenizer.decode(ids, skip_special_tokens=True)`, calling the Rust tokenizer directly where
-    that is the same (no clean-up pass): the transformers wrapper costs about twice the decode of the few
-    ids a detokenizer step reads, twice per token of every running request."""
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", True):
+    that is the same: the transformers wrapper costs about twice the decode of the few ids a detokenizer step
+    reads, twice per token of every running request."""
+    backend = _rust_tokenizer(tokenizer)
+    if backend is None:
         return lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
     return lambda ids: backend.decode(ids, skip_special_tokens=True)
 
@@ -27,8 +34,8 @@ def ids_decoder(tokenizer):
 def batch_decoder(tokenizer):
     """`[ids, ...] -> [text, ...]`, as ids_decoder on each, in one tokenizer call (the Rust tokenizer decodes
     the batch in parallel): a decode step's detokenizer windows of every request at once."""
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", True):
+    backend = _rust_tokenizer(tokenizer)
+    if backend is None:
         return lambda batch: tokenizer.batch_decode(batch, skip_special_tokens=True)
     return lambda batch: backend.decode_batch(batch, skip_special_tokens=True)
 

@@ -63,7 +63,7 @@ def moe_align(ids: torch.Tensor, num_experts: int, block_m: int
     num_pairs = flat.numel()
     max_rows = triton.cdiv(num_pairs + min(num_experts, num_pairs) * (block_m - 1), block_m) * block_m
     sorted_pairs = torch.empty(max_rows, dtype=torch.int32, device=flat.device)
-    block_expert = torch.zeros(max_rows // block_m, dtype=torch.int32, device=flat.device)
+    block_expert = torch.empty(max_rows // block_m, dtype=torch.int32, device=flat.device)  # past the end: unread
     num_padded = torch.empty(1, dtype=torch.int32, device=flat.device)
     block_p = max(16, min(1024, triton.next_power_of_2(num_pairs)))
     _moe_align_kernel[(num_experts,)](flat, sorted_pairs, block_expert, num_padded, num_pairs, num_experts,
