@@ -14,6 +14,7 @@ smoke run, no timing worth reading) the peer is RoutedExperts' torch path, since
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -52,14 +53,19 @@ def attention_rows(context: int, num_sms: int) -> list[dict]:
         rows_ = torch.arange(batch, dtype=torch.int32, device="cuda")
         lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
         default_splits = num_splits_for(batch, 1, num_sms)
-        for splits in sorted({max(1, default_splits // 2), default_splits, 2 * default_splits}):
-            for block_n in (32, 64):
-                for warps in (4, 8):
-                    s = _graph_time(lambda: paged_decode_attention(q, k, k[..., :512], table, rows_, lens, 1,
-                                                                   0.1, splits, block_n=block_n, num_warps=warps))
-                    rows.append({"kernel": "mla_decode", "batch": batch, "block_n": block_n, "num_warps": warps,
-                                 "splits": splits, "engine_choice": splits == default_splits,
-                                 "us": s * 1e6, "bytes_per_s": k.numel() * 2 / s})
+        for splits in sorted({max(1, default_splits // 2), default_splits, 2 * default_splits, 4 * default_splits}):
+            for block_n, warps, stages in itertools.product((16, 32, 64), (4, 8), (1, 2, 3)):
+                try:
+                    s = _graph_time(lambda: paged_decode_attention(
+                        q, k, k[..., :512], table, rows_, lens, 1, 0.1, splits, block_n=block_n,
+                        num_warps=warps, num_stages=stages))
+                except triton.runtime.errors.OutOfResources:
+                    continue  # the tile does not fit shared memory at this depth
+                rows.append({"kernel": "mla_decode", "batch": batch, "block_n": block_n, "num_warps": warps,
+                             "num_stages": stages, "splits": splits, "engine_choice": splits == default_splits,
+                             "us": s * 1e6, "bytes_per_s": k.numel() * 2 / s})
+                print(f"mla_decode B={batch} splits={splits} block_n={block_n} warps={warps} stages={stages}: "
+                      f"{s * 1e6:.1f} us", flush=True)
         del k, table
     return rows
 

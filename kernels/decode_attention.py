@@ -203,9 +203,11 @@ def _split_head_dim(dk: int, dv: int) -> tuple[int, int]:
 
 
 def num_splits_for(batch: int, kv_heads: int, num_sms: int) -> int:
-    """Enough (sequence, head, split) programs to cover the multiprocessors about twice."""
-    want = triton.cdiv(2 * num_sms, max(1, batch * kv_heads))
-    return max(1, min(32, triton.next_power_of_2(want)))
+    """About two (sequence, head, split) programs per multiprocessor, rounded down to a power of two, at most 64.
+    Measured on an H200 (MLA, 2K context, benchmark/bench_kernels.py): 64 splits at batch 1, 16 at 16, 4 at
+    64, 1 at 256 are the fastest counts; rounding up instead doubles them and costs 20-45% at batch 16-64."""
+    want = max(1, (2 * num_sms) // max(1, batch * kv_heads))
+    return min(64, 1 << (want.bit_length() - 1))
 
 
 def _layout(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor) -> dict:
@@ -221,7 +223,7 @@ def _layout(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor) -> dict:
 def paged_decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, page_table: torch.Tensor,
                            table_rows: torch.Tensor, seq_lens: torch.Tensor, page_size: int, scale: float,
                            num_splits: int, out: torch.Tensor | None = None, block_n: int | None = None,
-                           num_warps: int = 4) -> torch.Tensor:
+                           num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
     """q (B, Hq, Dqk); k_buf (slots, Hkv, Dqk); v_buf (slots, Hkv, Dv), for MLA a column view of k_buf;
     page_table (R, W) int32 page ids; table_rows (B,) int32 row of each sequence; seq_lens (B,) int32.
     Returns (B, Hq, Dv) in q's dtype."""
@@ -232,13 +234,13 @@ def paged_decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Te
         out = q.new_empty(bsz, hq, dv)
     part_o = torch.empty(bsz, hq, num_splits, dv, dtype=torch.float32, device=q.device)
     part_lse = torch.empty(bsz, hq, num_splits, dtype=torch.float32, device=q.device)
-    # Measured on an H200 (MLA, 2K context): 64-token tiles are best at batch 256, 32-token tiles at 1-64.
-    block_n = block_n or (64 if dk <= 256 or bsz >= 128 else 32)
+    # Measured on an H200 (MLA, 2K context): 64-token tiles are best from batch 16 up, 32-token tiles at batch 1.
+    block_n = block_n or (64 if dk <= 256 or bsz >= 8 else 32)
     _decode_split_kernel[(bsz, hkv, num_splits)](
         q, k_buf, v_buf, page_table, table_rows, seq_lens, part_o, part_lse,
         q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
         page_table.stride(0), scale, page_size, BLOCK_N=block_n, NUM_SPLITS=num_splits, **layout,
-        num_warps=num_warps, num_stages=2)
+        num_warps=num_warps, num_stages=num_stages)
     _merge_splits_kernel[(bsz, hq)](part_o, part_lse, out, out.stride(0), out.stride(1), NUM_HEADS=hq,
                                     NUM_SPLITS=num_splits, BLOCK_S=max(2, triton.next_power_of_2(num_splits)),
                                     DV=dv, num_warps=4)
