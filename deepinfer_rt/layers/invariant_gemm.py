@@ -1,71 +1,102 @@
 """Batch-invariant GEMM on CPU: a row of x @ w_t is bitwise the same whatever rows share its call.
 
 The BLAS picks its kernel, blocking and thread split from the shape, so one call of (M, K) @ (K, N) rounds a
-row differently for different M. Here a matmul is cut into calls of a few fixed shapes only:
+row differently for different M. Here a matmul is cut into calls of a few fixed row counts only, each
+zero-padded to its size:
 
-    x rows   [0, L) [L, 2L) ... | [.., +S) ... [.., +S)    L = LARGE_TILE, S = SMALL_TILE; the last small tile
-             large tiles          small tiles                is zero-padded to S rows
+    x rows   [0, L) [L, 2L) ... | [.., +S) ... [.., +S)    L: the bulk size, S: the tail size (per call count)
+             bulk calls           tail calls
 
 Each call is weight-major for the BLAS: torch.mm(x_tile, w_t) with w_t = w.t() writes the row-major (R, N)
 result, which the column-major BLAS sees as w (N, K) @ x_tile.T (K, R), so the batch is its narrow n dimension,
 walked in fixed column blocks with the whole K loop per block: a column (token) does not depend on its
-neighbours, and R = 16 columns cost about a GEMV-like call (decode pays no padding penalty). Each tile's result
-is written straight into its rows of the output (no transposed copies).
+neighbours. Each call's result is written straight into its rows of the output (no transposed copies).
 
-A call of one shape is invariant by construction; that a row comes out the same from a large tile and from a
-small one is a property of the BLAS's choices for (N, K), so it is checked once per shape on random data
-(every row position of both tile sizes) before large tiles are used. Where it fails, K is cut into fixed
-K_CHUNK slices whose partial products are added in slice order (the BLAS splits a long K across threads for
-some M, which is what breaks it), and that form is checked the same way; failing both, every call is small.
+A call of one shape is invariant by construction. That a row comes out the same from calls of different row
+counts is a property of the BLAS's choices for (N, K), so it is checked once per weight shape on random data
+(every row position, two offsets): the plan's sizes are those of TILE_SIZES whose rows agree with calls of
+REFERENCE_TILE rows. At 2 threads MKL, for example, runs 8-row calls through the 16-row kernel for the small
+attention projections (so decode batches of 8 pay no padding there) but through a GEMV-like kernel for
+K = 1536; and it splits K = 1536 across threads at 64 and 128 rows but not at 256. Where no size of 64 rows or
+more agrees over the whole K, K is cut into fixed K_CHUNK slices whose partial products are added in slice
+order, and the sizes are checked again that way; failing that too, the plan keeps the whole K and the sizes
+that agree (the small ones).
+
+Since the plan's sizes all give the same bits, which of them a batch uses is free: the plan times one call of
+each once and covers T rows at the least cost (bulk calls of the size cheapest per row, then the cheapest
+cover of the rest). Only the agreement checks, whose order is fixed, decide the bits, so a process with the
+same BLAS and thread count computes the same values on every run, whatever the timings said.
 """
 from __future__ import annotations
 
 import functools
+import time
 from dataclasses import dataclass
 
 import torch
 
-SMALL_TILE = 16
-"""Columns per small call. 16 costs about what 1..8 do weight-major, and keeps decode batches in one call."""
-LARGE_TILE = 128
-"""Columns per large call: each weight read serves 128 tokens in prefill (cost per row as for one big call)."""
+REFERENCE_TILE = 16
+"""Row count every other call size must agree with (and the smallest that does for every shape seen)."""
+TILE_SIZES = (2, 4, 8, 16, 32, 64, 128, 256)
+"""Candidate rows per call; sizes of 64 or more serve prefill (one weight read per 64-256 tokens)."""
 K_CHUNK = 512
-"""Inner-dim slice when the whole K is not tile-size invariant (no split-K by the BLAS at this depth)."""
+"""Inner-dim slice when the whole K agrees at no bulk size (no split-K by the BLAS at this depth)."""
+_CHECK_ROWS = 256
+"""Rows of the random data the agreement checks run on (one call of the largest size)."""
 
 
 @dataclass(frozen=True)
 class GemmPlan:
-    use_large: bool  # large tiles give the same rows as small ones for this shape
+    tiles: tuple[int, ...]  # rows per call, ascending, each agreeing with REFERENCE_TILE rows for this shape
     k_chunk: int  # inner-dim slice per call; slices added in ascending order
+    costs: tuple[float, ...] = ()  # seconds per call of each size (measured); empty: cost ~ size
+
+    def cover(self, t: int) -> tuple[int, ...]:
+        """Call sizes for t rows, in order (the last ones zero-padded)."""
+        return _cover(self, t)
 
 
-def _call(x_tile: torch.Tensor, w_t: torch.Tensor, k_chunk: int, out: torch.Tensor) -> None:
-    """One fixed-shape call: out (R, N) = x_tile (R, K) @ w_t (K, N), as a sum over K slices in ascending order."""
+@functools.lru_cache(maxsize=4096)
+def _cover(plan: GemmPlan, t: int) -> tuple[int, ...]:
+    costs = plan.costs or tuple(float(size) for size in plan.tiles)
+    bulk = min(zip(plan.tiles, costs), key=lambda tc: (tc[1] / tc[0], -tc[0]))[0]
+    rest = t % bulk
+    sizes = (bulk,) * (t // bulk)
+    if rest:
+        tail, n = min(((size, -(-rest // size)) for size in plan.tiles),
+                      key=lambda sn: (sn[1] * costs[plan.tiles.index(sn[0])], sn[0] * sn[1]))
+        sizes += (tail,) * n
+    return sizes
+
+
+def _call(x_tile: torch.Tensor, w: torch.Tensor, k_chunk: int, out_t: torch.Tensor) -> None:
+    """One fixed-shape call: out_t (N, R) = w (N, K) @ x_tile (R, K).T, as a sum over K slices in ascending order."""
     k = x_tile.shape[1]
     if k_chunk >= k:
-        torch.mm(x_tile, w_t, out=out)
+        torch.mm(w, x_tile.t(), out=out_t)
         return
-    torch.mm(x_tile[:, :k_chunk], w_t[:k_chunk], out=out)
+    torch.mm(w[:, :k_chunk], x_tile[:, :k_chunk].t(), out=out_t)
     for k0 in range(k_chunk, k, k_chunk):
-        out += torch.mm(x_tile[:, k0 : k0 + k_chunk], w_t[k0 : k0 + k_chunk])
+        out_t += torch.mm(w[:, k0 : k0 + k_chunk], x_tile[:, k0 : k0 + k_chunk].t())
 
 
 def tiled_mm_with(x: torch.Tensor, w_t: torch.Tensor, plan: GemmPlan) -> torch.Tensor:
-    """x (T, K) @ w_t (K, N) -> (T, N) in calls of the plan's fixed shapes. The rows past the large tiles are
-    zero-padded to whole small tiles, and the result is the first T rows of the padded output (no copy back)."""
+    """x (T, K) @ w_t (K, N) -> (T, N) in calls of the plan's sizes. x is zero-padded once to the calls' total
+    rows; the calls write the columns of one (N, padded T) result, transposed once at the end."""
     t = x.shape[0]
-    start = t - t % LARGE_TILE if plan.use_large else 0
-    padded_t = start + -(-(t - start) // SMALL_TILE) * SMALL_TILE
+    sizes = plan.cover(t)
+    padded_t = sum(sizes)
     if padded_t == t:
         x = x.contiguous()
     else:
         x = torch.cat([x, x.new_zeros(padded_t - t, x.shape[1])])
-    out = x.new_empty(padded_t, w_t.shape[1])
-    for row in range(0, start, LARGE_TILE):
-        _call(x[row : row + LARGE_TILE], w_t, plan.k_chunk, out[row : row + LARGE_TILE])
-    for row in range(start, padded_t, SMALL_TILE):
-        _call(x[row : row + SMALL_TILE], w_t, plan.k_chunk, out[row : row + SMALL_TILE])
-    return out[:t]
+    w = w_t.t()
+    out_t = x.new_empty(w.shape[0], padded_t)
+    row = 0
+    for size in sizes:
+        _call(x[row : row + size], w, plan.k_chunk, out_t[:, row : row + size])
+        row += size
+    return out_t[:, :t].t().contiguous()
 
 
 def tiled_mm(x: torch.Tensor, w_t: torch.Tensor) -> torch.Tensor:
@@ -79,21 +110,51 @@ def plan_for(w_t: torch.Tensor) -> GemmPlan:
 
 @functools.cache
 def _plan(n: int, k: int, dtype: torch.dtype, weight_rows_contiguous: bool, num_threads: int) -> GemmPlan:
-    """Large tiles if they agree with small ones on random data (weights laid out as the caller's)."""
+    """The sizes agreeing with REFERENCE_TILE on random data (weights laid out as the caller's), over the whole K
+    if a bulk size (>= 64) is among them, else over K slices if one is then, else the whole K's; and the cost of
+    one call of each."""
     gen = torch.Generator().manual_seed(n * 7919 + k)
     w = torch.randn(n, k, generator=gen).to(dtype)
     w_t = w.t() if weight_rows_contiguous else w.t().contiguous()
-    x = torch.randn(LARGE_TILE, k, generator=gen).to(dtype)
+    x = torch.randn(_CHECK_ROWS, k, generator=gen).to(dtype)
+    whole = None
     for k_chunk in (k, K_CHUNK) if k > K_CHUNK else (k,):
-        if tiles_agree(x, w_t, k_chunk):
-            return GemmPlan(use_large=True, k_chunk=k_chunk)
-    return GemmPlan(use_large=False, k_chunk=k)
+        tiles = agreeing_sizes(x, w_t, k_chunk, TILE_SIZES)
+        whole = whole or tiles
+        if tiles[-1] >= 64:
+            break
+    else:
+        k_chunk, tiles = k, whole
+    return GemmPlan(tiles, k_chunk, tuple(_call_seconds(x, w_t, k_chunk, size) for size in tiles))
 
 
-def tiles_agree(x: torch.Tensor, w_t: torch.Tensor, k_chunk: int) -> bool:
-    """x (LARGE_TILE, K): each row equal from the large call and from small calls, at two offsets in them."""
-    large = tiled_mm_with(x, w_t, GemmPlan(use_large=True, k_chunk=k_chunk))
-    small = GemmPlan(use_large=False, k_chunk=k_chunk)
-    shift = SMALL_TILE // 2 - 1
-    return (torch.equal(large, tiled_mm_with(x, w_t, small))
-            and torch.equal(large.roll(shift, 0), tiled_mm_with(x.roll(shift, 0), w_t, small)))
+def _call_seconds(x: torch.Tensor, w_t: torch.Tensor, k_chunk: int, size: int) -> float:
+    """Best of two timed calls of `size` rows (after one untimed)."""
+    w, out_t = w_t.t(), x.new_empty(w_t.shape[1], size)
+    best = float("inf")
+    for i in range(3):
+        start = time.perf_counter()
+        _call(x[:size], w, k_chunk, out_t)
+        if i:
+            best = min(best, time.perf_counter() - start)
+    return best
+
+
+def agreeing_sizes(x: torch.Tensor, w_t: torch.Tensor, k_chunk: int, sizes: tuple[int, ...]) -> tuple[int, ...]:
+    """The sizes (and REFERENCE_TILE) whose calls give every row of x (R, K) as REFERENCE_TILE-row calls do,
+    with the rows at two offsets in the calls."""
+    shift = REFERENCE_TILE // 2 - 1
+    xs = (x, x.roll(shift, 0))
+    refs = [tiled_mm_with(xi, w_t, GemmPlan((REFERENCE_TILE,), k_chunk)) for xi in xs]
+
+    def agrees(size: int) -> bool:  # on the first rows that hold whole calls of both sizes, at least 48
+        rows = min(len(x), -(-max(size, 3 * REFERENCE_TILE) // size) * size)
+        return all(torch.equal(tiled_mm_with(xi[:rows], w_t, GemmPlan((size,), k_chunk)), ref[:rows])
+                   for xi, ref in zip(xs, refs))
+
+    return tuple(size for size in sorted({*sizes, REFERENCE_TILE}) if size == REFERENCE_TILE or agrees(size))
+
+
+def tiles_agree(x: torch.Tensor, w_t: torch.Tensor, k_chunk: int, size: int) -> bool:
+    """Each row of x equal from calls of `size` rows and from calls of REFERENCE_TILE rows, at two offsets."""
+    return size in agreeing_sizes(x, w_t, k_chunk, (size,))

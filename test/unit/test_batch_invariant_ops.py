@@ -48,34 +48,70 @@ def test_linear_rows_invariant_and_close(k, n):
 
 @pytest.mark.parametrize("k_chunk", [None, 512])
 def test_gemm_plans_rows_invariant_and_close(k_chunk):
-    """Both GEMM forms (whole K, K in ordered slices) with large tiles, forced: invariant wherever the planner
-    found the large tile agreeing with the small one, and close to F.linear always."""
+    """Both GEMM forms (whole K, K in ordered slices), each over the call sizes found to agree: invariant, close
+    to F.linear, and bitwise the same whichever agreeing sizes a cover picks (the timings only choose among
+    forms that give the same bits)."""
     gen = torch.Generator().manual_seed(7)
     w, x = torch.randn(576, 1536, generator=gen), torch.randn(4, 1536, generator=gen)
-    plan = invariant_gemm.GemmPlan(use_large=True, k_chunk=k_chunk or 1536)
-    fn = lambda t: invariant_gemm.tiled_mm_with(t, w.t(), plan)  # noqa: E731
-    torch.testing.assert_close(fn(torch.cat([x] * 60)), F.linear(torch.cat([x] * 60), w), rtol=1e-5, atol=1e-4)
-    if invariant_gemm.tiles_agree(torch.randn(invariant_gemm.LARGE_TILE, 1536, generator=gen), w.t(), plan.k_chunk):
-        assert _rows_invariant(fn, x)
+    k_chunk = k_chunk or 1536
+    tiles = invariant_gemm.agreeing_sizes(torch.randn(256, 1536, generator=gen), w.t(), k_chunk,
+                                          invariant_gemm.TILE_SIZES)
+    assert invariant_gemm.REFERENCE_TILE in tiles
+    by_size = invariant_gemm.GemmPlan(tiles, k_chunk)
+    cheap_small = invariant_gemm.GemmPlan(tiles, k_chunk, costs=tuple(1.0 for _ in tiles))  # small calls only
+    fn = lambda t: invariant_gemm.tiled_mm_with(t, w.t(), by_size)  # noqa: E731
+    prompt = torch.cat([x] * 75)
+    torch.testing.assert_close(fn(prompt), F.linear(prompt, w), rtol=1e-5, atol=1e-4)
+    assert by_size.cover(300) != cheap_small.cover(300)
+    assert torch.equal(fn(prompt), invariant_gemm.tiled_mm_with(prompt, w.t(), cheap_small))
+    assert _rows_invariant(fn, x)
 
 
-def test_gemm_planner_falls_back_when_tile_sizes_disagree(monkeypatch):
-    """A BLAS that rounds large calls differently (simulated: K summed in reverse there) must not get large
-    tiles: the planner tries K slices, then small tiles only, and the result stays invariant."""
+def _reverse_k_at(monkeypatch, rows_flipped):
+    """Simulate a BLAS that rounds calls of some row counts differently: K summed in reverse there."""
     real_call = invariant_gemm._call
 
     def call(x_tile, w_t, k_chunk, out):
-        if len(x_tile) == invariant_gemm.LARGE_TILE:
+        if rows_flipped(len(x_tile)):
             return real_call(x_tile.flip(1), w_t.flip(0), k_chunk, out)
         return real_call(x_tile, w_t, k_chunk, out)
 
     monkeypatch.setattr(invariant_gemm, "_call", call)
+
+
+def test_gemm_planner_falls_back_when_tile_sizes_disagree(monkeypatch):
+    """Where every call of more than REFERENCE_TILE rows rounds differently, over the whole K and over K slices,
+    the plan keeps the whole K and sizes up to REFERENCE_TILE, and the result stays invariant."""
+    _reverse_k_at(monkeypatch, lambda rows: rows > invariant_gemm.REFERENCE_TILE)
     gen = torch.Generator().manual_seed(8)
     w, x = torch.randn(40, 1030, generator=gen), torch.randn(4, 1030, generator=gen)
-    assert not invariant_gemm.tiles_agree(torch.randn(128, 1030, generator=gen), w.t(), 1030)
+    assert not invariant_gemm.tiles_agree(torch.randn(128, 1030, generator=gen), w.t(), 1030, 128)
     plan = invariant_gemm._plan.__wrapped__(40, 1030, torch.float32, True, 1)
-    assert plan == invariant_gemm.GemmPlan(use_large=False, k_chunk=1030)
+    assert plan.k_chunk == 1030 and max(plan.tiles) == invariant_gemm.REFERENCE_TILE
+    assert len(plan.costs) == len(plan.tiles)
     assert _rows_invariant(lambda t: invariant_gemm.tiled_mm_with(t, w.t(), plan), x)
+
+
+def test_gemm_planner_drops_only_the_sizes_that_disagree(monkeypatch):
+    """Where only 128-row calls round differently, the plan keeps the whole K and every other bulk size, and
+    that plan is invariant and close to F.linear."""
+    _reverse_k_at(monkeypatch, lambda rows: rows == 128)
+    gen = torch.Generator().manual_seed(9)
+    w, x = torch.randn(40, 1030, generator=gen), torch.randn(4, 1030, generator=gen)
+    plan = invariant_gemm._plan.__wrapped__(40, 1030, torch.float32, True, 1)
+    assert plan.k_chunk == 1030 and 128 not in plan.tiles and {64, 256} <= set(plan.tiles)
+    assert _rows_invariant(lambda t: invariant_gemm.tiled_mm_with(t, w.t(), plan), x)
+    prompt = torch.randn(300, 1030, generator=gen)
+    torch.testing.assert_close(invariant_gemm.tiled_mm_with(prompt, w.t(), plan), F.linear(prompt, w),
+                               rtol=1e-5, atol=1e-4)
+
+
+def test_gemm_cover():
+    """Bulk calls of the size cheapest per row, then the cheapest cover of the rest (fewest padded rows on ties)."""
+    plan = invariant_gemm.GemmPlan((8, 16, 64, 256), 512, costs=(1.0, 1.1, 3.0, 16.0))
+    assert plan.cover(8) == (8,) and plan.cover(1) == (8,) and plan.cover(9) == (16,)
+    assert plan.cover(200) == (64, 64, 64, 8)
+    assert sum(plan.cover(1000)) >= 1000
 
 
 def test_default_linear_is_not_batch_invariant():
