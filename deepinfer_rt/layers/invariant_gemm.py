@@ -22,18 +22,19 @@ more agrees over the whole K, K is cut into fixed K_CHUNK slices whose partial p
 order, and the sizes are checked again that way; failing that too, the plan keeps the whole K and the sizes
 that agree (the small ones).
 
-Since the plan's sizes all give the same bits, which of them a batch uses is free: the plan times one call of
-each once and covers T rows at the least cost (bulk calls of the size cheapest per row, then the cheapest
-cover of the rest). Only the agreement checks, whose order is fixed, decide the bits, so a process with the
-same BLAS and thread count computes the same values on every run, whatever the timings said.
+Since the plan's sizes all give the same bits, which of them a batch uses is free: T rows take calls of the
+largest size, then the rest in calls of the one size that costs least by a fixed model (each call streams the
+weight once, worth CALL_ROWS rows). Only the agreement checks, whose order is fixed, decide the bits, so a
+process with the same BLAS and thread count computes the same values on every run.
 """
 from __future__ import annotations
 
 import functools
-import time
+import itertools
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 REFERENCE_TILE = 16
 """Row count every other call size must agree with (and the smallest that does for every shape seen)."""
@@ -45,57 +46,61 @@ _CHECK_ROWS = 256
 """Rows of the random data the agreement checks run on (one call of the largest size)."""
 
 
+CALL_ROWS = 32
+"""What one call costs beside its rows, in rows: each call streams the whole weight once."""
+
+
 @dataclass(frozen=True)
 class GemmPlan:
     tiles: tuple[int, ...]  # rows per call, ascending, each agreeing with REFERENCE_TILE rows for this shape
     k_chunk: int  # inner-dim slice per call; slices added in ascending order
-    costs: tuple[float, ...] = ()  # seconds per call of each size (measured); empty: cost ~ size
 
     def cover(self, t: int) -> tuple[int, ...]:
         """Call sizes for t rows, in order (the last ones zero-padded)."""
-        return _cover(self, t)
+        return _cover(self.tiles, t)
 
 
 @functools.lru_cache(maxsize=4096)
-def _cover(plan: GemmPlan, t: int) -> tuple[int, ...]:
-    costs = plan.costs or tuple(float(size) for size in plan.tiles)
-    bulk = min(zip(plan.tiles, costs), key=lambda tc: (tc[1] / tc[0], -tc[0]))[0]
+def _cover(tiles: tuple[int, ...], t: int) -> tuple[int, ...]:
+    """Calls of the largest size, then the rest in calls of one size, the one of least
+    calls * CALL_ROWS + padded rows."""
+    bulk = tiles[-1]
     rest = t % bulk
     sizes = (bulk,) * (t // bulk)
     if rest:
-        tail, n = min(((size, -(-rest // size)) for size in plan.tiles),
-                      key=lambda sn: (sn[1] * costs[plan.tiles.index(sn[0])], sn[0] * sn[1]))
-        sizes += (tail,) * n
+        size = min(tiles, key=lambda size: (-(-rest // size) * (CALL_ROWS + size), size))
+        sizes += (size,) * -(-rest // size)
     return sizes
 
 
-def _call(x_tile: torch.Tensor, w: torch.Tensor, k_chunk: int, out_t: torch.Tensor) -> None:
-    """One fixed-shape call: out_t (N, R) = w (N, K) @ x_tile (R, K).T, as a sum over K slices in ascending order."""
+def _call(x_tile: torch.Tensor, w: torch.Tensor, k_chunk: int) -> torch.Tensor:
+    """One fixed-shape call: w (N, K) @ x_tile (R, K).T -> (N, R), as a sum over K slices in ascending order."""
     k = x_tile.shape[1]
     if k_chunk >= k:
-        torch.mm(w, x_tile.t(), out=out_t)
-        return
-    torch.mm(w[:, :k_chunk], x_tile[:, :k_chunk].t(), out=out_t)
+        return torch.mm(w, x_tile.t())
+    out_t = torch.mm(w[:, :k_chunk], x_tile[:, :k_chunk].t())
     for k0 in range(k_chunk, k, k_chunk):
         out_t += torch.mm(w[:, k0 : k0 + k_chunk], x_tile[:, k0 : k0 + k_chunk].t())
+    return out_t
 
 
 def tiled_mm_with(x: torch.Tensor, w_t: torch.Tensor, plan: GemmPlan) -> torch.Tensor:
     """x (T, K) @ w_t (K, N) -> (T, N) in calls of the plan's sizes. x is zero-padded once to the calls' total
-    rows; the calls write the columns of one (N, padded T) result, transposed once at the end."""
+    rows; the calls give columns of one (N, padded T) result, returned as its transposed view (T, N), strides
+    (1, padded T): the next ops (splits, head views, elementwise) read it as it is. (Few torch ops: on a small
+    CPU each costs microseconds, about what a decode step's small GEMM does.)"""
     t = x.shape[0]
+    if t == 0:  # an expert-parallel rank with no tokens this step
+        return x.new_empty(0, w_t.shape[1])
     sizes = plan.cover(t)
     padded_t = sum(sizes)
-    if padded_t == t:
-        x = x.contiguous()
-    else:
-        x = torch.cat([x, x.new_zeros(padded_t - t, x.shape[1])])
+    x = F.pad(x, (0, 0, 0, padded_t - t)) if padded_t != t else x.contiguous()
     w = w_t.t()
-    out_t = x.new_empty(w.shape[0], padded_t)
-    row = 0
-    for size in sizes:
-        _call(x[row : row + size], w, plan.k_chunk, out_t[:, row : row + size])
-        row += size
+    if len(sizes) == 1:  # a decode step: one call
+        out_t = _call(x, w, plan.k_chunk)
+    else:
+        starts = itertools.accumulate(sizes, initial=0)
+        out_t = torch.cat([_call(x[row : row + size], w, plan.k_chunk) for row, size in zip(starts, sizes)], dim=1)
     return out_t[:, :t].t().contiguous()
 
 
@@ -111,8 +116,7 @@ def plan_for(w_t: torch.Tensor) -> GemmPlan:
 @functools.cache
 def _plan(n: int, k: int, dtype: torch.dtype, weight_rows_contiguous: bool, num_threads: int) -> GemmPlan:
     """The sizes agreeing with REFERENCE_TILE on random data (weights laid out as the caller's), over the whole K
-    if a bulk size (>= 64) is among them, else over K slices if one is then, else the whole K's; and the cost of
-    one call of each."""
+    if a bulk size (>= 64) is among them, else over K slices if one is then, else the whole K's."""
     gen = torch.Generator().manual_seed(n * 7919 + k)
     w = torch.randn(n, k, generator=gen).to(dtype)
     w_t = w.t() if weight_rows_contiguous else w.t().contiguous()
@@ -125,19 +129,7 @@ def _plan(n: int, k: int, dtype: torch.dtype, weight_rows_contiguous: bool, num_
             break
     else:
         k_chunk, tiles = k, whole
-    return GemmPlan(tiles, k_chunk, tuple(_call_seconds(x, w_t, k_chunk, size) for size in tiles))
-
-
-def _call_seconds(x: torch.Tensor, w_t: torch.Tensor, k_chunk: int, size: int) -> float:
-    """Best of two timed calls of `size` rows (after one untimed)."""
-    w, out_t = w_t.t(), x.new_empty(w_t.shape[1], size)
-    best = float("inf")
-    for i in range(3):
-        start = time.perf_counter()
-        _call(x[:size], w, k_chunk, out_t)
-        if i:
-            best = min(best, time.perf_counter() - start)
-    return best
+    return GemmPlan(tiles, k_chunk)
 
 
 def agreeing_sizes(x: torch.Tensor, w_t: torch.Tensor, k_chunk: int, sizes: tuple[int, ...]) -> tuple[int, ...]:

@@ -58,12 +58,12 @@ def test_gemm_plans_rows_invariant_and_close(k_chunk):
                                           invariant_gemm.TILE_SIZES)
     assert invariant_gemm.REFERENCE_TILE in tiles
     by_size = invariant_gemm.GemmPlan(tiles, k_chunk)
-    cheap_small = invariant_gemm.GemmPlan(tiles, k_chunk, costs=tuple(1.0 for _ in tiles))  # small calls only
+    smallest = invariant_gemm.GemmPlan(tiles[:1], k_chunk)  # the same rows in calls of the smallest size only
     fn = lambda t: invariant_gemm.tiled_mm_with(t, w.t(), by_size)  # noqa: E731
     prompt = torch.cat([x] * 75)
     torch.testing.assert_close(fn(prompt), F.linear(prompt, w), rtol=1e-5, atol=1e-4)
-    assert by_size.cover(300) != cheap_small.cover(300)
-    assert torch.equal(fn(prompt), invariant_gemm.tiled_mm_with(prompt, w.t(), cheap_small))
+    assert by_size.cover(300) != smallest.cover(300)
+    assert torch.equal(fn(prompt), invariant_gemm.tiled_mm_with(prompt, w.t(), smallest))
     assert _rows_invariant(fn, x)
 
 
@@ -71,10 +71,10 @@ def _reverse_k_at(monkeypatch, rows_flipped):
     """Simulate a BLAS that rounds calls of some row counts differently: K summed in reverse there."""
     real_call = invariant_gemm._call
 
-    def call(x_tile, w_t, k_chunk, out):
+    def call(x_tile, w, k_chunk):
         if rows_flipped(len(x_tile)):
-            return real_call(x_tile.flip(1), w_t.flip(0), k_chunk, out)
-        return real_call(x_tile, w_t, k_chunk, out)
+            return real_call(x_tile.flip(1), w.flip(1), k_chunk)
+        return real_call(x_tile, w, k_chunk)
 
     monkeypatch.setattr(invariant_gemm, "_call", call)
 
@@ -88,7 +88,6 @@ def test_gemm_planner_falls_back_when_tile_sizes_disagree(monkeypatch):
     assert not invariant_gemm.tiles_agree(torch.randn(128, 1030, generator=gen), w.t(), 1030, 128)
     plan = invariant_gemm._plan.__wrapped__(40, 1030, torch.float32, True, 1)
     assert plan.k_chunk == 1030 and max(plan.tiles) == invariant_gemm.REFERENCE_TILE
-    assert len(plan.costs) == len(plan.tiles)
     assert _rows_invariant(lambda t: invariant_gemm.tiled_mm_with(t, w.t(), plan), x)
 
 
@@ -107,11 +106,15 @@ def test_gemm_planner_drops_only_the_sizes_that_disagree(monkeypatch):
 
 
 def test_gemm_cover():
-    """Bulk calls of the size cheapest per row, then the cheapest cover of the rest (fewest padded rows on ties)."""
-    plan = invariant_gemm.GemmPlan((8, 16, 64, 256), 512, costs=(1.0, 1.1, 3.0, 16.0))
-    assert plan.cover(8) == (8,) and plan.cover(1) == (8,) and plan.cover(9) == (16,)
-    assert plan.cover(200) == (64, 64, 64, 8)
-    assert sum(plan.cover(1000)) >= 1000
+    """Calls of the largest size, then the rest in calls of one size, the fewest calls * CALL_ROWS + rows."""
+    tiles = (4, 8, 16, 32, 64, 256)
+    cover = lambda t: invariant_gemm.GemmPlan(tiles, 512).cover(t)  # noqa: E731
+    assert cover(1) == (4,) and cover(8) == (8,) and cover(12) == (16,) and cover(256) == (256,)
+    assert cover(298) == (256, 64)  # 42 rows: one call of 64, not three of 16
+    assert invariant_gemm.GemmPlan((2, 4, 8, 16, 32, 256), 512).cover(298) == (256, 32, 32)
+    assert all(sum(cover(t)) >= t for t in range(1, 700))
+    w = torch.randn(5, 64)
+    assert invariant_gemm.tiled_mm(torch.randn(0, 64), w.t()).shape == (0, 5)
 
 
 def test_default_linear_is_not_batch_invariant():

@@ -16,8 +16,8 @@ the exact identity of addition, so a tile of one item gives o / l bit for bit. A
 the same whether its tile holds other queries or not (chunked prefill, prefill vs decode, prefix-cache hit vs
 miss, recompute after retraction).
 
-Queries, scores and outputs are head-major, (kv head, item, ...); keys and values stay as gathered from the
-pool, and one kv head's are a strided view that the GEMMs read directly (no transposed copies). Absent queries of a tile read row 0 and
+Queries, keys, values, scores and outputs are head-major, (kv head, item, ...), gathered so from the pool, and
+each GEMM is one batched call over every (kv head, item) pair. Absent queries of a tile read row 0 and
 keys past a sequence's KV read its last key's slot (finite data); both are masked to -inf in the scores, so
 their p is exactly 0 and no operand needs zeroing. The item list is padded with empty items (nothing visible,
 merged into a spare tile that no output reads) to a multiple of GEMM_BATCH, so the GEMMs need no padding copies.
@@ -124,19 +124,17 @@ class BatchInvariantBackend(AttentionBackend):
         num_kv, head_dim, v_dim = k_buf.shape[1], k_buf.shape[2], v_buf.shape[2]
         num_items, (t, num_heads, _) = len(meta.key_bias), q.shape
         group, rows = num_heads // num_kv, QUERY_TILE * num_heads // num_kv
-        # Head-major: queries (Hkv, items, QT * G, D), scores (Hkv, items, QT * G, KB). Keys and values stay
-        # as gathered, (items, KB, Hkv, D): one kv head's are a strided view the GEMMs read as they are.
+        # Head-major throughout: queries (Hkv * items, QT * G, D), keys (Hkv * items, KB, D), scores
+        # (Hkv * items, QT * G, KB), so each GEMM is one batched call over every (kv head, item) pair.
         qs = torch.mul(q.view(t, num_kv, group, head_dim).transpose(0, 1), scale,
                        out=q.new_empty(num_kv, t, group, head_dim))
-        qi = qs.index_select(1, meta.item_rows).view(num_kv, num_items, rows, head_dim)
-        ki = k_buf.index_select(0, meta.key_slots).view(num_items, KEY_BLOCK, num_kv, head_dim)
+        qi = qs.index_select(1, meta.item_rows).view(num_kv * num_items, rows, head_dim)
+        ki = _gather_head_major(k_buf, meta.key_slots)
         if v_buf.data_ptr() == k_buf.data_ptr() and v_buf.stride() == k_buf.stride():  # values lead the keys (MLA)
             vi = ki[..., :v_dim]
         else:
-            vi = v_buf.index_select(0, meta.key_slots).view(num_items, KEY_BLOCK, num_kv, v_dim)
-        scores = q.new_empty(num_kv, num_items, rows, KEY_BLOCK)
-        for h in range(num_kv):
-            fixed_bmm(qi[h], ki[:, :, h].transpose(1, 2), out=scores[h])
+            vi = _gather_head_major(v_buf, meta.key_slots)
+        scores = fixed_bmm(qi, ki.transpose(1, 2))
         scores = scores.view(num_kv, num_items, QUERY_TILE, group, KEY_BLOCK)
         scores.add_(meta.key_bias[None, :, :, None, :])
         m = scores.amax(dim=-1)  # (Hkv, items, QT, G); -inf where a query sees no key of the block
@@ -146,9 +144,7 @@ class BatchInvariantBackend(AttentionBackend):
         p.mul_(meta.key_weight[None, :, :, None, :])
         l = p.sum(dim=-1).view(num_kv, num_items, rows)
         p = p.view(num_kv, num_items, rows, KEY_BLOCK)
-        o = q.new_empty(num_kv, num_items, rows, v_dim)
-        for h in range(num_kv):
-            fixed_bmm(p[h], vi[:, :, h], out=o[h])
+        o = fixed_bmm(p.view(num_kv * num_items, rows, KEY_BLOCK), vi).view(num_kv, num_items, rows, v_dim)
         if not meta.one_block:
             l, o = merge_blocks(meta.item_tile, meta.item_block, meta.num_tiles + 1,
                                 m.view(num_kv, num_items, rows), l, o)
@@ -157,6 +153,15 @@ class BatchInvariantBackend(AttentionBackend):
         out = q.new_empty(t, num_kv, group, v_dim)
         torch.div(o_rows, l_rows[..., None], out=out.transpose(0, 1))
         return out.view(t, num_heads, v_dim)
+
+
+def _gather_head_major(buf: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """Pool rows (slots, Hkv, D) at `slots` (items * KEY_BLOCK,) -> (Hkv * items, KEY_BLOCK, D): one gather
+    along the pool's leading dim, then one copy into head-major order (gathering along a transposed pool's
+    middle dim instead walks the whole pool)."""
+    num_kv, dim = buf.shape[1:]
+    rows = buf.index_select(0, slots).view(-1, KEY_BLOCK, num_kv, dim)
+    return rows.permute(2, 0, 1, 3).reshape(-1, KEY_BLOCK, dim)
 
 
 def _finite(m: torch.Tensor) -> torch.Tensor:
