@@ -86,6 +86,33 @@ def moe_rows() -> list[dict]:
     return rows
 
 
+def moe_prefill_rows(mm_rate: float) -> list[dict]:
+    """Fused MoE at prefill sizes (4 x 2K tokens), rows per block as the engine picks them and the other sizes,
+    as FLOP/s beside the bf16 matmul rate."""
+    from deepinfer_kernels import fused_moe as fm
+
+    e, hidden, inter, topk = 64, 2048, 1408, 6
+    gate_up = torch.randn(e, 2 * inter, hidden, dtype=torch.bfloat16, device="cuda") * 0.02
+    down = torch.randn(e, hidden, inter, dtype=torch.bfloat16, device="cuda") * 0.02
+    rows, engine_choice = [], fm._block_m
+    for tokens in (2048, 8192):
+        x = torch.randn(tokens, hidden, dtype=torch.bfloat16, device="cuda")
+        weights, ids = torch.rand(tokens, e, device="cuda").topk(topk, dim=-1)
+        chosen = engine_choice(tokens * topk, e)
+        for block_m in (32, 64, 128):
+            fm._block_m = lambda num_pairs, num_experts, bm=block_m: bm  # noqa: E731
+            try:
+                s = _time(lambda: fm.fused_moe(x, gate_up, down, weights, ids))
+            finally:
+                fm._block_m = engine_choice
+            flops = 2 * tokens * topk * 3 * hidden * inter
+            rows.append({"kernel": "fused_moe_prefill", "tokens": tokens, "block_m": block_m,
+                         "engine_choice": block_m == chosen, "us": s * 1e6, "flop_per_s": flops / s,
+                         "fraction_of_matmul_rate": flops / s / mm_rate})
+            print(rows[-1], flush=True)
+    return rows
+
+
 def _time_any(fn, device: str) -> float:
     """Seconds per call: CUDA events on the GPU, else the median of 3 wall-clock calls."""
     if device.startswith("cuda"):
@@ -144,8 +171,9 @@ def main() -> None:
     parser.add_argument("--out", default="benchmark/results/gpu_kernels_h200.json")
     parser.add_argument("--context", type=int, default=2048)
     parser.add_argument("--device", default="cuda")
-    parser.add_argument("--only", choices=["kernels", "moe_invariant"], default="kernels",
-                        help="kernels: the default fused MoE and the decode attention variants")
+    parser.add_argument("--only", choices=["kernels", "moe", "moe_invariant"], default="kernels",
+                        help="kernels: the default fused MoE (decode and prefill sizes) and the decode attention "
+                             "variants; moe: the fused MoE only")
     args = parser.parse_args()
     if args.only == "moe_invariant":
         if args.device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
@@ -157,16 +185,17 @@ def main() -> None:
         Path(args.out).write_text(json.dumps({"device": args.device, "copy_bytes_per_s": copy_bw,
                                               "matmul_flop_per_s": mm_rate, "rows": rows}, indent=1))
         return
-    src = torch.randn(1 << 29, dtype=torch.bfloat16, device="cuda")
-    dst = torch.empty_like(src)
-    copy_bw = 2 * src.numel() * 2 / _time(lambda: dst.copy_(src))
-    del src, dst
+    copy_bw, mm_rate = ceilings("cuda", 1 << 29)
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
-    rows = moe_rows() + attention_rows(args.context, num_sms)
+    rows = moe_rows()
+    if args.only == "kernels":
+        rows += attention_rows(args.context, num_sms)
     for r in rows:
         r["fraction_of_copy_bw"] = r["bytes_per_s"] / copy_bw
         print({k: round(v, 3) if isinstance(v, float) else v for k, v in r.items()}, flush=True)
-    Path(args.out).write_text(json.dumps({"copy_bytes_per_s": copy_bw, "rows": rows}, indent=1))
+    rows += moe_prefill_rows(mm_rate)
+    Path(args.out).write_text(json.dumps({"copy_bytes_per_s": copy_bw, "matmul_flop_per_s": mm_rate,
+                                          "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":

@@ -52,7 +52,7 @@ def _tuned(kernel):
     # autotuner scores a config that cannot launch as infinitely slow, so one that fits must be there).
     configs = [triton.Config(dict(BLOCK_N=bn, BLOCK_K=bk), num_warps=w, num_stages=st)
                for bn, bk, w, st in ((64, 128, 4, 3), (128, 64, 4, 4), (128, 128, 8, 3), (64, 256, 4, 3),
-                                     (64, 64, 4, 2), (32, 32, 4, 2))]
+                                     (128, 64, 8, 3), (64, 64, 4, 2), (32, 32, 4, 2))]
     return triton.autotune(configs, key=["N", "K", "pairs_bucket", "BLOCK_M", "PER_PAIR"], warmup=5, rep=20)(kernel)
 
 

@@ -6,7 +6,8 @@
 # time per decode step, overlap off and on, V2-Lite shape) and the `moe_invariant` stage (batch-invariant fused
 # MoE beside the default one, V2-Lite shapes) run when named.
 # Logs and JSON land in $OUT. Stage time limits (seconds): BENCH_S, TEST_S, KERNEL_BENCH_S, EP_S, DET_S, HOST_S,
-# MOE_BI_S. TEST_ARGS: the pytest targets of the tests stage (default test/gpu).
+# MOE_BI_S. TEST_ARGS: the pytest targets of the tests stage (default test/gpu); KERNEL_BENCH_ARGS: extra
+# arguments of the kernel micro-benchmark (e.g. --only moe).
 #   device tool:  run(command="bash scripts/gpu_check.sh", carry=[".whl"])          (one H200)
 #                 run(command="STAGES=tests,ep bash scripts/gpu_check.sh", kind="nvidia-h200-x2", carry=[".whl"])
 set -u
@@ -31,7 +32,7 @@ if [[ $STAGES == *,tests,* ]]; then
 fi
 if [[ $STAGES == *,kernel_bench,* ]]; then
   timeout "${KERNEL_BENCH_S:-60}" python3 benchmark/bench_kernels.py --out "$OUT/gpu_kernels_h200.json" \
-    > "$OUT/bench_kernels.log" 2>&1
+    ${KERNEL_BENCH_ARGS:-} > "$OUT/bench_kernels.log" 2>&1
   tail -n 3 "$OUT/bench_kernels.log"
 fi
 if [[ $STAGES == *,determinism,* ]]; then
