@@ -134,7 +134,7 @@ class CudaGraphRunner:
         fb = ForwardBatch(input_ids=io[_TOKEN], positions=io[_POS], out_slots=io[_SLOT], q_lens=[1] * bs,
                           kv_lens=[1] * bs, kv_slots=[], pool=self.pool, backend=self.backend)
         decode = self.backend.decode_meta(self.pages.table, io[_ROW], io[_LEN], self.page_size,
-                                          self.pool.k[0].shape[1])
+                                          *self.pool.k[0].shape[1:])
         fb.attn_meta = TritonMeta(decode, None)
         return fb
 

@@ -20,6 +20,8 @@ CUDA graph captures the count of its longest context.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
@@ -202,12 +204,18 @@ def _split_head_dim(dk: int, dv: int) -> tuple[int, int]:
     return head, tail
 
 
-def num_splits_for(batch: int, kv_heads: int, num_sms: int) -> int:
-    """About two (sequence, head, split) programs per multiprocessor, rounded down to a power of two, at most 64.
-    Measured on an H200 (MLA, 2K context, benchmark/bench_kernels.py): 64 splits at batch 1, 16 at 16, 4 at
-    64, 1 at 256 are the fastest counts; rounding up instead doubles them and costs 20-45% at batch 16-64."""
-    want = max(1, (2 * num_sms) // max(1, batch * kv_heads))
-    return min(64, 1 << (want.bit_length() - 1))
+def num_splits_for(batch: int, kv_heads: int, num_sms: int, head_dim: int = 0) -> int:
+    """Splits per (sequence, KV head). Measured on an H200 at 2K context (benchmark/bench_kernels.py,
+    benchmark/bench_gpu.py's step profiles):
+      * MLA (head_dim > 256: 16 heads over the 576-wide latent per program) is fastest at about two programs
+        per multiprocessor, rounded down to a power of two, up to 64: 64 / 16 / 4 / 1 splits at batch
+        1 / 16 / 64 / 256; rounding up doubles them and costs 20-45% at batch 16-64.
+      * GQA programs are light (a few heads of 64-128 dims): rounding up, up to 32, is faster; rounded down,
+        SmolLM2's batch 64 takes one split and its decode step 3.5 ms instead of 2.3 ms."""
+    want = 2 * num_sms / max(1, batch * kv_heads)
+    if head_dim > 256:
+        return min(64, 1 << (max(1, int(want)).bit_length() - 1))
+    return max(1, min(32, triton.next_power_of_2(math.ceil(want))))
 
 
 def _layout(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor) -> dict:

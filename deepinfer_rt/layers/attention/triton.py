@@ -55,8 +55,8 @@ class TritonBackend(AttentionBackend):
     def __init__(self, device: torch.device):
         self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count
 
-    def decode_meta(self, page_table, table_rows, seq_lens, page_size, kv_heads) -> DecodeMeta:
-        splits = num_splits_for(int(table_rows.shape[0]), kv_heads, self.num_sms)
+    def decode_meta(self, page_table, table_rows, seq_lens, page_size, kv_heads, head_dim=0) -> DecodeMeta:
+        splits = num_splits_for(int(table_rows.shape[0]), kv_heads, self.num_sms, head_dim)
         return DecodeMeta(page_table, table_rows, seq_lens, page_size, splits)
 
     def prepare(self, batch: ForwardBatch) -> None:
@@ -78,7 +78,7 @@ class TritonBackend(AttentionBackend):
             n = len(rows)
             decode = self.decode_meta(table, torch.arange(n, dtype=torch.int32, device=dev),
                                       torch.tensor(lens, dtype=torch.int32, device=dev), 1,
-                                      batch.pool.k[0].shape[1])
+                                      *batch.pool.k[0].shape[1:])
         all_decode = len(rows) == batch.num_tokens
         batch.attn_meta = TritonMeta(decode, None if all_decode or not rows else torch.tensor(rows, device=dev),
                                      extends)

@@ -27,7 +27,7 @@ class TritonInvariantBackend(AttentionBackend):
     name = "triton_invariant"
     store_kv = TritonBackend.store_kv  # the scatter kernel, which skips graph padding rows (slot -1)
 
-    def decode_meta(self, page_table, table_rows, seq_lens, page_size, kv_heads) -> DecodeMeta:
+    def decode_meta(self, page_table, table_rows, seq_lens, page_size, kv_heads, head_dim=0) -> DecodeMeta:
         """Split count from the table's capacity alone (a graph's: its longest context), never the batch."""
         return DecodeMeta(page_table, table_rows, seq_lens, page_size,
                           fixed_num_splits(page_table.shape[1] * page_size))
