@@ -86,6 +86,29 @@ def moe_rows() -> list[dict]:
     return rows
 
 
+def dense_rows(copy_bw: float) -> list[dict]:
+    """V2-Lite's dense decode projections at 1-16 rows: the skinny GEMM kernel beside cuBLAS (F.linear), each
+    as weight bytes/s over the copy bandwidth, from CUDA graphs."""
+    import torch.nn.functional as F
+
+    from deepinfer_kernels.skinny_gemm import skinny_gemm
+
+    rows = []
+    shapes = {"q_proj": (3072, 2048), "kv_a_proj": (576, 2048), "o_proj": (2048, 2048),
+              "shared_gate_up": (5632, 2048), "shared_down": (2048, 2816), "lm_head": (102400, 2048)}
+    for name, (n, k) in shapes.items():
+        w = torch.randn(n, k, dtype=torch.bfloat16, device="cuda") / k**0.5
+        for m in (1, 4, 16):
+            x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
+            ours = _graph_time(lambda: skinny_gemm(x, w))
+            cublas = _graph_time(lambda: F.linear(x, w))
+            rows.append({"kernel": "skinny_gemm", "weight": name, "n": n, "k": k, "rows": m, "us": ours * 1e6,
+                         "cublas_us": cublas * 1e6, "fraction_of_copy_bw": w.numel() * 2 / ours / copy_bw,
+                         "cublas_fraction_of_copy_bw": w.numel() * 2 / cublas / copy_bw})
+            print(rows[-1], flush=True)
+    return rows
+
+
 def moe_prefill_rows(mm_rate: float) -> list[dict]:
     """Fused MoE at prefill sizes (4 x 2K tokens), rows per block as the engine picks them and the other sizes,
     as FLOP/s beside the bf16 matmul rate."""
@@ -171,9 +194,9 @@ def main() -> None:
     parser.add_argument("--out", default="benchmark/results/gpu_kernels_h200.json")
     parser.add_argument("--context", type=int, default=2048)
     parser.add_argument("--device", default="cuda")
-    parser.add_argument("--only", choices=["kernels", "moe", "moe_invariant"], default="kernels",
+    parser.add_argument("--only", choices=["kernels", "moe", "dense", "moe_invariant"], default="kernels",
                         help="kernels: the default fused MoE (decode and prefill sizes) and the decode attention "
-                             "variants; moe: the fused MoE only")
+                             "variants, the dense decode projections; moe / dense: only those")
     args = parser.parse_args()
     if args.only == "moe_invariant":
         if args.device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
@@ -187,13 +210,16 @@ def main() -> None:
         return
     copy_bw, mm_rate = ceilings("cuda", 1 << 29)
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
-    rows = moe_rows()
+    rows = moe_rows() if args.only in ("kernels", "moe") else []
     if args.only == "kernels":
         rows += attention_rows(args.context, num_sms)
     for r in rows:
         r["fraction_of_copy_bw"] = r["bytes_per_s"] / copy_bw
         print({k: round(v, 3) if isinstance(v, float) else v for k, v in r.items()}, flush=True)
-    rows += moe_prefill_rows(mm_rate)
+    if args.only in ("kernels", "dense"):
+        rows += dense_rows(copy_bw)
+    if args.only in ("kernels", "moe"):
+        rows += moe_prefill_rows(mm_rate)
     Path(args.out).write_text(json.dumps({"copy_bytes_per_s": copy_bw, "matmul_flop_per_s": mm_rate,
                                           "rows": rows}, indent=1))
 

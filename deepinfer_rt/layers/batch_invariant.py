@@ -19,12 +19,14 @@ On CUDA the same entry points dispatch to the Triton kernels in deepinfer_kernel
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Iterator
 
 import torch
 import torch.nn.functional as F
 
 from deepinfer_kernels import reference
+from deepinfer_rt.env import get_env
 from deepinfer_rt.layers import invariant_gemm
 
 _enabled = False
@@ -45,6 +47,11 @@ def batch_invariant_mode(enabled: bool = True) -> Iterator[None]:
         _enabled = previous
 
 
+@functools.cache
+def _skinny_gemm_on() -> bool:
+    return get_env().skinny_gemm
+
+
 def _use_triton(x: torch.Tensor) -> bool:
     return x.is_cuda
 
@@ -59,8 +66,14 @@ def tiled_mm(x: torch.Tensor, w_t: torch.Tensor) -> torch.Tensor:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, batch-invariant when the switch is on. x (..., K), weight (N, K)."""
+    """F.linear, batch-invariant when the switch is on. x (..., K), weight (N, K). Off, a CUDA x of at most 16
+    rows takes the skinny GEMM kernel (DEEPINFER_SKINNY_GEMM)."""
     if not _enabled:
+        if x.is_cuda and _skinny_gemm_on():
+            from deepinfer_kernels import skinny_gemm
+
+            if skinny_gemm.supports(x, weight):
+                return skinny_gemm.skinny_gemm(x, weight, bias)
         return F.linear(x, weight, bias)
     y = tiled_mm(x.reshape(-1, x.shape[-1]), weight.t())
     if bias is not None:
