@@ -85,8 +85,9 @@ class Env:
     """DEEPINFER_OVERLAP: overlap scheduling (prepare step N+1 while the device runs step N); unset = on for
     CUDA, off on CPU (where the device is the host, so nothing overlaps)."""
     skinny_gemm: bool
-    """DEEPINFER_SKINNY_GEMM: dense projections of at most 16 rows (decode at small batch) on CUDA through
-    deepinfer_kernels.skinny_gemm instead of cuBLAS (default on; 0 = cuBLAS). Not in batch-invariant mode."""
+    """DEEPINFER_SKINNY_GEMM: large dense projections (the LM head) of at most 16 rows (decode at small batch)
+    on CUDA through deepinfer_kernels.skinny_gemm instead of cuBLAS (default on; 0 = cuBLAS). Not in
+    batch-invariant mode."""
     mla_mha_prefill: bool | None
     """DEEPINFER_MLA_MHA_PREFILL: MLA prefill chunks in the standard (expanded K/V) form. Unset = on for the
     Triton backend, for chunks of at least deepinfer_rt.layers.mla_prefill.MHA_MIN_QUERIES new tokens; 1 = every

@@ -1,4 +1,5 @@
 """Skinny GEMM in Triton: y = x @ w.T for a few rows of x (decode at small batch), reading w once at full width.
+The engine uses it for large weights only (the LM head; see MIN_WEIGHT_ELEMENTS).
 
 At M = 1..16 a decode step's dense projections are bound by reading the weight, yet cuBLAS runs them at about
 half the copy bandwidth on an H200 (benchmark/README.md). Here each program owns BLOCK_N rows of w (BLOCK_N
@@ -15,6 +16,11 @@ import triton.language as tl
 
 MAX_ROWS = 16
 """Rows of x this kernel takes (one tensor-core tile); more rows go to the library GEMM."""
+MIN_WEIGHT_ELEMENTS = 1 << 25
+"""Smallest weight the engine routes here. Graph-timed on an H200 (benchmark/bench_kernels.py --only dense), the
+kernel beats cuBLAS only on the LM head (102400 x 2048: 96.7 / 98.2 / 102.7 us against 110.7 / 104.9 / 106.9 us
+at 1 / 4 / 16 rows); on V2-Lite's 1-23 MB projections both are latency-bound at 5-8 us and cuBLAS is 0.5-2.8 us
+faster."""
 
 
 def _configs() -> list[triton.Config]:
@@ -56,7 +62,7 @@ def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether skinny_gemm takes F.linear(x, weight) for this x (rows flattened) and weight."""
     return (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype
             and 0 < x.numel() // x.shape[-1] <= MAX_ROWS and weight.dim() == 2 and weight.stride(1) == 1
-            and x.shape[-1] % 16 == 0)
+            and x.shape[-1] % 16 == 0 and weight.numel() >= MIN_WEIGHT_ELEMENTS)
 
 
 def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,

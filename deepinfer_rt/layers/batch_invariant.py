@@ -67,7 +67,7 @@ def tiled_mm(x: torch.Tensor, w_t: torch.Tensor) -> torch.Tensor:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear, batch-invariant when the switch is on. x (..., K), weight (N, K). Off, a CUDA x of at most 16
-    rows takes the skinny GEMM kernel (DEEPINFER_SKINNY_GEMM)."""
+    rows times a large weight takes the skinny GEMM kernel (DEEPINFER_SKINNY_GEMM)."""
     if not _enabled:
         if x.is_cuda and _skinny_gemm_on():
             from deepinfer_kernels import skinny_gemm

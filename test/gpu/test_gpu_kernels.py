@@ -149,20 +149,20 @@ def test_silu_and_mul_and_store_kv():
 
 
 @pytest.mark.parametrize("rows", [1, 5, 16])
-@pytest.mark.parametrize("n,k", [(3072, 2048), (576, 2048), (2048, 2816), (1000, 96)])
+@pytest.mark.parametrize("n,k", [(3072, 2048), (576, 2048), (2048, 2816), (1000, 96), (102400, 2048)])
 def test_skinny_gemm(rows, n, k):
     """The decode-size dense projection kernel against an fp32 F.linear, with a bias and strided rows; the
-    engine routes F.linear of <= 16 CUDA rows to it."""
+    engine routes F.linear of <= 16 CUDA rows times a large weight (the LM head) to it."""
     import torch.nn.functional as F
 
-    from deepinfer_kernels.skinny_gemm import skinny_gemm, supports
+    from deepinfer_kernels.skinny_gemm import MIN_WEIGHT_ELEMENTS, skinny_gemm, supports
     from deepinfer_rt.layers import batch_invariant
 
     torch.manual_seed(rows * 7 + n + k)
     w = torch.randn(n, k, device=DEV, dtype=BF16) / k**0.5
     bias = torch.randn(n, device=DEV, dtype=BF16)
     x = torch.randn(rows, k + 32, device=DEV, dtype=BF16)[:, 32:]
-    assert supports(x, w)
+    assert supports(x, w) == (n * k >= MIN_WEIGHT_ELEMENTS)
     ref = F.linear(x.float(), w.float(), bias.float())
     assert rel_err(skinny_gemm(x, w, bias), ref) < 1e-2
     assert rel_err(batch_invariant.linear(x, w), F.linear(x.float(), w.float())) < 1e-2
