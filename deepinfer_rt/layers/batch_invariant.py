@@ -92,6 +92,23 @@ def head_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return torch.stack([tiled_mm(x[:, h], w[h]) for h in range(w.shape[0])], dim=1)
 
 
+def gated_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """down(silu(gate x) * up x) for x (T, H), gate_up (2I, H) = [gate; up], down (H, I), batch-invariant.
+    On CPU the activations stay as columns, (2I, T) then (I, T), from the gate/up GEMM into the down GEMM's
+    calls (invariant_gemm's columns form): the two row-major copies between them would cost a third of a
+    prefill chunk's GEMM time."""
+    if _use_triton(x) or x.dim() != 2:
+        return linear(silu_and_mul(linear(x, gate_up)), down)
+    t = x.shape[0]
+    if t == 0:
+        return x.new_empty(0, down.shape[0])
+    h_t = invariant_gemm.tiled_mm_to_cols(x, gate_up.t())
+    gate, up = h_t.chunk(2, dim=0)  # (I, P) each, P >= T (zero inputs past T)
+    a_t = (gate / gate.neg().exp_().add_(1.0)).mul_(up)  # silu_and_mul's form, element for element
+    y_t = invariant_gemm.tiled_mm_cols(a_t, down.t(), t)
+    return y_t[:, :t].t().contiguous()
+
+
 def sigmoid(x: torch.Tensor) -> torch.Tensor:
     if not _enabled:
         return x.sigmoid()

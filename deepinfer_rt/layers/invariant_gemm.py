@@ -38,12 +38,14 @@ import torch.nn.functional as F
 
 REFERENCE_TILE = 16
 """Row count every other call size must agree with (and the smallest that does for every shape seen)."""
-TILE_SIZES = (2, 4, 8, 16, 32, 64, 128, 256)
-"""Candidate rows per call; sizes of 64 or more serve prefill (one weight read per 64-256 tokens)."""
+TILE_SIZES = (2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256, 320, 384, 512)
+"""Candidate rows per call; the many sizes of 48 or more let a prefill chunk take one call of little padding
+(298 rows: one call of 320, not 256 + 64: each call streams the weight once)."""
+LARGE_WEIGHT = 1 << 24
+"""Weights of more elements (an LM head) try sizes up to 256 only: their checks cost seconds at 512 rows, and
+they see a few rows per sequence."""
 K_CHUNK = 512
 """Inner-dim slice when the whole K agrees at no bulk size (no split-K by the BLAS at this depth)."""
-_CHECK_ROWS = 256
-"""Rows of the random data the agreement checks run on (one call of the largest size)."""
 
 
 CALL_ROWS = 32
@@ -86,44 +88,71 @@ def _call(x_tile: torch.Tensor, w: torch.Tensor, k_chunk: int) -> torch.Tensor:
 
 def tiled_mm_with(x: torch.Tensor, w_t: torch.Tensor, plan: GemmPlan) -> torch.Tensor:
     """x (T, K) @ w_t (K, N) -> (T, N) in calls of the plan's sizes. x is zero-padded once to the calls' total
-    rows; the calls give columns of one (N, padded T) result, returned as its transposed view (T, N), strides
-    (1, padded T): the next ops (splits, head views, elementwise) read it as it is. (Few torch ops: on a small
-    CPU each costs microseconds, about what a decode step's small GEMM does.)"""
+    rows; the calls give columns of one (N, padded T) result, copied row-major once at the end. (Few torch ops:
+    on a small CPU each costs microseconds, about what a decode step's small GEMM does.)"""
     t = x.shape[0]
     if t == 0:  # an expert-parallel rank with no tokens this step
         return x.new_empty(0, w_t.shape[1])
+    return _columns(x, w_t, plan, t, cols=False)[:, :t].t().contiguous()
+
+
+def tiled_mm_cols_with(xt: torch.Tensor, w_t: torch.Tensor, plan: GemmPlan, t: int) -> torch.Tensor:
+    """The columns form: xt (K, >= t) holds the inputs as columns (its first t are real, e.g. another
+    GEMM's output as it comes); returns w_t.T @ xt (N, padded t) in calls of the plan's sizes, the columns past
+    t zero-input padding. No transposes: a gated MLP chains its GEMMs through it."""
+    return _columns(xt, w_t, plan, t, cols=True)
+
+
+def _columns(x: torch.Tensor, w_t: torch.Tensor, plan: GemmPlan, t: int, cols: bool) -> torch.Tensor:
+    """(N, padded t) = w_t.T @ the t inputs, given as rows of x (T, K), or as columns of x (K, >= t)."""
     sizes = plan.cover(t)
     padded_t = sum(sizes)
-    x = F.pad(x, (0, 0, 0, padded_t - t)) if padded_t != t else x.contiguous()
+    if cols:
+        x = x[:, :t]
+        x = F.pad(x, (0, padded_t - t)) if padded_t != t or not x.is_contiguous() else x
+        tile = lambda row, size: x[:, row : row + size].t()  # noqa: E731
+    else:
+        x = F.pad(x, (0, 0, 0, padded_t - t)) if padded_t != t else x.contiguous()
+        tile = lambda row, size: x[row : row + size]  # noqa: E731
     w = w_t.t()
     if len(sizes) == 1:  # a decode step: one call
-        out_t = _call(x, w, plan.k_chunk)
-    else:
-        starts = itertools.accumulate(sizes, initial=0)
-        out_t = torch.cat([_call(x[row : row + size], w, plan.k_chunk) for row, size in zip(starts, sizes)], dim=1)
-    return out_t[:, :t].t().contiguous()
+        return _call(tile(0, padded_t), w, plan.k_chunk)
+    starts = itertools.accumulate(sizes, initial=0)
+    return torch.cat([_call(tile(row, size), w, plan.k_chunk) for row, size in zip(starts, sizes)], dim=1)
 
 
 def tiled_mm(x: torch.Tensor, w_t: torch.Tensor) -> torch.Tensor:
     return tiled_mm_with(x, w_t, plan_for(w_t))
 
 
-def plan_for(w_t: torch.Tensor) -> GemmPlan:
+def tiled_mm_to_cols(x: torch.Tensor, w_t: torch.Tensor) -> torch.Tensor:
+    """tiled_mm's result as the calls give it, columns: (N, padded T), the columns past T from zero rows."""
+    return _columns(x, w_t, plan_for(w_t), x.shape[0], cols=False)
+
+
+def tiled_mm_cols(xt: torch.Tensor, w_t: torch.Tensor, t: int) -> torch.Tensor:
+    return tiled_mm_cols_with(xt, w_t, plan_for(w_t, cols=True), t)
+
+
+def plan_for(w_t: torch.Tensor, cols: bool = False) -> GemmPlan:
     k, n = w_t.shape
-    return _plan(n, k, w_t.dtype, w_t.t().is_contiguous(), torch.get_num_threads())
+    return _plan(n, k, w_t.dtype, w_t.t().is_contiguous(), torch.get_num_threads(), cols)
 
 
 @functools.cache
-def _plan(n: int, k: int, dtype: torch.dtype, weight_rows_contiguous: bool, num_threads: int) -> GemmPlan:
-    """The sizes agreeing with REFERENCE_TILE on random data (weights laid out as the caller's), over the whole K
-    if a bulk size (>= 64) is among them, else over K slices if one is then, else the whole K's."""
+def _plan(n: int, k: int, dtype: torch.dtype, weight_rows_contiguous: bool, num_threads: int,
+          cols: bool = False) -> GemmPlan:
+    """The sizes agreeing with REFERENCE_TILE on random data (weights laid out as the caller's, inputs as rows
+    or as columns), over the whole K if a bulk size (>= 64) is among them, else over K slices if one is then,
+    else the whole K's."""
     gen = torch.Generator().manual_seed(n * 7919 + k)
     w = torch.randn(n, k, generator=gen).to(dtype)
     w_t = w.t() if weight_rows_contiguous else w.t().contiguous()
-    x = torch.randn(_CHECK_ROWS, k, generator=gen).to(dtype)
+    sizes = TILE_SIZES if n * k <= LARGE_WEIGHT else tuple(size for size in TILE_SIZES if size <= 256)
+    x = torch.randn(max(sizes), k, generator=gen).to(dtype)
     whole = None
     for k_chunk in (k, K_CHUNK) if k > K_CHUNK else (k,):
-        tiles = agreeing_sizes(x, w_t, k_chunk, TILE_SIZES)
+        tiles = agreeing_sizes(x, w_t, k_chunk, sizes, cols)
         whole = whole or tiles
         if tiles[-1] >= 64:
             break
@@ -132,16 +161,23 @@ def _plan(n: int, k: int, dtype: torch.dtype, weight_rows_contiguous: bool, num_
     return GemmPlan(tiles, k_chunk)
 
 
-def agreeing_sizes(x: torch.Tensor, w_t: torch.Tensor, k_chunk: int, sizes: tuple[int, ...]) -> tuple[int, ...]:
+def agreeing_sizes(x: torch.Tensor, w_t: torch.Tensor, k_chunk: int, sizes: tuple[int, ...],
+                   cols: bool = False) -> tuple[int, ...]:
     """The sizes (and REFERENCE_TILE) whose calls give every row of x (R, K) as REFERENCE_TILE-row calls do,
-    with the rows at two offsets in the calls."""
+    with the rows at two offsets in the calls; cols: x passed as columns (tiled_mm_cols_with)."""
+
+    def run(xi: torch.Tensor, plan: GemmPlan) -> torch.Tensor:
+        if cols:
+            return tiled_mm_cols_with(xi.t().contiguous(), w_t, plan, len(xi))[:, : len(xi)]
+        return tiled_mm_with(xi, w_t, plan)
+
     shift = REFERENCE_TILE // 2 - 1
     xs = (x, x.roll(shift, 0))
-    refs = [tiled_mm_with(xi, w_t, GemmPlan((REFERENCE_TILE,), k_chunk)) for xi in xs]
+    refs = [run(xi, GemmPlan((REFERENCE_TILE,), k_chunk)) for xi in xs]
 
     def agrees(size: int) -> bool:  # on the first rows that hold whole calls of both sizes, at least 48
         rows = min(len(x), -(-max(size, 3 * REFERENCE_TILE) // size) * size)
-        return all(torch.equal(tiled_mm_with(xi[:rows], w_t, GemmPlan((size,), k_chunk)), ref[:rows])
+        return all(torch.equal(run(xi[:rows], GemmPlan((size,), k_chunk)), ref[:rows] if not cols else ref[:, :rows])
                    for xi, ref in zip(xs, refs))
 
     return tuple(size for size in sorted({*sizes, REFERENCE_TILE}) if size == REFERENCE_TILE or agrees(size))

@@ -54,7 +54,7 @@ def test_gemm_plans_rows_invariant_and_close(k_chunk):
     gen = torch.Generator().manual_seed(7)
     w, x = torch.randn(576, 1536, generator=gen), torch.randn(4, 1536, generator=gen)
     k_chunk = k_chunk or 1536
-    tiles = invariant_gemm.agreeing_sizes(torch.randn(256, 1536, generator=gen), w.t(), k_chunk,
+    tiles = invariant_gemm.agreeing_sizes(torch.randn(512, 1536, generator=gen), w.t(), k_chunk,
                                           invariant_gemm.TILE_SIZES)
     assert invariant_gemm.REFERENCE_TILE in tiles
     by_size = invariant_gemm.GemmPlan(tiles, k_chunk)
@@ -333,3 +333,17 @@ def test_triton_matmul_rows_invariant_and_close():
 
 def test_triton_rms_norm_and_silu_close_and_invariant():
     _in_triton_interpreter("check_triton_rms_norm_and_silu")
+
+
+def test_gated_mlp_columns_form_rows_invariant_and_close():
+    """The CPU gated MLP that chains its GEMMs through columns (no transposes between them): a token's output
+    is bitwise the same alone and in batches of any size (prefill-sized ones included), and close to the
+    row-major form."""
+    gen = torch.Generator().manual_seed(11)
+    gate_up, down = torch.randn(2 * 96, 64, generator=gen) / 8, torch.randn(64, 96, generator=gen) / 10
+    x = torch.randn(4, 64, generator=gen)
+    with bi.batch_invariant_mode():
+        assert _rows_invariant(lambda t: bi.gated_mlp(t, gate_up, down), x)
+        ref = bi.linear(bi.silu_and_mul(bi.linear(x, gate_up)), down)
+        torch.testing.assert_close(bi.gated_mlp(x, gate_up, down), ref, rtol=1e-5, atol=1e-5)
+        assert bi.gated_mlp(x[:0], gate_up, down).shape == (0, 64)
