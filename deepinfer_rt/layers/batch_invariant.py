@@ -102,9 +102,8 @@ def gated_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> tor
     t = x.shape[0]
     if t == 0:
         return x.new_empty(0, down.shape[0])
-    h_t = invariant_gemm.tiled_mm_to_cols(x, gate_up.t())
-    gate, up = h_t.chunk(2, dim=0)  # (I, P) each, P >= T (zero inputs past T)
-    a_t = (gate / gate.neg().exp_().add_(1.0)).mul_(up)  # silu_and_mul's form, element for element
+    h_t = invariant_gemm.tiled_mm_to_cols(x, gate_up.t())  # (2I, P), P >= T (zero inputs past T)
+    a_t = _silu_mul(*h_t.chunk(2, dim=0))  # (I, P): silu_and_mul's ops, element for element
     y_t = invariant_gemm.tiled_mm_cols(a_t, down.t(), t)
     return y_t[:, :t].t().contiguous()
 
@@ -123,8 +122,12 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         from deepinfer_kernels.batch_invariant import silu_and_mul as triton_silu_and_mul
 
         return triton_silu_and_mul(x)
-    gate, up = x.chunk(2, dim=-1)
-    return (gate / gate.neg().exp_().add_(1.0)).mul_(up)  # gate / (1 + exp(-gate)) * up, fewer temporaries
+    return _silu_mul(*x.chunk(2, dim=-1))
+
+
+def _silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """gate / (1 + exp(-gate)) * up from exp and IEEE arithmetic (see the module docstring), fewer temporaries."""
+    return (gate / gate.neg().exp_().add_(1.0)).mul_(up)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -7,17 +7,17 @@ zero-padded to its size:
     x rows   [0, L) [L, 2L) ... | [.., +S) ... [.., +S)    L: the bulk size, S: the tail size (per call count)
              bulk calls           tail calls
 
-Each call is weight-major for the BLAS: torch.mm(x_tile, w_t) with w_t = w.t() writes the row-major (R, N)
-result, which the column-major BLAS sees as w (N, K) @ x_tile.T (K, R), so the batch is its narrow n dimension,
-walked in fixed column blocks with the whole K loop per block: a column (token) does not depend on its
-neighbours. Each call's result is written straight into its rows of the output (no transposed copies).
+Each call is torch.mm(w, x_tile.T): its (N, R) result has one column per token, and the calls' columns make
+one (N, padded T) result, copied row-major once at the end (tiled_mm_with) or handed on as columns to a next
+GEMM that takes its inputs so (the columns form, tiled_mm_cols_with: a gated MLP's down projection). Under MKL
+this orientation rounds a token the same for 2-512-row calls on the shapes measured, where x_tile @ w.T
+disagreed below 16 rows and ran K = 1536 at 16 rows 3.3x slower than at 8.
 
 A call of one shape is invariant by construction. That a row comes out the same from calls of different row
 counts is a property of the BLAS's choices for (N, K), so it is checked once per weight shape on random data
 (every row position, two offsets): the plan's sizes are those of TILE_SIZES whose rows agree with calls of
-REFERENCE_TILE rows. At 2 threads MKL, for example, runs 8-row calls through the 16-row kernel for the small
-attention projections (so decode batches of 8 pay no padding there) but through a GEMV-like kernel for
-K = 1536; and it splits K = 1536 across threads at 64 and 128 rows but not at 256. Where no size of 64 rows or
+REFERENCE_TILE rows (at 2 threads MKL disagrees, for example, at 64-192 rows for K = 1536 in the columns
+form). Where no size of 64 rows or
 more agrees over the whole K, K is cut into fixed K_CHUNK slices whose partial products are added in slice
 order, and the sizes are checked again that way; failing that too, the plan keeps the whole K and the sizes
 that agree (the small ones).
@@ -46,8 +46,6 @@ LARGE_WEIGHT = 1 << 24
 they see a few rows per sequence."""
 K_CHUNK = 512
 """Inner-dim slice when the whole K agrees at no bulk size (no split-K by the BLAS at this depth)."""
-
-
 CALL_ROWS = 32
 """What one call costs beside its rows, in rows: each call streams the whole weight once."""
 
@@ -109,7 +107,7 @@ def _columns(x: torch.Tensor, w_t: torch.Tensor, plan: GemmPlan, t: int, cols: b
     padded_t = sum(sizes)
     if cols:
         x = x[:, :t]
-        x = F.pad(x, (0, padded_t - t)) if padded_t != t or not x.is_contiguous() else x
+        x = F.pad(x, (0, padded_t - t)) if padded_t != t else x.contiguous()
         tile = lambda row, size: x[:, row : row + size].t()  # noqa: E731
     else:
         x = F.pad(x, (0, 0, 0, padded_t - t)) if padded_t != t else x.contiguous()

@@ -19,7 +19,7 @@ class GatedMLP(nn.Module):
         self.down_proj = Linear(intermediate_size, hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if batch_invariant.is_enabled() and x.dim() == 2:
+        if batch_invariant.is_enabled():
             return batch_invariant.gated_mlp(x, self.gate_up_proj.weight, self.down_proj.weight)
         h = self.gate_up_proj(x)
         if on_gpu(h) and h.dim() == 2 and not batch_invariant.is_enabled():
