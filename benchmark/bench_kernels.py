@@ -86,6 +86,40 @@ def moe_rows() -> list[dict]:
     return rows
 
 
+def moe_shared_rows() -> list[dict]:
+    """A V2-Lite MoE layer (router, 64 routed + 2 shared experts) with its shared experts joined to the routed
+    ones in one fused MoE beside the shared MLP run apart (cuBLAS GEMMs + activation + add), from CUDA graphs:
+    where the joining pays (deepinfer_rt.layers.moe.FUSED_SHARED_MAX_TOKENS)."""
+    from deepinfer_rt.config import ModelConfig
+    from deepinfer_rt.layers import moe as moe_module
+
+    config = ModelConfig(architecture="DeepseekV2ForCausalLM", vocab_size=32, hidden_size=2048,
+                         intermediate_size=10944, num_layers=1, num_heads=16, num_kv_heads=16, head_dim=192,
+                         rms_norm_eps=1e-6, max_position=64, tie_word_embeddings=False, eos_token_ids=(0,),
+                         bos_token_id=None, n_routed_experts=64, n_shared_experts=2, num_experts_per_tok=6,
+                         moe_intermediate_size=1408)
+    with torch.device("cuda"):
+        moe = moe_module.MoE(config).to(torch.bfloat16)
+    for p in moe.parameters():
+        p.data.normal_(0, 0.02)
+    moe.process_weights_after_loading()
+    joint, limit = moe.with_shared, moe_module.FUSED_SHARED_MAX_TOKENS
+    rows = []
+    for batch in (1, 16, 64, 256, 512, 1024):
+        x = torch.randn(batch, 2048, dtype=torch.bfloat16, device="cuda")
+        moe_module.FUSED_SHARED_MAX_TOKENS = 1 << 20
+        try:
+            joined = _graph_time(lambda: moe(x))
+            moe.with_shared = None
+            apart = _graph_time(lambda: moe(x))
+        finally:
+            moe.with_shared, moe_module.FUSED_SHARED_MAX_TOKENS = joint, limit
+        rows.append({"kernel": "moe_shared", "batch": batch, "joined_us": joined * 1e6, "apart_us": apart * 1e6,
+                     "engine_joins": batch <= limit})
+        print(rows[-1], flush=True)
+    return rows
+
+
 def dense_rows(copy_bw: float) -> list[dict]:
     """V2-Lite's dense decode projections at 1-16 rows: the skinny GEMM kernel beside cuBLAS (F.linear), each
     as weight bytes/s over the copy bandwidth, from CUDA graphs."""
@@ -195,8 +229,8 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=2048)
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--only", choices=["kernels", "moe", "dense", "moe_invariant"], default="kernels",
-                        help="kernels: the default fused MoE (decode and prefill sizes) and the decode attention "
-                             "variants, the dense decode projections; moe / dense: only those")
+                        help="kernels: the default fused MoE (decode and prefill sizes, shared experts joined or "
+                             "apart) and the decode attention variants, the dense decode projections; moe / dense: only those")
     args = parser.parse_args()
     if args.only == "moe_invariant":
         if args.device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
@@ -219,7 +253,7 @@ def main() -> None:
     if args.only in ("kernels", "dense"):
         rows += dense_rows(copy_bw)
     if args.only in ("kernels", "moe"):
-        rows += moe_prefill_rows(mm_rate)
+        rows += moe_shared_rows() + moe_prefill_rows(mm_rate)
     Path(args.out).write_text(json.dumps({"copy_bytes_per_s": copy_bw, "matmul_flop_per_s": mm_rate,
                                           "rows": rows}, indent=1))
 

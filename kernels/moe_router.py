@@ -5,6 +5,8 @@ softmax, top-k, group masks, sort, gather, scale), which at small decode batches
 GEMMs' weight reads. Here one program per token holds its E scores as a (groups, experts per group) tile:
 softmax or sigmoid, optional correction bias, group selection (V2's best expert per group, V3's best two), then
 k rounds of "take the best remaining" and k rounds of "take the lowest chosen id". Ties go to the lower expert id.
+With `n_shared`, each token's row continues with the shared experts appended after the routed ones (ids E..E+S-1,
+weight 1), so one fused-MoE launch runs routed and shared experts together (deepinfer_rt.layers.moe).
 """
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ METHODS = {"greedy": GREEDY, "group_limited_greedy": GROUP_LIMITED_GREEDY, "noau
 def _route_kernel(Logits, Bias, Weights, Ids, stride_l, scaling,
                   G: tl.constexpr, EG: tl.constexpr, BG: tl.constexpr, BEG: tl.constexpr, K: tl.constexpr,
                   KP: tl.constexpr, KEEP_GROUPS: tl.constexpr, SIGMOID: tl.constexpr, METHOD: tl.constexpr,
-                  NORM: tl.constexpr):
+                  NORM: tl.constexpr, SHARED: tl.constexpr, SP: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     offs_g = tl.arange(0, BG)
     j = tl.arange(0, BEG)[None, :]
@@ -67,25 +69,33 @@ def _route_kernel(Logits, Bias, Weights, Ids, stride_l, scaling,
         chosen = chosen & (idx != low)
     if NORM:
         w = w / (tl.sum(w, 0) + 1e-20)
-    tl.store(Ids + t * K + offs_k, ids, mask=offs_k < K)
-    tl.store(Weights + t * K + offs_k, w * scaling, mask=offs_k < K)
+    width = K + SHARED
+    tl.store(Ids + t * width + offs_k, ids, mask=offs_k < K)
+    tl.store(Weights + t * width + offs_k, w * scaling, mask=offs_k < K)
+    if SHARED > 0:
+        offs_s = tl.arange(0, SP)
+        smask = offs_s < SHARED
+        tl.store(Ids + t * width + K + offs_s, (none + offs_s).to(tl.int64), mask=smask)
+        tl.store(Weights + t * width + K + offs_s, tl.full([SP], 1.0, tl.float32), mask=smask)
 
 
 def route(router_logits: torch.Tensor, top_k: int, *, scoring_func: str, topk_method: str, n_group: int,
           topk_group: int, correction_bias: torch.Tensor | None, norm_topk_prob: bool,
-          routed_scaling_factor: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Same contract as select_experts: (weights (T, k) fp32, ids (T, k) int64 ascending per token)."""
+          routed_scaling_factor: float, n_shared: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same contract as select_experts: (weights (T, k + n_shared) fp32, ids (T, k + n_shared) int64 ascending
+    per token)."""
     t, e = router_logits.shape
     method = METHODS[topk_method]
     groups = n_group if method != GREEDY else 1
     logits = router_logits.contiguous()
-    weights = torch.empty(t, top_k, dtype=torch.float32, device=logits.device)
-    ids = torch.empty(t, top_k, dtype=torch.int64, device=logits.device)
+    weights = torch.empty(t, top_k + n_shared, dtype=torch.float32, device=logits.device)
+    ids = torch.empty(t, top_k + n_shared, dtype=torch.int64, device=logits.device)
     if t:
         bias = correction_bias if correction_bias is not None else logits
         _route_kernel[(t,)](logits, bias, weights, ids, logits.stride(0), float(routed_scaling_factor),
                             G=groups, EG=e // groups, BG=triton.next_power_of_2(groups),
                             BEG=triton.next_power_of_2(e // groups), K=top_k, KP=triton.next_power_of_2(top_k),
                             KEEP_GROUPS=topk_group if method != GREEDY else 1, SIGMOID=scoring_func == "sigmoid",
-                            METHOD=method, NORM=norm_topk_prob, num_warps=1)
+                            METHOD=method, NORM=norm_topk_prob, SHARED=n_shared,
+                            SP=max(2, triton.next_power_of_2(n_shared)), num_warps=1)
     return weights, ids

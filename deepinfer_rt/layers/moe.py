@@ -23,11 +23,14 @@ from deepinfer_rt.layers import batch_invariant
 from deepinfer_rt.layers.batch_invariant import linear, silu_and_mul
 from deepinfer_rt.layers.mlp import GatedMLP
 
+FUSED_SHARED_MAX_TOKENS = 512
+"""Most rows for which the shared experts run inside the fused MoE (MoE.process_weights_after_loading)."""
+
 
 def select_experts(router_logits: torch.Tensor, top_k: int, *, scoring_func: str = "softmax",
                    topk_method: str = "greedy", n_group: int = 1, topk_group: int = 1,
                    correction_bias: torch.Tensor | None = None, norm_topk_prob: bool = False,
-                   routed_scaling_factor: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+                   routed_scaling_factor: float = 1.0, n_shared: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """router_logits (T, E) -> (weights (T, k) fp32, expert ids (T, k) int64, ascending per token).
 
     Scores are softmax or sigmoid of the logits. Experts are chosen on the scores, plus correction_bias for
@@ -36,7 +39,8 @@ def select_experts(router_logits: torch.Tensor, top_k: int, *, scoring_func: str
       group_limited_greedy  (V2) top-k within the topk_group groups whose best expert scores highest;
       noaux_tc              (V3) top-k within the topk_group groups whose two best experts sum highest.
     The weights are the chosen experts' unbiased scores, renormalised to sum 1 if norm_topk_prob, times
-    routed_scaling_factor. Ids come sorted so that experts are combined in a fixed order.
+    routed_scaling_factor. Ids come sorted so that experts are combined in a fixed order. n_shared > 0 appends
+    the shared experts as ids E..E+n_shared-1 of weight 1 (k + n_shared columns; MoE.fuse_shared_experts).
     """
     # The routing kernel computes each token in its own program with tiles fixed by E and k: batch-invariant too.
     if router_logits.is_cuda and scoring_func in ("softmax", "sigmoid") \
@@ -46,7 +50,7 @@ def select_experts(router_logits: torch.Tensor, top_k: int, *, scoring_func: str
 
         return route(router_logits, top_k, scoring_func=scoring_func, topk_method=topk_method, n_group=n_group,
                      topk_group=topk_group, correction_bias=correction_bias, norm_topk_prob=norm_topk_prob,
-                     routed_scaling_factor=routed_scaling_factor)
+                     routed_scaling_factor=routed_scaling_factor, n_shared=n_shared)
     logits = router_logits.float()
     if scoring_func == "softmax":
         scores = logits.softmax(dim=-1)
@@ -75,7 +79,12 @@ def select_experts(router_logits: torch.Tensor, top_k: int, *, scoring_func: str
     weights = scores.gather(1, ids)
     if norm_topk_prob:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-    return weights * routed_scaling_factor, ids
+    weights = weights * routed_scaling_factor
+    if n_shared:
+        t, e = choice.shape
+        shared = torch.arange(e, e + n_shared, device=ids.device).expand(t, n_shared)
+        ids, weights = torch.cat([ids, shared], dim=1), torch.cat([weights, weights.new_ones(t, n_shared)], dim=1)
+    return weights, ids
 
 
 class Router(nn.Module):
@@ -160,16 +169,58 @@ class MoE(nn.Module):
         """In an expert-parallel worker, the hook that runs routed and shared experts across the EP group
         (deepinfer_rt/distributed/ep.py); `experts` then holds only this rank's slots."""
 
+        self.with_shared: tuple[torch.Tensor, torch.Tensor] | None = None
+        """(gate_up (E + S, 2I, H), down (E + S, H, I)): the routed experts followed by the S shared experts of
+        width I, set on GPU by `process_weights_after_loading`; experts.gate_up_proj / down_proj are views of their first
+        E experts."""
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         c = self.config
+        fused = (self.with_shared is not None and self.expert_parallel is None
+                 and x.shape[0] <= FUSED_SHARED_MAX_TOKENS)
         weights, ids = select_experts(
             self.gate(x), c.num_experts_per_tok, scoring_func=c.scoring_func, topk_method=c.topk_method,
             n_group=c.n_group, topk_group=c.topk_group, correction_bias=self.gate.e_score_correction_bias,
-            norm_topk_prob=c.norm_topk_prob, routed_scaling_factor=c.routed_scaling_factor)
+            norm_topk_prob=c.norm_topk_prob, routed_scaling_factor=c.routed_scaling_factor,
+            n_shared=c.n_shared_experts if fused else 0)
         if self.expert_parallel is not None:
             return self.expert_parallel(self, x, weights, ids)
+        if fused:
+            from deepinfer_kernels.fused_moe import fused_moe
+
+            return fused_moe(x.contiguous(), *self.with_shared, weights, ids,
+                             batch_invariant=batch_invariant.is_enabled())
         y = self.experts(x, weights, ids)
         return y if self.shared_experts is None else y + self.shared_experts(x)
+
+    @torch.no_grad()
+    def process_weights_after_loading(self) -> None:
+        """On GPU, append the shared experts to the routed ones (`joint_expert_weights`) so that batches of up to
+        FUSED_SHARED_MAX_TOKENS rows run both in one fused-MoE launch pair. This saves the shared MLP's GEMMs,
+        activation and residual add (four launches per layer at decode). The routed parameters become views of
+        the joint tensors (no second copy); the shared MLP keeps its weights for longer batches, where its dense
+        GEMMs run faster than the grouped kernel. Called once the weights are final and on their device
+        (models.loader.finalize); a later `.to()` or weight reload must call it again."""
+        if self.shared_experts is None or self.expert_parallel is not None or not on_gpu(self.experts.down_proj):
+            return
+        if self.with_shared is not None and self.with_shared[0].data_ptr() == self.experts.gate_up_proj.data_ptr():
+            return  # already joined (a drafter's walk may reach the target model's layers)
+        e = self.experts.num_experts
+        gate_up, down = joint_expert_weights(self.experts, self.shared_experts, self.config.n_shared_experts)
+        self.experts.gate_up_proj.data, self.experts.down_proj.data = gate_up[:e], down[:e]
+        self.with_shared = gate_up, down
+
+
+def joint_expert_weights(experts: RoutedExperts, shared: GatedMLP, n_shared: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(gate_up (E + S, 2I, H), down (E + S, H, I)): the routed experts, then the shared MLP of width S * I as
+    S experts of width I (its gate/up rows and down columns cut in S blocks). A token that takes those S
+    experts with weight 1 gets the shared MLP's output: down(silu(gate x) * up x) sums over the width."""
+    e, two_i, hidden = experts.gate_up_proj.shape
+    inter = two_i // 2
+    gate, up = shared.gate_up_proj.weight.data.view(2, n_shared, inter, hidden).unbind(0)
+    shared_down = shared.down_proj.weight.data.view(hidden, n_shared, inter).transpose(0, 1)
+    return (torch.cat([experts.gate_up_proj.data, torch.cat([gate, up], dim=1)]),
+            torch.cat([experts.down_proj.data, shared_down]))
 
 
 _PER_EXPERT = re.compile(r"(?P<prefix>.+\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight")

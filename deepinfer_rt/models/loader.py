@@ -68,4 +68,14 @@ def build_model(config: ModelConfig, path: Path | None, load_format: str, dtype:
     else:
         raise ValueError(f"load_format must be 'auto' or 'dummy', got {load_format!r}")
     model.tie_weights()
-    return model.to(device=device, dtype=dtype).eval()
+    return finalize(model.to(device=device, dtype=dtype).eval())
+
+
+def finalize(model: torch.nn.Module) -> torch.nn.Module:
+    """Weight rearrangements for the device's fast paths, once the weights are final and in place: each module's
+    `process_weights_after_loading` (e.g. MoE's shared experts joined to the routed ones on GPU)."""
+    for module in model.modules():
+        hook = getattr(module, "process_weights_after_loading", None)
+        if hook is not None:
+            hook()
+    return model

@@ -31,6 +31,7 @@ from deepinfer_rt.layers.norm import RMSNorm
 from deepinfer_rt.models.base import CausalLM
 from deepinfer_rt.models.blocks import DecoderLayer
 from deepinfer_rt.models.deepseek_v3 import DeepseekV3ForCausalLM, is_moe_layer
+from deepinfer_rt.models.loader import finalize
 from deepinfer_rt.request import Req
 from deepinfer_rt.sampler import stream_seed
 from deepinfer_rt.spec.drafter import Drafter, Proposal
@@ -108,7 +109,7 @@ class MTPDrafter(Drafter):
                                  f"{config.num_layers}.* (use load_format='dummy' or prompt_lookup)")
             mtp.load_weights(fuse_expert_weights(iter(weights), config.n_routed_experts))
         p = next(model.parameters())
-        return cls(mtp.to(device=p.device, dtype=p.dtype).eval(), max_draft)
+        return cls(finalize(mtp.to(device=p.device, dtype=p.dtype).eval()), max_draft)
 
     def propose(self, req: Req, k: int) -> Proposal | None:
         proposal = self._proposals.get(req.rid)

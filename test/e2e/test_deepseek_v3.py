@@ -288,3 +288,25 @@ def test_kv_layout_is_latent_plus_rope(models):
     layout = model.kv_layout(config)
     assert (layout.num_layers, layout.k_shape, layout.v_shape, layout.v_dim) == (
         config.num_layers, (1, config.kv_lora_rank + config.qk_rope_head_dim), None, config.kv_lora_rank)
+
+
+def test_shared_experts_join_the_routed_ones():
+    """The shared MLP as S extra experts of weight 1 (MoE.process_weights_after_loading's layout, run here
+    through the torch grouped path) gives the MoE's routed + shared output."""
+    from deepinfer_rt.config import ModelConfig
+    from deepinfer_rt.layers.moe import MoE, RoutedExperts, joint_expert_weights
+
+    config = ModelConfig(architecture="DeepseekV2ForCausalLM", vocab_size=32, hidden_size=32, intermediate_size=64,
+                         num_layers=1, num_heads=2, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-6, max_position=64,
+                         tie_word_embeddings=False, eos_token_ids=(0,), bos_token_id=None,
+                         n_routed_experts=6, n_shared_experts=2, num_experts_per_tok=2, moe_intermediate_size=8)
+    gen = torch.Generator().manual_seed(0)
+    moe = MoE(config)
+    for p in moe.parameters():
+        p.data.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+    x = torch.randn(5, 32, generator=gen)
+    weights, ids = select_experts(moe.gate(x), 2, n_shared=2)
+    assert ids[:, 2:].tolist() == [[6, 7]] * 5 and weights[:, 2:].eq(1).all()
+    joint = RoutedExperts(8, 32, 8)
+    joint.gate_up_proj.data, joint.down_proj.data = joint_expert_weights(moe.experts, moe.shared_experts, 2)
+    torch.testing.assert_close(joint(x, weights, ids), moe(x), rtol=1e-5, atol=1e-6)

@@ -60,6 +60,31 @@ def test_fused_moe(num_tokens):
     assert rel_err(out.cpu(), ref) < 1e-2
 
 
+@pytest.mark.parametrize("num_tokens", [1, 16, 256, 600])
+def test_moe_with_shared_experts_joined(num_tokens):
+    """MoE on GPU with the shared experts joined to the routed ones (up to FUSED_SHARED_MAX_TOKENS rows) and
+    without (more rows) against its CPU fp32 form, the shared MLP run apart."""
+    from deepinfer_rt.config import ModelConfig
+    from deepinfer_rt.layers.moe import FUSED_SHARED_MAX_TOKENS, MoE
+
+    config = ModelConfig(architecture="DeepseekV2ForCausalLM", vocab_size=32, hidden_size=256, intermediate_size=64,
+                         num_layers=1, num_heads=2, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-6, max_position=64,
+                         tie_word_embeddings=False, eos_token_ids=(0,), bos_token_id=None, n_routed_experts=64,
+                         n_shared_experts=2, num_experts_per_tok=6, moe_intermediate_size=176)
+    gen = torch.Generator().manual_seed(num_tokens)
+    ref = MoE(config)
+    for p in ref.parameters():
+        p.data.copy_(torch.randn(p.shape, generator=gen) * 0.05)
+    moe = copy.deepcopy(ref).to(DEV, BF16)
+    moe.process_weights_after_loading()
+    assert moe.with_shared is not None and moe.with_shared[0].shape[0] == 66
+    assert moe.experts.gate_up_proj.data_ptr() == moe.with_shared[0].data_ptr()  # a view, not a copy
+    x = torch.randn(num_tokens, 256, generator=gen).to(BF16).float()  # the GPU's input, so both route alike
+    out = moe(x.to(DEV, BF16))
+    assert (num_tokens <= FUSED_SHARED_MAX_TOKENS) == (num_tokens < 600)
+    assert rel_err(out.cpu(), ref(x)) < 1e-2
+
+
 @pytest.mark.parametrize("num_tokens,num_experts,k,block_m", [(50, 8, 2, 16), (64, 64, 6, 32), (256, 64, 6, 64),
                                                                (500, 256, 8, 64), (3, 160, 6, 16)])
 def test_moe_align_sorts_pairs_by_expert(num_tokens, num_experts, k, block_m):

@@ -28,6 +28,9 @@ _ROUTER = textwrap.dedent("""
         (w, ids), (ref_w, ref_ids) = route(logits, k, **kw), select_experts(logits, k, **kw)
         assert torch.equal(ids, ref_ids), method
         torch.testing.assert_close(w, ref_w, rtol=1e-5, atol=1e-6)
+        (w, ids), (ref_w, ref_ids) = route(logits, k, n_shared=2, **kw), select_experts(logits, k, n_shared=2, **kw)
+        assert torch.equal(ids, ref_ids) and ids[:, k:].tolist() == [[e, e + 1]] * 5, method
+        torch.testing.assert_close(w, ref_w, rtol=1e-5, atol=1e-6)
     print("ok")
 """)
 
