@@ -28,8 +28,9 @@ import triton.language as tl
 
 
 @triton.jit
-def _attend_range(Q, K, V, PageTable, b, kvh, row, start, end, stride_qb, stride_qh, stride_kn, stride_kh,
-                  stride_vn, stride_vh, stride_pt, sm_scale, page_size, GROUP: tl.constexpr, BLOCK_H: tl.constexpr,
+def _attend_range(Q, QT, K, V, PageTable, b, kvh, row, start, end, stride_qb, stride_qh, stride_qtb, stride_qth,
+                  stride_kn, stride_kh, stride_vn, stride_vh, stride_pt, sm_scale, page_size, GROUP: tl.constexpr,
+                  BLOCK_H: tl.constexpr,
                   DK: tl.constexpr, DT: tl.constexpr, DV: tl.constexpr, BLOCK_N: tl.constexpr,
                   V_IS_K: tl.constexpr, IEEE: tl.constexpr):
     """The query heads of KV head `kvh` of row b over positions [start, end), in BLOCK_N-token tiles from
@@ -42,8 +43,8 @@ def _attend_range(Q, K, V, PageTable, b, kvh, row, start, end, stride_qb, stride
     q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + offs_dk[None, :], mask=hmask[:, None], other=0.0)
     if DT > 0:
         offs_dt = tl.arange(0, DT)
-        q_t = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + DK + offs_dt[None, :],
-                      mask=hmask[:, None], other=0.0)
+        q_t = tl.load(QT + b * stride_qtb + heads[:, None] * stride_qth + offs_dt[None, :], mask=hmask[:, None],
+                      other=0.0)
     qk_scale = sm_scale * 1.4426950408889634  # exp2 below
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
@@ -105,8 +106,9 @@ def _store_split(PartO, PartLse, out, lse, b, kvh, split, num_splits, GROUP: tl.
 
 
 @triton.jit
-def _decode_split_kernel(Q, K, V, PageTable, TableRows, SeqLens, PartO, PartLse,
-                         stride_qb, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_pt,
+def _decode_split_kernel(Q, QT, K, V, PageTable, TableRows, SeqLens, PartO, PartLse,
+                         stride_qb, stride_qh, stride_qtb, stride_qth, stride_kn, stride_kh, stride_vn, stride_vh,
+                         stride_pt,
                          sm_scale, page_size,
                          GROUP: tl.constexpr, BLOCK_H: tl.constexpr, DK: tl.constexpr, DT: tl.constexpr,
                          DV: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
@@ -119,15 +121,16 @@ def _decode_split_kernel(Q, K, V, PageTable, TableRows, SeqLens, PartO, PartLse,
     start = split * chunk
     end = tl.minimum(start + chunk, seq_len)
     row = tl.load(TableRows + b).to(tl.int64)
-    out, lse = _attend_range(Q, K, V, PageTable, b, kvh, row, start, end, stride_qb, stride_qh, stride_kn,
-                             stride_kh, stride_vn, stride_vh, stride_pt, sm_scale, page_size, GROUP, BLOCK_H, DK,
-                             DT, DV, BLOCK_N, V_IS_K, IEEE)
+    out, lse = _attend_range(Q, QT, K, V, PageTable, b, kvh, row, start, end, stride_qb, stride_qh, stride_qtb,
+                             stride_qth, stride_kn, stride_kh, stride_vn, stride_vh, stride_pt, sm_scale, page_size,
+                             GROUP, BLOCK_H, DK, DT, DV, BLOCK_N, V_IS_K, IEEE)
     _store_split(PartO, PartLse, out, lse, b, kvh, split, NUM_SPLITS, GROUP, BLOCK_H, DV)
 
 
 @triton.jit
-def _fixed_split_kernel(Q, K, V, PageTable, TableRows, SeqLens, PartO, PartLse,
-                        stride_qb, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_pt,
+def _fixed_split_kernel(Q, QT, K, V, PageTable, TableRows, SeqLens, PartO, PartLse,
+                        stride_qb, stride_qh, stride_qtb, stride_qth, stride_kn, stride_kh, stride_vn, stride_vh,
+                        stride_pt,
                         sm_scale, page_size, num_splits,
                         GROUP: tl.constexpr, BLOCK_H: tl.constexpr, DK: tl.constexpr, DT: tl.constexpr,
                         DV: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_SIZE: tl.constexpr,
@@ -142,9 +145,9 @@ def _fixed_split_kernel(Q, K, V, PageTable, TableRows, SeqLens, PartO, PartLse,
     if start < seq_len:
         end = tl.minimum(start + SPLIT_SIZE, seq_len)
         row = tl.load(TableRows + b).to(tl.int64)
-        out, lse = _attend_range(Q, K, V, PageTable, b, kvh, row, start, end, stride_qb, stride_qh, stride_kn,
-                                 stride_kh, stride_vn, stride_vh, stride_pt, sm_scale, page_size, GROUP, BLOCK_H,
-                                 DK, DT, DV, BLOCK_N, V_IS_K, IEEE)
+        out, lse = _attend_range(Q, QT, K, V, PageTable, b, kvh, row, start, end, stride_qb, stride_qh,
+                                 stride_qtb, stride_qth, stride_kn, stride_kh, stride_vn, stride_vh, stride_pt,
+                                 sm_scale, page_size, GROUP, BLOCK_H, DK, DT, DV, BLOCK_N, V_IS_K, IEEE)
         _store_split(PartO, PartLse, out, lse, b, kvh, split, num_splits, GROUP, BLOCK_H, DV)
 
 
@@ -218,9 +221,19 @@ def num_splits_for(batch: int, kv_heads: int, num_sms: int, head_dim: int = 0) -
     return max(1, min(32, triton.next_power_of_2(math.ceil(want))))
 
 
+def _query_tail(q: torch.Tensor, q_tail: torch.Tensor | None, dk: int, dv: int) -> torch.Tensor:
+    """The query's tail columns (MLA's rope part; empty for GQA). They may come apart from q, which then holds
+    only the head part: the caller spares a concatenation."""
+    if q_tail is None:
+        return q[..., _split_head_dim(q.shape[-1], dv)[0]:]
+    if q.shape[-1] + q_tail.shape[-1] != dk or q_tail.stride(-1) != 1:
+        raise ValueError(f"decode attention: query of {q.shape[-1]} + {q_tail.shape[-1]} columns for keys of {dk}")
+    return q_tail
+
+
 def _layout(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor) -> dict:
     """The kernels' shape constants for these buffers."""
-    hq, dk = q.shape[1:]
+    hq, dk = q.shape[1], k_buf.shape[-1]
     hkv, dv = k_buf.shape[1], v_buf.shape[-1]
     head, tail = _split_head_dim(dk, dv)
     return dict(GROUP=hq // hkv, BLOCK_H=max(16, triton.next_power_of_2(hq // hkv)), DK=head, DT=tail, DV=dv,
@@ -231,12 +244,15 @@ def _layout(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor) -> dict:
 def paged_decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, page_table: torch.Tensor,
                            table_rows: torch.Tensor, seq_lens: torch.Tensor, page_size: int, scale: float,
                            num_splits: int, out: torch.Tensor | None = None, block_n: int | None = None,
-                           num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
+                           num_warps: int = 4, num_stages: int = 2, q_tail: torch.Tensor | None = None
+                           ) -> torch.Tensor:
     """q (B, Hq, Dqk); k_buf (slots, Hkv, Dqk); v_buf (slots, Hkv, Dv), for MLA a column view of k_buf;
     page_table (R, W) int32 page ids; table_rows (B,) int32 row of each sequence; seq_lens (B,) int32.
-    Returns (B, Hq, Dv) in q's dtype."""
-    bsz, hq, dk = q.shape
-    hkv, dv = k_buf.shape[1], v_buf.shape[-1]
+    q_tail: the query's last columns apart (MLA's rope part), q then (B, Hq, Dv). Returns (B, Hq, Dv) in q's
+    dtype."""
+    bsz, hq, _ = q.shape
+    hkv, dk, dv = k_buf.shape[1], k_buf.shape[-1], v_buf.shape[-1]
+    q_tail = _query_tail(q, q_tail, dk, dv)
     layout = _layout(q, k_buf, v_buf)
     if out is None:
         out = q.new_empty(bsz, hq, dv)
@@ -245,8 +261,9 @@ def paged_decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Te
     # Measured on an H200 (MLA, 2K context): 64-token tiles are best from batch 16 up, 32-token tiles at batch 1.
     block_n = block_n or (64 if dk <= 256 or bsz >= 8 else 32)
     _decode_split_kernel[(bsz, hkv, num_splits)](
-        q, k_buf, v_buf, page_table, table_rows, seq_lens, part_o, part_lse,
-        q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
+        q, q_tail, k_buf, v_buf, page_table, table_rows, seq_lens, part_o, part_lse,
+        q.stride(0), q.stride(1), q_tail.stride(0), q_tail.stride(1), k_buf.stride(0), k_buf.stride(1),
+        v_buf.stride(0), v_buf.stride(1),
         page_table.stride(0), scale, page_size, BLOCK_N=block_n, NUM_SPLITS=num_splits, **layout,
         num_warps=num_warps, num_stages=num_stages)
     _merge_splits_kernel[(bsz, hq)](part_o, part_lse, out, out.stride(0), out.stride(1), NUM_HEADS=hq,
@@ -272,14 +289,16 @@ def fixed_num_splits(max_len: int) -> int:
 def paged_decode_attention_fixed(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
                                  page_table: torch.Tensor, table_rows: torch.Tensor, seq_lens: torch.Tensor,
                                  page_size: int, scale: float, num_splits: int,
-                                 out: torch.Tensor | None = None) -> torch.Tensor:
+                                 out: torch.Tensor | None = None, q_tail: torch.Tensor | None = None
+                                 ) -> torch.Tensor:
     """paged_decode_attention with every numerical choice fixed by the model, never by the batch: split s of a
     row covers absolute positions [s * FIXED_SPLIT_SIZE, (s + 1) * FIXED_SPLIT_SIZE), the tile size and warps
     depend on the head dims only, and the row's splits merge in ascending order. A row's result is therefore
     bitwise the same in any batch and for any grid split count `num_splits` that covers the page table
     (>= fixed_num_splits of its capacity; CUDA graphs capture the count of their longest context)."""
-    bsz, hq, dk = q.shape
-    hkv, dv = k_buf.shape[1], v_buf.shape[-1]
+    bsz, hq, _ = q.shape
+    hkv, dk, dv = k_buf.shape[1], k_buf.shape[-1], v_buf.shape[-1]
+    q_tail = _query_tail(q, q_tail, dk, dv)
     if num_splits < fixed_num_splits(page_table.shape[1] * page_size):
         raise ValueError(f"fixed-split attention: {num_splits} splits do not cover the page table's "
                          f"{page_table.shape[1] * page_size} positions")
@@ -293,8 +312,9 @@ def paged_decode_attention_fixed(q: torch.Tensor, k_buf: torch.Tensor, v_buf: to
         r1 = min(bsz, r0 + rows)
         lens = seq_lens[r0:r1]
         _fixed_split_kernel[(r1 - r0, hkv, num_splits)](
-            q[r0:r1], k_buf, v_buf, page_table, table_rows[r0:r1], lens, part_o, part_lse,
-            q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
+            q[r0:r1], q_tail[r0:r1], k_buf, v_buf, page_table, table_rows[r0:r1], lens, part_o, part_lse,
+            q.stride(0), q.stride(1), q_tail.stride(0), q_tail.stride(1), k_buf.stride(0), k_buf.stride(1),
+            v_buf.stride(0), v_buf.stride(1),
             page_table.stride(0), scale, page_size, num_splits,
             BLOCK_N=FIXED_BLOCK_N if dk <= 256 else FIXED_BLOCK_N // 2,
             SPLIT_SIZE=FIXED_SPLIT_SIZE, **layout, num_warps=4, num_stages=2)

@@ -122,3 +122,70 @@ def store_kv(buf: torch.Tensor, slots: torch.Tensor, src: torch.Tensor) -> None:
     n = buf[0].numel()
     block = min(1024, triton.next_power_of_2(n))
     _store_kv_kernel[(t, triton.cdiv(n, block))](src, buf, slots, src.stride(0), buf.stride(0), n, BLOCK=block)
+
+
+@triton.jit
+def _mla_rope_store_kernel(KVA, NormW, QPe, Positions, Cos, Sin, Pool, Slots, stride_kva, stride_qt, stride_qh,
+                           stride_pool, num_heads, kv_rank, eps, BLOCK_C: tl.constexpr, HALF: tl.constexpr,
+                           BLOCK_H: tl.constexpr, INTERLEAVE: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    pos = tl.load(Positions + t).to(tl.int64)
+    offs_j = tl.arange(0, HALF)
+    cos = tl.load(Cos + pos * HALF + offs_j)
+    sin = tl.load(Sin + pos * HALF + offs_j)
+    # The query's rope part, every head, in place (as _rope_kernel).
+    offs_h = tl.arange(0, BLOCK_H)
+    hmask = offs_h[:, None] < num_heads
+    q = QPe + t * stride_qt + offs_h[:, None] * stride_qh
+    if INTERLEAVE:
+        x1 = tl.load(q + 2 * offs_j[None, :], mask=hmask, other=0.0).to(tl.float32)
+        x2 = tl.load(q + 2 * offs_j[None, :] + 1, mask=hmask, other=0.0).to(tl.float32)
+    else:
+        x1 = tl.load(q + offs_j[None, :], mask=hmask, other=0.0).to(tl.float32)
+        x2 = tl.load(q + HALF + offs_j[None, :], mask=hmask, other=0.0).to(tl.float32)
+    tl.debug_barrier()  # every lane has read its row before any lane overwrites it
+    tl.store(q + offs_j[None, :], (x1 * cos[None, :] - x2 * sin[None, :]).to(QPe.dtype.element_ty), mask=hmask)
+    tl.store(q + HALF + offs_j[None, :], (x2 * cos[None, :] + x1 * sin[None, :]).to(QPe.dtype.element_ty),
+             mask=hmask)
+    slot = tl.load(Slots + t).to(tl.int64)
+    if slot >= 0:  # negative slots are padding rows (CUDA graphs): nothing to store
+        row = KVA + t * stride_kva
+        dst = Pool + slot * stride_pool
+        # The latent, normalised (as _rms_norm_kernel).
+        offs_c = tl.arange(0, BLOCK_C)
+        cmask = offs_c < kv_rank
+        c = tl.load(row + offs_c, mask=cmask, other=0.0).to(tl.float32)
+        inv = tl.rsqrt(tl.sum(c * c, 0) / kv_rank + eps)
+        cn = (c * inv).to(KVA.dtype.element_ty).to(tl.float32)
+        w = tl.load(NormW + offs_c, mask=cmask, other=0.0).to(tl.float32)
+        tl.store(dst + offs_c, (w * cn).to(Pool.dtype.element_ty), mask=cmask)
+        # The rope key, rotated.
+        k = row + kv_rank
+        if INTERLEAVE:
+            k1 = tl.load(k + 2 * offs_j).to(tl.float32)
+            k2 = tl.load(k + 2 * offs_j + 1).to(tl.float32)
+        else:
+            k1 = tl.load(k + offs_j).to(tl.float32)
+            k2 = tl.load(k + HALF + offs_j).to(tl.float32)
+        k1r = (k1 * cos - k2 * sin).to(KVA.dtype.element_ty)
+        k2r = (k2 * cos + k1 * sin).to(KVA.dtype.element_ty)
+        tl.store(dst + kv_rank + offs_j, k1r.to(Pool.dtype.element_ty))
+        tl.store(dst + kv_rank + HALF + offs_j, k2r.to(Pool.dtype.element_ty))
+
+
+def mla_rope_store(kv_a: torch.Tensor, norm_weight: torch.Tensor, eps: float, q_pe: torch.Tensor,
+                   positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool,
+                   pool: torch.Tensor, slots: torch.Tensor) -> None:
+    """MLA's per-token work between the projections and attention, in one launch: pool[slots[t]] =
+    [rms_norm(latent) | rope(k_pe)] from kv_a (T, C + R) = [latent | k_pe], and q_pe (T, H, R) rotated in place.
+    The same arithmetic as rms_norm, apply_rope_ and store_kv one after another (five launches, with the
+    concatenation). pool (slots, 1, C + R); negative slots store nothing."""
+    t, h, r = q_pe.shape
+    kv_rank = kv_a.shape[1] - r
+    if kv_a.stride(1) != 1 or q_pe.stride(-1) != 1 or pool[0].numel() != kv_rank + r or not pool[0].is_contiguous():
+        raise ValueError("mla_rope_store needs unit column strides and a pool row of C + R contiguous columns")
+    if t:
+        _mla_rope_store_kernel[(t,)](kv_a, norm_weight, q_pe, positions, cos, sin, pool, slots, kv_a.stride(0),
+                                     q_pe.stride(0), q_pe.stride(1), pool.stride(0), h, kv_rank, eps,
+                                     BLOCK_C=triton.next_power_of_2(kv_rank), HALF=r // 2,
+                                     BLOCK_H=triton.next_power_of_2(h), INTERLEAVE=interleave, num_warps=4)

@@ -17,9 +17,10 @@ import math
 import torch
 from torch import nn
 
+from deepinfer_kernels.dispatch import on_gpu
 from deepinfer_rt.config import ModelConfig
 from deepinfer_rt.forward_batch import ForwardBatch
-from deepinfer_rt.layers import mla_prefill
+from deepinfer_rt.layers import batch_invariant, mla_prefill
 from deepinfer_rt.layers.batch_invariant import head_matmul
 from deepinfer_rt.layers.linear import Linear
 from deepinfer_rt.layers.norm import RMSNorm
@@ -63,6 +64,26 @@ class MLAttention(nn.Module):
         self.o_proj = Linear(self.num_heads * self.v_dim, hidden, bias=config.attention_bias)
         self.rotary_emb = RotaryEmbedding(config, self.rope_dim, interleave=config.rope_interleave)
         self.scale = mla_softmax_scale(config)
+        self._padded_kv_b: torch.Tensor | None = None
+
+    def padded_kv_b(self) -> torch.Tensor:
+        """kv_b_proj.weight with each head's W_UK and W_UV rows padded by zero rows to nope + R each: (H * 2 *
+        (nope + R), C), so the standard-form prefill's GEMM writes K and V at the attention's head width. Built
+        by process_weights_after_loading (GPU), or on first use."""
+        if self._padded_kv_b is None or self._padded_kv_b.device != self.kv_b_proj.weight.device:
+            self.process_weights_after_loading(force=True)
+        return self._padded_kv_b
+
+    @torch.no_grad()
+    def process_weights_after_loading(self, force: bool = False) -> None:
+        if not (force or on_gpu(self.kv_b_proj.weight)):
+            return
+        w = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
+        qk_dim = self.nope_dim + self.rope_dim
+        padded = w.new_zeros(self.num_heads, 2, qk_dim, self.kv_lora_rank)
+        padded[:, 0, : self.nope_dim] = w[:, : self.nope_dim]
+        padded[:, 1, : self.v_dim] = w[:, self.nope_dim :]
+        self._padded_kv_b = padded.view(-1, self.kv_lora_rank)
 
     def absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """W_UK (H, nope, C) and W_UV (H, v, C), views of kv_b_proj.weight."""
@@ -76,22 +97,34 @@ class MLAttention(nn.Module):
             q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
         else:
             q = self.q_proj(x)
-        q_nope, q_pe = q.view(t, self.num_heads, -1).split([self.nope_dim, self.rope_dim], dim=-1)
-        latent, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
-        latent = self.kv_a_layernorm(latent)  # (T, C)
-        q_pe, k_pe = self.rotary_emb(batch.positions, q_pe, k_pe.reshape(t, 1, self.rope_dim))
-        k = torch.cat([latent.unsqueeze(1), k_pe], dim=-1)  # (T, 1, C + R)
-        batch.backend.store_kv(batch, self.layer_id, k, None)
+        q = q.view(t, self.num_heads, -1)  # (T, H, nope + R)
+        q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)
+        kv_a = self.kv_a_proj_with_mqa(x)  # (T, C + R) = [latent | k_pe]
+        if on_gpu(x) and batch.backend.name == "triton" and not batch_invariant.is_enabled():
+            from deepinfer_kernels.elementwise import mla_rope_store
+
+            cos, sin = self.rotary_emb.tables(x.device)
+            mla_rope_store(kv_a, self.kv_a_layernorm.weight, self.kv_a_layernorm.eps, q_pe, batch.positions, cos,
+                           sin, self.rotary_emb.interleave, batch.pool.k[self.layer_id], batch.out_slots)
+        else:
+            latent, k_pe = kv_a.split([self.kv_lora_rank, self.rope_dim], dim=-1)
+            latent = self.kv_a_layernorm(latent)  # (T, C)
+            q_pe, k_pe = self.rotary_emb(batch.positions, q_pe, k_pe.reshape(t, 1, self.rope_dim))
+            k = torch.cat([latent.unsqueeze(1), k_pe], dim=-1)  # (T, 1, C + R)
+            batch.backend.store_kv(batch, self.layer_id, k, None)
+            if q_pe.data_ptr() != q.data_ptr() + self.nope_dim * q.element_size():  # rotated into a new tensor
+                q = torch.cat([q_nope, q_pe], dim=-1)
         plan = mla_prefill.plan_for(batch)
         if plan.segments:
-            o = mla_prefill.prefill_attention(self, plan, q_nope, q_pe, batch)
+            o = mla_prefill.prefill_attention(self, plan, q, batch)
         else:
-            o = self.absorbed_attention(q_nope, q_pe, batch)
+            o = self.absorbed_attention(q, batch)
         return self.o_proj(o.reshape(t, self.num_heads * self.v_dim))
 
-    def absorbed_attention(self, q_nope: torch.Tensor, q_pe: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        """(T, H, nope), (T, H, R) -> (T, H, v) over the pool's latents (the new tokens' already stored)."""
+    def absorbed_attention(self, q: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """q (T, H, nope + R) -> (T, H, v) over the pool's latents (the new tokens' already stored). The
+        absorbed query [W_UK^T q_nope | q_pe] goes to the backend as its two parts, sparing a concatenation."""
         w_uk, w_uv = self.absorbed_weights()
-        q = torch.cat([head_matmul(q_nope, w_uk), q_pe], dim=-1)  # (T, H, C + R)
-        o = batch.backend.forward(q, self.layer_id, self.scale, batch)  # (T, H, C)
-        return head_matmul(o, w_uv.transpose(1, 2))
+        q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)
+        o = batch.backend.forward(head_matmul(q_nope, w_uk), self.layer_id, self.scale, batch, q_tail=q_pe)
+        return head_matmul(o, w_uv.transpose(1, 2))  # o (T, H, C)

@@ -112,33 +112,35 @@ def _causal(q_len: int, kv_len: int, device: torch.device) -> torch.Tensor | Cau
     return causal_lower_right(q_len, kv_len) if device.type == "cuda" else causal_mask(q_len, kv_len, device)
 
 
-def prefill_attention(layer: MLAttention, plan: MLAPrefillPlan, q_nope: torch.Tensor, q_pe: torch.Tensor,
-                      batch: ForwardBatch) -> torch.Tensor:
-    """Attention output (T, H, v) of every row, before o_proj; the new tokens' KV is already in the pool."""
-    out = q_nope.new_empty(q_nope.shape[0], layer.num_heads, layer.v_dim)
+def prefill_attention(layer: MLAttention, plan: MLAPrefillPlan, q: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+    """q (T, H, nope + rope), rotated -> attention output (T, H, v) of every row, before o_proj; the new tokens'
+    KV is already in the pool."""
+    out = q.new_empty(q.shape[0], layer.num_heads, layer.v_dim)
     kv_buf = batch.pool.k[layer.layer_id]
     for seg in plan.segments:
         rows = slice(seg.q_start, seg.q_start + seg.q_len)
-        out[rows] = standard_attention(layer, q_nope[rows], q_pe[rows], kv_buf.index_select(0, seg.slots)[:, 0],
-                                       seg.mask)
+        out[rows] = standard_attention(layer, q[rows], kv_buf.index_select(0, seg.slots)[:, 0], seg.mask)
     if plan.absorbed is not None:
         rows = plan.absorbed_rows
-        out[rows] = layer.absorbed_attention(q_nope[rows], q_pe[rows], plan.absorbed)
+        out[rows] = layer.absorbed_attention(q[rows], plan.absorbed)
     return out
 
 
-def standard_attention(layer: MLAttention, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_rows: torch.Tensor,
+def standard_attention(layer: MLAttention, q: torch.Tensor, kv_rows: torch.Tensor,
                        mask: torch.Tensor | CausalBias | None) -> torch.Tensor:
-    """One sequence: q_nope (n, H, nope), q_pe (n, H, rope), kv_rows (L, C + rope) pool rows [c | k_pe] of
-    all its KV positions -> (n, H, v)."""
-    num_kv, heads = kv_rows.shape[0], layer.num_heads
+    """One sequence: q (n, H, nope + rope), kv_rows (L, C + rope) pool rows [c | k_pe] of all its KV positions
+    -> (n, H, v)."""
+    num_kv, heads, qk_dim = kv_rows.shape[0], layer.num_heads, q.shape[-1]
     latent, k_pe = kv_rows.split([layer.kv_lora_rank, layer.rope_dim], dim=-1)
-    k_nope, v = layer.kv_b_proj(latent).view(num_kv, heads, -1).split([layer.nope_dim, layer.v_dim], dim=-1)
-    k = torch.cat([k_nope, k_pe[:, None].expand(num_kv, heads, layer.rope_dim)], dim=-1)  # (L, H, nope + rope)
-    q = torch.cat([q_nope, q_pe], dim=-1)  # (n, H, nope + rope)
-    qk_dim = q.shape[-1]
-    if q.is_cuda and layer.v_dim < qk_dim:
-        v = F.pad(v, (0, qk_dim - layer.v_dim))  # flash attention takes one head dim for q, k and v
+    if q.is_cuda:
+        # Flash attention takes one head dim for q, k and v. kv_b_proj's rows padded per head (`padded_kv_b`)
+        # make one GEMM write K's nope part and V, each already qk_dim wide: only k_pe is copied in.
+        kv = F.linear(latent, layer.padded_kv_b()).view(num_kv, heads, 2, qk_dim)
+        k, v = kv.unbind(2)
+        k[..., layer.nope_dim:] = k_pe[:, None]
+    else:
+        k_nope, v = layer.kv_b_proj(latent).view(num_kv, heads, -1).split([layer.nope_dim, layer.v_dim], dim=-1)
+        k = torch.cat([k_nope, k_pe[:, None].expand(num_kv, heads, layer.rope_dim)], dim=-1)  # (L, H, qk_dim)
     # 4-D (1, H, len, dim): the fused kernels take only batched inputs.
     o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
                                        attn_mask=mask, is_causal=mask is None, scale=layer.scale)

@@ -51,10 +51,16 @@ class RotaryEmbedding(nn.Module):
         cos, sin = self.cos_sin(positions, xs[0].dtype)
         return tuple(apply_rope(x, cos, sin, self.interleave) for x in xs)
 
-    def _forward_gpu(self, positions: torch.Tensor, xs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
-        from deepinfer_kernels.elementwise import apply_rope_, rope_cache
+    def tables(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) (max_position, D/2) fp32 on `device`, for the GPU kernels that rotate."""
+        from deepinfer_kernels.elementwise import rope_cache
 
-        if self._tables is None or self._tables[0].device != positions.device:
-            self._tables = rope_cache(self.inv_freq, self.attention_scaling, self.max_position, positions.device)
-        cos, sin = self._tables
+        if self._tables is None or self._tables[0].device != device:
+            self._tables = rope_cache(self.inv_freq, self.attention_scaling, self.max_position, device)
+        return self._tables
+
+    def _forward_gpu(self, positions: torch.Tensor, xs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        from deepinfer_kernels.elementwise import apply_rope_
+
+        cos, sin = self.tables(positions.device)
         return tuple(apply_rope_(x, positions, cos, sin, self.interleave) for x in xs)

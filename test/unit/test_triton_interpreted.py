@@ -95,6 +95,12 @@ _FIXED_SPLITS = textwrap.dedent(_SCALED_DOWN + """
         assert (alone[2] == 0).all()
         default = da.paged_decode_attention(q, k, v, table, rows, lens, ps, dk**-0.5, 2, block_n=16)
         torch.testing.assert_close(default, ref, rtol=1e-5, atol=1e-5)  # the default split kernel, same helpers
+        if dk > dv:  # MLA: the query's rope part given apart gives the same bits in both kernels
+            head, tail = q[..., :dv].clone(), q[..., dv:].clone()
+            apart = da.paged_decode_attention(head, k, v, table, rows, lens, ps, dk**-0.5, 2, block_n=16, q_tail=tail)
+            assert torch.equal(apart, default)
+            fixed = da.paged_decode_attention_fixed(head, k, v, table, rows, lens, ps, dk**-0.5, splits, q_tail=tail)
+            assert torch.equal(fixed, run(q, rows, lens, splits))
         for extra, more_splits, part_bytes in [(3, 2, 1 << 28), (1, 0, 1)]:  # part_bytes 1: a row per launch
             da._FIXED_PART_BYTES = part_bytes
             perm = torch.randperm(4 + extra, generator=g)
@@ -149,6 +155,33 @@ _INVARIANT_BACKEND = textwrap.dedent(_SCALED_DOWN + """
 """)
 
 
+# MLA's fused per-token kernel (latent norm, rope of q_pe and k_pe, pool store) against the separate kernels, in
+# both rope layouts, with a padding row (slot -1) that must store nothing.
+_MLA_ROPE_STORE = textwrap.dedent("""
+    import torch
+    from deepinfer_kernels import elementwise as ew
+    t, h, c, r, slots_total = 5, 3, 32, 16, 12
+    for interleave in (False, True):
+        g = torch.Generator().manual_seed(int(interleave))
+        kv_a = torch.randn(t, c + r + 7, generator=g)[:, : c + r]  # a column slice of a wider row, as when merged
+        q = torch.randn(t, h, 24 + r, generator=g)
+        w, pos = torch.rand(c, generator=g) + 0.5, torch.randint(0, 64, (t,), generator=g)
+        slots = torch.tensor([3, 0, -1, 11, 7])
+        cos, sin = ew.rope_cache(1.0 / 10000 ** (torch.arange(0, r, 2) / r), 1.0, 64, torch.device("cpu"))
+        pool = torch.full((slots_total, 1, c + r), 9.0)
+        q_fused = q.clone()
+        ew.mla_rope_store(kv_a, w, 1e-6, q_fused[..., 24:], pos, cos, sin, interleave, pool, slots)
+        q_ref, k_pe = q.clone(), kv_a[:, c:].clone().view(t, 1, r)
+        ew.apply_rope_(q_ref[..., 24:], pos, cos, sin, interleave)
+        ew.apply_rope_(k_pe, pos, cos, sin, interleave)
+        ref = torch.full_like(pool, 9.0)
+        ew.store_kv(ref, slots, torch.cat([ew.rms_norm(kv_a[:, :c].contiguous(), w, 1e-6)[:, None], k_pe], dim=-1))
+        assert torch.equal(q_fused, q_ref) and torch.equal(pool, ref), interleave
+        assert (pool[[1, 2, 4, 5, 6, 8, 9, 10]] == 9).all()  # only the four real slots written
+    print("ok")
+""")
+
+
 def _interpret(code: str) -> str:
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
@@ -170,3 +203,7 @@ def test_fixed_split_attention_rows_invariant_and_close():
 
 def test_invariant_backend_prefill_chunks_and_decode_agree():
     assert _interpret(_INVARIANT_BACKEND).strip().endswith("ok")
+
+
+def test_mla_rope_store_equals_separate_kernels():
+    assert _interpret(_MLA_ROPE_STORE).strip().endswith("ok")

@@ -29,6 +29,13 @@ class AttentionBackend:
         """Write the new tokens' k/v (T, Hkv, D) to the pool at batch.out_slots."""
         batch.pool.write(layer_id, batch.out_slots, k, v)
 
-    def forward(self, q: torch.Tensor, layer_id: int, scale: float, batch: "ForwardBatch") -> torch.Tensor:
-        """q (T, Hq, Dqk) -> (T, Hq, Dv), reading k/v of `layer_id` from batch.pool."""
+    def forward(self, q: torch.Tensor, layer_id: int, scale: float, batch: "ForwardBatch",
+                q_tail: torch.Tensor | None = None) -> torch.Tensor:
+        """q (T, Hq, Dqk) -> (T, Hq, Dv), reading k/v of `layer_id` from batch.pool. q_tail: the query's last
+        columns given apart (MLA's rope part), q then holding the others; a backend that cannot take them apart
+        concatenates (`joined`)."""
         raise NotImplementedError
+
+
+def joined(q: torch.Tensor, q_tail: torch.Tensor | None) -> torch.Tensor:
+    return q if q_tail is None else torch.cat([q, q_tail], dim=-1)

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from deepinfer_rt.forward_batch import ForwardBatch
-from deepinfer_rt.layers.attention.base import AttentionBackend
+from deepinfer_rt.layers.attention.base import AttentionBackend, joined
 
 QUERY_TILE = 4
 KEY_BLOCK = 64
@@ -118,7 +118,9 @@ class BatchInvariantBackend(AttentionBackend):
             meta.key_weight.to(dev, dtype), meta.item_tile.to(dev), meta.item_block.to(dev),
             one_block=meta.one_block, out_rows=meta.out_rows.to(dev))
 
-    def forward(self, q: torch.Tensor, layer_id: int, scale: float, batch: ForwardBatch) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, layer_id: int, scale: float, batch: ForwardBatch,
+                q_tail: torch.Tensor | None = None) -> torch.Tensor:
+        q = joined(q, q_tail)
         meta: _Meta = batch.attn_meta
         k_buf, v_buf = batch.pool.k[layer_id], batch.pool.v[layer_id]
         num_kv, head_dim, v_dim = k_buf.shape[1], k_buf.shape[2], v_buf.shape[2]

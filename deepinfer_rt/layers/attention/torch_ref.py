@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from deepinfer_rt.forward_batch import ForwardBatch
-from deepinfer_rt.layers.attention.base import AttentionBackend
+from deepinfer_rt.layers.attention.base import AttentionBackend, joined
 
 
 @dataclass
@@ -77,7 +77,9 @@ class TorchRefBackend(AttentionBackend):
             meta.decode_mask = (torch.arange(max_len, device=device)[None, :] < lens[:, None])[:, None, None, :]
         batch.attn_meta = meta
 
-    def forward(self, q: torch.Tensor, layer_id: int, scale: float, batch: ForwardBatch) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, layer_id: int, scale: float, batch: ForwardBatch,
+                q_tail: torch.Tensor | None = None) -> torch.Tensor:
+        q = joined(q, q_tail)
         meta: _Meta = batch.attn_meta
         k_buf, v_buf = batch.pool.k[layer_id], batch.pool.v[layer_id]
         out = q.new_empty(q.shape[0], q.shape[1], v_buf.shape[-1])

@@ -18,7 +18,7 @@ from torch.nn.utils.rnn import pad_sequence
 from deepinfer_kernels.decode_attention import num_splits_for, paged_decode_attention
 from deepinfer_kernels.elementwise import store_kv
 from deepinfer_rt.forward_batch import ForwardBatch
-from deepinfer_rt.layers.attention.base import AttentionBackend
+from deepinfer_rt.layers.attention.base import AttentionBackend, joined
 from deepinfer_rt.layers.attention.torch_ref import causal_mask
 
 
@@ -88,13 +88,15 @@ class TritonBackend(AttentionBackend):
         if v is not None:
             store_kv(batch.pool.v[layer_id], batch.out_slots, v)
 
-    def forward(self, q: torch.Tensor, layer_id: int, scale: float, batch: ForwardBatch) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, layer_id: int, scale: float, batch: ForwardBatch,
+                q_tail: torch.Tensor | None = None) -> torch.Tensor:
         meta: TritonMeta = batch.attn_meta
         k_buf, v_buf = batch.pool.k[layer_id], batch.pool.v[layer_id]
         d = meta.decode
         if d is not None and meta.decode_rows is None:
             return paged_decode_attention(q, k_buf, v_buf, d.page_table, d.table_rows, d.seq_lens, d.page_size,
-                                          scale, d.num_splits)
+                                          scale, d.num_splits, q_tail=q_tail)
+        q = joined(q, q_tail)
         out = q.new_empty(q.shape[0], q.shape[1], v_buf.shape[-1])
         if d is not None:
             out[meta.decode_rows] = paged_decode_attention(q[meta.decode_rows], k_buf, v_buf, d.page_table,

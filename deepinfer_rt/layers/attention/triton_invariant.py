@@ -43,7 +43,9 @@ class TritonInvariantBackend(AttentionBackend):
         batch.attn_meta = TritonMeta(self.decode_meta(table, rows_lens[0], rows_lens[1], 1,
                                                       batch.pool.k[0].shape[1]), None)
 
-    def forward(self, q: torch.Tensor, layer_id: int, scale: float, batch: ForwardBatch) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, layer_id: int, scale: float, batch: ForwardBatch,
+                q_tail: torch.Tensor | None = None) -> torch.Tensor:
         d: DecodeMeta = batch.attn_meta.decode
         return paged_decode_attention_fixed(q, batch.pool.k[layer_id], batch.pool.v[layer_id], d.page_table,
-                                            d.table_rows, d.seq_lens, d.page_size, scale, d.num_splits)
+                                            d.table_rows, d.seq_lens, d.page_size, scale, d.num_splits,
+                                            q_tail=q_tail)
