@@ -22,7 +22,7 @@ from deepinfer_rt.config import ModelConfig
 from deepinfer_rt.forward_batch import ForwardBatch
 from deepinfer_rt.layers import batch_invariant, mla_prefill
 from deepinfer_rt.layers.batch_invariant import head_matmul
-from deepinfer_rt.layers.linear import Linear
+from deepinfer_rt.layers.linear import Linear, MergedLinear
 from deepinfer_rt.layers.norm import RMSNorm
 from deepinfer_rt.layers.rotary import RotaryEmbedding
 
@@ -52,13 +52,15 @@ class MLAttention(nn.Module):
         self.nope_dim, self.rope_dim, self.v_dim = config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim
         self.q_lora = config.q_lora_rank > 0
         hidden, q_dim = config.hidden_size, self.num_heads * (self.nope_dim + self.rope_dim)
+        # The projections that read the layer input, q_proj (or q_a_proj) and kv_a_proj_with_mqa, run as one GEMM.
+        q_out = config.q_lora_rank if self.q_lora else q_dim
+        self.fused_qkv_a_proj = MergedLinear(hidden, {"q": q_out, "kv_a": self.kv_lora_rank + self.rope_dim},
+                                             bias=config.attention_bias)
+        if config.attention_bias and not self.q_lora:
+            nn.init.zeros_(self.fused_qkv_a_proj.bias)  # HF's q_proj has no bias: its part stays 0
         if self.q_lora:
-            self.q_a_proj = Linear(hidden, config.q_lora_rank, bias=config.attention_bias)
             self.q_a_layernorm = RMSNorm(config.q_lora_rank, _LORA_NORM_EPS)
             self.q_b_proj = Linear(config.q_lora_rank, q_dim)
-        else:
-            self.q_proj = Linear(hidden, q_dim)
-        self.kv_a_proj_with_mqa = Linear(hidden, self.kv_lora_rank + self.rope_dim, bias=config.attention_bias)
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, _LORA_NORM_EPS)
         self.kv_b_proj = Linear(self.kv_lora_rank, self.num_heads * (self.nope_dim + self.v_dim))
         self.o_proj = Linear(self.num_heads * self.v_dim, hidden, bias=config.attention_bias)
@@ -93,13 +95,11 @@ class MLAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         t = x.shape[0]
+        q, kv_a = self.fused_qkv_a_proj.split(self.fused_qkv_a_proj(x))  # kv_a (T, C + R) = [latent | k_pe]
         if self.q_lora:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
-        else:
-            q = self.q_proj(x)
-        q = q.view(t, self.num_heads, -1)  # (T, H, nope + R)
+            q = self.q_b_proj(self.q_a_layernorm(q))
+        q = q.reshape(t, self.num_heads, -1)  # (T, H, nope + R)
         q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)
-        kv_a = self.kv_a_proj_with_mqa(x)  # (T, C + R) = [latent | k_pe]
         if on_gpu(x) and batch.backend.name == "triton" and not batch_invariant.is_enabled():
             from deepinfer_kernels.elementwise import mla_rope_store
 

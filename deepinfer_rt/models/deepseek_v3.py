@@ -30,7 +30,9 @@ def is_moe_layer(config: ModelConfig, layer_id: int) -> bool:
 
 
 class DeepseekV3ForCausalLM(CausalLM):
-    packed_modules = [("gate_up_proj", "gate_proj", "gate"), ("gate_up_proj", "up_proj", "up")]
+    packed_modules = [("gate_up_proj", "gate_proj", "gate"), ("gate_up_proj", "up_proj", "up"),
+                      ("fused_qkv_a_proj", "q_proj", "q"), ("fused_qkv_a_proj", "q_a_proj", "q"),
+                      ("fused_qkv_a_proj", "kv_a_proj_with_mqa", "kv_a")]
 
     def __init__(self, config: ModelConfig):
         super().__init__(config)
