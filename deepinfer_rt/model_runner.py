@@ -98,6 +98,8 @@ class ModelRunner:
         hidden = self.graphs.run(batch) if self.graphs is not None else None
         if hidden is None:
             hidden = self.model(self.build(batch))
+            if self.graphs is not None:
+                self.graphs.prefetch_pages([it.req for it in batch.items if it.samples])
         sample_rows, sampled_items, lp_rows, spec_rows = [], [], {}, {}
         row = 0
         for i, item in enumerate(batch.items):

@@ -159,3 +159,33 @@ def test_overlapped_decode_launch_never_reads_the_device(tiny_llama_path, monkey
         engine.generate(input_ids=[[5, 6, 7, 8], [9, 10, 11]], sampling_params=params)
     assert launches[0] >= 4
     assert reads == []
+
+
+class _PrefetchRecorder:
+    """Stands in for the CUDA-graph runner on CPU: fits no batch (every step runs eagerly) and records which
+    requests the model runner hands to `prefetch_pages`, with their output counts then."""
+
+    def __init__(self):
+        self.prefetched: list[tuple[int, int]] = []
+
+    def run(self, batch, future=None):
+        return None
+
+    def prefetch_pages(self, reqs) -> None:
+        self.prefetched += [(r.rid, r.num_output_tokens) for r in reqs]
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_page_lists_prefetched_in_the_step_that_ends_prefill(tiny_llama_path, monkeypatch, overlap):
+    """Every request is offered to the graph runner's page-table prefetch from the eager step that completes
+    its prompt (chunked here), before its first output token: its first graph step then uploads no prompt."""
+    sp = SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True)
+    with _engine(tiny_llama_path, overlap, monkeypatch, kv_cache_tokens=4096, chunked_prefill_tokens=16) as engine:
+        prompts = _workload(engine.model_config.vocab_size, seed=4)[:6]
+        recorder = engine.runner.graphs = _PrefetchRecorder()
+        outs = engine.generate(input_ids=prompts, sampling_params=sp)
+    first = {}
+    for rid, num_outputs in recorder.prefetched:
+        first.setdefault(rid, num_outputs)
+    assert len(first) == len(prompts) and set(first.values()) == {0}
+    assert all(len(o.token_ids) == 4 for o in outs)

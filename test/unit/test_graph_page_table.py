@@ -1,10 +1,13 @@
 """The CUDA-graph runner's persistent page table (its bookkeeping runs the same on a CPU table): rows hold each
-request's pages, only new pages are uploaded, replaced page lists are re-uploaded, finished requests free rows."""
+request's pages, only new pages are uploaded, replaced page lists are re-uploaded, finished requests free rows;
+page lists of requests leaving prefill are uploaded ahead of their first graph step, into free rows only."""
 from __future__ import annotations
 
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from deepinfer_rt.cuda_graph import PageTable
+from deepinfer_rt.cuda_graph import CudaGraphRunner, PageTable
 from deepinfer_rt.request import Req
 from deepinfer_rt.sampling_params import SamplingParams
 
@@ -41,3 +44,64 @@ def test_finished_requests_give_their_rows_back():
     a.finish("stop")
     rows = table.rows([c])
     assert rows is not None and _row(table, rows[0], 1) == [3]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.lists(st.tuples(st.integers(0, 5), st.sampled_from(["grow", "replace"]),
+                                   st.integers(1, 40)), min_size=1, max_size=6), min_size=1, max_size=8))
+def test_rows_hold_every_page_list_after_any_growth(steps):
+    """Each step: some requests grow their page list (many pages at once, as a first graph step after a long
+    prefill) or get a new one; after rows() every request's row spells its whole list."""
+    table = PageTable(num_rows=12, width=256, device=torch.device("cpu"))
+    reqs = [_req(i, []) for i in range(6)]
+    next_page = iter(range(10**6))
+    for step in steps:
+        for rid, kind, n in step:
+            new = [next(next_page) for _ in range(n)]
+            if kind == "grow" and len(reqs[rid].pages) + n <= 256:
+                reqs[rid].pages.extend(new)
+            else:
+                reqs[rid].pages = new
+        live = [r for r in reqs if r.pages]
+        rows = table.rows(live)
+        for r, row in zip(live, rows):
+            assert _row(table, row, len(r.pages)) == r.pages
+
+
+class _StagingEvent:
+    """CPU stand-in for the runner's staging event: `done` says whether the last upload was read."""
+
+    def __init__(self):
+        self.done = True
+
+    def query(self) -> bool:
+        return self.done
+
+    def record(self) -> None:
+        pass
+
+
+def _runner(num_rows: int, width: int) -> CudaGraphRunner:
+    runner = object.__new__(CudaGraphRunner)  # the bookkeeping only: no model, no captured graphs
+    runner.pages = PageTable(num_rows, width, torch.device("cpu"))
+    runner._graphs = {1: None}
+    runner._staged = _StagingEvent()
+    return runner
+
+
+def test_prefetch_uploads_whole_lists_into_free_rows_only():
+    runner = _runner(num_rows=2, width=8)
+    a, b, c = _req(0, [5, 6, 7]), _req(1, [8]), _req(2, [9, 10])
+    runner.prefetch_pages([a, b, c])  # more new requests than free rows: nothing taken
+    assert not any(runner.pages.has_row(r) for r in (a, b, c))
+    runner._staged.done = False  # the last upload may still be read from the staging buffer: skip, never wait
+    runner.prefetch_pages([a])
+    assert not runner.pages.has_row(a)
+    runner._staged.done = True
+    runner.prefetch_pages([a, b])
+    (row_a,) = runner.pages.rows([a])
+    assert _row(runner.pages, row_a, 3) == [5, 6, 7]
+    a.pages.append(11)  # the first graph step uploads only what came after the prefetch
+    runner.pages.table[row_a, 0] = -1
+    assert runner.pages.rows([a, b]) is not None
+    assert _row(runner.pages, row_a, 4) == [-1, 6, 7, 11]
