@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from deepinfer_rt.request import Req
@@ -39,10 +40,17 @@ class SampleResult:
     top_logprobs: list[list[tuple[int, float]]] | None
 
 
+_NUMPY_INTS = {torch.long: np.int64, torch.int32: np.int32}
+
+
 def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A small host list as a device tensor without a host sync: on CUDA through pinned memory, copied
-    asynchronously (a pageable copy would wait for the queued GPU work)."""
-    host = torch.tensor(values, dtype=dtype)
+    asynchronously (a pageable copy would wait for the queued GPU work). Integer lists go through numpy, 4-5x
+    faster than torch.tensor for a prefill step's tens of thousands of entries."""
+    if dtype in _NUMPY_INTS:
+        host = torch.from_numpy(np.fromiter(values, dtype=_NUMPY_INTS[dtype], count=len(values)))
+    else:
+        host = torch.tensor(values, dtype=dtype)
     if device.type != "cuda":
         return host
     return host.pin_memory().to(device, non_blocking=True)
