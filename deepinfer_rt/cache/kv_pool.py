@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -40,11 +41,13 @@ class KVLayout:
 
 
 class PageAllocator:
-    """Refcounted pages. Plain Python: the scheduler uses it and never touches tensors."""
+    """Refcounted pages, on the host only (the scheduler uses it and never touches tensors). Refcounts live in a
+    numpy array so that a prompt's thousands of pages are taken and released by vector operations: per-page
+    Python cost ~3 ms per 8K-token prefill step, time the GPU waits for."""
 
     def __init__(self, num_pages: int):
         self.num_pages = num_pages
-        self._refs = [0] * num_pages
+        self._refs = np.zeros(num_pages, dtype=np.int64)
         # Pop from the end; start with low page ids first so small workloads touch little memory.
         self._free = list(range(num_pages - 1, -1, -1))
 
@@ -55,25 +58,35 @@ class PageAllocator:
     def alloc(self, n: int) -> list[int] | None:
         if n > len(self._free):
             return None
-        pages = [self._free.pop() for _ in range(n)]
-        for p in pages:
-            self._refs[p] = 1
+        if n <= 0:
+            return []
+        pages = self._free[-n:][::-1]  # the order of popping them one by one
+        del self._free[-n:]
+        self._refs[pages] = 1
         return pages
 
     def incref(self, pages: list[int]) -> None:
-        for p in pages:
-            assert self._refs[p] > 0, f"incref of free page {p}"
-            self._refs[p] += 1
+        idx = np.fromiter(pages, dtype=np.int64, count=len(pages))
+        held = self._refs[idx] > 0
+        assert held.all(), f"incref of free page {idx[~held][0]}"
+        np.add.at(self._refs, idx, 1)
 
     def decref(self, pages: list[int]) -> None:
-        for p in pages:
-            assert self._refs[p] > 0, f"double free of page {p}"
-            self._refs[p] -= 1
-            if self._refs[p] == 0:
-                self._free.append(p)
+        idx = np.fromiter(pages, dtype=np.int64, count=len(pages))
+        ordered = np.sort(idx)
+        if (ordered[1:] == ordered[:-1]).any():  # a page listed twice: one at a time, in order
+            for p in pages:
+                self.decref([p])
+            return
+        refs = self._refs[idx]
+        held = refs > 0
+        assert held.all(), f"double free of page {idx[~held][0]}"
+        refs -= 1
+        self._refs[idx] = refs
+        self._free.extend(idx[refs == 0].tolist())
 
     def refcount(self, page: int) -> int:
-        return self._refs[page]
+        return int(self._refs[page])
 
 
 class KVPool:
