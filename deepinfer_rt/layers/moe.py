@@ -100,12 +100,14 @@ class Router(nn.Module):
         self.skew_bias = -skew * torch.arange(1, e + 1, dtype=torch.float32).log() if skew else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if on_gpu(x) and x.shape[0] <= 256 and self.weight.numel() <= 1 << 17 and not batch_invariant.is_enabled():
+        if (on_gpu(x) and 64 <= x.shape[0] <= 256 and self.weight.numel() <= 1 << 17
+                and not batch_invariant.is_enabled()):
             from deepinfer_kernels.router_gemm import router_logits
 
-            # One launch that reads x in its own dtype. Graph-timed on an H200 at V2-Lite's router (64 x 2048) it
-            # beats cast + cuBLAS up to 256 rows (4.7 / 5.1 / 6.9 us against 6.3 / 11.3 / 12.0 us at T = 1 / 64 /
-            # 256), not at prefill sizes nor for larger routers (kernels/router_gemm.py).
+            # One launch that reads x in its own dtype. In V2-Lite's decode steps on an H200 (router 64 x 2048,
+            # benchmark/bench_gpu.py profiles) it took 8.0 / 8.7 us at 64 / 256 rows against ~9 / ~12 us for cast +
+            # cuBLAS; at 1 / 16 rows 9.1 us against ~5 / ~7 us (its weight tiles stream from DRAM one after
+            # another), and prefill sizes and larger routers are slower too (kernels/router_gemm.py).
             logits = router_logits(x, self.weight)
         else:
             logits = linear(x.float(), self.weight)  # (T, E) fp32
