@@ -103,17 +103,17 @@ def moe_shared_rows() -> list[dict]:
     for p in moe.parameters():
         p.data.normal_(0, 0.02)
     moe.process_weights_after_loading()
-    joint, limit = moe.with_shared, moe_module.FUSED_SHARED_MAX_TOKENS
+    joint, limit = moe.joint_experts, moe_module.FUSED_SHARED_MAX_TOKENS
     rows = []
     for batch in (1, 16, 64, 256, 512, 1024):
         x = torch.randn(batch, 2048, dtype=torch.bfloat16, device="cuda")
         moe_module.FUSED_SHARED_MAX_TOKENS = 1 << 20
         try:
             joined = _graph_time(lambda: moe(x))
-            moe.with_shared = None
+            moe.joint_experts = None
             apart = _graph_time(lambda: moe(x))
         finally:
-            moe.with_shared, moe_module.FUSED_SHARED_MAX_TOKENS = joint, limit
+            moe.joint_experts, moe_module.FUSED_SHARED_MAX_TOKENS = joint, limit
         rows.append({"kernel": "moe_shared", "batch": batch, "joined_us": joined * 1e6, "apart_us": apart * 1e6,
                      "engine_joins": batch <= limit})
         print(rows[-1], flush=True)

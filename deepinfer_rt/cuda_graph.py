@@ -89,10 +89,10 @@ class PageTable:
                 e = self._entries[r.rid] = _Entry(r, self._free.pop(), r.pages, 0)
             elif e.pages is not r.pages or len(r.pages) < e.uploaded:
                 e.pages, e.uploaded = r.pages, 0
-            n = len(r.pages)
+            n = min(len(r.pages), self.width)  # pages past the row (allocated ahead) are never read by a graph
             if n > e.uploaded:
                 starts.append(e.row * self.width + e.uploaded)
-                runs.append(r.pages[e.uploaded:] if e.uploaded else r.pages)  # the list itself: read right here
+                runs.append(r.pages[e.uploaded:n] if e.uploaded or n < len(r.pages) else r.pages)  # read right here
                 e.uploaded = n
             rows.append(e.row)
         if runs:
@@ -198,7 +198,8 @@ class CudaGraphRunner:
         from the eager step once its forward is launched, where this host work overlaps the GPU's: their first
         graph step then uploads one page each instead of the prompt's pages, with the GPU waiting. Takes only
         free rows, and skips (never waits) while the staging buffer may still be read."""
-        new = [r for r in reqs if not self.pages.has_row(r)]
+        # A prompt past the graphs' context never decodes in one: no row for it.
+        new = [r for r in reqs if not self.pages.has_row(r) and len(r.pages) * self.page_size < self.max_context]
         if not self._graphs or not new or len(new) > self.pages.num_free_rows or not self._staged.query():
             return
         self.pages.rows(new)

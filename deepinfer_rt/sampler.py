@@ -44,7 +44,7 @@ _NUMPY_INTS = {torch.long: np.int64, torch.int32: np.int32}
 
 
 def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A small host list as a device tensor without a host sync: on CUDA through pinned memory, copied
+    """A host list as a device tensor without a host sync: on CUDA through pinned memory, copied
     asynchronously (a pageable copy would wait for the queued GPU work). Integer lists go through numpy, 4-5x
     faster than torch.tensor for a prefill step's tens of thousands of entries."""
     if dtype in _NUMPY_INTS:

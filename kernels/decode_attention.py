@@ -224,11 +224,11 @@ def num_splits_for(batch: int, kv_heads: int, num_sms: int, head_dim: int = 0) -
 def _query_tail(q: torch.Tensor, q_tail: torch.Tensor | None, dk: int, dv: int) -> torch.Tensor:
     """The query's tail columns (MLA's rope part; empty for GQA). They may come apart from q, which then holds
     only the head part: the caller spares a concatenation."""
-    if q_tail is None:
-        return q[..., _split_head_dim(q.shape[-1], dv)[0]:]
-    if q.shape[-1] + q_tail.shape[-1] != dk or q_tail.stride(-1) != 1:
-        raise ValueError(f"decode attention: query of {q.shape[-1]} + {q_tail.shape[-1]} columns for keys of {dk}")
-    return q_tail
+    head = _split_head_dim(dk, dv)[0]
+    width = q.shape[-1] + (0 if q_tail is None else q_tail.shape[-1])
+    if width != dk or (q_tail is not None and (q.shape[-1] != head or q_tail.stride(-1) != 1)):
+        raise ValueError(f"decode attention: a query of {width} columns (head part {q.shape[-1]}) for keys of {dk}")
+    return q[..., head:] if q_tail is None else q_tail
 
 
 def _layout(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor) -> dict:

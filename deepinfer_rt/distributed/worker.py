@@ -37,7 +37,7 @@ from deepinfer_rt.distributed.protocol import StepMsg, StepReply, WorkerArgs
 from deepinfer_rt.env import get_env
 from deepinfer_rt.layers.attention.select import select_backend
 from deepinfer_rt.model_runner import ModelRunner
-from deepinfer_rt.models.loader import iter_safetensors
+from deepinfer_rt.models.loader import finalize, iter_safetensors
 from deepinfer_rt.models.registry import get_model_class
 from deepinfer_rt.request import Req
 from deepinfer_rt.sampler import Sampler
@@ -140,7 +140,7 @@ class Worker:
         else:
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {args.load_format!r}")
         model.tie_weights()
-        model = model.to(device=self.device, dtype=args.dtype).eval()
+        model = finalize(model.to(device=self.device, dtype=args.dtype).eval())
         if self.device.type == "cuda":
             torch.cuda.empty_cache()  # construction leftovers must not count as used when sizing the KV pool
         return model

@@ -8,7 +8,8 @@ are folded into the query and the output instead of expanding K and V:
     q_nope . (W_UK c) = (W_UK^T q_nope) . c        so  q = [W_UK^T q_nope | q_pe],  k = [c | k_pe]
     sum_j p_j (W_UV c_j) = W_UV (sum_j p_j c_j)    so  V = c, and the latent output is mapped by W_UV.
 
-The absorbed weights are views of kv_b_proj.weight, so they need no refresh after loading or `.to()`.
+The absorbed weights are views of kv_b_proj.weight, so they need no refresh after loading or `.to()` (the
+standard-form prefill's padded copy, `padded_kv_b`, is rebuilt after a `.to()`).
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from torch import nn
 
 from deepinfer_kernels.dispatch import on_gpu
 from deepinfer_rt.config import ModelConfig
+from deepinfer_rt.env import get_env
 from deepinfer_rt.forward_batch import ForwardBatch
 from deepinfer_rt.layers import batch_invariant, mla_prefill
 from deepinfer_rt.layers.batch_invariant import head_matmul
@@ -70,22 +72,30 @@ class MLAttention(nn.Module):
 
     def padded_kv_b(self) -> torch.Tensor:
         """kv_b_proj.weight with each head's W_UK and W_UV rows padded by zero rows to nope + R each: (H * 2 *
-        (nope + R), C), so the standard-form prefill's GEMM writes K and V at the attention's head width. Built
-        by process_weights_after_loading (GPU), or on first use."""
-        if self._padded_kv_b is None or self._padded_kv_b.device != self.kv_b_proj.weight.device:
-            self.process_weights_after_loading(force=True)
+        (nope + R), C), so the standard-form prefill's GEMM writes K and V at the attention's head width (GPU;
+        v_dim <= nope + R). A copy of 1.5x kv_b_proj's size, built after loading (process_weights_after_loading)
+        or on first use, and dropped by any `.to()`."""
+        if self._padded_kv_b is None:
+            self._padded_kv_b = self._pad_kv_b()
         return self._padded_kv_b
 
     @torch.no_grad()
-    def process_weights_after_loading(self, force: bool = False) -> None:
-        if not (force or on_gpu(self.kv_b_proj.weight)):
-            return
+    def _pad_kv_b(self) -> torch.Tensor:
         w = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
-        qk_dim = self.nope_dim + self.rope_dim
-        padded = w.new_zeros(self.num_heads, 2, qk_dim, self.kv_lora_rank)
+        padded = w.new_zeros(self.num_heads, 2, self.nope_dim + self.rope_dim, self.kv_lora_rank)
         padded[:, 0, : self.nope_dim] = w[:, : self.nope_dim]
         padded[:, 1, : self.v_dim] = w[:, self.nope_dim :]
-        self._padded_kv_b = padded.view(-1, self.kv_lora_rank)
+        return padded.view(-1, self.kv_lora_rank)
+
+    def process_weights_after_loading(self) -> None:
+        """Build the prefill's padded kv_b now, before the KV pool takes the free memory, where the standard form
+        can run (GPU, not switched off)."""
+        if on_gpu(self.kv_b_proj.weight) and get_env().mla_mha_prefill is not False:
+            self.padded_kv_b()
+
+    def _apply(self, fn, recurse=True):
+        self._padded_kv_b = None  # moved or cast: rebuilt from the new weights on first use
+        return super()._apply(fn, recurse)
 
     def absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """W_UK (H, nope, C) and W_UV (H, v, C), views of kv_b_proj.weight."""
@@ -109,10 +119,12 @@ class MLAttention(nn.Module):
         else:
             latent, k_pe = kv_a.split([self.kv_lora_rank, self.rope_dim], dim=-1)
             latent = self.kv_a_layernorm(latent)  # (T, C)
-            q_pe, k_pe = self.rotary_emb(batch.positions, q_pe, k_pe.reshape(t, 1, self.rope_dim))
+            k_pe = k_pe.reshape(t, 1, self.rope_dim)
+            in_place = self.rotary_emb.in_place(batch.positions, q_pe, k_pe)
+            q_pe, k_pe = self.rotary_emb(batch.positions, q_pe, k_pe)
             k = torch.cat([latent.unsqueeze(1), k_pe], dim=-1)  # (T, 1, C + R)
             batch.backend.store_kv(batch, self.layer_id, k, None)
-            if q_pe.data_ptr() != q.data_ptr() + self.nope_dim * q.element_size():  # rotated into a new tensor
+            if not in_place:  # q_pe was rotated into a new tensor
                 q = torch.cat([q_nope, q_pe], dim=-1)
         plan = mla_prefill.plan_for(batch)
         if plan.segments:

@@ -132,7 +132,7 @@ def standard_attention(layer: MLAttention, q: torch.Tensor, kv_rows: torch.Tenso
     -> (n, H, v)."""
     num_kv, heads, qk_dim = kv_rows.shape[0], layer.num_heads, q.shape[-1]
     latent, k_pe = kv_rows.split([layer.kv_lora_rank, layer.rope_dim], dim=-1)
-    if q.is_cuda:
+    if q.is_cuda and layer.v_dim <= qk_dim:
         # Flash attention takes one head dim for q, k and v. kv_b_proj's rows padded per head (`padded_kv_b`)
         # make one GEMM write K's nope part and V, each already qk_dim wide: only k_pe is copied in.
         kv = F.linear(latent, layer.padded_kv_b()).view(num_kv, heads, 2, qk_dim)

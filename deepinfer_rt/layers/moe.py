@@ -24,14 +24,22 @@ from deepinfer_rt.layers.batch_invariant import linear, silu_and_mul
 from deepinfer_rt.layers.mlp import GatedMLP
 
 FUSED_SHARED_MAX_TOKENS = 512
-"""Most rows for which the shared experts run inside the fused MoE (MoE.process_weights_after_loading)."""
+"""Most rows for which the shared experts run inside the fused MoE (MoE.process_weights_after_loading); in
+batch-invariant mode they always do, so that a row's bits do not depend on the batch's size."""
+ROUTER_KERNEL_ROWS = (64, 256)
+"""Batch sizes at which the router GEMM runs as one Triton launch (kernels/router_gemm.py), for routers of up to
+ROUTER_KERNEL_MAX_WEIGHT elements. In V2-Lite's decode steps on an H200 (router 64 x 2048, bench_gpu.py profiles)
+it took 8.0 / 8.7 us at 64 / 256 rows against ~9 / ~12 us for cast + cuBLAS, but 9.1 us at 1 / 16 rows against
+~5 / ~7 us (its weight tiles stream from DRAM one after another); prefill sizes and larger routers are slower."""
+ROUTER_KERNEL_MAX_WEIGHT = 1 << 17
 
 
 def select_experts(router_logits: torch.Tensor, top_k: int, *, scoring_func: str = "softmax",
                    topk_method: str = "greedy", n_group: int = 1, topk_group: int = 1,
                    correction_bias: torch.Tensor | None = None, norm_topk_prob: bool = False,
                    routed_scaling_factor: float = 1.0, n_shared: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """router_logits (T, E) -> (weights (T, k) fp32, expert ids (T, k) int64, ascending per token).
+    """router_logits (T, E) -> (weights (T, k') fp32, expert ids (T, k') int64, ascending per token), k' = k +
+    n_shared.
 
     Scores are softmax or sigmoid of the logits. Experts are chosen on the scores, plus correction_bias for
     'noaux_tc' (the bias balances load: it steers the choice but never enters the weights), by
@@ -40,7 +48,7 @@ def select_experts(router_logits: torch.Tensor, top_k: int, *, scoring_func: str
       noaux_tc              (V3) top-k within the topk_group groups whose two best experts sum highest.
     The weights are the chosen experts' unbiased scores, renormalised to sum 1 if norm_topk_prob, times
     routed_scaling_factor. Ids come sorted so that experts are combined in a fixed order. n_shared > 0 appends
-    the shared experts as ids E..E+n_shared-1 of weight 1 (k + n_shared columns; MoE.fuse_shared_experts).
+    the shared experts as ids E..E+n_shared-1 of weight 1 (MoE.process_weights_after_loading).
     """
     # The routing kernel computes each token in its own program with tiles fixed by E and k: batch-invariant too.
     if router_logits.is_cuda and scoring_func in ("softmax", "sigmoid") \
@@ -100,15 +108,12 @@ class Router(nn.Module):
         self.skew_bias = -skew * torch.arange(1, e + 1, dtype=torch.float32).log() if skew else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if (on_gpu(x) and 64 <= x.shape[0] <= 256 and self.weight.numel() <= 1 << 17
+        lo, hi = ROUTER_KERNEL_ROWS
+        if (on_gpu(x) and lo <= x.shape[0] <= hi and self.weight.numel() <= ROUTER_KERNEL_MAX_WEIGHT
                 and not batch_invariant.is_enabled()):
             from deepinfer_kernels.router_gemm import router_logits
 
-            # One launch that reads x in its own dtype. In V2-Lite's decode steps on an H200 (router 64 x 2048,
-            # benchmark/bench_gpu.py profiles) it took 8.0 / 8.7 us at 64 / 256 rows against ~9 / ~12 us for cast +
-            # cuBLAS; at 1 / 16 rows 9.1 us against ~5 / ~7 us (its weight tiles stream from DRAM one after
-            # another), and prefill sizes and larger routers are slower too (kernels/router_gemm.py).
-            logits = router_logits(x, self.weight)
+            logits = router_logits(x, self.weight)  # one launch that reads x in its own dtype
         else:
             logits = linear(x.float(), self.weight)  # (T, E) fp32
         if self.skew_bias is not None:
@@ -179,15 +184,15 @@ class MoE(nn.Module):
         """In an expert-parallel worker, the hook that runs routed and shared experts across the EP group
         (deepinfer_rt/distributed/ep.py); `experts` then holds only this rank's slots."""
 
-        self.with_shared: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.joint_experts: tuple[torch.Tensor, torch.Tensor] | None = None
         """(gate_up (E + S, 2I, H), down (E + S, H, I)): the routed experts followed by the S shared experts of
-        width I, set on GPU by `process_weights_after_loading`; experts.gate_up_proj / down_proj are views of their first
-        E experts."""
+        width I, set on GPU by `process_weights_after_loading` (experts.gate_up_proj / down_proj are views of
+        their first E experts) and dropped by any `.to()`."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         c = self.config
-        fused = (self.with_shared is not None and self.expert_parallel is None
-                 and x.shape[0] <= FUSED_SHARED_MAX_TOKENS)
+        fused = (self.joint_experts is not None and self.expert_parallel is None and on_gpu(x)
+                 and (x.shape[0] <= FUSED_SHARED_MAX_TOKENS or batch_invariant.is_enabled()))
         weights, ids = select_experts(
             self.gate(x), c.num_experts_per_tok, scoring_func=c.scoring_func, topk_method=c.topk_method,
             n_group=c.n_group, topk_group=c.topk_group, correction_bias=self.gate.e_score_correction_bias,
@@ -198,7 +203,7 @@ class MoE(nn.Module):
         if fused:
             from deepinfer_kernels.fused_moe import fused_moe
 
-            return fused_moe(x.contiguous(), *self.with_shared, weights, ids,
+            return fused_moe(x.contiguous(), *self.joint_experts, weights, ids,
                              batch_invariant=batch_invariant.is_enabled())
         y = self.experts(x, weights, ids)
         return y if self.shared_experts is None else y + self.shared_experts(x)
@@ -210,22 +215,26 @@ class MoE(nn.Module):
         activation and residual add (four launches per layer at decode). The routed parameters become views of
         the joint tensors (no second copy); the shared MLP keeps its weights for longer batches, where its dense
         GEMMs run faster than the grouped kernel. Called once the weights are final and on their device
-        (models.loader.finalize); a later `.to()` or weight reload must call it again."""
+        (models.loader.finalize); a `.to()` drops the joint tensors, and a weight reload must call it again. The
+        shared experts' weights are held twice (~0.9 GB for V2-Lite in bf16)."""
         if self.shared_experts is None or self.expert_parallel is not None or not on_gpu(self.experts.down_proj):
             return
-        if self.with_shared is not None and self.with_shared[0].data_ptr() == self.experts.gate_up_proj.data_ptr():
-            return  # already joined (a drafter's walk may reach the target model's layers)
         e = self.experts.num_experts
         gate_up, down = joint_expert_weights(self.experts, self.shared_experts, self.config.n_shared_experts)
         self.experts.gate_up_proj.data, self.experts.down_proj.data = gate_up[:e], down[:e]
-        self.with_shared = gate_up, down
+        self.joint_experts = gate_up, down
+
+    def _apply(self, fn, recurse=True):
+        self.joint_experts = None  # moved or cast: the routed parameters are no longer views of them
+        return super()._apply(fn, recurse)
 
 
-def joint_expert_weights(experts: RoutedExperts, shared: GatedMLP, n_shared: int) -> tuple[torch.Tensor, torch.Tensor]:
+def joint_expert_weights(experts: RoutedExperts, shared: GatedMLP,
+                         n_shared: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(gate_up (E + S, 2I, H), down (E + S, H, I)): the routed experts, then the shared MLP of width S * I as
     S experts of width I (its gate/up rows and down columns cut in S blocks). A token that takes those S
     experts with weight 1 gets the shared MLP's output: down(silu(gate x) * up x) sums over the width."""
-    e, two_i, hidden = experts.gate_up_proj.shape
+    _, two_i, hidden = experts.gate_up_proj.shape
     inter = two_i // 2
     gate, up = shared.gate_up_proj.weight.data.view(2, n_shared, inter, hidden).unbind(0)
     shared_down = shared.down_proj.weight.data.view(hidden, n_shared, inter).transpose(0, 1)

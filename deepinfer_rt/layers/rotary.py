@@ -44,9 +44,14 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         return (emb.cos() * self.attention_scaling).to(dtype), (emb.sin() * self.attention_scaling).to(dtype)
 
+    @staticmethod
+    def in_place(positions: torch.Tensor, *xs: torch.Tensor) -> bool:
+        """Whether forward rotates these xs in place (GPU) rather than returning new tensors."""
+        return on_gpu(positions) and all(x.stride(-1) == 1 for x in xs)
+
     def forward(self, positions: torch.Tensor, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """Rotate each x (T, H, D) by its token's position. On GPU the xs are rotated in place."""
-        if on_gpu(positions) and all(x.stride(-1) == 1 for x in xs):
+        """Rotate each x (T, H, D) by its token's position. On GPU the xs are rotated in place (`in_place`)."""
+        if self.in_place(positions, *xs):
             return self._forward_gpu(positions, xs)
         cos, sin = self.cos_sin(positions, xs[0].dtype)
         return tuple(apply_rope(x, cos, sin, self.interleave) for x in xs)

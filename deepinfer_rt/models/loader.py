@@ -78,4 +78,6 @@ def finalize(model: torch.nn.Module) -> torch.nn.Module:
         hook = getattr(module, "process_weights_after_loading", None)
         if hook is not None:
             hook()
+    if any(p.is_cuda for p in model.parameters()):
+        torch.cuda.empty_cache()  # what the rearrangements freed must not count as used when sizing the KV pool
     return model

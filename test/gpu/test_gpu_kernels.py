@@ -77,8 +77,8 @@ def test_moe_with_shared_experts_joined(num_tokens):
         p.data.copy_(torch.randn(p.shape, generator=gen) * 0.05)
     moe = copy.deepcopy(ref).to(DEV, BF16)
     moe.process_weights_after_loading()
-    assert moe.with_shared is not None and moe.with_shared[0].shape[0] == 66
-    assert moe.experts.gate_up_proj.data_ptr() == moe.with_shared[0].data_ptr()  # a view, not a copy
+    assert moe.joint_experts is not None and moe.joint_experts[0].shape[0] == 66
+    assert moe.experts.gate_up_proj.data_ptr() == moe.joint_experts[0].data_ptr()  # a view, not a copy
     x = torch.randn(num_tokens, 256, generator=gen).to(BF16).float()  # the GPU's input, so both route alike
     out = moe(x.to(DEV, BF16))
     assert (num_tokens <= FUSED_SHARED_MAX_TOKENS) == (num_tokens < 600)

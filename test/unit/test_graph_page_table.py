@@ -86,6 +86,7 @@ def _runner(num_rows: int, width: int) -> CudaGraphRunner:
     runner.pages = PageTable(num_rows, width, torch.device("cpu"))
     runner._graphs = {1: None}
     runner._staged = _StagingEvent()
+    runner.page_size, runner.max_context = 1, width
     return runner
 
 
@@ -105,3 +106,19 @@ def test_prefetch_uploads_whole_lists_into_free_rows_only():
     runner.pages.table[row_a, 0] = -1
     assert runner.pages.rows([a, b]) is not None
     assert _row(runner.pages, row_a, 4) == [-1, 6, 7, 11]
+
+
+def test_page_lists_longer_than_a_row_never_spill_into_the_next():
+    """Pages past a row's width (allocated ahead of decode) are not uploaded, and a prompt past the graphs'
+    context gets no row from prefetch: the neighbouring row keeps its pages."""
+    table = PageTable(num_rows=2, width=4, device=torch.device("cpu"))
+    a, b = _req(0, [1, 2, 3, 4, 5, 6]), _req(1, [7, 8])
+    row_a, row_b = table.rows([a, b])
+    assert _row(table, row_a, 4) == [1, 2, 3, 4] and _row(table, row_b, 2) == [7, 8]
+    a.pages.append(9)
+    table.rows([a, b])
+    assert _row(table, row_b, 2) == [7, 8]
+    runner = _runner(num_rows=2, width=4)
+    long = _req(2, list(range(10, 15)))
+    runner.prefetch_pages([long])
+    assert not runner.pages.has_row(long)
