@@ -310,3 +310,16 @@ def test_shared_experts_join_the_routed_ones():
     joint = RoutedExperts(8, 32, 8)
     joint.gate_up_proj.data, joint.down_proj.data = joint_expert_weights(moe.experts, moe.shared_experts, 2)
     torch.testing.assert_close(joint(x, weights, ids), moe(x), rtol=1e-5, atol=1e-6)
+
+
+def test_rope_tables_are_shared_between_layers():
+    """The GPU kernels' cos/sin tables: one pair per distinct rope, not one per layer."""
+    from types import SimpleNamespace
+
+    from deepinfer_rt.layers.rotary import RotaryEmbedding
+
+    config = SimpleNamespace(rope_scaling=None, rope_theta=10000.0, max_position=64)
+    first, second, other = RotaryEmbedding(config, 16), RotaryEmbedding(config, 16), RotaryEmbedding(config, 8)
+    cpu = torch.device("cpu")
+    assert first.tables(cpu)[0] is second.tables(cpu)[0]
+    assert other.tables(cpu)[0].shape == (64, 4) and first.tables(cpu)[0].shape == (64, 8)
