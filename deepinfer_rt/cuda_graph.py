@@ -92,7 +92,7 @@ class PageTable:
             n = min(len(r.pages), self.width)  # pages past the row (allocated ahead) are never read by a graph
             if n > e.uploaded:
                 starts.append(e.row * self.width + e.uploaded)
-                runs.append(r.pages[e.uploaded:n] if e.uploaded or n < len(r.pages) else r.pages)  # read right here
+                runs.append(r.pages[e.uploaded:n])
                 e.uploaded = n
             rows.append(e.row)
         if runs:

@@ -11,6 +11,29 @@ import triton.language as tl
 
 
 @triton.jit
+def _rms_normed(x, W, offs, mask, n_cols, eps):
+    """w * norm(x) in fp32 for one row x (its own dtype, 0 past n_cols): x / rms(x) rounded to x's dtype, as the
+    reference rounds, then scaled by the weight."""
+    xf = x.to(tl.float32)
+    inv = tl.rsqrt(tl.sum(xf * xf, 0) / n_cols + eps)
+    xn = (xf * inv).to(x.dtype).to(tl.float32)
+    return tl.load(W + offs, mask=mask, other=0.0).to(tl.float32) * xn
+
+
+@triton.jit
+def _rotated(ptrs, offs_j, mask, cos, sin, HALF: tl.constexpr, INTERLEAVE: tl.constexpr):
+    """The rotary pairs at ptrs, rotated, in fp32: (x1 cos - x2 sin, x2 cos + x1 sin) for the pairs (x[2j],
+    x[2j+1]) when INTERLEAVE, else (x[j], x[j + HALF]); the caller writes them half-split, as the reference does."""
+    if INTERLEAVE:
+        x1 = tl.load(ptrs + 2 * offs_j, mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(ptrs + 2 * offs_j + 1, mask=mask, other=0.0).to(tl.float32)
+    else:
+        x1 = tl.load(ptrs + offs_j, mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(ptrs + HALF + offs_j, mask=mask, other=0.0).to(tl.float32)
+    return x1 * cos - x2 * sin, x2 * cos + x1 * sin
+
+
+@triton.jit
 def _rms_norm_kernel(X, R, W, Out, ResOut, stride_x, stride_r, stride_o, stride_ro, n_cols, eps,
                      BLOCK: tl.constexpr, HAS_RES: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
@@ -20,11 +43,8 @@ def _rms_norm_kernel(X, R, W, Out, ResOut, stride_x, stride_r, stride_o, stride_
     if HAS_RES:
         x = (x + tl.load(R + row * stride_r + offs, mask=mask, other=0.0)).to(X.dtype.element_ty)
         tl.store(ResOut + row * stride_ro + offs, x, mask=mask)
-    xf = x.to(tl.float32)
-    inv = tl.rsqrt(tl.sum(xf * xf, 0) / n_cols + eps)
-    xn = (xf * inv).to(X.dtype.element_ty).to(tl.float32)
-    w = tl.load(W + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(Out + row * stride_o + offs, (w * xn).to(Out.dtype.element_ty), mask=mask)
+    tl.store(Out + row * stride_o + offs, _rms_normed(x, W, offs, mask, n_cols, eps).to(Out.dtype.element_ty),
+             mask=mask)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
@@ -54,15 +74,10 @@ def _rope_kernel(X, Positions, Cos, Sin, stride_xt, stride_xh, num_heads,
     offs_h = tl.arange(0, BLOCK_H)
     hmask = offs_h[:, None] < num_heads
     base = X + t * stride_xt + offs_h[:, None] * stride_xh
-    if INTERLEAVE:  # pairs (x[2j], x[2j+1]) rotate; the result is written half-split, as the reference does
-        x1 = tl.load(base + 2 * offs_j[None, :], mask=hmask, other=0.0).to(tl.float32)
-        x2 = tl.load(base + 2 * offs_j[None, :] + 1, mask=hmask, other=0.0).to(tl.float32)
-    else:
-        x1 = tl.load(base + offs_j[None, :], mask=hmask, other=0.0).to(tl.float32)
-        x2 = tl.load(base + HALF + offs_j[None, :], mask=hmask, other=0.0).to(tl.float32)
+    r1, r2 = _rotated(base, offs_j[None, :], hmask, cos, sin, HALF, INTERLEAVE)
     tl.debug_barrier()  # every lane has read its row before any lane overwrites it (in place)
-    tl.store(base + offs_j[None, :], (x1 * cos - x2 * sin).to(X.dtype.element_ty), mask=hmask)
-    tl.store(base + HALF + offs_j[None, :], (x2 * cos + x1 * sin).to(X.dtype.element_ty), mask=hmask)
+    tl.store(base + offs_j[None, :], r1.to(X.dtype.element_ty), mask=hmask)
+    tl.store(base + HALF + offs_j[None, :], r2.to(X.dtype.element_ty), mask=hmask)
 
 
 def rope_cache(inv_freq: torch.Tensor, scaling: float, max_positions: int, device: torch.device):
@@ -137,16 +152,10 @@ def _mla_rope_store_kernel(KVA, NormW, QPe, Positions, Cos, Sin, Pool, Slots, st
     offs_h = tl.arange(0, BLOCK_H)
     hmask = offs_h[:, None] < num_heads
     q = QPe + t * stride_qt + offs_h[:, None] * stride_qh
-    if INTERLEAVE:
-        x1 = tl.load(q + 2 * offs_j[None, :], mask=hmask, other=0.0).to(tl.float32)
-        x2 = tl.load(q + 2 * offs_j[None, :] + 1, mask=hmask, other=0.0).to(tl.float32)
-    else:
-        x1 = tl.load(q + offs_j[None, :], mask=hmask, other=0.0).to(tl.float32)
-        x2 = tl.load(q + HALF + offs_j[None, :], mask=hmask, other=0.0).to(tl.float32)
+    r1, r2 = _rotated(q, offs_j[None, :], hmask, cos[None, :], sin[None, :], HALF, INTERLEAVE)
     tl.debug_barrier()  # every lane has read its row before any lane overwrites it
-    tl.store(q + offs_j[None, :], (x1 * cos[None, :] - x2 * sin[None, :]).to(QPe.dtype.element_ty), mask=hmask)
-    tl.store(q + HALF + offs_j[None, :], (x2 * cos[None, :] + x1 * sin[None, :]).to(QPe.dtype.element_ty),
-             mask=hmask)
+    tl.store(q + offs_j[None, :], r1.to(QPe.dtype.element_ty), mask=hmask)
+    tl.store(q + HALF + offs_j[None, :], r2.to(QPe.dtype.element_ty), mask=hmask)
     slot = tl.load(Slots + t).to(tl.int64)
     if slot >= 0:  # negative slots are padding rows (CUDA graphs): nothing to store
         row = KVA + t * stride_kva
@@ -154,23 +163,13 @@ def _mla_rope_store_kernel(KVA, NormW, QPe, Positions, Cos, Sin, Pool, Slots, st
         # The latent, normalised (as _rms_norm_kernel).
         offs_c = tl.arange(0, BLOCK_C)
         cmask = offs_c < kv_rank
-        c = tl.load(row + offs_c, mask=cmask, other=0.0).to(tl.float32)
-        inv = tl.rsqrt(tl.sum(c * c, 0) / kv_rank + eps)
-        cn = (c * inv).to(KVA.dtype.element_ty).to(tl.float32)
-        w = tl.load(NormW + offs_c, mask=cmask, other=0.0).to(tl.float32)
-        tl.store(dst + offs_c, (w * cn).to(Pool.dtype.element_ty), mask=cmask)
-        # The rope key, rotated.
-        k = row + kv_rank
-        if INTERLEAVE:
-            k1 = tl.load(k + 2 * offs_j).to(tl.float32)
-            k2 = tl.load(k + 2 * offs_j + 1).to(tl.float32)
-        else:
-            k1 = tl.load(k + offs_j).to(tl.float32)
-            k2 = tl.load(k + HALF + offs_j).to(tl.float32)
-        k1r = (k1 * cos - k2 * sin).to(KVA.dtype.element_ty)
-        k2r = (k2 * cos + k1 * sin).to(KVA.dtype.element_ty)
-        tl.store(dst + kv_rank + offs_j, k1r.to(Pool.dtype.element_ty))
-        tl.store(dst + kv_rank + HALF + offs_j, k2r.to(Pool.dtype.element_ty))
+        c = tl.load(row + offs_c, mask=cmask, other=0.0)
+        tl.store(dst + offs_c, _rms_normed(c, NormW, offs_c, cmask, kv_rank, eps).to(Pool.dtype.element_ty),
+                 mask=cmask)
+        # The rope key, rotated (rounded to the model dtype as apply_rope_ rounds it in place).
+        k1, k2 = _rotated(row + kv_rank, offs_j, offs_j < HALF, cos, sin, HALF, INTERLEAVE)
+        tl.store(dst + kv_rank + offs_j, k1.to(KVA.dtype.element_ty).to(Pool.dtype.element_ty))
+        tl.store(dst + kv_rank + HALF + offs_j, k2.to(KVA.dtype.element_ty).to(Pool.dtype.element_ty))
 
 
 def mla_rope_store(kv_a: torch.Tensor, norm_weight: torch.Tensor, eps: float, q_pe: torch.Tensor,
