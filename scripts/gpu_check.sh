@@ -7,7 +7,8 @@
 # MoE beside the default one, V2-Lite shapes) run when named.
 # Logs and JSON land in $OUT. Stage time limits (seconds): BENCH_S, TEST_S, KERNEL_BENCH_S, EP_S, DET_S, HOST_S,
 # MOE_BI_S. TEST_ARGS: the pytest targets of the tests stage (default test/gpu); KERNEL_BENCH_ARGS: extra
-# arguments of the kernel micro-benchmark (e.g. --only moe).
+# arguments of the kernel micro-benchmark (e.g. --only moe). TEST_JOBS>1: one pytest process per test file, that
+# many at once.
 #   device tool:  run(command="bash scripts/gpu_check.sh", carry=[".whl"])          (one H200)
 #                 run(command="STAGES=tests,ep bash scripts/gpu_check.sh", kind="nvidia-h200-x2", carry=[".whl"])
 set -u
@@ -27,8 +28,16 @@ if [[ $STAGES == *,bench,* ]]; then
   tail -n 16 "$OUT/bench.log"
 fi
 if [[ $STAGES == *,tests,* ]]; then
-  timeout "${TEST_S:-300}" python3 -m pytest -q -p no:cacheprovider -rf ${TEST_ARGS:-test/gpu} > "$OUT/test_gpu.log" 2>&1
-  tail -n 12 "$OUT/test_gpu.log"
+  if [ "${TEST_JOBS:-1}" -gt 1 ]; then
+    # One pytest process per test file, TEST_JOBS at a time on the one GPU (the tests are compile- and host-bound).
+    export OUT TEST_S=${TEST_S:-300}
+    ls ${TEST_ARGS:-test/gpu/test_*.py} | OMP_NUM_THREADS=2 xargs -P "$TEST_JOBS" -I{} bash -c \
+      'timeout "$TEST_S" python3 -m pytest -q -p no:cacheprovider -rf --durations=5 {} > "$OUT/test_$(basename {} .py).log" 2>&1; echo "{} rc=$?"'
+    for f in "$OUT"/test_*.log; do echo "== $f"; grep -E "passed|failed|error|FAILED|ERROR" "$f" | tail -n 6; done
+  else
+    timeout "${TEST_S:-300}" python3 -m pytest -q -p no:cacheprovider -rf ${TEST_ARGS:-test/gpu} > "$OUT/test_gpu.log" 2>&1
+    tail -n 12 "$OUT/test_gpu.log"
+  fi
 fi
 if [[ $STAGES == *,kernel_bench,* ]]; then
   timeout "${KERNEL_BENCH_S:-60}" python3 benchmark/bench_kernels.py --out "$OUT/gpu_kernels_h200.json" \
