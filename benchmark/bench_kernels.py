@@ -10,6 +10,9 @@ rate), both ceilings measured in the same run. On CPU (`--device cpu`, under TRI
 smoke run, no timing worth reading) the peer is RoutedExperts' torch path, since the autotuner needs a GPU.
 
     python benchmark/bench_kernels.py --device cuda --only moe_invariant --out benchmark/results/gpu_moe_invariant_h200.json
+
+`--only router`: the router GEMM as cast + cuBLAS, the FMA kernel and the bf16-pieces tensor-core kernel;
+`--only moe_sweep`: the fused MoE's grouped GEMMs at prefill size, one row per tile configuration.
 """
 from __future__ import annotations
 
@@ -170,6 +173,76 @@ def moe_prefill_rows(mm_rate: float) -> list[dict]:
     return rows
 
 
+def router_rows() -> list[dict]:
+    """The router GEMM (fp32 logits of bf16 x) three ways, graph-timed: cast + cuBLAS sgemm (F.linear), the
+    fp32 FMA kernel, and the tensor-core kernel over the weight's bf16 pieces; V2-Lite's and V3's shapes."""
+    import torch.nn.functional as F
+
+    from deepinfer_kernels.router_gemm import router_logits, router_logits_bf16, split_weight
+
+    rows = []
+    for e, h in ((64, 2048), (256, 7168)):
+        w = torch.randn(e, h, device="cuda") / h**0.5
+        pieces = split_weight(w)
+        for t in (1, 16, 64, 256, 1024, 8192):
+            x = torch.randn(t, h, device="cuda").bfloat16()
+            row = {"kernel": "router", "experts": e, "hidden": h, "rows": t,
+                   "cublas_us": _graph_time(lambda: F.linear(x.float(), w)) * 1e6,
+                   "fma_kernel_us": _graph_time(lambda: router_logits(x, w)) * 1e6,
+                   "pieces_kernel_us": _graph_time(lambda: router_logits_bf16(x, pieces)) * 1e6}
+            rows.append(row)
+            print({k: round(v, 2) if isinstance(v, float) else v for k, v in row.items()}, flush=True)
+    return rows
+
+
+MOE_SWEEP_CONFIGS = [(64, 128, 4, 3), (128, 64, 4, 4), (128, 64, 8, 3), (128, 64, 8, 4), (64, 64, 4, 4),
+                     (64, 64, 4, 5), (128, 32, 8, 5), (64, 128, 8, 3), (256, 64, 8, 3), (256, 32, 8, 4),
+                     (128, 128, 8, 3)]
+"""(BLOCK_N, BLOCK_K, num_warps, num_stages) tried by `moe_sweep_rows`."""
+
+
+def moe_sweep_rows(mm_rate: float) -> list[dict]:
+    """The fused MoE's two grouped GEMMs at a 4 x 2K-token prefill (V2-Lite: 64 experts, top 6, uniform
+    routing), each tile configuration timed alone, with and without the K masks, as FLOP/s over the bf16 matmul
+    rate: which configurations the autotuner should be offered."""
+    from deepinfer_kernels import fused_moe as fm
+
+    e, hidden, inter, topk, tokens = 64, 2048, 1408, 6, 8192
+    gate_up = torch.randn(e, 2 * inter, hidden, dtype=torch.bfloat16, device="cuda") * 0.02
+    down = torch.randn(e, hidden, inter, dtype=torch.bfloat16, device="cuda") * 0.02
+    x = torch.randn(tokens, hidden, dtype=torch.bfloat16, device="cuda")
+    weights, ids = torch.rand(tokens, e, device="cuda").topk(topk, dim=-1)
+    pairs = tokens * topk
+    flat_w = weights.flatten().float()
+    h = x.new_empty(pairs, inter)
+    y = x.new_empty(pairs, hidden)
+    rows = []
+    for block_m in (64, 128):
+        sp, be, npad = fm._align(ids, e, block_m)
+        nb = sp.numel() // block_m
+        for (bn, bk, warps, stages), even in itertools.product(MOE_SWEEP_CONFIGS, (True, False)):
+            cfg = dict(BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, PER_PAIR=False, IEEE=False, EVEN_K=even,
+                       num_warps=warps, num_stages=stages)
+            runs = {
+                "gate_up": (lambda: fm._gate_up[(nb, triton.cdiv(inter, bn))](
+                    x, gate_up, h, sp, be, npad, pairs, 0, topk, inter, hidden, x.stride(0), gate_up.stride(0),
+                    gate_up.stride(1), h.stride(0), **cfg), 2 * pairs * hidden * 2 * inter),
+                "down": (lambda: fm._down[(nb, triton.cdiv(hidden, bn))](
+                    h, down, y, flat_w, sp, be, npad, pairs, 0, hidden, inter, h.stride(0), down.stride(0),
+                    down.stride(1), y.stride(0), **cfg), 2 * pairs * inter * hidden)}
+            for name, (fn, flops) in runs.items():
+                try:
+                    s = _time(fn)
+                except Exception as exc:  # out of shared memory or registers: not a candidate
+                    print(name, block_m, bn, bk, warps, stages, even, type(exc).__name__, flush=True)
+                    continue
+                rows.append({"kernel": f"moe_sweep_{name}", "block_m": block_m, "block_n": bn, "block_k": bk,
+                             "num_warps": warps, "num_stages": stages, "even_k": even, "us": s * 1e6,
+                             "fraction_of_matmul_rate": flops / s / mm_rate})
+                print({k: round(v, 3) if isinstance(v, float) else v for k, v in rows[-1].items()}, flush=True)
+    return rows
+
+
 def _time_any(fn, device: str) -> float:
     """Seconds per call: CUDA events on the GPU, else the median of 3 wall-clock calls."""
     if device.startswith("cuda"):
@@ -228,7 +301,8 @@ def main() -> None:
     parser.add_argument("--out", default="benchmark/results/gpu_kernels_h200.json")
     parser.add_argument("--context", type=int, default=2048)
     parser.add_argument("--device", default="cuda")
-    parser.add_argument("--only", choices=["kernels", "moe", "dense", "moe_invariant"], default="kernels",
+    parser.add_argument("--only", choices=["kernels", "moe", "dense", "moe_invariant", "router", "moe_sweep"],
+                        default="kernels",
                         help="kernels: the default fused MoE (decode and prefill sizes, shared experts joined or "
                              "apart) and the decode attention variants, the dense decode projections; moe / dense: only those")
     args = parser.parse_args()
@@ -243,6 +317,11 @@ def main() -> None:
                                               "matmul_flop_per_s": mm_rate, "rows": rows}, indent=1))
         return
     copy_bw, mm_rate = ceilings("cuda", 1 << 29)
+    if args.only in ("router", "moe_sweep"):
+        rows = router_rows() if args.only == "router" else moe_sweep_rows(mm_rate)
+        Path(args.out).write_text(json.dumps({"copy_bytes_per_s": copy_bw, "matmul_flop_per_s": mm_rate,
+                                              "rows": rows}, indent=1))
+        return
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     rows = moe_rows() if args.only in ("kernels", "moe") else []
     if args.only == "kernels":

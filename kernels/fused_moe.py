@@ -53,7 +53,14 @@ def _tuned(kernel):
     configs = [triton.Config(dict(BLOCK_N=bn, BLOCK_K=bk), num_warps=w, num_stages=st)
                for bn, bk, w, st in ((64, 128, 4, 3), (128, 64, 4, 4), (128, 128, 8, 3), (64, 256, 4, 3),
                                      (128, 64, 8, 3), (64, 64, 4, 2), (32, 32, 4, 2))]
-    return triton.autotune(configs, key=["N", "K", "pairs_bucket", "BLOCK_M", "PER_PAIR"], warmup=5, rep=20)(kernel)
+    return triton.autotune(configs, key=["N", "K", "pairs_bucket", "BLOCK_M", "PER_PAIR"], warmup=5,
+                           rep=20)(_even_k(kernel))
+
+
+def _even_k(kernel):
+    """EVEN_K = K is a multiple of BLOCK_K (V2-Lite: 2048 and 1408 are, for every BLOCK_K up to 128), chosen
+    per launch after the tile config."""
+    return triton.heuristics({"EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0})(kernel)
 
 
 # num_pairs is never specialised (to 1 or to multiples of 16): one compiled kernel for every batch.
@@ -61,7 +68,7 @@ def _tuned(kernel):
 def _gate_up(X, W, H, SortedPairs, BlockExpert, NumPadded, num_pairs, pairs_bucket, top_k, N, K,
              stride_xm, stride_we, stride_wn, stride_hm,
              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-             PER_PAIR: tl.constexpr, IEEE: tl.constexpr):
+             PER_PAIR: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pair, e, valid = _pair_rows(SortedPairs, BlockExpert, NumPadded, pid_m, num_pairs, BLOCK_M, PER_PAIR)
@@ -77,10 +84,15 @@ def _gate_up(X, W, H, SortedPairs, BlockExpert, NumPadded, num_pairs, pairs_buck
         acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         for k0 in range(0, K, BLOCK_K):
-            kmask = offs_k < K - k0
-            a = tl.load(a_ptrs, mask=mmask[:, None] & kmask[None, :], other=0.0)
-            g = tl.load(g_ptrs, mask=kmask[:, None] & nmask[None, :], other=0.0)
-            u = tl.load(u_ptrs, mask=kmask[:, None] & nmask[None, :], other=0.0)
+            if EVEN_K:  # no mask along K: the loads stay vectorised
+                a = tl.load(a_ptrs, mask=mmask[:, None], other=0.0)
+                g = tl.load(g_ptrs, mask=nmask[None, :], other=0.0)
+                u = tl.load(u_ptrs, mask=nmask[None, :], other=0.0)
+            else:
+                kmask = offs_k < K - k0
+                a = tl.load(a_ptrs, mask=mmask[:, None] & kmask[None, :], other=0.0)
+                g = tl.load(g_ptrs, mask=kmask[:, None] & nmask[None, :], other=0.0)
+                u = tl.load(u_ptrs, mask=kmask[:, None] & nmask[None, :], other=0.0)
             if IEEE:  # fp32 weights: full fp32 products (TF32 would drift from the CPU reference)
                 acc_g = tl.dot(a, g, acc_g, input_precision="ieee")
                 acc_u = tl.dot(a, u, acc_u, input_precision="ieee")
@@ -99,7 +111,7 @@ def _gate_up(X, W, H, SortedPairs, BlockExpert, NumPadded, num_pairs, pairs_buck
 def _down(H, W, Y, TopkWeights, SortedPairs, BlockExpert, NumPadded, num_pairs, pairs_bucket, N, K,
           stride_hm, stride_we, stride_wn, stride_ym,
           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-          PER_PAIR: tl.constexpr, IEEE: tl.constexpr):
+          PER_PAIR: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pair, e, valid = _pair_rows(SortedPairs, BlockExpert, NumPadded, pid_m, num_pairs, BLOCK_M, PER_PAIR)
@@ -113,9 +125,13 @@ def _down(H, W, Y, TopkWeights, SortedPairs, BlockExpert, NumPadded, num_pairs, 
         w_ptrs = W + e * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         for k0 in range(0, K, BLOCK_K):
-            kmask = offs_k < K - k0
-            a = tl.load(a_ptrs, mask=mmask[:, None] & kmask[None, :], other=0.0)
-            w = tl.load(w_ptrs, mask=kmask[:, None] & nmask[None, :], other=0.0)
+            if EVEN_K:
+                a = tl.load(a_ptrs, mask=mmask[:, None], other=0.0)
+                w = tl.load(w_ptrs, mask=nmask[None, :], other=0.0)
+            else:
+                kmask = offs_k < K - k0
+                a = tl.load(a_ptrs, mask=mmask[:, None] & kmask[None, :], other=0.0)
+                w = tl.load(w_ptrs, mask=kmask[:, None] & nmask[None, :], other=0.0)
             if IEEE:
                 acc = tl.dot(a, w, acc, input_precision="ieee")
             else:
@@ -183,7 +199,7 @@ def fused_moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weight
         raise ValueError("fused_moe needs contiguous x and expert weights")
     if batch_invariant:  # one tile configuration for every batch, always sorted (see the module docstring)
         config = invariant_tiles(x.dtype)
-        gate_up_kernel, down_kernel = _gate_up, _down  # unwrapped from their autotuner
+        gate_up_kernel, down_kernel = _even_k(_gate_up), _even_k(_down)  # without the autotuner
         block_m, per_pair, bucket = config.pop("BLOCK_M"), False, 0  # bucket: the autotuner's key only
     else:
         config = {}

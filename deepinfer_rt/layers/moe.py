@@ -32,6 +32,10 @@ ROUTER_KERNEL_MAX_WEIGHT elements. In V2-Lite's decode steps on an H200 (router 
 it took 8.0 / 8.7 us at 64 / 256 rows against ~9 / ~12 us for cast + cuBLAS, but 9.1 us at 1 / 16 rows against
 ~5 / ~7 us (its weight tiles stream from DRAM one after another); prefill sizes and larger routers are slower."""
 ROUTER_KERNEL_MAX_WEIGHT = 1 << 17
+ROUTER_PIECES_MIN_ROWS = 257
+"""From this many bf16 rows up the router GEMM runs on tensor cores over the weight's three bf16 pieces
+(kernels/router_gemm.router_logits_bf16: products exact in fp32, so fp32 logits), instead of a cast of x to
+fp32 and an fp32 cuBLAS sgemm (3% of a V2-Lite 8K-token prefill on an H200)."""
 
 
 def select_experts(router_logits: torch.Tensor, top_k: int, *, scoring_func: str = "softmax",
@@ -106,21 +110,38 @@ class Router(nn.Module):
         skew = get_env().moe_router_skew
         # Benchmarks only: a Zipf-like preference for low expert ids, p(e) ~ (1 + e)^-skew under softmax.
         self.skew_bias = -skew * torch.arange(1, e + 1, dtype=torch.float32).log() if skew else None
+        self.weight_pieces: torch.Tensor | None = None
+        """bf16 (3, E, H), hi + mid + lo = weight: set on GPU by `process_weights_after_loading`, dropped by any
+        `.to()`."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lo, hi = ROUTER_KERNEL_ROWS
-        if (on_gpu(x) and lo <= x.shape[0] <= hi and self.weight.numel() <= ROUTER_KERNEL_MAX_WEIGHT
-                and not batch_invariant.is_enabled()):
+        if batch_invariant.is_enabled() or not on_gpu(x):
+            logits = linear(x.float(), self.weight)  # (T, E) fp32
+        elif lo <= x.shape[0] <= hi and self.weight.numel() <= ROUTER_KERNEL_MAX_WEIGHT:
             from deepinfer_kernels.router_gemm import router_logits
 
             logits = router_logits(x, self.weight)  # one launch that reads x in its own dtype
+        elif (self.weight_pieces is not None and x.dtype == torch.bfloat16 and x.shape[0] >= ROUTER_PIECES_MIN_ROWS
+              and x.stride(-1) == 1):
+            from deepinfer_kernels.router_gemm import router_logits_bf16
+
+            logits = router_logits_bf16(x, self.weight_pieces)
         else:
             logits = linear(x.float(), self.weight)  # (T, E) fp32
         if self.skew_bias is not None:
             logits = logits + self.skew_bias.to(logits.device)
         return logits
 
+    @torch.no_grad()
+    def process_weights_after_loading(self) -> None:
+        if on_gpu(self.weight):
+            from deepinfer_kernels.router_gemm import split_weight
+
+            self.weight_pieces = split_weight(self.weight.data)
+
     def _apply(self, fn, recurse=True):
+        self.weight_pieces = None  # moved: rebuilt by process_weights_after_loading
         # HF keeps the router in fp32 (_keep_in_fp32_modules_strict): in bf16 the correction bias (entries
         # ~1e-2 apart on scores near 0.5) would change which experts win. Follow device moves, not dtype casts.
         fp32 = {name: p.data for name, p in self._parameters.items() if p is not None}
