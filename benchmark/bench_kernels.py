@@ -239,7 +239,8 @@ def moe_sweep_rows(mm_rate: float) -> list[dict]:
                 rows.append({"kernel": f"moe_sweep_{name}", "block_m": block_m, "block_n": bn, "block_k": bk,
                              "num_warps": warps, "num_stages": stages, "even_k": even, "us": s * 1e6,
                              "fraction_of_matmul_rate": flops / s / mm_rate})
-                print({k: round(v, 3) if isinstance(v, float) else v for k, v in rows[-1].items()}, flush=True)
+                print(f"{name:8s} M{block_m} N{bn} K{bk} w{warps} s{stages} even_k={int(even)}: {s * 1e6:7.1f} us "
+                      f"{rows[-1]['fraction_of_matmul_rate']:.3f}", flush=True)
     return rows
 
 

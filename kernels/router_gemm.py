@@ -107,9 +107,12 @@ def _router_pieces_kernel(X, P, Y, T, E, H, stride_xt, stride_pp, stride_pe, BLO
     for k0 in range(0, H, BLOCK_K):
         kmask = offs_k < H - k0
         x = tl.load(x_ptrs, mask=mmask[:, None] & kmask[None, :], other=0.0)
-        for piece in tl.static_range(2, -1, -1):  # smallest first
-            w = tl.load(w_ptrs + piece * stride_pp, mask=kmask[:, None] & emask[None, :], other=0.0)
-            acc = tl.dot(x, w, acc)
+        lo = tl.load(w_ptrs + 2 * stride_pp, mask=kmask[:, None] & emask[None, :], other=0.0)
+        mid = tl.load(w_ptrs + stride_pp, mask=kmask[:, None] & emask[None, :], other=0.0)
+        hi = tl.load(w_ptrs, mask=kmask[:, None] & emask[None, :], other=0.0)
+        # A fresh tensor-core sum per K chunk, added to the total on the CUDA cores: the MMA's own accumulation
+        # keeps fewer low bits than fp32 adds, which over all of H (chained) cost ~30x sgemm's error at H = 2048.
+        acc += tl.dot(x, hi, tl.dot(x, mid, tl.dot(x, lo)))
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     tl.store(Y + offs_m.to(tl.int64)[:, None] * E + offs_e[None, :], acc, mask=mmask[:, None] & emask[None, :])
