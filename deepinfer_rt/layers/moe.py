@@ -32,10 +32,13 @@ ROUTER_KERNEL_MAX_WEIGHT elements. In V2-Lite's decode steps on an H200 (router 
 it took 8.0 / 8.7 us at 64 / 256 rows against ~9 / ~12 us for cast + cuBLAS, but 9.1 us at 1 / 16 rows against
 ~5 / ~7 us (its weight tiles stream from DRAM one after another); prefill sizes and larger routers are slower."""
 ROUTER_KERNEL_MAX_WEIGHT = 1 << 17
-ROUTER_PIECES_MIN_ROWS = 257
+ROUTER_PIECES_MIN_ROWS = 512
 """From this many bf16 rows up the router GEMM runs on tensor cores over the weight's three bf16 pieces
 (kernels/router_gemm.router_logits_bf16: products exact in fp32, so fp32 logits), instead of a cast of x to
-fp32 and an fp32 cuBLAS sgemm (3% of a V2-Lite 8K-token prefill on an H200)."""
+fp32 and an fp32 cuBLAS sgemm (3% of a V2-Lite 8K-token prefill on an H200). Graph-timed on an H200
+(bench_kernels.py --only router, results/gpu_router_h200.json): ~18 us at every T up to 8192 for V2-Lite's
+64 x 2048 router against 11.6 / 22.8 / 108 us of cast + cuBLAS at T = 256 / 1024 / 8192; V3's 256 x 7168:
+59-61 us up to T = 1024, 208 us at 8192 against 40 / 114 / 748 us."""
 
 
 def select_experts(router_logits: torch.Tensor, top_k: int, *, scoring_func: str = "softmax",
