@@ -84,7 +84,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 def head_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """Per-head matmul x (T, H, A) @ w (H, A, B) -> (T, H, B) (MLA's absorbed projections)."""
     if not _enabled:
-        return torch.einsum("tha,hab->thb", x, w)
+        if not x.is_cuda:
+            return torch.einsum("tha,hab->thb", x, w)
+        # cuBLAS writes the (T, H, B) result through its strides (batch stride B, row stride H * B), where
+        # einsum's (H, T, B) result would need a transposing copy before the projection that reads it.
+        out = x.new_empty(x.shape[0], w.shape[0], w.shape[2])
+        torch.bmm(x.transpose(0, 1), w, out=out.transpose(0, 1))
+        return out
     if _use_triton(x):
         from deepinfer_kernels.batch_invariant import head_matmul as triton_head_matmul
 

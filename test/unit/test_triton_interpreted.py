@@ -95,6 +95,9 @@ _FIXED_SPLITS = textwrap.dedent(_SCALED_DOWN + """
         assert (alone[2] == 0).all()
         default = da.paged_decode_attention(q, k, v, table, rows, lens, ps, dk**-0.5, 2, block_n=16)
         torch.testing.assert_close(default, ref, rtol=1e-5, atol=1e-5)  # the default split kernel, same helpers
+        one = da.paged_decode_attention(q, k, v, table, rows, lens, ps, dk**-0.5, 1, block_n=16)  # no merge
+        torch.testing.assert_close(one, ref, rtol=1e-5, atol=1e-5)
+        assert (one[2] == 0).all()  # an empty row
         if dk > dv:  # MLA: the query's rope part given apart gives the same bits in both kernels
             head, tail = q[..., :dv].clone(), q[..., dv:].clone()
             apart = da.paged_decode_attention(head, k, v, table, rows, lens, ps, dk**-0.5, 2, block_n=16, q_tail=tail)
