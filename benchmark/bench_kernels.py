@@ -12,7 +12,9 @@ smoke run, no timing worth reading) the peer is RoutedExperts' torch path, since
     python benchmark/bench_kernels.py --device cuda --only moe_invariant --out benchmark/results/gpu_moe_invariant_h200.json
 
 `--only router`: the router GEMM as cast + cuBLAS, the FMA kernel and the bf16-pieces tensor-core kernel;
-`--only moe_sweep`: the fused MoE's grouped GEMMs at prefill size, one row per tile configuration.
+`--only moe_sweep`: the fused MoE's grouped GEMMs at prefill size, one row per tile configuration;
+`--only decode_sweep`: GQA decode attention (SmolLM2 shape) over splits and tiles, then the fused MoE's grouped
+GEMMs at V2-Lite decode batches over tile configurations.
 """
 from __future__ import annotations
 
@@ -244,6 +246,84 @@ def moe_sweep_rows(mm_rate: float) -> list[dict]:
     return rows
 
 
+def moe_decode_sweep_rows(copy_bw: float) -> list[dict]:
+    """The fused MoE's two grouped GEMMs at V2-Lite decode batches (64 routed + 2 shared experts joined, top 6
+    + 2, uniform routing), each tile configuration graph-timed alone, as bytes of the touched experts' weights
+    over the copy bandwidth: which configurations the autotuner should be offered."""
+    from deepinfer_kernels import fused_moe as fm
+
+    e, hidden, inter, topk = 66, 2048, 1408, 8
+    gate_up = torch.randn(e, 2 * inter, hidden, dtype=torch.bfloat16, device="cuda") * 0.02
+    down = torch.randn(e, hidden, inter, dtype=torch.bfloat16, device="cuda") * 0.02
+    rows = []
+    for batch in (64, 256):
+        x = torch.randn(batch, hidden, dtype=torch.bfloat16, device="cuda")
+        routed = torch.rand(batch, 64, device="cuda").topk(6, dim=-1).indices
+        shared = torch.tensor([64, 65], device="cuda").expand(batch, 2)
+        ids = torch.cat([routed.sort(dim=-1).values, shared], dim=1)
+        weights = torch.rand(batch, topk, device="cuda")
+        touched = int(ids.unique().numel())
+        pairs = batch * topk
+        block_m = fm._block_m(pairs, e)
+        sp, be, npad = fm._align(ids, e, block_m)
+        nb = sp.numel() // block_m
+        flat_w = weights.flatten().float()
+        h = x.new_empty(pairs, inter)
+        y = x.new_empty(pairs, hidden)
+        for bn, bk, warps, stages in itertools.product((32, 64, 128), (64, 128, 256), (4,), (2, 3, 4)):
+            cfg = dict(BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, PER_PAIR=False, IEEE=False, num_warps=warps,
+                       num_stages=stages)
+            runs = {
+                "gate_up": (lambda: fm._gate_up[(nb, triton.cdiv(inter, bn))](
+                    x, gate_up, h, sp, be, npad, pairs, 0, topk, inter, hidden, x.stride(0), gate_up.stride(0),
+                    gate_up.stride(1), h.stride(0), EVEN_K=hidden % bk == 0, **cfg), 2 * inter * hidden),
+                "down": (lambda: fm._down[(nb, triton.cdiv(hidden, bn))](
+                    h, down, y, flat_w, sp, be, npad, pairs, 0, hidden, inter, h.stride(0), down.stride(0),
+                    down.stride(1), y.stride(0), EVEN_K=inter % bk == 0, **cfg), hidden * inter)}
+            for name, (fn, numel) in runs.items():
+                try:
+                    s = _graph_time(fn)
+                except Exception as exc:
+                    print(name, batch, bn, bk, warps, stages, type(exc).__name__, flush=True)
+                    continue
+                frac = touched * numel * 2 / s / copy_bw
+                rows.append({"kernel": f"moe_decode_sweep_{name}", "batch": batch, "block_m": block_m,
+                             "block_n": bn, "block_k": bk, "num_warps": warps, "num_stages": stages,
+                             "experts_touched": touched, "us": s * 1e6, "fraction_of_copy_bw": frac})
+                print(f"{name:8s} B{batch} M{block_m} N{bn} K{bk} w{warps} s{stages}: {s * 1e6:7.1f} us {frac:.3f}",
+                      flush=True)
+    return rows
+
+
+def gqa_decode_sweep_rows(context: int, copy_bw: float) -> list[dict]:
+    """GQA decode attention at SmolLM2's shape (9 query heads, 3 KV heads, 64 dims), `context` keys per
+    sequence, over split counts and tiles, graph-timed, as KV bytes over the copy bandwidth."""
+    rows = []
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for batch in (16, 64, 256):
+        k = torch.randn(batch * context, 3, 64, dtype=torch.bfloat16, device="cuda")
+        v = torch.randn(batch * context, 3, 64, dtype=torch.bfloat16, device="cuda")
+        table = torch.arange(batch * context, device="cuda", dtype=torch.int32).view(batch, context)
+        q = torch.randn(batch, 9, 64, dtype=torch.bfloat16, device="cuda")
+        rows_ = torch.arange(batch, dtype=torch.int32, device="cuda")
+        lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
+        engine = num_splits_for(batch, 3, num_sms, 64)
+        for splits, block_n, stages in itertools.product((1, 2, 4, 8, 16, 32), (32, 64, 128), (2, 3)):
+            try:
+                s = _graph_time(lambda: paged_decode_attention(q, k, v, table, rows_, lens, 1, 0.125, splits,
+                                                               block_n=block_n, num_stages=stages))
+            except triton.runtime.errors.OutOfResources:
+                continue
+            frac = 2 * k.numel() * 2 / s / copy_bw
+            rows.append({"kernel": "gqa_decode_sweep", "batch": batch, "splits": splits, "block_n": block_n,
+                         "num_stages": stages, "engine_choice": splits == engine and block_n == 64 and stages == 2,
+                         "us": s * 1e6, "fraction_of_copy_bw": frac})
+            print(f"gqa B{batch} splits={splits} block_n={block_n} stages={stages}: {s * 1e6:6.1f} us {frac:.3f}"
+                  f"{' (engine)' if rows[-1]['engine_choice'] else ''}", flush=True)
+        del k, v, table
+    return rows
+
+
 def _time_any(fn, device: str) -> float:
     """Seconds per call: CUDA events on the GPU, else the median of 3 wall-clock calls."""
     if device.startswith("cuda"):
@@ -302,7 +382,8 @@ def main() -> None:
     parser.add_argument("--out", default="benchmark/results/gpu_kernels_h200.json")
     parser.add_argument("--context", type=int, default=2048)
     parser.add_argument("--device", default="cuda")
-    parser.add_argument("--only", choices=["kernels", "moe", "dense", "moe_invariant", "router", "moe_sweep"],
+    parser.add_argument("--only", choices=["kernels", "moe", "dense", "moe_invariant", "router", "moe_sweep",
+                                           "decode_sweep"],
                         default="kernels",
                         help="kernels: the default fused MoE (decode and prefill sizes, shared experts joined or "
                              "apart) and the decode attention variants, the dense decode projections; moe / dense: only those")
@@ -318,8 +399,11 @@ def main() -> None:
                                               "matmul_flop_per_s": mm_rate, "rows": rows}, indent=1))
         return
     copy_bw, mm_rate = ceilings("cuda", 1 << 29)
-    if args.only in ("router", "moe_sweep"):
-        rows = router_rows() if args.only == "router" else moe_sweep_rows(mm_rate)
+    if args.only in ("router", "moe_sweep", "decode_sweep"):
+        if args.only == "decode_sweep":
+            rows = gqa_decode_sweep_rows(args.context, copy_bw) + moe_decode_sweep_rows(copy_bw)
+        else:
+            rows = router_rows() if args.only == "router" else moe_sweep_rows(mm_rate)
         Path(args.out).write_text(json.dumps({"copy_bytes_per_s": copy_bw, "matmul_flop_per_s": mm_rate,
                                               "rows": rows}, indent=1))
         return
