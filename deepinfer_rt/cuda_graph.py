@@ -157,6 +157,10 @@ class CudaGraphRunner:
     @torch.no_grad()
     def _capture_all(self) -> None:
         self._padding(0)
+        # Distinct tokens for the warm-up runs: kernels autotuned on their first call (the fused MoE) then see
+        # tokens routed to many experts, as in real decode steps, not every token on the same few.
+        vocab = self.model.config.vocab_size
+        self._stage[_TOKEN] = torch.randint(0, vocab, (self.max_bs,), generator=torch.Generator().manual_seed(0))
         self._io.copy_(self._stage)
         mempool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream()

@@ -220,11 +220,14 @@ def num_splits_for(batch: int, kv_heads: int, num_sms: int, head_dim: int = 0) -
       * MLA (head_dim > 256: 16 heads over the 576-wide latent per program) is fastest at about two programs
         per multiprocessor, rounded down to a power of two, up to 64: 64 / 16 / 4 / 1 splits at batch
         1 / 16 / 64 / 256; rounding up doubles them and costs 20-45% at batch 16-64.
-      * GQA programs are light (a few heads of 64-128 dims): rounding up, up to 32, is faster; rounded down,
-        SmolLM2's batch 64 takes one split and its decode step 3.5 ms instead of 2.3 ms."""
-    want = 2 * num_sms / max(1, batch * kv_heads)
+      * GQA programs are light (a few heads of 64-128 dims): about four programs per multiprocessor, rounded
+        up, up to 32 (bench_kernels.py --only decode_sweep, SmolLM2's shape, 3-stage pipeline): 16 / 4 / 1
+        splits at batch 16 / 64 / 256, 9.7 / 31.4 / 100.3 us against 10.0 / 43.7 / 107.2 us for the earlier
+        two-per-multiprocessor rule with a 2-stage pipeline."""
     if head_dim > 256:
+        want = 2 * num_sms / max(1, batch * kv_heads)
         return min(64, 1 << (max(1, int(want)).bit_length() - 1))
+    want = 4 * num_sms / max(1, batch * kv_heads)
     return max(1, min(32, triton.next_power_of_2(math.ceil(want))))
 
 
@@ -251,7 +254,7 @@ def _layout(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor) -> dict:
 def paged_decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, page_table: torch.Tensor,
                            table_rows: torch.Tensor, seq_lens: torch.Tensor, page_size: int, scale: float,
                            num_splits: int, out: torch.Tensor | None = None, block_n: int | None = None,
-                           num_warps: int = 4, num_stages: int = 2, q_tail: torch.Tensor | None = None
+                           num_warps: int = 4, num_stages: int | None = None, q_tail: torch.Tensor | None = None
                            ) -> torch.Tensor:
     """q (B, Hq, Dqk); k_buf (slots, Hkv, Dqk); v_buf (slots, Hkv, Dv), for MLA a column view of k_buf;
     page_table (R, W) int32 page ids; table_rows (B,) int32 row of each sequence; seq_lens (B,) int32.
@@ -268,6 +271,8 @@ def paged_decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Te
     part_lse = torch.empty(bsz, hq, num_splits, dtype=torch.float32, device=q.device) if num_splits > 1 else out
     # Measured on an H200 (MLA, 2K context): 64-token tiles are best from batch 16 up, 32-token tiles at batch 1.
     block_n = block_n or (64 if dk <= 256 or bsz >= 8 else 32)
+    # 3 stages for GQA's light tiles (num_splits_for), 2 for MLA's 576-column ones (bench_kernels.py's sweep).
+    num_stages = num_stages or (3 if dk <= 256 else 2)
     _decode_split_kernel[(bsz, hkv, num_splits)](
         q, q_tail, k_buf, v_buf, page_table, table_rows, seq_lens, part_o, part_lse, out,
         q.stride(0), q.stride(1), q_tail.stride(0), q_tail.stride(1), k_buf.stride(0), k_buf.stride(1),
