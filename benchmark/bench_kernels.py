@@ -57,7 +57,7 @@ def attention_rows(context: int, num_sms: int) -> list[dict]:
         q = torch.randn(batch, 16, 576, dtype=torch.bfloat16, device="cuda")
         rows_ = torch.arange(batch, dtype=torch.int32, device="cuda")
         lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
-        default_splits = num_splits_for(batch, 1, num_sms)
+        default_splits = num_splits_for(batch, 1, num_sms, 576)
         for splits in sorted({max(1, default_splits // 2), default_splits, 2 * default_splits, 4 * default_splits}):
             for block_n, warps, stages in itertools.product((16, 32, 64), (4, 8), (1, 2, 3)):
                 try:
@@ -317,7 +317,7 @@ def gqa_decode_sweep_rows(context: int, copy_bw: float) -> list[dict]:
                 continue
             frac = 2 * k.numel() * 2 / s / copy_bw
             rows.append({"kernel": "gqa_decode_sweep", "batch": batch, "splits": splits, "block_n": block_n,
-                         "num_stages": stages, "engine_choice": splits == engine and block_n == 64 and stages == 2,
+                         "num_stages": stages, "engine_choice": splits == engine and block_n == 64 and stages == 3,
                          "us": s * 1e6, "fraction_of_copy_bw": frac})
             print(f"gqa B{batch} splits={splits} block_n={block_n} stages={stages}: {s * 1e6:6.1f} us {frac:.3f}"
                   f"{' (engine)' if rows[-1]['engine_choice'] else ''}", flush=True)

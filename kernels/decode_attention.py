@@ -271,8 +271,9 @@ def paged_decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Te
     part_lse = torch.empty(bsz, hq, num_splits, dtype=torch.float32, device=q.device) if num_splits > 1 else out
     # Measured on an H200 (MLA, 2K context): 64-token tiles are best from batch 16 up, 32-token tiles at batch 1.
     block_n = block_n or (64 if dk <= 256 or bsz >= 8 else 32)
-    # 3 stages for GQA's light tiles (num_splits_for), 2 for MLA's 576-column ones (bench_kernels.py's sweep).
-    num_stages = num_stages or (3 if dk <= 256 else 2)
+    # 3 stages for GQA's light 16-bit tiles (num_splits_for), 2 for MLA's 576-column ones (bench_kernels.py's
+    # sweep) and for fp32 caches (shared memory).
+    num_stages = num_stages or (3 if dk <= 256 and not layout["IEEE"] else 2)
     _decode_split_kernel[(bsz, hkv, num_splits)](
         q, q_tail, k_buf, v_buf, page_table, table_rows, seq_lens, part_o, part_lse, out,
         q.stride(0), q.stride(1), q_tail.stride(0), q_tail.stride(1), k_buf.stride(0), k_buf.stride(1),

@@ -124,6 +124,8 @@ def router_logits_bf16(x: torch.Tensor, pieces: torch.Tensor) -> torch.Tensor:
     e = pieces.shape[1]
     if x.dtype != torch.bfloat16 or pieces.dtype != torch.bfloat16 or pieces.stride(-1) != 1 or x.stride(-1) != 1:
         raise ValueError("router_logits_bf16 takes bf16 x and bf16 weight pieces with unit column stride")
+    if pieces.dim() != 3 or pieces.shape[0] != 3 or pieces.shape[2] != h:
+        raise ValueError(f"router_logits_bf16: pieces {tuple(pieces.shape)} for x of {h} columns, want (3, E, {h})")
     y = torch.empty(t, e, dtype=torch.float32, device=x.device)
     if t == 0:
         return y

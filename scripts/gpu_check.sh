@@ -29,11 +29,14 @@ if [[ $STAGES == *,bench,* ]]; then
 fi
 if [[ $STAGES == *,tests,* ]]; then
   if [ "${TEST_JOBS:-1}" -gt 1 ]; then
-    # One pytest process per test file, TEST_JOBS at a time on the one GPU (the tests are compile- and host-bound).
+    # One pytest process per test file (TEST_ARGS: files or folders), TEST_JOBS at a time on the one GPU (the
+    # tests are compile- and host-bound); TEST_S limits each file. Logs: $OUT/test_<file>.log.
     export OUT TEST_S=${TEST_S:-300}
-    ls ${TEST_ARGS:-test/gpu/test_*.py} | OMP_NUM_THREADS=2 xargs -P "$TEST_JOBS" -I{} bash -c \
-      'timeout "$TEST_S" python3 -m pytest -q -p no:cacheprovider -rf --durations=5 {} > "$OUT/test_$(basename {} .py).log" 2>&1; echo "{} rc=$?"'
-    for f in "$OUT"/test_*.log; do echo "== $f"; grep -E "passed|failed|error|FAILED|ERROR" "$f" | tail -n 6; done
+    find ${TEST_ARGS:-test/gpu} -name 'test_*.py' | sort | OMP_NUM_THREADS=2 xargs -P "$TEST_JOBS" -I{} bash -c \
+      'timeout "$TEST_S" python3 -m pytest -q -p no:cacheprovider -rf --durations=5 {} > "$OUT/test_$(basename {} .py).log" 2>&1; echo "{} rc=$?"' \
+      | tee "$OUT/test_files_rc.txt"
+    for f in "$OUT"/test_test_*.log; do echo "== $f"; grep -E "passed|failed|error|FAILED|ERROR" "$f" | tail -n 6; done
+    if grep -qv "rc=0$" "$OUT/test_files_rc.txt"; then echo "tests: some file failed"; fi
   else
     timeout "${TEST_S:-300}" python3 -m pytest -q -p no:cacheprovider -rf ${TEST_ARGS:-test/gpu} > "$OUT/test_gpu.log" 2>&1
     tail -n 12 "$OUT/test_gpu.log"

@@ -84,8 +84,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 def head_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """Per-head matmul x (T, H, A) @ w (H, A, B) -> (T, H, B) (MLA's absorbed projections)."""
     if not _enabled:
-        if not x.is_cuda:
-            return torch.einsum("tha,hab->thb", x, w)
+        if not x.is_cuda or (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)):
+            return torch.einsum("tha,hab->thb", x, w)  # (bmm's out= form does not take autograd inputs)
         # cuBLAS writes the (T, H, B) result through its strides (batch stride B, row stride H * B), where
         # einsum's (H, T, B) result would need a transposing copy before the projection that reads it.
         out = x.new_empty(x.shape[0], w.shape[0], w.shape[2])

@@ -115,7 +115,8 @@ class Router(nn.Module):
         self.skew_bias = -skew * torch.arange(1, e + 1, dtype=torch.float32).log() if skew else None
         self.weight_pieces: torch.Tensor | None = None
         """bf16 (3, E, H), hi + mid + lo = weight: set on GPU by `process_weights_after_loading`, dropped by any
-        `.to()`."""
+        `.to()`. A copy, not a view: a weight changed in place afterwards needs `process_weights_after_loading`
+        (models.loader.finalize) again."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lo, hi = ROUTER_KERNEL_ROWS

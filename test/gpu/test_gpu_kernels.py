@@ -5,6 +5,7 @@ import copy
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -178,8 +179,6 @@ def test_silu_and_mul_and_store_kv():
 def test_skinny_gemm(rows, n, k):
     """The decode-size dense projection kernel against an fp32 F.linear, with a bias and strided rows; the
     engine routes F.linear of <= 16 CUDA rows times a large weight (the LM head) to it."""
-    import torch.nn.functional as F
-
     from deepinfer_kernels.skinny_gemm import MIN_WEIGHT_ELEMENTS, skinny_gemm, supports
     from deepinfer_rt.layers import batch_invariant
 
@@ -192,3 +191,53 @@ def test_skinny_gemm(rows, n, k):
     assert rel_err(skinny_gemm(x, w, bias), ref) < 1e-2
     assert rel_err(batch_invariant.linear(x, w), F.linear(x.float(), w.float())) < 1e-2
     assert not supports(torch.randn(17, k, device=DEV, dtype=BF16), w)
+
+
+def test_router_gemm_matches_linear_on_gpu():
+    from deepinfer_kernels.router_gemm import router_logits
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    w = torch.randn(64, 2048, generator=g, device="cuda") / 2048**0.5
+    x = torch.randn(8192, 2048, generator=g, device="cuda").bfloat16()
+    alone = router_logits(x[:3], w)
+    for t in (1, 64, 256, 8192):
+        y = router_logits(x[:t], w)
+        torch.testing.assert_close(y, F.linear(x[:t].float(), w), rtol=1e-4, atol=1e-4)
+        assert torch.equal(y[:3], alone[:t])
+    assert torch.equal(router_logits(x[-1:], w), y[-1:])
+
+
+@pytest.mark.parametrize("e, h", [(64, 2048), (70, 200), (256, 7168)])
+def test_router_logits_bf16_as_close_as_sgemm(e, h):
+    """Tensor-core logits over the weight's bf16 pieces: as close to float64 as an fp32 sgemm of bf16 x."""
+    from deepinfer_kernels.router_gemm import router_logits_bf16, split_weight
+
+    g = torch.Generator(device="cuda").manual_seed(e)
+    w = torch.randn(e, h, generator=g, device="cuda") / h**0.5
+    pieces = split_weight(w)
+    for t in (1, 257, 1000, 4096):
+        x = torch.randn(t, h, generator=g, device="cuda").bfloat16()
+        ref = x.double() @ w.double().T
+        got = router_logits_bf16(x, pieces)
+        sgemm = (x.float().cpu() @ w.cpu().T).double()
+        assert got.dtype == torch.float32 and got.shape == (t, e)
+        err = (got.double() - ref).abs().max().item()
+        assert err <= 4 * (sgemm - ref.cpu()).abs().max().item() + 1e-9, (t, err)
+
+
+def test_router_takes_the_pieces_at_prefill_sizes():
+    from deepinfer_kernels.router_gemm import router_logits_bf16
+    from types import SimpleNamespace
+
+    from deepinfer_rt.layers.moe import ROUTER_PIECES_MIN_ROWS, Router
+
+    config = SimpleNamespace(hidden_size=512, n_routed_experts=64, topk_method="greedy")
+    router = Router(config).cuda()
+    router.weight.data.normal_(0, 512**-0.5)
+    assert router.weight_pieces is None
+    router.process_weights_after_loading()
+    x = torch.randn(ROUTER_PIECES_MIN_ROWS + 3, 512, device="cuda").bfloat16()
+    got = router(x)
+    assert torch.equal(got, router_logits_bf16(x, router.weight_pieces))
+    torch.testing.assert_close(got, F.linear(x.float(), router.weight), rtol=1e-5, atol=1e-5)
+    assert router.to(torch.bfloat16).weight_pieces is None and router.weight.dtype == torch.float32
