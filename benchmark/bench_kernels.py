@@ -46,17 +46,24 @@ def _graph_time(fn) -> float:
     return triton.testing.do_bench_cudagraph(fn, rep=50, return_mode="median") / 1e3
 
 
+def _decode_inputs(batch: int, context: int, heads: int, kv_heads: int, dim: int) -> tuple[torch.Tensor, ...]:
+    """(q, k, page table, table rows, lengths) of a decode batch, `context` keys per sequence laid out as the
+    engine's pool does (each sequence's slots contiguous; page size 1)."""
+    k = torch.randn(batch * context, kv_heads, dim, dtype=torch.bfloat16, device="cuda")
+    table = torch.arange(batch * context, device="cuda", dtype=torch.int32).view(batch, context)
+    q = torch.randn(batch, heads, dim, dtype=torch.bfloat16, device="cuda")
+    rows = torch.arange(batch, dtype=torch.int32, device="cuda")
+    lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
+    return q, k, table, rows, lens
+
+
 def attention_rows(context: int, num_sms: int) -> list[dict]:
     """MLA decode (16 heads, 512 + 64 latent) over `context` keys per sequence, laid out as the engine's pool
     does (each sequence's slots contiguous), for the engine's choice of splits and tile and the variants around
     it."""
     rows = []
     for batch in (1, 16, 64, 256):
-        k = torch.randn(batch * context, 1, 576, dtype=torch.bfloat16, device="cuda")
-        table = torch.arange(batch * context, device="cuda", dtype=torch.int32).view(batch, context)
-        q = torch.randn(batch, 16, 576, dtype=torch.bfloat16, device="cuda")
-        rows_ = torch.arange(batch, dtype=torch.int32, device="cuda")
-        lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
+        q, k, table, rows_, lens = _decode_inputs(batch, context, 16, 1, 576)
         default_splits = num_splits_for(batch, 1, num_sms, 576)
         for splits in sorted({max(1, default_splits // 2), default_splits, 2 * default_splits, 4 * default_splits}):
             for block_n, warps, stages in itertools.product((16, 32, 64), (4, 8), (1, 2, 3)):
@@ -197,6 +204,35 @@ def router_rows() -> list[dict]:
     return rows
 
 
+def _moe_launchers(x, gate_up, down, weights, ids, block_m: int):
+    """For one batch sorted by expert at `block_m` rows per block: (BLOCK_N, BLOCK_K, warps, stages[, EVEN_K])
+    -> {"gate_up": launch, "down": launch}, the fused MoE's two grouped GEMMs at that tile, outside its
+    autotuner (EVEN_K by default as the engine sets it: K a multiple of BLOCK_K)."""
+    from deepinfer_kernels import fused_moe as fm
+
+    t, topk = ids.shape
+    e, two_i, hidden = gate_up.shape
+    inter, pairs = two_i // 2, t * topk
+    sp, be, npad = fm._align(ids, e, block_m)
+    nb = sp.numel() // block_m
+    flat_w = weights.flatten().float()
+    h = x.new_empty(pairs, inter)
+    y = x.new_empty(pairs, hidden)
+
+    def launch(bn: int, bk: int, warps: int, stages: int, even: bool | None = None) -> dict:
+        cfg = dict(BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, PER_PAIR=False, IEEE=False, num_warps=warps,
+                   num_stages=stages)
+        return {
+            "gate_up": lambda: fm._gate_up[(nb, triton.cdiv(inter, bn))](
+                x, gate_up, h, sp, be, npad, pairs, 0, topk, inter, hidden, x.stride(0), gate_up.stride(0),
+                gate_up.stride(1), h.stride(0), EVEN_K=hidden % bk == 0 if even is None else even, **cfg),
+            "down": lambda: fm._down[(nb, triton.cdiv(hidden, bn))](
+                h, down, y, flat_w, sp, be, npad, pairs, 0, hidden, inter, h.stride(0), down.stride(0),
+                down.stride(1), y.stride(0), EVEN_K=inter % bk == 0 if even is None else even, **cfg)}
+
+    return launch
+
+
 MOE_SWEEP_CONFIGS = [(64, 128, 4, 3), (128, 64, 4, 4), (128, 64, 8, 3), (128, 64, 8, 4), (64, 64, 4, 4),
                      (64, 64, 4, 5), (128, 32, 8, 5), (64, 128, 8, 3), (256, 64, 8, 3), (256, 32, 8, 4),
                      (128, 128, 8, 3)]
@@ -207,32 +243,18 @@ def moe_sweep_rows(mm_rate: float) -> list[dict]:
     """The fused MoE's two grouped GEMMs at a 4 x 2K-token prefill (V2-Lite: 64 experts, top 6, uniform
     routing), each tile configuration timed alone, with and without the K masks, as FLOP/s over the bf16 matmul
     rate: which configurations the autotuner should be offered."""
-    from deepinfer_kernels import fused_moe as fm
-
     e, hidden, inter, topk, tokens = 64, 2048, 1408, 6, 8192
     gate_up = torch.randn(e, 2 * inter, hidden, dtype=torch.bfloat16, device="cuda") * 0.02
     down = torch.randn(e, hidden, inter, dtype=torch.bfloat16, device="cuda") * 0.02
     x = torch.randn(tokens, hidden, dtype=torch.bfloat16, device="cuda")
     weights, ids = torch.rand(tokens, e, device="cuda").topk(topk, dim=-1)
     pairs = tokens * topk
-    flat_w = weights.flatten().float()
-    h = x.new_empty(pairs, inter)
-    y = x.new_empty(pairs, hidden)
+    flops = {"gate_up": 2 * pairs * hidden * 2 * inter, "down": 2 * pairs * inter * hidden}
     rows = []
     for block_m in (64, 128):
-        sp, be, npad = fm._align(ids, e, block_m)
-        nb = sp.numel() // block_m
+        launch = _moe_launchers(x, gate_up, down, weights, ids, block_m)
         for (bn, bk, warps, stages), even in itertools.product(MOE_SWEEP_CONFIGS, (True, False)):
-            cfg = dict(BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, PER_PAIR=False, IEEE=False, EVEN_K=even,
-                       num_warps=warps, num_stages=stages)
-            runs = {
-                "gate_up": (lambda: fm._gate_up[(nb, triton.cdiv(inter, bn))](
-                    x, gate_up, h, sp, be, npad, pairs, 0, topk, inter, hidden, x.stride(0), gate_up.stride(0),
-                    gate_up.stride(1), h.stride(0), **cfg), 2 * pairs * hidden * 2 * inter),
-                "down": (lambda: fm._down[(nb, triton.cdiv(hidden, bn))](
-                    h, down, y, flat_w, sp, be, npad, pairs, 0, hidden, inter, h.stride(0), down.stride(0),
-                    down.stride(1), y.stride(0), **cfg), 2 * pairs * inter * hidden)}
-            for name, (fn, flops) in runs.items():
+            for name, fn in launch(bn, bk, warps, stages, even).items():
                 try:
                     s = _time(fn)
                 except Exception as exc:  # out of shared memory or registers: not a candidate
@@ -240,7 +262,7 @@ def moe_sweep_rows(mm_rate: float) -> list[dict]:
                     continue
                 rows.append({"kernel": f"moe_sweep_{name}", "block_m": block_m, "block_n": bn, "block_k": bk,
                              "num_warps": warps, "num_stages": stages, "even_k": even, "us": s * 1e6,
-                             "fraction_of_matmul_rate": flops / s / mm_rate})
+                             "fraction_of_matmul_rate": flops[name] / s / mm_rate})
                 print(f"{name:8s} M{block_m} N{bn} K{bk} w{warps} s{stages} even_k={int(even)}: {s * 1e6:7.1f} us "
                       f"{rows[-1]['fraction_of_matmul_rate']:.3f}", flush=True)
     return rows
@@ -263,30 +285,17 @@ def moe_decode_sweep_rows(copy_bw: float) -> list[dict]:
         ids = torch.cat([routed.sort(dim=-1).values, shared], dim=1)
         weights = torch.rand(batch, topk, device="cuda")
         touched = int(ids.unique().numel())
-        pairs = batch * topk
-        block_m = fm._block_m(pairs, e)
-        sp, be, npad = fm._align(ids, e, block_m)
-        nb = sp.numel() // block_m
-        flat_w = weights.flatten().float()
-        h = x.new_empty(pairs, inter)
-        y = x.new_empty(pairs, hidden)
+        block_m = fm._block_m(batch * topk, e)
+        launch = _moe_launchers(x, gate_up, down, weights, ids, block_m)
         for bn, bk, warps, stages in itertools.product((32, 64, 128), (64, 128, 256), (4,), (2, 3, 4)):
-            cfg = dict(BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, PER_PAIR=False, IEEE=False, num_warps=warps,
-                       num_stages=stages)
-            runs = {
-                "gate_up": (lambda: fm._gate_up[(nb, triton.cdiv(inter, bn))](
-                    x, gate_up, h, sp, be, npad, pairs, 0, topk, inter, hidden, x.stride(0), gate_up.stride(0),
-                    gate_up.stride(1), h.stride(0), EVEN_K=hidden % bk == 0, **cfg), 2 * inter * hidden),
-                "down": (lambda: fm._down[(nb, triton.cdiv(hidden, bn))](
-                    h, down, y, flat_w, sp, be, npad, pairs, 0, hidden, inter, h.stride(0), down.stride(0),
-                    down.stride(1), y.stride(0), EVEN_K=inter % bk == 0, **cfg), hidden * inter)}
-            for name, (fn, numel) in runs.items():
+            for name, fn in launch(bn, bk, warps, stages).items():
                 try:
                     s = _graph_time(fn)
                 except Exception as exc:
                     print(name, batch, bn, bk, warps, stages, type(exc).__name__, flush=True)
                     continue
-                frac = touched * numel * 2 / s / copy_bw
+                weight_bytes = (2 if name == "gate_up" else 1) * inter * hidden * 2  # per touched expert
+                frac = touched * weight_bytes / s / copy_bw
                 rows.append({"kernel": f"moe_decode_sweep_{name}", "batch": batch, "block_m": block_m,
                              "block_n": bn, "block_k": bk, "num_warps": warps, "num_stages": stages,
                              "experts_touched": touched, "us": s * 1e6, "fraction_of_copy_bw": frac})
@@ -301,12 +310,8 @@ def gqa_decode_sweep_rows(context: int, copy_bw: float) -> list[dict]:
     rows = []
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     for batch in (16, 64, 256):
-        k = torch.randn(batch * context, 3, 64, dtype=torch.bfloat16, device="cuda")
-        v = torch.randn(batch * context, 3, 64, dtype=torch.bfloat16, device="cuda")
-        table = torch.arange(batch * context, device="cuda", dtype=torch.int32).view(batch, context)
-        q = torch.randn(batch, 9, 64, dtype=torch.bfloat16, device="cuda")
-        rows_ = torch.arange(batch, dtype=torch.int32, device="cuda")
-        lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
+        q, k, table, rows_, lens = _decode_inputs(batch, context, 9, 3, 64)
+        v = torch.randn_like(k)
         engine = num_splits_for(batch, 3, num_sms, 64)
         for splits, block_n, stages in itertools.product((1, 2, 4, 8, 16, 32), (32, 64, 128), (2, 3)):
             try:
