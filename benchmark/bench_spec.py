@@ -73,7 +73,7 @@ def main() -> None:
     if args.out is None:
         args.out = str(ROOT / "benchmark/results" / ("spec_h200.json" if args.device == "cuda" else "spec_cpu.json"))
 
-    from deepinfer_rt.spec import SpeculativeConfig
+    from deepinfer_rt.speculative import SpeculativeConfig
 
     common = dict(dtype=args.dtype, device=args.device, enable_prefix_cache=False, kv_cache_tokens=16384)
     engines = {"off": Engine(args.model, **common),

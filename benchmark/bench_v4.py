@@ -31,7 +31,7 @@ from deepinfer_rt.cache.kv_pool import KVPool
 from deepinfer_rt.config import ModelConfig
 from deepinfer_rt.forward_batch import ForwardBatch
 from deepinfer_rt.layers.attention.torch_ref import TorchRefBackend
-from deepinfer_rt.layers.v4_common import CSA, V4Config
+from deepinfer_rt.models.deepseek_v4.common import CSA, V4Config
 from deepinfer_rt.models.loader import build_model, load_model_config
 
 FLASH = Path(__file__).resolve().parents[1] / "deepinfer_rt" / "models" / "configs" / "deepseek-v4-flash"
@@ -74,7 +74,7 @@ def attended_kv_bytes(config: ModelConfig, context: int) -> int:
 
 
 def full_flash_params() -> int:
-    from deepinfer_rt.models.deepseek_v4 import DeepseekV4ForCausalLM
+    from deepinfer_rt.models.deepseek_v4.model import DeepseekV4ForCausalLM
 
     config, _ = load_model_config(FLASH)
     with torch.device("meta"):

@@ -25,8 +25,8 @@ from deepinfer_rt.request import GenerateOutput, Req
 from deepinfer_rt.sampler import Sampler, stream_seed
 from deepinfer_rt.sampling_params import SamplingParams
 from deepinfer_rt.scheduler.scheduler import Scheduler
-from deepinfer_rt.spec.config import SpeculativeConfig
-from deepinfer_rt.spec.decoder import build_spec_decoder
+from deepinfer_rt.speculative.config import SpeculativeConfig
+from deepinfer_rt.speculative.decoder import build_spec_decoder
 from deepinfer_rt.tokenizer import load_tokenizer
 
 logger = logging.getLogger("deepinfer_rt")

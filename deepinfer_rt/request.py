@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from deepinfer_rt.sampling_params import SamplingParams
-from deepinfer_rt.spec.stats import spec_stats
+from deepinfer_rt.speculative.stats import spec_stats
 
 
 class ReqStatus(enum.Enum):

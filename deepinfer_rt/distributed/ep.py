@@ -149,7 +149,7 @@ class ExpertParallelMoE:
 
 def moe_layers(model: nn.Module) -> list[nn.Module]:
     """The MoE blocks: modules with an `expert_parallel` hook slot, routed `experts` holding fused (E, ...)
-    tensors gate_up_proj and down_proj (layers/moe.py RoutedExperts, layers/v4_moe.py ClampedExperts), and
+    tensors gate_up_proj and down_proj (layers/moe.py RoutedExperts, models/deepseek_v4/moe.py ClampedExperts), and
     `shared_experts` (or None)."""
     return [m for m in model.modules() if hasattr(m, "expert_parallel") and hasattr(m, "experts")]
 

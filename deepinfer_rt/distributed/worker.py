@@ -33,7 +33,7 @@ from deepinfer_rt.distributed.eplb import (
     plan_moves,
     window_objective,
 )
-from deepinfer_rt.distributed.protocol import StepMsg, StepReply, WorkerArgs
+from deepinfer_rt.distributed.messages import StepMsg, StepReply, WorkerArgs
 from deepinfer_rt.env import get_env
 from deepinfer_rt.layers.attention.select import select_backend
 from deepinfer_rt.model_runner import ModelRunner

@@ -28,7 +28,7 @@ import zmq
 from deepinfer_rt.cache.kv_pool import PageAllocator
 from deepinfer_rt.config import EngineConfig, ModelConfig
 from deepinfer_rt.distributed.eplb import EPLBConfig
-from deepinfer_rt.distributed.protocol import (
+from deepinfer_rt.distributed.messages import (
     NewReq,
     StepItem,
     StepMsg,

@@ -2,7 +2,7 @@
 
 V2 and V3 differ only in configuration (router scoring/top-k method, rope layout), which the shared blocks read
 from ModelConfig. Multi-token-prediction layers stored after the last layer are not part of this model
-(speculative decoding loads them as a drafter: deepinfer_rt/spec/mtp.py).
+(speculative decoding loads them as a drafter: deepinfer_rt/speculative/mtp.py).
 """
 from __future__ import annotations
 

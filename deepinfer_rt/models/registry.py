@@ -10,7 +10,7 @@ _MODELS = {
     "MistralForCausalLM": ("deepinfer_rt.models.llama", "LlamaForCausalLM"),
     "DeepseekV2ForCausalLM": ("deepinfer_rt.models.deepseek_v3", "DeepseekV3ForCausalLM"),
     "DeepseekV3ForCausalLM": ("deepinfer_rt.models.deepseek_v3", "DeepseekV3ForCausalLM"),
-    "DeepseekV4ForCausalLM": ("deepinfer_rt.models.deepseek_v4", "DeepseekV4ForCausalLM"),
+    "DeepseekV4ForCausalLM": ("deepinfer_rt.models.deepseek_v4.model", "DeepseekV4ForCausalLM"),
 }
 
 

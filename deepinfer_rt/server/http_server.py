@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from deepinfer_rt.server import metrics, native_api, openai_api
 from deepinfer_rt.server.chat import make_chat_renderer
-from deepinfer_rt.server.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
+from deepinfer_rt.server.api_models import ChatCompletionRequest, CompletionRequest, GenerateRequest
 from deepinfer_rt.server.scheduler_process import run_scheduler_process
 from deepinfer_rt.server.tokenizer_manager import Overloaded, TokenizerManager
 

@@ -8,7 +8,7 @@ from fastapi.responses import StreamingResponse
 
 from deepinfer_rt.sampling_params import SamplingParams
 from deepinfer_rt.server.io_struct import SeqDelta
-from deepinfer_rt.server.protocol import GenerateRequest
+from deepinfer_rt.server.api_models import GenerateRequest
 from deepinfer_rt.server.tokenizer_manager import Overloaded, TokenizerManager
 
 

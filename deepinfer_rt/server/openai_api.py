@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from deepinfer_rt.server.chat import ChatRenderer, message_text
 from deepinfer_rt.server.io_struct import SeqDelta
-from deepinfer_rt.server.protocol import ChatCompletionRequest, CompletionRequest
+from deepinfer_rt.server.api_models import ChatCompletionRequest, CompletionRequest
 
 
 def completion_inputs(req: CompletionRequest, encode) -> list[list[int]]:

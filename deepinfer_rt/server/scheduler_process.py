@@ -14,7 +14,7 @@ from collections import deque
 
 import zmq
 
-from deepinfer_rt.server.detokenizer import TrackedRequest, take_deltas
+from deepinfer_rt.server.stream_deltas import TrackedRequest, take_deltas
 from deepinfer_rt.server.io_struct import (AbortReq, ControlOutput, ControlReq, GenerateReqInput, ReadyMessage,
                                            SeqDelta, ShutdownReq)
 

@@ -15,7 +15,7 @@ import torch
 from deepinfer_rt.cache.kv_pool import KVPool
 from deepinfer_rt.forward_batch import ForwardBatch
 from deepinfer_rt.layers.attention.torch_ref import TorchRefBackend
-from deepinfer_rt.layers.v4_common import PoolColumns, V4Config
+from deepinfer_rt.models.deepseek_v4.common import PoolColumns, V4Config
 from deepinfer_rt.models.loader import build_model, load_model_config
 
 ATOL = 1e-4

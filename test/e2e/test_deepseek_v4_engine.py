@@ -14,7 +14,7 @@ import torch
 
 import deepinfer_rt
 from deepinfer_rt import Engine, SamplingParams
-from deepinfer_rt.models.deepseek_v4 import DeepseekV4ForCausalLM
+from deepinfer_rt.models.deepseek_v4.model import DeepseekV4ForCausalLM
 from deepinfer_rt.models.loader import load_model_config
 from helpers import hf_greedy
 

@@ -9,7 +9,7 @@ import dataclasses
 import random
 
 from deepinfer_rt import Engine, SamplingParams
-from deepinfer_rt.spec.config import SpeculativeConfig
+from deepinfer_rt.speculative.config import SpeculativeConfig
 
 _GREEDY = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
 _SAMPLED = SamplingParams(max_new_tokens=12, temperature=1.0, seed=99, ignore_eos=True)

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from deepinfer_rt import Engine, SamplingParams
-from deepinfer_rt.spec import SpeculativeConfig
-from deepinfer_rt.spec.drafter import Drafter, Proposal
+from deepinfer_rt.speculative import SpeculativeConfig
+from deepinfer_rt.speculative.drafter import Drafter, Proposal
 
 PROMPTS = [[5, 17, 300, 9, 17, 300, 9, 44, 81, 2000], [100, 200, 300, 400, 100, 200, 7, 8],
            list(range(1000, 1040)), [42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 54, 55, 56, 57, 58]]

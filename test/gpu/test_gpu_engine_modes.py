@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from deepinfer_rt import Engine, SamplingParams
-from deepinfer_rt.spec import SpeculativeConfig
+from deepinfer_rt.speculative import SpeculativeConfig
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 

@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 from deepinfer_rt.request import Req
 from deepinfer_rt.sampling_params import SamplingParams
-from deepinfer_rt.spec.drafter import PromptLookupDrafter, find_continuation
+from deepinfer_rt.speculative.drafter import PromptLookupDrafter, find_continuation
 
 
 def naive(tokens: list[int], k: int, lo: int, hi: int) -> list[int]:

@@ -9,8 +9,8 @@ import pytest
 from deepinfer_rt.constrained.grammar import GrammarBackend
 from deepinfer_rt.request import Req
 from deepinfer_rt.sampling_params import SamplingParams
-from deepinfer_rt.spec.drafter import PromptLookupDrafter
-from deepinfer_rt.spec.grammar_draft import GrammarDrafter, copy_from_prompt, scan_json
+from deepinfer_rt.speculative.drafter import PromptLookupDrafter
+from deepinfer_rt.speculative.grammar_draft import GrammarDrafter, copy_from_prompt, scan_json
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
                                            "occupation": {"type": "string"}, "city": {"type": "string"}},

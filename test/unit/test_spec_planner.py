@@ -7,7 +7,7 @@ import itertools
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from deepinfer_rt.spec.planner import StepTimeModel, plan_drafts
+from deepinfer_rt.speculative.planner import StepTimeModel, plan_drafts
 
 
 def objective(conf, counts, base, model) -> float:

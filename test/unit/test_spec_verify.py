@@ -10,8 +10,8 @@ from scipy.stats import chisquare
 from deepinfer_rt.request import Req
 from deepinfer_rt.sampler import Sampler
 from deepinfer_rt.sampling_params import SamplingParams
-from deepinfer_rt.spec.drafter import Proposal
-from deepinfer_rt.spec.verify import draft_rows, verify
+from deepinfer_rt.speculative.drafter import Proposal
+from deepinfer_rt.speculative.verify import draft_rows, verify
 
 V = 12
 ALPHA = 1e-3

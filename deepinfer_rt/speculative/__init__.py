@@ -7,6 +7,6 @@
     verify.py    exact verification (greedy prefix match, rejection sampling)
     decoder.py   the hooks the scheduler, model runner and engine call
 """
-from deepinfer_rt.spec.config import SpeculativeConfig
+from deepinfer_rt.speculative.config import SpeculativeConfig
 
 __all__ = ["SpeculativeConfig"]

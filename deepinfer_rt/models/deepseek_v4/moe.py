@@ -15,9 +15,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from deepinfer_rt.layers import batch_invariant, v4_invariant
+from deepinfer_rt.layers import batch_invariant
+from deepinfer_rt.models.deepseek_v4 import invariant as v4_invariant
 from deepinfer_rt.layers.linear import Linear
-from deepinfer_rt.layers.v4_common import V4Config
+from deepinfer_rt.models.deepseek_v4.common import V4Config
 
 
 def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:

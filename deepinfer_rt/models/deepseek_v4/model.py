@@ -3,7 +3,7 @@ compressed (HCA) attention, hyper-connection residual streams, hash-routed then 
 
 Module names follow the released checkpoints (what transformers' save_pretrained writes back): attn, ffn,
 attn_norm, ffn_norm, hc_attn_*, hc_ffn_*, hc_head, head. Multi-token-prediction weights (mtp.*) are not run.
-What the KV pool keeps per token and layer is described in layers/v4_common.py.
+What the KV pool keeps per token and layer is described in models/deepseek_v4/common.py.
 
 Not covered (the V4.1 line): compression ratios 1 and 2, shifted hyper-connections, cross-layer KV sharing,
 YOCO, Engram, and the DSpark draft model.
@@ -20,12 +20,12 @@ from deepinfer_rt.cache.kv_pool import KVLayout, KVPool
 from deepinfer_rt.config import ModelConfig
 from deepinfer_rt.forward_batch import ForwardBatch
 from deepinfer_rt.layers.batch_invariant import linear
-from deepinfer_rt.layers.hyper_connections import HyperConnection, HyperHead
+from deepinfer_rt.models.deepseek_v4.hyper_connections import HyperConnection, HyperHead
 from deepinfer_rt.layers.moe import fuse_expert_weights
-from deepinfer_rt.layers.v4_attention import V4Attention
-from deepinfer_rt.layers.v4_batch import V4Batch, build_v4_batch
-from deepinfer_rt.layers.v4_common import SLIDING, PoolColumns, V4Config, V4RMSNorm, V4Rotary
-from deepinfer_rt.layers.v4_moe import V4MoE
+from deepinfer_rt.models.deepseek_v4.attention import V4Attention
+from deepinfer_rt.models.deepseek_v4.batch import V4Batch, build_v4_batch
+from deepinfer_rt.models.deepseek_v4.common import SLIDING, PoolColumns, V4Config, V4RMSNorm, V4Rotary
+from deepinfer_rt.models.deepseek_v4.moe import V4MoE
 from deepinfer_rt.models.base import CausalLM
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")

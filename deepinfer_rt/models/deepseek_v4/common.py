@@ -23,7 +23,7 @@ from torch import nn
 
 from deepinfer_rt.config import ModelConfig
 from deepinfer_rt.layers import batch_invariant
-from deepinfer_rt.layers.v4_invariant import one_row_safe
+from deepinfer_rt.models.deepseek_v4.invariant import one_row_safe
 
 SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
 _SCORING = ("sqrtsoftplus", "softmax", "sigmoid")

@@ -22,7 +22,7 @@ import torch
 
 from deepinfer_rt.request import Req
 from deepinfer_rt.sampler import filter_logits, stream_seed, uniform_noise
-from deepinfer_rt.spec.drafter import Proposal
+from deepinfer_rt.speculative.drafter import Proposal
 
 _ACCEPT_SALT = 0x5BD1E9955BD1E995
 """Separates the acceptance uniforms from the sampler's noise stream of the same (seed, position)."""

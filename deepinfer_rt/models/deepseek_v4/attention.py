@@ -13,12 +13,13 @@ import torch
 from torch import nn
 
 from deepinfer_rt.cache.kv_pool import KVPool
-from deepinfer_rt.layers import batch_invariant, v4_invariant
+from deepinfer_rt.layers import batch_invariant
+from deepinfer_rt.models.deepseek_v4 import invariant as v4_invariant
 from deepinfer_rt.layers.linear import Linear
-from deepinfer_rt.layers.v4_batch import AttnGroup, V4Batch
-from deepinfer_rt.layers.v4_common import (CSA, SLIDING, PoolColumns, V4Config, V4RMSNorm, V4Rotary,
+from deepinfer_rt.models.deepseek_v4.batch import AttnGroup, V4Batch
+from deepinfer_rt.models.deepseek_v4.common import (CSA, SLIDING, PoolColumns, V4Config, V4RMSNorm, V4Rotary,
                                            apply_rope, unweighted_rms_norm)
-from deepinfer_rt.layers.v4_compressor import Compressor, Indexer
+from deepinfer_rt.models.deepseek_v4.compressor import Compressor, Indexer
 
 
 class V4Attention(nn.Module):
@@ -92,7 +93,7 @@ class V4Attention(nn.Module):
 
     def _attend_invariant(self, g: AttnGroup, q: torch.Tensor, x: torch.Tensor, q_residual: torch.Tensor,
                           positions: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
-        """_attend with each query's keys in its own fixed blocks (layers/v4_invariant.py)."""
+        """_attend with each query's keys in its own fixed blocks (models/deepseek_v4/invariant.py)."""
         entry_slots = entry_mask = None
         if self.ratio:
             entry_slots, entry_mask = g.entry_slots[self.ratio], g.entry_mask[self.ratio]

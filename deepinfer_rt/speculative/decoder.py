@@ -16,11 +16,11 @@ import torch
 
 from deepinfer_rt.cache.kv_pool import KVLayout
 from deepinfer_rt.request import Req
-from deepinfer_rt.spec.config import SpeculativeConfig
-from deepinfer_rt.spec.drafter import Drafter, PromptLookupDrafter, Proposal
-from deepinfer_rt.spec.planner import StepTimeModel, plan_drafts
-from deepinfer_rt.spec.stats import spec_stats
-from deepinfer_rt.spec.verify import draft_rows, num_grammar_valid, verify
+from deepinfer_rt.speculative.config import SpeculativeConfig
+from deepinfer_rt.speculative.drafter import Drafter, PromptLookupDrafter, Proposal
+from deepinfer_rt.speculative.planner import StepTimeModel, plan_drafts
+from deepinfer_rt.speculative.stats import spec_stats
+from deepinfer_rt.speculative.verify import draft_rows, num_grammar_valid, verify
 
 
 _FORCED_CONFIDENCE = 0.9
@@ -130,13 +130,13 @@ def build_spec_decoder(config: SpeculativeConfig, model, model_config, path, loa
     if config.drafter is not None:
         drafter = config.drafter
     elif config.method == "prompt_lookup":
-        from deepinfer_rt.spec.grammar_draft import GrammarDrafter
+        from deepinfer_rt.speculative.grammar_draft import GrammarDrafter
         from deepinfer_rt.tokenizer import load_tokenizer
 
         # Constrained requests draft the grammar's text too (tokenized as the engine's tokenizer does).
         drafter = GrammarDrafter(load_tokenizer(path), PromptLookupDrafter(config.min_ngram, config.max_ngram))
     else:
-        from deepinfer_rt.spec.mtp import MTPDrafter
+        from deepinfer_rt.speculative.mtp import MTPDrafter
 
         drafter = MTPDrafter.load(model, model_config, path, load_format, seed, config.num_draft)
     return SpecDecoder(config, drafter, batch_invariant, model_config.max_position)

@@ -14,8 +14,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from deepinfer_rt.layers import batch_invariant, v4_invariant
-from deepinfer_rt.layers.v4_common import V4Config, unweighted_rms_norm
+from deepinfer_rt.layers import batch_invariant
+from deepinfer_rt.models.deepseek_v4 import invariant as v4_invariant
+from deepinfer_rt.models.deepseek_v4.common import V4Config, unweighted_rms_norm
 
 
 class HyperConnection(nn.Module):

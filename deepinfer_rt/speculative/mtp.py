@@ -34,7 +34,7 @@ from deepinfer_rt.models.deepseek_v3 import DeepseekV3ForCausalLM, is_moe_layer
 from deepinfer_rt.models.loader import finalize
 from deepinfer_rt.request import Req
 from deepinfer_rt.sampler import stream_seed
-from deepinfer_rt.spec.drafter import Drafter, Proposal
+from deepinfer_rt.speculative.drafter import Drafter, Proposal
 
 _DRAFT_SALT = 0x2545F4914F6CDD1D
 """Separates the drafter's draws from the target sampler's noise of the same (seed, position)."""

@@ -1,11 +1,11 @@
-"""layers/v4_invariant.py: the blockwise attention and indexer scores equal the plain formulas (over several key
+"""models/deepseek_v4/invariant.py: the blockwise attention and indexer scores equal the plain formulas (over several key
 blocks) and give a query the same bits whatever other queries share the call."""
 from __future__ import annotations
 
 import torch
 
-from deepinfer_rt.layers import v4_invariant
-from deepinfer_rt.layers.v4_invariant import KEY_BLOCK
+from deepinfer_rt.models.deepseek_v4 import invariant as v4_invariant
+from deepinfer_rt.models.deepseek_v4.invariant import KEY_BLOCK
 
 
 def _reference_attend(q, keys, valid, scale, sink):

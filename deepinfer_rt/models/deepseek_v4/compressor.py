@@ -15,10 +15,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from deepinfer_rt.layers import batch_invariant, v4_invariant
+from deepinfer_rt.layers import batch_invariant
+from deepinfer_rt.models.deepseek_v4 import invariant as v4_invariant
 from deepinfer_rt.layers.linear import Linear
-from deepinfer_rt.layers.v4_batch import Windows
-from deepinfer_rt.layers.v4_common import V4Config, V4RMSNorm, V4Rotary, apply_rope
+from deepinfer_rt.models.deepseek_v4.batch import Windows
+from deepinfer_rt.models.deepseek_v4.common import V4Config, V4RMSNorm, V4Rotary, apply_rope
 
 
 class Compressor(nn.Module):
@@ -87,7 +88,7 @@ class Indexer(nn.Module):
 
     def _select_invariant(self, q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor,
                           visible: torch.Tensor) -> torch.Tensor:
-        """select() per query: q (G*Q, H, Di), weights (G*Q, H) (layers/v4_invariant.py)."""
+        """select() per query: q (G*Q, H, Di), weights (G*Q, H) (models/deepseek_v4/invariant.py)."""
         g, q_len, num_entries = visible.shape
         per_query = keys.float()[:, None].expand(g, q_len, *keys.shape[1:]).reshape(g * q_len, *keys.shape[1:])
         scores = v4_invariant.index_scores(q.float(), per_query, weights, self.head_dim ** -0.5)

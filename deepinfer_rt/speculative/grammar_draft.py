@@ -20,7 +20,7 @@ from __future__ import annotations
 import weakref
 
 from deepinfer_rt.request import Req
-from deepinfer_rt.spec.drafter import Drafter, PromptLookupDrafter, Proposal
+from deepinfer_rt.speculative.drafter import Drafter, PromptLookupDrafter, Proposal
 
 _INDENT = "  "
 _STRUCTURAL = '":,}]{['
