@@ -136,8 +136,8 @@ def measure(engine: Engine, batch: int, prompt_len: int, max_new: int, repeats: 
         return [[rng.randrange(vocab) for _ in range(prompt_len)] for _ in range(batch)]
 
     timed(engine, prompts(), max(max_new, warmup_steps))  # warm-up (with EPLB: the first rearrangements)
-    if hasattr(engine.runner, "reset_stats"):
-        engine.runner.reset_stats()
+    if hasattr(engine.executor, "reset_stats"):
+        engine.executor.reset_stats()
     runs = []
     for _ in range(repeats):
         full, prefill = timed(engine, prompts(), max_new), timed(engine, prompts(), 1)

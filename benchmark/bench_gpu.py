@@ -175,7 +175,7 @@ def bench_decode(engine: Engine, batch: int, context: int, steps: int, copy_bw: 
            "floor_bytes": floor["bytes"], "fraction_of_floor": tok_s / floor["tok_s"]}
     if profile_steps:
         row["step_profile"] = _step_profile(engine, profile_steps)
-    graphs = engine.runner.graphs
+    graphs = engine.executor.graphs
     if graphs is not None and batch in graphs._graphs:
         # The step that just ran, every row still decoding: replay it (inputs kept). Replaying rewrites the same
         # KV slots with the same values.

@@ -71,7 +71,7 @@ def _sync(device: str) -> None:
 
 def _graph_step_s(engine: Engine, batch: int) -> float | None:
     """Median GPU seconds of one decode step of `batch` rows: graph replay + LM head + argmax (CUDA events)."""
-    graphs = engine.runner.graphs
+    graphs = engine.executor.graphs
     bs = None if graphs is None else next((b for b in graphs.batch_sizes if b >= batch), None)
     if bs is None:
         return None
@@ -158,7 +158,7 @@ def main() -> None:
     timer = _Timer(args.device)
     timer.wrap(engine.model, "forward", "forward")
     timer.wrap(engine.model, "compute_logits", "forward")
-    timer.wrap(engine.runner, "build", "build")
+    timer.wrap(engine.executor, "build", "build")
     result = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
               "model": args.model, "torch": torch.__version__, "args": vars(args),
               "clock": "wall" if args.device == "cuda" else "main-thread CPU time",

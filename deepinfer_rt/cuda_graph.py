@@ -27,10 +27,9 @@ import numpy as np
 import torch
 
 from deepinfer_rt.cache.kv_pool import KVPool
-from deepinfer_rt.forward_batch import ForwardBatch
+from deepinfer_rt.forward_batch import ForwardBatch, resolve_placeholders
 from deepinfer_rt.layers.batch_invariant import batch_invariant_mode
 from deepinfer_rt.models.base import CausalLM
-from deepinfer_rt.overlap import resolve_placeholders
 from deepinfer_rt.request import Req
 from deepinfer_rt.scheduler.batch import ScheduledBatch
 
@@ -209,9 +208,11 @@ class CudaGraphRunner:
         self.pages.rows(new)
         self._staged.record()
 
-    def run(self, batch: ScheduledBatch, future: torch.Tensor | None = None) -> torch.Tensor | None:
-        """Hidden states (n, hidden) of a decode batch, or None when it does not fit a graph. `future`: the
-        previous step's tokens on the device, read where token ids are placeholders (overlap scheduling)."""
+    def run(self, batch: ScheduledBatch, input_ids: list[int] | None = None,
+            future: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Hidden states (n, hidden) of a decode batch, or None when it does not fit a graph. `input_ids`: each
+        row's token when some are placeholders (-1 - k) for the previous step's tokens `future`, still on the
+        device (overlap scheduling, model_runner); by default the requests' tokens at their positions."""
         if not self.can_run(batch):
             return None
         # Under overlap scheduling the previous step's upload may still be queued behind the GPU's work:
@@ -225,7 +226,8 @@ class CudaGraphRunner:
         bs = next(b for b in self.batch_sizes if b >= n)
         ps = self.page_size
         positions = [it.start for it in batch.items]
-        self._stage[_TOKEN, :n] = torch.tensor([r.token_ids[p] for r, p in zip(reqs, positions)])
+        self._stage[_TOKEN, :n] = torch.tensor(input_ids if input_ids is not None
+                                               else [r.token_ids[p] for r, p in zip(reqs, positions)])
         self._stage[_POS, :n] = torch.tensor(positions)
         self._stage[_SLOT, :n] = torch.tensor([r.pages[p // ps] * ps + p % ps for r, p in zip(reqs, positions)])
         self._stage[_ROW, :n] = torch.tensor(rows)

@@ -6,7 +6,8 @@ import itertools
 import logging
 import os
 import random
-import threading
+import weakref
+from dataclasses import dataclass
 from typing import AsyncIterator, Iterator, Sequence
 
 import torch
@@ -15,15 +16,17 @@ from deepinfer_rt.cache.base import NoPrefixCache, PrefixCache
 from deepinfer_rt.cache.kv_pool import KVPool
 from deepinfer_rt.cache.radix_cache import RadixCache
 from deepinfer_rt.config import CacheConfig, EngineConfig, SchedulerConfig
+from deepinfer_rt.engine_loop import EngineLoop
 from deepinfer_rt.env import get_env
+from deepinfer_rt.executor import Executor
 from deepinfer_rt.layers.attention.select import select_backend
 from deepinfer_rt.model_runner import ModelRunner
 from deepinfer_rt.models.loader import build_model, load_model_config, resolve_model_path
 from deepinfer_rt.output_processor import OutputProcessor
-from deepinfer_rt.overlap import OverlapScheduler
 from deepinfer_rt.request import GenerateOutput, Req
 from deepinfer_rt.sampler import Sampler, stream_seed
 from deepinfer_rt.sampling_params import SamplingParams
+from deepinfer_rt.scheduler.batch import ScheduledBatch
 from deepinfer_rt.scheduler.scheduler import Scheduler
 from deepinfer_rt.speculative.config import SpeculativeConfig
 from deepinfer_rt.speculative.decoder import build_spec_decoder
@@ -31,6 +34,8 @@ from deepinfer_rt.tokenizer import load_tokenizer
 
 logger = logging.getLogger("deepinfer_rt")
 
+_GRAMMAR_WAIT_S = 0.05
+"""Longest the loop waits at once for a grammar compilation when nothing else can run."""
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -77,10 +82,10 @@ class Engine:
 
             if speculative is not None:
                 raise ValueError("speculative decoding does not run with the expert-parallel worker pool yet")
-            # The model lives in the EP worker processes; the pool here is the page allocator over theirs.
+            # The model lives in the EP worker processes; the pool's allocator hands out pages of theirs.
             self.model = None
-            self.runner = WorkerPool(self.config, path, mc, self.eos_ids)
-            self.pool = self.runner.pool
+            self.executor: Executor = WorkerPool(self.config, path, mc, self.eos_ids)
+            self.pool = self.executor
         else:
             self.model = build_model(self.model_config, path, load_format, self.config.dtype, dev, seed)
             # Speculative decoding (off unless asked): "prompt_lookup", "mtp" or a SpeculativeConfig.
@@ -89,29 +94,30 @@ class Engine:
                 self.config.batch_invariant, seed)
             self.pool = KVPool(self._kv_layout(), self._num_pages(), page_size, self.config.dtype, dev)
             backend = select_backend(dev, self.config.batch_invariant)
-            self.runner = ModelRunner(self.model, self.pool, backend, self.sampler, dev, self.eos_ids,
-                                      batch_invariant=self.config.batch_invariant)
-            self.runner.spec = self.spec
+            overlap = env.overlap if env.overlap is not None else dev.type == "cuda"
+            runner = ModelRunner(self.model, self.pool, backend, self.sampler, dev, self.eos_ids,
+                                 batch_invariant=self.config.batch_invariant, is_overlap_enabled=overlap)
+            runner.spec = self.spec
             if dev.type == "cuda" and env.cuda_graph_max_bs > 0 and self.model.supports_cuda_graphs:
                 from deepinfer_rt.cuda_graph import CudaGraphRunner
 
-                self.runner.graphs = CudaGraphRunner(self.model, self.pool, backend, min(max_num_seqs,
-                                                     env.cuda_graph_max_bs), min(mc.max_position,
-                                                     env.cuda_graph_max_context),
-                                                     batch_invariant=self.config.batch_invariant)
-        self.cache: PrefixCache = (RadixCache(self.pool.allocator, page_size) if enable_prefix_cache
-                                   else NoPrefixCache(self.pool.allocator, page_size))
-        self.scheduler = Scheduler(self.config.scheduler, self.pool, self.cache)
+                runner.graphs = CudaGraphRunner(self.model, self.pool, backend, min(max_num_seqs,
+                                                env.cuda_graph_max_bs), min(mc.max_position,
+                                                env.cuda_graph_max_context),
+                                                batch_invariant=self.config.batch_invariant)
+            self.executor = runner
+        self.cache: PrefixCache = (RadixCache(self.executor.allocator, page_size) if enable_prefix_cache
+                                   else NoPrefixCache(self.executor.allocator, page_size))
+        self.scheduler = Scheduler(self.config.scheduler, self.executor, self.cache)
         self.scheduler.spec = self.spec
         self.outputs = OutputProcessor(self.tokenizer, self.eos_ids, mc.max_position)
-        overlap = env.overlap if env.overlap is not None else dev.type == "cuda"
-        self.overlap = (OverlapScheduler(self) if overlap and self.spec is None
-                        and isinstance(self.runner, ModelRunner) else None)
         self._rng = random.Random(seed)
         self._rids = itertools.count()
-        self._lock = threading.RLock()
         self._grammar = None
-        self._closed = False
+        self._inflight: _Inflight | None = None
+        self._loop = EngineLoop(self.step, self._fail_step, self._is_busy)
+        self._cond = self._loop.cond
+        weakref.finalize(self, self._loop.close)  # an engine never shut down still ends its loop thread
 
     # ---- sizing ----
     def _num_pages(self) -> int:
@@ -139,16 +145,42 @@ class Engine:
 
     # ---- the loop ----
     def step(self) -> list[Req]:
-        """One scheduling step; returns the requests that finished in it."""
-        if self.overlap is not None:
-            return self.overlap.step()
+        """One turn of the loop: schedule -> launch -> complete; returns the requests that finished. A step that
+        can overlap stays in flight until the next one is launched behind it; any other completes at once."""
+        self._loop.check_driver()
         finished = self._poll_grammars()
         batch = self.scheduler.schedule()
-        if batch.is_empty:
-            return finished + self._idle()
-        result = self.runner.run(batch)
-        self.scheduler.update(batch)
-        return finished + self._process(batch, result)
+        is_overlapped = self.executor.can_overlap(batch)
+        if not is_overlapped:  # this batch needs the step in flight on the host first
+            finished += self._complete_inflight()
+            batch = batch.unfinished()
+        handle = None if batch.is_empty else self.executor.launch(batch, self._inflight and self._inflight.handle)
+        finished += self._complete_inflight()  # the step before, applied while this one computes
+        return finished + (self._idle() if handle is None else self._start(batch, handle, is_overlapped))
+
+    def _start(self, batch: ScheduledBatch, handle, is_overlapped: bool) -> list[Req]:
+        """A launched step: overlapped, it counts its tokens in flight and moves the computed counts on now (the
+        next schedule needs them); otherwise it completes here."""
+        if not is_overlapped:
+            result = self.executor.collect(handle)
+            self.scheduler.update(batch, result.num_accepted)
+            return self._process(batch, result)
+        live = batch.unfinished()  # the step completed meanwhile finished some (their rows are dropped)
+        for item in live.items:
+            item.req.num_inflight_tokens += 1
+        self.scheduler.update(live)
+        self._inflight = _Inflight(batch, handle, [it.req for it in live.items])
+        return []
+
+    def _complete_inflight(self) -> list[Req]:
+        """Apply the overlapped step in flight, if any, as the synchronous engine would have."""
+        inflight, self._inflight = self._inflight, None
+        if inflight is None:
+            return []
+        result = self.executor.collect(inflight.handle)
+        for req in inflight.counted:
+            req.num_inflight_tokens -= 1
+        return self._process(inflight.batch, result)
 
     def _poll_grammars(self) -> list[Req]:
         """Constrained requests wait until their grammar is compiled (off this thread); a failed or timed-out
@@ -167,7 +199,8 @@ class Engine:
     def _idle(self) -> list[Req]:
         pending = [r.grammar_handle for r in self.scheduler.waiting if r.is_grammar_pending]
         if pending and not self.scheduler.has_runnable:
-            self._grammar.wait(pending)
+            # Not long: a request submitted meanwhile is admitted by the next turn of the loop.
+            self._grammar.wait(pending, max_wait_s=_GRAMMAR_WAIT_S)
         elif self.scheduler.waiting and not self.scheduler.running:
             raise RuntimeError("scheduler made no progress with requests waiting")  # a bug, never a hang
         return []
@@ -180,26 +213,49 @@ class Engine:
 
             self._grammar = GrammarBackend(self.tokenizer, self.model_config.vocab_size, self.eos_ids,
                                            get_env().grammar_compile_timeout_s)
-            self.runner.grammar = self._grammar
+            self.executor.grammar = self._grammar
         return self._grammar
 
-    def _process(self, batch, result) -> list[Req]:
-        for i, (first, values) in result.prompt_logprobs.items():
-            self.outputs.add_prompt_logprobs(batch.items[i].req, first, values)
-        finished = []
-        for j, (i, token) in enumerate(result.sampled):
-            req = batch.items[i].req
-            if req.is_finished:
-                continue  # verified drafts past a stop
-            lp, top = result.logprobs_of(j)
-            if self.outputs.append_token(req, token, lp, top):
+    def _process(self, batch: ScheduledBatch, result) -> list[Req]:
+        """Apply a completed step's tokens, logprobs and stop conditions. An error while handling one request
+        (its grammar, its text) finishes that request alone."""
+        with self._cond:  # stream readers take text deltas under this lock
+            for i, (first, values) in result.prompt_logprobs.items():
+                self.outputs.add_prompt_logprobs(batch.items[i].req, first, values)
+            pairs = [(batch.items[i].req, token, j) for j, (i, token) in enumerate(result.sampled)]
+            pairs = [(req, token, j) for req, token, j in pairs if not req.is_finished]  # drafts past a stop
+            if result.sample is not None and result.sample.logprobs is None and len(pairs) == len(batch.items):
+                done = self._append_batched([req for req, _, _ in pairs], [token for _, token, _ in pairs])
+            else:
+                done = [self._append_one(req, token, *result.logprobs_of(j)) for req, token, j in pairs]
+            finished = [req for (req, _, _), d in zip(pairs, done) if d]
+            for req in finished:
+                self.scheduler.abort_waiting(req)  # retracted in the step scheduled since (overlap)
                 self.scheduler.finish(req)
-                finished.append(req)
-        return finished
+            return finished
+
+    def _append_one(self, req: Req, token: int, logprob, top) -> bool:
+        try:
+            return self.outputs.append_token(req, token, logprob, top)
+        except Exception as e:  # noqa: BLE001 -- that request fails, the step goes on
+            logger.exception("request %d: failed to apply its token", req.rid)
+            req.finish("error", f"failed to apply a sampled token: {type(e).__name__}: {e}")
+            return True
+
+    def _append_batched(self, reqs: list[Req], tokens: list[int]) -> list[bool]:
+        """One token per request, detokenized in batched tokenizer calls (decode steps at large batches)."""
+        try:
+            return self.outputs.append_tokens(reqs, tokens)
+        except Exception as e:  # noqa: BLE001
+            logger.exception("failed to apply a decode step's tokens")
+            for req in reqs:
+                if not req.is_finished:
+                    req.finish("error", f"failed to apply a sampled token: {type(e).__name__}: {e}")
+            return [True] * len(reqs)
 
     # ---- submission ----
     def _make_reqs(self, prompts, input_ids, sampling_params) -> list[list[Req]]:
-        if self._closed:
+        if self._loop.is_closed:
             raise RuntimeError("engine is shut down")
         if (prompts is None) == (input_ids is None):
             raise ValueError("generate: give exactly one of prompts or input_ids")
@@ -252,32 +308,33 @@ class Engine:
         return groups
 
     def _submit(self, prompts=None, input_ids=None, sampling_params=None) -> list[list[Req]]:
-        with self._lock:
-            groups = self._make_reqs(prompts, input_ids, sampling_params)
-            for group in groups:
-                for req in group:
-                    self.scheduler.add(req)
-            return groups
+        """Validate and build the requests here, on the caller's thread; the loop admits them."""
+        groups = self._make_reqs(prompts, input_ids, sampling_params)
+        reqs = [r for g in groups for r in g]
+        self._loop.post(lambda: [self.scheduler.add(r) for r in reqs])
+        return groups
 
-    def _step_locked(self) -> None:
-        with self._lock:
-            if self.scheduler.has_work:
-                self.step()
-
-    def _run_until_done(self, reqs: Sequence[Req]) -> None:
-        # Any thread driving steps advances every request in flight, so concurrent callers batch together.
-        while not all(r.is_finished for r in reqs):
-            with self._lock:
-                if all(r.is_finished for r in reqs):
-                    break
-                self.step()
+    def _fail_step(self, error: BaseException) -> None:
+        """A step raised (a fault of the step itself, e.g. a device error): its requests finish with an error and
+        the loop goes on with the rest. With nothing running, the fault was in admitting the waiting ones."""
+        message = f"internal error in the engine step: {type(error).__name__}: {error}"
+        inflight, self._inflight = self._inflight, None
+        failed = list(self.scheduler.running) + (inflight.counted if inflight else [])
+        if not failed:
+            failed = list(self.scheduler.waiting)
+        for req in failed:
+            req.num_inflight_tokens = 0
+            if not req.is_finished:
+                self.scheduler.abort_waiting(req)
+                self.scheduler.finish(req)
+                req.finish("error", message)
 
     # ---- public API ----
     def generate(self, prompts: list[str] | str | None = None, input_ids: list[list[int]] | None = None,
                  sampling_params: SamplingParams | list[SamplingParams] | None = None) -> list[GenerateOutput]:
         groups = self._submit(prompts, input_ids, sampling_params)
         reqs = [r for g in groups for r in g]
-        self._run_until_done(reqs)
+        self._loop.wait(lambda: all(r.is_finished for r in reqs))
         if logger.isEnabledFor(logging.INFO):
             logger.info("generate: %d requests done; engine stats %s", len(reqs), self.stats)
         return [GenerateOutput.from_req(r) for r in reqs]
@@ -290,12 +347,12 @@ class Engine:
             raise ValueError("SamplingParams.n: stream serves one sequence (n=1)")
         (req,), = self._submit([prompt] if prompt is not None else None,
                                [input_ids] if input_ids is not None else None, params)
+        seen = -1
         while True:
-            with self._lock:
-                if not req.is_finished:
-                    self.step()
-            finished = req.is_finished
-            delta = req.detokenizer.take_delta(finished)
+            self._loop.wait(lambda: req.is_finished or len(req.token_ids) != seen)
+            with self._cond:
+                finished, seen = req.is_finished, len(req.token_ids)
+                delta = req.detokenizer.take_delta(finished)
             if delta:
                 yield delta
             if finished:
@@ -307,54 +364,77 @@ class Engine:
                              ) -> list[GenerateOutput]:
         groups = self._submit(prompts, input_ids, sampling_params)
         reqs = [r for g in groups for r in g]
-        while not all(r.is_finished for r in reqs):
-            await asyncio.to_thread(self._step_locked)
+        await self._loop.async_wait(lambda: all(r.is_finished for r in reqs))
         return [GenerateOutput.from_req(r) for r in reqs]
 
-    async def async_stream(self, prompt: str | None = None, sampling_params: SamplingParams | None = None
-                           ) -> AsyncIterator[str]:
+    async def async_stream(self, prompt: str | None = None, sampling_params: SamplingParams | None = None,
+                           input_ids: list[int] | None = None) -> AsyncIterator[str]:
         params = sampling_params or SamplingParams()
-        (req,), = self._submit([prompt], None, params)
+        if params.n != 1:
+            raise ValueError("SamplingParams.n: stream serves one sequence (n=1)")
+        (req,), = self._submit([prompt] if prompt is not None else None,
+                               [input_ids] if input_ids is not None else None, params)
+        seen = -1
         while True:
-            if not req.is_finished:
-                await asyncio.to_thread(self._step_locked)
-            delta = req.detokenizer.take_delta(req.is_finished)
+            await self._loop.async_wait(lambda: req.is_finished or len(req.token_ids) != seen)
+            with self._cond:
+                finished, seen = req.is_finished, len(req.token_ids)
+                delta = req.detokenizer.take_delta(finished)
             if delta:
                 yield delta
-            if req.is_finished:
+            if finished:
                 return
 
     def add_request(self, input_ids: list[int], sampling_params: SamplingParams) -> list[Req]:
-        """Queue one request (its params.n sequences) for a caller that drives step() itself (the server's
-        scheduler process); ValueError as for generate."""
+        """Queue one request (its params.n sequences) without waiting for it (the server's scheduler process
+        follows its progress with `wait_for_step`); ValueError as for generate."""
         (group,) = self._submit(input_ids=[input_ids], sampling_params=sampling_params)
         return group
 
+    def wait_for_step(self, num_steps_seen: int, timeout_s: float) -> int:
+        """Block until the loop has taken a step past `num_steps_seen`, or `timeout_s`; returns the count."""
+        self._loop.wait(lambda: self._loop.num_steps > num_steps_seen, timeout_s)
+        return self._loop.num_steps
+
+    @property
+    def num_steps(self) -> int:
+        return self._loop.num_steps
+
+    def _is_busy(self) -> bool:
+        return self.scheduler.has_work or self._inflight is not None
+
     def abort(self, reqs: Sequence[Req]) -> None:
         """Finish unfinished requests with finish_reason 'abort' and give back their KV pages now."""
-        with self._lock:
+        def abort_now():
             for req in reqs:
-                if req.is_finished:
-                    continue
-                self.scheduler.abort_waiting(req)
-                self.scheduler.finish(req)
-                req.finish("abort", "aborted")
+                if not req.is_finished:
+                    self.scheduler.abort_waiting(req)
+                    self.scheduler.finish(req)
+                    req.finish("abort", "aborted")
+        self._loop.call(abort_now)
 
     def flush_cache(self) -> None:
-        with self._lock:
-            self.cache.flush()
+        self._loop.call(self.cache.flush)
+
+    def hold_loop(self):
+        """Context manager: park the background loop; the calling thread then drives `step()` by hand (tests,
+        host-time benchmarks). generate/stream called meanwhile from this thread step the engine themselves."""
+        return self._loop.hold()
 
     def shutdown(self) -> None:
-        with self._lock:
+        """Stop the loop, finish what is unfinished with 'abort', stop the executor. Waiting callers return."""
+        if self._loop.is_closed:
+            return
+        self._loop.stop()
+        with self._cond:
             for req in list(self.scheduler.running) + list(self.scheduler.waiting):
                 req.finish("abort", "engine shut down")
             self.scheduler.running.clear()
             self.scheduler.waiting.clear()
-            if self._grammar is not None:
-                self._grammar.close()
-            if hasattr(self.runner, "shutdown"):  # the EP worker pool stops its processes
-                self.runner.shutdown()
-            self._closed = True
+        if self._grammar is not None:
+            self._grammar.close()
+        self.executor.shutdown()
+        self._loop.close()
 
     def __enter__(self) -> "Engine":
         return self
@@ -365,13 +445,22 @@ class Engine:
     @property
     def stats(self) -> dict:
         """Engine counters: retractions, pool occupancy and, with the prefix cache, its hit rate/evictions."""
-        stats = {"num_retractions": self.scheduler.num_retractions,
-                 "num_free_pages": self.pool.allocator.num_free, "num_pages": self.pool.allocator.num_pages,
+        allocator = self.executor.allocator
+        stats = {"num_retractions": self.scheduler.num_retractions, "num_steps": self._loop.num_steps,
+                 "num_free_pages": allocator.num_free, "num_pages": allocator.num_pages,
                  "num_cached_pages": self.cache.num_cached_pages}
         if isinstance(self.cache, RadixCache):
             stats.update(self.cache.stats())
-        if hasattr(self.runner, "stats"):  # the EP worker pool: MoE balance across ranks, EPLB moves
-            stats.update(self.runner.stats())
+        stats.update(self.executor.stats())  # the EP worker pool: MoE balance across ranks, EPLB moves
         if self.spec is not None:
             stats["spec"] = self.spec.stats()
         return stats
+
+
+@dataclass
+class _Inflight:
+    """An overlapped step launched but not completed: its batch (rows of its tokens), handle, and the requests
+    whose token it counted in flight."""
+    batch: ScheduledBatch
+    handle: object
+    counted: list[Req]

@@ -47,3 +47,10 @@ class ForwardBatch:
         """Store the new tokens' k/v in the pool, then attend. q (T, Hq, Dqk) -> (T, Hq, Dv)."""
         self.backend.store_kv(self, layer_id, k, v)
         return self.backend.forward(q, layer_id, scale, self)
+
+
+def resolve_placeholders(ids: torch.Tensor, future: torch.Tensor) -> torch.Tensor:
+    """Token ids with placeholders (-1 - k) replaced by future[k], on the device (overlap scheduling: a row whose
+    input is a token the previous step sampled and the host has not seen yet)."""
+    index = (-1 - ids).clamp_(0, future.shape[0] - 1)
+    return torch.where(ids < 0, future[index], ids)

@@ -1,24 +1,32 @@
-"""ModelRunner: ScheduledBatch (plain data) -> ForwardBatch tensors -> model -> logits rows -> Sampler.
+"""ModelRunner, the local executor: ScheduledBatch (plain data) -> ForwardBatch tensors -> model -> logits rows
+-> Sampler.
 
-Makes no policy decisions: it computes exactly the tokens the scheduler handed it and returns, per item,
-the sampled token (items that catch up) and the prompt logprobs of the chunk (items that asked).
+Makes no policy decisions: it computes exactly the tokens the scheduler handed it and returns, per item, the
+sampled token (items that catch up), the prompt logprobs of the chunk (items that asked) and, with speculation,
+how many drafts verification accepted.
+
+Overlap (`launch` before the step before is collected): a decode step whose sampling needs nothing from the
+host but the requests' counts is launched while the step before still computes on the device. Its rows whose
+input is the token that step sampled (not on the host yet) read it on the device: the ids uploaded for such a
+row are a placeholder -1 - k (k: the row of that token in the previous step's output) that
+`resolve_placeholders` swaps for the real id before the embedding. Placeholders exist only inside the runner's
+input tensors, never in a request.
 """
 from __future__ import annotations
 
 import itertools
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from deepinfer_rt.cache.kv_pool import KVPool, slots_of
-from deepinfer_rt.forward_batch import ForwardBatch
+from deepinfer_rt.forward_batch import ForwardBatch, resolve_placeholders
 from deepinfer_rt.layers.attention.base import AttentionBackend
 from deepinfer_rt.layers.batch_invariant import batch_invariant_mode
 from deepinfer_rt.models.base import CausalLM
-from deepinfer_rt.overlap import resolve_placeholders
 from deepinfer_rt.sampler import Sampler, SampleResult, to_device
-from deepinfer_rt.scheduler.batch import ScheduledBatch
+from deepinfer_rt.scheduler.batch import ScheduledBatch, ScheduledReq
 
 
 @dataclass
@@ -28,6 +36,8 @@ class RunResult:
     sample: SampleResult | None
     prompt_logprobs: dict[int, tuple[int, list[float]]]
     """item index -> (first prompt position, logprobs of the prompt tokens from there) computed in the chunk."""
+    num_accepted: dict[int, int] = field(default_factory=dict)
+    """Speculation: item index -> how many of its draft tokens verification accepted."""
 
     def logprobs_of(self, j: int) -> tuple[float | None, list[tuple[int, float]] | None]:
         """Logprob and top logprobs of sampled[j] (verified drafts, listed after the sampler's rows, have none)."""
@@ -38,9 +48,35 @@ class RunResult:
                 s.top_logprobs[j] if s.top_logprobs is not None else None)
 
 
+@dataclass
+class Launched:
+    """A launched step. Synchronous steps carry their result; overlapped ones their sampled tokens on the device
+    and a pinned host copy that is valid once `ready` has completed."""
+    result: RunResult | None = None
+    tokens: torch.Tensor | None = None
+    host: torch.Tensor | None = None
+    ready: torch.cuda.Event | None = None
+    rows: dict[int, int] = field(default_factory=dict)
+    """Request id -> row of its token in `tokens`."""
+
+
+def is_overlappable(batch: ScheduledBatch) -> bool:
+    """Every item decodes one token whose sampling needs nothing from the host but the request's counts."""
+    for item in batch.items:
+        req, p = item.req, item.req.params
+        if item.num_new_tokens != 1 or item.draft_tokens or not item.is_sampling or item.wants_prompt_logprobs:
+            return False
+        if req.grammar is not None or p.logprobs or p.top_logprobs or req.num_output_tokens < p.min_new_tokens:
+            return False
+        if p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0:
+            return False
+    return bool(batch.items)
+
+
 class ModelRunner:
     def __init__(self, model: CausalLM, pool: KVPool, backend: AttentionBackend, sampler: Sampler,
-                 device: torch.device, eos_ids: tuple[int, ...], batch_invariant: bool = False):
+                 device: torch.device, eos_ids: tuple[int, ...], batch_invariant: bool = False,
+                 is_overlap_enabled: bool = False):
         self.model = model
         self.pool = pool
         self.backend = backend
@@ -48,29 +84,86 @@ class ModelRunner:
         self.device = device
         self.eos_ids = eos_ids
         self.batch_invariant = batch_invariant
+        self.is_overlap_enabled = is_overlap_enabled
+        """Overlap scheduling (DEEPINFER_OVERLAP; on by default on CUDA): decode steps launched ahead."""
         self.grammar = None
         """The structured-output backend once a constrained request arrived (masks logits rows)."""
         self.graphs = None
         """CUDA-graph runner for decode batches (deepinfer_rt.cuda_graph), set by the engine on GPU."""
         self.spec = None
         """SpecDecoder when speculation is on: verifies items carrying drafts, updates the drafter."""
-        self.future_tokens: torch.Tensor | None = None
-        """Overlap scheduling: the previous step's sampled tokens, still on the device; token ids
-        written as placeholders (deepinfer_rt.overlap) are read from it."""
 
-    def build(self, batch: ScheduledBatch) -> ForwardBatch:
-        ids, positions, out_slots, q_lens, kv_lens, kv_slots = [], [], [], [], [], []
+    # ---- the executor contract (deepinfer_rt/executor.py) ----
+    @property
+    def allocator(self):
+        return self.pool.allocator
+
+    @property
+    def page_size(self) -> int:
+        return self.pool.page_size
+
+    @property
+    def num_slots(self) -> int:
+        return self.pool.num_slots
+
+    def can_overlap(self, batch: ScheduledBatch) -> bool:
+        return self.is_overlap_enabled and self.spec is None and is_overlappable(batch)
+
+    @torch.no_grad()
+    def launch(self, batch: ScheduledBatch, prev: Launched | None = None) -> Launched:
+        for src, dst in batch.kv_copies:
+            self.pool.copy_slots(src, dst)
+        with batch_invariant_mode(self.batch_invariant):
+            if self.can_overlap(batch):
+                return self._launch_overlapped(batch, prev)
+            return Launched(result=self._run(batch, prev))
+
+    def collect(self, handle: Launched) -> RunResult:
+        if handle.result is not None:
+            return handle.result
+        if handle.ready is not None:
+            handle.ready.synchronize()
+        tokens = handle.host.tolist()
+        return RunResult(list(enumerate(tokens)), SampleResult(tokens, None, None), {})
+
+    def run(self, batch: ScheduledBatch) -> RunResult:
+        return self.collect(self.launch(batch))
+
+    def stats(self) -> dict:
+        return {}
+
+    def shutdown(self) -> None:
+        pass
+
+    # ---- building the step ----
+    def input_ids(self, batch: ScheduledBatch, prev: Launched | None) -> list[int]:
+        """The ids each item feeds; a token still on the device (sampled by `prev`) as its placeholder."""
+        ids = []
+        for item in batch.items:
+            req, start, n = item.req, item.start, item.num_input_tokens
+            known = req.token_ids[start : start + n]
+            if len(known) < n:  # its last input is the token `prev` sampled
+                assert prev is not None and n - len(known) == 1, f"request {req.rid}: input ids are missing"
+                known = known + [-1 - prev.rows[req.rid]]
+            ids.extend(known)
+            ids.extend(item.draft_tokens)
+        return ids
+
+    def build(self, batch: ScheduledBatch, prev: Launched | None = None) -> ForwardBatch:
+        positions, out_slots, q_lens, kv_lens, kv_slots = [], [], [], [], []
         ps = self.pool.page_size
         for item in batch.items:
             req, start, n = item.req, item.start, item.num_new_tokens
             slots = slots_of(req.pages, start + n, ps)
-            ids.extend(req.token_ids[start : start + n - len(item.draft_tokens)] + item.draft_tokens)
             positions.extend(range(start, start + n))
             out_slots.extend(slots[start:])
             q_lens.append(n)
             kv_lens.append(start + n)
             kv_slots.append(slots)
-        return self.forward_batch(ids, positions, out_slots, q_lens, kv_lens, kv_slots)
+        fb = self.forward_batch(self.input_ids(batch, prev), positions, out_slots, q_lens, kv_lens, kv_slots)
+        if prev is not None and prev.tokens is not None:
+            fb.input_ids = resolve_placeholders(fb.input_ids, prev.tokens)
+        return fb
 
     def forward_batch(self, ids: list[int], positions: list[int], out_slots: list[int], q_lens: list[int],
                       kv_lens: list[int], kv_slots: list[list[int]]) -> ForwardBatch:
@@ -78,37 +171,50 @@ class ModelRunner:
         # One upload for the whole batch (a copy per sequence cost a host sync each on a GPU).
         t = len(ids)
         flat = to_device(list(itertools.chain(ids, positions, out_slots, *kv_slots)), torch.long, self.device)
-        input_ids = flat[:t]
-        if self.future_tokens is not None:
-            input_ids = resolve_placeholders(input_ids, self.future_tokens)
         fb = ForwardBatch(
-            input_ids=input_ids, positions=flat[t : 2 * t], out_slots=flat[2 * t : 3 * t],
+            input_ids=flat[:t], positions=flat[t : 2 * t], out_slots=flat[2 * t : 3 * t],
             q_lens=q_lens, kv_lens=kv_lens, kv_slots=list(flat[3 * t :].split([len(s) for s in kv_slots])),
             pool=self.pool, backend=self.backend)
         self.backend.prepare(fb)
         return fb
 
-    @torch.no_grad()
-    def run(self, batch: ScheduledBatch) -> RunResult:
-        with batch_invariant_mode(self.batch_invariant):
-            return self._run(batch)
-
-    def _run(self, batch: ScheduledBatch) -> RunResult:
-        t0 = time.perf_counter()
-        hidden = self.graphs.run(batch) if self.graphs is not None else None
+    def _hidden(self, batch: ScheduledBatch, prev: Launched | None) -> torch.Tensor:
+        hidden = None
+        if self.graphs is not None:
+            hidden = self.graphs.run(batch, self.input_ids(batch, prev) if prev is not None else None,
+                                     prev.tokens if prev is not None else None)
         if hidden is None:
-            hidden = self.model(self.build(batch))
+            hidden = self.model(self.build(batch, prev))
             if self.graphs is not None:
-                self.graphs.prefetch_pages([it.req for it in batch.items if it.samples])
+                self.graphs.prefetch_pages([it.req for it in batch.items if it.is_sampling])
+        return hidden
+
+    def _launch_overlapped(self, batch: ScheduledBatch, prev: Launched | None) -> Launched:
+        """Forward and sample `batch` on the device, reading in-flight inputs from `prev`; no host sync."""
+        reqs = [it.req for it in batch.items]
+        hidden = self._hidden(batch, prev)
+        tokens = self.sampler.sample(self.model.compute_logits(hidden), reqs, self.eos_ids)
+        if tokens.is_cuda:
+            host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            host.copy_(tokens, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record()
+        else:
+            host, ready = tokens, None
+        return Launched(tokens=tokens, host=host, ready=ready, rows={r.rid: k for k, r in enumerate(reqs)})
+
+    def _run(self, batch: ScheduledBatch, prev: Launched | None) -> RunResult:
+        t0 = time.perf_counter()
+        hidden = self._hidden(batch, prev)
         sample_rows, sampled_items, lp_rows, spec_rows = [], [], {}, {}
         row = 0
         for i, item in enumerate(batch.items):
             n = item.num_new_tokens
             if item.wants_prompt_logprobs:
                 lp_rows[i] = (row, n)
-            if item.samples and item.draft_tokens:
+            if item.is_sampling and item.draft_tokens:
                 spec_rows[i] = row
-            elif item.samples:
+            elif item.is_sampling:
                 sample_rows.append(row + n - 1)
                 sampled_items.append(i)
             row += n
@@ -124,12 +230,15 @@ class ModelRunner:
             sample = self.sampler(logits, reqs, self.eos_ids, bitmask_fn)
         prompt_lps = {i: self._prompt_logprobs(hidden, batch.items[i], r, n) for i, (r, n) in lp_rows.items()}
         sampled = list(zip(sampled_items, sample.token_ids)) if sample else []
+        num_accepted = {}
         if self.spec is not None:
-            sampled += self.spec.verify(self, batch, hidden, spec_rows)
+            verified, num_accepted = self.spec.verify(self, batch, hidden, spec_rows)
+            sampled += verified
             self.spec.observe(self, batch, hidden, sampled, time.perf_counter() - t0)
-        return RunResult(sampled, sample, prompt_lps)
+        return RunResult(sampled, sample, prompt_lps, num_accepted)
 
-    def _prompt_logprobs(self, hidden: torch.Tensor, item, row: int, n: int) -> tuple[int, list[float]]:
+    def _prompt_logprobs(self, hidden: torch.Tensor, item: ScheduledReq, row: int, n: int
+                         ) -> tuple[int, list[float]]:
         """Row j predicts the token at position start + j + 1. Returns (first position, logprobs) for the
         prompt positions in this chunk that the request still needs."""
         req, start = item.req, item.start

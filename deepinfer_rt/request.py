@@ -1,6 +1,6 @@
 """Req: the one object that carries a request from submission to finish.
 
-Invariant: num_computed_tokens <= num_tokens = len(token_ids) = prompt_len + len(output_ids).
+Invariant: num_computed_tokens <= num_tokens = len(token_ids) + num_inflight_tokens = prompt_len + num_output_tokens.
 KV of positions 0 .. num_computed_tokens - 1 is in the pool at slots_of(pages, ...); a step computes the next
 chunk and, when the request catches up (num_computed_tokens == num_tokens), samples one more token.
 """
@@ -50,6 +50,9 @@ class Req:
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     prompt_logprobs: list[float | None] = field(default_factory=list)
+    num_inflight_tokens: int = 0
+    """Tokens sampled by a launched step whose ids are still on the device (overlap scheduling): counted in
+    num_tokens, appended to token_ids when that step is completed."""
     num_retractions: int = 0
     num_draft_tokens: int = 0
     """Speculation: draft tokens verified for this request, accepted ones, and verification steps."""
@@ -65,7 +68,7 @@ class Req:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.token_ids)
+        return len(self.token_ids) + self.num_inflight_tokens
 
     @property
     def output_ids(self) -> list[int]:
@@ -73,7 +76,7 @@ class Req:
 
     @property
     def num_output_tokens(self) -> int:
-        return len(self.token_ids) - self.prompt_len
+        return self.num_tokens - self.prompt_len
 
     @property
     def is_finished(self) -> bool:

@@ -281,11 +281,14 @@ class GrammarBackend:
             return "error", f"grammar compilation failed: {_xgrammar_message(exc)}"
         return "ready", RequestGrammar(xgrammar.GrammarMatcher(future.result()))
 
-    def wait(self, handles: list[GrammarHandle]) -> None:
-        """Block until one of these compilations ends or the earliest of them times out: for a scheduler
-        that has nothing else to run (rather than spinning on poll)."""
+    def wait(self, handles: list[GrammarHandle], max_wait_s: float | None = None) -> None:
+        """Block until one of these compilations ends, the earliest of them times out, or `max_wait_s`: for a
+        scheduler that has nothing else to run (rather than spinning on poll)."""
         deadline = min(h.submitted_at for h in handles) + self.compile_timeout_s
-        concurrent.futures.wait([h.future for h in handles], timeout=max(0.0, deadline - time.monotonic()),
+        timeout = max(0.0, deadline - time.monotonic())
+        if max_wait_s is not None:
+            timeout = min(timeout, max_wait_s)
+        concurrent.futures.wait([h.future for h in handles], timeout=timeout,
                                 return_when=concurrent.futures.FIRST_COMPLETED)
 
     # ---- each step ----

@@ -198,7 +198,7 @@ class Worker:
             req.prompt_logprobs = [None] * item.num_prompt_logprobs
             req.grammar = item.bitmask
             mirrors[item.rid] = req
-            batch.items.append(ScheduledReq(req, item.num_new_tokens))
+            batch.items.append(ScheduledReq.of(req, item.num_new_tokens))
         self.mirrors = mirrors
         return batch
 

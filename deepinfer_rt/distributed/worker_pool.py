@@ -227,7 +227,7 @@ class WorkerPool:
             msg.items.append(StepItem(
                 req.rid, req.num_computed_tokens, item.num_new_tokens, req.token_ids[num_tokens:], num_pages,
                 req.pages[num_pages:], len(req.prompt_logprobs),
-                self._bitmask(req) if item.samples and req.grammar is not None else None))
+                self._bitmask(req) if item.is_sampling and req.grammar is not None else None))
             sent[req.rid] = (req.num_tokens, req.num_retractions, len(req.pages))
         self._sent = sent
         return msg

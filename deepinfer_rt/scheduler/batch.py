@@ -1,38 +1,54 @@
-"""Plain data handed from the scheduler to the model runner."""
+"""Plain data handed from the scheduler to the executor: what each request computes in one step.
+
+A `ScheduledReq` is a snapshot taken when the step is scheduled: its counts keep their meaning after the
+scheduler has moved the request on (`update`), and the executor never writes into it. The request object rides
+along for the state the sampler reads (params, seed, output history for penalties, grammar) and for its page
+list; results (sampled tokens, accepted drafts) come back in the executor's RunResult.
+"""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from deepinfer_rt.request import Req
 
 
-@dataclass
+@dataclass(frozen=True)
 class ScheduledReq:
     req: Req
+    start: int
+    """num_computed_tokens when scheduled: this step computes positions start .. start + num_new_tokens - 1."""
     num_new_tokens: int
-    """Tokens computed this step: positions num_computed_tokens .. num_computed_tokens + num_new_tokens - 1."""
-    draft_tokens: list[int] = field(default_factory=list)
+    is_sampling: bool
+    """The step brings the request up to date (drafts aside), so it samples its next token."""
+    draft_tokens: tuple[int, ...] = ()
     """Speculation: drafts verified after the request's last token (counted in num_new_tokens)."""
-    num_accepted: int = 0
-    """Speculation: how many of draft_tokens verification accepted (set by the model runner)."""
+    wants_prompt_logprobs: bool = False
+
+    @classmethod
+    def of(cls, req: Req, num_new_tokens: int) -> "ScheduledReq":
+        start = req.num_computed_tokens
+        return cls(req, start, num_new_tokens, is_sampling=start + num_new_tokens == req.num_tokens,
+                   wants_prompt_logprobs=req.wants_prompt_logprobs and start < req.prompt_len)
+
+    def with_drafts(self, drafts: list[int]) -> "ScheduledReq":
+        return replace(self, draft_tokens=tuple(drafts), num_new_tokens=self.num_new_tokens + len(drafts))
 
     @property
-    def start(self) -> int:
-        return self.req.num_computed_tokens
+    def rid(self) -> int:
+        return self.req.rid
 
     @property
-    def samples(self) -> bool:
-        """The step brings the request up to date, so it samples its next token."""
-        return self.req.num_computed_tokens + self.num_new_tokens - len(self.draft_tokens) == self.req.num_tokens
-
-    @property
-    def wants_prompt_logprobs(self) -> bool:
-        return self.req.wants_prompt_logprobs and self.start < self.req.prompt_len
+    def num_input_tokens(self) -> int:
+        """Tokens of the request's own sequence fed this step (the drafts follow them)."""
+        return self.num_new_tokens - len(self.draft_tokens)
 
 
 @dataclass
 class ScheduledBatch:
     items: list[ScheduledReq] = field(default_factory=list)
+    kv_copies: list[tuple[list[int], list[int]]] = field(default_factory=list)
+    """KV slot copies (source slots, destination slots) the executor makes before the forward: a sibling of an
+    n > 1 request starting from its leader's partly filled last page."""
 
     @property
     def num_tokens(self) -> int:
@@ -41,3 +57,8 @@ class ScheduledBatch:
     @property
     def is_empty(self) -> bool:
         return not self.items
+
+    def unfinished(self) -> "ScheduledBatch":
+        """The items whose request is still unfinished (one may finish between scheduling and launch, when the
+        step before it is completed)."""
+        return ScheduledBatch([it for it in self.items if not it.req.is_finished], self.kv_copies)

@@ -58,7 +58,7 @@ class Scheduler:
                 continue
             if not self._grow(req, num_new, batch):
                 continue
-            batch.items.append(ScheduledReq(req, num_new))
+            batch.items.append(ScheduledReq.of(req, num_new))
             budget -= num_new
         if self.spec is not None:
             budget -= self._add_drafts(batch, budget)
@@ -68,9 +68,10 @@ class Scheduler:
     def _add_drafts(self, batch: ScheduledBatch, budget: int) -> int:
         """Speculation: decoding items also verify the drafts the planner gives them, where free pages allow
         (drafts never evict or retract). Returns the tokens added."""
-        items = [it for it in batch.items if it.num_new_tokens == 1 and it.samples]
+        items = [(i, it) for i, it in enumerate(batch.items) if it.num_new_tokens == 1 and it.is_sampling]
         used = 0
-        for item, drafts in zip(items, self.spec.plan([it.req for it in items], batch.num_tokens, budget)):
+        plans = self.spec.plan([it.req for _, it in items], batch.num_tokens, budget)
+        for (i, item), drafts in zip(items, plans):
             req = item.req
             need = _cdiv(item.start + 1 + len(drafts), self.page_size) - len(req.pages)
             spares = req.spare_pages[: max(need, 0)]
@@ -78,8 +79,7 @@ class Scheduler:
             if drafts and pages is not None:
                 del req.spare_pages[: len(spares)]
                 req.pages.extend(spares + pages)
-                item.draft_tokens = drafts
-                item.num_new_tokens += len(drafts)
+                batch.items[i] = item.with_drafts(drafts)
                 used += len(drafts)
         return used
 
@@ -164,7 +164,7 @@ class Scheduler:
             if leader is not None and leader.status is not ReqStatus.FINISHED:
                 if leader.status is ReqStatus.WAITING or leader.num_computed_tokens < req.prompt_len - 1:
                     continue  # the shared prompt is not computed yet
-                if not self._share_prompt(req, leader):
+                if not self._share_prompt(req, leader, batch):
                     break
             else:
                 if self._shares_inflight_prefill(req):
@@ -196,7 +196,7 @@ class Scheduler:
             self.waiting.remove(req)
             req.status = ReqStatus.RUNNING
             self.running.append(req)
-            batch.items.append(ScheduledReq(req, num_new))
+            batch.items.append(ScheduledReq.of(req, num_new))
             budget -= num_new
 
     def _shares_inflight_prefill(self, req: Req) -> bool:
@@ -217,7 +217,7 @@ class Scheduler:
                 return True
         return False
 
-    def _share_prompt(self, req: Req, leader: Req) -> bool:
+    def _share_prompt(self, req: Req, leader: Req, batch: ScheduledBatch) -> bool:
         """n > 1: start req from its leader's computed prompt, all but the last token (which req computes to
         get its own logits). Whole pages are shared; a partly filled last page is copied."""
         num_shared = req.prompt_len - 1
@@ -230,18 +230,20 @@ class Scheduler:
                 self.allocator.decref(pages)
                 return False
             src = leader.pages[num_full] * self.page_size
-            self.pool.copy_slots(list(range(src, src + rem)),
-                                 list(range(tail[0] * self.page_size, tail[0] * self.page_size + rem)))
+            dst = tail[0] * self.page_size
+            batch.kv_copies.append((list(range(src, src + rem)), list(range(dst, dst + rem))))
             pages = pages + tail
         req.pages, req.num_computed_tokens = pages, num_shared
         req.num_cached_tokens = max(req.num_cached_tokens, num_shared)
         return True
 
-    def update(self, batch: ScheduledBatch) -> None:
-        """After the forward: advance computed counts and offer completed prompt chunks to the cache."""
-        for item in batch.items:
+    def update(self, batch: ScheduledBatch, num_accepted: dict[int, int] | None = None) -> None:
+        """Once the step is launched: advance computed counts and offer completed prompt chunks to the cache
+        (their KV is written before any later step reads it). Speculation: the step must be completed first,
+        `num_accepted` (item index -> drafts verification accepted) saying how far each request got."""
+        for i, item in enumerate(batch.items):
             req = item.req
-            req.num_computed_tokens += item.num_new_tokens - len(item.draft_tokens) + item.num_accepted
+            req.num_computed_tokens = item.start + item.num_input_tokens + (num_accepted or {}).get(i, 0)
             if item.draft_tokens:
                 # Roll back rejected drafts: their KV is garbage, and pages past the verified tokens go back.
                 keep = _cdiv(req.num_computed_tokens, self.page_size)

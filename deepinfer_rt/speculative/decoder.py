@@ -1,7 +1,7 @@
 """SpecDecoder: what the scheduler, the model runner and the engine call when speculation is on.
 
     scheduler   plan(reqs, base_tokens, budget) -> drafts per decoding request (confidence-scheduled)
-    runner      verify(...) on the rows of items that carry drafts -> emitted tokens, item.num_accepted set
+    runner      verify(...) on the rows of items that carry drafts -> emitted tokens, accepted counts
                 observe(...) after every forward: step time for the planner, the drafter's own update
     engine      kv_layout(...) (pool layers the drafter needs), stats()
 
@@ -78,11 +78,12 @@ class SpecDecoder:
 
     # ---- model runner ----
     @torch.no_grad()
-    def verify(self, runner, batch, hidden: torch.Tensor, spec_rows: dict[int, int]) -> list[tuple[int, int]]:
+    def verify(self, runner, batch, hidden: torch.Tensor, spec_rows: dict[int, int]
+               ) -> tuple[list[tuple[int, int]], dict[int, int]]:
         """spec_rows: item index -> first row of its [last token, drafts] in hidden. Returns (item, token)
-        for every emitted token, in order; sets item.num_accepted."""
+        for every emitted token, in order, and item index -> drafts accepted."""
         if not spec_rows:
-            return []
+            return [], {}
         row_ids, rows, spans = [], [], []
         for i, start in spec_rows.items():
             item = batch.items[i]
@@ -96,13 +97,13 @@ class SpecDecoder:
             grammars = [r.grammar for r in rows]
             bitmask_fn = lambda z: runner.grammar.fill_and_apply(z, grammars)  # noqa: E731
         processed = runner.sampler.process(logits, rows, runner.eos_ids, bitmask_fn)
-        out = []
+        out, accepted = [], {}
         for i, tokens in zip(spec_rows, verify(processed, rows, spans)):
             item = batch.items[i]
-            item.num_accepted = len(tokens) - 1
-            self._record(item.req, len(item.draft_tokens), item.num_accepted)
+            accepted[i] = len(tokens) - 1
+            self._record(item.req, len(item.draft_tokens), accepted[i])
             out.extend((i, t) for t in tokens)
-        return out
+        return out, accepted
 
     def observe(self, runner, batch, hidden: torch.Tensor, sampled: list[tuple[int, int]], seconds: float
                 ) -> None:

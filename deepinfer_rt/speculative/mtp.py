@@ -123,7 +123,8 @@ class MTPDrafter(Drafter):
         row = out_row = 0
         for i, item in enumerate(batch.items):
             req, start, n = item.req, item.start, item.num_new_tokens
-            valid = n - len(item.draft_tokens) + item.num_accepted
+            # Verified tokens: the inputs, plus the drafts accepted (an item with drafts emits accepted + 1).
+            valid = item.num_input_tokens + (len(emitted.get(i, ())) - 1 if item.draft_tokens else 0)
             seq = req.token_ids + emitted.get(i, [])
             slots = slots_of(req.pages, start + valid, ps)
             ids.extend(seq[start + 1 : start + valid + 1])

@@ -60,6 +60,7 @@ def num_grammar_valid(req: Req, tokens: list[int]) -> int:
 
 def draft_rows(req: Req, drafts: list[int]) -> list[DraftRow]:
     """Rows 0 .. len(drafts); constrained rows carry the grammar advanced through their drafts."""
+    drafts = list(drafts)
     grammars = [req.grammar]
     if req.grammar is not None:
         fork = req.grammar.fork()

@@ -97,7 +97,7 @@ def test_worker_started_outside_the_engine(tiny_v3_path, reference):
             mp.setenv("DEEPINFER_EP_LOCAL_WORKERS", "1")
             mp.setenv("DEEPINFER_EP_PORT", str(port))
             with _engine(tiny_v3_path, kv_cache_tokens=4096, ep_size=2) as engine:
-                assert len(engine.runner.pids) == 1
+                assert len(engine.executor.pids) == 1
                 outs = engine.generate(PROMPTS[:3], sampling_params=GREEDY)
         assert [o.token_ids for o in outs] == [r.token_ids for r in reference["greedy"][:3]]
         assert launched.wait(timeout=30) == 0  # the engine's shutdown stopped it

@@ -70,7 +70,7 @@ def test_prefill_logits_direct(smollm2_engine, smollm2_hf, reference):
         req.pages = engine.pool.allocator.alloc(len(x))
         try:
             with torch.no_grad():
-                fb = engine.runner.build(ScheduledBatch([ScheduledReq(req, req.prompt_len)]))
+                fb = engine.executor.build(ScheduledBatch([ScheduledReq.of(req, req.prompt_len)]))
                 logits = engine.model.compute_logits(engine.model(fb))
                 ref = smollm2_hf(torch.tensor([x])).logits[0].float()
             assert (logits - ref).abs().max().item() < 1e-4

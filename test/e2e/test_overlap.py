@@ -9,13 +9,13 @@ import pytest
 import torch
 
 from deepinfer_rt import Engine, SamplingParams
-from deepinfer_rt.overlap import OverlapScheduler
+from deepinfer_rt.model_runner import ModelRunner
 
 
 def _engine(path, overlap: bool, monkeypatch, **kwargs) -> Engine:
     monkeypatch.setenv("DEEPINFER_OVERLAP", "1" if overlap else "0")
     engine = Engine(str(path), dtype="float32", **kwargs)
-    assert (engine.overlap is not None) == overlap
+    assert engine.executor.is_overlap_enabled == overlap
     return engine
 
 
@@ -90,14 +90,15 @@ def test_overlap_abort_mid_decode(tiny_llama_path, monkeypatch):
     for overlap in (False, True):
         with _engine(tiny_llama_path, overlap, monkeypatch, kv_cache_tokens=2048) as engine:
             prompts = _workload(engine.model_config.vocab_size, seed=3)[:8]
-            reqs = [engine.add_request(p, sp)[0] for p in prompts[:5]]
-            for k in range(6):
-                engine.step()
-                if k == 2:
-                    reqs += [engine.add_request(p, sp)[0] for p in prompts[5:]]
-            engine.abort([reqs[1], reqs[6]])
-            while engine.scheduler.has_work:
-                engine.step()
+            with engine.hold_loop():  # steps driven here, so the abort lands at a known step
+                reqs = [engine.add_request(p, sp)[0] for p in prompts[:5]]
+                for k in range(6):
+                    engine.step()
+                    if k == 2:
+                        reqs += [engine.add_request(p, sp)[0] for p in prompts[5:]]
+                engine.abort([reqs[1], reqs[6]])
+                while engine.scheduler.has_work:
+                    engine.step()
             runs.append([r.output_ids for r in reqs])
             assert all(t >= 0 for r in reqs for t in r.token_ids)
             engine.flush_cache()
@@ -140,9 +141,9 @@ def test_overlapped_decode_launch_never_reads_the_device(tiny_llama_path, monkey
             return call
 
         monkeypatch.setattr(engine.model, "forward", exempted(engine.model.forward))
-        monkeypatch.setattr(engine.runner.backend, "prepare", exempted(engine.runner.backend.prepare))
+        monkeypatch.setattr(engine.executor.backend, "prepare", exempted(engine.executor.backend.prepare))
         launches = [0]
-        launch = OverlapScheduler._launch
+        launch = ModelRunner._launch_overlapped
 
         def guarded(self, batch, prev):
             exempt[0] -= 1  # the only region counted
@@ -152,7 +153,7 @@ def test_overlapped_decode_launch_never_reads_the_device(tiny_llama_path, monkey
             finally:
                 exempt[0] += 1
 
-        monkeypatch.setattr(OverlapScheduler, "_launch", guarded)
+        monkeypatch.setattr(ModelRunner, "_launch_overlapped", guarded)
         params = [SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True),
                   SamplingParams(max_new_tokens=6, temperature=0.8, top_p=0.9, top_k=20, min_p=0.01, seed=1,
                                  ignore_eos=True)]
@@ -168,7 +169,7 @@ class _PrefetchRecorder:
     def __init__(self):
         self.prefetched: list[tuple[int, int]] = []
 
-    def run(self, batch, future=None):
+    def run(self, batch, input_ids=None, future=None):
         return None
 
     def prefetch_pages(self, reqs) -> None:
@@ -182,7 +183,7 @@ def test_page_lists_prefetched_in_the_step_that_ends_prefill(tiny_llama_path, mo
     sp = SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True)
     with _engine(tiny_llama_path, overlap, monkeypatch, kv_cache_tokens=4096, chunked_prefill_tokens=16) as engine:
         prompts = _workload(engine.model_config.vocab_size, seed=4)[:6]
-        recorder = engine.runner.graphs = _PrefetchRecorder()
+        recorder = engine.executor.graphs = _PrefetchRecorder()
         outs = engine.generate(input_ids=prompts, sampling_params=sp)
     first = {}
     for rid, num_outputs in recorder.prefetched:

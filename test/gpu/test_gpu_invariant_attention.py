@@ -122,7 +122,7 @@ def test_gpu_batch_invariant_engine_with_cuda_graphs(kind, dtype, tmp_path_facto
         monkeypatch.setenv("DEEPINFER_CUDA_GRAPH_MAX_BS", str(max_bs))
         with Engine(str(path), dtype=dtype, device="cuda", batch_invariant=True, kv_cache_tokens=16384,
                     max_num_seqs=64, chunked_prefill_tokens=chunk) as engine:
-            graphs = engine.runner.graphs
+            graphs = engine.executor.graphs
             assert (graphs is not None) == (max_bs > 0)
             if graphs is not None:
                 run = graphs.run

@@ -52,7 +52,7 @@ def test_gpu_engine_matches_cpu_reference(tiny_path):
 
 def _count_graph_runs(engine: Engine, monkeypatch, guard: bool) -> list[int]:
     """Wrap the graph runner: count replays; with guard, any host sync inside a decode step raises."""
-    graphs, runs = engine.runner.graphs, [0]
+    graphs, runs = engine.executor.graphs, [0]
     inner = graphs.run
 
     def run(batch):

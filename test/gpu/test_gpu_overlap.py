@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from deepinfer_rt import Engine, SamplingParams
-from deepinfer_rt.overlap import OverlapScheduler
+from deepinfer_rt.model_runner import ModelRunner
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -21,7 +21,7 @@ PROMPTS = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16, 17]]
 def _generate(path, overlap: bool, monkeypatch):
     monkeypatch.setenv("DEEPINFER_OVERLAP", "1" if overlap else "0")
     with Engine(str(path), device="cuda", dtype="float32", kv_cache_tokens=4096, max_num_seqs=8) as engine:
-        assert (engine.overlap is not None) == overlap
+        assert engine.executor.is_overlap_enabled == overlap
         return [o.token_ids for o in engine.generate(input_ids=PROMPTS, sampling_params=PARAMS)]
 
 
@@ -34,7 +34,7 @@ def tiny_path(tmp_path_factory):
 
 
 def test_gpu_overlapped_launch_never_syncs(tiny_path, monkeypatch):
-    launch, launches = OverlapScheduler._launch, []
+    launch, launches = ModelRunner._launch_overlapped, []
 
     def guarded(self, batch, prev):
         torch.cuda.set_sync_debug_mode("error")
@@ -44,7 +44,7 @@ def test_gpu_overlapped_launch_never_syncs(tiny_path, monkeypatch):
         finally:
             torch.cuda.set_sync_debug_mode("default")
 
-    monkeypatch.setattr(OverlapScheduler, "_launch", guarded)
+    monkeypatch.setattr(ModelRunner, "_launch_overlapped", guarded)
     overlapped = _generate(tiny_path, True, monkeypatch)
     assert sum(launches) >= 6
     monkeypatch.undo()

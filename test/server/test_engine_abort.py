@@ -22,14 +22,15 @@ def _pages_held_by_requests(engine) -> int:
 def test_abort_frees_kv_and_spares_the_others(engine, num_steps):
     engine.flush_cache()
     params = SamplingParams(max_new_tokens=6, temperature=0, ignore_eos=True)
-    keep = engine.add_request(list(range(3, 23)), params)
-    victims = engine.add_request(list(range(40, 80)), SamplingParams(max_new_tokens=50, n=2, ignore_eos=True))
-    for _ in range(num_steps):
-        engine.step()
-    engine.abort(victims)
-    assert all(r.finish_reason == "abort" and not r.pages for r in victims)
-    while not keep[0].is_finished:
-        engine.step()
+    with engine.hold_loop():  # steps driven here: the abort lands while waiting / prefilling / decoding
+        keep = engine.add_request(list(range(3, 23)), params)
+        victims = engine.add_request(list(range(40, 80)), SamplingParams(max_new_tokens=50, n=2, ignore_eos=True))
+        for _ in range(num_steps):
+            engine.step()
+        engine.abort(victims)
+        assert all(r.finish_reason == "abort" and not r.pages for r in victims)
+        while not keep[0].is_finished:
+            engine.step()
     assert keep[0].finish_reason == "length" and keep[0].num_output_tokens == 6
     ref = engine.generate(input_ids=[list(range(3, 23))], sampling_params=params)[0]
     assert keep[0].output_ids == ref.token_ids

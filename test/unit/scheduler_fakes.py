@@ -133,9 +133,11 @@ class FakeEngine:
         was_waiting = {id(r) for r in sched.waiting}
         retractions_before = {id(r): r.num_retractions for r in self.reqs}
         batch = sched.schedule()
+        for src, dst in batch.kv_copies:  # what the executor does before the forward
+            self.pool.copy_slots(src, dst)
         if batch.is_empty:
             assert not sched.has_work, "empty batch while requests remain: the engine would spin or raise"
-        items = [(it.req, it.start, it.num_new_tokens, it.samples) for it in batch.items]
+        items = [(it.req, it.start, it.num_new_tokens, it.is_sampling) for it in batch.items]
         # budget and ordering: requests running before the step (and not retracted) come before new admissions
         assert batch.num_tokens <= self.budget
         assert all(n >= 1 for _, _, n, _ in items)
@@ -159,7 +161,7 @@ class FakeEngine:
         retracted = [r for r in self.reqs if r.num_retractions > retractions_before[id(r)]]
         for r, start, n, _ in items:
             self._forward(r, start, n)
-        samplers = [it.req for it in batch.items if it.samples]  # before update: depends on computed count
+        samplers = [it.req for it in batch.items if it.is_sampling]  # before update: depends on computed count
         sched.update(batch)
         for r, start, n, s in items:
             assert r.num_computed_tokens == start + n

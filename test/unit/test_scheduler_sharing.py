@@ -20,13 +20,15 @@ def test_followers_share_leader_prompt_pages(page_size, prompt_len):
     assert all(f.status is ReqStatus.WAITING and f.pages == [] for f in followers)
 
     batch = eng.sched.schedule()  # inspect admission state before update
+    for src, dst in batch.kv_copies:  # what the executor does before the forward
+        eng.pool.copy_slots(src, dst)
     by_req = {id(it.req): it for it in batch.items}
     num_shared = prompt_len - 1
     num_full, rem = divmod(num_shared, page_size)
     for f in followers:
         it = by_req[id(f)]
         assert f.num_computed_tokens == num_shared == it.start
-        assert it.num_new_tokens == 1 and it.samples
+        assert it.num_new_tokens == 1 and it.is_sampling
         assert f.num_cached_tokens == num_shared
         assert f.pages[:num_full] == leader.pages[:num_full]
         assert len(f.pages) == cdiv(prompt_len, page_size)
@@ -63,7 +65,7 @@ def test_followers_of_one_token_prompt_start_at_once(page_size):
 
 def _finish_step(eng: FakeEngine, batch) -> None:
     items = [(it.req, it.start, it.num_new_tokens) for it in batch.items]
-    samplers = [it.req for it in batch.items if it.samples]
+    samplers = [it.req for it in batch.items if it.is_sampling]
     for r, start, n in items:
         eng._forward(r, start, n)
     eng.sched.update(batch)

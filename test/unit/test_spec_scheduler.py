@@ -46,23 +46,23 @@ def test_drafts_rollback_and_cache(page_size, num_pages, budget):
         if not sched.has_work:
             break
         batch = sched.schedule()
-        for item in batch.items:
+        accepted = {}
+        for i, item in enumerate(batch.items):
             req, start = item.req, item.start
             assert len(req.pages) * page_size >= start + item.num_new_tokens
             # Verified KV so far is intact (rolled-back slots were never read as valid).
             if start:
                 got = pool.k[0][torch.tensor(slots_of(req.pages, start, page_size))]
                 assert torch.equal(got, kv_rows(req.token_ids, range(start)))
-            tokens = req.token_ids[: start + item.num_new_tokens - len(item.draft_tokens)] + item.draft_tokens
+            tokens = req.token_ids[: start + item.num_new_tokens - len(item.draft_tokens)] + list(item.draft_tokens)
             slots = slots_of(req.pages, start + item.num_new_tokens, page_size)[start:]
             pool.write(0, torch.tensor(slots), kv_rows(tokens, range(start, len(tokens))), None)
             truth = [fake_token(req, req.num_tokens + i) for i in range(len(item.draft_tokens))]
-            item.num_accepted = next((i for i, (d, t) in enumerate(zip(item.draft_tokens, truth)) if d != t),
-                                     len(truth))
+            accepted[i] = next((j for j, (d, t) in enumerate(zip(item.draft_tokens, truth)) if d != t), len(truth))
             num_drafted += len(item.draft_tokens)
-            num_accepted += item.num_accepted
-        emitting = [(it.req, it.num_accepted + 1) for it in batch.items if it.samples]
-        sched.update(batch)
+            num_accepted += accepted[i]
+        emitting = [(it.req, accepted[i] + 1) for i, it in enumerate(batch.items) if it.is_sampling]
+        sched.update(batch, accepted)
         for item in batch.items:
             if item.draft_tokens:  # rolled back to the verified length
                 assert len(item.req.pages) == cdiv(item.req.num_computed_tokens, page_size)
