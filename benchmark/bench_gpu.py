@@ -159,7 +159,13 @@ def bench_decode(engine: Engine, batch: int, context: int, steps: int, copy_bw: 
     prompts = torch.randint(0, vocab, (batch, context), generator=g).tolist()
     params = SamplingParams(max_new_tokens=_decode_tokens(batch, context, steps + profile_steps), temperature=0.0,
                             ignore_eos=True)
-    reqs = [r for grp in engine._submit(None, prompts, params) for r in grp]
+    with engine.hold_loop():  # this thread steps the engine, so each timed step is exactly one loop turn
+        return _bench_decode_held(engine, prompts, params, batch, context, steps, copy_bw, profile_steps)
+
+
+def _bench_decode_held(engine: Engine, prompts, params, batch: int, context: int, steps: int, copy_bw: float,
+                       profile_steps: int) -> dict:
+    reqs = [engine.add_request(p, params)[0] for p in prompts]
     while not all(r.num_output_tokens >= 1 for r in reqs):
         engine.step()
     _sync()

@@ -96,7 +96,7 @@ def bench_batch(engine: Engine, timer: _Timer, batch: int, context: int, steps: 
     # step decodes all B requests.
     params = SamplingParams(max_new_tokens=steps + 4 + _prefill_steps(batch, context), temperature=0.0,
                             ignore_eos=True)
-    reqs = [r for grp in engine._submit(None, prompts, params) for r in grp]
+    reqs = [engine.add_request(p, params)[0] for p in prompts]
     while not all(r.num_output_tokens >= 2 for r in reqs):  # prefill, then one decode step to warm up
         engine.step()
     _sync(device)
@@ -167,14 +167,10 @@ def main() -> None:
         for batch in args.batches:
             for mode in args.overlap:
                 # Between batches nothing is in flight, so the mode can change on the one engine.
-                if mode == "on":
-                    from deepinfer_rt.overlap import OverlapScheduler
-
-                    engine.overlap = OverlapScheduler(engine)
-                else:
-                    engine.overlap = None
-                row = bench_batch(engine, timer, batch, args.context, args.steps, spec["vocab_size"],
-                                  args.device, args.profile)
+                engine.executor.is_overlap_enabled = mode == "on"
+                with engine.hold_loop():  # this thread steps the engine: each timed step is one loop turn
+                    row = bench_batch(engine, timer, batch, args.context, args.steps, spec["vocab_size"],
+                                      args.device, args.profile)
                 row["overlap"] = mode
                 result["rows"].append(row)
                 print(f"B={batch:4d} overlap {mode:3s} step {row['step_ms']:8.2f} ms  forward "

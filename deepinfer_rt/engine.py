@@ -225,33 +225,14 @@ class Engine:
             pairs = [(batch.items[i].req, token, j) for j, (i, token) in enumerate(result.sampled)]
             pairs = [(req, token, j) for req, token, j in pairs if not req.is_finished]  # drafts past a stop
             if result.sample is not None and result.sample.logprobs is None and len(pairs) == len(batch.items):
-                done = self._append_batched([req for req, _, _ in pairs], [token for _, token, _ in pairs])
+                done = self.outputs.append_tokens([req for req, _, _ in pairs], [token for _, token, _ in pairs])
             else:
-                done = [self._append_one(req, token, *result.logprobs_of(j)) for req, token, j in pairs]
+                done = [self.outputs.append_token(req, token, *result.logprobs_of(j)) for req, token, j in pairs]
             finished = [req for (req, _, _), d in zip(pairs, done) if d]
             for req in finished:
                 self.scheduler.abort_waiting(req)  # retracted in the step scheduled since (overlap)
                 self.scheduler.finish(req)
             return finished
-
-    def _append_one(self, req: Req, token: int, logprob, top) -> bool:
-        try:
-            return self.outputs.append_token(req, token, logprob, top)
-        except Exception as e:  # noqa: BLE001 -- that request fails, the step goes on
-            logger.exception("request %d: failed to apply its token", req.rid)
-            req.finish("error", f"failed to apply a sampled token: {type(e).__name__}: {e}")
-            return True
-
-    def _append_batched(self, reqs: list[Req], tokens: list[int]) -> list[bool]:
-        """One token per request, detokenized in batched tokenizer calls (decode steps at large batches)."""
-        try:
-            return self.outputs.append_tokens(reqs, tokens)
-        except Exception as e:  # noqa: BLE001
-            logger.exception("failed to apply a decode step's tokens")
-            for req in reqs:
-                if not req.is_finished:
-                    req.finish("error", f"failed to apply a sampled token: {type(e).__name__}: {e}")
-            return [True] * len(reqs)
 
     # ---- submission ----
     def _make_reqs(self, prompts, input_ids, sampling_params) -> list[list[Req]]:

@@ -1,8 +1,13 @@
 """Applies a step's results to requests: sampled tokens, logprobs, detokenization and stop conditions."""
 from __future__ import annotations
 
+import logging
+
 from deepinfer_rt.request import Req
 from deepinfer_rt.tokenizer import IncrementalDetokenizer, batch_decoder
+
+
+logger = logging.getLogger("deepinfer_rt")
 
 
 class OutputProcessor:
@@ -26,7 +31,11 @@ class OutputProcessor:
 
     def append_token(self, req: Req, token: int, logprob: float | None,
                      top: list[tuple[int, float]] | None) -> bool:
-        """Append a sampled token; True when the request is now finished (reason set on req)."""
+        """Append a sampled token; True when the request is now finished (reason set on req; 'error' if applying
+        the token raised)."""
+        return self._guarded(req, self._append_one, req, token, logprob, top)
+
+    def _append_one(self, req: Req, token: int, logprob: float | None, top: list[tuple[int, float]] | None) -> bool:
         if self._append(req, token, logprob, top):
             return True
         stopped = req.detokenizer.add(token, check_stop=req.num_output_tokens >= req.params.min_new_tokens)
@@ -34,19 +43,39 @@ class OutputProcessor:
 
     def append_tokens(self, reqs: list[Req], tokens: list[int]) -> list[bool]:
         """`append_token(req, token, None, None)` for each request (each at most once), with the detokenizer
-        windows of all of them decoded in two batched tokenizer calls instead of two calls per request."""
-        done = [self._append(req, token, None, None) for req, token in zip(reqs, tokens)]
-        live = [i for i, d in enumerate(done) if not d]
+        windows of all of them decoded in two batched tokenizer calls instead of two calls per request. A
+        request whose token cannot be applied (an exception in its grammar or text) finishes alone with an
+        error; the batched decode falls back to one request at a time if it fails."""
+        done = [self._guarded(req, self._append, req, token, None, None) for req, token in zip(reqs, tokens)]
+        windows = {i: self._guarded(reqs[i], reqs[i].detokenizer.push, tokens[i])
+                   for i, d in enumerate(done) if not d}
+        live = [i for i, w in windows.items() if not reqs[i].is_finished]
         if not live:
-            return done
-        windows = [reqs[i].detokenizer.push(tokens[i]) for i in live]
-        prefixes = self._decode_batch([prefix for prefix, _ in windows])
-        texts = self._decode_batch([whole for _, whole in windows])
+            return [d or reqs[i].is_finished for i, d in enumerate(done)]
+        try:
+            prefixes = self._decode_batch([windows[i][0] for i in live])
+            texts = self._decode_batch([windows[i][1] for i in live])
+        except Exception:  # noqa: BLE001 -- decoded one by one below, so only a failing request fails
+            prefixes = [self._guarded(reqs[i], lambda w: self._decode_batch([w])[0], windows[i][0]) for i in live]
+            texts = [self._guarded(reqs[i], lambda w: self._decode_batch([w])[0], windows[i][1]) for i in live]
         for i, prefix, text in zip(live, prefixes, texts):
             req = reqs[i]
+            if req.is_finished:
+                continue
             check_stop = req.num_output_tokens >= req.params.min_new_tokens
-            done[i] = self._after_text(req, req.detokenizer.commit(prefix, text, check_stop))
-        return done
+            done[i] = self._guarded(req, lambda: self._after_text(req, req.detokenizer.commit(prefix, text,
+                                                                                            check_stop)))
+        return [d or reqs[i].is_finished for i, d in enumerate(done)]
+
+    @staticmethod
+    def _guarded(req: Req, fn, *args):
+        """fn(*args); if it raises, the request finishes with an error (returns True, as 'finished')."""
+        try:
+            return fn(*args)
+        except Exception as e:  # noqa: BLE001 -- that request fails, the others go on
+            logger.exception("request %d: failed to apply its token", req.rid)
+            req.finish("error", f"failed to apply a sampled token: {type(e).__name__}: {e}")
+            return True
 
     def _append(self, req: Req, token: int, logprob: float | None, top: list[tuple[int, float]] | None) -> bool:
         """The token and its logprobs, then the checks that come before its text (grammar, stop tokens);
