@@ -166,9 +166,9 @@ class Engine:
             self.scheduler.update(batch, result.num_accepted)
             return self._process(batch, result)
         live = batch.unfinished()  # the step completed meanwhile finished some (their rows are dropped)
+        self.scheduler.update(live)  # before the new tokens count: a decode then offers nothing to the cache
         for item in live.items:
             item.req.num_inflight_tokens += 1
-        self.scheduler.update(live)
         self._inflight = _Inflight(batch, handle, [it.req for it in live.items])
         return []
 
