@@ -43,7 +43,7 @@ def test_gpu_engine_matches_cpu_reference(tiny_path):
         prompts = _prompts(cpu.model_config.vocab_size)
         ref = _generate(cpu, prompts)
     with _engine(tiny_path, "cuda") as gpu:
-        assert gpu.runner.graphs is not None
+        assert gpu.executor.graphs is not None
         out = _generate(gpu, prompts)
     for o, r in zip(out, ref):
         assert o.token_ids == r.token_ids
@@ -55,11 +55,11 @@ def _count_graph_runs(engine: Engine, monkeypatch, guard: bool) -> list[int]:
     graphs, runs = engine.executor.graphs, [0]
     inner = graphs.run
 
-    def run(batch):
+    def run(batch, *args):
         if guard:
             torch.cuda.set_sync_debug_mode("error")
         try:
-            hidden = inner(batch)
+            hidden = inner(batch, *args)
         finally:
             torch.cuda.set_sync_debug_mode("default")
         runs[0] += hidden is not None
@@ -77,7 +77,7 @@ def test_graph_replay_matches_eager(tiny_path, monkeypatch):
     assert runs[0] > 0
     monkeypatch.setenv("DEEPINFER_CUDA_GRAPH_MAX_BS", "0")
     with _engine(tiny_path, "cuda") as eager:
-        assert eager.runner.graphs is None
+        assert eager.executor.graphs is None
         ref = _generate(eager, prompts)
     for o, r in zip(graphed, ref):
         assert o.token_ids == r.token_ids
