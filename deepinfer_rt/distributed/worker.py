@@ -1,11 +1,11 @@
 """An expert-parallel worker process: one EP rank (one GPU on CUDA, one CPU process with gloo on CPU).
 
 Every rank is an ordinary `python -m deepinfer_rt.distributed.worker` process (see main), whether the engine
-started it or a launcher on another node did: nothing re-imports the user's script. It joins the EP group through torch.distributed's env:// rendezvous (the variables torchrun sets: MASTER_ADDR,
-MASTER_PORT, RANK, WORLD_SIZE, LOCAL_RANK), holds the attention/dense weights, its slots of every MoE layer
-and a KV pool, and runs the engine's plain-data steps through the ordinary ModelRunner. Steps arrive on a zmq
-DEALER socket; every rank answers each step, rank 0 with the sampled tokens (all ranks compute the same).
-"""
+started it or a launcher on another node did: nothing re-imports the user's script. It joins the EP group
+through torch.distributed's env:// rendezvous (the variables torchrun sets: MASTER_ADDR, MASTER_PORT, RANK,
+WORLD_SIZE, LOCAL_RANK), holds the attention/dense weights, its slots of every MoE layer and a KV pool, and runs
+the engine's plain-data steps through the ordinary ModelRunner. Steps arrive on a zmq DEALER socket; every rank
+answers each step, rank 0 with the sampled tokens (all ranks compute the same)."""
 from __future__ import annotations
 
 import argparse
