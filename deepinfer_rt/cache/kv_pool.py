@@ -13,10 +13,13 @@ Layouts:
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+from deepinfer_rt.env import get_env
 
 
 @dataclass(frozen=True)
@@ -119,6 +122,27 @@ class KVPool:
             self.k[layer][d] = self.k[layer][s]
             if self.layout.v_shape is not None:
                 self.v[layer][d] = self.v[layer][s]
+
+
+def num_kv_pages(layout: KVLayout, dtype: torch.dtype, device: torch.device, page_size: int,
+                 kv_cache_tokens: int | None, max_num_seqs: int, max_position: int, num_sharing_ranks: int = 1) -> int:
+    """Pages of the KV pool, measured once the weights are in place: `kv_cache_tokens` when given, else a share
+    of the free memory (CUDA: DEEPINFER_KV_CACHE_MEMORY_FRACTION of what the device has free; CPU: the smaller
+    of DEEPINFER_KV_CACHE_MAX_CPU_GIB and a quarter of the available RAM, split between the
+    `num_sharing_ranks` processes that each hold a pool in it). Never more than every running request at full
+    context could use."""
+    if kv_cache_tokens is not None:
+        if kv_cache_tokens < page_size:
+            raise ValueError(f"kv_cache_tokens must be >= page_size ({page_size})")
+        return kv_cache_tokens // page_size
+    env = get_env()
+    if device.type == "cuda":
+        budget = torch.cuda.mem_get_info(device)[0] * env.kv_cache_memory_fraction
+    else:
+        avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        budget = min(env.kv_cache_max_cpu_gib * 2**30, 0.25 * avail) / num_sharing_ranks
+    tokens = min(int(budget // layout.bytes_per_token(dtype)), max_num_seqs * max_position)
+    return max(tokens // page_size, 1)
 
 
 def slots_of(pages: list[int], num_tokens: int, page_size: int) -> list[int]:

@@ -206,3 +206,33 @@ def init_dummy_sharded(model: nn.Module, placement: ExpertPlacement, rank: int, 
     init_tables = getattr(model, "init_dummy_tables", None)
     if init_tables is not None:
         init_tables(seed)
+
+
+class ExpertShard:
+    """build_model's shard hook for one EP rank: every MoE layer starts from the same placement of the routed
+    experts; the rank keeps its slots of each (shard_experts) and installs the dispatch/combine hook. After the
+    build, `placement` and `recorder` are the tables and counters the worker keeps (None for a model without MoE
+    layers)."""
+
+    def __init__(self, initial: Placement, num_experts: int, rank: int, device: torch.device):
+        self.initial = initial
+        self.num_experts = num_experts
+        self.rank = rank
+        self.device = device
+        self.placement: ExpertPlacement | None = None
+        self.recorder: LoadRecorder | None = None
+
+    def __call__(self, model: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
+        num_moe = len(moe_layers(model))
+        if not num_moe:
+            return
+        self.placement = ExpertPlacement([[list(experts) for experts in self.initial] for _ in range(num_moe)],
+                                         self.num_experts, self.device)
+        self.recorder = LoadRecorder(num_moe, self.num_experts, len(self.initial), self.device)
+        shard_experts(model, self.placement, self.rank, self.recorder, device, dtype)
+
+    def init_dummy(self, model: nn.Module, seed: int) -> None:
+        if self.placement is None:
+            model.init_dummy(seed)
+        else:
+            init_dummy_sharded(model, self.placement, self.rank, seed)

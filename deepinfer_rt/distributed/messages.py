@@ -24,7 +24,6 @@ class WorkerArgs:
     """zmq address of the engine's ROUTER socket."""
     dist_env: dict[str, str]
     """torchrun-style variables (MASTER_ADDR, MASTER_PORT, RANK, LOCAL_RANK, WORLD_SIZE) for env:// init."""
-    parent_pid: int
     model_path: str
     model_config: ModelConfig
     """Parsed by the engine (workers need not import transformers)."""
@@ -33,8 +32,9 @@ class WorkerArgs:
     load_format: str
     seed: int
     page_size: int
-    num_pages: int | None
-    """KV pool size, or None: each worker sizes it from its memory after loading, and all take the minimum."""
+    kv_cache_tokens: int | None
+    """The engine's KV budget, or None: each worker sizes its pool from its memory after loading (cache/kv_pool.py
+    num_kv_pages), and all take the minimum."""
     max_num_seqs: int
     max_position: int
     eos_ids: tuple[int, ...]

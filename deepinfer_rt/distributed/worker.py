@@ -1,15 +1,18 @@
 """An expert-parallel worker process: one EP rank (one GPU on CUDA, one CPU process with gloo on CPU).
 
-It joins the EP group through torch.distributed's env:// rendezvous (the variables torchrun sets: MASTER_ADDR,
-MASTER_PORT, RANK, WORLD_SIZE, LOCAL_RANK), holds the attention/dense weights, its slots of every MoE layer
-and a KV pool, and runs the engine's plain-data steps through the ordinary ModelRunner. Steps arrive on a zmq
-DEALER socket; every rank answers each step, rank 0 with the sampled tokens (all ranks compute the same).
-"""
+Every rank is an ordinary `python -m deepinfer_rt.distributed.worker` process (see main), whether the engine
+started it or a launcher on another node did: nothing re-imports the user's script. It joins the EP group
+through torch.distributed's env:// rendezvous (the variables torchrun sets: MASTER_ADDR, MASTER_PORT, RANK,
+WORLD_SIZE, LOCAL_RANK), holds the attention/dense weights, its slots of every MoE layer and a KV pool, and runs
+the engine's plain-data steps through the ordinary ModelRunner. Steps arrive on a zmq DEALER socket; every rank
+answers each step, rank 0 with the sampled tokens (all ranks compute the same)."""
 from __future__ import annotations
 
+import argparse
 import os
 import pickle
-import sys
+import threading
+import time
 import traceback
 from dataclasses import replace
 from datetime import timedelta
@@ -18,14 +21,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from deepinfer_rt.cache.kv_pool import KVLayout, KVPool
-from deepinfer_rt.distributed.ep import (
-    ExpertPlacement,
-    LoadRecorder,
-    init_dummy_sharded,
-    moe_layers,
-    shard_experts,
-)
+from deepinfer_rt.cache.kv_pool import KVPool, num_kv_pages
+from deepinfer_rt.distributed.ep import ExpertShard, moe_layers
 from deepinfer_rt.distributed.eplb import (
     LoadWindow,
     contiguous_placement,
@@ -34,11 +31,9 @@ from deepinfer_rt.distributed.eplb import (
     window_objective,
 )
 from deepinfer_rt.distributed.messages import StepMsg, StepReply, WorkerArgs
-from deepinfer_rt.env import get_env
 from deepinfer_rt.layers.attention.select import select_backend
 from deepinfer_rt.model_runner import ModelRunner
-from deepinfer_rt.models.loader import finalize, iter_safetensors
-from deepinfer_rt.models.registry import get_model_class
+from deepinfer_rt.models.loader import build_model
 from deepinfer_rt.request import Req
 from deepinfer_rt.sampler import Sampler
 from deepinfer_rt.scheduler.batch import ScheduledBatch, ScheduledReq
@@ -72,12 +67,15 @@ class Worker:
         self.config = args.model_config
         mc = self.config
         self.eplb = args.eplb if args.eplb.enabled and self.size > 1 else None
-        self.placement: ExpertPlacement | None = None
-        self.recorder: LoadRecorder | None = None
-        self.model = self._build_model(get_model_class(mc.architecture))
+        shard = ExpertShard(self._initial_placement(), mc.n_routed_experts, self.rank, self.device)
+        # Built on the CPU and cut to this rank's experts before weights are read (checkpoint) or drawn on the
+        # device (dummy), so no process ever holds every expert.
+        self.model = build_model(mc, Path(args.model_path), args.load_format, args.dtype, self.device, args.seed,
+                                 shard=shard)
+        self.placement, self.recorder = shard.placement, shard.recorder
         self.experts = [moe.experts for moe in moe_layers(self.model)]
         layout = self.model.kv_layout(mc)
-        self.num_pages = args.num_pages or self._size_kv_pages(layout)
+        self.num_pages = self._num_kv_pages(layout)
         self.pool = KVPool(layout, self.num_pages, args.page_size, args.dtype, self.device)
         # The engine's backend rule, so EP=1 in-process and EP=N in workers run the same attention.
         self.runner = ModelRunner(self.model, self.pool, select_backend(self.device, args.batch_invariant),
@@ -113,50 +111,14 @@ class Worker:
         slots = experts // self.size + self.eplb.redundant_per_rank
         return place_experts(torch.ones(1, experts, dtype=torch.float64), self.size, slots)
 
-    def _build_model(self, cls):
+    def _num_kv_pages(self, layout) -> int:
+        """The engine's KV budget rule, measured after the weights are in place; every rank holds a full pool
+        (attention is data-parallel), so on a shared CPU the budget is split between ranks. All ranks take the
+        smallest size, which the engine's allocator then hands out."""
         args = self.args
-        # Built on the CPU (routed experts are torch.empty there: reserved, never touched, dropped when sharded).
-        # Dummy weights are drawn on the device, so their experts are allocated there directly; checkpoints load
-        # on the CPU and move once.
-        dummy = args.load_format == "dummy"
-        with torch.device("cpu"):
-            model = cls(self.config)
-        num_moe = len(moe_layers(model))
-        if num_moe:
-            experts = self.config.n_routed_experts
-            self.placement = ExpertPlacement([self._initial_placement() for _ in range(num_moe)], experts,
-                                             self.device)
-            self.recorder = LoadRecorder(num_moe, experts, self.size, self.device)
-            where = (self.device, args.dtype) if dummy else (torch.device("cpu"), torch.float32)
-            shard_experts(model, self.placement, self.rank, self.recorder, *where)
-        if dummy:
-            model = model.to(device=self.device, dtype=args.dtype)
-            if self.placement is not None:
-                init_dummy_sharded(model, self.placement, self.rank, args.seed)
-            else:
-                model.init_dummy(args.seed)
-        elif args.load_format in ("auto", "safetensors"):
-            model.load_weights(iter_safetensors(Path(args.model_path)))
-        else:
-            raise ValueError(f"load_format must be 'auto' or 'dummy', got {args.load_format!r}")
-        model.tie_weights()
-        model = finalize(model.to(device=self.device, dtype=args.dtype).eval())
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()  # construction leftovers must not count as used when sizing the KV pool
-        return model
-
-    def _size_kv_pages(self, layout: KVLayout) -> int:
-        """Same budget rule as the single-process engine, measured after the weights are in place; every rank
-        holds a full pool (attention is replicated), so on a shared CPU the budget is split between ranks.
-        All ranks take the smallest size."""
-        env, args = get_env(), self.args
-        if self.device.type == "cuda":
-            budget = torch.cuda.mem_get_info(self.device)[0] * env.kv_cache_memory_fraction
-        else:
-            avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-            budget = min(env.kv_cache_max_cpu_gib * 2**30, 0.25 * avail) / self.size
-        tokens = min(int(budget // layout.bytes_per_token(args.dtype)), args.max_num_seqs * args.max_position)
-        pages = torch.tensor([max(tokens // args.page_size, 1)], device=self.device)
+        pages = num_kv_pages(layout, args.dtype, self.device, args.page_size, args.kv_cache_tokens,
+                             args.max_num_seqs, args.max_position, num_sharing_ranks=self.size)
+        pages = torch.tensor([pages], device=self.device)
         dist.all_reduce(pages, op=dist.ReduceOp.MIN)
         return int(pages.item())
 
@@ -251,20 +213,31 @@ def _connect(engine_addr: str, rank: int):
     return ctx, sock
 
 
-def worker_main(args: WorkerArgs) -> None:
-    """Entry of a worker the engine spawned."""
-    _serve(args, *_connect(args.engine_addr, args.rank))
+def _exit_with(parent_pid: int) -> None:
+    """Watchdog thread: exit as soon as the engine that started this process is gone, whatever the main thread
+    is doing (loading weights, waiting in a collective for a peer that died with it)."""
+    while os.getppid() == parent_pid:
+        time.sleep(1.0)
+    os._exit(0)
 
 
-def main() -> None:
-    """Entry of a worker started outside the engine, e.g. on another node (DEEPINFER_EP_LOCAL_WORKERS):
+def main(argv: list[str] | None = None) -> None:
+    """Entry of every worker process:
 
         RANK=2 LOCAL_RANK=0 python -m deepinfer_rt.distributed.worker tcp://ENGINE_HOST:DEEPINFER_EP_PORT
 
-    RANK and LOCAL_RANK come from the launcher's environment (torchrun sets them); the engine sends the rest,
-    including the rendezvous address."""
+    The engine starts its local ranks so, with --parent-pid; ranks beyond DEEPINFER_EP_LOCAL_WORKERS (another
+    node) are started the same way by any launcher that sets RANK and LOCAL_RANK (torchrun does). A worker asks
+    the engine for its arguments ("hello"), including the rendezvous address, then serves steps."""
+    parser = argparse.ArgumentParser(prog="python -m deepinfer_rt.distributed.worker")
+    parser.add_argument("engine_addr", help="the engine's zmq address, tcp://HOST:PORT")
+    parser.add_argument("--parent-pid", type=int, default=0,
+                        help="exit when this process (the engine that started this worker) is gone")
+    opts = parser.parse_args(argv)
+    if opts.parent_pid:
+        threading.Thread(target=_exit_with, args=(opts.parent_pid,), name="parent-watchdog", daemon=True).start()
     rank = int(os.environ["RANK"])
-    ctx, sock = _connect(sys.argv[1], rank)
+    ctx, sock = _connect(opts.engine_addr, rank)
     sock.send(pickle.dumps(("hello", rank)))
     args: WorkerArgs = pickle.loads(sock.recv())
     args = replace(args, dist_env={**args.dist_env, "LOCAL_RANK": os.environ.get("LOCAL_RANK", "0")})
@@ -272,16 +245,12 @@ def main() -> None:
 
 
 def _serve(args: WorkerArgs, ctx, sock) -> None:
-    """Load, report ready, serve steps until told to stop (or the engine that spawned this process is gone)."""
+    """Load, report ready, serve steps until told to stop."""
     code = 0
     try:
         worker = Worker(args)
         sock.send(pickle.dumps(("ready", args.rank, worker.num_pages)))
         while True:
-            if not sock.poll(1000):
-                if args.parent_pid and os.getppid() != args.parent_pid:
-                    break  # the engine is gone: do not outlive it
-                continue
             kind, msg = pickle.loads(sock.recv())
             if kind == "stop":
                 break

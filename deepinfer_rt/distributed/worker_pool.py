@@ -1,23 +1,27 @@
 """Engine side of expert parallelism: starts, feeds and supervises the EP worker processes.
 
-`WorkerPool.run(batch)` keeps ModelRunner's contract, so the engine loop does not change: the scheduler stays in
-the engine process, each step's batch goes to every worker as plain data (pickled once, sent over one zmq
-ROUTER socket) and rank 0's sampled tokens come back. Workers are torch.multiprocessing processes (spawn),
-one per GPU on CUDA; they find each other through torch.distributed's env:// rendezvous. Ranks beyond
-DEEPINFER_EP_LOCAL_WORKERS are started elsewhere (another node, by torchrun or any launcher that sets RANK and
-LOCAL_RANK) with `python -m deepinfer_rt.distributed.worker tcp://HOST:PORT`; they ask the engine for their
-arguments and the rendezvous address, then serve like the local ones.
+`WorkerPool` is an Executor (deepinfer_rt/executor.py), so the engine loop does not know it is there: the
+scheduler stays in the engine process and hands out pages of `allocator`, each step's batch goes to every worker
+as plain data (pickled once, sent over one zmq ROUTER socket, the KV slot copies it needs included) and rank 0's
+sampled tokens come back. Every worker is an ordinary `python -m deepinfer_rt.distributed.worker` process, one
+per GPU on CUDA, so a user's script needs no `if __name__ == "__main__":` guard (nothing re-imports it); workers
+find each other through torch.distributed's env:// rendezvous. Ranks beyond DEEPINFER_EP_LOCAL_WORKERS are
+started elsewhere (another node, by torchrun or any launcher that sets RANK and LOCAL_RANK) with the same
+command; every rank asks the engine for its arguments and the rendezvous address, then serves.
 
 Supervision: while waiting for a step the engine polls the socket and the workers' liveness every 0.2 s. A
-worker that dies, reports an exception, or does not answer within DEEPINFER_EP_STEP_TIMEOUT makes `run` raise a
-RuntimeError naming it, and all workers are stopped: none outlives the engine (a finalizer stops them even if
-shutdown is never called, and workers exit on their own when their parent disappears).
+worker that dies, reports an exception, or does not answer within DEEPINFER_EP_STEP_TIMEOUT makes `collect`
+raise a RuntimeError naming it, and all workers are stopped: none outlives the engine (a finalizer stops them
+even if shutdown is never called, and workers exit on their own when their parent disappears). Workers write to
+the engine's stderr.
 """
 from __future__ import annotations
 
 import os
 import pickle
 import socket
+import subprocess
+import sys
 import time
 import weakref
 from pathlib import Path
@@ -25,6 +29,7 @@ from pathlib import Path
 import torch
 import zmq
 
+import deepinfer_rt
 from deepinfer_rt.cache.kv_pool import PageAllocator
 from deepinfer_rt.config import EngineConfig, ModelConfig
 from deepinfer_rt.distributed.eplb import EPLBConfig
@@ -35,31 +40,11 @@ from deepinfer_rt.distributed.messages import (
     StepReply,
     WorkerArgs,
 )
-from deepinfer_rt.distributed.worker import worker_main
 from deepinfer_rt.env import get_env
 from deepinfer_rt.model_runner import RunResult
 from deepinfer_rt.scheduler.batch import ScheduledBatch
 
 _POLL_MS = 200
-
-
-class RemotePool:
-    """The engine's view of the workers' KV pools: the page allocator the scheduler and prefix cache use, and
-    slot copies (forking a partly filled page) queued for the workers to do before the next forward."""
-
-    def __init__(self, num_pages: int, page_size: int):
-        self.allocator = PageAllocator(num_pages)
-        self.page_size = page_size
-        self.num_slots = num_pages * page_size
-        self._copies: list[tuple[list[int], list[int]]] = []
-
-    def copy_slots(self, src: list[int], dst: list[int]) -> None:
-        if src:
-            self._copies.append((list(src), list(dst)))
-
-    def take_copies(self) -> list[tuple[list[int], list[int]]]:
-        copies, self._copies = self._copies, []
-        return copies
 
 
 def _free_port(host: str) -> int:
@@ -68,7 +53,26 @@ def _free_port(host: str) -> int:
         return s.getsockname()[1]
 
 
-def _stop_workers(num_workers: int, procs, sock, ctx) -> None:
+def _start_worker(rank: int, engine_addr: str) -> subprocess.Popen:
+    """A local rank: a fresh interpreter running the worker module, which exits when this process is gone. It
+    runs this process's deepinfer_rt whatever sys.path edits the user's script made."""
+    root = str(Path(deepinfer_rt.__file__).parent.parent)
+    path = os.pathsep.join([root, *filter(None, [os.environ.get("PYTHONPATH")])])
+    env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), PYTHONPATH=path)
+    return subprocess.Popen(
+        [sys.executable, "-m", "deepinfer_rt.distributed.worker", engine_addr, "--parent-pid", str(os.getpid())],
+        env=env, stdin=subprocess.DEVNULL, stdout=2)  # stdout to our stderr (fd 2); stderr is inherited
+
+
+def _wait(proc: subprocess.Popen, timeout_s: float) -> bool:
+    try:
+        proc.wait(max(0.0, timeout_s))
+        return True
+    except subprocess.TimeoutExpired:
+        return False
+
+
+def _stop_workers(num_workers: int, procs: list[subprocess.Popen], sock, ctx) -> None:
     """Ask every rank politely, then terminate, then kill the ones this engine started: a worker blocked in a
     collective (its peer died) or stopped by a signal answers only to SIGKILL."""
     for rank in range(num_workers):
@@ -78,14 +82,13 @@ def _stop_workers(num_workers: int, procs, sock, ctx) -> None:
             pass
     deadline = time.monotonic() + 3.0
     for p in procs:
-        p.join(max(0.0, deadline - time.monotonic()))
+        _wait(p, deadline - time.monotonic())
     for p in procs:
-        if p.is_alive():
+        if p.poll() is None:
             p.terminate()
-            p.join(1.0)
-        if p.is_alive():
-            p.kill()
-            p.join(5.0)
+            if not _wait(p, 1.0):
+                p.kill()
+                _wait(p, 5.0)
     sock.close(linger=0)
     ctx.term()
 
@@ -114,32 +117,33 @@ class WorkerPool:
             port = self._sock.bind_to_random_port(f"tcp://{host}")
         master = {"MASTER_ADDR": host, "MASTER_PORT": str(_free_port(host)), "WORLD_SIZE": str(n)}
         eplb = EPLBConfig(env.eplb, env.eplb_window_steps, env.eplb_interval_steps, env.eplb_redundant_per_rank)
-        # Every rank gets the same arguments but its rank; ranks >= num_local ask for theirs ("hello").
+        # Every rank gets the same arguments but its rank, sent when it asks ("hello").
+        engine_addr = f"tcp://{host}:{port}"
         self._worker_args = [WorkerArgs(
-            rank=rank, world_size=n, engine_addr=f"tcp://{host}:{port}",
+            rank=rank, world_size=n, engine_addr=engine_addr,
             dist_env=dict(master, RANK=str(rank), LOCAL_RANK=str(rank)),
-            parent_pid=os.getpid() if rank < num_local else 0,
             model_path=str(path), model_config=model_config, dtype=config.dtype, device_type=config.device.type,
             load_format=config.load_format, seed=config.seed, page_size=config.cache.page_size,
-            num_pages=(config.cache.kv_cache_tokens // config.cache.page_size
-                       if config.cache.kv_cache_tokens is not None else None),
-            max_num_seqs=config.scheduler.max_num_seqs, max_position=model_config.max_position, eos_ids=eos_ids,
+            kv_cache_tokens=config.cache.kv_cache_tokens, max_num_seqs=config.scheduler.max_num_seqs,
+            max_position=model_config.max_position, eos_ids=eos_ids,
             num_threads=env.num_threads or max(1, torch.get_num_threads() // num_local), eplb=eplb,
             timeout_s=max(60.0, 2 * env.ep_step_timeout_s), batch_invariant=config.batch_invariant)
             for rank in range(n)]
-        spawn = torch.multiprocessing.get_context("spawn")
-        self._procs = [spawn.Process(target=worker_main, args=(self._worker_args[rank],), name=f"deepinfer-ep{rank}",
-                                     daemon=True) for rank in range(num_local)]
-        for proc in self._procs:
-            proc.start()
+        self._procs = [_start_worker(rank, engine_addr) for rank in range(num_local)]
         self._finalizer = weakref.finalize(self, _stop_workers, n, self._procs, self._sock, self._ctx)
         self._broken: str | None = None
         ready = self._collect("ready", env.ep_start_timeout_s)
-        self.pool = RemotePool(min(num_pages for (num_pages,) in ready.values()), config.cache.page_size)
+        num_pages = min(num_pages for (num_pages,) in ready.values())
+        self.allocator = PageAllocator(num_pages)
+        """The workers' KV pages (every rank's pool has as many): the scheduler and prefix cache hand them out."""
+        self.page_size = config.cache.page_size
+        self.num_slots = num_pages * self.page_size
         self.grammar = None
         """Set by the engine; the matchers stay here and the workers receive filled bitmask rows."""
         self._sent: dict[int, tuple[int, int, int]] = {}
         """rid -> (tokens, retractions, pages) the workers' mirror holds after the previous step."""
+        self._num_launched = self._num_collected = 0
+        self._queued_copies: list[tuple[list[int], list[int]]] = []
         self._last: StepReply | None = None
         self.reset_stats()
 
@@ -175,8 +179,8 @@ class WorkerPool:
         deadline = time.monotonic() + wait_s
         while True:
             for rank, proc in enumerate(self._procs):
-                if not proc.is_alive():
-                    return f"expert-parallel worker {rank} (pid {proc.pid}) died with exit code {proc.exitcode}"
+                if proc.poll() is not None:
+                    return f"expert-parallel worker {rank} (pid {proc.pid}) died with exit code {proc.returncode}"
             if time.monotonic() >= deadline:
                 return None
             time.sleep(0.05)
@@ -202,19 +206,38 @@ class WorkerPool:
     def pids(self) -> list[int]:
         return [p.pid for p in self._procs]
 
-    # ---- each step ----
-    def run(self, batch: ScheduledBatch) -> RunResult:
+    # ---- each step (the Executor contract) ----
+    def launch(self, batch: ScheduledBatch, prev=None) -> int:
+        """Send the step to every worker and return its number without waiting. Every step's inputs are final
+        when it is launched (`can_overlap` is False), so `prev` is never read."""
         if self._broken is not None:
             raise RuntimeError(f"the expert-parallel worker pool is down: {self._broken}")
         payload = pickle.dumps(("step", self._step_msg(batch)), protocol=pickle.HIGHEST_PROTOCOL)
         for rank in range(self.size):
             self._sock.send_multipart([f"w{rank}".encode(), payload])
+        self._num_launched += 1
+        return self._num_launched - 1
+
+    def collect(self, handle: int) -> RunResult:
+        """Wait for every rank's answer to step `handle` (steps are collected in launch order); rank 0's result."""
+        if self._broken is not None:
+            raise RuntimeError(f"the expert-parallel worker pool is down: {self._broken}")
+        assert handle == self._num_collected, f"step {handle} collected out of order (next: {self._num_collected})"
         reply: StepReply = self._collect("step", self.step_timeout_s)[0][0]
+        self._num_collected += 1
         self._account(reply)
         return reply.result
 
+    def run(self, batch: ScheduledBatch) -> RunResult:
+        return self.collect(self.launch(batch))
+
+    def can_overlap(self, batch: ScheduledBatch) -> bool:
+        return False  # a step's sampled tokens reach the workers' inputs only through the engine, after collect
+
     def _step_msg(self, batch: ScheduledBatch) -> StepMsg:
-        msg, sent = StepMsg(kv_copies=self.pool.take_copies()), {}
+        # The slot copies are done by every worker before the step's forward.
+        copies, self._queued_copies = [*getattr(batch, "kv_copies", []), *self._queued_copies], []
+        msg, sent = StepMsg(kv_copies=copies), {}
         for item in batch.items:
             req = item.req
             prev = self._sent.get(req.rid)
@@ -238,6 +261,17 @@ class WorkerPool:
         mask = xgrammar.allocate_token_bitmask(1, self.grammar.vocab_size)
         req.grammar.matcher.fill_next_token_bitmask(mask, 0)
         return mask[0]
+
+    # ---- until the merge: today's engine and scheduler ----
+    # engine.py reads `runner.pool` and the scheduler calls `pool.copy_slots`; both go once the engine reads
+    # `executor.allocator/page_size/num_slots` and the scheduler fills `ScheduledBatch.kv_copies`.
+    @property
+    def pool(self) -> "WorkerPool":
+        return self
+
+    def copy_slots(self, src: list[int], dst: list[int]) -> None:
+        if src:
+            self._queued_copies.append((list(src), list(dst)))
 
     # ---- statistics ----
     def _account(self, reply: StepReply) -> None:

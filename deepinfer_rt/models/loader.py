@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Protocol
 
 import torch
 from safetensors import safe_open
@@ -54,13 +54,30 @@ def iter_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, sf.get_tensor(name)
 
 
+class Shard(Protocol):
+    """Cuts a freshly built model down to one rank's part (expert parallelism: distributed/ep.py ExpertShard)."""
+
+    def __call__(self, model: CausalLM, device: torch.device, dtype: torch.dtype) -> None:
+        """Called after construction, before weights are loaded or drawn; the kept tensors go to device/dtype."""
+
+    def init_dummy(self, model: CausalLM, seed: int) -> None:
+        """load_format='dummy' for the sharded model, in place of `model.init_dummy`."""
+
+
 def build_model(config: ModelConfig, path: Path | None, load_format: str, dtype: torch.dtype,
-                device: torch.device, seed: int) -> CausalLM:
+                device: torch.device, seed: int, shard: Shard | None = None) -> CausalLM:
     cls = get_model_class(config.architecture)
+    dummy = load_format == "dummy"
     # Dummy weights are drawn where the model runs: a 16B-parameter model initialises in seconds on a GPU.
-    with torch.device(device if load_format == "dummy" else "cpu"):
+    # A model to shard is built on the CPU, where its full-size expert tensors (torch.empty) are only reserved.
+    with torch.device(device if dummy and shard is None else "cpu"):
         model = cls(config)
-    if load_format == "dummy":
+    if shard is not None:
+        shard(model, *((device, dtype) if dummy else (torch.device("cpu"), torch.get_default_dtype())))
+    if dummy and shard is not None:
+        model = model.to(device=device, dtype=dtype)
+        shard.init_dummy(model, seed)
+    elif dummy:
         model.init_dummy(seed)
     elif load_format in ("auto", "safetensors"):
         assert path is not None

@@ -28,6 +28,9 @@ def test_ep2_needle_is_batch_invariant_while_eplb_moves_experts(tiny_v3_path, mo
     for name, value in [("DEEPINFER_EPLB", "1"), ("DEEPINFER_EPLB_INTERVAL", "2"), ("DEEPINFER_EPLB_WINDOW", "4"),
                         ("DEEPINFER_EPLB_REDUNDANT", "1")]:
         monkeypatch.setenv(name, value)
+    # The CPU invariant GEMMs check their tile plan once per weight shape and process (layers/invariant_gemm.py):
+    # with one thread per worker on a shared CPU the first step takes 15-30 s, at the default 30 s step timeout.
+    monkeypatch.setenv("DEEPINFER_EP_STEP_TIMEOUT", "180")
     rng = random.Random(3)
     with Engine(str(tiny_v3_path), dtype="float32", page_size=4, kv_cache_tokens=4096, ep_size=2,
                 batch_invariant=True, enable_prefix_cache=False) as engine:

@@ -15,6 +15,7 @@ import time
 import pytest
 
 from deepinfer_rt import Engine, SamplingParams
+from deepinfer_rt.scheduler.batch import ScheduledBatch
 
 PROMPTS = ["Hello", "The capital of France is", "1 2 3 4 5 6 7 8 9 10 11 12", "def f(x):\n    return",
            "A long time ago in a galaxy far, far away, there was a small robot.", "?", "ok ok ok ok",
@@ -75,6 +76,40 @@ def test_ep2_greedy_tokens_and_logprobs_match_ep1(ep2, reference):
 def test_ep2_seeded_siblings_match_ep1(ep2, reference):
     # n=3 siblings copy their leader's partly filled KV page (page_size 4): slot copies reach the workers.
     outs = ep2.generate(PROMPTS[:3], sampling_params=SAMPLED)
+    assert [o.token_ids for o in outs] == [r.token_ids for r in reference["sampled"]]
+
+
+class _CopiesInTheBatch:
+    """The scheduler's pool as it will be after the merge: slot copies travel in ScheduledBatch.kv_copies."""
+
+    def __init__(self, pool):
+        self.pool, self.copies = pool, []
+
+    def __getattr__(self, name):
+        return getattr(self.pool, name)
+
+    def copy_slots(self, src: list[int], dst: list[int]) -> None:
+        self.copies.append((src, dst))
+
+
+def test_ep2_is_an_executor_and_applies_kv_copies_from_the_batch(ep2, reference, monkeypatch):
+    pool, scheduler = ep2.runner, ep2.scheduler
+    assert pool.allocator is scheduler.allocator and pool.page_size == 4
+    assert pool.num_slots == pool.allocator.num_pages * pool.page_size
+    assert pool.can_overlap(ScheduledBatch()) is False
+    shim, schedule, num_copies = _CopiesInTheBatch(scheduler.pool), scheduler.schedule, []
+
+    def schedule_with_copies():
+        batch = schedule()
+        batch.kv_copies, shim.copies = shim.copies, []
+        num_copies.append(len(batch.kv_copies))
+        return batch
+
+    monkeypatch.setattr(scheduler, "pool", shim)
+    monkeypatch.setattr(scheduler, "schedule", schedule_with_copies)
+    ep2.flush_cache()
+    outs = ep2.generate(PROMPTS[:3], sampling_params=SAMPLED)
+    assert sum(num_copies) > 0
     assert [o.token_ids for o in outs] == [r.token_ids for r in reference["sampled"]]
 
 

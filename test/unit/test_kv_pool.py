@@ -6,7 +6,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from deepinfer_rt.cache.kv_pool import KVLayout, KVPool, PageAllocator, slots_of
+from deepinfer_rt.cache.kv_pool import KVLayout, KVPool, PageAllocator, num_kv_pages, slots_of
 
 CPU = torch.device("cpu")
 
@@ -260,3 +260,26 @@ def test_mla_copy_slots_keeps_view_consistent():
         assert torch.equal(pool.v[layer][dst], before[layer][src][..., :4])
         assert pool.v[layer].data_ptr() == pool.k[layer].data_ptr()
         assert torch.equal(pool.v[layer], pool.k[layer][..., :4])
+
+
+# ---- num_kv_pages: the one KV budget rule (engine and EP workers) ----
+_LAYOUT = KVLayout(num_layers=2, k_shape=(1, 256), v_shape=None, v_dim=192)  # 2 KiB per token in fp32
+
+
+def test_num_kv_pages_explicit_tokens():
+    assert num_kv_pages(_LAYOUT, torch.float32, CPU, 4, 1003, max_num_seqs=1, max_position=8) == 250
+    with pytest.raises(ValueError, match="kv_cache_tokens must be >= page_size"):
+        num_kv_pages(_LAYOUT, torch.float32, CPU, 16, 15, max_num_seqs=8, max_position=512)
+
+
+def test_num_kv_pages_cpu_budget_split_between_ranks_and_capped(monkeypatch):
+    monkeypatch.setenv("DEEPINFER_KV_CACHE_MAX_CPU_GIB", str(2**-10))  # 1 MiB: 512 tokens, far below 1/4 of RAM
+    one = num_kv_pages(_LAYOUT, torch.float32, CPU, 4, None, max_num_seqs=64, max_position=512)
+    assert one == 512 // 4
+    assert num_kv_pages(_LAYOUT, torch.float32, CPU, 4, None, 64, 512, num_sharing_ranks=2) == one // 2
+    assert num_kv_pages(_LAYOUT, torch.bfloat16, CPU, 4, None, 64, 512) == 2 * one
+    # Never more than every running request at full context: 2 x 100 tokens.
+    assert num_kv_pages(_LAYOUT, torch.float32, CPU, 4, None, max_num_seqs=2, max_position=100) == 50
+    # At least one page, however small the budget.
+    monkeypatch.setenv("DEEPINFER_KV_CACHE_MAX_CPU_GIB", "0")
+    assert num_kv_pages(_LAYOUT, torch.float32, CPU, 4, None, 64, 512) == 1
