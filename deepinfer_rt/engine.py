@@ -4,7 +4,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import os
 import random
 import weakref
 from dataclasses import dataclass
@@ -13,7 +12,7 @@ from typing import AsyncIterator, Iterator, Sequence
 import torch
 
 from deepinfer_rt.cache.base import NoPrefixCache, PrefixCache
-from deepinfer_rt.cache.kv_pool import KVPool
+from deepinfer_rt.cache.kv_pool import KVPool, num_kv_pages
 from deepinfer_rt.cache.radix_cache import RadixCache
 from deepinfer_rt.config import CacheConfig, EngineConfig, SchedulerConfig
 from deepinfer_rt.engine_loop import EngineLoop
@@ -122,22 +121,8 @@ class Engine:
     # ---- sizing ----
     def _num_pages(self) -> int:
         cfg, mc = self.config, self.model_config
-        ps = cfg.cache.page_size
-        if cfg.cache.kv_cache_tokens is not None:
-            if cfg.cache.kv_cache_tokens < ps:
-                raise ValueError(f"kv_cache_tokens must be >= page_size ({ps})")
-            return cfg.cache.kv_cache_tokens // ps
-        per_token = self._kv_layout().bytes_per_token(cfg.dtype)
-        env = get_env()
-        if cfg.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(cfg.device)
-            budget = free * env.kv_cache_memory_fraction
-        else:
-            avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-            budget = min(env.kv_cache_max_cpu_gib * 2**30, 0.25 * avail)
-        # Never more than every running request at full context could use.
-        tokens = min(int(budget // per_token), cfg.scheduler.max_num_seqs * mc.max_position)
-        return max(tokens // ps, 1)
+        return num_kv_pages(self._kv_layout(), cfg.dtype, cfg.device, cfg.cache.page_size, cfg.cache.kv_cache_tokens,
+                            cfg.scheduler.max_num_seqs, mc.max_position)
 
     def _kv_layout(self):
         layout = self.model.kv_layout(self.model_config)

@@ -143,7 +143,6 @@ class WorkerPool:
         self._sent: dict[int, tuple[int, int, int]] = {}
         """rid -> (tokens, retractions, pages) the workers' mirror holds after the previous step."""
         self._num_launched = self._num_collected = 0
-        self._queued_copies: list[tuple[list[int], list[int]]] = []
         self._last: StepReply | None = None
         self.reset_stats()
 
@@ -236,8 +235,7 @@ class WorkerPool:
 
     def _step_msg(self, batch: ScheduledBatch) -> StepMsg:
         # The slot copies are done by every worker before the step's forward.
-        copies, self._queued_copies = [*getattr(batch, "kv_copies", []), *self._queued_copies], []
-        msg, sent = StepMsg(kv_copies=copies), {}
+        msg, sent = StepMsg(kv_copies=list(batch.kv_copies)), {}
         for item in batch.items:
             req = item.req
             prev = self._sent.get(req.rid)
@@ -261,17 +259,6 @@ class WorkerPool:
         mask = xgrammar.allocate_token_bitmask(1, self.grammar.vocab_size)
         req.grammar.matcher.fill_next_token_bitmask(mask, 0)
         return mask[0]
-
-    # ---- until the merge: today's engine and scheduler ----
-    # engine.py reads `runner.pool` and the scheduler calls `pool.copy_slots`; both go once the engine reads
-    # `executor.allocator/page_size/num_slots` and the scheduler fills `ScheduledBatch.kv_copies`.
-    @property
-    def pool(self) -> "WorkerPool":
-        return self
-
-    def copy_slots(self, src: list[int], dst: list[int]) -> None:
-        if src:
-            self._queued_copies.append((list(src), list(dst)))
 
     # ---- statistics ----
     def _account(self, reply: StepReply) -> None:

@@ -52,7 +52,7 @@ def test_unguarded_script_runs_ep2_and_matches_ep1(tiny_v3_path, tmp_path):
         engine = {_ENGINE.format(path=str(tiny_v3_path))}
         params = SamplingParams(max_new_tokens={NEW_TOKENS}, temperature=0, ignore_eos=True)
         outs = engine.generate({PROMPTS!r}, sampling_params=params)
-        print(json.dumps({{"tokens": [o.token_ids for o in outs], "pids": engine.runner.pids}}))
+        print(json.dumps({{"tokens": [o.token_ids for o in outs], "pids": engine.executor.pids}}))
     """)
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300,
                           cwd=tmp_path)
@@ -72,7 +72,7 @@ def test_workers_exit_when_the_engine_process_is_killed(tiny_v3_path, tmp_path):
         from deepinfer_rt import Engine
 
         engine = {_ENGINE.format(path=str(tiny_v3_path))}
-        print(*engine.runner.pids, flush=True)
+        print(*engine.executor.pids, flush=True)
         time.sleep(600)
     """)
     proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True, cwd=tmp_path)
