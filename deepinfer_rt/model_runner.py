@@ -14,7 +14,6 @@ import torch
 from deepinfer_rt.cache.kv_pool import KVPool, slots_of
 from deepinfer_rt.forward_batch import ForwardBatch
 from deepinfer_rt.layers.attention.base import AttentionBackend
-from deepinfer_rt.layers.batch_invariant import batch_invariant_mode
 from deepinfer_rt.models.base import CausalLM
 from deepinfer_rt.overlap import resolve_placeholders
 from deepinfer_rt.sampler import Sampler, SampleResult, to_device
@@ -86,12 +85,12 @@ class ModelRunner:
             q_lens=q_lens, kv_lens=kv_lens, kv_slots=list(flat[3 * t :].split([len(s) for s in kv_slots])),
             pool=self.pool, backend=self.backend)
         self.backend.prepare(fb)
+        self.model.prepare_batch(fb)
         return fb
 
     @torch.no_grad()
     def run(self, batch: ScheduledBatch) -> RunResult:
-        with batch_invariant_mode(self.batch_invariant):
-            return self._run(batch)
+        return self._run(batch)
 
     def _run(self, batch: ScheduledBatch) -> RunResult:
         t0 = time.perf_counter()

@@ -20,7 +20,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from deepinfer_rt.layers.batch_invariant import batch_invariant_mode
 from deepinfer_rt.request import Req
 from deepinfer_rt.scheduler.batch import ScheduledBatch
 
@@ -113,15 +112,14 @@ class OverlapScheduler:
         runner = self.engine.runner
         future = prev.tokens if prev is not None else None
         reqs = [it.req for it in batch.items]
-        with batch_invariant_mode(runner.batch_invariant):
-            hidden = runner.graphs.run(batch, future) if runner.graphs is not None else None
-            if hidden is None:
-                runner.future_tokens = future
-                try:
-                    hidden = runner.model(runner.build(batch))
-                finally:
-                    runner.future_tokens = None
-            tokens = runner.sampler.sample(runner.model.compute_logits(hidden), reqs, runner.eos_ids)
+        hidden = runner.graphs.run(batch, future) if runner.graphs is not None else None
+        if hidden is None:
+            runner.future_tokens = future
+            try:
+                hidden = runner.model(runner.build(batch))
+            finally:
+                runner.future_tokens = None
+        tokens = runner.sampler.sample(runner.model.compute_logits(hidden), reqs, runner.eos_ids)
         if tokens.is_cuda:
             host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
             host.copy_(tokens, non_blocking=True)

@@ -36,6 +36,7 @@ from deepinfer_rt.distributed.eplb import (
 from deepinfer_rt.distributed.messages import StepMsg, StepReply, WorkerArgs
 from deepinfer_rt.env import get_env
 from deepinfer_rt.layers.attention.select import select_backend
+from deepinfer_rt.layers.kernel_config import KernelConfig, build_context
 from deepinfer_rt.model_runner import ModelRunner
 from deepinfer_rt.models.loader import finalize, iter_safetensors
 from deepinfer_rt.models.registry import get_model_class
@@ -119,7 +120,7 @@ class Worker:
         # Dummy weights are drawn on the device, so their experts are allocated there directly; checkpoints load
         # on the CPU and move once.
         dummy = args.load_format == "dummy"
-        with torch.device("cpu"):
+        with torch.device("cpu"), build_context(KernelConfig.from_env(self.device, args.batch_invariant)):
             model = cls(self.config)
         num_moe = len(moe_layers(model))
         if num_moe:

@@ -9,6 +9,7 @@ import torch
 from safetensors import safe_open
 
 from deepinfer_rt.config import ModelConfig
+from deepinfer_rt.layers.kernel_config import KernelConfig, build_context
 from deepinfer_rt.models.base import CausalLM
 from deepinfer_rt.models.registry import get_model_class
 from deepinfer_rt.models.smollm2 import NAME as SMOLLM2, ensure_smollm2
@@ -55,10 +56,14 @@ def iter_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def build_model(config: ModelConfig, path: Path | None, load_format: str, dtype: torch.dtype,
-                device: torch.device, seed: int) -> CausalLM:
+                device: torch.device, seed: int, kernel_config: KernelConfig | None = None) -> CausalLM:
+    """The model with its weights, on `device`, its layers' methods chosen from `kernel_config` (default: for
+    `device`, not batch-invariant, the other knobs from the environment)."""
     cls = get_model_class(config.architecture)
+    if kernel_config is None:
+        kernel_config = KernelConfig.from_env(device)
     # Dummy weights are drawn where the model runs: a 16B-parameter model initialises in seconds on a GPU.
-    with torch.device(device if load_format == "dummy" else "cpu"):
+    with torch.device(device if load_format == "dummy" else "cpu"), build_context(kernel_config):
         model = cls(config)
     if load_format == "dummy":
         model.init_dummy(seed)
