@@ -31,8 +31,8 @@ import triton
 
 from deepinfer_kernels.decode_attention import num_splits_for, paged_decode_attention
 from deepinfer_kernels.fused_moe import fused_moe
-from deepinfer_rt.layers import batch_invariant
-from deepinfer_rt.layers.moe import RoutedExperts
+from deepinfer_rt.layers.kernel_config import KernelConfig, build_context
+from deepinfer_rt.layers.moe import RoutedExperts, experts_method
 
 
 def _time(fn) -> float:
@@ -110,7 +110,7 @@ def moe_shared_rows() -> list[dict]:
                          rms_norm_eps=1e-6, max_position=64, tie_word_embeddings=False, eos_token_ids=(0,),
                          bos_token_id=None, n_routed_experts=64, n_shared_experts=2, num_experts_per_tok=6,
                          moe_intermediate_size=1408)
-    with torch.device("cuda"):
+    with torch.device("cuda"), build_context(KernelConfig.from_env("cuda")):
         moe = moe_module.MoE(config).to(torch.bfloat16)
     for p in moe.parameters():
         p.data.normal_(0, 0.02)
@@ -372,8 +372,8 @@ def moe_invariant_rows(device: str, copy_bw: float, mm_rate: float) -> list[dict
         if on_cuda:
             peer = _time_any(lambda: fused_moe(x, gate_up, down, weights, ids), device)
         else:
-            with batch_invariant.batch_invariant_mode():
-                peer = _time_any(lambda: experts(x, weights, ids), device)
+            torch_invariant = experts_method(KernelConfig(is_batch_invariant=True))
+            peer = _time_any(lambda: torch_invariant.apply(x, gate_up, down, weights, ids), device)
         floor = max(touched * (gate_up[0].numel() + down[0].numel()) * gate_up.element_size() / copy_bw,
                     2 * batch * topk * 3 * hidden * inter / mm_rate)
         rows.append({"kernel": "fused_moe_invariant", "batch": batch, "experts_touched": touched,

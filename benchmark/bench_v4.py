@@ -102,6 +102,7 @@ def decode_step_seconds(model, config: ModelConfig, args, device: torch.device) 
         if device.type == "cuda":
             torch.cuda.synchronize()
         t = time.perf_counter()
+        model.prepare_batch(fb)  # the step's V4 indices, host work every step
         model.compute_logits(model(fb))
         if device.type == "cuda":
             torch.cuda.synchronize()

@@ -28,7 +28,6 @@ import torch
 
 from deepinfer_rt.cache.kv_pool import KVPool
 from deepinfer_rt.forward_batch import ForwardBatch, resolve_placeholders
-from deepinfer_rt.layers.batch_invariant import batch_invariant_mode
 from deepinfer_rt.models.base import CausalLM
 from deepinfer_rt.request import Req
 from deepinfer_rt.scheduler.batch import ScheduledBatch
@@ -135,8 +134,7 @@ class CudaGraphRunner:
         self._outputs: dict[int, torch.Tensor] = {}
         self._staged = torch.cuda.Event()
         """Recorded after the uploads from the pinned staging buffers (page table and per-row inputs)."""
-        with batch_invariant_mode(batch_invariant):
-            self._capture_all()
+        self._capture_all()
 
     def _padding(self, start: int) -> None:
         self._stage[:, start:] = 0
@@ -151,6 +149,7 @@ class CudaGraphRunner:
         decode = self.backend.decode_meta(self.pages.table, io[_ROW], io[_LEN], self.page_size,
                                           *self.pool.k[0].shape[1:])
         fb.attn_meta = TritonMeta(decode, None)
+        self.model.prepare_batch(fb)
         return fb
 
     @torch.no_grad()

@@ -20,6 +20,7 @@ from deepinfer_rt.env import get_env
 from deepinfer_rt.executor import Executor
 from deepinfer_rt.layers.attention.select import select_backend
 from deepinfer_rt.model_runner import ModelRunner
+from deepinfer_rt.layers.kernel_config import KernelConfig
 from deepinfer_rt.models.loader import build_model, load_model_config, resolve_model_path
 from deepinfer_rt.output_processor import OutputProcessor
 from deepinfer_rt.request import GenerateOutput, Req
@@ -86,7 +87,8 @@ class Engine:
             self.executor: Executor = WorkerPool(self.config, path, mc, self.eos_ids)
             self.pool = self.executor
         else:
-            self.model = build_model(self.model_config, path, load_format, self.config.dtype, dev, seed)
+            self.model = build_model(self.model_config, path, load_format, self.config.dtype, dev, seed,
+                                     kernel_config=KernelConfig.from_env(dev, self.config.batch_invariant))
             # Speculative decoding (off unless asked): "prompt_lookup", "mtp" or a SpeculativeConfig.
             self.spec = None if speculative is None else build_spec_decoder(
                 SpeculativeConfig.parse(speculative), self.model, self.model_config, path, load_format,

@@ -32,7 +32,10 @@ class ForwardBatch:
     """Backend-specific metadata, built once per batch by `backend.prepare(batch)` and shared by all layers."""
     mla_plan: Any = None
     """How MLA layers split this batch between the absorbed and standard forms (layers.mla_prefill), built by
-    the first MLA layer and shared by the rest."""
+    the model's `prepare_batch` (models/deepseek_v3.py) and shared by its MLA layers."""
+    model_meta: Any = None
+    """Other per-step metadata a model builds once in `prepare_batch` for all its layers (DeepSeek-V4's
+    V4Batch)."""
 
     @property
     def num_seqs(self) -> int:

@@ -23,7 +23,6 @@ import torch
 from deepinfer_rt.cache.kv_pool import KVPool, slots_of
 from deepinfer_rt.forward_batch import ForwardBatch, resolve_placeholders
 from deepinfer_rt.layers.attention.base import AttentionBackend
-from deepinfer_rt.layers.batch_invariant import batch_invariant_mode
 from deepinfer_rt.models.base import CausalLM
 from deepinfer_rt.sampler import Sampler, SampleResult, to_device
 from deepinfer_rt.scheduler.batch import ScheduledBatch, ScheduledReq
@@ -113,10 +112,9 @@ class ModelRunner:
     def launch(self, batch: ScheduledBatch, prev: Launched | None = None) -> Launched:
         for src, dst in batch.kv_copies:
             self.pool.copy_slots(src, dst)
-        with batch_invariant_mode(self.batch_invariant):
-            if self.can_overlap(batch):
-                return self._launch_overlapped(batch, prev)
-            return Launched(result=self._run(batch, prev))
+        if self.can_overlap(batch):
+            return self._launch_overlapped(batch, prev)
+        return Launched(result=self._run(batch, prev))
 
     def collect(self, handle: Launched) -> RunResult:
         if handle.result is not None:
@@ -176,6 +174,7 @@ class ModelRunner:
             q_lens=q_lens, kv_lens=kv_lens, kv_slots=list(flat[3 * t :].split([len(s) for s in kv_slots])),
             pool=self.pool, backend=self.backend)
         self.backend.prepare(fb)
+        self.model.prepare_batch(fb)
         return fb
 
     def _hidden(self, batch: ScheduledBatch, prev: Launched | None) -> torch.Tensor:

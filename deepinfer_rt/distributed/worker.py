@@ -32,6 +32,7 @@ from deepinfer_rt.distributed.eplb import (
 )
 from deepinfer_rt.distributed.messages import StepMsg, StepReply, WorkerArgs
 from deepinfer_rt.layers.attention.select import select_backend
+from deepinfer_rt.layers.kernel_config import KernelConfig
 from deepinfer_rt.model_runner import ModelRunner
 from deepinfer_rt.models.loader import build_model
 from deepinfer_rt.request import Req
@@ -71,7 +72,7 @@ class Worker:
         # Built on the CPU and cut to this rank's experts before weights are read (checkpoint) or drawn on the
         # device (dummy), so no process ever holds every expert.
         self.model = build_model(mc, Path(args.model_path), args.load_format, args.dtype, self.device, args.seed,
-                                 shard=shard)
+                                 shard=shard, kernel_config=KernelConfig.from_env(self.device, args.batch_invariant))
         self.placement, self.recorder = shard.placement, shard.recorder
         self.experts = [moe.experts for moe in moe_layers(self.model)]
         layout = self.model.kv_layout(mc)

@@ -10,6 +10,10 @@ are folded into the query and the output instead of expanding K and V:
 
 The absorbed weights are views of kv_b_proj.weight, so they need no refresh after loading or `.to()` (the
 standard-form prefill's padded copy, `padded_kv_b`, is rebuilt after a `.to()`).
+
+Methods, chosen from the KernelConfig at construction: the per-head matmul (layers/methods.py) and how the new
+tokens' latents are normalised, rotated and stored (FusedRopeStore: one Triton kernel where the attention
+backend supports it; RopeThenStore: norm, rope and the backend's store_kv).
 """
 from __future__ import annotations
 
@@ -18,13 +22,12 @@ import math
 import torch
 from torch import nn
 
-from deepinfer_kernels.dispatch import on_gpu
 from deepinfer_rt.config import ModelConfig
-from deepinfer_rt.env import get_env
 from deepinfer_rt.forward_batch import ForwardBatch
-from deepinfer_rt.layers import batch_invariant, mla_prefill
-from deepinfer_rt.layers.batch_invariant import head_matmul
+from deepinfer_rt.layers import mla_prefill
+from deepinfer_rt.layers.kernel_config import KernelConfig, current_kernel_config
 from deepinfer_rt.layers.linear import Linear, MergedLinear
+from deepinfer_rt.layers.methods import head_matmul_method
 from deepinfer_rt.layers.norm import RMSNorm
 from deepinfer_rt.layers.rotary import RotaryEmbedding
 
@@ -45,9 +48,49 @@ def mla_softmax_scale(config: ModelConfig) -> float:
     return scale
 
 
+class RopeThenStore:
+    """The new tokens' latents normalised (kv_a_layernorm), q_pe and k_pe rotated (rotary_emb), [c | k_pe] stored
+    through the backend's store_kv."""
+
+    def apply(self, layer: MLAttention, q: torch.Tensor, kv_a: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """q (T, H, nope + R), kv_a (T, C + R) -> q with its rope part rotated."""
+        t = q.shape[0]
+        q_nope, q_pe = q.split([layer.nope_dim, layer.rope_dim], dim=-1)
+        latent, k_pe = kv_a.split([layer.kv_lora_rank, layer.rope_dim], dim=-1)
+        latent = layer.kv_a_layernorm(latent)  # (T, C)
+        k_pe = k_pe.reshape(t, 1, layer.rope_dim)
+        in_place = layer.rotary_emb.in_place(q_pe, k_pe)
+        q_pe, k_pe = layer.rotary_emb(batch.positions, q_pe, k_pe)
+        k = torch.cat([latent.unsqueeze(1), k_pe], dim=-1)  # (T, 1, C + R)
+        batch.backend.store_kv(batch, layer.layer_id, k, None)
+        return q if in_place else torch.cat([q_nope, q_pe], dim=-1)  # else q_pe was rotated into a new tensor
+
+
+class FusedRopeStore(RopeThenStore):
+    """GPU, not batch-invariant: norm, both rotations (q_pe in place) and the store in one Triton kernel, for
+    backends that keep the pool as it writes it (AttentionBackend.is_mla_rope_store_supported)."""
+
+    def apply(self, layer: MLAttention, q: torch.Tensor, kv_a: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        if not batch.backend.is_mla_rope_store_supported:
+            return super().apply(layer, q, kv_a, batch)
+        from deepinfer_kernels.elementwise import mla_rope_store
+
+        q_pe = q[..., layer.nope_dim:]
+        norm, rope = layer.kv_a_layernorm, layer.rotary_emb
+        cos, sin = rope.tables(q.device)
+        mla_rope_store(kv_a, norm.weight, norm.eps, q_pe, batch.positions, cos, sin, rope.interleave,
+                       batch.pool.k[layer.layer_id], batch.out_slots)
+        return q
+
+
+def rope_store_method(config: KernelConfig) -> RopeThenStore:
+    return FusedRopeStore() if config.is_triton and not config.is_batch_invariant else RopeThenStore()
+
+
 class MLAttention(nn.Module):
     def __init__(self, config: ModelConfig, layer_id: int):
         super().__init__()
+        kernel_config = current_kernel_config()
         self.layer_id = layer_id
         self.num_heads = config.num_heads
         self.kv_lora_rank = config.kv_lora_rank
@@ -69,6 +112,14 @@ class MLAttention(nn.Module):
         self.rotary_emb = RotaryEmbedding(config, self.rope_dim, interleave=config.rope_interleave)
         self.scale = mla_softmax_scale(config)
         self._padded_kv_b: torch.Tensor | None = None
+        self.head_matmul = head_matmul_method(kernel_config)
+        self.rope_store = rope_store_method(kernel_config)
+        self.is_padded_prefill = kernel_config.device_type == "cuda" and self.v_dim <= self.nope_dim + self.rope_dim
+        """Whether the standard-form prefill expands K and V at the attention's head width through
+        `padded_kv_b` (CUDA: flash attention takes one head dim for q, k and v)."""
+        self.is_padded_kv_b_prebuilt = (kernel_config.is_triton and kernel_config.mla_mha_prefill is not False
+                                        and not kernel_config.is_batch_invariant)
+        """Whether `process_weights_after_loading` builds `padded_kv_b` (where the standard form can run)."""
 
     def padded_kv_b(self) -> torch.Tensor:
         """kv_b_proj.weight with each head's W_UK and W_UV rows padded by zero rows to nope + R each: (H * 2 *
@@ -90,7 +141,7 @@ class MLAttention(nn.Module):
     def process_weights_after_loading(self) -> None:
         """Build the prefill's padded kv_b now, before the KV pool takes the free memory, where the standard form
         can run (GPU, not switched off)."""
-        if on_gpu(self.kv_b_proj.weight) and get_env().mla_mha_prefill is not False:
+        if self.is_padded_kv_b_prebuilt:
             self.padded_kv_b()
 
     def _apply(self, fn, recurse=True):
@@ -109,24 +160,8 @@ class MLAttention(nn.Module):
         if self.q_lora:
             q = self.q_b_proj(self.q_a_layernorm(q))
         q = q.reshape(t, self.num_heads, -1)  # (T, H, nope + R)
-        q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)
-        if on_gpu(x) and batch.backend.name == "triton" and not batch_invariant.is_enabled():
-            from deepinfer_kernels.elementwise import mla_rope_store
-
-            cos, sin = self.rotary_emb.tables(x.device)
-            mla_rope_store(kv_a, self.kv_a_layernorm.weight, self.kv_a_layernorm.eps, q_pe, batch.positions, cos,
-                           sin, self.rotary_emb.interleave, batch.pool.k[self.layer_id], batch.out_slots)
-        else:
-            latent, k_pe = kv_a.split([self.kv_lora_rank, self.rope_dim], dim=-1)
-            latent = self.kv_a_layernorm(latent)  # (T, C)
-            k_pe = k_pe.reshape(t, 1, self.rope_dim)
-            in_place = self.rotary_emb.in_place(batch.positions, q_pe, k_pe)
-            q_pe, k_pe = self.rotary_emb(batch.positions, q_pe, k_pe)
-            k = torch.cat([latent.unsqueeze(1), k_pe], dim=-1)  # (T, 1, C + R)
-            batch.backend.store_kv(batch, self.layer_id, k, None)
-            if not in_place:  # q_pe was rotated into a new tensor
-                q = torch.cat([q_nope, q_pe], dim=-1)
-        plan = mla_prefill.plan_for(batch)
+        q = self.rope_store.apply(self, q, kv_a, batch)
+        plan = batch.mla_plan  # built by the model's prepare_batch (models/deepseek_v3.py)
         if plan.segments:
             o = mla_prefill.prefill_attention(self, plan, q, batch)
         else:
@@ -138,5 +173,6 @@ class MLAttention(nn.Module):
         absorbed query [W_UK^T q_nope | q_pe] goes to the backend as its two parts, sparing a concatenation."""
         w_uk, w_uv = self.absorbed_weights()
         q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)
-        o = batch.backend.forward(head_matmul(q_nope, w_uk), self.layer_id, self.scale, batch, q_tail=q_pe)
-        return head_matmul(o, w_uv.transpose(1, 2))  # o (T, H, C)
+        o = batch.backend.forward(self.head_matmul.apply(q_nope, w_uk), self.layer_id, self.scale, batch,
+                                  q_tail=q_pe)
+        return self.head_matmul.apply(o, w_uv.transpose(1, 2))  # o (T, H, C)

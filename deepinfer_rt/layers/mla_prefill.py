@@ -26,13 +26,13 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import CausalBias, causal_lower_right
 
-from deepinfer_rt.env import get_env
 from deepinfer_rt.forward_batch import ForwardBatch
-from deepinfer_rt.layers import batch_invariant
 from deepinfer_rt.layers.attention.torch_ref import causal_mask
+from deepinfer_rt.layers.kernel_config import KernelConfig
 from deepinfer_rt.sampler import to_device
 
 if TYPE_CHECKING:
+    from deepinfer_rt.layers.attention.base import AttentionBackend
     from deepinfer_rt.layers.mla import MLAttention
 
 MHA_MIN_QUERIES = 64
@@ -59,22 +59,20 @@ class MLAPrefillPlan:
     """Those sequences as a batch of their own, prepared by the backend."""
 
 
-def min_mha_queries(backend_name: str) -> int | None:
-    """Fewest new tokens of a chunk taken in the standard form, or None for none (DEEPINFER_MLA_MHA_PREFILL).
+def min_mha_queries(config: KernelConfig, backend: AttentionBackend) -> int | None:
+    """Fewest new tokens of a chunk taken in the standard form, or None for none (KernelConfig.mla_mha_prefill).
     Batch-invariant mode keeps the absorbed form: its attention splits are fixed for any batch."""
-    mode = get_env().mla_mha_prefill
-    if batch_invariant.is_enabled() or mode is False:
+    mode = config.mla_mha_prefill
+    if config.is_batch_invariant or mode is False:
         return None
     if mode:
         return 2
-    return MHA_MIN_QUERIES if backend_name == "triton" else None
+    return MHA_MIN_QUERIES if backend.is_mla_standard_prefill_preferred else None
 
 
-def plan_for(batch: ForwardBatch) -> MLAPrefillPlan:
-    """The batch's plan, built once and kept on it for every MLA layer."""
-    if batch.mla_plan is None:
-        batch.mla_plan = build_plan(batch, min_mha_queries(batch.backend.name))
-    return batch.mla_plan
+def plan_for(batch: ForwardBatch, config: KernelConfig) -> MLAPrefillPlan:
+    """The batch's plan for every MLA layer (the model's prepare_batch keeps it as batch.mla_plan)."""
+    return build_plan(batch, min_mha_queries(config, batch.backend))
 
 
 def build_plan(batch: ForwardBatch, min_queries: int | None) -> MLAPrefillPlan:
@@ -132,7 +130,7 @@ def standard_attention(layer: MLAttention, q: torch.Tensor, kv_rows: torch.Tenso
     -> (n, H, v)."""
     num_kv, heads, qk_dim = kv_rows.shape[0], layer.num_heads, q.shape[-1]
     latent, k_pe = kv_rows.split([layer.kv_lora_rank, layer.rope_dim], dim=-1)
-    if q.is_cuda and layer.v_dim <= qk_dim:
+    if layer.is_padded_prefill:
         # Flash attention takes one head dim for q, k and v. kv_b_proj's rows padded per head (`padded_kv_b`)
         # make one GEMM write K's nope part and V, each already qk_dim wide: only k_pe is copied in.
         kv = F.linear(latent, layer.padded_kv_b()).view(num_kv, heads, 2, qk_dim)

@@ -4,10 +4,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from deepinfer_kernels.dispatch import on_gpu
-from deepinfer_rt.layers import batch_invariant
-from deepinfer_rt.layers.batch_invariant import silu_and_mul
+from deepinfer_rt.layers.kernel_config import current_kernel_config
 from deepinfer_rt.layers.linear import Linear, MergedLinear
+from deepinfer_rt.layers.methods import gated_mlp_method
 
 
 class GatedMLP(nn.Module):
@@ -17,13 +16,7 @@ class GatedMLP(nn.Module):
         super().__init__()
         self.gate_up_proj = MergedLinear(hidden_size, {"gate": intermediate_size, "up": intermediate_size})
         self.down_proj = Linear(intermediate_size, hidden_size)
+        self.method = gated_mlp_method(current_kernel_config())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if batch_invariant.is_enabled():
-            return batch_invariant.gated_mlp(x, self.gate_up_proj.weight, self.down_proj.weight)
-        h = self.gate_up_proj(x)
-        if on_gpu(h) and h.dim() == 2 and not batch_invariant.is_enabled():
-            from deepinfer_kernels.elementwise import silu_and_mul as silu_and_mul_gpu
-
-            return self.down_proj(silu_and_mul_gpu(h))
-        return self.down_proj(silu_and_mul(h))
+        return self.method.apply(self, x)

@@ -7,20 +7,22 @@
 
 Checkpoints store experts either fused (the names above) or per expert (`experts.{e}.gate_proj.weight`, what
 `save_pretrained` and the DeepSeek releases write); `fuse_expert_weights` turns the latter into the former.
+
+Methods, chosen from the KernelConfig at construction: the router GEMM (RouterGemm: the layer's linear method;
+TritonRouterGemm), the routing (TorchRouting: select_experts; TritonRouting: one kernel) and the experts
+(TorchExperts: a loop over the experts hit; FusedExperts: the Triton fused MoE, batch-invariant tiles or not).
 """
 from __future__ import annotations
 
 import re
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import torch
 from torch import nn
 
-from deepinfer_kernels.dispatch import on_gpu
 from deepinfer_rt.config import ModelConfig
-from deepinfer_rt.env import get_env
-from deepinfer_rt.layers import batch_invariant
-from deepinfer_rt.layers.batch_invariant import linear, silu_and_mul
+from deepinfer_rt.layers.kernel_config import KernelConfig, current_kernel_config
+from deepinfer_rt.layers.methods import Activation, LinearMethod, activation_method, linear_method
 from deepinfer_rt.layers.mlp import GatedMLP
 
 FUSED_SHARED_MAX_TOKENS = 512
@@ -44,7 +46,8 @@ fp32 and an fp32 cuBLAS sgemm (3% of a V2-Lite 8K-token prefill on an H200). Gra
 def select_experts(router_logits: torch.Tensor, top_k: int, *, scoring_func: str = "softmax",
                    topk_method: str = "greedy", n_group: int = 1, topk_group: int = 1,
                    correction_bias: torch.Tensor | None = None, norm_topk_prob: bool = False,
-                   routed_scaling_factor: float = 1.0, n_shared: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+                   routed_scaling_factor: float = 1.0, n_shared: int = 0,
+                   sigmoid: Callable[[torch.Tensor], torch.Tensor] = torch.sigmoid) -> tuple[torch.Tensor, torch.Tensor]:
     """router_logits (T, E) -> (weights (T, k') fp32, expert ids (T, k') int64, ascending per token), k' = k +
     n_shared.
 
@@ -55,22 +58,15 @@ def select_experts(router_logits: torch.Tensor, top_k: int, *, scoring_func: str
       noaux_tc              (V3) top-k within the topk_group groups whose two best experts sum highest.
     The weights are the chosen experts' unbiased scores, renormalised to sum 1 if norm_topk_prob, times
     routed_scaling_factor. Ids come sorted so that experts are combined in a fixed order. n_shared > 0 appends
-    the shared experts as ids E..E+n_shared-1 of weight 1 (MoE.process_weights_after_loading).
+    the shared experts as ids E..E+n_shared-1 of weight 1 (MoE.process_weights_after_loading). `sigmoid` is the
+    activation method's (batch-invariant mode rebuilds it from exp). The torch form (TorchRouting); on CUDA
+    TritonRouting runs it as one kernel.
     """
-    # The routing kernel computes each token in its own program with tiles fixed by E and k: batch-invariant too.
-    if router_logits.is_cuda and scoring_func in ("softmax", "sigmoid") \
-            and topk_method in ("greedy", "group_limited_greedy", "noaux_tc") \
-            and (topk_method != "noaux_tc" or correction_bias is not None):
-        from deepinfer_kernels.moe_router import route  # one kernel instead of about seven small ones
-
-        return route(router_logits, top_k, scoring_func=scoring_func, topk_method=topk_method, n_group=n_group,
-                     topk_group=topk_group, correction_bias=correction_bias, norm_topk_prob=norm_topk_prob,
-                     routed_scaling_factor=routed_scaling_factor, n_shared=n_shared)
     logits = router_logits.float()
     if scoring_func == "softmax":
         scores = logits.softmax(dim=-1)
     elif scoring_func == "sigmoid":
-        scores = batch_invariant.sigmoid(logits)
+        scores = sigmoid(logits)
     else:
         raise ValueError(f"unknown MoE scoring_func {scoring_func!r}")
     choice = scores
@@ -102,47 +98,106 @@ def select_experts(router_logits: torch.Tensor, top_k: int, *, scoring_func: str
     return weights, ids
 
 
+class TorchRouting:
+    """select_experts in torch (with the config's sigmoid)."""
+
+    def __init__(self, activation: Activation):
+        self.activation = activation
+
+    def __call__(self, router_logits: torch.Tensor, top_k: int, **kw) -> tuple[torch.Tensor, torch.Tensor]:
+        return select_experts(router_logits, top_k, sigmoid=self.activation.sigmoid, **kw)
+
+
+class TritonRouting(TorchRouting):
+    """One routing kernel instead of about seven small ones, for the scorings and top-k methods it covers. It
+    computes each token in its own program with tiles fixed by E and k: batch-invariant too."""
+
+    def __call__(self, router_logits: torch.Tensor, top_k: int, *, scoring_func: str = "softmax",
+                 topk_method: str = "greedy", correction_bias: torch.Tensor | None = None,
+                 **kw) -> tuple[torch.Tensor, torch.Tensor]:
+        if (scoring_func in ("softmax", "sigmoid") and topk_method in ("greedy", "group_limited_greedy", "noaux_tc")
+                and (topk_method != "noaux_tc" or correction_bias is not None)):
+            from deepinfer_kernels.moe_router import route
+
+            return route(router_logits, top_k, scoring_func=scoring_func, topk_method=topk_method,
+                         correction_bias=correction_bias, **kw)
+        return super().__call__(router_logits, top_k, scoring_func=scoring_func, topk_method=topk_method,
+                                correction_bias=correction_bias, **kw)
+
+
+def routing_method(config: KernelConfig) -> TorchRouting:
+    return TritonRouting(activation_method(config)) if config.is_triton else TorchRouting(activation_method(config))
+
+
+class RouterGemm:
+    """Router logits (T, E) fp32 = x.float() @ weight.T through a linear method (batch-invariant or not)."""
+
+    def __init__(self, linear: LinearMethod):
+        self.linear = linear
+
+    def apply(self, router: Router, x: torch.Tensor) -> torch.Tensor:
+        return self.linear.linear(x.float(), router.weight)
+
+    def process_weights_after_loading(self, router: Router) -> None:
+        pass
+
+
+class TritonRouterGemm(RouterGemm):
+    """CUDA, not batch-invariant: by batch size, the one-launch router kernel (ROUTER_KERNEL_ROWS), tensor cores
+    over the weight's bf16 pieces (ROUTER_PIECES_MIN_ROWS), else cast + cuBLAS."""
+
+    def apply(self, router: Router, x: torch.Tensor) -> torch.Tensor:
+        lo, hi = ROUTER_KERNEL_ROWS
+        if lo <= x.shape[0] <= hi and router.weight.numel() <= ROUTER_KERNEL_MAX_WEIGHT:
+            from deepinfer_kernels.router_gemm import router_logits
+
+            return router_logits(x, router.weight)  # one launch that reads x in its own dtype
+        if (router.weight_pieces is not None and x.dtype == torch.bfloat16 and x.shape[0] >= ROUTER_PIECES_MIN_ROWS
+                and x.stride(-1) == 1):
+            from deepinfer_kernels.router_gemm import router_logits_bf16
+
+            return router_logits_bf16(x, router.weight_pieces)
+        return super().apply(router, x)
+
+    def process_weights_after_loading(self, router: Router) -> None:
+        from deepinfer_kernels.router_gemm import split_weight
+
+        router.weight_pieces = split_weight(router.weight.data)
+
+
+def router_gemm_method(config: KernelConfig) -> RouterGemm:
+    if config.is_triton and not config.is_batch_invariant:
+        return TritonRouterGemm(linear_method(config))
+    return RouterGemm(linear_method(config))
+
+
 class Router(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
+        kernel_config = current_kernel_config()
         e = config.n_routed_experts
         self.weight = nn.Parameter(torch.empty(e, config.hidden_size, dtype=torch.float32))
         self.e_score_correction_bias = (
             nn.Parameter(torch.empty(e, dtype=torch.float32), requires_grad=False)
             if config.topk_method == "noaux_tc" else None)
-        skew = get_env().moe_router_skew
+        skew = kernel_config.moe_router_skew
         # Benchmarks only: a Zipf-like preference for low expert ids, p(e) ~ (1 + e)^-skew under softmax.
         self.skew_bias = -skew * torch.arange(1, e + 1, dtype=torch.float32).log() if skew else None
+        self.method = router_gemm_method(kernel_config)
         self.weight_pieces: torch.Tensor | None = None
         """bf16 (3, E, H), hi + mid + lo = weight: set on GPU by `process_weights_after_loading`, dropped by any
         `.to()`. A copy, not a view: a weight changed in place afterwards needs `process_weights_after_loading`
         (models.loader.finalize) again."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        lo, hi = ROUTER_KERNEL_ROWS
-        if batch_invariant.is_enabled() or not on_gpu(x):
-            logits = linear(x.float(), self.weight)  # (T, E) fp32
-        elif lo <= x.shape[0] <= hi and self.weight.numel() <= ROUTER_KERNEL_MAX_WEIGHT:
-            from deepinfer_kernels.router_gemm import router_logits
-
-            logits = router_logits(x, self.weight)  # one launch that reads x in its own dtype
-        elif (self.weight_pieces is not None and x.dtype == torch.bfloat16 and x.shape[0] >= ROUTER_PIECES_MIN_ROWS
-              and x.stride(-1) == 1):
-            from deepinfer_kernels.router_gemm import router_logits_bf16
-
-            logits = router_logits_bf16(x, self.weight_pieces)
-        else:
-            logits = linear(x.float(), self.weight)  # (T, E) fp32
+        logits = self.method.apply(self, x)  # (T, E) fp32
         if self.skew_bias is not None:
             logits = logits + self.skew_bias.to(logits.device)
         return logits
 
     @torch.no_grad()
     def process_weights_after_loading(self) -> None:
-        if on_gpu(self.weight):
-            from deepinfer_kernels.router_gemm import split_weight
-
-            self.weight_pieces = split_weight(self.weight.data)
+        self.method.process_weights_after_loading(self)
 
     def _apply(self, fn, recurse=True):
         self.weight_pieces = None  # moved: rebuilt by process_weights_after_loading
@@ -155,45 +210,91 @@ class Router(nn.Module):
         return self
 
 
-class RoutedExperts(nn.Module):
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int):
-        super().__init__()
-        self.num_experts = num_experts
-        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
-        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+class ExpertsMethod:
+    """sum_k weights * expert_ids(x): x (T, H), gate_up (E, 2I, H), down (E, H, I), weights/ids (T, k) -> (T, H)."""
 
-    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """x (T, H), weights/ids (T, k) -> sum_k weights * expert_ids(x) (T, H).
+    is_joint_shared = False
+    """Whether the shared experts join the routed ones in one launch (MoE.process_weights_after_loading)."""
 
-        Torch reference: (token, slot) pairs are sorted by expert, each expert that received tokens runs one
-        matmul over its contiguous rows, and the k results of a token are summed in slot (= expert id) order.
-        """
-        if on_gpu(x):
-            from deepinfer_kernels.fused_moe import fused_moe
+    def apply(self, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,
+              ids: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
 
-            return fused_moe(x.contiguous(), self.gate_up_proj, self.down_proj, weights, ids,
-                             batch_invariant=batch_invariant.is_enabled())
+    def fuses_shared(self, num_tokens: int) -> bool:
+        """Whether a batch of this many rows runs the shared experts inside the routed launch."""
+        return False
+
+
+class TorchExperts(ExpertsMethod):
+    """Torch reference: (token, slot) pairs are sorted by expert, each expert that received tokens runs one
+    matmul over its contiguous rows, and the k results of a token are summed in slot (= expert id) order; in
+    batch-invariant mode as ordered adds, one rounding per add, whatever the expert loads."""
+
+    def __init__(self, linear: LinearMethod, activation: Activation, is_ordered_sum: bool):
+        self.linear, self.activation, self.is_ordered_sum = linear, activation, is_ordered_sum
+
+    def apply(self, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,
+              ids: torch.Tensor) -> torch.Tensor:
+        linear, act = self.linear.linear, self.activation.silu_and_mul
         t, k = ids.shape
         flat = ids.flatten()
         order = flat.argsort(stable=True)  # (T*k,) pair indices grouped by expert
-        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        counts = torch.bincount(flat, minlength=gate_up.shape[0]).tolist()
         xs = x[order // k]  # (T*k, H)
         ys = torch.empty_like(xs)
         start = 0
         for e, n in enumerate(counts):
             if n:
                 rows = slice(start, start + n)
-                ys[rows] = linear(silu_and_mul(linear(xs[rows], self.gate_up_proj[e])), self.down_proj[e])
+                ys[rows] = linear(act(linear(xs[rows], gate_up[e])), down[e])
             start += n
         out = torch.empty_like(ys)
         out[order] = ys  # back to (token, slot) order
         out, weights = out.view(t, k, -1), weights.unsqueeze(-1)
-        if not batch_invariant.is_enabled():
+        if not self.is_ordered_sum:
             return (out * weights).sum(dim=1).to(x.dtype)
         y = out[:, 0] * weights[:, 0]
-        for j in range(1, k):  # slot (= expert id) order, one rounding per add, whatever the expert loads
+        for j in range(1, k):
             y = y + out[:, j] * weights[:, j]
         return y.to(x.dtype)
+
+
+class FusedExperts(ExpertsMethod):
+    """The Triton fused MoE (batch-invariant tiles in batch-invariant mode). Batches of up to
+    FUSED_SHARED_MAX_TOKENS rows (any batch in batch-invariant mode) take the shared experts in the same launch."""
+
+    is_joint_shared = True
+
+    def __init__(self, is_batch_invariant: bool):
+        self.is_batch_invariant = is_batch_invariant
+
+    def apply(self, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,
+              ids: torch.Tensor) -> torch.Tensor:
+        from deepinfer_kernels.fused_moe import fused_moe
+
+        return fused_moe(x.contiguous(), gate_up, down, weights, ids, batch_invariant=self.is_batch_invariant)
+
+    def fuses_shared(self, num_tokens: int) -> bool:
+        return num_tokens <= FUSED_SHARED_MAX_TOKENS or self.is_batch_invariant
+
+
+def experts_method(config: KernelConfig) -> ExpertsMethod:
+    if config.is_triton:
+        return FusedExperts(config.is_batch_invariant)
+    return TorchExperts(linear_method(config), activation_method(config), config.is_batch_invariant)
+
+
+class RoutedExperts(nn.Module):
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.num_experts = num_experts
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        self.method = experts_method(current_kernel_config())
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """x (T, H), weights/ids (T, k) -> sum_k weights * expert_ids(x) (T, H) (the method's docstring)."""
+        return self.method.apply(x, self.gate_up_proj, self.down_proj, weights, ids)
 
 
 class MoE(nn.Module):
@@ -205,6 +306,7 @@ class MoE(nn.Module):
         self.shared_experts = (
             GatedMLP(config.hidden_size, config.moe_intermediate_size * config.n_shared_experts)
             if config.n_shared_experts else None)
+        self.routing = routing_method(current_kernel_config())
         self.expert_parallel = None
         """In an expert-parallel worker, the hook that runs routed and shared experts across the EP group
         (deepinfer_rt/distributed/ep.py); `experts` then holds only this rank's slots."""
@@ -216,9 +318,9 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         c = self.config
-        fused = (self.joint_experts is not None and self.expert_parallel is None and on_gpu(x)
-                 and (x.shape[0] <= FUSED_SHARED_MAX_TOKENS or batch_invariant.is_enabled()))
-        weights, ids = select_experts(
+        fused = (self.joint_experts is not None and self.expert_parallel is None
+                 and self.experts.method.fuses_shared(x.shape[0]))
+        weights, ids = self.routing(
             self.gate(x), c.num_experts_per_tok, scoring_func=c.scoring_func, topk_method=c.topk_method,
             n_group=c.n_group, topk_group=c.topk_group, correction_bias=self.gate.e_score_correction_bias,
             norm_topk_prob=c.norm_topk_prob, routed_scaling_factor=c.routed_scaling_factor,
@@ -226,23 +328,20 @@ class MoE(nn.Module):
         if self.expert_parallel is not None:
             return self.expert_parallel(self, x, weights, ids)
         if fused:
-            from deepinfer_kernels.fused_moe import fused_moe
-
-            return fused_moe(x.contiguous(), *self.joint_experts, weights, ids,
-                             batch_invariant=batch_invariant.is_enabled())
+            return self.experts.method.apply(x, *self.joint_experts, weights, ids)
         y = self.experts(x, weights, ids)
         return y if self.shared_experts is None else y + self.shared_experts(x)
 
     @torch.no_grad()
     def process_weights_after_loading(self) -> None:
-        """On GPU, append the shared experts to the routed ones (`joint_expert_weights`) so that batches of up to
-        FUSED_SHARED_MAX_TOKENS rows run both in one fused-MoE launch pair. This saves the shared MLP's GEMMs,
-        activation and residual add (four launches per layer at decode). The routed parameters become views of
-        the joint tensors (no second copy); the shared MLP keeps its weights for longer batches, where its dense
-        GEMMs run faster than the grouped kernel. Called once the weights are final and on their device
-        (models.loader.finalize); a `.to()` drops the joint tensors, and a weight reload must call it again. The
-        shared experts' weights are held twice (~0.9 GB for V2-Lite in bf16)."""
-        if self.shared_experts is None or self.expert_parallel is not None or not on_gpu(self.experts.down_proj):
+        """With the fused experts (GPU), append the shared experts to the routed ones (`joint_expert_weights`)
+        so that batches of up to FUSED_SHARED_MAX_TOKENS rows run both in one fused-MoE launch pair. This saves
+        the shared MLP's GEMMs, activation and residual add (four launches per layer at decode). The routed
+        parameters become views of the joint tensors (no second copy); the shared MLP keeps its weights for
+        longer batches, where its dense GEMMs run faster than the grouped kernel. Called once the weights are
+        final and on their device (models.loader.finalize); a `.to()` drops the joint tensors, and a weight
+        reload must call it again. The shared experts' weights are held twice (~0.9 GB for V2-Lite in bf16)."""
+        if self.shared_experts is None or self.expert_parallel is not None or not self.experts.method.is_joint_shared:
             return
         e = self.experts.num_experts
         gate_up, down = joint_expert_weights(self.experts, self.shared_experts, self.config.n_shared_experts)

@@ -3,9 +3,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from deepinfer_kernels.dispatch import on_gpu
-from deepinfer_rt.layers import batch_invariant
-from deepinfer_rt.layers.batch_invariant import rms_norm
+from deepinfer_rt.layers.kernel_config import current_kernel_config
+from deepinfer_rt.layers.methods import norm_method
 
 
 class RMSNorm(nn.Module):
@@ -13,20 +12,12 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.method = norm_method(current_kernel_config())
+        """Reference, fused Triton or batch-invariant (layers/methods.py)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if on_gpu(x) and x.dim() == 2 and x.stride(-1) == 1 and not batch_invariant.is_enabled():
-            from deepinfer_kernels.elementwise import rms_norm as rms_norm_gpu
-
-            return rms_norm_gpu(x, self.weight, self.eps)
-        return rms_norm(x, self.weight, self.eps)
+        return self.method.apply(self, x)
 
     def forward_add(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(x + residual), x + residual), in one kernel on GPU."""
-        if (on_gpu(x) and x.dim() == 2 and x.is_contiguous() and residual.is_contiguous()
-                and not batch_invariant.is_enabled()):
-            from deepinfer_kernels.elementwise import rms_norm as rms_norm_gpu
-
-            return rms_norm_gpu(x, self.weight, self.eps, residual)
-        s = x + residual
-        return rms_norm(s, self.weight, self.eps), s
+        return self.method.apply_add(self, x, residual)

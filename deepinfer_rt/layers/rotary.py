@@ -4,9 +4,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from deepinfer_kernels.dispatch import on_gpu
-from deepinfer_kernels.reference import apply_rope
 from deepinfer_rt.config import ModelConfig
+from deepinfer_rt.layers.kernel_config import current_kernel_config
+from deepinfer_rt.layers.methods import rope_method
 
 
 def _inv_freq(config: ModelConfig, dim: int) -> tuple[torch.Tensor, float]:
@@ -39,6 +39,8 @@ class RotaryEmbedding(nn.Module):
         self.max_position = config.max_position
         self._tables: tuple[torch.Tensor, torch.Tensor] | None = None
         """(cos, sin) per position, built on the first GPU call (the Triton kernel rotates in place)."""
+        self.method = rope_method(current_kernel_config())
+        """TorchRope or TritonRope (in place), layers/methods.py."""
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         # Same arithmetic as the HF reference (fp32 outer product, then cos/sin), so fp32 runs match bitwise.
@@ -48,17 +50,13 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         return (emb.cos() * self.attention_scaling).to(dtype), (emb.sin() * self.attention_scaling).to(dtype)
 
-    @staticmethod
-    def in_place(positions: torch.Tensor, *xs: torch.Tensor) -> bool:
+    def in_place(self, *xs: torch.Tensor) -> bool:
         """Whether forward rotates these xs in place (GPU) rather than returning new tensors."""
-        return on_gpu(positions) and all(x.stride(-1) == 1 for x in xs)
+        return self.method.is_in_place(*xs)
 
     def forward(self, positions: torch.Tensor, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Rotate each x (T, H, D) by its token's position. On GPU the xs are rotated in place (`in_place`)."""
-        if self.in_place(positions, *xs):
-            return self._forward_gpu(positions, xs)
-        cos, sin = self.cos_sin(positions, xs[0].dtype)
-        return tuple(apply_rope(x, cos, sin, self.interleave) for x in xs)
+        return self.method.apply(self, positions, xs)
 
     def tables(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, sin) (max_position, D/2) fp32 on `device`, for the GPU kernels that rotate. Layers with the same
@@ -73,9 +71,3 @@ class RotaryEmbedding(nn.Module):
                                                           device)
             self._tables = tables
         return self._tables
-
-    def _forward_gpu(self, positions: torch.Tensor, xs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
-        from deepinfer_kernels.elementwise import apply_rope_
-
-        cos, sin = self.tables(positions.device)
-        return tuple(apply_rope_(x, positions, cos, sin, self.interleave) for x in xs)

@@ -4,9 +4,15 @@ A model is a short composition of shared blocks whose attribute names match the 
 loading is mostly name identity. Fused parameters list their HF sources in `packed_modules`:
 (fused fragment, HF fragment, shard id), e.g. ("qkv_proj", "q_proj", "q").
 
+    prepare_batch(batch)                        once per step, after the attention backend's prepare: the
+                                                per-step metadata the model's layers share (kept on the batch;
+                                                layers never build or cache per-batch state themselves)
     forward(batch) -> hidden (T, hidden)        over a flattened varlen batch (ForwardBatch)
     compute_logits(hidden) -> (N, vocab) fp32   only for the rows the sampler needs
     kv_layout(config) -> KVLayout               what the pool stores per token and layer
+
+A model is built inside `layers.kernel_config.build_context(kernel_config)` (models.loader.build_model): its
+layers take their methods from that KernelConfig when constructed, and the model keeps it as `kernel_config`.
 """
 from __future__ import annotations
 
@@ -18,7 +24,8 @@ from torch import nn
 from deepinfer_rt.cache.kv_pool import KVLayout
 from deepinfer_rt.config import ModelConfig
 from deepinfer_rt.forward_batch import ForwardBatch
-from deepinfer_rt.layers.batch_invariant import linear
+from deepinfer_rt.layers.kernel_config import current_kernel_config
+from deepinfer_rt.layers.methods import linear_method
 
 
 class CausalLM(nn.Module):
@@ -31,16 +38,22 @@ class CausalLM(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.config = config
+        self.kernel_config = current_kernel_config()
+        """The modes the layers were built for (layers/kernel_config.py)."""
+        self.logits_method = linear_method(self.kernel_config)
 
     @staticmethod
     def kv_layout(config: ModelConfig) -> KVLayout:
         raise NotImplementedError
 
+    def prepare_batch(self, batch: ForwardBatch) -> None:
+        """Build the step's model metadata on `batch` (called by the runner after backend.prepare)."""
+
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         raise NotImplementedError
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return linear(hidden, self.lm_head.weight, self.lm_head.bias).float()
+        return self.logits_method.apply(self.lm_head, hidden).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         params = dict(self.named_parameters())

@@ -16,6 +16,7 @@ from deepinfer_rt.cache.kv_pool import KVLayout
 from deepinfer_rt.config import ModelConfig
 from deepinfer_rt.forward_batch import ForwardBatch
 from deepinfer_rt.layers.mla import MLAttention
+from deepinfer_rt.layers.mla_prefill import plan_for
 from deepinfer_rt.layers.mlp import GatedMLP
 from deepinfer_rt.layers.moe import MoE, fuse_expert_weights
 from deepinfer_rt.models.base import CausalLM
@@ -46,6 +47,9 @@ class DeepseekV3ForCausalLM(CausalLM):
     def kv_layout(config: ModelConfig) -> KVLayout:
         return KVLayout(config.num_layers, (1, config.kv_lora_rank + config.qk_rope_head_dim), None,
                         config.kv_lora_rank)
+
+    def prepare_batch(self, batch: ForwardBatch) -> None:
+        batch.mla_plan = plan_for(batch, self.kernel_config)  # which rows take MLA's standard-form prefill
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         return self.model(batch)

@@ -9,6 +9,7 @@ import torch
 from safetensors import safe_open
 
 from deepinfer_rt.config import ModelConfig
+from deepinfer_rt.layers.kernel_config import KernelConfig, build_context
 from deepinfer_rt.models.base import CausalLM
 from deepinfer_rt.models.registry import get_model_class
 from deepinfer_rt.models.smollm2 import NAME as SMOLLM2, ensure_smollm2
@@ -65,12 +66,17 @@ class Shard(Protocol):
 
 
 def build_model(config: ModelConfig, path: Path | None, load_format: str, dtype: torch.dtype,
-                device: torch.device, seed: int, shard: Shard | None = None) -> CausalLM:
+                device: torch.device, seed: int, shard: Shard | None = None,
+                kernel_config: KernelConfig | None = None) -> CausalLM:
+    """The model with its weights, on `device`, its layers' methods chosen from `kernel_config` (default: for
+    `device`, not batch-invariant, the other knobs from the environment); `shard` (an EP rank) keeps its part."""
     cls = get_model_class(config.architecture)
+    if kernel_config is None:
+        kernel_config = KernelConfig.from_env(device)
     dummy = load_format == "dummy"
     # Dummy weights are drawn where the model runs: a 16B-parameter model initialises in seconds on a GPU.
     # A model to shard is built on the CPU, where its full-size expert tensors (torch.empty) are only reserved.
-    with torch.device(device if dummy and shard is None else "cpu"):
+    with torch.device(device if dummy and shard is None else "cpu"), build_context(kernel_config):
         model = cls(config)
     if shard is not None:
         shard(model, *((device, dtype) if dummy else (torch.device("cpu"), torch.get_default_dtype())))

@@ -23,6 +23,7 @@ from torch import nn
 from deepinfer_rt.cache.kv_pool import slots_of
 from deepinfer_rt.config import ModelConfig
 from deepinfer_rt.forward_batch import ForwardBatch
+from deepinfer_rt.layers.kernel_config import build_context
 from deepinfer_rt.layers.linear import Linear
 from deepinfer_rt.layers.mla import MLAttention
 from deepinfer_rt.layers.mlp import GatedMLP
@@ -98,7 +99,7 @@ class MTPDrafter(Drafter):
              max_draft: int) -> MTPDrafter:
         if not config.is_mla or config.raw.get("num_nextn_predict_layers", 0) < 1:
             raise ValueError("speculative='mtp' needs a DeepSeek-V3 model with num_nextn_predict_layers >= 1")
-        with torch.device("cpu"):
+        with torch.device("cpu"), build_context(model.kernel_config):  # the target's modes
             mtp = DeepseekMTP(config, model)
         if load_format == "dummy":
             mtp.init_dummy(seed + 1)

@@ -72,6 +72,7 @@ def step(model, pool: KVPool, chunks: list[tuple[list[int], torch.Tensor, int, i
         q_lens=[e - s for _, _, s, e in chunks], kv_lens=[e for _, _, _, e in chunks],
         kv_slots=[slots[:e] for _, slots, _, e in chunks], pool=pool, backend=backend)
     backend.prepare(batch)
+    model.prepare_batch(batch)
     logits = model.compute_logits(model(batch))
     return list(logits.split(batch.q_lens))
 

@@ -50,6 +50,7 @@ def step(model, pool: KVPool, chunks) -> list[torch.Tensor]:
         q_lens=[e - s for _, _, s, e in chunks], kv_lens=[e for *_, e in chunks],
         kv_slots=[sl[:e] for _, sl, _, e in chunks], pool=pool, backend=backend)
     backend.prepare(batch)
+    model.prepare_batch(batch)
     return list(model.compute_logits(model(batch)).split(batch.q_lens))
 
 

@@ -6,9 +6,14 @@ import pytest
 import torch
 
 from deepinfer_kernels import reference
-from deepinfer_rt.layers import batch_invariant as bi
+from deepinfer_rt.layers import methods
+from deepinfer_rt.layers.kernel_config import KernelConfig
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+INVARIANT = KernelConfig(device_type="cuda", is_batch_invariant=True)  # the Triton batch-invariant kernels
+LINEAR, ACT = methods.linear_method(INVARIANT), methods.activation_method(INVARIANT)
+NORM, HEAD = methods.norm_method(INVARIANT), methods.head_matmul_method(INVARIANT)
 
 _SIZES = (1, 3, 16, 17, 64, 129, 1000, 4096)
 
@@ -29,11 +34,10 @@ def test_gpu_linear_rows_invariant_and_close(dtype, k, n):
     gen = torch.Generator(device="cuda").manual_seed(k)
     w = (torch.randn(n, k, device="cuda", generator=gen) / k**0.5).to(dtype)
     x = torch.randn(4, k, device="cuda", generator=gen).to(dtype)
-    with bi.batch_invariant_mode():
-        _check_rows(lambda t: bi.linear(t, w), x)
-        ref = torch.nn.functional.linear(x.float(), w.float())
-        tol = 1e-4 if dtype == torch.float32 else 2e-2
-        torch.testing.assert_close(bi.linear(x, w).float(), ref, rtol=tol, atol=tol)
+    _check_rows(lambda t: LINEAR.linear(t, w), x)
+    ref = torch.nn.functional.linear(x.float(), w.float())
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(LINEAR.linear(x, w).float(), ref, rtol=tol, atol=tol)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -41,12 +45,11 @@ def test_gpu_norm_and_silu_rows_invariant_and_close(dtype):
     gen = torch.Generator(device="cuda").manual_seed(1)
     x = torch.randn(4, 4096, device="cuda", generator=gen).to(dtype)
     w = (torch.rand(4096, device="cuda", generator=gen) + 0.5).to(dtype)
-    with bi.batch_invariant_mode():
-        _check_rows(lambda t: bi.rms_norm(t, w, 1e-6), x)
-        _check_rows(bi.silu_and_mul, x)
-        tol = 1e-5 if dtype == torch.float32 else 2e-2
-        torch.testing.assert_close(bi.rms_norm(x, w, 1e-6), reference.rms_norm(x, w, 1e-6), rtol=tol, atol=tol)
-        torch.testing.assert_close(bi.silu_and_mul(x), reference.silu_and_mul(x), rtol=tol, atol=tol)
+    _check_rows(lambda t: NORM.rms_norm(t, w, 1e-6), x)
+    _check_rows(ACT.silu_and_mul, x)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(NORM.rms_norm(x, w, 1e-6), reference.rms_norm(x, w, 1e-6), rtol=tol, atol=tol)
+    torch.testing.assert_close(ACT.silu_and_mul(x), reference.silu_and_mul(x), rtol=tol, atol=tol)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -59,11 +62,10 @@ def test_gpu_head_matmul_rows_invariant_and_close(dtype):
     q = torch.randn(4, 16, 192, device="cuda", generator=gen).to(dtype)[..., :128]
     o = torch.randn(4, 16, 512, device="cuda", generator=gen).to(dtype)
     tol = 1e-4 if dtype == torch.float32 else 2e-2
-    with bi.batch_invariant_mode():
-        for x, w in ((q, w_uk), (o, w_uv_t)):
-            _check_rows(lambda t: bi.head_matmul(t, w), x)
-            ref = torch.einsum("tha,hab->thb", x.double(), w.double())
-            torch.testing.assert_close(bi.head_matmul(x, w).double(), ref, rtol=tol, atol=tol)
+    for x, w in ((q, w_uk), (o, w_uv_t)):
+        _check_rows(lambda t: HEAD.apply(t, w), x)
+        ref = torch.einsum("tha,hab->thb", x.double(), w.double())
+        torch.testing.assert_close(HEAD.apply(x, w).double(), ref, rtol=tol, atol=tol)
 
 
 def test_gpu_default_linear_is_not_batch_invariant():

@@ -72,11 +72,16 @@ def test_moe_with_shared_experts_joined(num_tokens):
                          num_layers=1, num_heads=2, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-6, max_position=64,
                          tie_word_embeddings=False, eos_token_ids=(0,), bos_token_id=None, n_routed_experts=64,
                          n_shared_experts=2, num_experts_per_tok=6, moe_intermediate_size=176)
+    from deepinfer_rt.layers.kernel_config import KernelConfig, build_context
+
     gen = torch.Generator().manual_seed(num_tokens)
     ref = MoE(config)
     for p in ref.parameters():
         p.data.copy_(torch.randn(p.shape, generator=gen) * 0.05)
-    moe = copy.deepcopy(ref).to(DEV, BF16)
+    with build_context(KernelConfig.from_env("cuda")):  # the Triton methods (fused experts, routing kernel)
+        moe = MoE(config)
+    moe.load_state_dict(ref.state_dict())
+    moe = moe.to(DEV, BF16)
     moe.process_weights_after_loading()
     assert moe.joint_experts is not None and moe.joint_experts[0].shape[0] == 66
     assert moe.experts.gate_up_proj.data_ptr() == moe.joint_experts[0].data_ptr()  # a view, not a copy
@@ -116,7 +121,8 @@ ROUTER_CASES = {  # (experts, k, scoring, method, groups, kept groups, renormali
 @pytest.mark.parametrize("case", sorted(ROUTER_CASES))
 @pytest.mark.parametrize("num_tokens", [1, 37, 300])
 def test_moe_router_kernel_equals_torch_form(case, num_tokens):
-    from deepinfer_rt.layers.moe import select_experts
+    from deepinfer_rt.layers.methods import Activation
+    from deepinfer_rt.layers.moe import TritonRouting, select_experts
 
     e, k, scoring, method, groups, kept, norm, scale = ROUTER_CASES[case]
     torch.manual_seed(num_tokens)
@@ -124,7 +130,7 @@ def test_moe_router_kernel_equals_torch_form(case, num_tokens):
     bias = torch.randn(e, device=DEV) * 0.1 if method == "noaux_tc" else None
     kw = dict(scoring_func=scoring, topk_method=method, n_group=groups, topk_group=kept, correction_bias=bias,
               norm_topk_prob=norm, routed_scaling_factor=scale)
-    weights, ids = select_experts(logits, k, **kw)  # on CUDA: the Triton kernel
+    weights, ids = TritonRouting(Activation())(logits, k, **kw)  # the Triton kernel
     ref_w, ref_ids = select_experts(logits.cpu(), k, **{**kw, "correction_bias": None if bias is None else bias.cpu()})
     assert torch.equal(ids.cpu(), ref_ids)
     torch.testing.assert_close(weights.cpu(), ref_w, rtol=1e-5, atol=1e-6)
@@ -180,7 +186,7 @@ def test_skinny_gemm(rows, n, k):
     """The decode-size dense projection kernel against an fp32 F.linear, with a bias and strided rows; the
     engine routes F.linear of <= 16 CUDA rows times a large weight (the LM head) to it."""
     from deepinfer_kernels.skinny_gemm import MIN_WEIGHT_ELEMENTS, skinny_gemm, supports
-    from deepinfer_rt.layers import batch_invariant
+    from deepinfer_rt.layers.methods import SkinnyLinear
 
     torch.manual_seed(rows * 7 + n + k)
     w = torch.randn(n, k, device=DEV, dtype=BF16) / k**0.5
@@ -189,7 +195,7 @@ def test_skinny_gemm(rows, n, k):
     assert supports(x, w) == (n * k >= MIN_WEIGHT_ELEMENTS)
     ref = F.linear(x.float(), w.float(), bias.float())
     assert rel_err(skinny_gemm(x, w, bias), ref) < 1e-2
-    assert rel_err(batch_invariant.linear(x, w), F.linear(x.float(), w.float())) < 1e-2
+    assert rel_err(SkinnyLinear().linear(x, w), F.linear(x.float(), w.float())) < 1e-2
     assert not supports(torch.randn(17, k, device=DEV, dtype=BF16), w)
 
 
@@ -229,10 +235,12 @@ def test_router_takes_the_pieces_at_prefill_sizes():
     from deepinfer_kernels.router_gemm import router_logits_bf16
     from types import SimpleNamespace
 
+    from deepinfer_rt.layers.kernel_config import KernelConfig, build_context
     from deepinfer_rt.layers.moe import ROUTER_PIECES_MIN_ROWS, Router
 
     config = SimpleNamespace(hidden_size=512, n_routed_experts=64, topk_method="greedy")
-    router = Router(config).cuda()
+    with build_context(KernelConfig.from_env("cuda")):  # TritonRouterGemm
+        router = Router(config).cuda()
     router.weight.data.normal_(0, 512**-0.5)
     assert router.weight_pieces is None
     router.process_weights_after_loading()

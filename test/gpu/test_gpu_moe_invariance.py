@@ -7,10 +7,14 @@ import pytest
 import torch
 
 from deepinfer_kernels.fused_moe import fused_moe
-from deepinfer_rt.layers import batch_invariant as bi
-from deepinfer_rt.layers.moe import RoutedExperts, select_experts
+from deepinfer_rt.layers.kernel_config import KernelConfig, build_context
+from deepinfer_rt.layers.methods import activation_method
+from deepinfer_rt.layers.moe import RoutedExperts, TritonRouting
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+INVARIANT = KernelConfig(device_type="cuda", is_batch_invariant=True)
+select_experts = TritonRouting(activation_method(INVARIANT))  # the routing kernel
 
 E, HIDDEN, INTER, K = 64, 2048, 1408, 6
 PROBES = 4
@@ -19,7 +23,8 @@ _TOKENS = (1, 2, 5, 16, 33, 100, 257, 682)  # with the probes: 30 .. 4116 pairs
 
 def _experts(dtype: torch.dtype, seed: int) -> RoutedExperts:
     gen = torch.Generator(device="cuda").manual_seed(seed)
-    experts = RoutedExperts(E, HIDDEN, INTER).to("cuda", dtype).requires_grad_(False)
+    with build_context(INVARIANT):  # FusedExperts with the batch-invariant tiles
+        experts = RoutedExperts(E, HIDDEN, INTER).to("cuda", dtype).requires_grad_(False)
     with torch.no_grad():
         experts.gate_up_proj.copy_(torch.randn(E, 2 * INTER, HIDDEN, device="cuda", generator=gen) * HIDDEN**-0.5)
         experts.down_proj.copy_(torch.randn(E, HIDDEN, INTER, device="cuda", generator=gen) * INTER**-0.5)
@@ -61,8 +66,7 @@ def test_gpu_fused_moe_rows_invariant_and_close(dtype):
             bx[at : at + PROBES], bw[at : at + PROBES], bids[at : at + PROBES] = x, w, ids
             got = moe(bx, bw, bids)[at : at + PROBES]
             assert torch.equal(got, alone), f"{(t + PROBES) * K} pairs, skew {skew}"
-    with bi.batch_invariant_mode():  # the layer dispatches here on CUDA in batch-invariant mode
-        assert torch.equal(experts(x, w, ids), moe(x, w, ids))
+    assert torch.equal(experts(x, w, ids), moe(x, w, ids))  # the layer's method is this kernel
     ref = _reference(experts, x, w, ids)
     err = ((alone.double() - ref).norm() / ref.norm()).item()
     assert err < (1e-5 if dtype == torch.float32 else 1e-2), err
@@ -76,9 +80,8 @@ def test_gpu_fused_moe_skewed_batch_equals_rows_alone():
     x = torch.randn(683, HIDDEN, device="cuda", generator=gen).to(torch.bfloat16)
     w, ids = _route(683, gen, skew=50.0)
     assert (ids == 0).any(dim=1).float().mean() > 0.9
-    with bi.batch_invariant_mode():
-        batch = experts(x, w, ids)
-        rows = torch.stack([experts(x[i : i + 1], w[i : i + 1], ids[i : i + 1])[0] for i in range(0, 683, 31)])
+    batch = experts(x, w, ids)
+    rows = torch.stack([experts(x[i : i + 1], w[i : i + 1], ids[i : i + 1])[0] for i in range(0, 683, 31)])
     assert torch.equal(batch[::31], rows)
 
 
@@ -91,18 +94,17 @@ def test_gpu_invariant_moe_under_cuda_graph(tokens):
     x = torch.randn(tokens, HIDDEN, device="cuda", generator=gen).to(torch.bfloat16)
     logits = torch.randn(tokens, E, device="cuda", generator=gen)
     step = lambda: experts(x, *select_experts(logits, K))
-    with bi.batch_invariant_mode():
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):  # compile the kernels outside the capture
-            step()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = step()
-        x.copy_(torch.randn(tokens, HIDDEN, device="cuda", generator=gen))
-        logits.copy_(torch.randn(tokens, E, device="cuda", generator=gen))
-        graph.replay()
-        expected = step()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # compile the kernels outside the capture
+        step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    x.copy_(torch.randn(tokens, HIDDEN, device="cuda", generator=gen))
+    logits.copy_(torch.randn(tokens, E, device="cuda", generator=gen))
+    graph.replay()
+    expected = step()
     torch.cuda.synchronize()
     assert torch.equal(out, expected)

@@ -16,10 +16,14 @@ from deepinfer_kernels import reference
 from deepinfer_rt.cache.kv_pool import KVLayout, KVPool
 from deepinfer_rt.forward_batch import ForwardBatch
 from deepinfer_rt.layers import batch_invariant as bi
-from deepinfer_rt.layers import invariant_gemm
+from deepinfer_rt.layers import invariant_gemm, methods
+from deepinfer_rt.layers.kernel_config import KernelConfig
 from deepinfer_rt.layers.attention.batch_invariant import BatchInvariantBackend, fixed_bmm, merge_blocks, ordered_sum
 from deepinfer_rt.layers.attention.torch_ref import TorchRefBackend
 
+INVARIANT = KernelConfig(is_batch_invariant=True)  # CPU
+LINEAR, ACT = methods.linear_method(INVARIANT), methods.activation_method(INVARIANT)
+NORM, HEAD = methods.norm_method(INVARIANT), methods.head_matmul_method(INVARIANT)
 _BATCH_SIZES = (1, 2, 3, 7, 15, 16, 17, 33, 64, 100, 129, 300)  # 129, 300: large GEMM tiles and a tail
 
 
@@ -41,9 +45,8 @@ def _rows_invariant(fn, rows: torch.Tensor, seed: int = 0) -> bool:
 def test_linear_rows_invariant_and_close(k, n):
     gen = torch.Generator().manual_seed(k + n)
     w, b, x = torch.randn(n, k, generator=gen), torch.randn(n, generator=gen), torch.randn(8, k, generator=gen)
-    with bi.batch_invariant_mode():
-        assert _rows_invariant(lambda t: bi.linear(t, w, b), x)
-        torch.testing.assert_close(bi.linear(x, w, b), F.linear(x, w, b), rtol=1e-5, atol=1e-4)
+    assert _rows_invariant(lambda t: LINEAR.linear(t, w, b), x)
+    torch.testing.assert_close(LINEAR.linear(x, w, b), F.linear(x, w, b), rtol=1e-5, atol=1e-4)
 
 
 @pytest.mark.parametrize("k_chunk", [None, 512])
@@ -129,27 +132,24 @@ def test_default_sigmoid_is_not_batch_invariant():
     x = torch.randn(4000, generator=torch.Generator().manual_seed(0)) * 4
     alone = torch.cat([x[i : i + 1].sigmoid() for i in range(len(x))])
     assert not torch.equal(alone, x.sigmoid())
-    with bi.batch_invariant_mode():
-        assert torch.equal(torch.cat([bi.sigmoid(x[i : i + 1]) for i in range(len(x))]), bi.sigmoid(x))
+    assert torch.equal(torch.cat([ACT.sigmoid(x[i : i + 1]) for i in range(len(x))]), ACT.sigmoid(x))
 
 
 @pytest.mark.parametrize("width", [8, 17, 32, 128])
 def test_elementwise_rows_invariant_and_close(width):
     x = torch.randn(16, 2 * width, generator=torch.Generator().manual_seed(width)) * 4
-    with bi.batch_invariant_mode():
-        assert _rows_invariant(bi.silu_and_mul, x)
-        assert _rows_invariant(bi.sigmoid, x)
-        torch.testing.assert_close(bi.silu_and_mul(x), reference.silu_and_mul(x))
-        torch.testing.assert_close(bi.sigmoid(x), x.sigmoid())
+    assert _rows_invariant(ACT.silu_and_mul, x)
+    assert _rows_invariant(ACT.sigmoid, x)
+    torch.testing.assert_close(ACT.silu_and_mul(x), reference.silu_and_mul(x))
+    torch.testing.assert_close(ACT.sigmoid(x), x.sigmoid())
 
 
 @pytest.mark.parametrize("dim", [64, 576, 33000])  # one row of 33000 passes torch's parallel-reduction grain
 def test_rms_norm_rows_invariant_and_close(dim):
     gen = torch.Generator().manual_seed(dim)
     x, w = torch.randn(6 if dim < 1000 else 1, dim, generator=gen), torch.rand(dim, generator=gen) + 0.5
-    with bi.batch_invariant_mode():
-        assert _rows_invariant(lambda t: bi.rms_norm(t, w, 1e-5), x)
-        torch.testing.assert_close(bi.rms_norm(x, w, 1e-5), reference.rms_norm(x, w, 1e-5))
+    assert _rows_invariant(lambda t: NORM.rms_norm(t, w, 1e-5), x)
+    torch.testing.assert_close(NORM.rms_norm(x, w, 1e-5), reference.rms_norm(x, w, 1e-5))
 
 
 def test_row_softmax_and_argmax_invariant():
@@ -163,9 +163,8 @@ def test_row_softmax_and_argmax_invariant():
 def test_head_matmul_rows_invariant_and_close():
     gen = torch.Generator().manual_seed(2)
     x, w = torch.randn(8, 4, 16, generator=gen), torch.randn(4, 16, 24, generator=gen)
-    with bi.batch_invariant_mode():
-        assert _rows_invariant(lambda t: bi.head_matmul(t, w), x)
-        torch.testing.assert_close(bi.head_matmul(x, w), torch.einsum("tha,hab->thb", x, w))
+    assert _rows_invariant(lambda t: HEAD.apply(t, w), x)
+    torch.testing.assert_close(HEAD.apply(x, w), torch.einsum("tha,hab->thb", x, w))
 
 
 def test_fixed_bmm_entries_invariant():
@@ -342,8 +341,7 @@ def test_gated_mlp_columns_form_rows_invariant_and_close():
     gen = torch.Generator().manual_seed(11)
     gate_up, down = torch.randn(2 * 96, 64, generator=gen) / 8, torch.randn(64, 96, generator=gen) / 10
     x = torch.randn(4, 64, generator=gen)
-    with bi.batch_invariant_mode():
-        assert _rows_invariant(lambda t: bi.gated_mlp(t, gate_up, down), x)
-        ref = bi.linear(bi.silu_and_mul(bi.linear(x, gate_up)), down)
-        torch.testing.assert_close(bi.gated_mlp(x, gate_up, down), ref, rtol=1e-5, atol=1e-5)
-        assert bi.gated_mlp(x[:0], gate_up, down).shape == (0, 64)
+    assert _rows_invariant(lambda t: bi.gated_mlp(t, gate_up, down), x)
+    ref = LINEAR.linear(ACT.silu_and_mul(LINEAR.linear(x, gate_up)), down)
+    torch.testing.assert_close(bi.gated_mlp(x, gate_up, down), ref, rtol=1e-5, atol=1e-5)
+    assert bi.gated_mlp(x[:0], gate_up, down).shape == (0, 64)

@@ -6,6 +6,7 @@ import torch
 from mla_cases import CASES, both_forms, load_layer, make_batch
 
 from deepinfer_rt.layers.attention.torch_ref import TorchRefBackend
+from deepinfer_rt.layers.kernel_config import KernelConfig
 from deepinfer_rt.layers.mla_prefill import build_plan, min_mha_queries
 
 
@@ -37,13 +38,14 @@ def test_plan_splits_rows(layer_pool):
 
 
 def test_policy(monkeypatch):
-    monkeypatch.delenv("DEEPINFER_MLA_MHA_PREFILL", raising=False)
-    assert min_mha_queries("torch") is None and min_mha_queries("triton") == 64
-    monkeypatch.setenv("DEEPINFER_MLA_MHA_PREFILL", "1")
-    assert min_mha_queries("torch") == 2
-    from deepinfer_rt.layers.batch_invariant import batch_invariant_mode
+    from deepinfer_rt.layers.attention.triton import TritonBackend
 
-    with batch_invariant_mode():
-        assert min_mha_queries("torch") is None
+    torch_ref, triton = TorchRefBackend(), TritonBackend  # the flag is a class attribute (no device needed)
+    monkeypatch.delenv("DEEPINFER_MLA_MHA_PREFILL", raising=False)
+    assert min_mha_queries(KernelConfig.from_env(), torch_ref) is None
+    assert min_mha_queries(KernelConfig.from_env(), triton) == 64
+    monkeypatch.setenv("DEEPINFER_MLA_MHA_PREFILL", "1")
+    assert min_mha_queries(KernelConfig.from_env(), torch_ref) == 2
+    assert min_mha_queries(KernelConfig.from_env(batch_invariant=True), torch_ref) is None
     monkeypatch.setenv("DEEPINFER_MLA_MHA_PREFILL", "0")
-    assert min_mha_queries("triton") is None
+    assert min_mha_queries(KernelConfig.from_env(), triton) is None

@@ -51,6 +51,8 @@ class TritonMeta:
 
 class TritonBackend(AttentionBackend):
     name = "triton"
+    is_mla_rope_store_supported = True
+    is_mla_standard_prefill_preferred = True
 
     def __init__(self, device: torch.device):
         self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count

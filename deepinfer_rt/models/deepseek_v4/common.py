@@ -22,8 +22,8 @@ import torch
 from torch import nn
 
 from deepinfer_rt.config import ModelConfig
-from deepinfer_rt.layers import batch_invariant
-from deepinfer_rt.models.deepseek_v4.invariant import one_row_safe
+from deepinfer_rt.layers.kernel_config import current_kernel_config
+from deepinfer_rt.models.deepseek_v4.methods import v4_method
 
 SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
 _SCORING = ("sqrtsoftplus", "softmax", "sigmoid")
@@ -200,22 +200,12 @@ class V4RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.method = v4_method(current_kernel_config())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if batch_invariant.is_enabled():
-            return one_row_safe(self._norm, x)
-        return self._norm(x)
+        return self.method.rows(self._norm, x)
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
         return (self.weight.float() * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps))).to(x.dtype)
 
-
-def unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
-    if batch_invariant.is_enabled():
-        return one_row_safe(lambda r: _unweighted_rms_norm(r, eps), x)
-    return _unweighted_rms_norm(x, eps)
-
-
-def _unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
-    return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)

@@ -15,11 +15,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from deepinfer_rt.layers import batch_invariant
-from deepinfer_rt.models.deepseek_v4 import invariant as v4_invariant
+from deepinfer_rt.layers.kernel_config import current_kernel_config
 from deepinfer_rt.layers.linear import Linear
 from deepinfer_rt.models.deepseek_v4.batch import Windows
 from deepinfer_rt.models.deepseek_v4.common import V4Config, V4RMSNorm, V4Rotary, apply_rope
+from deepinfer_rt.models.deepseek_v4.methods import v4_method
 
 
 class Compressor(nn.Module):
@@ -31,6 +31,7 @@ class Compressor(nn.Module):
         self.wgate = Linear(cfg.hidden_size, width)
         self.ape = nn.Parameter(torch.empty(ratio, width))
         self.norm = V4RMSNorm(head_dim, cfg.rms_norm_eps)
+        self.method = v4_method(current_kernel_config())
 
     def store(self, x: torch.Tensor, buf: torch.Tensor, slots: torch.Tensor, kv_cols: slice,
               gate_cols: slice) -> None:
@@ -51,10 +52,7 @@ class Compressor(nn.Module):
             prev_gate = prev_gate.masked_fill(~win.has_prev[:, None, None], float("-inf"))
             kv = torch.cat([kv_buf[:, :d][win.prev], kv[..., d:]], dim=1)  # (N, 2m, d)
             gate = torch.cat([prev_gate, gate[..., d:]], dim=1)
-        if batch_invariant.is_enabled():
-            pooled = v4_invariant.pool_window(kv, gate)
-        else:
-            pooled = (kv * gate.softmax(dim=1).to(kv.dtype)).sum(dim=1)
+        pooled = self.method.pool_window(kv, gate)
         cos, sin = self.rotary.cos_sin(win.positions)
         buf[win.end, entry_cols] = apply_rope(self.norm(pooled), cos, sin).to(buf.dtype)
 
@@ -67,29 +65,13 @@ class Indexer(nn.Module):
         self.wq_b = Linear(cfg.q_lora_rank, self.num_heads * self.head_dim)
         self.weights_proj = Linear(cfg.hidden_size, self.num_heads)
         self.compressor = Compressor(cfg, self.head_dim, ratio, overlap=True, rotary=rotary)
+        self.method = v4_method(current_kernel_config())
 
     def select(self, x: torch.Tensor, q_residual: torch.Tensor, positions: torch.Tensor, keys: torch.Tensor,
                visible: torch.Tensor) -> torch.Tensor:
         """x (G*Q, hidden), q_residual (G*Q, q_lora), positions (G*Q,), keys (G, E, Di), visible (G, Q, E)
         -> (G, Q, E) True for the entries each query attends to."""
-        g, q_len, num_entries = visible.shape
         cos, sin = self.rotary.cos_sin(positions)
         q = apply_rope(self.wq_b(q_residual).view(-1, self.num_heads, self.head_dim), cos, sin)
         weights = self.weights_proj(x).float() * self.num_heads ** -0.5
-        if batch_invariant.is_enabled():
-            return self._select_invariant(q, keys, weights, visible)
-        q = q.view(g, q_len, self.num_heads, self.head_dim)
-        scores = torch.einsum("gqhd,ged->gqhe", q.float(), keys.float()).relu() * self.head_dim ** -0.5
-        weights = weights.view(g, q_len, self.num_heads, 1)
-        scores = (scores * weights).sum(dim=2).masked_fill(~visible, float("-inf"))  # (G, Q, E)
-        picks = scores.topk(min(self.topk, num_entries), dim=-1).indices
-        chosen = torch.zeros_like(visible).scatter_(-1, picks, True)
-        return chosen & visible  # picks beyond the visible entries (too few of them) are dropped
-
-    def _select_invariant(self, q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor,
-                          visible: torch.Tensor) -> torch.Tensor:
-        """select() per query: q (G*Q, H, Di), weights (G*Q, H) (models/deepseek_v4/invariant.py)."""
-        g, q_len, num_entries = visible.shape
-        per_query = keys.float()[:, None].expand(g, q_len, *keys.shape[1:]).reshape(g * q_len, *keys.shape[1:])
-        scores = v4_invariant.index_scores(q.float(), per_query, weights, self.head_dim ** -0.5)
-        return v4_invariant.top_k_mask(scores, visible.reshape(g * q_len, -1), self.topk).view(g, q_len, -1)
+        return self.method.index_select(self, q, keys, weights, visible)

@@ -14,9 +14,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from deepinfer_rt.layers import batch_invariant
-from deepinfer_rt.models.deepseek_v4 import invariant as v4_invariant
-from deepinfer_rt.models.deepseek_v4.common import V4Config, unweighted_rms_norm
+from deepinfer_rt.layers.kernel_config import current_kernel_config
+from deepinfer_rt.models.deepseek_v4.common import V4Config
+from deepinfer_rt.models.deepseek_v4.methods import v4_method
 
 
 class HyperConnection(nn.Module):
@@ -27,53 +27,32 @@ class HyperConnection(nn.Module):
         self.fn = nn.Parameter(torch.empty((2 + n) * n, n * cfg.hidden_size))
         self.base = nn.Parameter(torch.empty((2 + n) * n))
         self.scale = nn.Parameter(torch.empty(3))
+        self.method = v4_method(current_kernel_config())
+        """Default or batch-invariant (fixed-shape GEMMs, exp-built sigmoids, ordered sums): deepseek_v4/methods.py."""
 
     def weights(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """streams (T, N, D) -> pre (T, N), post (T, N), comb (T, N, N), all fp32."""
-        n = self.hc_mult
-        if batch_invariant.is_enabled():
-            return self._weights_invariant(streams)
-        flat = unweighted_rms_norm(streams.flatten(1).float(), self.norm_eps)
-        mix = flat @ self.fn.float().T
+        n, m = self.hc_mult, self.method
+        flat = m.unweighted_rms_norm(streams.flatten(1).float(), self.norm_eps)
+        mix = m.hc_matmul(flat, self.fn.float())
         pre_w, post_w, comb_w = mix.split([n, n, n * n], dim=-1)
         pre_b, post_b, comb_b = self.base.float().split([n, n, n * n])
         pre_s, post_s, comb_s = self.scale.float().unbind(0)
-        pre = torch.sigmoid(pre_w * pre_s + pre_b) + self.hc_eps
-        post = 2 * torch.sigmoid(post_w * post_s + post_b)
+        pre = m.sigmoid(pre_w * pre_s + pre_b) + self.hc_eps
+        post = 2 * m.sigmoid(post_w * post_s + post_b)
         comb = torch.softmax(comb_w.view(-1, n, n) * comb_s + comb_b.view(n, n), dim=-1) + self.hc_eps
-        comb = comb / (comb.sum(dim=-2, keepdim=True) + self.hc_eps)
+        comb = comb / (m.column_sum(comb) + self.hc_eps)
         for _ in range(self.iters - 1):
             comb = comb / (comb.sum(dim=-1, keepdim=True) + self.hc_eps)
-            comb = comb / (comb.sum(dim=-2, keepdim=True) + self.hc_eps)
-        return pre, post, comb
-
-    def _weights_invariant(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """weights() with fixed-shape GEMMs, exp-built sigmoids and ordered column sums."""
-        n, sigmoid = self.hc_mult, batch_invariant.sigmoid
-        flat = unweighted_rms_norm(streams.flatten(1).float(), self.norm_eps)
-        mix = v4_invariant.hc_matmul(flat, self.fn.float())
-        pre_w, post_w, comb_w = mix.split([n, n, n * n], dim=-1)
-        pre_b, post_b, comb_b = self.base.float().split([n, n, n * n])
-        pre_s, post_s, comb_s = self.scale.float().unbind(0)
-        pre = sigmoid(pre_w * pre_s + pre_b) + self.hc_eps
-        post = 2 * sigmoid(post_w * post_s + post_b)
-        comb = torch.softmax(comb_w.view(-1, n, n) * comb_s + comb_b.view(n, n), dim=-1) + self.hc_eps
-        comb = comb / (v4_invariant.ordered_sum(comb, dim=-2)[:, None] + self.hc_eps)
-        for _ in range(self.iters - 1):
-            comb = comb / (comb.sum(dim=-1, keepdim=True) + self.hc_eps)
-            comb = comb / (v4_invariant.ordered_sum(comb, dim=-2)[:, None] + self.hc_eps)
+            comb = comb / (m.column_sum(comb) + self.hc_eps)
         return pre, post, comb
 
     def forward(self, streams: torch.Tensor, block) -> torch.Tensor:
         """Run `block` (D -> D per token) between the collapse and the spread of the streams (T, N, D)."""
         pre, post, comb = self.weights(streams)
         dtype = streams.dtype
-        if batch_invariant.is_enabled():
-            y = block(v4_invariant.ordered_sum(pre.unsqueeze(-1) * streams, dim=1).to(dtype))
-            mixed = v4_invariant.hc_mix(comb.to(dtype), streams)
-            return post.to(dtype).unsqueeze(-1) * y.unsqueeze(1) + mixed
-        y = block((pre.unsqueeze(-1) * streams).sum(dim=1).to(dtype))
-        mixed = torch.einsum("tjk,tjd->tkd", comb.to(dtype), streams)
+        y = block(self.method.middle_sum(pre.unsqueeze(-1) * streams, dim=1).to(dtype))
+        mixed = self.method.hc_mix(comb.to(dtype), streams)
         return post.to(dtype).unsqueeze(-1) * y.unsqueeze(1) + mixed
 
 
@@ -87,16 +66,10 @@ class HyperHead(nn.Module):
         self.hc_fn = nn.Parameter(torch.empty(n, n * cfg.hidden_size))
         self.hc_base = nn.Parameter(torch.empty(n))
         self.hc_scale = nn.Parameter(torch.empty(1))
+        self.method = v4_method(current_kernel_config())
 
     def forward(self, streams: torch.Tensor) -> torch.Tensor:
-        if batch_invariant.is_enabled():
-            return self._forward_invariant(streams)
-        flat = unweighted_rms_norm(streams.flatten(1).float(), self.norm_eps)
-        pre = torch.sigmoid((flat @ self.hc_fn.float().T) * self.hc_scale.float() + self.hc_base.float())
-        return ((pre + self.hc_eps).unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
-
-    def _forward_invariant(self, streams: torch.Tensor) -> torch.Tensor:
-        flat = unweighted_rms_norm(streams.flatten(1).float(), self.norm_eps)
-        logits = v4_invariant.hc_matmul(flat, self.hc_fn.float()) * self.hc_scale.float() + self.hc_base.float()
-        pre = batch_invariant.sigmoid(logits)
-        return v4_invariant.ordered_sum((pre + self.hc_eps).unsqueeze(-1) * streams, dim=1).to(streams.dtype)
+        m = self.method
+        flat = m.unweighted_rms_norm(streams.flatten(1).float(), self.norm_eps)
+        pre = m.sigmoid(m.hc_matmul(flat, self.hc_fn.float()) * self.hc_scale.float() + self.hc_base.float())
+        return m.middle_sum((pre + self.hc_eps).unsqueeze(-1) * streams, dim=1).to(streams.dtype)

@@ -1,8 +1,8 @@
 """Batch-invariant forms of DeepSeek-V4's attention, indexer, compressor, routing and hyper-connection math
-(used when layers/batch_invariant.py's switch is on; the layers call these instead of their default code).
+(models/deepseek_v4/methods.py V4InvariantMethod, which the layers get in batch-invariant mode).
 
 A token's value must not depend on how many queries, sequences or chunks share its step. Besides the GEMMs
-(fixed-shape tiles, batch_invariant.linear/tiled_mm) three things would break that:
+(fixed-shape tiles, layers/methods.py InvariantLinear) three things would break that:
 
   * Attention keys: a group's padded key set depends on its chunk (an extend group starts its sliding window
     at the chunk's first query) and on the other sequences (decode groups pad to the longest). Here each query
@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import torch
 
-from deepinfer_rt.layers import batch_invariant as bi
 from deepinfer_rt.layers.attention.batch_invariant import fixed_bmm
 
 KEY_BLOCK = 64
@@ -153,7 +152,3 @@ def hc_mix(comb: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
     n = comb.shape[1]
     return torch.stack([ordered_sum(comb[:, :, k, None] * streams, dim=1) for k in range(n)], dim=1)
 
-
-def hc_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x (T, K) @ w.T, w (N, K)."""
-    return bi.tiled_mm(x, w.t())

@@ -19,7 +19,6 @@ from torch import nn
 from deepinfer_rt.cache.kv_pool import KVLayout, KVPool
 from deepinfer_rt.config import ModelConfig
 from deepinfer_rt.forward_batch import ForwardBatch
-from deepinfer_rt.layers.batch_invariant import linear
 from deepinfer_rt.models.deepseek_v4.hyper_connections import HyperConnection, HyperHead
 from deepinfer_rt.layers.moe import fuse_expert_weights
 from deepinfer_rt.models.deepseek_v4.attention import V4Attention
@@ -67,8 +66,12 @@ class V4Model(nn.Module):
         self.query_block = 256
         """Most prefill queries of one sequence attended together (bounds the (Q, H, keys) score tensor)."""
 
+    def prepare_batch(self, batch: ForwardBatch) -> V4Batch:
+        """The step's window, compressor and attention-group indices, shared by every layer."""
+        return build_v4_batch(batch, self.cfg.sliding_window, self.cfg.ratios(), self.query_block)
+
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        vb = build_v4_batch(batch, self.cfg.sliding_window, self.cfg.ratios(), self.query_block)
+        vb: V4Batch = batch.model_meta  # DeepseekV4ForCausalLM.prepare_batch
         x = self.embed_tokens(batch.input_ids)
         streams = x.unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()  # (T, N, D)
         for layer in self.layers:
@@ -90,6 +93,9 @@ class DeepseekV4ForCausalLM(CausalLM):
         dims = tuple(PoolColumns.for_layer(cfg, t).width for t in cfg.layer_types)
         return KVLayout(config.num_layers, (1, max(dims)), None, cfg.head_dim, layer_dims=dims)
 
+    def prepare_batch(self, batch: ForwardBatch) -> None:
+        batch.model_meta = self.model.prepare_batch(batch)
+
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         return self.model(batch)
 
@@ -103,7 +109,7 @@ class DeepseekV4ForCausalLM(CausalLM):
         return self
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return linear(hidden, self.head.weight).float()
+        return self.logits_method.apply(self.head, hidden).float()
 
     def tie_weights(self) -> None:
         if self.config.tie_word_embeddings:

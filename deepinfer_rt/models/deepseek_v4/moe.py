@@ -12,30 +12,16 @@ gate <= limit and |up| <= limit before silu(gate) * up.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from deepinfer_rt.layers import batch_invariant
-from deepinfer_rt.models.deepseek_v4 import invariant as v4_invariant
+from deepinfer_rt.layers.kernel_config import current_kernel_config
 from deepinfer_rt.layers.linear import Linear
 from deepinfer_rt.models.deepseek_v4.common import V4Config
+from deepinfer_rt.models.deepseek_v4.methods import V4Method, v4_method
 
 
-def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
-    if batch_invariant.is_enabled():
-        return v4_invariant.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
-    return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
-
-
-def score(logits: torch.Tensor, scoring_func: str) -> torch.Tensor:
-    if batch_invariant.is_enabled() and scoring_func != "softmax":
-        return (v4_invariant.softplus(logits).sqrt() if scoring_func == "sqrtsoftplus"
-                else batch_invariant.sigmoid(logits))
-    if scoring_func == "sqrtsoftplus":
-        return F.softplus(logits).sqrt()
-    if scoring_func == "sigmoid":
-        return logits.sigmoid()
-    return logits.softmax(dim=-1)
+def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float, method: V4Method) -> torch.Tensor:
+    return method.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
 
 
 class V4Router(nn.Module):
@@ -50,10 +36,12 @@ class V4Router(nn.Module):
         else:
             self.tid2eid = None
             self.bias = nn.Parameter(torch.empty(e, dtype=torch.float32), requires_grad=False)
+        self.method = v4_method(current_kernel_config())
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x (T, H) -> weights (T, k) fp32, expert ids (T, k)."""
-        scores = score(batch_invariant.linear(x.float(), self.weight.float()), self.scoring_func)
+        m = self.method
+        scores = m.score(m.linear.linear(x.float(), self.weight.float()), self.scoring_func)
         if self.tid2eid is not None:
             ids = self.tid2eid[input_ids]
         else:
@@ -69,9 +57,11 @@ class ClampedExperts(nn.Module):
         self.num_experts, self.limit = e, cfg.swiglu_limit
         self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h))
         self.down_proj = nn.Parameter(torch.empty(e, h, i))
+        self.method = v4_method(current_kernel_config())
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """(token, slot) pairs grouped by expert, one matmul per expert hit, slots summed per token."""
+        m, linear = self.method, self.method.linear.linear
         t, k = ids.shape
         flat = ids.flatten()
         order = flat.argsort(stable=True)
@@ -82,15 +72,13 @@ class ClampedExperts(nn.Module):
         for e, n in enumerate(counts):
             if n:
                 rows = slice(start, start + n)
-                gate, up = batch_invariant.linear(xs[rows], self.gate_up_proj[e]).chunk(2, dim=-1)
-                ys[rows] = batch_invariant.linear(clamped_swiglu(gate, up, self.limit), self.down_proj[e])
+                gate, up = linear(xs[rows], self.gate_up_proj[e]).chunk(2, dim=-1)
+                ys[rows] = linear(clamped_swiglu(gate, up, self.limit, m), self.down_proj[e])
             start += n
         out = torch.empty_like(ys)
         out[order] = ys
         weighted = out.view(t, k, -1) * weights.unsqueeze(-1).to(out.dtype)
-        if batch_invariant.is_enabled():
-            return v4_invariant.ordered_sum(weighted, dim=1)
-        return weighted.sum(dim=1)
+        return m.middle_sum(weighted, dim=1)
 
 
 class SharedExpert(nn.Module):
@@ -100,9 +88,10 @@ class SharedExpert(nn.Module):
         self.w1 = Linear(cfg.hidden_size, cfg.moe_intermediate_size)
         self.w3 = Linear(cfg.hidden_size, cfg.moe_intermediate_size)
         self.w2 = Linear(cfg.moe_intermediate_size, cfg.hidden_size)
+        self.method = v4_method(current_kernel_config())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(clamped_swiglu(self.w1(x), self.w3(x), self.limit))
+        return self.w2(clamped_swiglu(self.w1(x), self.w3(x), self.limit, self.method))
 
 
 class V4MoE(nn.Module):

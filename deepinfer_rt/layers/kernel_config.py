@@ -1,0 +1,72 @@
+"""KernelConfig: the modes a model's layers are built for, fixed once per model.
+
+Layers choose their method objects (deepinfer_rt.layers.methods, the MoE and MLA methods, a model's own) from
+it in `__init__` and keep them; a layer's forward only calls them. It is built once from the environment
+(deepinfer_rt.env) and the engine arguments (`KernelConfig.from_env`); nothing below reads the environment
+again.
+
+Models are built inside `build_context(kernel_config)` (models.loader.build_model, the EP workers); layers read
+it with `current_kernel_config()`. Outside a build context that gives the default: CPU, not batch-invariant,
+the other knobs from the environment.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+
+from deepinfer_kernels.dispatch import HAS_TRITON
+from deepinfer_rt.env import get_env
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    device_type: str = "cpu"
+    """torch device type the model runs on ("cpu", "cuda"): picks Triton kernels or the torch forms."""
+    is_batch_invariant: bool = False
+    """Batch-invariant numerics: every value a token's output depends on is computed by the same operations
+    whatever else shares its batch (layers/batch_invariant.py, deepinfer_kernels.batch_invariant)."""
+    is_skinny_gemm: bool = True
+    """DEEPINFER_SKINNY_GEMM: dense projections of at most 16 rows on CUDA through deepinfer_kernels.skinny_gemm
+    instead of cuBLAS (never in batch-invariant mode)."""
+    mla_mha_prefill: bool | None = None
+    """DEEPINFER_MLA_MHA_PREFILL: MLA prefill chunks in the standard form. None = where the attention backend
+    prefers it (Triton), for chunks of at least layers.mla_prefill.MHA_MIN_QUERIES new tokens; True = every chunk
+    of more than one new token, on any backend; False = never. Never in batch-invariant mode."""
+    moe_router_skew: float = 0.0
+    """DEEPINFER_MOE_ROUTER_SKEW: benchmarks only; biases MoE routers toward low expert ids (Zipf exponent)."""
+
+    @property
+    def is_triton(self) -> bool:
+        """Whether the layers run the Triton kernels (CUDA with Triton importable) rather than the torch forms."""
+        return self.device_type == "cuda" and HAS_TRITON
+
+    @classmethod
+    def from_env(cls, device: torch.device | str = "cpu", batch_invariant: bool = False) -> "KernelConfig":
+        """The config for a model on `device`: batch_invariant from the engine arguments (which already fold in
+        DEEPINFER_BATCH_INVARIANT), the layer knobs from the environment."""
+        env = get_env()
+        return cls(device_type=torch.device(device).type, is_batch_invariant=batch_invariant,
+                   is_skinny_gemm=env.skinny_gemm, mla_mha_prefill=env.mla_mha_prefill,
+                   moe_router_skew=env.moe_router_skew)
+
+
+_current: KernelConfig | None = None
+
+
+def current_kernel_config() -> KernelConfig:
+    """The config of the model being built (build_context), else the default (CPU, not invariant, from env)."""
+    return _current if _current is not None else KernelConfig.from_env()
+
+
+@contextlib.contextmanager
+def build_context(config: KernelConfig) -> Iterator[KernelConfig]:
+    """Scope in which constructed layers take their methods from `config` (model construction only)."""
+    global _current
+    previous, _current = _current, config
+    try:
+        yield config
+    finally:
+        _current = previous

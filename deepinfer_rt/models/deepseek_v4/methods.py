@@ -1,0 +1,190 @@
+"""DeepSeek-V4's layer methods: the model's own numerics, default or batch-invariant, chosen once from the
+KernelConfig when a layer is built (`self.method = v4_method(current_kernel_config())`).
+
+V4Method holds the default forms; V4InvariantMethod replaces each by its batch-invariant form
+(models/deepseek_v4/invariant.py): fixed-shape GEMMs, exp-built sigmoid/silu/softplus, sums over a middle dim
+as ordered adds, per-query key lists in attention and the indexer, one-row-safe row reductions.
+"""
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING, Callable
+
+import torch
+import torch.nn.functional as F
+
+from deepinfer_rt.layers.kernel_config import KernelConfig
+from deepinfer_rt.layers.methods import (Activation, HeadMatmul, InvariantLinear, LinearMethod, activation_method,
+                                         head_matmul_method, linear_method)
+from deepinfer_rt.models.deepseek_v4 import invariant as v4_invariant
+
+if TYPE_CHECKING:
+    from deepinfer_rt.models.deepseek_v4.attention import V4Attention
+    from deepinfer_rt.models.deepseek_v4.batch import AttnGroup
+    from deepinfer_rt.models.deepseek_v4.compressor import Indexer
+
+
+def _unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
+
+
+class V4Method:
+    """The default forms."""
+
+    def __init__(self, linear: LinearMethod, activation: Activation, head_matmul: HeadMatmul):
+        self.linear = linear
+        """Products of raw tensors (router, experts); V4's Linear layers hold their own linear method."""
+        self.activation = activation
+        self.head_matmul = head_matmul
+
+    # ---- elementwise and reductions ----
+
+    def rows(self, fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        """fn, a reduction over the last dim row by row, on x."""
+        return fn(x)
+
+    def unweighted_rms_norm(self, x: torch.Tensor, eps: float) -> torch.Tensor:
+        return self.rows(lambda r: _unweighted_rms_norm(r, eps), x)
+
+    def sigmoid(self, x: torch.Tensor) -> torch.Tensor:
+        return self.activation.sigmoid(x)
+
+    def silu(self, x: torch.Tensor) -> torch.Tensor:
+        return F.silu(x)
+
+    def score(self, logits: torch.Tensor, scoring_func: str) -> torch.Tensor:
+        """Router scores of the logits (T, E)."""
+        if scoring_func == "sqrtsoftplus":
+            return F.softplus(logits).sqrt()
+        if scoring_func == "sigmoid":
+            return logits.sigmoid()
+        return logits.softmax(dim=-1)
+
+    def middle_sum(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        """x.sum(dim) over a middle dim (MoE slots, hyper-connection streams)."""
+        return x.sum(dim=dim)
+
+    def column_sum(self, comb: torch.Tensor) -> torch.Tensor:
+        """comb (T, N, N) summed over dim -2, kept: (T, 1, N) (the Sinkhorn column normalisation)."""
+        return comb.sum(dim=-2, keepdim=True)
+
+    # ---- products ----
+
+    def hc_matmul(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """x (T, K) @ w.T, w (N, K) (hyper-connection weights)."""
+        return x @ w.T
+
+    def hc_mix(self, comb: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
+        return torch.einsum("tjk,tjd->tkd", comb, streams)
+
+    def grouped_projection(self, grouped: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """grouped (T, g, i) by w (g, r, i) per group -> (T, g, r) (attention's wo_a)."""
+        return torch.einsum("tgi,gri->tgr", grouped, w)
+
+    def pool_window(self, kv: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        """kv (N, m, C), gate (N, m, C) fp32 -> softmax over the window of gate, weighted sum of kv (N, C)."""
+        return (kv * gate.softmax(dim=1).to(kv.dtype)).sum(dim=1)
+
+    # ---- attention and indexer ----
+
+    def attend(self, layer: V4Attention, g: AttnGroup, q: torch.Tensor, x: torch.Tensor, q_residual: torch.Tensor,
+               positions: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
+        """Attention of one group's queries -> (G*Q, H, D), over the group's padded key set."""
+        cols = layer.cols
+        # Column views first, so the gathers read only the columns used, not whole pool rows.
+        keys, mask = buf[:, cols.swa][g.swa_slots], g.swa_mask  # (G, L, D), (G, Q, L)
+        if layer.ratio:
+            slots, visible = g.entry_slots[layer.ratio], g.entry_mask[layer.ratio]  # (G, E), (G, Q, E)
+            if layer.indexer is not None:
+                visible = layer.indexer.select(x[g.rows], q_residual[g.rows], positions[g.rows],
+                                               buf[:, cols.idx_entry][slots], visible)
+            keys = torch.cat([keys, buf[:, cols.entry][slots]], dim=1)
+            mask = torch.cat([mask, visible], dim=2)
+        qg = q[g.rows].view(g.num_seqs, g.q_len, layer.num_heads, layer.head_dim)
+        scores = torch.einsum("gqhd,gld->gqhl", qg, keys) * layer.head_dim ** -0.5
+        scores = scores.masked_fill(~mask[:, :, None, :], float("-inf"))
+        sink = layer.attn_sink.to(scores.dtype).view(1, 1, -1, 1).expand(*scores.shape[:3], 1)
+        logits = torch.cat([scores, sink], dim=-1)
+        probs = (logits - logits.amax(dim=-1, keepdim=True)).softmax(dim=-1)[..., :-1]
+        out = torch.einsum("gqhl,gld->gqhd", probs.to(keys.dtype), keys)
+        return out.reshape(-1, layer.num_heads, layer.head_dim)
+
+    def index_select(self, indexer: Indexer, q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor,
+                     visible: torch.Tensor) -> torch.Tensor:
+        """q (G*Q, H, Di) rotated, keys (G, E, Di), weights (G*Q, H), visible (G, Q, E) -> (G, Q, E) True for the
+        top index_topk visible entries by sum_h w_h * relu(q_h . k)."""
+        g, q_len, num_entries = visible.shape
+        q = q.view(g, q_len, indexer.num_heads, indexer.head_dim)
+        scores = torch.einsum("gqhd,ged->gqhe", q.float(), keys.float()).relu() * indexer.head_dim ** -0.5
+        weights = weights.view(g, q_len, indexer.num_heads, 1)
+        scores = (scores * weights).sum(dim=2).masked_fill(~visible, float("-inf"))  # (G, Q, E)
+        picks = scores.topk(min(indexer.topk, num_entries), dim=-1).indices
+        chosen = torch.zeros_like(visible).scatter_(-1, picks, True)
+        return chosen & visible  # picks beyond the visible entries (too few of them) are dropped
+
+
+class V4InvariantMethod(V4Method):
+    """The batch-invariant forms (models/deepseek_v4/invariant.py)."""
+
+    linear: InvariantLinear
+
+    def rows(self, fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        return v4_invariant.one_row_safe(fn, x)
+
+    def silu(self, x: torch.Tensor) -> torch.Tensor:
+        return v4_invariant.silu(x)
+
+    def score(self, logits: torch.Tensor, scoring_func: str) -> torch.Tensor:
+        if scoring_func == "sqrtsoftplus":
+            return v4_invariant.softplus(logits).sqrt()
+        if scoring_func == "sigmoid":
+            return self.sigmoid(logits)
+        return logits.softmax(dim=-1)
+
+    def middle_sum(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        return v4_invariant.ordered_sum(x, dim=dim)
+
+    def column_sum(self, comb: torch.Tensor) -> torch.Tensor:
+        return v4_invariant.ordered_sum(comb, dim=-2)[:, None]
+
+    def hc_matmul(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return self.linear.mm(x, w.t())
+
+    def hc_mix(self, comb: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
+        return v4_invariant.hc_mix(comb, streams)
+
+    def grouped_projection(self, grouped: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return self.head_matmul.apply(grouped, w.transpose(1, 2))
+
+    def pool_window(self, kv: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        return v4_invariant.pool_window(kv, gate)
+
+    def attend(self, layer: V4Attention, g: AttnGroup, q: torch.Tensor, x: torch.Tensor, q_residual: torch.Tensor,
+               positions: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
+        """Each query's keys in its own fixed blocks (v4_invariant.key_lists / attend)."""
+        cols = layer.cols
+        entry_slots = entry_mask = None
+        if layer.ratio:
+            entry_slots, entry_mask = g.entry_slots[layer.ratio], g.entry_mask[layer.ratio]
+            if layer.indexer is not None:
+                entry_mask = layer.indexer.select(x[g.rows], q_residual[g.rows], positions[g.rows],
+                                                  buf[:, cols.idx_entry][entry_slots], entry_mask)
+        slots, valid, is_entry = v4_invariant.key_lists(g.swa_slots, g.swa_mask, entry_slots, entry_mask)
+        keys = buf[:, cols.swa][slots]
+        if entry_slots is not None:
+            keys = torch.where(is_entry[..., None], buf[:, cols.entry][slots], keys)
+        return v4_invariant.attend(q[g.rows], keys.to(q.dtype), valid, layer.head_dim ** -0.5, layer.attn_sink)
+
+    def index_select(self, indexer: Indexer, q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor,
+                     visible: torch.Tensor) -> torch.Tensor:
+        """Per query (v4_invariant.index_scores / top_k_mask)."""
+        g, q_len, num_entries = visible.shape
+        per_query = keys.float()[:, None].expand(g, q_len, *keys.shape[1:]).reshape(g * q_len, *keys.shape[1:])
+        scores = v4_invariant.index_scores(q.float(), per_query, weights, indexer.head_dim ** -0.5)
+        return v4_invariant.top_k_mask(scores, visible.reshape(g * q_len, -1), indexer.topk).view(g, q_len, -1)
+
+
+@functools.cache
+def v4_method(config: KernelConfig) -> V4Method:
+    cls = V4InvariantMethod if config.is_batch_invariant else V4Method
+    return cls(linear_method(config), activation_method(config), head_matmul_method(config))
