@@ -15,7 +15,6 @@ import torch
 
 if TYPE_CHECKING:
     from deepinfer_rt.cache.kv_pool import KVPool
-    from deepinfer_rt.layers.attention.base import AttentionBackend
 
 
 @dataclass
@@ -27,7 +26,8 @@ class ForwardBatch:
     kv_lens: list[int]
     kv_slots: list[torch.Tensor]
     pool: "KVPool"
-    backend: "AttentionBackend"
+    backend: Any
+    """The step's attention backend (layers/attention/base.py's contract, which takes ForwardBatch in turn)."""
     attn_meta: Any = None
     """Backend-specific metadata, built once per batch by `backend.prepare(batch)` and shared by all layers."""
     mla_plan: Any = None

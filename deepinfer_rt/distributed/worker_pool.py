@@ -29,7 +29,6 @@ from pathlib import Path
 import torch
 import zmq
 
-import deepinfer_rt
 from deepinfer_rt.cache.kv_pool import PageAllocator
 from deepinfer_rt.config import EngineConfig, ModelConfig
 from deepinfer_rt.distributed.eplb import EPLBConfig
@@ -56,7 +55,7 @@ def _free_port(host: str) -> int:
 def _start_worker(rank: int, engine_addr: str) -> subprocess.Popen:
     """A local rank: a fresh interpreter running the worker module, which exits when this process is gone. It
     runs this process's deepinfer_rt whatever sys.path edits the user's script made."""
-    root = str(Path(deepinfer_rt.__file__).parent.parent)
+    root = str(Path(__file__).resolve().parents[2])  # the folder holding this deepinfer_rt
     path = os.pathsep.join([root, *filter(None, [os.environ.get("PYTHONPATH")])])
     env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), PYTHONPATH=path)
     return subprocess.Popen(

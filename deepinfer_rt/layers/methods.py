@@ -19,7 +19,6 @@ for its weight and scale parameters (the unquantized methods use nn.Linear's own
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -28,11 +27,6 @@ from torch import nn
 from deepinfer_kernels import reference
 from deepinfer_rt.layers import batch_invariant, invariant_gemm
 from deepinfer_rt.layers.kernel_config import KernelConfig
-
-if TYPE_CHECKING:
-    from deepinfer_rt.layers.mlp import GatedMLP
-    from deepinfer_rt.layers.norm import RMSNorm
-    from deepinfer_rt.layers.rotary import RotaryEmbedding
 
 
 # ---- linear ----
@@ -192,10 +186,10 @@ class RMSNormMethod:
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return reference.rms_norm(x, weight, eps)
 
-    def apply(self, layer: RMSNorm, x: torch.Tensor) -> torch.Tensor:
+    def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         return self.rms_norm(x, layer.weight, layer.eps)
 
-    def apply_add(self, layer: RMSNorm, x: torch.Tensor,
+    def apply_add(self, layer: nn.Module, x: torch.Tensor,
                   residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         s = x + residual
         return self.rms_norm(s, layer.weight, layer.eps), s
@@ -204,14 +198,14 @@ class RMSNormMethod:
 class TritonRMSNorm(RMSNormMethod):
     """The fused Triton kernel (residual add included) for 2-D inputs it takes; others the reference."""
 
-    def apply(self, layer: RMSNorm, x: torch.Tensor) -> torch.Tensor:
+    def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 2 and x.stride(-1) == 1:
             from deepinfer_kernels.elementwise import rms_norm
 
             return rms_norm(x, layer.weight, layer.eps)
         return super().apply(layer, x)
 
-    def apply_add(self, layer: RMSNorm, x: torch.Tensor,
+    def apply_add(self, layer: nn.Module, x: torch.Tensor,
                   residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if x.dim() == 2 and x.is_contiguous() and residual.is_contiguous():
             from deepinfer_kernels.elementwise import rms_norm
@@ -247,7 +241,7 @@ class GatedMLPMethod:
     def __init__(self, activation: Activation):
         self.activation = activation
 
-    def apply(self, layer: GatedMLP, x: torch.Tensor) -> torch.Tensor:
+    def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         return layer.down_proj(self.activation.silu_and_mul(layer.gate_up_proj(x)))
 
 
@@ -258,7 +252,7 @@ class InvariantGatedMLP(GatedMLPMethod):
         super().__init__(activation)
         self.linear = linear
 
-    def apply(self, layer: GatedMLP, x: torch.Tensor) -> torch.Tensor:
+    def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         gate_up, down = layer.gate_up_proj.weight, layer.down_proj.weight
         if self.linear.is_triton:
             return self.linear.linear(self.activation.silu_and_mul(self.linear.linear(x, gate_up)), down)
@@ -281,7 +275,7 @@ class TorchRope:
         """Whether `apply` rotates these xs in place rather than returning new tensors."""
         return False
 
-    def apply(self, layer: RotaryEmbedding, positions: torch.Tensor,
+    def apply(self, layer: nn.Module, positions: torch.Tensor,
               xs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         cos, sin = layer.cos_sin(positions, xs[0].dtype)
         return tuple(reference.apply_rope(x, cos, sin, layer.interleave) for x in xs)
@@ -294,7 +288,7 @@ class TritonRope(TorchRope):
     def is_in_place(self, *xs: torch.Tensor) -> bool:
         return all(x.stride(-1) == 1 for x in xs)
 
-    def apply(self, layer: RotaryEmbedding, positions: torch.Tensor,
+    def apply(self, layer: nn.Module, positions: torch.Tensor,
               xs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         if not self.is_in_place(*xs):
             return super().apply(layer, positions, xs)

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
+from torch import nn
 import torch.nn.functional as F
 from torch.nn.attention.bias import CausalBias, causal_lower_right
 
@@ -33,7 +34,6 @@ from deepinfer_rt.sampler import to_device
 
 if TYPE_CHECKING:
     from deepinfer_rt.layers.attention.base import AttentionBackend
-    from deepinfer_rt.layers.mla import MLAttention
 
 MHA_MIN_QUERIES = 64
 """Fewest new tokens of a chunk run in the standard form by default (see the module docstring)."""
@@ -110,7 +110,7 @@ def _causal(q_len: int, kv_len: int, device: torch.device) -> torch.Tensor | Cau
     return causal_lower_right(q_len, kv_len) if device.type == "cuda" else causal_mask(q_len, kv_len, device)
 
 
-def prefill_attention(layer: MLAttention, plan: MLAPrefillPlan, q: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+def prefill_attention(layer: nn.Module, plan: MLAPrefillPlan, q: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
     """q (T, H, nope + rope), rotated -> attention output (T, H, v) of every row, before o_proj; the new tokens'
     KV is already in the pool."""
     out = q.new_empty(q.shape[0], layer.num_heads, layer.v_dim)
@@ -124,7 +124,7 @@ def prefill_attention(layer: MLAttention, plan: MLAPrefillPlan, q: torch.Tensor,
     return out
 
 
-def standard_attention(layer: MLAttention, q: torch.Tensor, kv_rows: torch.Tensor,
+def standard_attention(layer: nn.Module, q: torch.Tensor, kv_rows: torch.Tensor,
                        mask: torch.Tensor | CausalBias | None) -> torch.Tensor:
     """One sequence: q (n, H, nope + rope), kv_rows (L, C + rope) pool rows [c | k_pe] of all its KV positions
     -> (n, H, v)."""

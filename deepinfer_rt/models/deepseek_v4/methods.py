@@ -11,6 +11,7 @@ import functools
 from typing import TYPE_CHECKING, Callable
 
 import torch
+from torch import nn
 import torch.nn.functional as F
 
 from deepinfer_rt.layers.kernel_config import KernelConfig
@@ -19,9 +20,7 @@ from deepinfer_rt.layers.methods import (Activation, HeadMatmul, InvariantLinear
 from deepinfer_rt.models.deepseek_v4 import invariant as v4_invariant
 
 if TYPE_CHECKING:
-    from deepinfer_rt.models.deepseek_v4.attention import V4Attention
     from deepinfer_rt.models.deepseek_v4.batch import AttnGroup
-    from deepinfer_rt.models.deepseek_v4.compressor import Indexer
 
 
 def _unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -87,7 +86,7 @@ class V4Method:
 
     # ---- attention and indexer ----
 
-    def attend(self, layer: V4Attention, g: AttnGroup, q: torch.Tensor, x: torch.Tensor, q_residual: torch.Tensor,
+    def attend(self, layer: nn.Module, g: AttnGroup, q: torch.Tensor, x: torch.Tensor, q_residual: torch.Tensor,
                positions: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
         """Attention of one group's queries -> (G*Q, H, D), over the group's padded key set."""
         cols = layer.cols
@@ -109,7 +108,7 @@ class V4Method:
         out = torch.einsum("gqhl,gld->gqhd", probs.to(keys.dtype), keys)
         return out.reshape(-1, layer.num_heads, layer.head_dim)
 
-    def index_select(self, indexer: Indexer, q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor,
+    def index_select(self, indexer: nn.Module, q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor,
                      visible: torch.Tensor) -> torch.Tensor:
         """q (G*Q, H, Di) rotated, keys (G, E, Di), weights (G*Q, H), visible (G, Q, E) -> (G, Q, E) True for the
         top index_topk visible entries by sum_h w_h * relu(q_h . k)."""
@@ -159,7 +158,7 @@ class V4InvariantMethod(V4Method):
     def pool_window(self, kv: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         return v4_invariant.pool_window(kv, gate)
 
-    def attend(self, layer: V4Attention, g: AttnGroup, q: torch.Tensor, x: torch.Tensor, q_residual: torch.Tensor,
+    def attend(self, layer: nn.Module, g: AttnGroup, q: torch.Tensor, x: torch.Tensor, q_residual: torch.Tensor,
                positions: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
         """Each query's keys in its own fixed blocks (v4_invariant.key_lists / attend)."""
         cols = layer.cols
@@ -175,7 +174,7 @@ class V4InvariantMethod(V4Method):
             keys = torch.where(is_entry[..., None], buf[:, cols.entry][slots], keys)
         return v4_invariant.attend(q[g.rows], keys.to(q.dtype), valid, layer.head_dim ** -0.5, layer.attn_sink)
 
-    def index_select(self, indexer: Indexer, q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor,
+    def index_select(self, indexer: nn.Module, q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor,
                      visible: torch.Tensor) -> torch.Tensor:
         """Per query (v4_invariant.index_scores / top_k_mask)."""
         g, q_len, num_entries = visible.shape
