@@ -45,7 +45,7 @@ from deepinfer_lang.choices import (
     unconditional_likelihood_normalized,
 )
 from deepinfer_lang.endpoint import RuntimeEndpoint
-from deepinfer_lang.global_config import global_config
+from deepinfer_lang.config import global_config
 from deepinfer_lang.interpreter import ProgramState, ProgramStateGroup
 from deepinfer_lang.unsupported import Anthropic, Crusoe, LiteLLM, OpenAI, UnsupportedFeatureError, VertexAI
 

@@ -8,7 +8,7 @@ from typing import Callable
 
 from deepinfer_lang.backend import RuntimeBackend, get_default_backend
 from deepinfer_lang.choices import ChoicesSamplingMethod, token_length_normalized
-from deepinfer_lang.global_config import global_config
+from deepinfer_lang.config import global_config
 from deepinfer_lang.interpreter import ProgramState
 from deepinfer_lang.runner import prefill_program_prefix, run_program, run_program_batch, run_program_batch_iter
 from deepinfer_lang.ir import (Expr, ExprList, Gen, GenArgs, Image, RoleBegin, RoleEnd, Select, SeparateReasoning,

@@ -5,7 +5,7 @@ import random
 from typing import Iterator
 
 from deepinfer_lang.chat_template import ChatTemplate
-from deepinfer_lang.global_config import global_config
+from deepinfer_lang.config import global_config
 from deepinfer_lang.choices import ChoicesDecision, ChoicesSamplingMethod, sample_index
 from deepinfer_rt import Engine, GenerateOutput, SamplingParams
 

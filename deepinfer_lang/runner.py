@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 import tqdm
 
 from deepinfer_lang.backend import RuntimeBackend
-from deepinfer_lang.global_config import global_config
+from deepinfer_lang.config import global_config
 from deepinfer_lang.interpreter import ProgramState
 from deepinfer_lang.ir import GenArgs
 

@@ -1,2 +1,2 @@
 """sglang.lang.global_config."""
-from deepinfer_lang.global_config import GlobalConfig, global_config  # noqa: F401
+from deepinfer_lang.config import GlobalConfig, global_config  # noqa: F401

@@ -170,7 +170,8 @@ class _Output:
             self.top += d.top_logprobs
         self.last = d
 
-    def to_json(self) -> dict:
+    def to_json(self, is_final: bool = True) -> dict:
+        """The output so far; is_final: the request is over (an unfinished sequence was aborted)."""
         d, item = self.last, self.item
         meta = {"id": item.rid if item.params.n == 1 else f"{item.rid}-{self.index}",
                 "prompt_tokens": len(item.ids), "completion_tokens": len(self.output_ids),
@@ -179,7 +180,7 @@ class _Output:
             meta["finish_reason"] = _finish_reason(d.finish_reason, self.output_ids[-1] if self.output_ids else None,
                                                    item, self.eos_ids, d.error)
         else:
-            meta["finish_reason"] = None
+            meta["finish_reason"] = {"type": "abort", "message": "aborted"} if is_final else None
         if item.return_logprob:
             entry = lambda lp, tid: [lp, tid, self.decode(tid)]  # noqa: E731
             meta["output_token_logprobs"] = [entry(lp, t) for lp, t in zip(self.logprobs, self.output_ids)]
@@ -252,7 +253,7 @@ class SGLangProtocol:
             try:
                 async for d in stream:
                     out.add(d)
-                    yield f"data: {json.dumps(out.to_json())}\n\n"
+                    yield f"data: {json.dumps(out.to_json(is_final=d.is_finished))}\n\n"
             except ValueError as e:
                 yield f"data: {json.dumps({'error': {'message': str(e), 'type': 'invalid_request_error'}})}\n\n"
             finally:

@@ -1,4 +1,4 @@
-"""Process-wide settings of the frontend (SGLang's global_config; sgl.global_config)."""
+"""Process-wide settings of the frontend (SGLang's global_config: sgl.global_config, sglang.lang.global_config)."""
 from __future__ import annotations
 
 
