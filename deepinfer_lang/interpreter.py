@@ -39,6 +39,15 @@ logger = logging.getLogger("deepinfer_lang")
 _MIN_TOKENS_TO_PREFILL_ONCE = 16
 
 
+_current = threading.local()
+
+
+def current_program_id() -> str | None:
+    """The id of the program run whose expressions execute on this thread (fork branches share their root's),
+    for instrumentation: e.g. a backend wrapper grouping its calls by program."""
+    return getattr(_current, "program_id", None)
+
+
 class UnknownVariableError(KeyError):
     """A variable read that no expression has set (a KeyError, printed without KeyError's quoting)."""
 
@@ -88,6 +97,7 @@ class ProgramState:
         self.defaults = defaults
         self.ids: list[int] = []
         self.ret_value: Any = None
+        self.program_id = uuid.uuid4().hex  # a fork branch: its root's
         self._text = ""
         self._variables: dict[str, Any] = {}
         self._meta_info: dict[str, Any] = {}
@@ -274,6 +284,7 @@ class ProgramState:
     def _execute_queued(self, expr: Expr) -> None:
         # A branch stops at its first error; join() and reads of the branch report it.
         if self._error is None:
+            _current.program_id = self.program_id
             try:
                 self._execute(expr)
             except Exception as e:
@@ -460,6 +471,7 @@ class ProgramState:
     # ---- fork / lifetime ----
     def _branch(self) -> "ProgramState":
         branch = ProgramState(self.backend, self.program_name, self.defaults)
+        branch.program_id = self.program_id
         branch.ids, branch._text = list(self.ids), self._text
         branch._variables, branch._meta_info = dict(self._variables), dict(self._meta_info)
         branch._messages = list(self._messages)

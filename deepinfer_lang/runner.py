@@ -9,13 +9,14 @@ import tqdm
 
 from deepinfer_lang.backend import RuntimeBackend
 from deepinfer_lang.config import global_config
-from deepinfer_lang.interpreter import ProgramState
+from deepinfer_lang.interpreter import ProgramState, _current
 from deepinfer_lang.ir import GenArgs
 
 logger = logging.getLogger("deepinfer_lang")
 
 
 def _call(state: ProgramState, func, args: tuple, kwargs: dict, capture_errors: bool) -> None:
+    _current.program_id = state.program_id
     try:
         state.ret_value = func(state, *args, **kwargs)
     except Exception as e:
