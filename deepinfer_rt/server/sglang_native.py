@@ -302,16 +302,29 @@ def _error(status: int, message: str):
                         status_code=status)
 
 
-def make_router(get_manager: Callable[[], Any]):
+ROUTE_PATHS = ("/generate", "/get_model_info", "/model_info", "/get_server_info", "/server_info", "/flush_cache",
+               "/abort_request")
+
+
+def make_router(get_manager: Callable[[], Any], protocol: SGLangProtocol | None = None,
+                skip_paths: tuple[str, ...] = ()):
     """The APIRouter of SGLang's native routes over `get_manager()` (called per request, so it may return the
-    server's TokenizerManager once the lifespan created it)."""
+    server's TokenizerManager once the lifespan created it); `skip_paths` leaves those routes out; routers that
+    share a `protocol` share its table of requests in flight (/abort_request)."""
     from fastapi import APIRouter
     from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 
-    protocol = SGLangProtocol(get_manager)
+    protocol = protocol or SGLangProtocol(get_manager)
     router = APIRouter()
 
-    @router.api_route("/generate", methods=["POST", "PUT"])
+    def route(path: str, **kwargs):
+        def add(func):
+            if path not in skip_paths:
+                router.add_api_route(path, func, **kwargs)
+            return func
+        return add
+
+    @route("/generate", methods=["POST", "PUT"])
     async def generate(body: GenerateBody):
         try:
             if body.stream:
@@ -326,21 +339,21 @@ def make_router(get_manager: Callable[[], Any]):
                 return _error(503, str(e))
             raise
 
-    @router.get("/get_model_info")
-    @router.get("/model_info")
+    @route("/get_model_info", methods=["GET"])
+    @route("/model_info", methods=["GET"])
     async def model_info():
         return protocol.model_info()
 
-    @router.get("/get_server_info")
-    @router.get("/server_info")
+    @route("/get_server_info", methods=["GET"])
+    @route("/server_info", methods=["GET"])
     async def server_info():
         return await protocol.server_info()
 
-    @router.api_route("/flush_cache", methods=["GET", "POST"])
+    @route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache():
         return PlainTextResponse(await protocol.flush_cache())
 
-    @router.post("/abort_request")
+    @route("/abort_request", methods=["POST"])
     async def abort_request(body: AbortBody):
         protocol.abort(body)
         return Response(status_code=200)
@@ -349,9 +362,17 @@ def make_router(get_manager: Callable[[], Any]):
     return router
 
 
-def register(app, get_manager: Callable[[], Any], prefix: str = "") -> None:
-    """Mount the routes on `app` (under `prefix`, e.g. "/sglang" to keep another /generate at the root)."""
-    app.include_router(make_router(get_manager), prefix=prefix)
+def register(app, get_manager: Callable[[], Any], prefix: str = "/sglang", also_at_root: bool = True) -> SGLangProtocol:
+    """Mount every route under `prefix` (an SGLang client then uses base_url + prefix) and, with also_at_root,
+    at the root those whose path the app does not serve yet (so routes registered before, e.g. our native
+    /generate, keep their paths; call this after them). One protocol serves both mounts."""
+    protocol = SGLangProtocol(get_manager)
+    if prefix:
+        app.include_router(make_router(get_manager, protocol), prefix=prefix)
+    if also_at_root or not prefix:
+        taken = {getattr(r, "path", None) for r in app.routes}
+        app.include_router(make_router(get_manager, protocol, tuple(p for p in ROUTE_PATHS if p in taken)))
+    return protocol
 
 
 # ---- an in-process Engine behind the same interface ----

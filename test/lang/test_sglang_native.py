@@ -145,3 +145,22 @@ def test_abort_request_ends_a_running_request(client):
     assert meta["finish_reason"]["type"] == "abort" and meta["completion_tokens"] < 4000
     assert client.post("/abort_request", json={"rid": "unknown"}).status_code == 200
     assert client.post("/abort_request", json={"abort_all": True}).status_code == 200
+
+
+def test_register_mounts_under_a_prefix_and_keeps_existing_root_routes(tiny_engine):
+    """As http_server.py mounts it: after its own /generate, /get_server_info and /flush_cache."""
+    app = FastAPI()
+
+    @app.post("/generate")
+    async def native_generate():
+        return {"native": True}
+
+    manager = sglang_native.EngineManager(tiny_engine)
+    protocol = sglang_native.register(app, lambda: manager)
+    assert isinstance(protocol, sglang_native.SGLangProtocol)
+    with TestClient(app) as c:
+        assert c.post("/generate", json={}).json() == {"native": True}
+        out = c.post("/sglang/generate", json={"text": "Hi", "sampling_params": {"max_new_tokens": 2}}).json()
+        assert out["meta_info"]["completion_tokens"] <= 2
+        assert c.get("/get_model_info").json() == c.get("/sglang/get_model_info").json()
+        assert c.get("/server_info").status_code == 200 and c.post("/abort_request", json={}).status_code == 200
