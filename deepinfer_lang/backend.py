@@ -5,7 +5,6 @@ import random
 from typing import Iterator
 
 from deepinfer_lang.chat_template import ChatTemplate
-from deepinfer_lang.config import global_config
 from deepinfer_lang.choices import ChoicesDecision, ChoicesSamplingMethod, sample_index
 from deepinfer_rt import Engine, GenerateOutput, SamplingParams
 
@@ -246,11 +245,13 @@ _default_backend: RuntimeBackend | None = None  # global_config.default_backend
 
 
 def set_default_backend(backend: RuntimeBackend) -> None:
-    global_config.default_backend = backend
+    """The backend of programs run without backend= (also global_config.default_backend)."""
+    global _default_backend
+    _default_backend = backend
 
 
 def get_default_backend() -> RuntimeBackend:
-    if global_config.default_backend is None:
+    if _default_backend is None:
         raise RuntimeError("no backend: call deepinfer_lang.set_default_backend(RuntimeBackend(engine)) (or "
                            "Runtime(model=...)) first, or pass backend= to run()")
-    return global_config.default_backend
+    return _default_backend

@@ -15,15 +15,15 @@ class GlobalConfig:
     @property
     def default_backend(self):
         """The backend of programs run without backend= (set_default_backend); kept in deepinfer_lang.backend."""
-        from deepinfer_lang import backend
+        import deepinfer_lang.backend
 
-        return backend._default_backend
+        return deepinfer_lang.backend._default_backend
 
     @default_backend.setter
     def default_backend(self, value) -> None:
-        from deepinfer_lang import backend
+        import deepinfer_lang.backend
 
-        backend._default_backend = value
+        deepinfer_lang.backend.set_default_backend(value)
 
 
 global_config = GlobalConfig()
