@@ -37,11 +37,13 @@ def _output(item: dict) -> GenerateOutput:
 class HttpEngine:
     """The part of Engine's API that RuntimeBackend uses (same keyword names), answered by a server."""
 
-    def __init__(self, base_url: str):
+    def __init__(self, base_url: str, api_key: str | None = None, verify=None):
         import httpx  # the server extra's client; the in-process backend does not need it
 
         self.base_url = base_url.rstrip("/")
-        self.client = httpx.Client(base_url=self.base_url, timeout=_TIMEOUT_S)
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
+        self.client = httpx.Client(base_url=self.base_url, timeout=_TIMEOUT_S, headers=headers,
+                                   verify=True if verify is None else verify)
         self.info = self._check(self.client.get("/get_server_info")).json()
         self.tokenizer = load_tokenizer(self.info["model_path"])
         self.model_config, _ = load_model_config(self.info["model_path"])  # picks the chat renderer
@@ -81,8 +83,18 @@ class HttpEngine:
 
 
 class RuntimeEndpoint(RuntimeBackend):
-    def __init__(self, base_url: str = "http://127.0.0.1:30000"):
-        super().__init__(HttpEngine(base_url))
+    """SGLang's RuntimeEndpoint(base_url, api_key, verify, chat_template_name) over `deepinfer serve`."""
+
+    def __init__(self, base_url: str = "http://127.0.0.1:30000", api_key: str | None = None, verify=None,
+                 chat_template_name: str | None = None):
+        super().__init__(HttpEngine(base_url, api_key, verify), chat_template_name)
+        self.base_url = self.engine.base_url
+
+    def get_model_name(self) -> str:
+        return self.engine.info["model_path"]
+
+    def get_server_info(self) -> dict:
+        return self.engine._check(self.engine.client.get("/get_server_info")).json()
 
     @property
     def is_prefix_cache_enabled(self) -> bool:

@@ -15,14 +15,20 @@ run_batch (runner.py) runs programs on a thread pool, and the engine batches the
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
+import time
+import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any, Iterator
 
 from deepinfer_lang.backend import RuntimeBackend
-from deepinfer_lang.ir import Expr, ExprList, Gen, GenArgs, RoleBegin, RoleEnd, Select, Text, as_expr
+from deepinfer_lang.ir import (Expr, ExprList, Gen, GenArgs, Image, RoleBegin, RoleEnd, Select, SeparateReasoning,
+                               Text, VarScopeBegin, VarScopeEnd, Video, as_expr, reasoning_name)
+from deepinfer_lang.reasoning import split_reasoning
+from deepinfer_lang.unsupported import multimodal_error
 from deepinfer_rt import GenerateOutput
 
 logger = logging.getLogger("deepinfer_lang")
@@ -33,6 +39,15 @@ logger = logging.getLogger("deepinfer_lang")
 _MIN_TOKENS_TO_PREFILL_ONCE = 16
 
 
+_current = threading.local()
+
+
+def current_program_id() -> str | None:
+    """The id of the program run whose expressions execute on this thread (fork branches share their root's),
+    for instrumentation: e.g. a backend wrapper grouping its calls by program."""
+    return getattr(_current, "program_id", None)
+
+
 class UnknownVariableError(KeyError):
     """A variable read that no expression has set (a KeyError, printed without KeyError's quoting)."""
 
@@ -40,8 +55,30 @@ class UnknownVariableError(KeyError):
         return self.args[0]
 
 
+class FinishReason(str):
+    """A gen's finish reason: compares and prints as our string ('stop', 'length', 'abort', 'error') and reads as
+    SGLang's dict too: reason["type"], reason["matched"] (the stop token id, when a stop token ended it),
+    reason["length"] (max_new_tokens, when the length did)."""
+
+    def __new__(cls, reason: str, **info):
+        obj = super().__new__(cls, reason)
+        obj.info = {"type": reason, **info}
+        return obj
+
+    def __getitem__(self, key):
+        if isinstance(key, str):
+            return self.info[key]
+        return str.__getitem__(self, key)
+
+    def get(self, key: str, default=None):
+        return self.info.get(key, default)
+
+    def keys(self):
+        return self.info.keys()
+
+
 class _PrefixEnd(Exception):
-    """Ends a prefix probe at its first model call (see runner._prefill_batch_prefix)."""
+    """Ends a prefix probe at its first model call (see runner.prefill_program_prefix)."""
 
 
 @contextmanager
@@ -60,12 +97,15 @@ class ProgramState:
         self.defaults = defaults
         self.ids: list[int] = []
         self.ret_value: Any = None
+        self.program_id = uuid.uuid4().hex  # a fork branch: its root's
         self._text = ""
         self._variables: dict[str, Any] = {}
         self._meta_info: dict[str, Any] = {}
         self._messages: list[dict] = []
         self._open_role: str | None = None  # the open role, where its content starts in _text, its closing text
         self._role_start = 0
+        self._role_start_ids = 0  # where the open role's content starts in ids
+        self._var_scopes: dict[str, int] = {}  # open var_scope name -> where its text starts
         self._role_end_text = ""
         self._num_known_cached = 0  # leading ids an earlier model call of this state computed
         self._assigned: dict[str, None] = {}  # variables set by this state (a branch: since its fork), in order
@@ -108,7 +148,24 @@ class ProgramState:
         yield
         self._submit(RoleEnd(role))
 
-    def fork(self, size: int = 1) -> "ProgramStateGroup":
+    @contextmanager
+    def var_scope(self, name: str):
+        """`with s.var_scope("name"): ...`: variable `name` becomes the text appended inside the block (scopes
+        nest; each holds all the text of its own block)."""
+        self._submit(VarScopeBegin(name))
+        yield
+        self._submit(VarScopeEnd(name))
+
+    @contextmanager
+    def copy(self, position_ids_offset=None):
+        """`with s.copy() as c: ...`: a one-branch fork, joined (gather_variable) when the block ends."""
+        group = self.fork(1)
+        try:
+            yield group[0]
+        finally:
+            group.join()
+
+    def fork(self, size: int = 1, position_ids_offset=None) -> "ProgramStateGroup":
         """`size` copies of this state, each executing on its own worker thread (see the module docstring)."""
         self._wait()  # a branch forking: what it has queued must be in its ids before they are copied
         self._prefill_shared_prefix(size)
@@ -126,6 +183,9 @@ class ProgramState:
     def __contains__(self, name: str) -> bool:
         self._wait()
         return name in self._variables
+
+    def __bool__(self) -> bool:
+        return True
 
     def get_var(self, name: str):
         self._wait()
@@ -162,6 +222,21 @@ class ProgramState:
 
     def sync(self) -> None:
         self._wait()
+
+    async def text_async_iter(self, var_name: str | None = None, return_meta_data: bool = False):
+        """text_iter for asyncio code: the same pieces, each awaited without blocking the event loop. With
+        return_meta_data (a variable's stream), items are (piece, the variable's meta info so far or None)."""
+        loop = asyncio.get_running_loop()
+        pieces = self.text_iter(var_name)
+        done = object()
+        while True:
+            piece = await loop.run_in_executor(None, next, pieces, done)
+            if piece is done:
+                return
+            if return_meta_data:
+                yield piece, self._meta_info.get(var_name)
+            else:
+                yield piece
 
     def text_iter(self, var_name: str | None = None) -> Iterator[str]:
         """Pieces of the text (or of one variable) as a run(stream=True) program produces them; they join to
@@ -209,6 +284,7 @@ class ProgramState:
     def _execute_queued(self, expr: Expr) -> None:
         # A branch stops at its first error; join() and reads of the branch report it.
         if self._error is None:
+            _current.program_id = self.program_id
             try:
                 self._execute(expr)
             except Exception as e:
@@ -235,6 +311,18 @@ class ProgramState:
             self._begin_role(expr.role)
         elif isinstance(expr, RoleEnd):
             self._end_role(expr.role)
+        elif isinstance(expr, VarScopeBegin):
+            self._var_scopes[expr.name] = len(self._text)
+        elif isinstance(expr, VarScopeEnd):
+            if expr.name not in self._var_scopes:
+                raise ValueError(f"program {self.program_name!r}: var_scope {expr.name!r} ends but never began")
+            self._set_var(expr.name, self._text[self._var_scopes.pop(expr.name):], None)
+        elif isinstance(expr, SeparateReasoning):
+            self._separate_reasoning(expr.model_type, expr.expr)
+        elif isinstance(expr, Image):
+            raise multimodal_error("image")
+        elif isinstance(expr, Video):
+            raise multimodal_error("video")
         else:
             raise TypeError(f"unknown expression {expr!r}")
 
@@ -288,17 +376,20 @@ class ProgramState:
             with _named(what, self.program_name):
                 self._stream_gen(gen.name, prompt, params)
             return
+        start = time.perf_counter()
         with _named(what, self.program_name):
             outs = backend.generate(prompt, params)
+        latency = time.perf_counter() - start
         for out in outs:
             if out.finish_reason in ("error", "abort"):
                 raise RuntimeError(f"{what} in program {self.program_name!r} failed: {out.error or out.finish_reason}")
         self._append(outs[0].text, backend.output_ids(prompt, outs[0], params))
         self._num_known_cached = len(prompt)
+        metas = [_gen_meta(o, prompt, params, gen.args.over(self.defaults), self.backend, latency) for o in outs]
         if params.n == 1:
-            self._set_var(gen.name, outs[0].text, _gen_meta(outs[0]))
+            self._set_var(gen.name, outs[0].text, metas[0])
         else:
-            self._set_var(gen.name, [o.text for o in outs], [_gen_meta(o) for o in outs])
+            self._set_var(gen.name, [o.text for o in outs], metas)
 
     def _stream_gen(self, name: str | None, prompt: list[int], params) -> None:
         text = ""
@@ -325,7 +416,7 @@ class ProgramState:
         prefix = self._prompt_ids(what)
         prefill = self._prefill_shared_prefix(len(choice_ids))
         with _named(what, self.program_name):
-            decision = backend.select(prefix, choice_ids, sel.temperature, sel.choices_method)
+            decision = backend.select(prefix, choice_ids, sel.temperature, sel.choices_method, list(sel.choices))
         meta = decision.meta_info
         if prefill is not None:
             meta["prompt_tokens"] += prefill.prompt_tokens
@@ -342,6 +433,31 @@ class ProgramState:
         begin, end = self.backend.chat_template.role_segments(self._messages, role)
         self._append_text(begin)
         self._open_role, self._role_start, self._role_end_text = role, len(self._text), end
+        self._role_start_ids = len(self.ids)
+
+    def _separate_reasoning(self, model_type: str | None, expr: Expr | None) -> None:
+        """Each named gen/select of `expr`: its variable keeps the answer, `<name>_reasoning_content` gets the
+        reasoning, and (as in SGLang) the open role's text becomes the answer (the reasoning leaves the prompt).
+        Streaming programs are left as they are (SGLang does not split streams either)."""
+        if expr is None or self._is_streaming:
+            return
+        if isinstance(expr, ExprList):
+            for item in expr.items:
+                self._separate_reasoning(model_type, item)
+            return
+        if not isinstance(expr, (Gen, Select)):
+            return
+        name = reasoning_name(expr.name)
+        text = self._variables[expr.name]
+        reasoning, answer = split_reasoning(model_type, text)
+        self._set_var(expr.name, answer, self._meta_info.get(expr.name))
+        self._set_var(name, reasoning, None)
+        if self._open_role is not None and self._text[self._role_start:].endswith(text):
+            with self._changed:
+                self._text = self._text[: self._role_start] + answer
+                self.ids = self.ids[: self._role_start_ids] + self.backend.encode(answer, is_first=not
+                                                                                   self._role_start_ids)
+                self._num_known_cached = min(self._num_known_cached, self._role_start_ids)
 
     def _end_role(self, role: str) -> None:
         if self._open_role != role:
@@ -355,10 +471,12 @@ class ProgramState:
     # ---- fork / lifetime ----
     def _branch(self) -> "ProgramState":
         branch = ProgramState(self.backend, self.program_name, self.defaults)
+        branch.program_id = self.program_id
         branch.ids, branch._text = list(self.ids), self._text
         branch._variables, branch._meta_info = dict(self._variables), dict(self._meta_info)
         branch._messages = list(self._messages)
         branch._open_role, branch._role_start = self._open_role, self._role_start
+        branch._role_start_ids, branch._var_scopes = self._role_start_ids, dict(self._var_scopes)
         branch._role_end_text = self._role_end_text
         branch._num_known_cached = self._num_known_cached
         branch._fork_text_start, branch._fork_ids_start = len(self._text), len(self.ids)
@@ -375,13 +493,35 @@ class ProgramState:
             self._is_closed = True
 
 
-def _gen_meta(out: GenerateOutput) -> dict:
-    meta = {"prompt_tokens": out.prompt_tokens, "completion_tokens": out.completion_tokens,
-            "cached_tokens": out.cached_tokens, "finish_reason": out.finish_reason}
+def _finish_reason(out: GenerateOutput, params, backend: RuntimeBackend) -> FinishReason:
+    if out.finish_reason == "length":
+        return FinishReason("length", length=params.max_new_tokens)
+    if out.finish_reason == "stop":
+        stop_ids = set(params.stop_token_ids or ()) | (set() if params.ignore_eos else set(backend.eos_ids))
+        last = out.token_ids[-1] if out.token_ids else None
+        return FinishReason("stop", matched=last if last in stop_ids else None)
+    return FinishReason(out.finish_reason, message=out.error)
+
+
+def _gen_meta(out: GenerateOutput, prompt: list[int], params, args: GenArgs, backend: RuntimeBackend,
+              latency: float) -> dict:
+    """SGLang's meta info of a gen: id, finish_reason, token counts, e2e_latency and, when asked for, logprobs as
+    (logprob, token_id, token_text) entries (the text with return_text_in_logprobs, else None)."""
+    with_text = bool(args.return_text_in_logprobs)
+
+    def entry(lp, tid):
+        return (lp, tid, backend.tokenizer.decode([tid]) if with_text else None)
+
+    meta = {"id": uuid.uuid4().hex, "prompt_tokens": out.prompt_tokens, "completion_tokens": out.completion_tokens,
+            "cached_tokens": out.cached_tokens, "finish_reason": _finish_reason(out, params, backend),
+            "e2e_latency": latency}
     if out.logprobs is not None:
-        meta["output_token_logprobs"] = list(zip(out.logprobs, out.token_ids))
+        meta["output_token_logprobs"] = [entry(lp, tid) for lp, tid in zip(out.logprobs, out.token_ids)]
     if out.top_logprobs is not None:
-        meta["output_top_logprobs"] = [[(lp, tid) for tid, lp in top] for top in out.top_logprobs]
+        meta["output_top_logprobs"] = [[entry(lp, tid) for tid, lp in top] for top in out.top_logprobs]
+    if out.prompt_logprobs is not None:
+        start = params.logprob_start_len
+        meta["input_token_logprobs"] = [entry(out.prompt_logprobs[i], prompt[i]) for i in range(start, len(prompt))]
     return meta
 
 
@@ -392,6 +532,20 @@ class ProgramStateGroup:
     def __init__(self, branches: list[ProgramState], parent: ProgramState):
         self._branches = branches
         self._parent = parent
+
+    @property
+    def states(self) -> list[ProgramState]:
+        return self._branches
+
+    @property
+    def src_state(self) -> ProgramState:
+        return self._parent
+
+    def __setitem__(self, i: int, value) -> None:
+        """`forks[i] += x` appends to branch i, then stores the branch back: only that same branch may be stored."""
+        if value is not self._branches[i]:
+            raise TypeError(f"fork branches cannot be replaced: forks[{i}] can only be assigned its own branch "
+                            f"(as `forks[{i}] += ...` does)")
 
     def __len__(self) -> int:
         return len(self._branches)
@@ -405,8 +559,11 @@ class ProgramStateGroup:
     def __iadd__(self, other) -> "ProgramStateGroup":
         if isinstance(other, (list, tuple)) and len(other) != len(self._branches):
             raise ValueError(f"forks += list: {len(other)} items for {len(self._branches)} branches")
+        if not (callable(other) or isinstance(other, (list, tuple, str, Expr))):
+            raise ValueError(f"forks += {type(other).__name__}: append a str, an expression, a list of them (one "
+                             f"per branch) or a function of the branch index")
         for i, branch in enumerate(self._branches):
-            if callable(other):
+            if callable(other) and not isinstance(other, Expr):
                 branch += other(i)
             elif isinstance(other, (list, tuple)):
                 branch += other[i]

@@ -44,6 +44,15 @@ class Text(Expr):
 class ExprList(Expr):
     items: tuple[Expr, ...]
 
+    def __post_init__(self) -> None:
+        if not isinstance(self.items, tuple):  # SGLang builds SglExprList([...]) from a list
+            object.__setattr__(self, "items", tuple(self.items))
+
+    @property
+    def expr_list(self) -> list[Expr]:
+        """SGLang's name of the items."""
+        return list(self.items)
+
 
 @dataclass(frozen=True)
 class GenArgs:
@@ -65,6 +74,9 @@ class GenArgs:
     top_logprobs: int | None = None
     regex: str | None = None
     json_schema: str | dict | None = None
+    # SGLang's logprob options that are not SamplingParams fields (see to_sampling_params)
+    logprob_start_len: int | None = None
+    return_text_in_logprobs: bool | None = None
 
     def over(self, defaults: "GenArgs") -> "GenArgs":
         """These arguments where given, `defaults` elsewhere."""
@@ -72,8 +84,16 @@ class GenArgs:
                           else getattr(self, f.name) for f in dataclasses.fields(self)})
 
     def to_sampling_params(self) -> SamplingParams:
-        given = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if getattr(self, f.name) is not None}
+        """SamplingParams of the given fields. logprob_start_len >= 0 (with logprobs) also asks for the prompt's
+        logprobs from that position (SGLang's input_token_logprobs); -1 or None: output logprobs only."""
+        given = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                 if getattr(self, f.name) is not None and f.name not in _NOT_SAMPLING_FIELDS}
+        if self.logprobs and self.logprob_start_len is not None and self.logprob_start_len >= 0:
+            given.update(prompt_logprobs=True, logprob_start_len=self.logprob_start_len)
         return SamplingParams(**given)
+
+
+_NOT_SAMPLING_FIELDS = ("logprob_start_len", "return_text_in_logprobs")
 
 
 @dataclass(frozen=True)
@@ -98,3 +118,51 @@ class RoleBegin(Expr):
 @dataclass(frozen=True)
 class RoleEnd(Expr):
     role: str
+
+
+@dataclass(frozen=True)
+class VarScopeBegin(Expr):
+    name: str
+
+
+@dataclass(frozen=True)
+class VarScopeEnd(Expr):
+    name: str
+
+
+@dataclass(frozen=True)
+class SeparateReasoning(Expr):
+    """After `expr` ran: split each of its gens'/selects' text into reasoning and answer (api.separate_reasoning)."""
+    model_type: str | None
+    expr: Expr | None
+
+    @property
+    def name(self) -> str | None:
+        names = [n for n in _gen_names(self.expr)]
+        return reasoning_name(names[0]) if names else None
+
+
+def reasoning_name(name: str | None) -> str:
+    if not name:
+        raise ValueError("separate_reasoning: the gen or select must have a name")
+    return f"{name}_reasoning_content"
+
+
+def _gen_names(expr):
+    if isinstance(expr, (Gen, Select)):
+        yield expr.name
+    elif isinstance(expr, ExprList):
+        for item in expr.items:
+            yield from _gen_names(item)
+
+
+@dataclass(frozen=True)
+class Image(Expr):
+    """An image input (sgl.image): executing it raises UnsupportedFeatureError on our text-only models."""
+    path: object
+
+
+@dataclass(frozen=True)
+class Video(Expr):
+    path: object
+    num_frames: int

@@ -8,13 +8,15 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 import tqdm
 
 from deepinfer_lang.backend import RuntimeBackend
-from deepinfer_lang.interpreter import ProgramState
+from deepinfer_lang.config import global_config
+from deepinfer_lang.interpreter import ProgramState, _current
 from deepinfer_lang.ir import GenArgs
 
 logger = logging.getLogger("deepinfer_lang")
 
 
 def _call(state: ProgramState, func, args: tuple, kwargs: dict, capture_errors: bool) -> None:
+    _current.program_id = state.program_id
     try:
         state.ret_value = func(state, *args, **kwargs)
     except Exception as e:
@@ -24,6 +26,8 @@ def _call(state: ProgramState, func, args: tuple, kwargs: dict, capture_errors: 
         logger.warning("program %r failed: %r", state.program_name, e)
     finally:
         state._close()
+    if global_config.verbosity >= 2:
+        print(state._text)
 
 
 def run_program(func, name: str, backend: RuntimeBackend, args: tuple, kwargs: dict, defaults: GenArgs,
@@ -51,11 +55,19 @@ def run_program_batch(func, name: str, backend: RuntimeBackend, batch_kwargs: li
                       num_threads: int | str, progress_bar: bool) -> list[ProgramState]:
     """Run one program per kwargs dict on a thread pool; states in input order, each failure kept on its state.
     num_threads="auto": as many programs at once as the engine runs requests, enough to keep its batch full."""
+    return list(run_program_batch_iter(func, name, backend, batch_kwargs, defaults, num_threads, progress_bar,
+                                       in_order=False))
+
+
+def run_program_batch_iter(func, name: str, backend: RuntimeBackend, batch_kwargs: list[dict], defaults: GenArgs,
+                           num_threads: int | str, progress_bar: bool, in_order: bool = True):
+    """run_program_batch as a generator (run_batch(generator_style=True)): the states in input order, each
+    yielded once it and those before it finished. in_order=False: nothing is yielded before all finished."""
     if not batch_kwargs:
-        return []
-    if len(batch_kwargs) > 1:
-        _prefill_batch_prefix(func, name, backend, defaults, batch_kwargs[0])
-    limit = backend.max_running_requests if num_threads == "auto" else num_threads
+        return
+    if len(batch_kwargs) > 1 and global_config.enable_precache_with_tracing:
+        prefill_program_prefix(func, name, backend, defaults, batch_kwargs[0])
+    limit = backend.max_running_requests if num_threads == "auto" else int(num_threads)
 
     def run_one(kwargs: dict) -> ProgramState:
         state = ProgramState(backend, name, defaults)
@@ -66,12 +78,18 @@ def run_program_batch(func, name: str, backend: RuntimeBackend, batch_kwargs: li
     with ThreadPoolExecutor(num_workers, thread_name_prefix=f"deepinfer-lang-{name}") as pool:
         futures = [pool.submit(run_one, kwargs) for kwargs in batch_kwargs]
         with tqdm.tqdm(total=len(futures), desc=name, disable=not progress_bar) as bar:
+            for future in futures:
+                future.add_done_callback(lambda _: bar.update())
+            if in_order:
+                for future in futures:
+                    yield future.result()
+                return
             for _ in as_completed(futures):
-                bar.update()
-    return [future.result() for future in futures]
+                pass
+    yield from (future.result() for future in futures)
 
 
-def _prefill_batch_prefix(func, name: str, backend: RuntimeBackend, defaults: GenArgs, kwargs: dict) -> None:
+def prefill_program_prefix(func, name: str, backend: RuntimeBackend, defaults: GenArgs, kwargs: dict) -> None:
     """The programs of a batch start together, before any of them has a prompt in the prefix cache, so each
     would compute a header they share (few-shot examples) itself. Run the first program as a probe up to its
     first model call and prefill the prompt it built: the others then find the shared part cached. Like

@@ -155,9 +155,9 @@ def test_gen_n_and_logprobs_in_meta_info(tiny_backend):
     assert isinstance(state["many"], list) and len(state["many"]) == 2 and len(state.get_meta_info("many")) == 2
     assert state.text().startswith("x" + state["many"][0])
     meta = state.get_meta_info("lp")
-    assert len(meta["output_token_logprobs"]) == 3 and all(lp <= 0 for lp, _ in meta["output_token_logprobs"])
+    assert len(meta["output_token_logprobs"]) == 3 and all(lp <= 0 for lp, *_ in meta["output_token_logprobs"])
     assert [len(top) for top in meta["output_top_logprobs"]] == [2, 2, 2]
-    assert [top[0][0] >= lp for top, (lp, _) in zip(meta["output_top_logprobs"], meta["output_token_logprobs"])] \
+    assert [top[0][0] >= lp for top, (lp, *_) in zip(meta["output_top_logprobs"], meta["output_token_logprobs"])] \
         == [True] * 3
 
 

@@ -1,0 +1,1 @@
+"""sglang.lang.backend: the backends programs run on."""
