@@ -116,8 +116,7 @@ class PageTable:
 
 class CudaGraphRunner:
     def __init__(self, model: CausalLM, pool: KVPool, backend: "TritonBackend", max_batch_size: int,
-                 max_context: int, batch_sizes: tuple[int, ...] = DEFAULT_BATCH_SIZES,
-                 batch_invariant: bool = False):
+                 max_context: int, batch_sizes: tuple[int, ...] = DEFAULT_BATCH_SIZES):
         self.model = model
         self.pool = pool
         self.backend = backend

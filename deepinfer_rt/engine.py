@@ -96,21 +96,18 @@ class Engine:
             self.pool = KVPool(self._kv_layout(), self._num_pages(), page_size, self.config.dtype, dev)
             backend = select_backend(dev, self.config.batch_invariant)
             overlap = env.overlap if env.overlap is not None else dev.type == "cuda"
-            runner = ModelRunner(self.model, self.pool, backend, self.sampler, dev, self.eos_ids,
-                                 batch_invariant=self.config.batch_invariant, is_overlap_enabled=overlap)
-            runner.spec = self.spec
+            graphs = None
             if dev.type == "cuda" and env.cuda_graph_max_bs > 0 and self.model.supports_cuda_graphs:
                 from deepinfer_rt.cuda_graph import CudaGraphRunner
 
-                runner.graphs = CudaGraphRunner(self.model, self.pool, backend, min(max_num_seqs,
-                                                env.cuda_graph_max_bs), min(mc.max_position,
-                                                env.cuda_graph_max_context),
-                                                batch_invariant=self.config.batch_invariant)
+                graphs = CudaGraphRunner(self.model, self.pool, backend, min(max_num_seqs, env.cuda_graph_max_bs),
+                                         min(mc.max_position, env.cuda_graph_max_context))
+            runner = ModelRunner(self.model, self.pool, backend, self.sampler, dev, self.eos_ids,
+                                 is_overlap_enabled=overlap, graphs=graphs, spec=self.spec)
             self.executor = runner
         self.cache: PrefixCache = (RadixCache(self.executor.allocator, page_size) if enable_prefix_cache
                                    else NoPrefixCache(self.executor.allocator, page_size))
-        self.scheduler = Scheduler(self.config.scheduler, self.executor, self.cache)
-        self.scheduler.spec = self.spec
+        self.scheduler = Scheduler(self.config.scheduler, self.executor, self.cache, spec=self.spec)
         self.outputs = OutputProcessor(self.tokenizer, self.eos_ids, mc.max_position)
         self._rng = random.Random(seed)
         self._rids = itertools.count()

@@ -74,23 +74,23 @@ def is_overlappable(batch: ScheduledBatch) -> bool:
 
 class ModelRunner:
     def __init__(self, model: CausalLM, pool: KVPool, backend: AttentionBackend, sampler: Sampler,
-                 device: torch.device, eos_ids: tuple[int, ...], batch_invariant: bool = False,
-                 is_overlap_enabled: bool = False):
+                 device: torch.device, eos_ids: tuple[int, ...], is_overlap_enabled: bool = False,
+                 graphs=None, spec=None):
         self.model = model
         self.pool = pool
         self.backend = backend
         self.sampler = sampler
         self.device = device
         self.eos_ids = eos_ids
-        self.batch_invariant = batch_invariant
         self.is_overlap_enabled = is_overlap_enabled
         """Overlap scheduling (DEEPINFER_OVERLAP; on by default on CUDA): decode steps launched ahead."""
-        self.grammar = None
-        """The structured-output backend once a constrained request arrived (masks logits rows)."""
-        self.graphs = None
-        """CUDA-graph runner for decode batches (deepinfer_rt.cuda_graph), set by the engine on GPU."""
-        self.spec = None
+        self.graphs = graphs
+        """CUDA-graph runner for decode batches (deepinfer_rt.cuda_graph), on GPU."""
+        self.spec = spec
         """SpecDecoder when speculation is on: verifies items carrying drafts, updates the drafter."""
+        self.grammar = None
+        """The structured-output backend, given by the engine once a constrained request arrived (it is built on
+        first use): masks logits rows."""
 
     # ---- the executor contract (deepinfer_rt/executor.py) ----
     @property

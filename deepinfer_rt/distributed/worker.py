@@ -80,8 +80,7 @@ class Worker:
         self.pool = KVPool(layout, self.num_pages, args.page_size, args.dtype, self.device)
         # The engine's backend rule, so EP=1 in-process and EP=N in workers run the same attention.
         self.runner = ModelRunner(self.model, self.pool, select_backend(self.device, args.batch_invariant),
-                                  Sampler(mc.vocab_size), self.device, args.eos_ids,
-                                  batch_invariant=args.batch_invariant)
+                                  Sampler(mc.vocab_size), self.device, args.eos_ids)
         self.runner.grammar = ShippedBitmasks(mc.vocab_size)
         self.mirrors: dict[int, Req] = {}
         self.window = LoadWindow(self.eplb.window_steps) if self.eplb else None

@@ -22,7 +22,7 @@ def _cdiv(a: int, b: int) -> int:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, pool: KVPool, cache: PrefixCache):
+    def __init__(self, config: SchedulerConfig, pool: KVPool, cache: PrefixCache, spec=None):
         self.config = config
         self.pool = pool
         self.allocator = pool.allocator
@@ -31,7 +31,7 @@ class Scheduler:
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
         self.num_retractions = 0
-        self.spec = None
+        self.spec = spec
         """SpecDecoder when speculation is on: decoding requests then also verify drafts it plans."""
 
     def add(self, req: Req) -> None:
