@@ -113,8 +113,11 @@ class TritonRouting(TorchRouting):
     computes each token in its own program with tiles fixed by E and k: batch-invariant too."""
 
     def __call__(self, router_logits: torch.Tensor, top_k: int, *, scoring_func: str = "softmax",
-                 topk_method: str = "greedy", correction_bias: torch.Tensor | None = None,
+                 topk_method: str = "greedy", correction_bias: torch.Tensor | None = None, n_group: int = 1,
+                 topk_group: int = 1, norm_topk_prob: bool = False, routed_scaling_factor: float = 1.0,
                  **kw) -> tuple[torch.Tensor, torch.Tensor]:
+        kw.update(n_group=n_group, topk_group=topk_group, norm_topk_prob=norm_topk_prob,
+                  routed_scaling_factor=routed_scaling_factor)  # select_experts' defaults, which the kernel lacks
         if (scoring_func in ("softmax", "sigmoid") and topk_method in ("greedy", "group_limited_greedy", "noaux_tc")
                 and (topk_method != "noaux_tc" or correction_bias is not None)):
             from deepinfer_kernels.moe_router import route
