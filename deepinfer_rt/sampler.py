@@ -80,7 +80,8 @@ def filter_logits(z: torch.Tensor, reqs: list[Req]) -> torch.Tensor:
     sorted_z, order = z.sort(dim=-1, descending=True)
     probs = sorted_z.softmax(dim=-1)
     rank = torch.arange(vocab, device=z.device)[None, :]
-    k = to_device([k if k > 0 else vocab for k in top_k], torch.long, z.device)[:, None]
+    # Clamped to the vocabulary: a huge top_k (offline callers skip validation) must not overflow an int64.
+    k = to_device([min(k, vocab) if k > 0 else vocab for k in top_k], torch.long, z.device)[:, None]
     drop = rank >= k
     p = to_device(top_p, probs.dtype, z.device)[:, None]
     # Keep the smallest prefix whose mass reaches top_p (the token crossing the threshold stays).
@@ -150,7 +151,12 @@ class Sampler:
             # Row indices go up as a tensor: indexing with a list would copy it to the device synchronously.
             index = None if len(rows) == len(reqs) else to_device(rows, torch.long, logits.device)
             temps = to_device([r.params.temperature for r in sub], torch.float32, logits.device)[:, None]
-            z = filter_logits((logits if index is None else logits[index]) / temps, sub)
+            picked = logits if index is None else logits[index]
+            # Each row's max shifted to 0 first: a tiny temperature then sends the others to -inf, never the max
+            # to +inf (inf - inf is nan, and every row would draw token 0). A row masked to -inf stays unshifted.
+            peak = picked.amax(-1, keepdim=True)
+            picked = picked - torch.where(torch.isfinite(peak), peak, torch.zeros_like(peak))
+            z = filter_logits(picked / temps, sub)
             noise = torch.stack([uniform_noise(r.seed, r.num_output_tokens, self.vocab_size, logits.device)
                                  for r in sub])
             drawn = (z - torch.log(-torch.log(noise))).argmax(-1)
