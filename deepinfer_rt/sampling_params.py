@@ -32,6 +32,9 @@ def is_valid_text(value) -> bool:
     return True
 
 
+_MAX_PATH_DEPTH = 4
+
+
 def find_json_problem(value, max_depth: int) -> tuple[str, str] | None:
     """(path, why) of the first container nested deeper than max_depth or string that is not valid UTF-8 in a
     parsed JSON value, else None. Iterative: a value too deep for recursion is reported, not crashed on."""
@@ -51,7 +54,11 @@ def find_json_problem(value, max_depth: int) -> tuple[str, str] | None:
             if isinstance(key, str) and not is_valid_text(key):
                 return path, "holds a key that is not valid UTF-8 text"
             if isinstance(child, (str, dict, list, tuple)):
-                stack.append((child, depth + 1, f"{path}.{key}" if isinstance(key, str) else f"{path}[{key}]"))
+                if depth <= _MAX_PATH_DEPTH:
+                    child_path = f"{path}.{key}" if isinstance(key, str) else f"{path}[{key}]"
+                else:
+                    child_path = path  # deeper down, where the structure starts is enough
+                stack.append((child, depth + 1, child_path))
     return None
 
 
