@@ -46,13 +46,6 @@ def _long_generation(max_new_tokens: int = 480) -> dict:
             "sampling_params": {"max_new_tokens": max_new_tokens, "ignore_eos": True, "temperature": 0}}
 
 
-def _rest(lines) -> list[str]:
-    rest = []
-    for line in lines:
-        rest.append(line)
-    return rest
-
-
 def test_failed_generation_is_a_500_not_a_200(tiny_server):
     url, _ = tiny_server
     bad = httpx.post(f"{url}/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 2,
@@ -89,7 +82,7 @@ def test_stuck_engine_is_reported_and_requests_time_out(tiny_server):
             response = httpx.request(method, f"{url}{route}", timeout=10)
             assert response.status_code == 503, response.text
         assert time.monotonic() - start < 2.0  # answered at once, not after a timeout
-        rest = _rest(lines)  # the open stream ends by its request timeout, with an error event
+        rest = list(lines)  # the open stream ends by its request timeout, with an error event
         assert time.monotonic() - stopped_at < REQUEST_TIMEOUT_S + 5
         events = [json.loads(line[6:]) for line in rest if line != "data: [DONE]"]
         assert events and events[-1]["error"]["code"] == "timeout", rest[-3:]
@@ -111,7 +104,7 @@ def test_killed_engine_ends_streams_answers_controls_and_restarts(tiny_server):
     try:
         os.kill(pid, signal.SIGKILL)
         killed_at = time.monotonic()
-        rest = _rest(lines)
+        rest = list(lines)
         assert time.monotonic() - killed_at < 5
         events = [json.loads(line[6:]) for line in rest if line != "data: [DONE]"]
         assert events and events[-1]["error"]["code"] == "engine_unavailable", rest[-3:]
