@@ -94,6 +94,18 @@ def filter_logits(z: torch.Tensor, reqs: list[Req]) -> torch.Tensor:
     return torch.empty_like(z).scatter_(1, order, sorted_z)
 
 
+_TINY_TEMPERATURE = 1e-20
+"""Below it, logits / temperature can overflow float32 to inf (and inf - inf is nan: every row drew token 0)."""
+
+
+def _shift_peaks(logits: torch.Tensor, temperatures: list[float]) -> torch.Tensor:
+    """Rows of a tiny temperature with their max shifted to 0, so dividing sends the others to -inf and never the
+    max to +inf. Other rows are returned bit for bit (a row's draw never depends on its batch)."""
+    peak = logits.amax(-1, keepdim=True)
+    tiny = to_device([t < _TINY_TEMPERATURE for t in temperatures], torch.bool, logits.device)[:, None]
+    return torch.where(tiny & torch.isfinite(peak), logits - peak, logits)
+
+
 class Sampler:
     def __init__(self, vocab_size: int):
         self.vocab_size = vocab_size
@@ -150,12 +162,13 @@ class Sampler:
             sub = [reqs[i] for i in rows]
             # Row indices go up as a tensor: indexing with a list would copy it to the device synchronously.
             index = None if len(rows) == len(reqs) else to_device(rows, torch.long, logits.device)
-            temps = to_device([r.params.temperature for r in sub], torch.float32, logits.device)[:, None]
+            temperatures = [r.params.temperature for r in sub]
+            # (float32 has no 1e-300: a tiny temperature would round to 0 and divide 0 by 0 at the peak)
+            temps = to_device([max(t, _TINY_TEMPERATURE) for t in temperatures], torch.float32,
+                              logits.device)[:, None]
             picked = logits if index is None else logits[index]
-            # Each row's max shifted to 0 first: a tiny temperature then sends the others to -inf, never the max
-            # to +inf (inf - inf is nan, and every row would draw token 0). A row masked to -inf stays unshifted.
-            peak = picked.amax(-1, keepdim=True)
-            picked = picked - torch.where(torch.isfinite(peak), peak, torch.zeros_like(peak))
+            if min(temperatures) < _TINY_TEMPERATURE:
+                picked = _shift_peaks(picked, temperatures)
             z = filter_logits(picked / temps, sub)
             noise = torch.stack([uniform_noise(r.seed, r.num_output_tokens, self.vocab_size, logits.device)
                                  for r in sub])
