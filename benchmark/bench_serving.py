@@ -2,6 +2,7 @@
 the same prompts (the ceiling the server path can reach), in one run.
 
     python benchmark/bench_serving.py [--num-requests 32] [--max-tokens 16] [--rates 1,2,4,inf] [--threads 1]
+    python benchmark/bench_serving.py --mode mixed [--num-requests 32] [--max-tokens 16] [--mixed-rate 8]
 
 Every request streams (SSE, /v1/completions) exactly --max-tokens tokens (ignore_eos), so all modes do the same
 work. The in-process figure is Engine.generate of all prompts in one call (the most batching possible); each
@@ -10,6 +11,14 @@ flushed before each rate. The in-process figure is measured before and after the
 drifts; both are kept, their mean is the reference). Per rate: output tokens/s and its ratio to it, request
 throughput, TTFT, inter-token latency (gaps between streamed chunks) and end-to-end latency percentiles.
 Client, server and scheduler processes share this machine's cores. Writes benchmark/results/serving_<device>.json.
+
+--mode mixed: robustness under abuse, compared in one run against one server. The same good requests (Poisson at
+--mixed-rate) run clean, then mixed with 5% malformed requests (wrong types, a 450-deep schema, a huge top_k,
+lone surrogates, an oversized body) and 10% streams that disconnect after their first chunk, then clean again
+(the two clean runs bracket the mixed one against load drift). Reported: the good requests' output tok/s and
+p99 end-to-end latency mixed vs clean (goal: within 10%), every good request complete (none lost), every
+malformed one a 4xx, and afterwards nothing admitted, running or holding KV (none leaked). Writes
+benchmark/results/serving_mixed_<device>.json.
 """
 from __future__ import annotations
 
@@ -122,6 +131,129 @@ async def sweep_rate(url: str, model: str, prompts: list[str], rate: float, max_
             "e2e": percentiles([r["chunks"][-1] - r["sent"] for r in results if r["chunks"]])}
 
 
+def _deep_schema(depth: int) -> dict:
+    schema: dict = {"type": "string"}
+    for _ in range(depth):
+        schema = {"type": "object", "properties": {"a": schema}}
+    return schema
+
+
+def malformed_bodies(model: str) -> list[tuple[str, bytes]]:
+    """(route, raw body) of requests a fuzzer found harmful before the server was hardened."""
+    def raw(body) -> bytes:
+        return json.dumps(body).encode()
+
+    return [
+        ("/generate", raw({"text": "Hi", "sampling_params": {"max_new_tokens": 4, "stop_token_ids": 5}})),
+        ("/generate", raw({"text": "Hi", "sampling_params": {"n": 15, "json_schema": _deep_schema(450)}})),
+        ("/v1/completions", raw({"model": model, "prompt": "Hi", "max_tokens": 4, "top_k": 10**30})),
+        ("/v1/completions", raw({"model": model, "prompt": "Hi \ud800", "max_tokens": 4})),
+        ("/v1/completions", raw({"model": model, "prompt": "Hi", "max_tokens": "16"})),
+        ("/v1/chat/completions", raw({"model": model, "messages": [{"role": "user", "content": [{"type": "text"}]}]})),
+        ("/v1/completions", b'{"model": "%s", "prompt": "' % model.encode() + b"a" * (17 << 20) + b'"}'),
+    ]
+
+
+async def bad_request(client: httpx.AsyncClient, route: str, body: bytes, delay: float) -> dict:
+    await asyncio.sleep(delay)
+    try:
+        response = await client.post(route, content=body, headers={"content-type": "application/json"})
+        return {"status": response.status_code}
+    except httpx.HTTPError as e:  # an oversized body may be refused before it is all sent
+        return {"status": 413 if "413" in str(e) else -1, "error": repr(e)}
+
+
+async def disconnecting_request(client: httpx.AsyncClient, model: str, prompt: str, max_tokens: int,
+                                delay: float) -> dict:
+    await asyncio.sleep(delay)
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "ignore_eos": True}
+    async with client.stream("POST", "/v1/completions", json=body) as response:
+        async for line in response.aiter_lines():
+            if line.startswith("data: "):
+                break  # leaving the block closes the connection mid-stream
+    return {"status": response.status_code}
+
+
+async def mixed_phase(url: str, model: str, prompts: list[str], rate: float, max_tokens: int, seed: int,
+                      is_mixed: bool) -> dict:
+    """The good requests at `rate`, with (is_mixed) 5% malformed and 10% disconnecting requests among them."""
+    rng = random.Random(seed)
+    num_total = round(len(prompts) / 0.85) if is_mixed else len(prompts)
+    num_bad = max(1, round(num_total * 0.05)) if is_mixed else 0
+    num_gone = num_total - len(prompts) - num_bad
+    kinds = ["good"] * len(prompts) + ["bad"] * num_bad + ["gone"] * num_gone
+    rng.shuffle(kinds)
+    bad = malformed_bodies(model)
+    limits = httpx.Limits(max_connections=num_total + 4)
+    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
+        tasks, t, good_i, bad_i = [], 0.0, 0, 0
+        for kind in kinds:
+            if kind == "good":
+                tasks.append(one_request(client, model, prompts[good_i], max_tokens, t))
+                good_i += 1
+            elif kind == "bad":
+                tasks.append(bad_request(client, *bad[(bad_i + seed) % len(bad)], t))
+                bad_i += 1
+            else:
+                tasks.append(disconnecting_request(client, model, rng.choice(prompts), max_tokens * 4, t))
+            t += rng.expovariate(rate) if rate != float("inf") else 0.0
+        start = time.perf_counter()
+        results = await asyncio.gather(*tasks)
+        wall = time.perf_counter() - start
+    good = [r for k, r in zip(kinds, results) if k == "good"]
+    bad_status = [r["status"] for k, r in zip(kinds, results) if k == "bad"]
+    num_tokens = sum(r["tokens"] for r in good)
+    return {"num_good": len(good), "num_malformed": num_bad, "num_disconnecting": num_gone, "wall_s": wall,
+            "good_output_tok_s": num_tokens / wall,
+            "num_good_lost": sum(r["tokens"] != max_tokens for r in good),
+            "malformed_status": sorted(bad_status), "num_malformed_5xx": sum(s >= 500 or s < 0 for s in bad_status),
+            "e2e": percentiles([r["chunks"][-1] - r["sent"] for r in good if r["chunks"]]),
+            "ttft": percentiles([r["chunks"][0] - r["sent"] for r in good if r["chunks"]])}
+
+
+def leak_check(url: str) -> dict:
+    """Once idle: nothing admitted, running or waiting; every KV page free or in the prefix cache."""
+    deadline = time.monotonic() + 30
+    while True:
+        info = httpx.get(f"{url}/get_server_info", timeout=30).json()
+        idle = info["num_inflight_seqs"] == 0 and info["num_running"] == 0 and info["num_waiting"] == 0
+        if idle or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    return {"num_inflight_seqs": info["num_inflight_seqs"], "num_running": info["num_running"],
+            "num_waiting": info["num_waiting"],
+            "num_pages_held": info["num_pages"] - info["num_free_pages"] - info["num_cached_pages"],
+            "num_engine_restarts": info.get("num_engine_restarts", 0)}
+
+
+def run_mixed(args, prompts: list[str], url: str) -> dict:
+    phases = {}
+    for name, is_mixed in (("clean_before", False), ("mixed", True), ("clean_after", False)):
+        httpx.post(f"{url}/flush_cache", timeout=60)
+        phases[name] = asyncio.run(mixed_phase(url, args.model, prompts, args.mixed_rate, args.max_tokens,
+                                               args.seed, is_mixed))
+        phases[name]["after"] = leak_check(url)
+    clean_tok_s = (phases["clean_before"]["good_output_tok_s"] + phases["clean_after"]["good_output_tok_s"]) / 2
+    clean_p99 = (phases["clean_before"]["e2e"]["p99_ms"] + phases["clean_after"]["e2e"]["p99_ms"]) / 2
+    mixed = phases["mixed"]
+    leaks = [p["after"] for p in phases.values()]
+    summary = {"throughput_ratio": mixed["good_output_tok_s"] / clean_tok_s,
+               "p99_e2e_ratio": mixed["e2e"]["p99_ms"] / clean_p99,
+               "num_good_lost": sum(p["num_good_lost"] for p in phases.values()),
+               "num_malformed_5xx": mixed["num_malformed_5xx"],
+               "is_leak_free": all(a["num_inflight_seqs"] == a["num_running"] == a["num_waiting"]
+                                   == a["num_pages_held"] == a["num_engine_restarts"] == 0 for a in leaks)}
+    for name, p in phases.items():
+        print(f"{name:>12}: good {p['good_output_tok_s']:7.1f} tok/s, e2e p50 {p['e2e']['p50_ms']:.0f} ms "
+              f"p99 {p['e2e']['p99_ms']:.0f} ms, lost {p['num_good_lost']}, malformed {p['malformed_status']}, "
+              f"after: {p['after']}")
+    print(f"mixed vs clean: throughput {summary['throughput_ratio']:.3f}x, p99 e2e {summary['p99_e2e_ratio']:.3f}x "
+          f"(goal: within 10%); lost {summary['num_good_lost']}, malformed 5xx {summary['num_malformed_5xx']}, "
+          f"leak-free {summary['is_leak_free']}")
+    return {"phases": phases, "summary": summary}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="smollm2-135m-instruct")
@@ -133,9 +265,13 @@ def main() -> None:
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--kv-cache-tokens", type=int, default=32768)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--mode", choices=("sweep", "mixed"), default="sweep")
+    ap.add_argument("--mixed-rate", type=float, default=8.0, help="request rate (req/s) of --mode mixed")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     prompts = make_prompts(args.num_requests, args.seed)
+    if args.mode == "mixed":
+        return main_mixed(args, prompts)
 
     before = in_process(args, prompts)
     print(f"in-process Engine.generate: {before['output_tok_s']:.1f} output tok/s ({before['wall_s']:.2f} s)")
@@ -175,6 +311,31 @@ def main() -> None:
               "in_process": {"before": before, "after": after, "reference_tok_s": reference},
               "sweep": sweep}
     out = ROOT / "benchmark" / "results" / "serving_cpu.json"
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {out}")
+
+
+def main_mixed(args, prompts: list[str]) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = start_server(args, port)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        asyncio.run(sweep_rate(url, args.model, prompts[:2], float("inf"), 2, args.seed))  # warm-up
+        mixed = run_mixed(args, prompts, url)
+    finally:
+        server.send_signal(signal.SIGTERM)
+        try:
+            server.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+    result = {"benchmark": "serving_mixed", "model": args.model, "device": "cpu", "dtype": args.dtype,
+              "num_good_requests": args.num_requests, "max_tokens": args.max_tokens, "rate_req_s": args.mixed_rate,
+              "threads": args.threads, "max_num_seqs": args.max_num_seqs, "torch": torch.__version__,
+              "machine": platform.machine(), "num_cpus": os.cpu_count(), "load_avg_at_end": os.getloadavg(),
+              **mixed}
+    out = ROOT / "benchmark" / "results" / "serving_mixed_cpu.json"
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {out}")
 

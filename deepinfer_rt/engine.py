@@ -365,6 +365,11 @@ class Engine:
     def num_steps(self) -> int:
         return self._loop.num_steps
 
+    @property
+    def loop_error(self) -> str | None:
+        """Why the engine's loop died, once it has (every call then raises)."""
+        return self._loop.error
+
     def _is_busy(self) -> bool:
         return self.scheduler.has_work or self._inflight is not None
 

@@ -92,6 +92,35 @@ class Env:
     """DEEPINFER_MLA_MHA_PREFILL: MLA prefill chunks in the standard (expanded K/V) form. Unset = on for the
     Triton backend, for chunks of at least deepinfer_rt.layers.mla_prefill.MHA_MIN_QUERIES new tokens; 1 = every
     chunk of more than one new token, on any backend (CPU tests); 0 = never. Never in batch-invariant mode."""
+    # ---- the HTTP server's input limits and supervision ----
+    max_body_bytes: int
+    """DEEPINFER_MAX_BODY_BYTES: largest request body the server reads (default 16 MiB; beyond it: 413, checked
+    before the body is read)."""
+    json_offload_bytes: int
+    """DEEPINFER_JSON_OFFLOAD_BYTES: bodies larger than this are parsed in a worker thread, off the event loop
+    (default 256 KiB)."""
+    max_json_depth: int
+    """DEEPINFER_MAX_JSON_DEPTH: deepest nesting of a request body, and of a JSON schema given to
+    SamplingParams (default 64)."""
+    max_prompt_chars: int
+    """DEEPINFER_MAX_PROMPT_CHARS: longest prompt or message text, in characters, before tokenizing (default
+    1,000,000; the model context bounds the tokens)."""
+    max_grammar_chars: int
+    """DEEPINFER_MAX_GRAMMAR_CHARS: longest regex, EBNF grammar or serialized JSON schema (default 256 KiB)."""
+    request_timeout_s: float
+    """DEEPINFER_REQUEST_TIMEOUT: seconds a request may take from admission to its last token before it is
+    aborted with 504 (or an error event on a stream); 0 = no limit. Default 600."""
+    control_timeout_s: float
+    """DEEPINFER_CONTROL_TIMEOUT: seconds /get_server_info, /metrics and /flush_cache wait for the engine
+    process before answering 503 (default 10)."""
+    heartbeat_interval_s: float
+    """DEEPINFER_HEARTBEAT_INTERVAL: how often the scheduler process reports that its loop turns (default 1 s)."""
+    heartbeat_timeout_s: float
+    """DEEPINFER_HEARTBEAT_TIMEOUT: seconds without a heartbeat after which the engine counts as stuck: /health
+    answers 503 and new requests are refused until it beats again (default 60; one step may take this long)."""
+    engine_max_restarts: int
+    """DEEPINFER_ENGINE_MAX_RESTARTS: times the server restarts a dead engine process before it exits non-zero
+    (default 3)."""
 
 
 def get_env() -> Env:
@@ -120,4 +149,14 @@ def get_env() -> Env:
         overlap=_optional_bool("DEEPINFER_OVERLAP"),
         skinny_gemm=_bool("DEEPINFER_SKINNY_GEMM", True),
         mla_mha_prefill=_optional_bool("DEEPINFER_MLA_MHA_PREFILL"),
+        max_body_bytes=_int("DEEPINFER_MAX_BODY_BYTES", 16 << 20),
+        json_offload_bytes=_int("DEEPINFER_JSON_OFFLOAD_BYTES", 256 << 10),
+        max_json_depth=_int("DEEPINFER_MAX_JSON_DEPTH", 64),
+        max_prompt_chars=_int("DEEPINFER_MAX_PROMPT_CHARS", 1_000_000),
+        max_grammar_chars=_int("DEEPINFER_MAX_GRAMMAR_CHARS", 256 << 10),
+        request_timeout_s=_float("DEEPINFER_REQUEST_TIMEOUT", 600.0),
+        control_timeout_s=_float("DEEPINFER_CONTROL_TIMEOUT", 10.0),
+        heartbeat_interval_s=_float("DEEPINFER_HEARTBEAT_INTERVAL", 1.0),
+        heartbeat_timeout_s=_float("DEEPINFER_HEARTBEAT_TIMEOUT", 60.0),
+        engine_max_restarts=_int("DEEPINFER_ENGINE_MAX_RESTARTS", 3),
     )

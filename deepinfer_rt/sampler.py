@@ -80,7 +80,8 @@ def filter_logits(z: torch.Tensor, reqs: list[Req]) -> torch.Tensor:
     sorted_z, order = z.sort(dim=-1, descending=True)
     probs = sorted_z.softmax(dim=-1)
     rank = torch.arange(vocab, device=z.device)[None, :]
-    k = to_device([k if k > 0 else vocab for k in top_k], torch.long, z.device)[:, None]
+    # Clamped to the vocabulary: a huge top_k (offline callers skip validation) must not overflow an int64.
+    k = to_device([min(k, vocab) if k > 0 else vocab for k in top_k], torch.long, z.device)[:, None]
     drop = rank >= k
     p = to_device(top_p, probs.dtype, z.device)[:, None]
     # Keep the smallest prefix whose mass reaches top_p (the token crossing the threshold stays).
@@ -91,6 +92,18 @@ def filter_logits(z: torch.Tensor, reqs: list[Req]) -> torch.Tensor:
     drop[:, 0] = False
     sorted_z = sorted_z.masked_fill(drop, float("-inf"))
     return torch.empty_like(z).scatter_(1, order, sorted_z)
+
+
+_TINY_TEMPERATURE = 1e-20
+"""Below it, logits / temperature can overflow float32 to inf (and inf - inf is nan: every row drew token 0)."""
+
+
+def _shift_peaks(logits: torch.Tensor, temperatures: list[float]) -> torch.Tensor:
+    """Rows of a tiny temperature with their max shifted to 0, so dividing sends the others to -inf and never the
+    max to +inf. Other rows are returned bit for bit (a row's draw never depends on its batch)."""
+    peak = logits.amax(-1, keepdim=True)
+    tiny = to_device([t < _TINY_TEMPERATURE for t in temperatures], torch.bool, logits.device)[:, None]
+    return torch.where(tiny & torch.isfinite(peak), logits - peak, logits)
 
 
 class Sampler:
@@ -149,8 +162,14 @@ class Sampler:
             sub = [reqs[i] for i in rows]
             # Row indices go up as a tensor: indexing with a list would copy it to the device synchronously.
             index = None if len(rows) == len(reqs) else to_device(rows, torch.long, logits.device)
-            temps = to_device([r.params.temperature for r in sub], torch.float32, logits.device)[:, None]
-            z = filter_logits((logits if index is None else logits[index]) / temps, sub)
+            temperatures = [r.params.temperature for r in sub]
+            # (float32 has no 1e-300: a tiny temperature would round to 0 and divide 0 by 0 at the peak)
+            temps = to_device([max(t, _TINY_TEMPERATURE) for t in temperatures], torch.float32,
+                              logits.device)[:, None]
+            picked = logits if index is None else logits[index]
+            if min(temperatures) < _TINY_TEMPERATURE:
+                picked = _shift_peaks(picked, temperatures)
+            z = filter_logits(picked / temps, sub)
             noise = torch.stack([uniform_noise(r.seed, r.num_output_tokens, self.vocab_size, logits.device)
                                  for r in sub])
             drawn = (z - torch.log(-torch.log(noise))).argmax(-1)

@@ -1,57 +1,82 @@
-"""Request bodies of the HTTP API (pydantic): OpenAI's completions and chat completions, plus our extensions
-(top_k, min_p, repetition_penalty, min_tokens, ignore_eos, stop_token_ids, regex, ebnf) and the native
-/generate. A body that does not validate is answered 400 naming the field (http_server's handler)."""
+"""Request and response bodies of the HTTP API (pydantic): OpenAI's completions and chat completions, plus our
+extensions (top_k, min_p, repetition_penalty, min_tokens, ignore_eos, stop_token_ids, regex, ebnf) and the native
+/generate.
+
+Request models are strict: a field takes only its JSON type (no "16" for an int, no true for an int, no "no" for
+a bool), floats are finite, integers bounded, text is limited (env.py). A body that does not validate is answered
+400 naming the field, in OpenAI's error shape (ErrorResponse; http_server's handler). Response models document
+/openapi.json; the routes build their bodies as plain dicts of these shapes.
+"""
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from deepinfer_rt.sampling_params import SamplingParams
+from deepinfer_rt.env import get_env
+from deepinfer_rt.sampling_params import MAX_INT, MAX_STOP_STRINGS, SEED_RANGE, SamplingParams
+
+_ENV = get_env()
+_STRICT = dict(strict=True, allow_inf_nan=False)
+
+MAX_N = 128
+"""Samples per prompt over HTTP (SamplingParams allows more offline)."""
+TokenId = Annotated[int, Field(ge=0, le=MAX_INT)]
+"""Checked against the model's vocabulary once it is known (the routes)."""
+PromptText = Annotated[str, Field(max_length=_ENV.max_prompt_chars)]
+GrammarText = Annotated[str, Field(max_length=_ENV.max_grammar_chars)]
+ShortText = Annotated[str, Field(max_length=4096)]
+Count = Annotated[int, Field(ge=1, le=MAX_INT)]
+Seed = Annotated[int, Field(ge=SEED_RANGE[0], le=SEED_RANGE[1])]
+StopList = Annotated[list[Annotated[str, Field(min_length=1, max_length=4096)]], Field(max_length=MAX_STOP_STRINGS)]
+StopIds = Annotated[list[TokenId], Field(max_length=MAX_STOP_STRINGS)]
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(**_STRICT)
     include_usage: bool = False
 
 
 class JsonSchemaFormat(BaseModel):
-    name: str = "schema"
-    description: str | None = None
+    model_config = ConfigDict(**_STRICT, populate_by_name=True)
+    name: ShortText = "schema"
+    description: PromptText | None = None
     schema_: dict[str, Any] | bool = Field(default=True, alias="schema")
     strict: bool | None = None
 
 
 class ResponseFormat(BaseModel):
+    model_config = ConfigDict(**_STRICT)
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
 
 
 class _SamplingRequest(BaseModel):
     """Fields common to completions and chat completions."""
-    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    model_config = ConfigDict(**_STRICT, extra="ignore", populate_by_name=True)
 
-    model: str
-    n: int = Field(1, ge=1, le=128)
-    stop: str | list[str] | None = None
+    model: ShortText
+    n: int = Field(1, ge=1, le=MAX_N)
+    stop: Annotated[str, Field(min_length=1, max_length=4096)] | StopList | None = None
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    seed: int | None = None
+    seed: Seed | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     response_format: ResponseFormat | None = None
-    user: str | None = None
+    user: ShortText | None = None
     # extensions
-    top_k: int = -1
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    min_tokens: int = Field(0, ge=0)
+    top_k: int = Field(-1, ge=-1, le=MAX_INT)
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)
+    min_tokens: int = Field(0, ge=0, le=MAX_INT)
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
-    regex: str | None = None
-    ebnf: str | None = None
+    stop_token_ids: StopIds | None = None
+    regex: GrammarText | None = None
+    ebnf: GrammarText | None = None
 
     def constraint_fields(self) -> dict:
         """regex / json_schema / ebnf for SamplingParams (at most one: SamplingParams.validate says so)."""
@@ -62,6 +87,7 @@ class _SamplingRequest(BaseModel):
         elif fmt is not None and fmt.type == "json_schema":
             if fmt.json_schema is None:
                 raise ValueError("response_format.json_schema: required when type is 'json_schema'")
+            # The body's depth was bounded before parsing (http_server), so this cannot recurse too deep.
             fields["json_schema"] = json.dumps(fmt.json_schema.schema_)
         return fields
 
@@ -79,11 +105,14 @@ class _SamplingRequest(BaseModel):
 
 
 class CompletionRequest(_SamplingRequest):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)
+    prompt: (PromptText | Annotated[list[PromptText], Field(min_length=1, max_length=MAX_N)]
+             | Annotated[list[TokenId], Field(min_length=1)]
+             | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1, max_length=MAX_N)])
+    max_tokens: Count | None = None
+    """None: 16, or what is left of the context if that is less."""
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
-    suffix: str | None = None
+    suffix: ShortText | None = None
 
     @field_validator("echo")
     @classmethod
@@ -100,28 +129,163 @@ class CompletionRequest(_SamplingRequest):
         return value
 
 
+class TextPart(BaseModel):
+    model_config = ConfigDict(**_STRICT, extra="ignore")
+    type: Literal["text"]
+    text: PromptText
+
+
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    """Extra fields (name, tool_calls, ...) reach the chat template as given; the body's walk (http_server)
+    has checked their nesting and text already."""
+    model_config = ConfigDict(**_STRICT, extra="allow")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[dict[str, Any]] | None = None
+    content: PromptText | Annotated[list[TextPart], Field(max_length=1024)] | None = None
 
 
 class ChatCompletionRequest(_SamplingRequest):
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=4096)
+    max_tokens: Count | None = None
+    max_completion_tokens: Count | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     tools: list[dict[str, Any]] | None = None
 
 
+class GenerateSamplingParams(BaseModel):
+    """SamplingParams over HTTP: the same fields and bounds, strictly typed; unknown fields are refused."""
+    model_config = ConfigDict(**_STRICT, extra="forbid")
+
+    max_new_tokens: Count = 128
+    min_new_tokens: int = Field(0, ge=0, le=MAX_INT)
+    temperature: float = Field(1.0, ge=0.0, le=100.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(-1, ge=-1, le=MAX_INT)
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    repetition_penalty: float = Field(1.0, gt=0.0, le=100.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    stop: Annotated[str, Field(min_length=1, max_length=4096)] | StopList | None = None
+    stop_token_ids: StopIds | None = None
+    ignore_eos: bool = False
+    n: int = Field(1, ge=1, le=MAX_N)
+    seed: Seed | None = None
+    logprobs: bool = False
+    top_logprobs: int = Field(0, ge=0, le=20)
+    prompt_logprobs: bool = False
+    logprob_start_len: int = Field(0, ge=0, le=MAX_INT)
+    regex: GrammarText | None = None
+    json_schema: GrammarText | dict[str, Any] | bool | None = None
+    ebnf: GrammarText | None = None
+
+    def to_sampling_params(self) -> SamplingParams:
+        return SamplingParams(**self.model_dump(exclude_unset=True))
+
+
 class GenerateRequest(BaseModel):
     """Native /generate: text or token ids (one or a batch) with our full SamplingParams (one or one per
     input, as Engine.generate takes them)."""
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(**_STRICT, extra="forbid")
 
-    text: str | list[str] | None = None
-    input_ids: list[int] | list[list[int]] | None = None
-    sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
+    text: PromptText | Annotated[list[PromptText], Field(min_length=1, max_length=MAX_N)] | None = None
+    input_ids: (Annotated[list[TokenId], Field(min_length=1)]
+                | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1, max_length=MAX_N)]
+                | None) = None
+    sampling_params: (GenerateSamplingParams | Annotated[list[GenerateSamplingParams], Field(max_length=MAX_N)]
+                      | None) = None
     stream: bool = False
+
+
+# ---- responses (documentation of /openapi.json) ----
+class ErrorBody(BaseModel):
+    message: str
+    type: Literal["invalid_request_error", "server_error"]
+    param: str | None
+    """The request field at fault, by its public name (messages[0].content, max_tokens, ...)."""
+    code: str | None
+    """Machine-readable reason when there is one: json_invalid, body_too_large, model_not_found, overloaded,
+    engine_unavailable, timeout, ..."""
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorBody
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: dict[str, int] | None = None
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: dict[str, Any] | None
+    finish_reason: Literal["stop", "length", "abort"] | None
+
+
+class CompletionResponse(BaseModel):
+    """Also the shape of each SSE chunk (object 'text_completion') when stream is true."""
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"]
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: dict[str, Any] | None
+    finish_reason: Literal["stop", "length", "abort"] | None
+
+
+class ChatCompletionResponse(BaseModel):
+    """With stream true: SSE chunks of object 'chat.completion.chunk' whose choices carry a delta."""
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class GenerateMeta(BaseModel):
+    finish_reason: Literal["stop", "length", "abort"] | None = None
+    error: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    prompt_logprobs: list[float | None] | None = None
+
+
+class GenerateOutput(BaseModel):
+    """One sequence; /generate answers a list of them (n per input, in input order), or with stream true SSE
+    events of this shape (text deltas) ending with `data: [DONE]`."""
+    text: str
+    output_ids: list[int]
+    meta_info: GenerateMeta
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    root: str
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"]
+    data: list[ModelCard]

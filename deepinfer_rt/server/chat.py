@@ -49,7 +49,7 @@ def make_chat_renderer(tokenizer, model_path: Path) -> ChatRenderer:
 
 
 def message_text(content) -> str:
-    """OpenAI content: a string, or a list of parts of which the text parts are joined."""
+    """OpenAI content: a string, or a list of text parts (api_models.TextPart), joined."""
     if content is None or isinstance(content, str):
         return content or ""
-    return "".join(part["text"] for part in content if part.get("type") == "text")
+    return "".join(part.text for part in content)

@@ -1,15 +1,19 @@
-"""The HTTP process: FastAPI routes over the TokenizerManager; starts and stops the scheduler process.
+"""The HTTP process: FastAPI routes over the TokenizerManager; the EngineSupervisor starts, watches and
+restarts the scheduler process.
 
 Routes: /v1/completions, /v1/chat/completions (SSE when stream=true), /v1/models, /health, /metrics
 (Prometheus text), native /generate, /get_server_info, /flush_cache.
+
+No input, however malformed, earns a 5xx: bodies are bounded and walked before parsing (request_body), parsed
+into strict models (api_models), checked against the model (TokenizerManager.check), and every failure is
+answered in OpenAI's error shape (errors). A 5xx means the engine failed (500), is unavailable (503) or the
+request ran past its timeout (504).
 """
 from __future__ import annotations
 
 import asyncio
 import dataclasses
 import logging
-import multiprocessing
-import os
 import re
 import shutil
 import tempfile
@@ -17,27 +21,32 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from deepinfer_rt.server import metrics, native_api, openai_api
+from deepinfer_rt.server import api_models, metrics, native_api, openai_api, sglang_native
+from deepinfer_rt.server.api_models import ChatCompletionRequest, CompletionRequest, ErrorResponse, GenerateRequest
 from deepinfer_rt.server.chat import make_chat_renderer
-from deepinfer_rt.server.api_models import ChatCompletionRequest, CompletionRequest, GenerateRequest
-from deepinfer_rt.server.scheduler_process import run_scheduler_process
-from deepinfer_rt.server.tokenizer_manager import Overloaded, TokenizerManager
+from deepinfer_rt.server.errors import (CHAT_NAMES, NATIVE_NAMES, OPENAI_NAMES, bad_request,
+                                        error_response, unavailable)
+from deepinfer_rt.server.request_body import GuardedRoute
+from deepinfer_rt.server.supervisor import EngineSupervisor
+from deepinfer_rt.server.tokenizer_manager import (EngineLost, EngineUnavailable, Overloaded, RequestTimeout,
+                                                   TokenizerManager)
 
 logger = logging.getLogger(__name__)
 
-_READY_TIMEOUT_S = 600.0
 _DISCONNECT_POLL_S = 0.5
-_RETRY_AFTER_S = 1
 _GRACEFUL_SHUTDOWN_S = 5
 """On SIGTERM, open streams get this long to finish before they are cut."""
-# pydantic names the member of a union it tried (prompt.list[int]); the client named only the field.
-_UNION_MEMBER_RE = re.compile(r"^(str|int|float|bool|list\[.*\]|dict\[.*\])$")
-# Engine messages name SamplingParams fields; a client of the OpenAI API knows them by these names.
-_PARAM_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "json_schema": "response_format",
-                "input_ids": "prompt", "prompts": "prompt"}
-_FIELD_RE = re.compile(r"^(?:SamplingParams\.)?([A-Za-z_][\w.]*)(?:\[\d+\])?[/:]")
+# pydantic names the member of a union it tried (prompt.list[constrained-int], sampling_params.
+# GenerateSamplingParams); the client named only the field.
+_UNION_TAG_RE = re.compile(r"^(constrained-)?(str|int|float|bool|bytes|none)$|[\[\-]|^[A-Z]")
+_ERRORS = {400: "Invalid request: the field at fault is `param`", 413: "Request body too large",
+           499: "Client closed the request", 500: "Internal error", 503: "Overloaded (Retry-After) or the engine "
+           "is unavailable (loading, restarting, not responding)", 504: "The request ran past its timeout"}
+_RESPONSES = {status: {"model": ErrorResponse, "description": why} for status, why in _ERRORS.items()}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,72 +69,105 @@ class ClientGone(Exception):
     pass
 
 
-def error_response(status: int, message: str, param: str | None = None, code: str | None = None,
-                   headers: dict | None = None) -> JSONResponse:
-    kind = "invalid_request_error" if status < 500 else "server_error"
-    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}},
-                        status_code=status, headers=headers)
+def failure_response(e: Exception, names: dict[str, str]) -> JSONResponse:
+    """The answer to what went wrong serving a request, in the one error shape."""
+    if isinstance(e, Overloaded):
+        return unavailable(str(e), code="overloaded")
+    if isinstance(e, (EngineUnavailable, EngineLost)):
+        return unavailable(str(e))
+    if isinstance(e, RequestTimeout):
+        return error_response(504, str(e), code="timeout")
+    if isinstance(e, ClientGone):
+        return error_response(499, "client closed the request")
+    if isinstance(e, ValueError):
+        return bad_request(e, names)
+    if not isinstance(e, RuntimeError):  # RuntimeError: a generation failed in the engine, already logged there
+        logger.exception("request failed", exc_info=e)
+    return error_response(500, str(e) or type(e).__name__, code="internal_error")
 
 
-def bad_request(e: Exception) -> JSONResponse:
-    message = str(e)
-    match = _FIELD_RE.match(message)
-    param = _PARAM_NAMES.get(match.group(1), match.group(1)) if match else None
-    return error_response(400, message, param=param)
+def validation_response(exc: RequestValidationError) -> JSONResponse:
+    """400 naming the deepest field of pydantic's errors (the most specific member of a union)."""
+    best, best_loc = None, None
+    for err in exc.errors():
+        loc = []
+        for part in err.get("loc", ()):
+            if isinstance(part, int):
+                loc.append(f"[{part}]")
+            elif part != "body" and not _UNION_TAG_RE.search(str(part)):
+                loc.append(f".{part}" if loc else str(part))
+        if best is None or len(loc) > len(best_loc):
+            best, best_loc = err, loc
+    param = "".join(best_loc) or None
+    msg = str(best.get("msg", "invalid request")).removeprefix("Value error, ")
+    return error_response(400, f"{param}: {msg}" if param else f"request body: {msg}", param=param)
 
 
 async def until_done_or_gone(request: Request, awaitable):
     """Await `awaitable`, raising ClientGone (after cancelling it) if the client disconnects meanwhile."""
     task = asyncio.ensure_future(awaitable)
-    while True:
-        done, _ = await asyncio.wait({task}, timeout=_DISCONNECT_POLL_S)
-        if done:
-            return task.result()
-        if await request.is_disconnected():
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=_DISCONNECT_POLL_S)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                raise ClientGone
+    finally:
+        if not task.done():
             task.cancel()
-            raise ClientGone
 
 
-def create_app(args: ServerArgs) -> FastAPI:
+async def off_loop(request: Request, fn, *args):
+    """fn(*args) in a worker thread for a large body (tokenizing megabytes must not stall other requests)."""
+    if getattr(request.state, "is_large_body", False):
+        return await asyncio.to_thread(fn, *args)
+    return fn(*args)
+
+
+def create_app(args: ServerArgs, on_fatal=None) -> FastAPI:
+    """on_fatal(): called once the engine is dead for good (restarts exhausted); the server should exit."""
     state: dict = {}
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         ipc = tempfile.mkdtemp(prefix="deepinfer-ipc-")
         to_sched, from_sched = f"ipc://{ipc}/requests", f"ipc://{ipc}/outputs"
-        proc = multiprocessing.get_context("spawn").Process(
-            target=run_scheduler_process, daemon=True,
-            args=({"model": args.model, **args.engine_kwargs}, to_sched, from_sched, os.getpid()))
+        from deepinfer_rt.models.loader import resolve_model_path
+
+        supervisor = EngineSupervisor({"model": args.model, **args.engine_kwargs}, to_sched, from_sched)
         tm = None
         try:
-            proc.start()
-            tm = state["tm"] = await _start_manager(args, to_sched, from_sched, proc)
-            state["proc"] = proc
-            state["chat"] = make_chat_renderer(tm.tokenizer, tm.info.model_path)
-            watchdog = asyncio.create_task(_watch_scheduler(tm, proc))
+            tm = TokenizerManager(str(resolve_model_path(args.model)), to_sched, from_sched,
+                                  args.max_queued_requests)
+            supervisor.spawn()
+            await supervisor.wait_ready(tm)
+            state.update(tm=tm, supervisor=supervisor, chat=make_chat_renderer(tm.tokenizer, tm.info.model_path))
+            watch = asyncio.create_task(supervisor.watch(tm, on_fatal or (lambda: None)))
             logger.info("serving %s on http://%s:%d", args.model_name, args.host, args.port)
             yield
-            watchdog.cancel()
+            watch.cancel()
         finally:
             if tm is not None:
                 tm.shutdown()
-            proc.join(10)
-            if proc.is_alive():
-                proc.kill()
-                proc.join()
+            supervisor.stop()
             shutil.rmtree(ipc, ignore_errors=True)
 
     app = FastAPI(title="deepinfer", lifespan=lifespan)
+    app.router.route_class = GuardedRoute
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):
-        err = exc.errors()[0]
-        loc = [str(p) for p in err.get("loc", ()) if p != "body" and not _UNION_MEMBER_RE.match(str(p))]
-        if err.get("type") == "json_invalid":
-            return error_response(400, f"malformed JSON body: {err.get('msg')}", code="json_invalid")
-        param = ".".join(loc) or None
-        return error_response(400, f"{param}: {err.get('msg')}" if param else err.get("msg", "invalid request"),
-                              param=param)
+        return validation_response(exc)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        return error_response(exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, exc: Exception):
+        logger.exception("unhandled error", exc_info=exc)
+        return error_response(500, f"internal error: {type(exc).__name__}", code="internal_error")
 
     def check_model(name: str) -> JSONResponse | None:
         if name not in (args.model_name, args.model):
@@ -133,26 +175,21 @@ def create_app(args: ServerArgs) -> FastAPI:
                                   param="model", code="model_not_found")
         return None
 
-    async def run_openai(request: Request, body, prompts, params, formatter):
+    async def run_openai(request: Request, body, prompts, params, formatter, names):
         tm: TokenizerManager = state["tm"]
+        stream = None
         try:
             stream = tm.submit(prompts, params)
-        except Overloaded as e:
-            return error_response(503, str(e), code="overloaded", headers={"Retry-After": str(_RETRY_AFTER_S)})
-        try:
             if not body.stream:
                 return await until_done_or_gone(request, openai_api.collect(stream, formatter))
             it = stream.__aiter__()
             first = await until_done_or_gone(request, it.__anext__())
-        except ClientGone:
-            stream.close()
-            return error_response(499, "client closed the request")
-        except ValueError as e:
-            stream.close()
-            return bad_request(e)
-        except RuntimeError as e:
-            stream.close()
-            return error_response(500, str(e))
+        except BaseException as e:
+            if stream is not None:
+                stream.close()
+            if not isinstance(e, Exception):
+                raise
+            return failure_response(e, names)
 
         async def events():
             try:
@@ -163,114 +200,124 @@ def create_app(args: ServerArgs) -> FastAPI:
 
         return StreamingResponse(events(), media_type="text/event-stream")
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses={200: {"model": api_models.CompletionResponse}, **_RESPONSES})
     async def completions(body: CompletionRequest, request: Request):
         if (error := check_model(body.model)) is not None:
             return error
         tm: TokenizerManager = state["tm"]
         try:
-            prompts = openai_api.completion_inputs(body, tm.encode)
-            params = openai_api.completion_params(body)
+            prompts = await off_loop(request, openai_api.completion_inputs, body, tm.encode)
+            params = openai_api.completion_params(body, max(map(len, prompts)), tm.info.max_position)
         except ValueError as e:
-            return bad_request(e)
+            return bad_request(e, OPENAI_NAMES)
         formatter = openai_api.Formatter("text_completion", body.model, tm.tokenizer)
-        return await run_openai(request, body, prompts, params, formatter)
+        return await run_openai(request, body, prompts, params, formatter, OPENAI_NAMES)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses={200: {"model": api_models.ChatCompletionResponse}, **_RESPONSES})
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         if (error := check_model(body.model)) is not None:
             return error
         tm: TokenizerManager = state["tm"]
         try:
-            prompts = openai_api.chat_inputs(body, state["chat"])
+            prompts = await off_loop(request, openai_api.chat_inputs, body, state["chat"])
             params = openai_api.chat_params(body, len(prompts[0]), tm.info.max_position)
         except ValueError as e:
-            return bad_request(e)
+            return bad_request(e, CHAT_NAMES)
         formatter = openai_api.Formatter("chat.completion", body.model, tm.tokenizer)
-        return await run_openai(request, body, prompts, params, formatter)
+        return await run_openai(request, body, prompts, params, formatter, CHAT_NAMES)
 
-    @app.post("/generate")
+    @app.post("/generate", responses={200: {"model": list[api_models.GenerateOutput]}, **_RESPONSES})
     async def generate(body: GenerateRequest, request: Request):
         tm: TokenizerManager = state["tm"]
         try:
-            inputs = native_api.inputs(body, tm.encode)
-        except ValueError as e:
-            return bad_request(e)
-        try:
+            inputs = await off_loop(request, native_api.inputs, body, tm.encode)
             if body.stream:
                 return await native_api.stream(request, tm, inputs, until_done_or_gone)
             return JSONResponse(await until_done_or_gone(request, native_api.generate(tm, inputs)))
-        except Overloaded as e:
-            return error_response(503, str(e), code="overloaded", headers={"Retry-After": str(_RETRY_AFTER_S)})
-        except ClientGone:
-            return error_response(499, "client closed the request")
-        except ValueError as e:
-            return bad_request(e)
+        except Exception as e:
+            return failure_response(e, NATIVE_NAMES)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses={200: {"model": api_models.ModelList}})
     async def models():
         info = state["tm"].info
         return {"object": "list", "data": [{"id": args.model_name, "object": "model", "created": 0,
                                             "owned_by": "deepinfer", "root": info.model_path,
                                             "max_model_len": info.max_position}]}
 
-    @app.get("/health")
+    @app.get("/health", responses={200: {"content": {"text/plain": {}}, "description": "ok"}, 503: _RESPONSES[503]})
     async def health():
-        proc = state.get("proc")
-        if proc is None or not proc.is_alive():
-            return error_response(503, "scheduler process is not running")
-        return PlainTextResponse("ok")
+        tm: TokenizerManager | None = state.get("tm")
+        supervisor: EngineSupervisor | None = state.get("supervisor")
+        if tm is None or supervisor is None:
+            return unavailable("engine is loading")
+        reason = supervisor.fatal or tm.unavailable_reason
+        if reason is None and not supervisor.proc.is_alive():
+            reason = "engine process is not running"
+        return unavailable(reason) if reason is not None else PlainTextResponse("ok")
 
-    @app.get("/get_server_info")
+    @app.get("/get_server_info", responses={503: _RESPONSES[503]})
     async def server_info():
-        return await _server_info(state["tm"], args)
+        try:
+            return await _server_info(state["tm"], args)
+        except EngineUnavailable as e:
+            return unavailable(str(e))
 
-    @app.post("/flush_cache")
+    @app.post("/flush_cache", responses={503: _RESPONSES[503]})
     async def flush_cache():
-        return await state["tm"].control("flush_cache")
+        try:
+            return await state["tm"].control("flush_cache")
+        except EngineUnavailable as e:
+            return unavailable(str(e))
 
-    @app.get("/metrics")
+    @app.get("/metrics", responses={200: {"content": {"text/plain": {}}}, 503: _RESPONSES[503]})
     async def prometheus_metrics():
-        text = metrics.render(await _server_info(state["tm"], args))
+        try:
+            text = metrics.render(await _server_info(state["tm"], args))
+        except EngineUnavailable as e:
+            return unavailable(str(e))
         return PlainTextResponse(text, media_type=metrics.CONTENT_TYPE)
 
+    # SGLang's native protocol: under /sglang (an SGLang RuntimeEndpoint takes base_url + "/sglang"), and at the
+    # root for the paths the routes above do not serve.
+    sglang_native.register(app, lambda: state["tm"])
+
+    def openapi() -> dict:
+        """FastAPI's schema with the codes the server really sends: 400 for a body that does not validate
+        (FastAPI would document 422, which this server never answers)."""
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            for path in schema["paths"].values():
+                for operation in path.values():
+                    operation.get("responses", {}).pop("422", None)
+            for name in ("HTTPValidationError", "ValidationError"):
+                schema.get("components", {}).get("schemas", {}).pop(name, None)
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi
     return app
-
-
-async def _start_manager(args: ServerArgs, to_sched: str, from_sched: str, proc) -> TokenizerManager:
-    from deepinfer_rt.models.loader import resolve_model_path
-
-    tm = TokenizerManager(str(resolve_model_path(args.model)), to_sched, from_sched, args.max_queued_requests)
-    ready = asyncio.ensure_future(tm.wait_ready(_READY_TIMEOUT_S))
-    while not ready.done():  # a scheduler process that dies while loading must not leave us waiting
-        await asyncio.wait({ready}, timeout=1.0)
-        if not ready.done() and not proc.is_alive():
-            ready.cancel()
-            tm.shutdown()
-            raise RuntimeError(f"scheduler process exited with code {proc.exitcode} while loading the model")
-    ready.result()
-    tm.scheduler_pid = proc.pid
-    return tm
-
-
-async def _watch_scheduler(tm: TokenizerManager, proc) -> None:
-    while proc.is_alive():
-        await asyncio.sleep(1.0)
-    logger.error("scheduler process exited with code %s", proc.exitcode)
-    while True:  # requests sent after this fail too
-        tm.fail_all(f"scheduler process exited with code {proc.exitcode}")
-        await asyncio.sleep(1.0)
 
 
 async def _server_info(tm: TokenizerManager, args: ServerArgs) -> dict:
     stats = await tm.control("stats")
     return {"model": args.model_name, **dataclasses.asdict(tm.info), "scheduler_pid": tm.scheduler_pid,
-            "num_inflight_seqs": tm.num_inflight_seqs,
+            "num_inflight_seqs": tm.num_inflight_seqs, "num_engine_restarts": tm.num_engine_restarts,
             "max_inflight_seqs": tm.max_inflight_seqs, "num_rejected_overload": tm.num_rejected_overload, **stats}
 
 
 def launch_server(args: ServerArgs) -> None:
+    """Serve until SIGTERM/SIGINT; SystemExit(1) if the engine died for good (restarts exhausted)."""
     import uvicorn
 
-    uvicorn.run(create_app(args), host=args.host, port=args.port, log_level="warning", timeout_keep_alive=30,
-                timeout_graceful_shutdown=_GRACEFUL_SHUTDOWN_S)
+    server, fatal = None, []
+
+    def on_fatal() -> None:
+        fatal.append(True)
+        server.should_exit = True
+
+    app = create_app(args, on_fatal)
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
+                                           timeout_keep_alive=30, timeout_graceful_shutdown=_GRACEFUL_SHUTDOWN_S))
+    server.run()
+    if fatal:
+        raise SystemExit(1)

@@ -67,6 +67,12 @@ class ReadyMessage:
 
 
 @dataclass
+class Heartbeat:
+    """Sent by the scheduler process every DEEPINFER_HEARTBEAT_INTERVAL while its loop turns: the HTTP process
+    counts an engine silent for DEEPINFER_HEARTBEAT_TIMEOUT as stuck."""
+
+
+@dataclass
 class ControlOutput:
     rid: str
     value: dict

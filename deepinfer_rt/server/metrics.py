@@ -20,6 +20,7 @@ _METRICS = (
     ("num_cached_pages", "deepinfer_kv_cached_pages", "KV pages held by the prefix cache", False),
     ("num_retractions", "deepinfer_retractions", "Requests retracted to free KV", True),
     ("num_rejected_overload", "deepinfer_rejected_overload", "Requests refused at the queue limit", True),
+    ("num_engine_restarts", "deepinfer_engine_restarts", "Times the engine process died and was restarted", True),
 )
 
 

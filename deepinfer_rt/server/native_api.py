@@ -9,7 +9,8 @@ from fastapi.responses import StreamingResponse
 from deepinfer_rt.sampling_params import SamplingParams
 from deepinfer_rt.server.io_struct import SeqDelta
 from deepinfer_rt.server.api_models import GenerateRequest
-from deepinfer_rt.server.tokenizer_manager import Overloaded, TokenizerManager
+from deepinfer_rt.server import openai_api
+from deepinfer_rt.server.tokenizer_manager import TokenizerManager
 
 
 def inputs(body: GenerateRequest, encode) -> list[tuple[list[int], SamplingParams]]:
@@ -19,36 +20,24 @@ def inputs(body: GenerateRequest, encode) -> list[tuple[list[int], SamplingParam
         id_lists = [encode(t) for t in ([body.text] if isinstance(body.text, str) else body.text)]
     else:
         ids = body.input_ids
-        id_lists = [list(ids)] if ids and isinstance(ids[0], int) else [list(x) for x in ids]
-    if not id_lists:
-        raise ValueError("input_ids: no inputs")
+        id_lists = [list(ids)] if isinstance(ids[0], int) else [list(x) for x in ids]
     raw = body.sampling_params
     if isinstance(raw, list):
         if len(raw) != len(id_lists):
             raise ValueError(f"sampling_params: {len(raw)} given for {len(id_lists)} inputs")
-        params = [_params(p) for p in raw]
+        params = [p.to_sampling_params() for p in raw]
     else:
-        params = [_params(raw or {})] * len(id_lists)
+        params = [raw.to_sampling_params() if raw is not None else SamplingParams()] * len(id_lists)
     return list(zip(id_lists, params))
 
 
-def _params(fields: dict) -> SamplingParams:
-    try:
-        return SamplingParams(**fields)
-    except TypeError as e:  # an unknown field name
-        raise ValueError(f"sampling_params: {e}") from None
-
-
-def is_single(body: GenerateRequest) -> bool:
-    return isinstance(body.text, str) or (bool(body.input_ids) and isinstance(body.input_ids[0], int))
-
-
 def _submit_all(tm: TokenizerManager, inputs):
+    """One stream per input; if any is refused, those already admitted are closed (nothing stays counted)."""
     streams = []
     try:
-        for ids, params in inputs:
-            streams.append(tm.submit([ids], params))
-    except Overloaded:
+        for i, (ids, params) in enumerate(inputs):
+            streams.append(tm.submit([ids], params, first_index=i))
+    except BaseException:
         for s in streams:
             s.close()
         raise
@@ -59,6 +48,8 @@ async def _collect_one(stream, params: SamplingParams) -> list[dict]:
     outs = [{"text": "", "output_ids": [], "meta_info": {}} for _ in range(params.n)]
     try:
         async for d in stream:
+            if d.finish_reason == "error":  # the generation failed in the engine: the request fails (500)
+                raise RuntimeError(d.error or "generation failed")
             out = outs[d.index]
             out["text"] += d.text
             out["output_ids"] += d.token_ids
@@ -106,11 +97,15 @@ async def stream(request, tm: TokenizerManager, inputs, wait):
     it = req_stream.__aiter__()
     try:
         first = await wait(request, it.__anext__())
+        if first.finish_reason == "error":
+            raise RuntimeError(first.error or "generation failed")
     except BaseException:
         req_stream.close()
         raise
 
     def event(d: SeqDelta) -> str:
+        if d.finish_reason == "error":
+            raise RuntimeError(d.error or "generation failed")
         meta = _final_meta(d, params) if d.is_finished else {}
         return f"data: {json.dumps({'text': d.text, 'output_ids': d.token_ids, 'meta_info': meta})}\n\n"
 
@@ -119,8 +114,10 @@ async def stream(request, tm: TokenizerManager, inputs, wait):
             yield event(first)
             async for d in it:
                 yield event(d)
-            yield "data: [DONE]\n\n"
+        except (ValueError, RuntimeError) as e:  # the engine failed or died, or the request timed out
+            yield openai_api.sse(openai_api.error_event(e))
         finally:
             req_stream.close()
+        yield "data: [DONE]\n\n"
 
     return StreamingResponse(events(), media_type="text/event-stream")

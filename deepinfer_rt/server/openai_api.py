@@ -10,15 +10,14 @@ from dataclasses import dataclass, field
 from deepinfer_rt.server.chat import ChatRenderer, message_text
 from deepinfer_rt.server.io_struct import SeqDelta
 from deepinfer_rt.server.api_models import ChatCompletionRequest, CompletionRequest
+from deepinfer_rt.server.tokenizer_manager import EngineLost, RequestTimeout
 
 
 def completion_inputs(req: CompletionRequest, encode) -> list[list[int]]:
-    """The prompts of a completions request as token ids (text, texts, ids or lists of ids)."""
+    """The prompts of a completions request as token ids (text, texts, ids or lists of ids; never empty)."""
     prompt = req.prompt
     if isinstance(prompt, str):
         return [encode(prompt)]
-    if not prompt:
-        raise ValueError("prompt: must not be empty")
     if isinstance(prompt[0], str):
         return [encode(p) for p in prompt]
     if isinstance(prompt[0], int):
@@ -26,16 +25,19 @@ def completion_inputs(req: CompletionRequest, encode) -> list[list[int]]:
     return [list(p) for p in prompt]
 
 
-def completion_params(req: CompletionRequest):
+def completion_params(req: CompletionRequest, longest_prompt: int, max_position: int):
+    """max_tokens unset: 16, or what the longest prompt leaves of the context. Set: as given (beyond the
+    context it is refused, TokenizerManager.check)."""
     k = req.logprobs
-    return req.sampling_params(req.max_tokens or 16, logprobs=k is not None, top_logprobs=k or 0)
+    max_tokens = req.max_tokens if req.max_tokens is not None else min(16, max(1, max_position - longest_prompt))
+    return req.sampling_params(max_tokens, logprobs=k is not None, top_logprobs=k or 0)
 
 
 def chat_inputs(req: ChatCompletionRequest, renderer: ChatRenderer) -> list[list[int]]:
     messages = []
     for m in req.messages:
         message = m.model_dump(exclude_none=True)
-        message["content"] = message_text(m.content)
+        message["content"] = message_text(m.content)  # text parts joined
         messages.append(message)
     return [renderer.render(messages, req.model_dump(exclude_none=True))]
 
@@ -166,6 +168,14 @@ async def collect(stream, formatter: Formatter) -> dict:
     return formatter.response(choices, usage)
 
 
+def error_event(e: Exception) -> dict:
+    """The error event that ends a stream which cannot finish, in the shape of error responses."""
+    code = ("engine_unavailable" if isinstance(e, EngineLost) else "timeout" if isinstance(e, RequestTimeout)
+            else None)
+    return {"error": {"message": str(e), "type": "invalid_request_error" if isinstance(e, ValueError)
+                      else "server_error", "param": None, "code": code}}
+
+
 def sse(payload: dict | str) -> str:
     return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
 
@@ -186,9 +196,8 @@ async def stream_events(first: SeqDelta, rest, formatter: Formatter, include_usa
         yield event(first)
         async for d in rest:
             yield event(d)
-    except (ValueError, RuntimeError) as e:
-        yield sse({"error": {"message": str(e), "type": "invalid_request_error" if isinstance(e, ValueError)
-                             else "server_error", "param": None, "code": None}})
+    except (ValueError, RuntimeError) as e:  # rejected, failed in the engine, engine died, timed out
+        yield sse(error_event(e))
     if include_usage:
         yield sse(formatter.usage_chunk(usage))
     yield sse("[DONE]")

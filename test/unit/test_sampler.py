@@ -481,3 +481,25 @@ def test_top_logprobs_sorted_with_ties_and_large_k():
     assert vals == sorted(vals, reverse=True)
     assert sorted(t for t, _ in res.top_logprobs[0]) == list(range(V))
     assert math.fsum(math.exp(v) for v in vals) == pytest.approx(1.0, abs=1e-5)
+
+
+# ---------------------------------------------------------------- hostile parameters (offline callers skip validation)
+
+
+def test_huge_top_k_is_no_top_k_and_spares_the_batch():
+    sampler = Sampler(V)
+    logits = torch.randn(3, V)
+    reqs = [make_req(0, top_k=10**30, temperature=1.0), make_req(1, top_k=2**63, temperature=1.0),
+            make_req(2, temperature=0.0)]
+    out = sampler(logits, reqs, (EOS,))
+    assert len(out.token_ids) == 3 and all(0 <= t < V for t in out.token_ids)
+    assert out.token_ids[2] == int(logits[2].argmax())
+
+
+@pytest.mark.parametrize("temperature", [1e-300, 1e-45, 1e-30])
+def test_tiny_temperature_draws_the_argmax_not_token_0(temperature):
+    sampler = Sampler(V)
+    logits = torch.tensor([[1.0, 3.0, 9.0, 2.0, 5.0, 0.5, 4.0, 8.0],
+                           [7.0, -3.0, 1.0, 2.0, 50.0, 0.5, 4.0, 8.0]])
+    reqs = [make_req(k, seed=k, temperature=temperature) for k in range(2)]
+    assert sampler(logits, reqs, (99,)).token_ids == [2, 4]

@@ -46,6 +46,37 @@ INVALID = [
     ("stop_token_ids", dict(stop_token_ids=[VOCAB])),
     ("stop_token_ids", dict(stop_token_ids=[1, -1])),
     ("stop_token_ids", dict(stop_token_ids=[1.0])),
+    # loose types and unbounded values the server once passed through (issue: one request kills the engine)
+    ("stop_token_ids", dict(stop_token_ids=5)),
+    ("stop_token_ids", dict(stop_token_ids=1.5)),
+    ("stop_token_ids", dict(stop_token_ids=[True])),
+    ("stop", dict(stop=5)),
+    ("stop", dict(stop={"a": 1})),
+    ("stop", dict(stop="\ud800")),
+    ("stop", dict(stop=["x"] * 65)),
+    ("max_new_tokens", dict(max_new_tokens=True)),
+    ("max_new_tokens", dict(max_new_tokens="16")),
+    ("max_new_tokens", dict(max_new_tokens=10**30)),
+    ("top_k", dict(top_k=10**30)),
+    ("top_k", dict(top_k=2**63)),
+    ("n", dict(n=True)),
+    ("n", dict(n=10**9)),
+    ("seed", dict(seed=2**64)),
+    ("seed", dict(seed=-(2**63) - 1)),
+    ("seed", dict(seed=True)),
+    ("temperature", dict(temperature=float("inf"))),
+    ("temperature", dict(temperature=1e9)),
+    ("temperature", dict(temperature=True)),
+    ("temperature", dict(temperature="1")),
+    ("top_p", dict(top_p=float("nan"))),
+    ("repetition_penalty", dict(repetition_penalty=float("inf"))),
+    ("logprobs", dict(logprobs="no")),
+    ("ignore_eos", dict(ignore_eos="no")),
+    ("prompt_logprobs", dict(prompt_logprobs=1)),
+    ("regex", dict(regex=3)),
+    ("regex", dict(regex="a\udc00")),
+    ("ebnf", dict(ebnf="x" * (256 * 1024 + 1))),
+    ("json_schema", dict(json_schema=3)),
 ]
 
 
@@ -56,6 +87,29 @@ def test_validate_names_the_invalid_field(field, kwargs):
         p.validate(VOCAB)
     msg = str(exc.value)
     assert msg.startswith(f"SamplingParams.{field}:"), msg
+
+
+def _nested(depth: int) -> dict:
+    schema: dict = {"type": "string"}
+    for _ in range(depth - 1):
+        schema = {"type": "object", "properties": {"a": schema}}
+    return schema
+
+
+def test_json_schema_depth_and_size_are_bounded_without_recursion():
+    SamplingParams(json_schema=_nested(20)).validate(VOCAB)
+    for schema in (_nested(450), _nested(100_000), {"enum": ["\ud800"]}, {"enum": ["x" * (256 * 1024)]}):
+        with pytest.raises(ValueError, match=r"^SamplingParams\.json_schema:"):
+            SamplingParams(json_schema=schema).validate(VOCAB)
+
+
+def test_limits_follow_the_environment(monkeypatch):
+    monkeypatch.setenv("DEEPINFER_MAX_JSON_DEPTH", "4")
+    with pytest.raises(ValueError, match="deeper than 4"):
+        SamplingParams(json_schema=_nested(5)).validate(VOCAB)
+    monkeypatch.setenv("DEEPINFER_MAX_GRAMMAR_CHARS", "10")
+    with pytest.raises(ValueError, match="regex"):
+        SamplingParams(regex="a" * 11).validate(VOCAB)
 
 
 def test_more_than_one_constraint_rejected():
@@ -75,6 +129,12 @@ VALID = [
     dict(repetition_penalty=0.5, frequency_penalty=-2.0, presence_penalty=2.0),
     dict(n=4, seed=0),
     dict(seed=-5),
+    dict(seed=2**64 - 1),
+    dict(seed=-(2**63)),
+    dict(top_k=2**31 - 1, temperature=100.0),
+    dict(temperature=1, top_p=1, min_p=0, repetition_penalty=2),
+    dict(json_schema=True),
+    dict(stop=("a", "b")),
     dict(top_logprobs=20, logprobs=True, prompt_logprobs=True),
     dict(top_logprobs=0),
     dict(prompt_logprobs=True, logprob_start_len=7),
