@@ -151,9 +151,10 @@ class Engine:
             return self._process(batch, result)
         live = batch.unfinished()  # the step completed meanwhile finished some (their rows are dropped)
         self.scheduler.update(live)  # before the new tokens count: a decode then offers nothing to the cache
-        for item in live.items:
-            item.req.num_inflight_tokens += 1
-        self._inflight = _Inflight(batch, handle, [it.req for it in live.items])
+        counted = [it.req for it in live.items]
+        for req in counted:
+            req.num_inflight_tokens += 1
+        self._inflight = _Inflight(batch, handle, counted)
         return []
 
     def _complete_inflight(self) -> list[Req]:

@@ -106,7 +106,11 @@ class ModelRunner:
         return self.pool.num_slots
 
     def can_overlap(self, batch: ScheduledBatch) -> bool:
-        return self.is_overlap_enabled and self.spec is None and is_overlappable(batch)
+        if not self.is_overlap_enabled or self.spec is not None:
+            return False
+        if batch.is_overlappable is None:
+            batch.is_overlappable = is_overlappable(batch)
+        return batch.is_overlappable
 
     @torch.no_grad()
     def launch(self, batch: ScheduledBatch, prev: Launched | None = None) -> Launched:
@@ -137,6 +141,12 @@ class ModelRunner:
     def input_ids(self, batch: ScheduledBatch, prev: Launched | None) -> list[int]:
         """The ids each item feeds; a token still on the device (sampled by `prev`) as its placeholder."""
         ids = []
+        if prev is not None and all(it.num_new_tokens == 1 for it in batch.items):  # a decode step: one id each
+            rows = prev.rows
+            for item in batch.items:
+                tokens, start = item.req.token_ids, item.start
+                ids.append(tokens[start] if start < len(tokens) else -1 - rows[item.req.rid])
+            return ids
         for item in batch.items:
             req, start, n = item.req, item.start, item.num_input_tokens
             known = req.token_ids[start : start + n]

@@ -46,12 +46,18 @@ class OutputProcessor:
         windows of all of them decoded in two batched tokenizer calls instead of two calls per request. A
         request whose token cannot be applied (an exception in its grammar or text) finishes alone with an
         error; the batched decode falls back to one request at a time if it fails."""
-        done = [self._guarded(req, self._append, req, token, None, None) for req, token in zip(reqs, tokens)]
-        windows = {i: self._guarded(reqs[i], reqs[i].detokenizer.push, tokens[i])
-                   for i, d in enumerate(done) if not d}
-        live = [i for i, w in windows.items() if not reqs[i].is_finished]
+        done, windows = [], {}
+        for i, (req, token) in enumerate(zip(reqs, tokens)):
+            try:
+                is_done = self._append(req, token, None, None)
+                if not is_done:
+                    windows[i] = req.detokenizer.push(token)
+            except Exception as e:  # noqa: BLE001 -- that request fails, the others go on
+                is_done = self._fail(req, e)
+            done.append(is_done)
+        live = list(windows)
         if not live:
-            return [d or reqs[i].is_finished for i, d in enumerate(done)]
+            return done
         try:
             prefixes = self._decode_batch([windows[i][0] for i in live])
             texts = self._decode_batch([windows[i][1] for i in live])
@@ -61,21 +67,28 @@ class OutputProcessor:
         for i, prefix, text in zip(live, prefixes, texts):
             req = reqs[i]
             if req.is_finished:
+                done[i] = True
                 continue
-            check_stop = req.num_output_tokens >= req.params.min_new_tokens
-            done[i] = self._guarded(req, lambda: self._after_text(req, req.detokenizer.commit(prefix, text,
-                                                                                            check_stop)))
-        return [d or reqs[i].is_finished for i, d in enumerate(done)]
+            try:
+                done[i] = self._after_text(req, req.detokenizer.commit(
+                    prefix, text, req.num_output_tokens >= req.params.min_new_tokens))
+            except Exception as e:  # noqa: BLE001
+                done[i] = self._fail(req, e)
+        return done
 
     @staticmethod
-    def _guarded(req: Req, fn, *args):
+    def _fail(req: Req, error: Exception) -> bool:
+        logger.exception("request %d: failed to apply its token", req.rid)
+        req.finish("error", f"failed to apply a sampled token: {type(error).__name__}: {error}")
+        return True
+
+    @classmethod
+    def _guarded(cls, req: Req, fn, *args):
         """fn(*args); if it raises, the request finishes with an error (returns True, as 'finished')."""
         try:
             return fn(*args)
         except Exception as e:  # noqa: BLE001 -- that request fails, the others go on
-            logger.exception("request %d: failed to apply its token", req.rid)
-            req.finish("error", f"failed to apply a sampled token: {type(e).__name__}: {e}")
-            return True
+            return cls._fail(req, e)
 
     def _append(self, req: Req, token: int, logprob: float | None, top: list[tuple[int, float]] | None) -> bool:
         """The token and its logprobs, then the checks that come before its text (grammar, stop tokens);

@@ -76,7 +76,7 @@ class Req:
 
     @property
     def num_output_tokens(self) -> int:
-        return self.num_tokens - self.prompt_len
+        return len(self.token_ids) + self.num_inflight_tokens - len(self.prompt_ids)
 
     @property
     def is_finished(self) -> bool:

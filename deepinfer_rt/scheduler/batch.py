@@ -7,13 +7,14 @@ list; results (sampled tokens, accepted drafts) come back in the executor's RunR
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from deepinfer_rt.request import Req
 
 
-@dataclass(frozen=True)
-class ScheduledReq:
+class ScheduledReq(NamedTuple):
+    """Immutable (a tuple: cheap to build for every request of every step)."""
     req: Req
     start: int
     """num_computed_tokens when scheduled: this step computes positions start .. start + num_new_tokens - 1."""
@@ -27,11 +28,11 @@ class ScheduledReq:
     @classmethod
     def of(cls, req: Req, num_new_tokens: int) -> "ScheduledReq":
         start = req.num_computed_tokens
-        return cls(req, start, num_new_tokens, is_sampling=start + num_new_tokens == req.num_tokens,
-                   wants_prompt_logprobs=req.wants_prompt_logprobs and start < req.prompt_len)
+        return cls(req, start, num_new_tokens, start + num_new_tokens == req.num_tokens, (),
+                   start < req.prompt_len and req.wants_prompt_logprobs)
 
     def with_drafts(self, drafts: list[int]) -> "ScheduledReq":
-        return replace(self, draft_tokens=tuple(drafts), num_new_tokens=self.num_new_tokens + len(drafts))
+        return self._replace(draft_tokens=tuple(drafts), num_new_tokens=self.num_new_tokens + len(drafts))
 
     @property
     def rid(self) -> int:
@@ -49,6 +50,8 @@ class ScheduledBatch:
     kv_copies: list[tuple[list[int], list[int]]] = field(default_factory=list)
     """KV slot copies (source slots, destination slots) the executor makes before the forward: a sibling of an
     n > 1 request starting from its leader's partly filled last page."""
+    is_overlappable: bool | None = None
+    """Memo of model_runner.is_overlappable (asked by the engine and by the launch)."""
 
     @property
     def num_tokens(self) -> int:
@@ -61,4 +64,6 @@ class ScheduledBatch:
     def unfinished(self) -> "ScheduledBatch":
         """The items whose request is still unfinished (one may finish between scheduling and launch, when the
         step before it is completed)."""
+        if not any(it.req.is_finished for it in self.items):
+            return self
         return ScheduledBatch([it for it in self.items if not it.req.is_finished], self.kv_copies)
