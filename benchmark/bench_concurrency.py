@@ -86,7 +86,7 @@ def run_batch(runtime, prompts, max_new_tokens):
     @sgl.function
     def program(s, prompt):
         s += prompt
-        s += sgl.gen("out", max_tokens=max_new_tokens, temperature=0)
+        s += sgl.gen("out", max_tokens=max_new_tokens, temperature=0, ignore_eos=True)
 
     states = program.run_batch([{"prompt": p} for p in prompts], backend=runtime, num_threads=len(prompts))
     return [runtime.engine.tokenizer.encode(s["out"], add_special_tokens=False) for s in states]
