@@ -17,8 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
-FP8_MAX = 448.0
-MIN_AMAX = 1e-12
+FP8_MAX = tl.constexpr(448.0)
+MIN_AMAX = tl.constexpr(1e-12)
 """As deepinfer_kernels.reference.quantize_fp8_blocks: a zero group gets a tiny scale, not 0 / 0."""
 
 
