@@ -59,7 +59,10 @@ def quantize_fp8_blocks(w: torch.Tensor, block: tuple[int, int] = (128, 128)) ->
     padded = w.new_zeros(*lead, nb * bn, kb * bk, dtype=torch.float32)
     padded[..., :n, :k] = w
     tiles = padded.view(*lead, nb, bn, kb, bk)
-    scale = tiles.abs().amax(dim=(-3, -1)).clamp(min=_FP8_MIN_AMAX) / FP8_E4M3_MAX  # (..., nb, kb)
+    amax = tiles.abs().amax(dim=(-3, -1)).clamp(min=_FP8_MIN_AMAX)  # (..., nb, kb)
+    # A tensor divisor: CUDA divides by a Python scalar as a multiply by its reciprocal, which can differ from
+    # the CPU's quotient in the last bit; the scales must not depend on where a checkpoint was quantized.
+    scale = amax / torch.full_like(amax, FP8_E4M3_MAX)
     q = (tiles / scale[..., :, None, :, None]).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
     return q.view(*lead, nb * bn, kb * bk)[..., :n, :k].contiguous(), scale
 
