@@ -83,6 +83,8 @@ class Engine:
 
             if speculative is not None:
                 raise ValueError("speculative decoding does not run with the expert-parallel worker pool yet")
+            if quantization is not None:
+                raise ValueError("quantization= does not reach the expert-parallel workers yet")
             # The model lives in the EP worker processes; the pool's allocator hands out pages of theirs.
             self.model = None
             self.executor: Executor = WorkerPool(self.config, path, mc, self.eos_ids)

@@ -230,6 +230,9 @@ class Fp8DequantExperts(ExpertWeights):
             w = getattr(experts, name).data
             rows = w.shape[1] // shards
             scale = getattr(experts, name + SCALE_SUFFIX).data if self.is_checkpoint_quantized else None
+            if scale is not None and scale.shape[0] != w.shape[0]:
+                raise ValueError(f"{name}: scales for {scale.shape[0]} experts, weights for {w.shape[0]} "
+                                 "(FP8 checkpoints do not run expert-parallel yet)")
             dense = torch.empty_like(w)
             for s in range(shards):
                 part = w[:, s * rows : (s + 1) * rows]

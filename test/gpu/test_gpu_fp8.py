@@ -33,7 +33,7 @@ V2_LITE_SHAPES = {  # (N, K) of the linears an FP8 V2-Lite would run through the
 GREEDY_FIRST_TOKEN_AGREEMENT = 0.1
 """Least fraction of prompts whose first greedy token is the same from the FP8 engine as from the bf16 engine
 (reported with the agreement up to the first difference). The tiny random model's top logits over a 129K vocabulary
-lie closer together than FP8's ~3% weight and activation errors move them (an H200 run gave 19% first-token
+lie closer together than FP8's ~3% weight and activation errors move them (H200 runs gave 19% and 25% first-token
 agreement), so this is a floor against a broken path, not a quality figure: the prompt-logprob check is that."""
 DIMS = dict(hidden_size=256, intermediate_size=384, moe_intermediate_size=192, q_lora_rank=192, kv_lora_rank=128)
 """The CPU test's dims (test/e2e/test_fp8_checkpoint.py), but a power-of-two latent for the decode kernel."""
@@ -114,10 +114,13 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
-PROMPT_LOGPROB_ERR = 0.15
+PROMPT_LOGPROB_ERR = 0.75
 """Most mean |prompt logprob - the CPU fp32 engine's| (nats) of the FP8 engine on the release folder: its
 weights are exactly the fp32 reference's, so the error is bf16 activations plus their e4m3 quantization in every
-GEMM. A wrong scale block, shard or row layout gives errors of nats."""
+GEMM. This tiny random model is very sensitive to it: on an H200 the bf16 engine was 0.12 nats off and the FP8
+engine 0.51; on CPU, quantizing the activations of the same linears (per token, per 128 channels) in an
+otherwise fp32 model moved them by 0.48 nats, so the GPU figure is the activation scheme's, not the kernel's. A
+wrong scale block, shard or row layout gives errors of nats."""
 
 
 def _prompt_logprobs(engine, prompts) -> list[float]:
