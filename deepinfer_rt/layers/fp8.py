@@ -58,6 +58,19 @@ def apply_keeping_quantized(module: nn.Module, fn: Callable, apply: Callable) ->
     return module
 
 
+def check_fp8_weight(param: nn.Parameter, loaded: torch.Tensor) -> None:
+    """An FP8 checkpoint's weight must come as float8 (with its scale): a 16/32-bit one would be taken unscaled."""
+    if getattr(param, "is_fp8_checkpoint", False) and loaded.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"{loaded.dtype} weight where the checkpoint's quantization_config says float8_e4m3fn")
+
+
+def load_fp8_weight(param: nn.Parameter, loaded: torch.Tensor) -> None:
+    check_fp8_weight(param, loaded)
+    if tuple(loaded.shape) != tuple(param.shape):
+        raise ValueError(f"shape {tuple(loaded.shape)} != {tuple(param.shape)}")
+    param.data.copy_(loaded)
+
+
 def _scale_param(rows: int, cols: int, leading: tuple[int, ...] = ()) -> nn.Parameter:
     return nn.Parameter(torch.empty(*leading, rows, cols, dtype=torch.float32), requires_grad=False)
 
@@ -88,6 +101,8 @@ class Fp8LinearMethod(LinearMethod):
             return  # the weight loads in 16/32-bit; process_weights_after_loading quantizes it
         if self.weight_dtype is not None:
             layer.weight = nn.Parameter(torch.empty_like(layer.weight, dtype=self.weight_dtype), requires_grad=False)
+        layer.weight.is_fp8_checkpoint = True  # loaders refuse a 16/32-bit tensor for it (check_fp8_weight)
+        layer.weight.weight_loader = load_fp8_weight  # a merged layer replaces it by its shard loader
         layer.weight_scale_inv = _scale_param(scale_row, _cdiv(layer.in_features, bk))
         layer.weight_scale_inv.weight_loader = functools.partial(self.load_scale, layer)
 

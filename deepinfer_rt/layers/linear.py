@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from deepinfer_rt.layers.fp8 import apply_keeping_quantized, weight_linear_method
+from deepinfer_rt.layers.fp8 import apply_keeping_quantized, check_fp8_weight, weight_linear_method
 from deepinfer_rt.layers.kernel_config import current_kernel_config
 from deepinfer_rt.layers.methods import LinearMethod
 
@@ -47,6 +47,7 @@ class MergedLinear(nn.Linear):
             self.bias.weight_loader = self.weight_loader
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str) -> None:
+        check_fp8_weight(param, loaded)
         start, size = self.shard_offsets[shard_id]
         want = (size, *param.shape[1:])
         if tuple(loaded.shape) != want:

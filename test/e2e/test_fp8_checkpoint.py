@@ -209,6 +209,16 @@ def test_scale_shape_mismatch_names_the_tensor(ckpts, tmp_path, name):
         build_model(config, path, "auto", torch.float32, CPU, seed=0)
 
 
+@pytest.mark.parametrize("name", ["model.layers.0.self_attn.o_proj.weight", "model.layers.0.mlp.gate_proj.weight"])
+def test_unquantized_weight_in_an_fp8_checkpoint_names_the_tensor(ckpts, tmp_path, name):
+    _, fp8, _ = ckpts
+    weight = load_file(fp8 / "model.safetensors")[name]
+    path = _with_tensor(fp8, tmp_path / "bad", name, weight.to(torch.bfloat16))
+    config, _ = load_model_config(path)
+    with pytest.raises(ValueError, match=name.replace(".", r"\.") + ".*float8"):
+        build_model(config, path, "auto", torch.float32, CPU, seed=0)
+
+
 @pytest.mark.parametrize("field,value", [("quant_method", "awq"), ("fmt", "e5m2"), ("weight_block_size", [128]),
                                          ("activation_scheme", "static")])
 def test_unknown_quantization_config_names_the_field(ckpts, tmp_path, field, value):
