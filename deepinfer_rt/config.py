@@ -18,6 +18,46 @@ def _get(hf: Any, name: str, default: Any = None) -> Any:
 
 
 @dataclass(frozen=True)
+class QuantConfig:
+    """A checkpoint's weight quantization (HF `quantization_config`), normalised and checked once.
+
+    The one format read today is DeepSeek-V3/R1/V3.1's: linear weights in float8 e4m3 with a float32
+    `<name>.weight_scale_inv` per weight_block_size block (dequantized weight = fp8 value x its block's scale);
+    embeddings, LM head, norms and the MoE router stay in 16/32-bit.
+    """
+    method: str = "fp8"
+    """HF `quant_method`: 'fp8' (block-scaled e4m3)."""
+    weight_block_size: tuple[int, int] = (128, 128)
+    """(rows, columns) of the weight covered by one scale; activations are quantized per token in groups of
+    the column block."""
+
+    METHODS = ("fp8",)
+    FORMATS = ("e4m3",)
+
+    @classmethod
+    def from_hf(cls, hf: Any) -> "QuantConfig | None":
+        """None for an unquantized checkpoint; ValueError naming the field for what we do not read."""
+        if hf is None:
+            return None
+        q = hf if isinstance(hf, dict) else (hf.to_dict() if hasattr(hf, "to_dict") else dict(vars(hf)))
+        method = q.get("quant_method")
+        if method not in cls.METHODS:
+            raise ValueError(f"quantization_config.quant_method {method!r} is not supported (known: {cls.METHODS})")
+        fmt = q.get("fmt", "e4m3")
+        if fmt not in cls.FORMATS:
+            raise ValueError(f"quantization_config.fmt {fmt!r} is not supported (known: {cls.FORMATS})")
+        if q.get("activation_scheme", "dynamic") != "dynamic":
+            raise ValueError(f"quantization_config.activation_scheme {q['activation_scheme']!r} is not supported "
+                             "(known: ('dynamic',))")
+        if q.get("scale_fmt") not in (None, "fp32", "float32"):
+            raise ValueError(f"quantization_config.scale_fmt {q['scale_fmt']!r} is not supported (float32 scales only)")
+        block = q.get("weight_block_size")
+        if block is None or len(block) != 2 or not all(isinstance(b, int) and b > 0 for b in block):
+            raise ValueError(f"quantization_config.weight_block_size must be two positive ints, got {block!r}")
+        return cls(method, (block[0], block[1]))
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     architecture: str
     """HF `architectures[0]`, the registry key."""
@@ -61,6 +101,8 @@ class ModelConfig:
     topk_method: str = "greedy"
     """'greedy', 'group_limited_greedy' (V2) or 'noaux_tc' (V3)."""
     norm_topk_prob: bool = False
+    quantization: QuantConfig | None = None
+    """How the checkpoint stores its weights (HF quantization_config); None for 16/32-bit weights."""
     raw: dict = field(default_factory=dict, compare=False, repr=False)
     """The HF config as a dict, for model families whose extra fields are read by their own module."""
 
@@ -120,6 +162,7 @@ class ModelConfig:
             scoring_func=_get(hf, "scoring_func", "sigmoid" if is_v3 else "softmax"),
             topk_method=_get(hf, "topk_method", "noaux_tc" if is_v3 else "greedy"),
             norm_topk_prob=bool(_get(hf, "norm_topk_prob", False)),
+            quantization=QuantConfig.from_hf(_get(hf, "quantization_config", None)),
             raw=hf.to_dict() if hasattr(hf, "to_dict") else dict(vars(hf)),
         )
 
@@ -161,3 +204,6 @@ class EngineConfig:
     ep_size: int
     cache: CacheConfig
     scheduler: SchedulerConfig
+    quantization: str | None = None
+    """Engine(quantization=): 'fp8' quantizes 16/32-bit weights to block-scaled e4m3 at load (a checkpoint
+    already in FP8 needs nothing); None keeps what the checkpoint stores."""

@@ -52,7 +52,7 @@ class Engine:
                  load_format: str = "auto", max_num_seqs: int = 256, kv_cache_tokens: int | None = None,
                  page_size: int = 1, chunked_prefill_tokens: int = 2048, enable_prefix_cache: bool = True,
                  schedule_policy: str = "lpm", batch_invariant: bool = False, ep_size: int = 1, seed: int = 0,
-                 speculative: "str | SpeculativeConfig | None" = None):
+                 speculative: "str | SpeculativeConfig | None" = None, quantization: str | None = None):
         env = get_env()
         logging.getLogger("deepinfer_rt").setLevel(env.log_level.upper())
         if env.num_threads:
@@ -68,7 +68,8 @@ class Engine:
             model=model, dtype=_resolve_dtype(dtype, dev), device=dev, load_format=load_format, seed=seed,
             batch_invariant=batch_invariant or env.batch_invariant, ep_size=ep_size,
             cache=CacheConfig(page_size, kv_cache_tokens, enable_prefix_cache),
-            scheduler=SchedulerConfig(max_num_seqs, chunked_prefill_tokens, schedule_policy))
+            scheduler=SchedulerConfig(max_num_seqs, chunked_prefill_tokens, schedule_policy),
+            quantization=quantization)
         path = resolve_model_path(model)
         self.model_config, _ = load_model_config(path)
         self.tokenizer = load_tokenizer(path)
@@ -82,13 +83,16 @@ class Engine:
 
             if speculative is not None:
                 raise ValueError("speculative decoding does not run with the expert-parallel worker pool yet")
+            if quantization is not None:
+                raise ValueError("quantization= does not reach the expert-parallel workers yet")
             # The model lives in the EP worker processes; the pool's allocator hands out pages of theirs.
             self.model = None
             self.executor: Executor = WorkerPool(self.config, path, mc, self.eos_ids)
             self.pool = self.executor
         else:
             self.model = build_model(self.model_config, path, load_format, self.config.dtype, dev, seed,
-                                     kernel_config=KernelConfig.from_env(dev, self.config.batch_invariant))
+                                     kernel_config=KernelConfig.from_env(dev, self.config.batch_invariant,
+                                                                         quantization))
             # Speculative decoding (off unless asked): "prompt_lookup", "mtp" or a SpeculativeConfig.
             self.spec = None if speculative is None else build_spec_decoder(
                 SpeculativeConfig.parse(speculative), self.model, self.model_config, path, load_format,

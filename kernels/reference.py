@@ -35,3 +35,61 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave
         x = x.view(t, h, d // 2, 2).transpose(-1, -2).reshape(t, h, d)
     cos, sin = cos[:, None, :], sin[:, None, :]
     return (x * cos + rotate_half(x) * sin).to(x.dtype)
+
+
+# ---- block-scaled FP8 (DeepSeek-V3/R1 checkpoints) ----
+
+FP8_E4M3_MAX = 448.0
+"""Largest finite float8_e4m3fn value: a block's amax maps onto it (scale_inv = amax / 448)."""
+_FP8_MIN_AMAX = 1e-12
+"""A block of zeros gets this amax (a tiny scale) instead of a 0 / 0."""
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def quantize_fp8_blocks(w: torch.Tensor, block: tuple[int, int] = (128, 128)) -> tuple[torch.Tensor, torch.Tensor]:
+    """w (..., N, K) -> (float8_e4m3fn (..., N, K), scale_inv float32 (..., ceil(N/bn), ceil(K/bk))): each
+    bn x bk block divided by amax / 448, so that fp8 value x scale_inv approximates w (the V3 release format).
+    Edge blocks cover what is left of N and K."""
+    *lead, n, k = w.shape
+    bn, bk = block
+    nb, kb = _cdiv(n, bn), _cdiv(k, bk)
+    padded = w.new_zeros(*lead, nb * bn, kb * bk, dtype=torch.float32)
+    padded[..., :n, :k] = w
+    tiles = padded.view(*lead, nb, bn, kb, bk)
+    amax = tiles.abs().amax(dim=(-3, -1)).clamp(min=_FP8_MIN_AMAX)  # (..., nb, kb)
+    # A tensor divisor: CUDA divides by a Python scalar as a multiply by its reciprocal, which can differ from
+    # the CPU's quotient in the last bit; the scales must not depend on where a checkpoint was quantized.
+    scale = amax / torch.full_like(amax, FP8_E4M3_MAX)
+    q = (tiles / scale[..., :, None, :, None]).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
+    return q.view(*lead, nb * bn, kb * bk)[..., :n, :k].contiguous(), scale
+
+
+def expand_block_scales(scale_inv: torch.Tensor, shape: tuple[int, int], block: tuple[int, int]) -> torch.Tensor:
+    """scale_inv (..., ceil(N/bn), ceil(K/bk)) -> (..., N, K): each element's block scale."""
+    n, k = shape
+    return scale_inv.repeat_interleave(block[0], dim=-2)[..., :n, :].repeat_interleave(block[1], dim=-1)[..., :k]
+
+
+def dequantize_fp8_blocks(q: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int] = (128, 128),
+                          dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """fp8 (or exactly cast) values (..., N, K) x their block's scale, in fp32, rounded once to `dtype`."""
+    scale = expand_block_scales(scale_inv.float(), tuple(q.shape[-2:]), block)
+    return (q.float() * scale).to(dtype)
+
+
+def quantize_fp8_token_groups(x: torch.Tensor, group: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (M, K) -> (float8_e4m3fn (M, K), scale float32 (M, ceil(K/group))): per token and per `group` channels,
+    scale = amax / 448 (the dynamic activation scheme)."""
+    q, scale = quantize_fp8_blocks(x, (1, group))
+    return q, scale
+
+
+def fp8_block_gemm(x: torch.Tensor, w: torch.Tensor, w_scale_inv: torch.Tensor,
+                   block: tuple[int, int] = (128, 128)) -> torch.Tensor:
+    """The W8A8 block GEMM's torch form: x (M, K) quantized per token and block[1]-channel group, times w (N, K)
+    fp8 with per-block scales, every product and sum in fp32 -> (M, N) fp32."""
+    xq, xs = quantize_fp8_token_groups(x, block[1])
+    return dequantize_fp8_blocks(xq, xs, (1, block[1])) @ dequantize_fp8_blocks(w, w_scale_inv, block).t()

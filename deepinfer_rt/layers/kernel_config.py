@@ -12,13 +12,18 @@ the other knobs from the environment.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from dataclasses import dataclass
 from typing import Iterator
 
 import torch
 
 from deepinfer_kernels.dispatch import HAS_TRITON
+from deepinfer_rt.config import QuantConfig
 from deepinfer_rt.env import get_env
+
+QUANTIZATIONS = (None, "fp8")
+"""What `Engine(quantization=)` takes."""
 
 
 @dataclass(frozen=True)
@@ -37,6 +42,16 @@ class KernelConfig:
     of more than one new token, on any backend; False = never. Never in batch-invariant mode."""
     moe_router_skew: float = 0.0
     """DEEPINFER_MOE_ROUTER_SKEW: benchmarks only; biases MoE routers toward low expert ids (Zipf exponent)."""
+    quantization: str | None = None
+    """'fp8': the linear and expert weights are block-scaled float8 e4m3 (layers/fp8.py): loaded so from the
+    checkpoint or quantized at load. On CUDA (not batch-invariant) the linears run the W8A8 block GEMM; elsewhere,
+    and for the routed experts and MLA's kv_b for now, they are dequantized at load to the engine dtype. None: the
+    engine dtype throughout."""
+    is_checkpoint_quantized: bool = False
+    """Whether the checkpoint stores the weights quantized (FP8 values + `weight_scale_inv`), rather than in
+    16/32-bit for `quantization` to quantize at load."""
+    weight_block_size: tuple[int, int] = (128, 128)
+    """(rows, columns) of weight per FP8 scale."""
 
     @property
     def is_triton(self) -> bool:
@@ -44,13 +59,24 @@ class KernelConfig:
         return self.device_type == "cuda" and HAS_TRITON
 
     @classmethod
-    def from_env(cls, device: torch.device | str = "cpu", batch_invariant: bool = False) -> "KernelConfig":
-        """The config for a model on `device`: batch_invariant from the engine arguments (which already fold in
-        DEEPINFER_BATCH_INVARIANT), the layer knobs from the environment."""
+    def from_env(cls, device: torch.device | str = "cpu", batch_invariant: bool = False,
+                 quantization: str | None = None) -> "KernelConfig":
+        """The config for a model on `device`: batch_invariant and quantization from the engine arguments (the
+        former already folds in DEEPINFER_BATCH_INVARIANT), the layer knobs from the environment."""
+        if quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
         env = get_env()
         return cls(device_type=torch.device(device).type, is_batch_invariant=batch_invariant,
                    is_skinny_gemm=env.skinny_gemm, mla_mha_prefill=env.mla_mha_prefill,
-                   moe_router_skew=env.moe_router_skew)
+                   moe_router_skew=env.moe_router_skew, quantization=quantization)
+
+    def for_checkpoint(self, quant: QuantConfig | None) -> "KernelConfig":
+        """This config for a model whose checkpoint stores its weights as `quant` (ModelConfig.quantization): an
+        FP8 checkpoint makes the layers FP8 whatever was asked (on CPU they dequantize it at load)."""
+        if quant is None:
+            return self
+        return dataclasses.replace(self, quantization=quant.method, is_checkpoint_quantized=True,
+                                   weight_block_size=quant.weight_block_size)
 
 
 _current: KernelConfig | None = None

@@ -2,30 +2,41 @@
 
 `MergedLinear` fuses several HF projections (q/k/v, gate/up) into one matmul; each HF tensor is copied into
 its row block by `weight_loader(param, tensor, shard_id)`, so checkpoint names stay the HF ones. The
-product is the layer's method (layers/methods.py linear_method), chosen from the KernelConfig at construction.
+product is the layer's method (layers/fp8.py weight_linear_method: layers/methods.py linear_method, or an FP8
+method that adds its scale parameters through `create_weights`), chosen from the KernelConfig at construction.
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from deepinfer_rt.layers.fp8 import apply_keeping_quantized, check_fp8_weight, weight_linear_method
 from deepinfer_rt.layers.kernel_config import current_kernel_config
-from deepinfer_rt.layers.methods import linear_method
+from deepinfer_rt.layers.methods import LinearMethod
 
 
 class Linear(nn.Linear):
-    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, method: LinearMethod | None = None):
         super().__init__(in_features, out_features, bias=bias)
-        self.method = linear_method(current_kernel_config())
+        self.method = method or weight_linear_method(current_kernel_config())
+        self.method.create_weights(self, {None: out_features})
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.method.apply(self, x)
+
+    @torch.no_grad()
+    def process_weights_after_loading(self) -> None:
+        self.method.process_weights_after_loading(self)
+
+    def _apply(self, fn, recurse=True):
+        return apply_keeping_quantized(self, fn, lambda f: super(Linear, self)._apply(f, recurse))
 
 
 class MergedLinear(nn.Linear):
     def __init__(self, in_features: int, shard_sizes: dict[str, int], bias: bool = False):
         super().__init__(in_features, sum(shard_sizes.values()), bias=bias)
-        self.method = linear_method(current_kernel_config())
+        self.method = weight_linear_method(current_kernel_config())
+        self.method.create_weights(self, shard_sizes)
         self.shard_offsets: dict[str, tuple[int, int]] = {}
         start = 0
         for name, size in shard_sizes.items():
@@ -36,7 +47,11 @@ class MergedLinear(nn.Linear):
             self.bias.weight_loader = self.weight_loader
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str) -> None:
+        check_fp8_weight(param, loaded)
         start, size = self.shard_offsets[shard_id]
+        want = (size, *param.shape[1:])
+        if tuple(loaded.shape) != want:
+            raise ValueError(f"shard {shard_id!r}: shape {tuple(loaded.shape)} != {want}")
         param.data[start : start + size].copy_(loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -44,3 +59,10 @@ class MergedLinear(nn.Linear):
 
     def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return y.split([size for _, size in self.shard_offsets.values()], dim=-1)
+
+    @torch.no_grad()
+    def process_weights_after_loading(self) -> None:
+        self.method.process_weights_after_loading(self)
+
+    def _apply(self, fn, recurse=True):
+        return apply_keeping_quantized(self, fn, lambda f: super(MergedLinear, self)._apply(f, recurse))

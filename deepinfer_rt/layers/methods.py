@@ -12,9 +12,10 @@ rows). The MoE methods live in layers/moe.py, MLA's in layers/mla.py, DeepSeek-V
     gated_mlp_method(config)    GatedMLPMethod | InvariantGatedMLP
     rope_method(config)         TorchRope | TritonRope (rotates in place)
 
-A quantized linear (FP8 block-scaled, FP4) is another LinearMethod: it will add `create_weights(layer, ...)`
-for its weight and scale parameters (the unquantized methods use nn.Linear's own weight) and
-`process_weights_after_loading(layer)`.
+A quantized linear is another LinearMethod (layers/fp8.py: Fp8BlockLinear, Fp8DequantLinear, chosen by
+fp8.weight_linear_method for the layers that hold model weights): `create_weights(layer, shard_sizes)` adds its
+weight and scale parameters (the unquantized methods keep nn.Linear's own weight) and
+`process_weights_after_loading(layer)` brings them to the form `apply` runs.
 """
 from __future__ import annotations
 
@@ -35,6 +36,11 @@ class LinearMethod:
     """y = x @ weight.T + bias. `linear` takes the tensors (expert slices, routers); `apply` a layer's own."""
 
     is_batch_invariant = False
+    is_quantized = False
+    """Whether the layer's weight is held quantized (not a dense matrix other code may read)."""
+
+    def create_weights(self, layer: nn.Module, shard_sizes: dict[str | None, int]) -> None:
+        """Replace or add the layer's parameters (called once its nn.Linear weight exists)."""
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         raise NotImplementedError

@@ -25,6 +25,7 @@ from torch import nn
 from deepinfer_rt.config import ModelConfig
 from deepinfer_rt.forward_batch import ForwardBatch
 from deepinfer_rt.layers import mla_prefill
+from deepinfer_rt.layers.fp8 import dense_linear_method
 from deepinfer_rt.layers.kernel_config import KernelConfig, current_kernel_config
 from deepinfer_rt.layers.linear import Linear, MergedLinear
 from deepinfer_rt.layers.methods import head_matmul_method
@@ -107,7 +108,9 @@ class MLAttention(nn.Module):
             self.q_a_layernorm = RMSNorm(config.q_lora_rank, _LORA_NORM_EPS)
             self.q_b_proj = Linear(config.q_lora_rank, q_dim)
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, _LORA_NORM_EPS)
-        self.kv_b_proj = Linear(self.kv_lora_rank, self.num_heads * (self.nope_dim + self.v_dim))
+        # Its per-head slices feed the absorbed matmuls and the prefill's padded copy: a dense weight, FP8 or not.
+        self.kv_b_proj = Linear(self.kv_lora_rank, self.num_heads * (self.nope_dim + self.v_dim),
+                                method=dense_linear_method(kernel_config))
         self.o_proj = Linear(self.num_heads * self.v_dim, hidden, bias=config.attention_bias)
         self.rotary_emb = RotaryEmbedding(config, self.rope_dim, interleave=config.rope_interleave)
         self.scale = mla_softmax_scale(config)

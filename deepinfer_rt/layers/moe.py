@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from deepinfer_rt.config import ModelConfig
+from deepinfer_rt.layers.fp8 import apply_keeping_quantized, expert_weights_method
 from deepinfer_rt.layers.kernel_config import KernelConfig, current_kernel_config
 from deepinfer_rt.layers.methods import Activation, LinearMethod, activation_method, linear_method
 from deepinfer_rt.layers.mlp import GatedMLP
@@ -293,11 +294,22 @@ class RoutedExperts(nn.Module):
         self.num_experts = num_experts
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
-        self.method = experts_method(current_kernel_config())
+        kernel_config = current_kernel_config()
+        self.method = experts_method(kernel_config)
+        self.weights_method = expert_weights_method(kernel_config)
+        """How the fused weights are held (layers/fp8.py: FP8 checkpoints add their scales, dequantized at load)."""
+        self.weights_method.create_weights(self)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x (T, H), weights/ids (T, k) -> sum_k weights * expert_ids(x) (T, H) (the method's docstring)."""
         return self.method.apply(x, self.gate_up_proj, self.down_proj, weights, ids)
+
+    @torch.no_grad()
+    def process_weights_after_loading(self) -> None:
+        self.weights_method.process_weights_after_loading(self)
+
+    def _apply(self, fn, recurse=True):
+        return apply_keeping_quantized(self, fn, lambda f: super(RoutedExperts, self)._apply(f, recurse))
 
 
 class MoE(nn.Module):
@@ -342,9 +354,10 @@ class MoE(nn.Module):
         the shared MLP's GEMMs, activation and residual add (four launches per layer at decode). The routed
         parameters become views of the joint tensors (no second copy); the shared MLP keeps its weights for
         longer batches, where its dense GEMMs run faster than the grouped kernel. Called once the weights are
-        final and on their device (models.loader.finalize); a `.to()` drops the joint tensors, and a weight
+        final and on their device (models.loader.finalize, after the experts' own); a `.to()` drops the joint tensors, and a weight
         reload must call it again. The shared experts' weights are held twice (~0.9 GB for V2-Lite in bf16)."""
-        if self.shared_experts is None or self.expert_parallel is not None or not self.experts.method.is_joint_shared:
+        if (self.shared_experts is None or self.expert_parallel is not None or not self.experts.method.is_joint_shared
+                or self.shared_experts.gate_up_proj.method.is_quantized):  # FP8 shared experts: their own GEMMs
             return
         e = self.experts.num_experts
         gate_up, down = joint_expert_weights(self.experts, self.shared_experts, self.config.n_shared_experts)
@@ -369,31 +382,35 @@ def joint_expert_weights(experts: RoutedExperts, shared: GatedMLP,
             torch.cat([experts.down_proj.data, shared_down]))
 
 
-_PER_EXPERT = re.compile(r"(?P<prefix>.+\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight")
+_PER_EXPERT = re.compile(r"(?P<prefix>.+\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)"
+                         r"\.weight(?P<suffix>_scale_inv)?")
 
 
 def fuse_expert_weights(weights: Iterable[tuple[str, torch.Tensor]],
                         num_experts: int) -> Iterator[tuple[str, torch.Tensor]]:
     """Pass checkpoint tensors through, replacing each layer's per-expert tensors by the fused
     `experts.gate_up_proj` / `experts.down_proj` once all of that layer's experts have been read (a layer may
-    span shard files, so only the current incomplete layers are held)."""
-    pending: dict[str, dict[tuple[str, int], torch.Tensor]] = {}
+    span shard files, so only the current incomplete layers are held). FP8 checkpoints' per-expert
+    `weight_scale_inv` fuse the same way, to `experts.gate_up_proj_scale_inv` / `experts.down_proj_scale_inv`
+    (gate's scale blocks, then up's)."""
+    pending: dict[tuple[str, str], dict[tuple[str, int], torch.Tensor]] = {}
     for name, tensor in weights:
         m = _PER_EXPERT.fullmatch(name)
         if m is None:
             yield name, tensor
             continue
-        prefix = m["prefix"]
-        layer = pending.setdefault(prefix, {})
+        prefix, suffix = m["prefix"], m["suffix"] or ""
+        layer = pending.setdefault((prefix, suffix), {})
         layer[(m["proj"], int(m["expert"]))] = tensor
         if len(layer) < 3 * num_experts:
             continue
-        del pending[prefix]
+        del pending[(prefix, suffix)]
         experts = range(num_experts)
         gate = torch.stack([layer[("gate_proj", e)] for e in experts])  # (E, I, H)
         up = torch.stack([layer[("up_proj", e)] for e in experts])
-        yield f"{prefix}.gate_up_proj", torch.cat([gate, up], dim=1)  # (E, 2I, H)
-        yield f"{prefix}.down_proj", torch.stack([layer[("down_proj", e)] for e in experts])  # (E, H, I)
+        yield f"{prefix}.gate_up_proj{suffix}", torch.cat([gate, up], dim=1)  # (E, 2I, H)
+        yield f"{prefix}.down_proj{suffix}", torch.stack([layer[("down_proj", e)] for e in experts])  # (E, H, I)
     if pending:
-        prefix, layer = next(iter(pending.items()))
-        raise ValueError(f"checkpoint has {len(layer)} of the {3 * num_experts} per-expert tensors of {prefix}")
+        (prefix, suffix), layer = next(iter(pending.items()))
+        raise ValueError(f"checkpoint has {len(layer)} of the {3 * num_experts} per-expert{suffix} tensors of "
+                         f"{prefix}")

@@ -59,6 +59,7 @@ class CausalLM(nn.Module):
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         for name, tensor in weights:
+            checkpoint_name = name
             if any(frag in name for frag in self.ignored_weights):
                 continue
             if self.config.tie_word_embeddings and name == "lm_head.weight":
@@ -73,7 +74,10 @@ class CausalLM(nn.Module):
             param = params[name]
             loader = getattr(param, "weight_loader", None)
             if loader is not None:
-                loader(param, tensor, shard) if shard is not None else loader(param, tensor)
+                try:
+                    loader(param, tensor, shard) if shard is not None else loader(param, tensor)
+                except ValueError as e:
+                    raise ValueError(f"checkpoint tensor {checkpoint_name!r}: {e}") from e
             else:
                 if param.shape != tensor.shape:
                     raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != {tuple(param.shape)}")
@@ -93,12 +97,18 @@ class CausalLM(nn.Module):
     @torch.no_grad()
     def init_dummy(self, seed: int) -> None:
         """Random weights from the config alone (load_format='dummy'): normal(0, 0.02), norms at 1. Drawn on
-        the parameters' device (the values depend on the seed and the device type)."""
+        the parameters' device (the values depend on the seed and the device type). FP8 weights (an FP8
+        checkpoint's config) draw normal(0, 1) with every block scale 0.02: the same spread once dequantized."""
         gen = None
-        for name, p in self.named_parameters():
+        params = dict(self.named_parameters())
+        for name, p in params.items():
             if gen is None:
                 gen = torch.Generator(device=p.device).manual_seed(seed)
             if "norm" in name and p.dim() == 1:
                 p.fill_(1.0)
+            elif name.endswith("_scale_inv"):
+                p.fill_(0.02)
+            elif name + "_scale_inv" in params:  # FP8 values (or their exact copy) of a block-scaled weight
+                p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32, device=p.device))
             else:
                 p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32, device=p.device).mul_(0.02))

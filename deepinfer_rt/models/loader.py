@@ -69,10 +69,12 @@ def build_model(config: ModelConfig, path: Path | None, load_format: str, dtype:
                 device: torch.device, seed: int, shard: Shard | None = None,
                 kernel_config: KernelConfig | None = None) -> CausalLM:
     """The model with its weights, on `device`, its layers' methods chosen from `kernel_config` (default: for
-    `device`, not batch-invariant, the other knobs from the environment); `shard` (an EP rank) keeps its part."""
+    `device`, not batch-invariant, the other knobs from the environment) and the checkpoint's quantization
+    (KernelConfig.for_checkpoint); `shard` (an EP rank) keeps its part."""
     cls = get_model_class(config.architecture)
     if kernel_config is None:
         kernel_config = KernelConfig.from_env(device)
+    kernel_config = kernel_config.for_checkpoint(config.quantization)
     dummy = load_format == "dummy"
     # Dummy weights are drawn where the model runs: a 16B-parameter model initialises in seconds on a GPU.
     # A model to shard is built on the CPU, where its full-size expert tensors (torch.empty) are only reserved.
@@ -96,8 +98,10 @@ def build_model(config: ModelConfig, path: Path | None, load_format: str, dtype:
 
 def finalize(model: torch.nn.Module) -> torch.nn.Module:
     """Weight rearrangements for the device's fast paths, once the weights are final and in place: each module's
-    `process_weights_after_loading` (e.g. MoE's shared experts joined to the routed ones on GPU)."""
-    for module in model.modules():
+    `process_weights_after_loading` (e.g. FP8 weights dequantized or laid out for the GEMM, MoE's shared experts
+    joined to the routed ones on GPU), a module's after those of the modules it holds (MLA's padded kv_b and the
+    joined experts read their parts' final weights)."""
+    for module in reversed(list(model.modules())):  # reversed pre-order: every module after its descendants
         hook = getattr(module, "process_weights_after_loading", None)
         if hook is not None:
             hook()

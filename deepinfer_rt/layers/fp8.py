@@ -1,0 +1,268 @@
+"""Block-scaled FP8 weights (DeepSeek-V3/R1/V3.1 release format, Engine(quantization="fp8")): the linear and
+routed-expert methods for KernelConfig.quantization == "fp8".
+
+    <name>.weight            float8_e4m3fn (N, K)
+    <name>.weight_scale_inv  float32 (ceil(N/bn), ceil(K/bk)): dequantized weight = value x its block's scale
+
+A merged layer (fused_qkv_a_proj, gate_up_proj) keeps each HF shard's scale rows as that shard's own blocks, one
+after another (`scale_offsets`): the layout of the merged weight's blocks when every shard but the last starts on
+a block boundary (V3's), and still correct when one does not (q_lora_rank = 192 with 128-row blocks). Fused
+routed experts (E, N, K) keep (E, ceil(N/bn), ceil(K/bk)) per projection, gate's then up's for gate_up.
+
+    Fp8BlockLinear    CUDA, not batch-invariant: float8 weights + scales on the device, the Triton W8A8 block GEMM
+                      (deepinfer_kernels.fp8_gemm); activations quantized per token and bk-channel group in it
+    Fp8DequantLinear  elsewhere (CPU, batch-invariant mode, MLA's kv_b whose per-head slices feed the absorbed
+                      matmuls): dequantized once at load to the engine dtype, fp32 math of value x scale, rounded
+                      once; then the unquantized method it wraps runs
+    Fp8DequantExperts the routed experts, on every device for now (the fused MoE runs them in the engine dtype)
+
+With a 16/32-bit checkpoint (Engine(quantization="fp8"), load_format="dummy") the weights load as they are and
+`process_weights_after_loading` quantizes them, per shard, as scripts/quantize_checkpoint.py would; the dequant
+methods then hold the dequantized FP8 values, so CPU runs see the FP8 model's weights.
+
+Float8 weights and float32 scales keep their dtypes through a module's `.to(dtype)` (`apply_keeping_quantized`).
+"""
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+import torch
+from torch import nn
+
+from deepinfer_kernels.reference import dequantize_fp8_blocks, quantize_fp8_blocks
+from deepinfer_rt.layers.kernel_config import KernelConfig
+from deepinfer_rt.layers.methods import LinearMethod, linear_method
+
+SCALE_SUFFIX = "_scale_inv"
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def apply_keeping_quantized(module: nn.Module, fn: Callable, apply: Callable) -> nn.Module:
+    """`module._apply(fn)` through `apply` (nn.Module's), except that float8 parameters and float32 scales
+    (`*_scale_inv`) only follow device moves: a model cast to bf16 keeps its FP8 weights and exact scales."""
+    kept = {n: p for n, p in module._parameters.items()
+            if p is not None and (p.dtype == torch.float8_e4m3fn or n.endswith(SCALE_SUFFIX))}
+    for n in kept:
+        module._parameters[n] = None  # skipped by nn.Module._apply, and the order of parameters is kept
+    try:
+        apply(fn)
+    finally:
+        device = fn(torch.empty(0)).device
+        for n, p in kept.items():
+            p.data = p.data.to(device)
+            module._parameters[n] = p
+    return module
+
+
+def check_fp8_weight(param: nn.Parameter, loaded: torch.Tensor) -> None:
+    """An FP8 checkpoint's weight must come as float8 (with its scale): a 16/32-bit one would be taken unscaled."""
+    if getattr(param, "is_fp8_checkpoint", False) and loaded.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"{loaded.dtype} weight where the checkpoint's quantization_config says float8_e4m3fn")
+
+
+def load_fp8_weight(param: nn.Parameter, loaded: torch.Tensor) -> None:
+    check_fp8_weight(param, loaded)
+    if tuple(loaded.shape) != tuple(param.shape):
+        raise ValueError(f"shape {tuple(loaded.shape)} != {tuple(param.shape)}")
+    param.data.copy_(loaded)
+
+
+def _scale_param(rows: int, cols: int, leading: tuple[int, ...] = ()) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*leading, rows, cols, dtype=torch.float32), requires_grad=False)
+
+
+class Fp8LinearMethod(LinearMethod):
+    """What both FP8 linear methods share: the scale parameter and its loader, and the per-shard (de)quantization.
+
+    `create_weights(layer, shard_sizes)` is called by the layer once its nn.Linear weight exists; shard_sizes are
+    the HF projections' output rows in order (one unnamed shard for a plain Linear)."""
+
+    def __init__(self, block: tuple[int, int], is_checkpoint_quantized: bool):
+        self.block = block
+        self.is_checkpoint_quantized = is_checkpoint_quantized
+
+    weight_dtype: torch.dtype | None = None
+    """The dtype the checkpoint's FP8 weight is held in until processed: float8 or, None, the layer's own (an
+    exact copy of the fp8 values)."""
+
+    def create_weights(self, layer: nn.Module, shard_sizes: dict[str | None, int]) -> None:
+        bn, bk = self.block
+        layer.shard_rows, layer.scale_offsets = {}, {}
+        row = scale_row = 0
+        for shard, size in shard_sizes.items():
+            layer.shard_rows[shard] = (row, size)
+            layer.scale_offsets[shard] = (scale_row, _cdiv(size, bn))
+            row, scale_row = row + size, scale_row + _cdiv(size, bn)
+        if not self.is_checkpoint_quantized:
+            return  # the weight loads in 16/32-bit; process_weights_after_loading quantizes it
+        if self.weight_dtype is not None:
+            layer.weight = nn.Parameter(torch.empty_like(layer.weight, dtype=self.weight_dtype), requires_grad=False)
+        layer.weight.is_fp8_checkpoint = True  # loaders refuse a 16/32-bit tensor for it (check_fp8_weight)
+        layer.weight.weight_loader = load_fp8_weight  # a merged layer replaces it by its shard loader
+        layer.weight_scale_inv = _scale_param(scale_row, _cdiv(layer.in_features, bk))
+        layer.weight_scale_inv.weight_loader = functools.partial(self.load_scale, layer)
+
+    def load_scale(self, layer: nn.Module, param: nn.Parameter, loaded: torch.Tensor, shard: str | None = None) -> None:
+        """Copy one HF projection's `weight_scale_inv` into its shard's scale rows, refusing another shape."""
+        start, rows = layer.scale_offsets[shard]
+        _, size = layer.shard_rows[shard]
+        want = (rows, param.shape[1])
+        if tuple(loaded.shape) != want:
+            raise ValueError(f"scale shape {tuple(loaded.shape)} != {want}, the {self.block[0]}x{self.block[1]} "
+                             f"blocks of a {size}x{layer.in_features} weight")
+        param.data[start : start + rows].copy_(loaded)
+
+    def shards(self, layer: nn.Module):
+        """(weight rows, scale rows) slice pairs, one per shard."""
+        for shard, (start, size) in layer.shard_rows.items():
+            s_start, s_rows = layer.scale_offsets[shard]
+            yield slice(start, start + size), slice(s_start, s_start + s_rows)
+
+    def quantize(self, layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's 16/32-bit weight as (float8 weight, per-shard scales)."""
+        w = layer.weight.data
+        q = torch.empty(w.shape, dtype=torch.float8_e4m3fn, device=w.device)
+        scales = []
+        for rows, _ in self.shards(layer):
+            q[rows], s = quantize_fp8_blocks(w[rows], self.block)
+            scales.append(s)
+        return q, torch.cat(scales)
+
+
+class Fp8DequantLinear(Fp8LinearMethod):
+    """FP8 weights dequantized at load; `inner` (the unquantized method of the config) runs the matmuls."""
+
+    def __init__(self, block: tuple[int, int], is_checkpoint_quantized: bool, inner: LinearMethod):
+        super().__init__(block, is_checkpoint_quantized)
+        self.inner = inner
+        self.is_batch_invariant = inner.is_batch_invariant
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return self.inner.linear(x, weight, bias)
+
+    @torch.no_grad()
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        w = layer.weight.data
+        if self.is_checkpoint_quantized:
+            q, scale = w, layer.weight_scale_inv.data
+        else:
+            q, scale = self.quantize(layer)
+        dense = torch.empty_like(w)
+        for rows, scale_rows in self.shards(layer):
+            dense[rows] = dequantize_fp8_blocks(q[rows], scale[scale_rows], self.block, w.dtype)
+        layer.weight.data = dense
+        layer.weight_scale_inv = None
+
+
+class Fp8BlockLinear(Fp8LinearMethod):
+    """CUDA: float8 weight and float32 block scales on the device, the Triton W8A8 block GEMM. Where a merged
+    layer's shard starts inside a row block, the scales are expanded to one row per weight row (GROUP_N = 1)."""
+
+    weight_dtype = torch.float8_e4m3fn
+    is_quantized = True
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        raise NotImplementedError("Fp8BlockLinear runs a layer's own weights and scales (apply)")
+
+    def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        from deepinfer_kernels.fp8_gemm import fp8_block_gemm
+
+        return fp8_block_gemm(x, layer.weight, layer.weight_scale_inv, layer.scale_group_n, self.block[1],
+                              layer.bias)
+
+    @torch.no_grad()
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        if self.is_checkpoint_quantized:
+            scale = layer.weight_scale_inv.data
+        else:
+            q, scale = self.quantize(layer)
+            layer.weight = nn.Parameter(q, requires_grad=False)
+        bn = self.block[0]
+        starts = [start for start, _ in layer.shard_rows.values()]
+        layer.scale_group_n = bn
+        if any(start % bn for start in starts):
+            scale = torch.cat([scale[scale_rows].repeat_interleave(bn, dim=0)[: rows.stop - rows.start]
+                               for rows, scale_rows in self.shards(layer)])
+            layer.scale_group_n = 1
+        layer.weight_scale_inv = nn.Parameter(scale.contiguous(), requires_grad=False)
+
+
+@functools.cache
+def weight_linear_method(config: KernelConfig) -> LinearMethod:
+    """The method of a layer holding a model weight (Linear, MergedLinear): FP8 under `quantization == 'fp8'`
+    (the GEMM on CUDA, dequantized elsewhere), else the config's unquantized method."""
+    if config.quantization != "fp8":
+        return linear_method(config)
+    if config.is_triton and not config.is_batch_invariant:
+        return Fp8BlockLinear(config.weight_block_size, config.is_checkpoint_quantized)
+    return dense_linear_method(config)
+
+
+@functools.cache
+def dense_linear_method(config: KernelConfig) -> LinearMethod:
+    """For a weight that other code reads as a dense matrix (MLA's kv_b): FP8 checkpoints dequantize at load."""
+    if config.quantization != "fp8":
+        return linear_method(config)
+    return Fp8DequantLinear(config.weight_block_size, config.is_checkpoint_quantized, linear_method(config))
+
+
+# ---- routed experts ----
+
+class ExpertWeights:
+    """How RoutedExperts hold their fused weights: as loaded (16/32-bit)."""
+
+    def create_weights(self, experts: nn.Module) -> None:
+        pass
+
+    def process_weights_after_loading(self, experts: nn.Module) -> None:
+        pass
+
+
+class Fp8DequantExperts(ExpertWeights):
+    """FP8 routed experts, dequantized at load to the engine dtype (on CUDA too, for now: the fused MoE kernel
+    reads 16-bit weights). Checkpoint scales: `experts.gate_up_proj_scale_inv` (E, 2 ceil(I/bn), ceil(H/bk)),
+    gate's blocks then up's, and `experts.down_proj_scale_inv` (E, ceil(H/bn), ceil(I/bk))."""
+
+    def __init__(self, block: tuple[int, int], is_checkpoint_quantized: bool):
+        self.block = block
+        self.is_checkpoint_quantized = is_checkpoint_quantized
+
+    def create_weights(self, experts: nn.Module) -> None:
+        if not self.is_checkpoint_quantized:
+            return
+        bn, bk = self.block
+        e, two_i, hidden = experts.gate_up_proj.shape
+        experts.gate_up_proj_scale_inv = _scale_param(2 * _cdiv(two_i // 2, bn), _cdiv(hidden, bk), (e,))
+        experts.down_proj_scale_inv = _scale_param(_cdiv(hidden, bn), _cdiv(two_i // 2, bk), (e,))
+
+    @torch.no_grad()
+    def process_weights_after_loading(self, experts: nn.Module) -> None:
+        for name, shards in (("gate_up_proj", 2), ("down_proj", 1)):
+            w = getattr(experts, name).data
+            rows = w.shape[1] // shards
+            scale = getattr(experts, name + SCALE_SUFFIX).data if self.is_checkpoint_quantized else None
+            if scale is not None and scale.shape[0] != w.shape[0]:
+                raise ValueError(f"{name}: scales for {scale.shape[0]} experts, weights for {w.shape[0]} "
+                                 "(FP8 checkpoints do not run expert-parallel yet)")
+            dense = torch.empty_like(w)
+            for s in range(shards):
+                part = w[:, s * rows : (s + 1) * rows]
+                if scale is None:
+                    q, part_scale = quantize_fp8_blocks(part, self.block)
+                else:
+                    blocks = _cdiv(rows, self.block[0])
+                    q, part_scale = part, scale[:, s * blocks : (s + 1) * blocks]
+                dense[:, s * rows : (s + 1) * rows] = dequantize_fp8_blocks(q, part_scale, self.block, w.dtype)
+            getattr(experts, name).data = dense
+            if scale is not None:
+                setattr(experts, name + SCALE_SUFFIX, None)
+
+
+def expert_weights_method(config: KernelConfig) -> ExpertWeights:
+    if config.quantization == "fp8":
+        return Fp8DequantExperts(config.weight_block_size, config.is_checkpoint_quantized)
+    return ExpertWeights()
