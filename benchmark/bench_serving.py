@@ -73,6 +73,15 @@ def in_process(args, prompts: list[str]) -> dict:
             "prompt_tokens": sum(o.prompt_tokens for o in outs)}
 
 
+def stop_server(server: subprocess.Popen) -> None:
+    """SIGTERM, then SIGKILL to its process group if it has not exited within 30 s."""
+    server.send_signal(signal.SIGTERM)
+    try:
+        server.wait(30)
+    except subprocess.TimeoutExpired:
+        os.killpg(server.pid, signal.SIGKILL)
+
+
 def start_server(args, port: int) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "deepinfer_rt.cli", "serve", "--model", args.model, "--port", str(port),
            "--dtype", args.dtype, "--kv-cache-tokens", str(args.kv_cache_tokens),
@@ -292,11 +301,7 @@ def main() -> None:
                   f"TTFT p50 {result['ttft'].get('p50_ms', 0):.0f} ms p99 {result['ttft'].get('p99_ms', 0):.0f} ms, "
                   f"ITL p50 {result['itl'].get('p50_ms', 0):.0f} ms p99 {result['itl'].get('p99_ms', 0):.0f} ms")
     finally:
-        server.send_signal(signal.SIGTERM)
-        try:
-            server.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
+        stop_server(server)
     after = in_process(args, prompts)
     reference = (before["output_tok_s"] + after["output_tok_s"]) / 2
     print(f"in-process Engine.generate again: {after['output_tok_s']:.1f} output tok/s; reference {reference:.1f}")
@@ -325,11 +330,7 @@ def main_mixed(args, prompts: list[str]) -> None:
         asyncio.run(sweep_rate(url, args.model, prompts[:2], float("inf"), 2, args.seed))  # warm-up
         mixed = run_mixed(args, prompts, url)
     finally:
-        server.send_signal(signal.SIGTERM)
-        try:
-            server.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
+        stop_server(server)
     result = {"benchmark": "serving_mixed", "model": args.model, "device": "cpu", "dtype": args.dtype,
               "num_good_requests": args.num_requests, "max_tokens": args.max_tokens, "rate_req_s": args.mixed_rate,
               "threads": args.threads, "max_num_seqs": args.max_num_seqs, "torch": torch.__version__,
