@@ -7,4 +7,4 @@ cd "$(dirname "$0")/.."
 TARGET=${DEEPINFER_SGLANG_FRONTEND:-.sglang-frontend}
 [ -f "$TARGET/sglang/__init__.py" ] && exit 0
 python -m pip install -q --no-deps --target "$TARGET" sglang==0.5.23 pybase64 pillow msgspec aiohttp multidict \
-  yarl propcache aiohappyeyeballs aiosignal frozenlist
+  yarl propcache aiohappyeyeballs aiosignal frozenlist orjson ipython traitlets
