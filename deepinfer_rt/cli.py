@@ -195,7 +195,7 @@ def build_parser() -> argparse.ArgumentParser:
     batch.add_argument("input", help="JSONL of {custom_id, method, url, body} requests")
     batch.add_argument("output", help="JSONL of results; custom_ids already in it are skipped (resume)")
     batch.add_argument("--served-model-name", default=None,
-                       help="model id the requests' `model` field may name besides --model (default: none)")
+                       help="model id the requests' `model` field may name besides --model and 'default'")
     batch.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_engine_args(batch)
     return ap
@@ -225,7 +225,7 @@ def _run(args: argparse.Namespace) -> int:
 
         kwargs = engine_kwargs(args)
         summary = run_batch_file(args.input, args.output, kwargs,
-                                 model_names={args.model, *(n for n in [args.served_model_name] if n)},
+                                 model_names={args.model, "default", *(n for n in [args.served_model_name] if n)},
                                  progress=not args.no_progress)
         print(json.dumps(summary), file=sys.stderr)
         return 0
