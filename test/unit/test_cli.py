@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from deepinfer_rt import cli
+from deepinfer_rt import cli, preflight
 from deepinfer_rt.engine import Engine
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -64,7 +64,7 @@ def test_version_and_python_m():
 
 def _hide_modules(monkeypatch, *names):
     real = importlib.util.find_spec
-    monkeypatch.setattr(cli.importlib.util, "find_spec",
+    monkeypatch.setattr(preflight.importlib.util, "find_spec",
                         lambda name, *a: None if name in names else real(name, *a))
 
 
@@ -98,9 +98,9 @@ def test_cuda_requested_without_a_gpu(monkeypatch, capsys):
 
 def test_device_auto(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert cli.resolve_device("auto") == "cpu"
+    assert preflight.resolve_device("auto") == "cpu"
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert cli.resolve_device("auto") == "cuda"
+    assert preflight.resolve_device("auto") == "cuda"
 
 
 def test_unknown_hub_id_never_downloads(monkeypatch, capsys):
