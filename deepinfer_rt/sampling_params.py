@@ -5,6 +5,7 @@ import json
 import math
 import reprlib
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from deepinfer_rt.env import get_env
 
@@ -112,6 +113,8 @@ class SamplingParams:
     json_schema: str | dict | bool | None = None
     ebnf: str | None = None
     stop_strings: list[str] = field(init=False, repr=False, default_factory=list)
+    max_top_logprobs: ClassVar[int] = 20
+    """Bound of top_logprobs (the sampler returns any count; the DeepInfer-compatible API allows 1000)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -170,7 +173,7 @@ class SamplingParams:
               "must be None or a 64-bit int")
         for name in ("ignore_eos", "logprobs", "prompt_logprobs"):
             check(isinstance(getattr(self, name), bool), name, "must be a bool")
-        check_int("top_logprobs", 0, 20)
+        check_int("top_logprobs", 0, self.max_top_logprobs)
         check_int("logprob_start_len", 0, MAX_INT)
         check(self.stop is None or isinstance(self.stop, (str, list, tuple)), "stop",
               "must be a string or a list of strings")
