@@ -40,6 +40,9 @@ class KernelConfig:
     """DEEPINFER_MLA_MHA_PREFILL: MLA prefill chunks in the standard form. None = where the attention backend
     prefers it (Triton), for chunks of at least layers.mla_prefill.MHA_MIN_QUERIES new tokens; True = every chunk
     of more than one new token, on any backend; False = never. Never in batch-invariant mode."""
+    is_cpu_fast_step: bool = True
+    """DEEPINFER_CPU_FAST_STEP: Llama-family trunks on CPU run the flat step (models/llama_step.py) rather than
+    the modules (never in batch-invariant mode)."""
     moe_router_skew: float = 0.0
     """DEEPINFER_MOE_ROUTER_SKEW: benchmarks only; biases MoE routers toward low expert ids (Zipf exponent)."""
     quantization: str | None = None
@@ -68,7 +71,8 @@ class KernelConfig:
         env = get_env()
         return cls(device_type=torch.device(device).type, is_batch_invariant=batch_invariant,
                    is_skinny_gemm=env.skinny_gemm, mla_mha_prefill=env.mla_mha_prefill,
-                   moe_router_skew=env.moe_router_skew, quantization=quantization)
+                   moe_router_skew=env.moe_router_skew, quantization=quantization,
+                   is_cpu_fast_step=env.cpu_fast_step)
 
     def for_checkpoint(self, quant: QuantConfig | None) -> "KernelConfig":
         """This config for a model whose checkpoint stores its weights as `quant` (ModelConfig.quantization): an
