@@ -4,7 +4,8 @@ activations in the engine dtype, through torch's CPU int8 weight-pack matmul (at
 Quantized at load from the checkpoint's 16/32-bit weights: scale = max|row| / 127, q = round(w / scale). The
 dense weight is dropped once quantized; `dequantized(layer)` gives the matrix the layer computes with (the
 reference the tests and benchmark/bench_cpu_peers.py compare against). The GEMM is fast with bf16 activations
-(oneDNN/AVX512); in fp32 it is correct but slow, so "auto" picks bf16 with int8 where the CPU has native bf16.
+(oneDNN/AVX512); in fp32 it is correct but slow. Inputs of more than INT8_MM_MAX_ROWS rows take a dense GEMM over
+the weight dequantized in the activation dtype (in bf16 that rounds q * scale to bf16).
 """
 from __future__ import annotations
 
@@ -12,6 +13,10 @@ import torch
 from torch import nn
 
 from deepinfer_rt.layers.methods import LinearMethod
+
+INT8_MM_MAX_ROWS = 16
+"""Inputs of more rows (prefill chunks, large decode batches) multiply by the weight dequantized for the call:
+the int8 matmul's advantage is reading fewer weight bytes, which only pays while the GEMM is memory-bound."""
 
 
 def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -36,6 +41,9 @@ class Int8WeightOnlyLinear(LinearMethod):
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])
+        if x2.shape[0] > INT8_MM_MAX_ROWS:
+            weight = layer.int8_weight.to(x.dtype) * layer.int8_scale.to(x.dtype)[:, None]
+            return torch.nn.functional.linear(x, weight, layer.bias)
         y = torch.ops.aten._weight_int8pack_mm(x2, layer.int8_weight, layer.int8_scale.to(x.dtype))
         if layer.bias is not None:
             y = y + layer.bias
