@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
 import platform
 import statistics
 import sys
@@ -100,6 +101,35 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
+def report(args, systems, workloads, runs, single_tokens, notes, repeats_done: int) -> None:
+    """Print the table and write the JSON (after every repeat: an interrupted run keeps what it measured)."""
+    result = {
+        "benchmark": "cpu_peers", "model": "smollm2-135m-instruct", "torch": torch.__version__,
+        "threads": torch.get_num_threads(), "machine": platform.processor() or platform.machine(),
+        "cpu_native_bf16": cpu_has_native_bf16(), "repeats": repeats_done, "prompt_tokens": args.prompt_tokens,
+        "new_tokens": args.new_tokens, "batch": args.batch, "prefill_tokens": args.prefill_tokens, "notes": notes,
+        "command": "python benchmark/bench_cpu_peers.py " + " ".join(sys.argv[1:]), "systems": {},
+        "load_average": os.getloadavg(),
+    }
+    ref = single_tokens.get("hf-fp32")
+    print(f"\n{'system':16s} {'single':>9s} {'batch':>9s} {'prefill':>9s}   (tok/s, median of {repeats_done}; "
+          "x = ratio to hf-fp32; agree = share of single-stream tokens before the first one unlike hf-fp32's)")
+    for s in systems:
+        med = {w: statistics.median(r) for w, r in runs[s.name].items()}
+        entry = {"tok_s": med, "runs": runs[s.name]}
+        if ref is not None:
+            entry["greedy_agreement_with_hf_fp32"] = common_prefix(single_tokens[s.name], ref) / len(ref)
+            entry["ratio_to_hf_fp32"] = {w: med[w] / statistics.median(runs["hf-fp32"][w]) for w in workloads}
+        result["systems"][s.name] = entry
+        ratio = entry.get("ratio_to_hf_fp32", {})
+        print(f"{s.name:16s} " + " ".join(f"{med[w]:9.1f}" for w in workloads)
+              + ("   x " + " ".join(f"{ratio[w]:.2f}" for w in workloads) if ratio else "")
+              + (f"   agree {entry['greedy_agreement_with_hf_fp32']:.2f}" if ref is not None else ""))
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeats", type=int, default=3)
@@ -156,33 +186,10 @@ def main() -> None:
                 if wname == "single":
                     single_tokens[s.name] = out[0]
                 print(f"repeat {rep} {wname:8s} {s.name:16s} {count / elapsed:8.1f} tok/s", flush=True)
-    result = {
-        "benchmark": "cpu_peers", "model": "smollm2-135m-instruct", "torch": torch.__version__,
-        "threads": torch.get_num_threads(), "machine": platform.processor() or platform.machine(),
-        "cpu_native_bf16": cpu_has_native_bf16(), "repeats": args.repeats, "prompt_tokens": args.prompt_tokens,
-        "new_tokens": args.new_tokens, "batch": args.batch, "prefill_tokens": args.prefill_tokens, "notes": notes,
-        "command": "python benchmark/bench_cpu_peers.py " + " ".join(sys.argv[1:]), "systems": {},
-    }
-    ref = single_tokens.get("hf-fp32")
-    print(f"\n{'system':16s} {'single':>9s} {'batch':>9s} {'prefill':>9s}   (tok/s, median of {args.repeats}; "
-          "x = ratio to hf-fp32; agree = share of single-stream tokens before the first one unlike hf-fp32's)")
-    for s in systems:
-        med = {w: statistics.median(r) for w, r in runs[s.name].items()}
-        entry = {"tok_s": med, "runs": runs[s.name]}
-        if ref is not None:
-            entry["greedy_agreement_with_hf_fp32"] = common_prefix(single_tokens[s.name], ref) / len(ref)
-            entry["ratio_to_hf_fp32"] = {w: med[w] / statistics.median(runs["hf-fp32"][w]) for w in workloads}
-        result["systems"][s.name] = entry
-        ratio = entry.get("ratio_to_hf_fp32", {})
-        print(f"{s.name:16s} " + " ".join(f"{med[w]:9.1f}" for w in workloads)
-              + ("   x " + " ".join(f"{ratio[w]:.2f}" for w in workloads) if ratio else "")
-              + (f"   agree {entry['greedy_agreement_with_hf_fp32']:.2f}" if ref is not None else ""))
+        report(args, systems, workloads, runs, single_tokens, notes, rep + 1)
     for s in systems:
         if isinstance(s, Ours):
             s.engine.shutdown()
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
 
 
 if __name__ == "__main__":
