@@ -20,7 +20,7 @@ from deepinfer_rt.env import get_env
 from deepinfer_rt.executor import Executor
 from deepinfer_rt.layers.attention.select import select_backend
 from deepinfer_rt.model_runner import ModelRunner
-from deepinfer_rt.layers.kernel_config import KernelConfig
+from deepinfer_rt.layers.kernel_config import KernelConfig, cpu_has_native_bf16
 from deepinfer_rt.models.loader import build_model, load_model_config, resolve_model_path
 from deepinfer_rt.output_processor import OutputProcessor
 from deepinfer_rt.request import GenerateOutput, Req
@@ -40,8 +40,9 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 def _resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """'auto': bf16 on CUDA and on CPUs that multiply bf16 natively (AMX / AVX512-BF16), fp32 on other CPUs."""
     if dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        return torch.bfloat16 if device.type == "cuda" or cpu_has_native_bf16() else torch.float32
     if dtype not in _DTYPES:
         raise ValueError(f"dtype must be one of {['auto', *_DTYPES]}, got {dtype!r}")
     return _DTYPES[dtype]

@@ -118,6 +118,9 @@ class Env:
     heartbeat_timeout_s: float
     """DEEPINFER_HEARTBEAT_TIMEOUT: seconds without a heartbeat after which the engine counts as stuck: /health
     answers 503 and new requests are refused until it beats again (default 60; one step may take this long)."""
+    cpu_fast_step: bool
+    """DEEPINFER_CPU_FAST_STEP=0: Llama-family models on CPU run their trunk through the modules (the reference
+    path) instead of the flat CPU step (models/llama_step.py). Default on."""
     engine_max_restarts: int
     """DEEPINFER_ENGINE_MAX_RESTARTS: times the server restarts a dead engine process before it exits non-zero
     (default 3)."""
@@ -159,4 +162,5 @@ def get_env() -> Env:
         heartbeat_interval_s=_float("DEEPINFER_HEARTBEAT_INTERVAL", 1.0),
         heartbeat_timeout_s=_float("DEEPINFER_HEARTBEAT_TIMEOUT", 60.0),
         engine_max_restarts=_int("DEEPINFER_ENGINE_MAX_RESTARTS", 3),
+        cpu_fast_step=_bool("DEEPINFER_CPU_FAST_STEP", True),
     )

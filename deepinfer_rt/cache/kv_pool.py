@@ -108,9 +108,15 @@ class KVPool:
                       for _ in range(layout.num_layers)]
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None) -> None:
-        self.k[layer][slots] = k
-        if v is not None:
-            self.v[layer][slots] = v
+        """The slots of one step are distinct: index_copy_, several times faster than index_put_ on CPU (which
+        stays for rows given in another shape, broadcast into the pool's)."""
+        for buf, x in ((self.k[layer], k), (self.v[layer], v)):
+            if x is None:
+                continue
+            if x.shape[1:] == buf.shape[1:]:
+                buf.index_copy_(0, slots, x.to(buf.dtype))
+            else:
+                buf[slots] = x
 
     def copy_slots(self, src: list[int], dst: list[int]) -> None:
         """Copy KV of `src` slots into `dst` slots in every layer (forking a partly filled page)."""

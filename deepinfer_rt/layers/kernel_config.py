@@ -22,7 +22,7 @@ from deepinfer_kernels.dispatch import HAS_TRITON
 from deepinfer_rt.config import QuantConfig
 from deepinfer_rt.env import get_env
 
-QUANTIZATIONS = (None, "fp8")
+QUANTIZATIONS = (None, "fp8", "int8")
 """What `Engine(quantization=)` takes."""
 
 
@@ -40,13 +40,17 @@ class KernelConfig:
     """DEEPINFER_MLA_MHA_PREFILL: MLA prefill chunks in the standard form. None = where the attention backend
     prefers it (Triton), for chunks of at least layers.mla_prefill.MHA_MIN_QUERIES new tokens; True = every chunk
     of more than one new token, on any backend; False = never. Never in batch-invariant mode."""
+    is_cpu_fast_step: bool = True
+    """DEEPINFER_CPU_FAST_STEP: Llama-family trunks on CPU run the flat step (models/llama_step.py) rather than
+    the modules (never in batch-invariant mode)."""
     moe_router_skew: float = 0.0
     """DEEPINFER_MOE_ROUTER_SKEW: benchmarks only; biases MoE routers toward low expert ids (Zipf exponent)."""
     quantization: str | None = None
     """'fp8': the linear and expert weights are block-scaled float8 e4m3 (layers/fp8.py): loaded so from the
     checkpoint or quantized at load. On CUDA (not batch-invariant) the linears run the W8A8 block GEMM; elsewhere,
-    and for the routed experts and MLA's kv_b for now, they are dequantized at load to the engine dtype. None: the
-    engine dtype throughout."""
+    and for the routed experts and MLA's kv_b for now, they are dequantized at load to the engine dtype. 'int8'
+    (CPU, not batch-invariant): the linears' weights per-row int8 at load, activations in the engine dtype
+    (layers/int8.py). None: the engine dtype throughout."""
     is_checkpoint_quantized: bool = False
     """Whether the checkpoint stores the weights quantized (FP8 values + `weight_scale_inv`), rather than in
     16/32-bit for `quantization` to quantize at load."""
@@ -65,10 +69,14 @@ class KernelConfig:
         former already folds in DEEPINFER_BATCH_INVARIANT), the layer knobs from the environment."""
         if quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
+        if quantization == "int8" and (torch.device(device).type != "cpu" or batch_invariant):
+            raise ValueError("quantization='int8' (weight-only, torch's CPU int8 matmul) runs on CPU and not in "
+                             "batch-invariant mode")
         env = get_env()
         return cls(device_type=torch.device(device).type, is_batch_invariant=batch_invariant,
                    is_skinny_gemm=env.skinny_gemm, mla_mha_prefill=env.mla_mha_prefill,
-                   moe_router_skew=env.moe_router_skew, quantization=quantization)
+                   moe_router_skew=env.moe_router_skew, quantization=quantization,
+                   is_cpu_fast_step=env.cpu_fast_step)
 
     def for_checkpoint(self, quant: QuantConfig | None) -> "KernelConfig":
         """This config for a model whose checkpoint stores its weights as `quant` (ModelConfig.quantization): an
@@ -77,6 +85,18 @@ class KernelConfig:
             return self
         return dataclasses.replace(self, quantization=quant.method, is_checkpoint_quantized=True,
                                    weight_block_size=quant.weight_block_size)
+
+
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU multiplies bf16 natively (AMX-BF16 or AVX512-BF16), where bf16 GEMMs beat fp32 ones."""
+    probes = [getattr(torch.cpu, name, None) for name in ("_is_amx_tile_supported", "_is_avx512_bf16_supported")]
+    if any(p is not None for p in probes):
+        return any(p is not None and p() for p in probes)
+    try:
+        flags = open("/proc/cpuinfo").read()
+    except OSError:
+        return False
+    return " amx_bf16" in flags or " avx512_bf16" in flags
 
 
 _current: KernelConfig | None = None

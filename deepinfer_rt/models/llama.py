@@ -12,6 +12,7 @@ from deepinfer_rt.layers.mlp import GatedMLP
 from deepinfer_rt.layers.rotary import RotaryEmbedding
 from deepinfer_rt.models.base import CausalLM
 from deepinfer_rt.models.blocks import DecoderLayer, DecoderModel
+from deepinfer_rt.models.llama_step import llama_step_method
 
 
 class LlamaAttention(nn.Module):
@@ -46,11 +47,18 @@ class LlamaForCausalLM(CausalLM):
             config, LlamaAttention(config, i), GatedMLP(config.hidden_size, config.intermediate_size)))
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_weights()
+        self.step_method = llama_step_method(self.kernel_config)
+        """The modules, or the flat CPU step (models/llama_step.py)."""
+        self.fast_layers: list = []
+        """The CPU step's flat list of the layers' weights (built on its first step)."""
 
     @staticmethod
     def kv_layout(config: ModelConfig) -> KVLayout:
         shape = (config.num_kv_heads, config.head_dim)
         return KVLayout(config.num_layers, shape, shape, config.head_dim)
 
+    def prepare_batch(self, batch: ForwardBatch) -> None:
+        self.step_method.prepare(self, batch)
+
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        return self.model(batch)
+        return self.step_method.forward(self, batch)

@@ -3,6 +3,11 @@
 Decode rows (one query per sequence) run as one padded batched SDPA over gathered KV; so do sequences with a
 few new tokens (speculative verification: last token + drafts), padded to the longest; sequences with more
 new tokens (prefill chunks) run one SDPA each with an explicit causal mask offset by their cached prefix.
+
+Host work per layer is kept small, since on CPU the step is mostly such overhead at small batches: a batch of
+decode rows only (every row one sequence, in order) attends without gathering its queries or scattering its
+outputs; a sequence whose KV occupies consecutive slots (a lone stream, a prefill chunk) reads the pool through a
+view instead of a gather; the padded decode gather writes into buffers allocated once per step.
 """
 from __future__ import annotations
 
@@ -21,6 +26,7 @@ class _Extend:
     q_len: int
     slots: torch.Tensor  # (kv_len,)
     mask: torch.Tensor  # (q_len, kv_len) bool, True = attend
+    first_slot: int | None = None  # the slots are first_slot .. first_slot + kv_len - 1: the pool is read as a view
 
 
 _SHORT_QUERY = 8
@@ -42,6 +48,20 @@ class _Meta:
     decode_mask: torch.Tensor | None  # (Bd, 1, 1, Lmax) bool
     extends: list[_Extend]
     short: _Short | None = None
+    is_all_decode: bool = False  # every row is a decode row, row i of sequence i: no query gather, no scatter
+    decode_first_slot: int | None = None  # one decode sequence on consecutive slots from here: read as a view
+    decode_kv: tuple[torch.Tensor, torch.Tensor] | None = None  # gather buffers (Bd * Lmax, Hkv, D), K and V
+
+
+def first_of_run(slots: torch.Tensor) -> int | None:
+    """slots[0] when `slots` are consecutive ascending (s, s + 1, ...), else None."""
+    n = slots.shape[0]
+    if n == 0:
+        return None
+    first = int(slots[0])
+    if n == 1 or (int(slots[-1]) - first == n - 1 and bool((slots[1:] - slots[:-1] == 1).all())):
+        return first
+    return None
 
 
 def causal_mask(q_len: int, kv_len: int, device: torch.device) -> torch.Tensor:
@@ -63,9 +83,16 @@ class TorchRefBackend(AttentionBackend):
             elif q_len <= _SHORT_QUERY:
                 short.append((start, q_len, slots))
             else:
-                extends.append(_Extend(start, q_len, slots, causal_mask(q_len, kv_len, device)))
+                extends.append(_Extend(start, q_len, slots, causal_mask(q_len, kv_len, device), first_of_run(slots)))
             start += q_len
         meta = _Meta(None, None, None, extends, _short_meta(short, device) if short else None)
+        meta.is_all_decode = len(decode_rows) == len(batch.q_lens)
+        if meta.is_all_decode and len(decode_slots) == 1:
+            meta.decode_first_slot = first_of_run(decode_slots[0])
+            if meta.decode_first_slot is not None:
+                meta.decode_rows = torch.zeros(1, dtype=torch.long, device=device)
+                batch.attn_meta = meta
+                return
         if decode_rows:
             lens = torch.tensor([len(s) for s in decode_slots], device=device)
             max_len = int(lens.max())
@@ -75,6 +102,11 @@ class TorchRefBackend(AttentionBackend):
             meta.decode_rows = torch.tensor(decode_rows, device=device)
             meta.decode_slots = padded
             meta.decode_mask = (torch.arange(max_len, device=device)[None, :] < lens[:, None])[:, None, None, :]
+            k0, v0 = batch.pool.k[0], batch.pool.v[0]
+            if all(k.shape == k0.shape for k in batch.pool.k) and all(v.shape == v0.shape for v in batch.pool.v):
+                # One pair for all layers: each layer's gather is read by its SDPA before the next layer's.
+                meta.decode_kv = (k0.new_empty(padded.numel(), *k0.shape[1:]),
+                                  v0.new_empty(padded.numel(), *v0.shape[1:]))
         batch.attn_meta = meta
 
     def forward(self, q: torch.Tensor, layer_id: int, scale: float, batch: ForwardBatch,
@@ -82,17 +114,27 @@ class TorchRefBackend(AttentionBackend):
         q = joined(q, q_tail)
         meta: _Meta = batch.attn_meta
         k_buf, v_buf = batch.pool.k[layer_id], batch.pool.v[layer_id]
-        out = q.new_empty(q.shape[0], q.shape[1], v_buf.shape[-1])
         gqa = q.shape[1] != k_buf.shape[1]
+        if meta.decode_first_slot is not None:  # one stream on consecutive slots: the pool rows as they are
+            n = batch.kv_lens[0]
+            kd = k_buf.narrow(0, meta.decode_first_slot, n).transpose(0, 1)[None]  # (1, Hkv, L, D)
+            vd = v_buf.narrow(0, meta.decode_first_slot, n).transpose(0, 1)[None]
+            od = F.scaled_dot_product_attention(q.unsqueeze(2), kd, vd, scale=scale, enable_gqa=gqa)
+            return od.squeeze(2)
         if meta.decode_rows is not None:
-            qd = q[meta.decode_rows].unsqueeze(2)  # (Bd, Hq, 1, D)
+            qd = (q if meta.is_all_decode else q[meta.decode_rows]).unsqueeze(2)  # (Bd, Hq, 1, D)
             bd, max_len = meta.decode_slots.shape
             flat = meta.decode_slots.view(-1)  # index_select is much faster than advanced indexing on CPU
-            kd = k_buf.index_select(0, flat).view(bd, max_len, *k_buf.shape[1:]).transpose(1, 2)  # (Bd, Hkv, L, D)
-            vd = v_buf.index_select(0, flat).view(bd, max_len, *v_buf.shape[1:]).transpose(1, 2)
+            kd_flat, vd_flat = meta.decode_kv or (None, None)
+            kd = torch.index_select(k_buf, 0, flat, out=kd_flat).view(bd, max_len, *k_buf.shape[1:]).transpose(1, 2)
+            vd = torch.index_select(v_buf, 0, flat, out=vd_flat).view(bd, max_len, *v_buf.shape[1:]).transpose(1, 2)
             od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=scale,
                                                 enable_gqa=gqa)
-            out[meta.decode_rows] = od.squeeze(2)
+            if meta.is_all_decode:
+                return od.squeeze(2)  # (Bd, Hq, Dv)
+        out = q.new_empty(q.shape[0], q.shape[1], v_buf.shape[-1])
+        if meta.decode_rows is not None:
+            out.index_copy_(0, meta.decode_rows, od.squeeze(2))
         if meta.short is not None:
             s = meta.short
             bs, q_max = s.rows.shape
@@ -104,8 +146,12 @@ class TorchRefBackend(AttentionBackend):
             out[s.rows[s.valid]] = os_.transpose(1, 2)[s.valid]
         for e in meta.extends:
             qe = q[e.q_start : e.q_start + e.q_len].transpose(0, 1)  # (Hq, q_len, D)
-            ke = k_buf.index_select(0, e.slots).transpose(0, 1)  # (Hkv, kv_len, D)
-            ve = v_buf.index_select(0, e.slots).transpose(0, 1)
+            if e.first_slot is not None:
+                ke = k_buf.narrow(0, e.first_slot, len(e.slots)).transpose(0, 1)  # (Hkv, kv_len, D)
+                ve = v_buf.narrow(0, e.first_slot, len(e.slots)).transpose(0, 1)
+            else:
+                ke = k_buf.index_select(0, e.slots).transpose(0, 1)
+                ve = v_buf.index_select(0, e.slots).transpose(0, 1)
             oe = F.scaled_dot_product_attention(qe, ke, ve, attn_mask=e.mask, scale=scale, enable_gqa=gqa)
             out[e.q_start : e.q_start + e.q_len] = oe.transpose(0, 1)
         return out

@@ -1,0 +1,55 @@
+"""Weight-only int8 linears on CPU (Engine(quantization="int8")): per-output-row symmetric int8 weights, the
+activations in the engine dtype, through torch's CPU int8 weight-pack matmul (aten._weight_int8pack_mm).
+
+Quantized at load from the checkpoint's 16/32-bit weights: scale = max|row| / 127, q = round(w / scale). The
+dense weight is dropped once quantized; `dequantized(layer)` gives the matrix the layer computes with (the
+reference the tests and benchmark/bench_cpu_peers.py compare against). The GEMM is fast with bf16 activations
+(oneDNN/AVX512); in fp32 it is correct but slow. Inputs of more than INT8_MM_MAX_ROWS rows take a dense GEMM over
+the weight dequantized in the activation dtype (in bf16 that rounds q * scale to bf16).
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from deepinfer_rt.layers.methods import LinearMethod
+
+INT8_MM_MAX_ROWS = 16
+"""Inputs of more rows (prefill chunks, large decode batches) multiply by the weight dequantized for the call:
+the int8 matmul's advantage is reading fewer weight bytes, which only pays while the GEMM is memory-bound."""
+
+
+def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(N, K) float -> (q (N, K) int8, scale (N,) fp32) with weight ~ q * scale[:, None]."""
+    w = weight.float()
+    scale = (w.abs().amax(dim=1) / 127.0).clamp(min=torch.finfo(torch.float32).tiny)
+    q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+    return q, scale
+
+
+class Int8WeightOnlyLinear(LinearMethod):
+    is_quantized = True
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        dtype = layer.weight.dtype
+        layer.int8_weight, scale = quantize_rows(layer.weight.data)
+        layer.int8_scale = scale.to(dtype)
+        layer.weight.data = layer.weight.data.new_empty(0)  # the dense copy is not kept
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        raise TypeError("an int8 linear computes through its own layer (apply), not a dense weight")
+
+    def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, x.shape[-1])
+        if x2.shape[0] > INT8_MM_MAX_ROWS:
+            weight = layer.int8_weight.to(x.dtype) * layer.int8_scale.to(x.dtype)[:, None]
+            return torch.nn.functional.linear(x, weight, layer.bias)
+        y = torch.ops.aten._weight_int8pack_mm(x2, layer.int8_weight, layer.int8_scale.to(x.dtype))
+        if layer.bias is not None:
+            y = y + layer.bias
+        return y.view(*x.shape[:-1], y.shape[-1])
+
+
+def dequantized(layer: nn.Module) -> torch.Tensor:
+    """The (N, K) fp32 matrix an int8 layer multiplies by."""
+    return layer.int8_weight.float() * layer.int8_scale.float()[:, None]

@@ -1,0 +1,124 @@
+"""How a Llama model runs its trunk (embed -> layers -> norm): the module path, or the CPU step.
+
+Chosen once from the KernelConfig when the model is built (`llama_step_method`):
+
+    ModuleStep   the shared blocks as modules (models/blocks.py): the reference, and every device and mode
+    CpuStep      CPU, not batch-invariant, unquantized or int8 weights (DEEPINFER_CPU_FAST_STEP, on by default)
+
+On CPU a decode step of a small model is mostly host work between the GEMMs (profile:
+benchmark/profile_cpu_decode.py): module calls, per-layer rotary tables, per-tensor rotations. CpuStep computes
+the same values with the same operations in the same order, so fp32 tokens equal the module path's:
+
+  - the rotary cos/sin of the step's positions are built once in `prepare` (the module path: once per layer),
+  - q and k, adjacent in the fused QKV output, are rotated together into one tensor, the rotation written as
+    x*cos - x2*sin | x*cos + x1*sin (the module path's x*cos + cat(-x2, x1)*sin, term by term the same),
+  - the layers are walked over a flat list of their weights (no module calls, no per-layer lookups), built
+    once the weights are final and rebuilt if they were replaced.
+
+Attention still goes through the batch's backend (batch.attention): the KV pool's contract is unchanged.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from deepinfer_kernels import reference
+from deepinfer_rt.forward_batch import ForwardBatch
+from deepinfer_rt.layers.kernel_config import KernelConfig
+from deepinfer_rt.layers.methods import UnquantizedLinear
+
+
+class ModuleStep:
+    """The trunk as modules (the reference path)."""
+
+    def prepare(self, model, batch: ForwardBatch) -> None:
+        pass
+
+    def forward(self, model, batch: ForwardBatch) -> torch.Tensor:
+        return model.model(batch)
+
+
+@dataclass
+class _Layer:
+    layer_id: int
+    input_norm: torch.Tensor
+    post_norm: torch.Tensor
+    qkv: Callable[[torch.Tensor], torch.Tensor]
+    o: Callable[[torch.Tensor], torch.Tensor]
+    gate_up: Callable[[torch.Tensor], torch.Tensor]
+    down: Callable[[torch.Tensor], torch.Tensor]
+    qkv_weight: torch.Tensor  # identity of the weights the list was built from
+
+
+@dataclass
+class _Rope:
+    cos: torch.Tensor  # (T, 1, D)
+    sin: torch.Tensor  # (T, 1, D/2): both halves of the table are the same frequencies
+
+
+def _linear_fn(linear: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+    if type(linear.method) is UnquantizedLinear:
+        weight, bias = linear.weight, linear.bias
+        return lambda x: F.linear(x, weight, bias)
+    return functools.partial(linear.method.apply, linear)
+
+
+def _layer_list(model) -> list[_Layer]:
+    layers = []
+    for i, layer in enumerate(model.model.layers):
+        attn, mlp = layer.self_attn, layer.mlp
+        layers.append(_Layer(i, layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
+                             _linear_fn(attn.qkv_proj), _linear_fn(attn.o_proj), _linear_fn(mlp.gate_up_proj),
+                             _linear_fn(mlp.down_proj), attn.qkv_proj.weight))
+    return layers
+
+
+class CpuStep(ModuleStep):
+    def prepare(self, model, batch: ForwardBatch) -> None:
+        rope = model.model.layers[0].self_attn.rotary_emb
+        cos, sin = rope.cos_sin(batch.positions, model.model.embed_tokens.weight.dtype)
+        half = cos.shape[-1] // 2
+        batch.model_meta = _Rope(cos[:, None, :], sin[:, None, :half].contiguous())
+
+    def forward(self, model, batch: ForwardBatch) -> torch.Tensor:
+        trunk, config = model.model, model.config
+        layers = model.fast_layers
+        if not layers or layers[0].qkv_weight is not trunk.layers[0].self_attn.qkv_proj.weight:
+            layers = model.fast_layers = _layer_list(model)
+        rope: _Rope = batch.model_meta
+        eps, scale = config.rms_norm_eps, config.head_dim**-0.5
+        num_q, num_kv, head_dim = config.num_heads, config.num_kv_heads, config.head_dim
+        half, qk_width, inter = head_dim // 2, (num_q + num_kv) * head_dim, config.intermediate_size
+        x = trunk.embed_tokens(batch.input_ids)
+        t = x.shape[0]
+        residual = None
+        for layer in layers:
+            if residual is None:
+                residual = x
+            else:
+                residual = x + residual
+            h = reference.rms_norm(residual, layer.input_norm, eps)
+            qkv = layer.qkv(h)
+            qk = qkv[:, :qk_width].view(t, num_q + num_kv, head_dim)
+            rot = qk * rope.cos
+            rot[..., :half].sub_(qk[..., half:] * rope.sin)
+            rot[..., half:].add_(qk[..., :half] * rope.sin)
+            v = qkv[:, qk_width:].view(t, num_kv, head_dim)
+            o = batch.attention(rot[:, :num_q], rot[:, num_q:], v, layer.layer_id, scale)
+            residual = layer.o(o.reshape(t, -1)) + residual
+            h = reference.rms_norm(residual, layer.post_norm, eps)
+            gate_up = layer.gate_up(h)
+            x = layer.down(F.silu(gate_up[:, :inter]) * gate_up[:, inter:])
+        return reference.rms_norm(x + residual, trunk.norm.weight, eps)
+
+
+@functools.cache
+def llama_step_method(config: KernelConfig) -> ModuleStep:
+    if (config.device_type == "cpu" and config.is_cpu_fast_step and not config.is_batch_invariant
+            and config.quantization in (None, "int8")):
+        return CpuStep()
+    return ModuleStep()
