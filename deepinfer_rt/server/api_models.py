@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from deepinfer_rt.env import get_env
 from deepinfer_rt.sampling_params import MAX_INT, MAX_STOP_STRINGS, SEED_RANGE, SamplingParams
@@ -108,18 +108,13 @@ class CompletionRequest(_SamplingRequest):
     prompt: (PromptText | Annotated[list[PromptText], Field(min_length=1, max_length=MAX_N)]
              | Annotated[list[TokenId], Field(min_length=1)]
              | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1, max_length=MAX_N)])
-    max_tokens: Count | None = None
-    """None: 16, or what is left of the context if that is less."""
+    max_tokens: Annotated[int, Field(ge=0, le=MAX_INT)] | None = None
+    """None: 16, or what is left of the context if that is less. 0 (with echo): score the prompt only."""
     logprobs: int | None = Field(None, ge=0, le=20)
+    """Logprobs of the output tokens (and with echo of the prompt tokens) with this many alternatives each."""
     echo: bool = False
+    """The prompt comes back before the completion, in the text and (with logprobs) in the logprobs."""
     suffix: ShortText | None = None
-
-    @field_validator("echo")
-    @classmethod
-    def _no_echo(cls, value):
-        if value:
-            raise ValueError("echo is not supported")
-        return value
 
     @field_validator("suffix")
     @classmethod
@@ -127,6 +122,14 @@ class CompletionRequest(_SamplingRequest):
         if value:
             raise ValueError("suffix is not supported")
         return value
+
+    @model_validator(mode="after")
+    def _check_echo(self):
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens: 0 is allowed only with echo (scoring the prompt)")
+        if self.echo and self.stream and self.logprobs is not None:
+            raise ValueError("logprobs: with echo, prompt logprobs are returned only when stream is false")
+        return self
 
 
 class TextPart(BaseModel):

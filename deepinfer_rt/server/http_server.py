@@ -43,6 +43,7 @@ _GRACEFUL_SHUTDOWN_S = 5
 # pydantic names the member of a union it tried (prompt.list[constrained-int], sampling_params.
 # GenerateSamplingParams); the client named only the field.
 _UNION_TAG_RE = re.compile(r"^(constrained-)?(str|int|float|bool|bytes|none)$|[\[\-]|^[A-Z]")
+_NAMED_MSG_RE = re.compile(r"^([a-z_][\w.]*): ")
 _ERRORS = {400: "Invalid request: the field at fault is `param`", 413: "Request body too large",
            499: "Client closed the request", 500: "Internal error", 503: "Overloaded (Retry-After) or the engine "
            "is unavailable (loading, restarting, not responding)", 504: "The request ran past its timeout"}
@@ -100,6 +101,8 @@ def validation_response(exc: RequestValidationError) -> JSONResponse:
             best, best_loc = err, loc
     param = "".join(best_loc) or None
     msg = str(best.get("msg", "invalid request")).removeprefix("Value error, ")
+    if param is None and (named := _NAMED_MSG_RE.match(msg)):  # a check across fields names the one at fault
+        param, msg = named.group(1), msg[named.end():]
     return error_response(400, f"{param}: {msg}" if param else f"request body: {msg}", param=param)
 
 
@@ -210,7 +213,11 @@ def create_app(args: ServerArgs, on_fatal=None) -> FastAPI:
             params = openai_api.completion_params(body, max(map(len, prompts)), tm.info.max_position)
         except ValueError as e:
             return bad_request(e, OPENAI_NAMES)
-        formatter = openai_api.Formatter("text_completion", body.model, tm.tokenizer)
+        echo = None
+        if body.echo:
+            texts = await off_loop(request, openai_api.echo_texts, body, prompts, tm.tokenizer)
+            echo = openai_api.Echo(texts, prompts, body.n, is_output_dropped=body.max_tokens == 0)
+        formatter = openai_api.Formatter("text_completion", body.model, tm.tokenizer, echo)
         return await run_openai(request, body, prompts, params, formatter, OPENAI_NAMES)
 
     @app.post("/v1/chat/completions", responses={200: {"model": api_models.ChatCompletionResponse}, **_RESPONSES})

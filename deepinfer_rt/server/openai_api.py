@@ -25,12 +25,26 @@ def completion_inputs(req: CompletionRequest, encode) -> list[list[int]]:
     return [list(p) for p in prompt]
 
 
+def echo_texts(req: CompletionRequest, prompts: list[list[int]], tokenizer) -> list[str]:
+    """The prompts as echo returns them: text as given, token ids decoded (special tokens included)."""
+    if isinstance(req.prompt, str):
+        return [req.prompt]
+    if isinstance(req.prompt[0], str):
+        return list(req.prompt)
+    return [tokenizer.decode(ids) for ids in prompts]
+
+
 def completion_params(req: CompletionRequest, longest_prompt: int, max_position: int):
     """max_tokens unset: 16, or what the longest prompt leaves of the context. Set: as given (beyond the
-    context it is refused, TokenizerManager.check)."""
+    context it is refused, TokenizerManager.check). 0 (echo): one token is generated and dropped, so the
+    prompt is scored by the same path as any other request. echo with logprobs: the prompt tokens' logprobs
+    with the same count of alternatives."""
     k = req.logprobs
     max_tokens = req.max_tokens if req.max_tokens is not None else min(16, max(1, max_position - longest_prompt))
-    return req.sampling_params(max_tokens, logprobs=k is not None, top_logprobs=k or 0)
+    params = req.sampling_params(max(1, max_tokens), logprobs=k is not None, top_logprobs=k or 0)
+    if req.echo and k is not None:
+        params.prompt_logprobs = k if k > 0 else True
+    return params
 
 
 def chat_inputs(req: ChatCompletionRequest, renderer: ChatRenderer) -> list[list[int]]:
@@ -58,20 +72,23 @@ class Choice:
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     finish_reason: str | None = None
+    prompt_logprobs: list[float | None] | None = None
+    prompt_top_logprobs: list | None = None
 
 
 class Usage:
     """Token counts over a request's sequences (a prompt counted once, however many samples it has)."""
 
-    def __init__(self):
+    def __init__(self, is_output_dropped: bool = False):
         self.prompt = {}
         self.cached = {}
         self.completion = {}
+        self.is_output_dropped = is_output_dropped
 
     def add(self, d: SeqDelta) -> None:
         self.prompt[d.rid] = d.prompt_tokens
         self.cached[d.rid] = d.cached_tokens
-        self.completion[(d.rid, d.index)] = d.completion_tokens
+        self.completion[(d.rid, d.index)] = 0 if self.is_output_dropped else d.completion_tokens
 
     def body(self) -> dict:
         prompt, completion = sum(self.prompt.values()), sum(self.completion.values())
@@ -85,20 +102,42 @@ def check_finish(d: SeqDelta) -> None:
         raise RuntimeError(d.error or "generation failed")
 
 
+@dataclass
+class Echo:
+    """A completions request's prompts as they come back with echo (one per prompt; choice i is prompt i // n)."""
+    texts: list[str]
+    token_ids: list[list[int]]
+    n: int
+    is_output_dropped: bool
+    """max_tokens 0: the one token generated to score the prompt is not returned."""
+
+    def of(self, index: int) -> tuple[str, list[int]]:
+        return self.texts[index // self.n], self.token_ids[index // self.n]
+
+
 class Formatter:
     """Builds response bodies and stream chunks for one request ('text_completion' or 'chat.completion')."""
 
-    def __init__(self, kind: str, model: str, tokenizer):
+    def __init__(self, kind: str, model: str, tokenizer, echo: Echo | None = None):
         self.kind = kind
         self.model = model
         self.tokenizer = tokenizer
+        self.echo = echo
         self.id = ("cmpl-" if kind == "text_completion" else "chatcmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
         self.is_chat = kind == "chat.completion"
         self._roles_sent: set[int] = set()
+        self._echoed: set[int] = set()
+
+    @property
+    def is_output_dropped(self) -> bool:
+        return self.echo is not None and self.echo.is_output_dropped
 
     def _token(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
+
+    def _top(self, pairs) -> dict[str, float] | None:
+        return None if pairs is None else {self._token(t): v for t, v in pairs}
 
     def logprobs(self, ids: list[int], lps: list[float], tops: list, text_start: int = 0) -> dict | None:
         if not lps:
@@ -118,32 +157,54 @@ class Formatter:
         for s in tokens:
             offsets.append(pos)
             pos += len(s)
-        top = [{self._token(t): v for t, v in tops[j]} for j in range(len(ids))] if tops else None
+        top = [self._top(tops[j]) for j in range(len(ids))] if tops else None
         return {"tokens": tokens, "token_logprobs": list(lps), "top_logprobs": top, "text_offset": offsets}
+
+    def _completion_choice(self, index: int, c: Choice) -> dict:
+        ids, lps, tops = c.token_ids, c.logprobs, c.top_logprobs
+        text, has_logprobs = c.text, bool(c.logprobs)
+        if self.is_output_dropped:
+            ids, lps, tops, text = [], [], [], ""
+        if self.echo is not None:
+            prompt_text, prompt_ids = self.echo.of(index)
+            text = prompt_text + text
+            if c.prompt_logprobs is not None:  # echo with logprobs: the prompt's tokens come first
+                ids, lps = prompt_ids + ids, list(c.prompt_logprobs) + lps
+                if tops or c.prompt_top_logprobs:
+                    tops = list(c.prompt_top_logprobs or [None] * len(prompt_ids)) + tops
+                has_logprobs = True
+        lp = self.logprobs(ids, lps, tops) if has_logprobs else None
+        return {"index": index, "text": text, "logprobs": lp, "finish_reason": c.finish_reason}
 
     def response(self, choices: dict[int, Choice], usage: Usage) -> dict:
         out = []
         for index in sorted(choices):
             c = choices[index]
-            lp = self.logprobs(c.token_ids, c.logprobs, c.top_logprobs)
             if self.is_chat:
+                lp = self.logprobs(c.token_ids, c.logprobs, c.top_logprobs)
                 out.append({"index": index, "message": {"role": "assistant", "content": c.text},
                             "logprobs": lp, "finish_reason": c.finish_reason})
             else:
-                out.append({"index": index, "text": c.text, "logprobs": lp, "finish_reason": c.finish_reason})
+                out.append(self._completion_choice(index, c))
         return {"id": self.id, "object": self.kind, "created": self.created, "model": self.model,
                 "choices": out, "usage": usage.body()}
 
     def chunk(self, d: SeqDelta, text_start: int) -> dict:
-        lp = self.logprobs(d.token_ids, d.logprobs, d.top_logprobs, text_start)
         if self.is_chat:
+            lp = self.logprobs(d.token_ids, d.logprobs, d.top_logprobs, text_start)
             delta = {"content": d.text}
             if d.index not in self._roles_sent:
                 self._roles_sent.add(d.index)
                 delta["role"] = "assistant"
             choice = {"index": d.index, "delta": delta, "logprobs": lp, "finish_reason": d.finish_reason}
         else:
-            choice = {"index": d.index, "text": d.text, "logprobs": lp, "finish_reason": d.finish_reason}
+            text, lp = d.text, self.logprobs(d.token_ids, d.logprobs, d.top_logprobs, text_start)
+            if self.is_output_dropped:
+                text, lp = "", None
+            if self.echo is not None and d.index not in self._echoed:  # (echo with logprobs does not stream)
+                self._echoed.add(d.index)
+                text = self.echo.of(d.index)[0] + text
+            choice = {"index": d.index, "text": text, "logprobs": lp, "finish_reason": d.finish_reason}
         return {"id": self.id, "object": self.kind + ".chunk" if self.is_chat else self.kind,
                 "created": self.created, "model": self.model, "choices": [choice]}
 
@@ -155,7 +216,7 @@ class Formatter:
 async def collect(stream, formatter: Formatter) -> dict:
     """The whole response of a non-streaming request."""
     choices: dict[int, Choice] = {}
-    usage = Usage()
+    usage = Usage(formatter.is_output_dropped)
     async for d in stream:
         check_finish(d)
         c = choices.setdefault(d.index, Choice())
@@ -164,6 +225,8 @@ async def collect(stream, formatter: Formatter) -> dict:
         c.logprobs += d.logprobs
         c.top_logprobs += d.top_logprobs
         c.finish_reason = d.finish_reason or c.finish_reason
+        if d.prompt_logprobs is not None:
+            c.prompt_logprobs, c.prompt_top_logprobs = d.prompt_logprobs, d.prompt_top_logprobs
         usage.add(d)
     return formatter.response(choices, usage)
 
@@ -182,7 +245,7 @@ def sse(payload: dict | str) -> str:
 
 async def stream_events(first: SeqDelta, rest, formatter: Formatter, include_usage: bool):
     """SSE events of a streaming request, starting with its already-received first delta."""
-    usage = Usage()
+    usage = Usage(formatter.is_output_dropped)
     offsets: dict[int, int] = {}
 
     def event(d: SeqDelta) -> str:
