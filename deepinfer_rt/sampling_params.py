@@ -113,6 +113,9 @@ class SamplingParams:
     """With prompt_logprobs: report logprobs only for prompt positions >= this (earlier entries are None).
     Positions before it may come from the prefix cache, so scoring continuations of a shared prefix
     (select-style) computes the prefix once."""
+    logit_bias: dict[int, float] | None = None
+    """Token id -> a value in [-100, 100] added to its logit before sampling (OpenAI semantics: -100 bans the
+    token, +100 all but forces it). Reported logprobs stay those of the model's own distribution."""
     regex: str | None = None
     json_schema: str | dict | bool | None = None
     ebnf: str | None = None
@@ -194,6 +197,11 @@ class SamplingParams:
             check(isinstance(self.stop_token_ids, (list, tuple)) and len(self.stop_token_ids) <= MAX_STOP_STRINGS
                   and all(_is_int(t) and 0 <= t < vocab_size for t in self.stop_token_ids), "stop_token_ids",
                   f"must be a list of at most {MAX_STOP_STRINGS} token ids in [0, {vocab_size})")
+        if self.logit_bias is not None:
+            bias = self.logit_bias
+            check(isinstance(bias, dict) and all(_is_int(t) and 0 <= t < vocab_size and _is_number(v)
+                                                 and -100.0 <= v <= 100.0 for t, v in bias.items()), "logit_bias",
+                  f"must map token ids in [0, {vocab_size}) to numbers in [-100, 100]")
         env = get_env()
         for name in ("regex", "ebnf"):
             value = getattr(self, name)

@@ -173,7 +173,7 @@ def create_app(args: ServerArgs, on_fatal=None) -> FastAPI:
         return error_response(500, f"internal error: {type(exc).__name__}", code="internal_error")
 
     def check_model(name: str) -> JSONResponse | None:
-        if name not in (args.model_name, args.model):
+        if name not in (args.model_name, args.model, "default"):  # "default": SGLang's examples name it so
             return error_response(400, f"model: unknown model {name!r}; this server serves {args.model_name!r}",
                                   param="model", code="model_not_found")
         return None
@@ -217,7 +217,7 @@ def create_app(args: ServerArgs, on_fatal=None) -> FastAPI:
         if body.echo:
             texts = await off_loop(request, openai_api.echo_texts, body, prompts, tm.tokenizer)
             echo = openai_api.Echo(texts, prompts, body.n, is_output_dropped=body.max_tokens == 0)
-        formatter = openai_api.Formatter("text_completion", body.model, tm.tokenizer, echo)
+        formatter = openai_api.Formatter("text_completion", args.model_name, tm.tokenizer, echo)
         return await run_openai(request, body, prompts, params, formatter, OPENAI_NAMES)
 
     @app.post("/v1/chat/completions", responses={200: {"model": api_models.ChatCompletionResponse}, **_RESPONSES})
@@ -230,7 +230,7 @@ def create_app(args: ServerArgs, on_fatal=None) -> FastAPI:
             params = openai_api.chat_params(body, len(prompts[0]), tm.info.max_position)
         except ValueError as e:
             return bad_request(e, CHAT_NAMES)
-        formatter = openai_api.Formatter("chat.completion", body.model, tm.tokenizer)
+        formatter = openai_api.Formatter("chat.completion", args.model_name, tm.tokenizer)
         return await run_openai(request, body, prompts, params, formatter, CHAT_NAMES)
 
     @app.post("/generate", responses={200: {"model": list[api_models.GenerateOutput]}, **_RESPONSES})
