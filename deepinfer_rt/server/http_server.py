@@ -27,7 +27,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from deepinfer_rt.server import api_models, metrics, native_api, openai_api, sglang_native
 from deepinfer_rt.server.api_models import ChatCompletionRequest, CompletionRequest, ErrorResponse, GenerateRequest
-from deepinfer_rt.server.chat import make_chat_renderer
+from deepinfer_rt.server.chat import make_chat_format
 from deepinfer_rt.server.errors import (CHAT_NAMES, NATIVE_NAMES, OPENAI_NAMES, bad_request,
                                         error_response, unavailable)
 from deepinfer_rt.server.request_body import GuardedRoute
@@ -60,6 +60,11 @@ class ServerArgs:
     """Sequences admitted beyond max_num_seqs; more are refused with 503 and Retry-After."""
     engine_kwargs: dict = dataclasses.field(default_factory=dict)
     """Engine arguments besides model (dtype, device, kv_cache_tokens, max_num_seqs, ...)."""
+    tool_call_parser: str | None = None
+    """'deepseek_v3' | 'dsml' | 'none'; None: by the checkpoint (chat.make_chat_format)."""
+    chat_encoding: str | None = None
+    """'deepseek_v4' | 'deepseek_v41': render chats with deepseek-recipe; None: the tokenizer's template, or the
+    renderer registered for the checkpoint's model_type when it has none."""
 
     @property
     def model_name(self) -> str:
@@ -145,7 +150,8 @@ def create_app(args: ServerArgs, on_fatal=None) -> FastAPI:
                                   args.max_queued_requests)
             supervisor.spawn()
             await supervisor.wait_ready(tm)
-            state.update(tm=tm, supervisor=supervisor, chat=make_chat_renderer(tm.tokenizer, tm.info.model_path))
+            state.update(tm=tm, supervisor=supervisor, chat=make_chat_format(
+                tm.tokenizer, tm.info.model_path, args.tool_call_parser, args.chat_encoding))
             watch = asyncio.create_task(supervisor.watch(tm, on_fatal or (lambda: None)))
             logger.info("serving %s on http://%s:%d", args.model_name, args.host, args.port)
             yield
@@ -226,12 +232,13 @@ def create_app(args: ServerArgs, on_fatal=None) -> FastAPI:
             return error
         tm: TokenizerManager = state["tm"]
         try:
-            prompts = await off_loop(request, openai_api.chat_inputs, body, state["chat"])
-            params = openai_api.chat_params(body, len(prompts[0]), tm.info.max_position)
+            rendered = await off_loop(request, openai_api.chat_inputs, body, state["chat"])
+            params = openai_api.chat_params(body, rendered, tm.info.max_position)
         except ValueError as e:
             return bad_request(e, CHAT_NAMES)
-        formatter = openai_api.Formatter("chat.completion", args.model_name, tm.tokenizer)
-        return await run_openai(request, body, prompts, params, formatter, CHAT_NAMES)
+        reading = openai_api.ChatReading.of(body, state["chat"], rendered)
+        formatter = openai_api.Formatter("chat.completion", args.model_name, tm.tokenizer, reading=reading)
+        return await run_openai(request, body, [rendered.ids], params, formatter, CHAT_NAMES)
 
     @app.post("/generate", responses={200: {"model": list[api_models.GenerateOutput]}, **_RESPONSES})
     async def generate(body: GenerateRequest, request: Request):

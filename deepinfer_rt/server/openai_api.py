@@ -7,7 +7,9 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from deepinfer_rt.server.chat import ChatRenderer, message_text
+from deepinfer_rt.server.chat import ChatFormat, RenderedChat, message_text
+from deepinfer_rt.server.chat_output import ChatOutputParser, ParsedCall, ParsedDelta, parse_json_calls
+from deepinfer_rt.server.tool_choice import reply_constraint
 from deepinfer_rt.server.io_struct import SeqDelta
 from deepinfer_rt.server.api_models import ChatCompletionRequest, CompletionRequest
 from deepinfer_rt.server.tokenizer_manager import EngineLost, RequestTimeout
@@ -47,21 +49,62 @@ def completion_params(req: CompletionRequest, longest_prompt: int, max_position:
     return params
 
 
-def chat_inputs(req: ChatCompletionRequest, renderer: ChatRenderer) -> list[list[int]]:
+def chat_inputs(req: ChatCompletionRequest, chat: ChatFormat) -> RenderedChat:
+    if req.tools and req.tool_choice in (None, "auto") and chat.tool_format is None:
+        raise ValueError("tools: this model's tool-call format is not known to the server; use tool_choice "
+                         "'required' or a named function (enforced by a constraint), or 'none'")
     messages = []
     for m in req.messages:
         message = m.model_dump(exclude_none=True)
         message["content"] = message_text(m.content)  # text parts joined
         messages.append(message)
-    return [renderer.render(messages, req.model_dump(exclude_none=True))]
+    return chat.renderer.render(messages, req.model_dump(exclude_none=True))
 
 
-def chat_params(req: ChatCompletionRequest, prompt_len: int, max_position: int):
-    max_tokens = req.max_completion_tokens or req.max_tokens or max(1, max_position - prompt_len)
+def chat_params(req: ChatCompletionRequest, rendered: RenderedChat, max_position: int):
+    max_tokens = req.max_completion_tokens or req.max_tokens or max(1, max_position - len(rendered.ids))
     top = req.top_logprobs or 0
     if top and not req.logprobs:
         raise ValueError("top_logprobs: requires logprobs=true")
-    return req.sampling_params(max_tokens, logprobs=req.logprobs, top_logprobs=top)
+    params = req.sampling_params(max_tokens, logprobs=req.logprobs, top_logprobs=top)
+    fields = reply_constraint(req.model_dump(exclude_none=True), req.constraint_fields(), rendered.starts_in_reasoning)
+    params.regex, params.json_schema, params.ebnf = fields.get("regex"), fields.get("json_schema"), fields.get("ebnf")
+    return params
+
+
+@dataclass(frozen=True)
+class ChatReading:
+    """How a chat reply's text is split into reasoning, content and tool calls."""
+    tool_format: str | None
+    starts_in_reasoning: bool
+    parse_reasoning: bool
+    is_forced_call: bool
+    """tool_choice 'required' / named: the content is the constrained JSON array of calls."""
+
+    @classmethod
+    def of(cls, req: ChatCompletionRequest, chat: ChatFormat, rendered: RenderedChat) -> "ChatReading":
+        parse_reasoning = req.separate_reasoning and (chat.is_reasoning_model or rendered.starts_in_reasoning)
+        tool_format = chat.tool_format if req.tools and req.tool_choice != "none" else None
+        return cls(tool_format, rendered.starts_in_reasoning and parse_reasoning, parse_reasoning,
+                   req.tool_choice not in (None, "none", "auto"))
+
+    def parser(self) -> ChatOutputParser:
+        return ChatOutputParser(None if self.is_forced_call else self.tool_format, self.starts_in_reasoning,
+                                self.parse_reasoning)
+
+
+def _call_body(call: ParsedCall) -> dict:
+    return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+
+
+def _forced_calls(content: str, finish_reason: str | None) -> list[ParsedCall]:
+    """The calls of a forced choice's reply; a reply cut short (length) is not valid JSON and stays content."""
+    try:
+        return parse_json_calls(content)
+    except (ValueError, KeyError, TypeError):
+        if finish_reason == "stop":
+            raise RuntimeError("the constrained tool-call reply is not a JSON array of calls") from None
+        return []
 
 
 @dataclass
@@ -118,8 +161,13 @@ class Echo:
 class Formatter:
     """Builds response bodies and stream chunks for one request ('text_completion' or 'chat.completion')."""
 
-    def __init__(self, kind: str, model: str, tokenizer, echo: Echo | None = None):
+    def __init__(self, kind: str, model: str, tokenizer, echo: Echo | None = None,
+                 reading: ChatReading | None = None):
         self.kind = kind
+        self.reading = reading
+        self._parsers: dict[int, ChatOutputParser] = {}
+        self._forced_text: dict[int, str] = {}
+        self._num_calls: dict[int, int] = {}
         self.model = model
         self.tokenizer = tokenizer
         self.echo = echo
@@ -182,21 +230,69 @@ class Formatter:
             c = choices[index]
             if self.is_chat:
                 lp = self.logprobs(c.token_ids, c.logprobs, c.top_logprobs)
-                out.append({"index": index, "message": {"role": "assistant", "content": c.text},
-                            "logprobs": lp, "finish_reason": c.finish_reason})
+                out.append({"index": index, "message": self._message(c), "logprobs": lp,
+                            "finish_reason": c.finish_reason})
+                if out[-1]["message"].get("tool_calls") and c.finish_reason == "stop":
+                    out[-1]["finish_reason"] = "tool_calls"
             else:
                 out.append(self._completion_choice(index, c))
         return {"id": self.id, "object": self.kind, "created": self.created, "model": self.model,
                 "choices": out, "usage": usage.body()}
 
+    def _message(self, c: Choice) -> dict:
+        if self.reading is None:
+            return {"role": "assistant", "content": c.text}
+        parser = self.reading.parser()
+        parsed = parser.feed(c.text)
+        parsed += parser.finish()
+        if self.reading.is_forced_call:
+            parsed.tool_calls = _forced_calls(parsed.content, c.finish_reason)
+            if parsed.tool_calls:
+                parsed.content = ""
+        message = {"role": "assistant", "content": parsed.content or (None if parsed.tool_calls else "")}
+        if self.reading.parse_reasoning:
+            message["reasoning_content"] = parsed.reasoning or None
+        if parsed.tool_calls:
+            message["tool_calls"] = [_call_body(call) for call in parsed.tool_calls]
+        return message
+
+    def _chat_delta(self, d: SeqDelta) -> tuple[dict, str | None]:
+        """The delta of one chunk (reasoning_content / content / tool_calls) and its finish reason."""
+        if self.reading is None:
+            return {"content": d.text}, d.finish_reason
+        parser = self._parsers.setdefault(d.index, self.reading.parser())
+        parsed = parser.feed(d.text)
+        if d.is_finished:
+            parsed += parser.finish()
+        if self.reading.is_forced_call:  # the JSON array is read whole, once the reply is complete
+            self._forced_text[d.index] = self._forced_text.get(d.index, "") + parsed.content
+            parsed.content = ""
+            if d.is_finished:
+                parsed.tool_calls = _forced_calls(self._forced_text[d.index], d.finish_reason)
+                if not parsed.tool_calls:
+                    parsed.content = self._forced_text[d.index]
+        delta = {}
+        if parsed.reasoning:
+            delta["reasoning_content"] = parsed.reasoning
+        if parsed.content or not (parsed.reasoning or parsed.tool_calls):
+            delta["content"] = parsed.content
+        if parsed.tool_calls:
+            first = self._num_calls.get(d.index, 0)
+            self._num_calls[d.index] = first + len(parsed.tool_calls)
+            delta["tool_calls"] = [{"index": first + j, **_call_body(call)} for j, call in enumerate(parsed.tool_calls)]
+        finish = d.finish_reason
+        if finish == "stop" and self._num_calls.get(d.index):
+            finish = "tool_calls"
+        return delta, finish
+
     def chunk(self, d: SeqDelta, text_start: int) -> dict:
         if self.is_chat:
             lp = self.logprobs(d.token_ids, d.logprobs, d.top_logprobs, text_start)
-            delta = {"content": d.text}
+            delta, finish = self._chat_delta(d)
             if d.index not in self._roles_sent:
                 self._roles_sent.add(d.index)
-                delta["role"] = "assistant"
-            choice = {"index": d.index, "delta": delta, "logprobs": lp, "finish_reason": d.finish_reason}
+                delta = {"role": "assistant", **delta}
+            choice = {"index": d.index, "delta": delta, "logprobs": lp, "finish_reason": finish}
         else:
             text, lp = d.text, self.logprobs(d.token_ids, d.logprobs, d.top_logprobs, text_start)
             if self.is_output_dropped:
