@@ -62,6 +62,8 @@ class ServerArgs:
     """Engine arguments besides model (dtype, device, kv_cache_tokens, max_num_seqs, ...)."""
     tool_call_parser: str | None = None
     """'deepseek_v3' | 'dsml' | 'none'; None: by the checkpoint (chat.make_chat_format)."""
+    log_requests: bool = False
+    """Log one line per finished request: id, prompts, token counts, finish reason, latency."""
     chat_encoding: str | None = None
     """'deepseek_v4' | 'deepseek_v41': render chats with deepseek-recipe; None: the tokenizer's template, or the
     renderer registered for the checkpoint's model_type when it has none."""
@@ -147,13 +149,14 @@ def create_app(args: ServerArgs, on_fatal=None) -> FastAPI:
         tm = None
         try:
             tm = TokenizerManager(str(resolve_model_path(args.model)), to_sched, from_sched,
-                                  args.max_queued_requests)
+                                  args.max_queued_requests, log_requests=args.log_requests)
             supervisor.spawn()
             await supervisor.wait_ready(tm)
             state.update(tm=tm, supervisor=supervisor, chat=make_chat_format(
                 tm.tokenizer, tm.info.model_path, args.tool_call_parser, args.chat_encoding))
             watch = asyncio.create_task(supervisor.watch(tm, on_fatal or (lambda: None)))
-            logger.info("serving %s on http://%s:%d", args.model_name, args.host, args.port)
+            logger.info("serving %s (%s) on %s at http://%s:%d", args.model_name, tm.info.model_path,
+                        tm.info.device or "?", args.host, args.port)
             yield
             watch.cancel()
         finally:
@@ -286,7 +289,7 @@ def create_app(args: ServerArgs, on_fatal=None) -> FastAPI:
     @app.get("/metrics", responses={200: {"content": {"text/plain": {}}}, 503: _RESPONSES[503]})
     async def prometheus_metrics():
         try:
-            text = metrics.render(await _server_info(state["tm"], args))
+            text = state["tm"].metrics.render(await _server_info(state["tm"], args))
         except EngineUnavailable as e:
             return unavailable(str(e))
         return PlainTextResponse(text, media_type=metrics.CONTENT_TYPE)
@@ -323,6 +326,8 @@ def launch_server(args: ServerArgs) -> None:
     """Serve until SIGTERM/SIGINT; SystemExit(1) if the engine died for good (restarts exhausted)."""
     import uvicorn
 
+    if not logging.getLogger().handlers:  # the startup line and the request log go to stderr
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     server, fatal = None, []
 
     def on_fatal() -> None:

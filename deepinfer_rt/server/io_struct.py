@@ -66,6 +66,7 @@ class ReadyMessage:
     eos_ids: tuple[int, ...]
     max_num_seqs: int
     enable_prefix_cache: bool
+    device: str = ""
 
 
 @dataclass
