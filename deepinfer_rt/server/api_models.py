@@ -73,7 +73,7 @@ class _SamplingRequest(BaseModel):
                           Field(max_length=MAX_LOGIT_BIAS)] | None = None
     """Token id (as a JSON key) -> bias added to its logit."""
     user: ShortText | None = None
-    """Recorded in the request log (log_requests); it does not change the output."""
+    """OpenAI's end-user id: accepted for compatibility; it does not change the output."""
     # extensions
     top_k: int = Field(-1, ge=-1, le=MAX_INT)
     min_p: float = Field(0.0, ge=0.0, le=1.0)
@@ -371,6 +371,8 @@ class GenerateMeta(BaseModel):
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
     prompt_logprobs: list[float | None] | None = None
+    prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
+    """With a prompt_logprobs count k: the k most likely (token id, logprob) at each prompt position."""
 
 
 class GenerateOutput(BaseModel):

@@ -100,3 +100,19 @@ def test_echo_refusals_name_the_field(server_url, body, param):
     r = httpx.post(f"{server_url}/v1/completions", json={"model": MODEL_NAME, "prompt": "hi", **body}, timeout=30)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param
+
+
+def test_native_generate_prompt_top_logprobs(server_url, scored):
+    """SamplingParams.prompt_logprobs as a count over /generate: the top tokens at each prompt position."""
+    _, rows = scored
+    ids, ref = rows[1]
+    r = httpx.post(f"{server_url}/generate", json={"input_ids": ids, "sampling_params": {
+        "max_new_tokens": 1, "temperature": 0, "prompt_logprobs": 2}}, timeout=60)
+    assert r.status_code == 200, r.text
+    meta = r.json()[0]["meta_info"]
+    tops = meta["prompt_top_logprobs"]
+    assert len(tops) == len(meta["prompt_logprobs"]) == len(ids) and tops[0] is None
+    for j, top in enumerate(tops[1:]):
+        vals, best = ref[j].topk(2)
+        assert [t for t, _ in top] == best.tolist()
+        assert [v for _, v in top] == pytest.approx(vals.tolist(), abs=1e-4)

@@ -24,9 +24,10 @@ REPLY = ("Checking the weather.</think>\n\n<｜DSML｜tool_calls>\n<｜DSML｜in
 def v4_client(tiny_v4_path, tmp_path_factory):
     from openai import OpenAI
 
-    proc, url = start_server(tiny_v4_path, tmp_path_factory.mktemp("v4") / "server.log",
-                             extra_args=["--kv-cache-tokens", "4096"])
+    log = tmp_path_factory.mktemp("v4") / "server.log"
+    proc, url = start_server(tiny_v4_path, log, extra_args=["--kv-cache-tokens", "4096"])
     try:
+        assert f"on cpu at {url}" in log.read_text()  # the startup line: model, device, URL
         with OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120) as client:
             yield client
     finally:
