@@ -131,7 +131,7 @@ class CompletionRequest(_SamplingRequest):
     echo: bool = False
     """The prompt comes back before the completion, in the text and (with logprobs) in the logprobs."""
     best_of: int | None = Field(None, ge=1, le=MAX_N)
-    """Only best_of == n (every sample returned): ranking more samples than are returned is not implemented."""
+    """Samples drawn per prompt; the n with the highest total logprob are returned (not with stream)."""
     suffix: ShortText | None = None
 
     @field_validator("suffix")
@@ -145,8 +145,10 @@ class CompletionRequest(_SamplingRequest):
     def _check_echo(self):
         if self.max_tokens == 0 and not self.echo:
             raise ValueError("max_tokens: 0 is allowed only with echo (scoring the prompt)")
-        if self.best_of is not None and self.best_of != self.n:
-            raise ValueError("best_of: only best_of equal to n is supported")
+        if self.best_of is not None and self.best_of < self.n:
+            raise ValueError("best_of: must be at least n")
+        if self.best_of is not None and self.best_of > self.n and self.stream:
+            raise ValueError("best_of: more samples than n cannot be streamed (they are ranked once complete)")
         if self.echo and self.stream and self.logprobs is not None:
             raise ValueError("logprobs: with echo, prompt logprobs are returned only when stream is false")
         return self

@@ -187,13 +187,13 @@ def create_app(args: ServerArgs, on_fatal=None) -> FastAPI:
                                   param="model", code="model_not_found")
         return None
 
-    async def run_openai(request: Request, body, prompts, params, formatter, names):
+    async def run_openai(request: Request, body, prompts, params, formatter, names, best_of=None):
         tm: TokenizerManager = state["tm"]
         stream = None
         try:
             stream = tm.submit(prompts, params)
             if not body.stream:
-                return await until_done_or_gone(request, openai_api.collect(stream, formatter))
+                return await until_done_or_gone(request, openai_api.collect(stream, formatter, best_of))
             it = stream.__aiter__()
             first = await until_done_or_gone(request, it.__anext__())
         except BaseException as e:
@@ -227,7 +227,10 @@ def create_app(args: ServerArgs, on_fatal=None) -> FastAPI:
             texts = await off_loop(request, openai_api.echo_texts, body, prompts, tm.tokenizer)
             echo = openai_api.Echo(texts, prompts, body.n, is_output_dropped=body.max_tokens == 0)
         formatter = openai_api.Formatter("text_completion", args.model_name, tm.tokenizer, echo)
-        return await run_openai(request, body, prompts, params, formatter, OPENAI_NAMES)
+        best_of = None
+        if body.best_of is not None and body.best_of > body.n:
+            best_of = openai_api.BestOf(body.best_of, body.n, is_logprobs_asked=body.logprobs is not None)
+        return await run_openai(request, body, prompts, params, formatter, OPENAI_NAMES, best_of)
 
     @app.post("/v1/chat/completions", responses={200: {"model": api_models.ChatCompletionResponse}, **_RESPONSES})
     async def chat_completions(body: ChatCompletionRequest, request: Request):

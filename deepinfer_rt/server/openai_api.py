@@ -44,6 +44,8 @@ def completion_params(req: CompletionRequest, longest_prompt: int, max_position:
     k = req.logprobs
     max_tokens = req.max_tokens if req.max_tokens is not None else min(16, max(1, max_position - longest_prompt))
     params = req.sampling_params(max(1, max_tokens), logprobs=k is not None, top_logprobs=k or 0)
+    if req.best_of is not None and req.best_of > req.n:
+        params.n, params.logprobs = req.best_of, True  # ranked by their logprobs (collect)
     if req.echo and k is not None:
         params.prompt_logprobs = k if k > 0 else True
     return params
@@ -309,7 +311,29 @@ class Formatter:
                 "created": self.created, "model": self.model, "choices": [], "usage": usage.body()}
 
 
-async def collect(stream, formatter: Formatter) -> dict:
+@dataclass(frozen=True)
+class BestOf:
+    """best_of samples were drawn per prompt; n are returned."""
+    best_of: int
+    n: int
+    is_logprobs_asked: bool
+
+    def select(self, choices: dict[int, Choice]) -> dict[int, Choice]:
+        """Per prompt, the n samples of highest total logprob (ties: the earlier sample), indexed as n per
+        prompt."""
+        out = {}
+        for p in range(len(choices) // self.best_of):
+            samples = [choices[p * self.best_of + k] for k in range(self.best_of)]
+            ranked = sorted(range(self.best_of), key=lambda k: -sum(samples[k].logprobs))[: self.n]
+            for j, k in enumerate(ranked):
+                c = samples[k]
+                if not self.is_logprobs_asked:
+                    c.logprobs, c.top_logprobs = [], []
+                out[p * self.n + j] = c
+        return out
+
+
+async def collect(stream, formatter: Formatter, best_of: BestOf | None = None) -> dict:
     """The whole response of a non-streaming request."""
     choices: dict[int, Choice] = {}
     usage = Usage(formatter.is_output_dropped)
@@ -324,6 +348,8 @@ async def collect(stream, formatter: Formatter) -> dict:
         if d.prompt_logprobs is not None:
             c.prompt_logprobs, c.prompt_top_logprobs = d.prompt_logprobs, d.prompt_top_logprobs
         usage.add(d)
+    if best_of is not None:
+        choices = best_of.select(choices)
     return formatter.response(choices, usage)
 
 

@@ -16,7 +16,8 @@ def _post(url: str, path: str, body: dict) -> httpx.Response:
 
 @pytest.mark.parametrize("path, body, param", [
     ("/v1/completions", {"prompt": PROMPT, "frobnicate": 1}, "frobnicate"),
-    ("/v1/completions", {"prompt": PROMPT, "best_of": 3}, "best_of"),
+    ("/v1/completions", {"prompt": PROMPT, "best_of": 1, "n": 2}, "best_of"),
+    ("/v1/completions", {"prompt": PROMPT, "best_of": 3, "stream": True}, "best_of"),
     ("/v1/completions", {"prompt": PROMPT, "logit_bias": {"x1": 1}}, "logit_bias"),
     ("/v1/completions", {"prompt": PROMPT, "logit_bias": {"5": 101}}, "logit_bias.5"),
     ("/v1/completions", {"prompt": PROMPT, "logit_bias": {"999999999": 1}}, "logit_bias"),
@@ -43,9 +44,14 @@ def test_model_default_is_this_model(client):
     assert out.model == MODEL_NAME and out.choices[0].text
 
 
-def test_best_of_equal_to_n_is_accepted(client):
-    out = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=2, n=2, best_of=2, seed=3)
-    assert len(out.choices) == 2
+def test_best_of_returns_the_most_likely_samples(client):
+    kwargs = dict(model=MODEL_NAME, prompt=PROMPT, max_tokens=4, temperature=1.0, seed=3)
+    every = client.completions.create(n=4, logprobs=0, **kwargs)
+    totals = {c.text: sum(c.logprobs.token_logprobs) for c in every.choices}
+    best = client.completions.create(n=2, best_of=4, **kwargs)
+    assert [c.index for c in best.choices] == [0, 1] and all(c.logprobs is None for c in best.choices)
+    assert [c.text for c in best.choices] == sorted(totals, key=lambda t: -totals[t])[:2]
+    assert best.usage.completion_tokens == every.usage.completion_tokens  # all four were generated
 
 
 def test_logit_bias_forces_and_bans(client, smollm2_engine):
