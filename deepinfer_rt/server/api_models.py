@@ -2,7 +2,8 @@
 extensions (top_k, min_p, repetition_penalty, min_tokens, ignore_eos, stop_token_ids, regex, ebnf) and the native
 /generate.
 
-Request models are strict: a field takes only its JSON type (no "16" for an int, no true for an int, no "no" for
+Request models are strict: an unknown field is refused (extra="forbid": nothing is silently ignored), a field
+takes only its JSON type (no "16" for an int, no true for an int, no "no" for
 a bool), floats are finite, integers bounded, text is limited (env.py). A body that does not validate is answered
 400 naming the field, in OpenAI's error shape (ErrorResponse; http_server's handler). Response models document
 /openapi.json; the routes build their bodies as plain dicts of these shapes.
@@ -227,7 +228,7 @@ class ChatCompletionRequest(_SamplingRequest):
     parallel_tool_calls: bool = True
     """False: at most one call (enforced with 'required' or a named function; with 'auto', later calls are
     dropped)."""
-    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "max"] | None = None
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
     """Thinking models: 'none' turns thinking off; the others on (DeepSeek-V4 renders high and max)."""
     chat_template_kwargs: dict[str, Any] | None = None
     """Passed to the chat template (e.g. {"thinking": true} or {"enable_thinking": false})."""

@@ -72,7 +72,7 @@ class HFChatRenderer:
         return RenderedChat(self.tokenizer.encode(text, add_special_tokens=False), _starts_in_reasoning(text))
 
 
-_RECIPE_EFFORTS = {"minimal": "low", "low": "low", "medium": "high", "high": "high", "max": "max"}
+_RECIPE_EFFORTS = {"minimal": "low", "low": "low", "medium": "high", "high": "high", "xhigh": "xhigh", "max": "max"}
 """OpenAI's efforts -> the recipe's (low, high, xhigh, max)."""
 
 

@@ -56,12 +56,15 @@ def test_v4_recipe_renders_the_prompt(v4_client, tiny_v4_path):
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(tiny_v4_path))
-    for thinking in (False, True):
+    cases = [(False, None, {"chat_template_kwargs": {"thinking": False}}),
+             (True, None, {"chat_template_kwargs": {"thinking": True}}),
+             (False, None, {"reasoning_effort": "none"}), (True, "low", {"reasoning_effort": "low"})]
+    for thinking, effort, extra in cases:
         text = deepseek_recipe.DeepseekV4Encoding().render_conversation(deepseek_recipe.Conversation(
-            [deepseek_recipe.UserMessage(MESSAGES[0]["content"])], thinking_mode=thinking)).prompt
-        out = v4_client.chat.completions.create(model="default", messages=MESSAGES, max_tokens=1,
-                                                extra_body={"chat_template_kwargs": {"thinking": thinking}})
-        assert out.usage.prompt_tokens == len(tok.encode(text, add_special_tokens=False))
+            [deepseek_recipe.UserMessage(MESSAGES[0]["content"])], thinking_mode=thinking,
+            reasoning_effort=effort)).prompt
+        out = v4_client.chat.completions.create(model="default", messages=MESSAGES, max_tokens=1, extra_body=extra)
+        assert out.usage.prompt_tokens == len(tok.encode(text, add_special_tokens=False)), extra
 
 
 def test_v4_reasoning_and_tool_call_parsed(v4_client):
