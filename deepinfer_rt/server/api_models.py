@@ -3,8 +3,8 @@ extensions (top_k, min_p, repetition_penalty, min_tokens, ignore_eos, stop_token
 /generate.
 
 Request models are strict: an unknown field is refused (extra="forbid": nothing is silently ignored), a field
-takes only its JSON type (no "16" for an int, no true for an int, no "no" for
-a bool), floats are finite, integers bounded, text is limited (env.py). A body that does not validate is answered
+takes only its JSON type (no "16" for an int, no true for an int, no "no" for a bool), floats are finite,
+integers bounded, text is limited (env.py). A body that does not validate is answered
 400 naming the field, in OpenAI's error shape (ErrorResponse; http_server's handler). Response models document
 /openapi.json; the routes build their bodies as plain dicts of these shapes.
 """
