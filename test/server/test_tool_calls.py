@@ -89,19 +89,38 @@ def test_v4_thinking_off_is_content(v4_client):
     assert message.content == "Sunny</think>, 20 degrees" and message.reasoning_content is None
 
 
-@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
-def test_v4_forced_call_after_reasoning(v4_client, tiny_v4_path, tool_choice):
-    """The constraint starts after the reasoning block: </think> (pushed by logit_bias, so the random model
-    closes its reasoning at once), then the JSON array of calls."""
+@pytest.fixture(scope="module")
+def close_thinking(tiny_v4_path) -> dict[str, float]:
+    """logit_bias for a random model under a constraint that starts after its reasoning: </think> pushed, so it
+    closes the reasoning at once, and whitespace banned (the JSON grammar allows some between tokens, which a
+    random model would fill)."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(tiny_v4_path))
-    # and whitespace banned: the grammar allows some between JSON tokens, which a random model would fill
     texts = tok.batch_decode([[i] for i in range(len(tok))])
     bias = {str(i): -100 for i, text in enumerate(texts) if not text.strip()}
     assert len(bias) < 4096
     bias[str(tok.convert_tokens_to_ids("</think>"))] = 100
-    kwargs = _thinking(max_tokens=100, tool_choice=tool_choice, logit_bias=bias, parallel_tool_calls=False)
+    return bias
+
+
+def test_v4_response_format_after_reasoning(v4_client, close_thinking):
+    schema = TOOLS[0]["function"]["parameters"]
+    kwargs = _thinking(max_tokens=40, logit_bias=close_thinking, response_format={
+        "type": "json_schema", "json_schema": {"name": "weather", "schema": schema}})
+    kwargs.pop("tools")
+    out = v4_client.chat.completions.create(**kwargs)
+    message = out.choices[0].message
+    assert out.choices[0].finish_reason == "stop", message
+    assert json.loads(message.content)["city"] in ("Paris", "Rome")
+    assert not message.reasoning_content
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_v4_forced_call_after_reasoning(v4_client, close_thinking, tool_choice):
+    """The constraint starts after the reasoning block: </think>, then the JSON array of calls."""
+    kwargs = _thinking(max_tokens=100, tool_choice=tool_choice, logit_bias=close_thinking,
+                       parallel_tool_calls=False)
     out = v4_client.chat.completions.create(**kwargs)
     message = out.choices[0].message
     assert out.choices[0].finish_reason == "tool_calls", message
