@@ -210,8 +210,8 @@ class Engine:
         """Apply a completed step's tokens, logprobs and stop conditions. An error while handling one request
         (its grammar, its text) finishes that request alone."""
         with self._cond:  # stream readers take text deltas under this lock
-            for i, (first, values) in result.prompt_logprobs.items():
-                self.outputs.add_prompt_logprobs(batch.items[i].req, first, values)
+            for i, (first, values, tops) in result.prompt_logprobs.items():
+                self.outputs.add_prompt_logprobs(batch.items[i].req, first, values, tops)
             pairs = [(batch.items[i].req, token, j) for j, (i, token) in enumerate(result.sampled)]
             pairs = [(req, token, j) for req, token, j in pairs if not req.is_finished]  # drafts past a stop
             if result.sample is not None and result.sample.logprobs is None and len(pairs) == len(batch.items):

@@ -33,8 +33,9 @@ class RunResult:
     sampled: list[tuple[int, int]]
     """(item index, token) for items that sampled."""
     sample: SampleResult | None
-    prompt_logprobs: dict[int, tuple[int, list[float]]]
-    """item index -> (first prompt position, logprobs of the prompt tokens from there) computed in the chunk."""
+    prompt_logprobs: dict[int, tuple[int, list[float], list[list[tuple[int, float]]] | None]]
+    """item index -> (first prompt position, logprobs of the prompt tokens from there, the top (token, logprob)
+    pairs at each of those positions when the request asked for a count) computed in the chunk."""
     num_accepted: dict[int, int] = field(default_factory=dict)
     """Speculation: item index -> how many of its draft tokens verification accepted."""
 
@@ -247,15 +248,20 @@ class ModelRunner:
         return RunResult(sampled, sample, prompt_lps, num_accepted)
 
     def _prompt_logprobs(self, hidden: torch.Tensor, item: ScheduledReq, row: int, n: int
-                         ) -> tuple[int, list[float]]:
-        """Row j predicts the token at position start + j + 1. Returns (first position, logprobs) for the
-        prompt positions in this chunk that the request still needs."""
+                         ) -> tuple[int, list[float], list[list[tuple[int, float]]] | None]:
+        """Row j predicts the token at position start + j + 1. Returns (first position, logprobs, top tokens
+        or None) for the prompt positions in this chunk that the request still needs."""
         req, start = item.req, item.start
+        k = req.params.num_prompt_top_logprobs
         first = max(start, len(req.prompt_logprobs) - 1)  # rows before it predict positions already known
         num = min(start + n, req.prompt_len - 1) - first
         if num <= 0:
-            return first + 1, []
+            return first + 1, [], [] if k else None
         rows = hidden[row + first - start : row + first - start + num]
-        logits = self.model.compute_logits(rows)[:, : self.sampler.vocab_size]
-        targets = torch.tensor(req.prompt_ids[first + 1 : first + 1 + num], device=logits.device)
-        return first + 1, logits.log_softmax(-1).gather(1, targets[:, None]).squeeze(1).tolist()
+        logprobs = self.model.compute_logits(rows)[:, : self.sampler.vocab_size].float().log_softmax(-1)
+        targets = torch.tensor(req.prompt_ids[first + 1 : first + 1 + num], device=logprobs.device)
+        chosen = logprobs.gather(1, targets[:, None]).squeeze(1).tolist()
+        if not k:
+            return first + 1, chosen, None
+        vals, ids = logprobs.topk(k, dim=-1)
+        return first + 1, chosen, [list(zip(i, v)) for i, v in zip(ids.tolist(), vals.tolist())]

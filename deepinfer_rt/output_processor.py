@@ -21,13 +21,18 @@ class OutputProcessor:
         req.detokenizer = IncrementalDetokenizer(self.tokenizer, req.prompt_ids, req.params.stop_strings)
         if req.params.prompt_logprobs:
             req.prompt_logprobs = [None] * max(1, min(req.params.logprob_start_len, req.prompt_len))
+            if req.params.num_prompt_top_logprobs:
+                req.prompt_top_logprobs = [None] * len(req.prompt_logprobs)
 
-    def add_prompt_logprobs(self, req: Req, first: int, values: list[float]) -> None:
-        """values[j] is the logprob of prompt token first + j; positions already recorded (a recompute after
-        retraction) are kept as they were."""
+    def add_prompt_logprobs(self, req: Req, first: int, values: list[float],
+                            tops: list[list[tuple[int, float]]] | None = None) -> None:
+        """values[j] is the logprob of prompt token first + j (tops[j] its position's top tokens, when asked);
+        positions already recorded (a recompute after retraction) are kept as they were."""
         for j, v in enumerate(values):
             if first + j == len(req.prompt_logprobs):
                 req.prompt_logprobs.append(v)
+                if tops is not None:
+                    req.prompt_top_logprobs.append(tops[j])
 
     def append_token(self, req: Req, token: int, logprob: float | None,
                      top: list[tuple[int, float]] | None) -> bool:

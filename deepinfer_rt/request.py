@@ -50,6 +50,9 @@ class Req:
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     prompt_logprobs: list[float | None] = field(default_factory=list)
+    prompt_top_logprobs: list[list[tuple[int, float]] | None] = field(default_factory=list)
+    """With a prompt_logprobs count k: the k most likely (token, logprob) at each prompt position, parallel to
+    prompt_logprobs (None where that is None)."""
     num_inflight_tokens: int = 0
     """Tokens sampled by a launched step whose ids are still on the device (overlap scheduling): counted in
     num_tokens, appended to token_ids when that step is completed."""
@@ -88,7 +91,7 @@ class Req:
 
     @property
     def wants_prompt_logprobs(self) -> bool:
-        return self.params.prompt_logprobs and len(self.prompt_logprobs) < self.prompt_len
+        return bool(self.params.prompt_logprobs) and len(self.prompt_logprobs) < self.prompt_len
 
     def finish(self, reason: str, error: str | None = None) -> None:
         self.status = ReqStatus.FINISHED
@@ -109,6 +112,7 @@ class GenerateOutput:
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
     prompt_logprobs: list[float | None] | None = None
+    prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
     spec_stats: dict | None = None
     """Speculation: drafted, accepted, acceptance_rate, mean_accepted_length (None if nothing was drafted)."""
 
@@ -126,6 +130,7 @@ class GenerateOutput:
             logprobs=list(req.logprobs) if p.logprobs or p.top_logprobs else None,
             top_logprobs=list(req.top_logprobs) if p.top_logprobs else None,
             prompt_logprobs=list(req.prompt_logprobs) if p.prompt_logprobs else None,
+            prompt_top_logprobs=list(req.prompt_top_logprobs) if p.num_prompt_top_logprobs else None,
             spec_stats=spec_stats(req.num_draft_tokens, req.num_accepted_tokens, req.num_spec_steps)
             if req.num_spec_steps else None,
         )

@@ -1,7 +1,7 @@
 """Sampler: logits (one row per sampling request) -> next tokens, plus logprobs when asked.
 
-Order: raw logprobs (reported, from the model's own distribution) -> penalties -> min_new_tokens mask ->
-grammar mask -> greedy argmax, or temperature -> top-k -> top-p -> min-p -> a seeded draw.
+Order: raw logprobs (reported, from the model's own distribution) -> penalties -> logit_bias -> min_new_tokens
+mask -> grammar mask -> greedy argmax, or temperature -> top-k -> top-p -> min-p -> a seeded draw.
 
 The draw is counter-based: the uniform noise of a request depends only on (its seed, its output position),
 never on which rows share the batch, so seeded sampling is reproducible across runs and batch layouts.
@@ -69,6 +69,14 @@ def apply_penalties(logits: torch.Tensor, reqs: list[Req]) -> None:
             logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
 
 
+def apply_logit_bias(logits: torch.Tensor, reqs: list[Req]) -> None:
+    for i, req in enumerate(reqs):
+        bias = req.params.logit_bias
+        if bias:
+            ids = to_device(list(bias), torch.long, logits.device)
+            logits[i, ids] += to_device(list(bias.values()), logits.dtype, logits.device)
+
+
 def filter_logits(z: torch.Tensor, reqs: list[Req]) -> torch.Tensor:
     """Temperature-scaled rows z (B, V): set tokens outside top-k / top-p / min-p to -inf."""
     top_k = [r.params.top_k for r in reqs]
@@ -116,6 +124,7 @@ class Sampler:
         Speculative verification reads the same rows, so its target distribution is the sampler's."""
         logits = logits.clone()
         apply_penalties(logits, reqs)
+        apply_logit_bias(logits, reqs)
         for i, r in enumerate(reqs):
             # A grammar decides where a constrained output may end; banning EOS there could leave no token.
             if r.num_output_tokens < r.params.min_new_tokens and r.grammar is None:

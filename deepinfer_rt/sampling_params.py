@@ -16,6 +16,8 @@ SEED_RANGE = (-(2**63), 2**64 - 1)
 MAX_N = 4096
 MAX_TEMPERATURE = 100.0
 """Beyond it the draw is uniform to float32 precision for any real logits: a larger value is a mistake."""
+MAX_TOP_LOGPROBS = 20
+"""Alternatives reported per position (top_logprobs, a prompt_logprobs count)."""
 MAX_STOP_STRINGS = 64
 """Each stop string is searched for in every step's text; the bound keeps that cost small."""
 
@@ -104,11 +106,17 @@ class SamplingParams:
     """Seeded draws depend only on (seed, output position, logits): reproducible across runs and batches."""
     logprobs: bool = False
     top_logprobs: int = 0
-    prompt_logprobs: bool = False
+    prompt_logprobs: bool | int = False
+    """True: the logprob of each prompt token (the first has none: None). An int k >= 1: that, plus the k most
+    likely tokens at each prompt position (prompt_top_logprobs; evaluation harnesses compare the two to tell
+    whether a continuation is greedy). False or 0: none."""
     logprob_start_len: int = 0
     """With prompt_logprobs: report logprobs only for prompt positions >= this (earlier entries are None).
     Positions before it may come from the prefix cache, so scoring continuations of a shared prefix
     (select-style) computes the prefix once."""
+    logit_bias: dict[int, float] | None = None
+    """Token id -> a value in [-100, 100] added to its logit before sampling (OpenAI semantics: -100 bans the
+    token, +100 all but forces it). Reported logprobs stay those of the model's own distribution."""
     regex: str | None = None
     json_schema: str | dict | bool | None = None
     ebnf: str | None = None
@@ -123,6 +131,12 @@ class SamplingParams:
             self.stop_strings = list(self.stop)
         else:  # None, or a wrong type that validate() names
             self.stop_strings = []
+
+    @property
+    def num_prompt_top_logprobs(self) -> int:
+        """k of a prompt_logprobs count (0 for a bool)."""
+        p = self.prompt_logprobs
+        return 0 if isinstance(p, bool) else p
 
     @property
     def is_greedy(self) -> bool:
@@ -171,8 +185,11 @@ class SamplingParams:
         check_int("n", 1, MAX_N)
         check(self.seed is None or (_is_int(self.seed) and SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]), "seed",
               "must be None or a 64-bit int")
-        for name in ("ignore_eos", "logprobs", "prompt_logprobs"):
+        for name in ("ignore_eos", "logprobs"):
             check(isinstance(getattr(self, name), bool), name, "must be a bool")
+        check(isinstance(self.prompt_logprobs, bool) or (_is_int(self.prompt_logprobs)
+              and 0 <= self.prompt_logprobs <= self.max_top_logprobs), "prompt_logprobs",
+              f"must be a bool or an int in [0, {self.max_top_logprobs}] (the top tokens per position)")
         check_int("top_logprobs", 0, self.max_top_logprobs)
         check_int("logprob_start_len", 0, MAX_INT)
         check(self.stop is None or isinstance(self.stop, (str, list, tuple)), "stop",
@@ -183,6 +200,11 @@ class SamplingParams:
             check(isinstance(self.stop_token_ids, (list, tuple)) and len(self.stop_token_ids) <= MAX_STOP_STRINGS
                   and all(_is_int(t) and 0 <= t < vocab_size for t in self.stop_token_ids), "stop_token_ids",
                   f"must be a list of at most {MAX_STOP_STRINGS} token ids in [0, {vocab_size})")
+        if self.logit_bias is not None:
+            bias = self.logit_bias
+            check(isinstance(bias, dict) and all(_is_int(t) and 0 <= t < vocab_size and _is_number(v)
+                                                 and -100.0 <= v <= 100.0 for t, v in bias.items()), "logit_bias",
+                  f"must map token ids in [0, {vocab_size}) to numbers in [-100, 100]")
         env = get_env()
         for name in ("regex", "ebnf"):
             value = getattr(self, name)

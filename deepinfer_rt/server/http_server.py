@@ -27,7 +27,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from deepinfer_rt.server import api_models, metrics, native_api, openai_api, sglang_native
 from deepinfer_rt.server.api_models import ChatCompletionRequest, CompletionRequest, ErrorResponse, GenerateRequest
-from deepinfer_rt.server.chat import make_chat_renderer
+from deepinfer_rt.server.chat import make_chat_format
 from deepinfer_rt.server.errors import (CHAT_NAMES, NATIVE_NAMES, OPENAI_NAMES, bad_request,
                                         error_response, unavailable)
 from deepinfer_rt.server.request_body import GuardedRoute
@@ -43,6 +43,7 @@ _GRACEFUL_SHUTDOWN_S = 5
 # pydantic names the member of a union it tried (prompt.list[constrained-int], sampling_params.
 # GenerateSamplingParams); the client named only the field.
 _UNION_TAG_RE = re.compile(r"^(constrained-)?(str|int|float|bool|bytes|none)$|[\[\-]|^[A-Z]")
+_NAMED_MSG_RE = re.compile(r"^([a-z_][\w.]*): ")
 _ERRORS = {400: "Invalid request: the field at fault is `param`", 413: "Request body too large",
            499: "Client closed the request", 500: "Internal error", 503: "Overloaded (Retry-After) or the engine "
            "is unavailable (loading, restarting, not responding)", 504: "The request ran past its timeout"}
@@ -59,6 +60,13 @@ class ServerArgs:
     """Sequences admitted beyond max_num_seqs; more are refused with 503 and Retry-After."""
     engine_kwargs: dict = dataclasses.field(default_factory=dict)
     """Engine arguments besides model (dtype, device, kv_cache_tokens, max_num_seqs, ...)."""
+    tool_call_parser: str | None = None
+    """'deepseek_v3' | 'dsml' | 'none'; None: by the checkpoint (chat.make_chat_format)."""
+    log_requests: bool = False
+    """Log one line per finished request: id, prompts, token counts, finish reason, latency."""
+    chat_encoding: str | None = None
+    """'deepseek_v4' | 'deepseek_v41': render chats with deepseek-recipe; None: the tokenizer's template, or the
+    renderer registered for the checkpoint's model_type when it has none."""
 
     @property
     def model_name(self) -> str:
@@ -100,6 +108,8 @@ def validation_response(exc: RequestValidationError) -> JSONResponse:
             best, best_loc = err, loc
     param = "".join(best_loc) or None
     msg = str(best.get("msg", "invalid request")).removeprefix("Value error, ")
+    if param is None and (named := _NAMED_MSG_RE.match(msg)):  # a check across fields names the one at fault
+        param, msg = named.group(1), msg[named.end():]
     return error_response(400, f"{param}: {msg}" if param else f"request body: {msg}", param=param)
 
 
@@ -139,12 +149,14 @@ def create_app(args: ServerArgs, on_fatal=None) -> FastAPI:
         tm = None
         try:
             tm = TokenizerManager(str(resolve_model_path(args.model)), to_sched, from_sched,
-                                  args.max_queued_requests)
+                                  args.max_queued_requests, log_requests=args.log_requests)
             supervisor.spawn()
             await supervisor.wait_ready(tm)
-            state.update(tm=tm, supervisor=supervisor, chat=make_chat_renderer(tm.tokenizer, tm.info.model_path))
+            state.update(tm=tm, supervisor=supervisor, chat=make_chat_format(
+                tm.tokenizer, tm.info.model_path, args.tool_call_parser, args.chat_encoding))
             watch = asyncio.create_task(supervisor.watch(tm, on_fatal or (lambda: None)))
-            logger.info("serving %s on http://%s:%d", args.model_name, args.host, args.port)
+            logger.info("serving %s (%s) on %s at http://%s:%d", args.model_name, tm.info.model_path,
+                        tm.info.device or "?", args.host, args.port)
             yield
             watch.cancel()
         finally:
@@ -170,18 +182,18 @@ def create_app(args: ServerArgs, on_fatal=None) -> FastAPI:
         return error_response(500, f"internal error: {type(exc).__name__}", code="internal_error")
 
     def check_model(name: str) -> JSONResponse | None:
-        if name not in (args.model_name, args.model):
+        if name not in (args.model_name, args.model, "default"):  # "default": SGLang's examples name it so
             return error_response(400, f"model: unknown model {name!r}; this server serves {args.model_name!r}",
                                   param="model", code="model_not_found")
         return None
 
-    async def run_openai(request: Request, body, prompts, params, formatter, names):
+    async def run_openai(request: Request, body, prompts, params, formatter, names, best_of=None):
         tm: TokenizerManager = state["tm"]
         stream = None
         try:
             stream = tm.submit(prompts, params)
             if not body.stream:
-                return await until_done_or_gone(request, openai_api.collect(stream, formatter))
+                return await until_done_or_gone(request, openai_api.collect(stream, formatter, best_of))
             it = stream.__aiter__()
             first = await until_done_or_gone(request, it.__anext__())
         except BaseException as e:
@@ -210,8 +222,15 @@ def create_app(args: ServerArgs, on_fatal=None) -> FastAPI:
             params = openai_api.completion_params(body, max(map(len, prompts)), tm.info.max_position)
         except ValueError as e:
             return bad_request(e, OPENAI_NAMES)
-        formatter = openai_api.Formatter("text_completion", body.model, tm.tokenizer)
-        return await run_openai(request, body, prompts, params, formatter, OPENAI_NAMES)
+        echo = None
+        if body.echo:
+            texts = await off_loop(request, openai_api.echo_texts, body, prompts, tm.tokenizer)
+            echo = openai_api.Echo(texts, prompts, body.n, is_output_dropped=body.max_tokens == 0)
+        formatter = openai_api.Formatter("text_completion", args.model_name, tm.tokenizer, echo)
+        best_of = None
+        if body.best_of is not None and body.best_of > body.n:
+            best_of = openai_api.BestOf(body.best_of, body.n, is_logprobs_asked=body.logprobs is not None)
+        return await run_openai(request, body, prompts, params, formatter, OPENAI_NAMES, best_of)
 
     @app.post("/v1/chat/completions", responses={200: {"model": api_models.ChatCompletionResponse}, **_RESPONSES})
     async def chat_completions(body: ChatCompletionRequest, request: Request):
@@ -219,12 +238,13 @@ def create_app(args: ServerArgs, on_fatal=None) -> FastAPI:
             return error
         tm: TokenizerManager = state["tm"]
         try:
-            prompts = await off_loop(request, openai_api.chat_inputs, body, state["chat"])
-            params = openai_api.chat_params(body, len(prompts[0]), tm.info.max_position)
+            rendered = await off_loop(request, openai_api.chat_inputs, body, state["chat"])
+            params = openai_api.chat_params(body, rendered, tm.info.max_position)
         except ValueError as e:
             return bad_request(e, CHAT_NAMES)
-        formatter = openai_api.Formatter("chat.completion", body.model, tm.tokenizer)
-        return await run_openai(request, body, prompts, params, formatter, CHAT_NAMES)
+        reading = openai_api.ChatReading.of(body, state["chat"], rendered)
+        formatter = openai_api.Formatter("chat.completion", args.model_name, tm.tokenizer, reading=reading)
+        return await run_openai(request, body, [rendered.ids], params, formatter, CHAT_NAMES)
 
     @app.post("/generate", responses={200: {"model": list[api_models.GenerateOutput]}, **_RESPONSES})
     async def generate(body: GenerateRequest, request: Request):
@@ -272,7 +292,7 @@ def create_app(args: ServerArgs, on_fatal=None) -> FastAPI:
     @app.get("/metrics", responses={200: {"content": {"text/plain": {}}}, 503: _RESPONSES[503]})
     async def prometheus_metrics():
         try:
-            text = metrics.render(await _server_info(state["tm"], args))
+            text = state["tm"].metrics.render(await _server_info(state["tm"], args))
         except EngineUnavailable as e:
             return unavailable(str(e))
         return PlainTextResponse(text, media_type=metrics.CONTENT_TYPE)
@@ -309,6 +329,8 @@ def launch_server(args: ServerArgs) -> None:
     """Serve until SIGTERM/SIGINT; SystemExit(1) if the engine died for good (restarts exhausted)."""
     import uvicorn
 
+    if not logging.getLogger().handlers:  # the startup line and the request log go to stderr
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     server, fatal = None, []
 
     def on_fatal() -> None:

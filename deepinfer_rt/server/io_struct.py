@@ -49,6 +49,8 @@ class SeqDelta:
     cached_tokens: int = 0
     prompt_logprobs: list[float | None] | None = None
     """Only on the last delta, when asked for."""
+    prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
+    """Only on the last delta, when a prompt_logprobs count was asked for."""
 
     @property
     def is_finished(self) -> bool:
@@ -64,6 +66,7 @@ class ReadyMessage:
     eos_ids: tuple[int, ...]
     max_num_seqs: int
     enable_prefix_cache: bool
+    device: str = ""
 
 
 @dataclass

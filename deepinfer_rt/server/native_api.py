@@ -66,7 +66,7 @@ async def _collect_one(stream, params: SamplingParams) -> list[dict]:
 def _final_meta(d: SeqDelta, params: SamplingParams) -> dict:
     return {"finish_reason": d.finish_reason, "error": d.error, "prompt_tokens": d.prompt_tokens,
             "completion_tokens": d.completion_tokens, "cached_tokens": d.cached_tokens,
-            "prompt_logprobs": d.prompt_logprobs}
+            "prompt_logprobs": d.prompt_logprobs, "prompt_top_logprobs": d.prompt_top_logprobs}
 
 
 async def generate(tm: TokenizerManager, inputs) -> list[dict]:

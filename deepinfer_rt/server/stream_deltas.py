@@ -51,6 +51,8 @@ def take_deltas(tracked: TrackedRequest) -> list[SeqDelta]:
             delta.error = req.error
             if req.params.prompt_logprobs:
                 delta.prompt_logprobs = list(req.prompt_logprobs)
+            if req.params.num_prompt_top_logprobs:
+                delta.prompt_top_logprobs = list(req.prompt_top_logprobs)
             tracked.is_done[k] = True
         tracked.num_sent[k] = req.num_output_tokens
         deltas.append(delta)

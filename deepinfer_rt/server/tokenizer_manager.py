@@ -20,6 +20,7 @@ import zmq.asyncio
 
 from deepinfer_rt.env import get_env
 from deepinfer_rt.sampling_params import SamplingParams
+from deepinfer_rt.server.metrics import ServerMetrics
 from deepinfer_rt.server.io_struct import (AbortReq, ControlOutput, ControlReq, GenerateReqInput, Heartbeat,
                                            ReadyMessage, SeqDelta, ShutdownReq)
 from deepinfer_rt.tokenizer import load_tokenizer
@@ -54,7 +55,13 @@ class RequestStream:
         self._index_offsets = {rid: i * n for i, rid in enumerate(rids)}
         self.open_rids = set(rids)
         self._num_open_per_rid = {rid: n for rid in rids}
-        self.deadline = time.monotonic() + timeout_s if timeout_s > 0 else None
+        self.start = time.monotonic()
+        self.deadline = self.start + timeout_s if timeout_s > 0 else None
+        self._last_token_at: dict[int, float] = {}
+        self._usage: dict[str, tuple[int, int]] = {}
+        """rid -> (prompt tokens, cached tokens), for the counters and the request log."""
+        self._num_completion_tokens = 0
+        self._finish_reasons: set[str] = set()
 
     def put(self, delta: SeqDelta) -> None:
         delta.index += self._index_offsets[delta.rid]
@@ -85,7 +92,39 @@ class RequestStream:
                 raise ValueError(delta.error)
             if delta.is_finished:
                 self._finish_seq(delta.rid)
+            self._measure(delta)
             yield delta
+        self._log()
+
+    def _measure(self, d: SeqDelta) -> None:
+        """TTFT, inter-token latency (per token of a delta), end-to-end latency, prompt token counters."""
+        metrics, now = self.manager.metrics, time.monotonic()
+        if d.token_ids:
+            last = self._last_token_at.get(d.index)
+            if last is None:
+                metrics.ttft.observe(now - self.start)
+                for _ in d.token_ids[1:]:
+                    metrics.itl.observe(0.0)  # tokens that came with the first one
+            else:
+                for _ in d.token_ids:
+                    metrics.itl.observe((now - last) / len(d.token_ids))
+            self._last_token_at[d.index] = now
+        if d.is_finished:
+            metrics.e2e.observe(now - self.start)
+            self._num_completion_tokens += d.completion_tokens
+            self._finish_reasons.add(d.finish_reason)
+            if d.rid not in self._usage:
+                self._usage[d.rid] = (d.prompt_tokens, d.cached_tokens)
+                metrics.prompt_tokens.inc(d.prompt_tokens)
+                metrics.cached_tokens.inc(d.cached_tokens)
+
+    def _log(self) -> None:
+        if self.manager.log_requests:
+            logger.info("request %s: %d prompt(s), %d prompt tokens (%d cached), %d completion tokens, "
+                        "finish %s, %.3f s", next(iter(self._index_offsets)).rsplit("-", 1)[0], len(self._usage),
+                        sum(p for p, _ in self._usage.values()), sum(c for _, c in self._usage.values()),
+                        self._num_completion_tokens, "/".join(sorted(self._finish_reasons)),
+                        time.monotonic() - self.start)
 
     def _finish_seq(self, rid: str, count: int = 1) -> None:
         self.num_open -= count
@@ -105,8 +144,12 @@ class RequestStream:
 
 
 class TokenizerManager:
-    def __init__(self, model_path: str, to_scheduler_addr: str, from_scheduler_addr: str, max_queued_seqs: int):
+    def __init__(self, model_path: str, to_scheduler_addr: str, from_scheduler_addr: str, max_queued_seqs: int,
+                 log_requests: bool = False):
         self.env = get_env()
+        self.metrics = ServerMetrics()
+        self.log_requests = log_requests
+        """Log one line per finished request (its id, token counts, finish reason, latency)."""
         self.tokenizer = load_tokenizer(model_path)
         self.max_queued_seqs = max_queued_seqs
         self.max_inflight_seqs = 0  # the queue limit, once ready: the engine's max_num_seqs + max_queued_seqs

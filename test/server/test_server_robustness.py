@@ -79,7 +79,7 @@ BAD_REQUESTS = [
     # (route, body, param the error names, words in the message)
     ("/v1/chat/completions", _chat_body(model="no-such-model"), "model", "unknown model"),
     ("/v1/chat/completions", _chat_body(max_tokens=-5), "max_tokens", "greater than or equal to 1"),
-    ("/v1/completions", {"model": MODEL_NAME, "prompt": "Hi", "max_tokens": 0}, "max_tokens", "greater"),
+    ("/v1/completions", {"model": MODEL_NAME, "prompt": "Hi", "max_tokens": 0}, "max_tokens", "only with echo"),
     ("/v1/chat/completions", _chat_body(temperature=-1), "temperature", "greater"),
     ("/v1/chat/completions", _chat_body(n=0), "n", "greater"),
     ("/v1/chat/completions", _chat_body(messages=[]), "messages", "at least 1"),

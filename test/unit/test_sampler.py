@@ -503,3 +503,18 @@ def test_tiny_temperature_draws_the_argmax_not_token_0(temperature):
                            [7.0, -3.0, 1.0, 2.0, 50.0, 0.5, 4.0, 8.0]])
     reqs = [make_req(k, seed=k, temperature=temperature) for k in range(2)]
     assert sampler(logits, reqs, (99,)).token_ids == [2, 4]
+
+
+def test_logit_bias_bans_and_forces_but_logprobs_stay_raw():
+    logits = torch.tensor([[3.0, 2.0, 1.0, 0.0], [3.0, 2.0, 1.0, 0.0], [3.0, 2.0, 1.0, 0.0]])
+    reqs = [make_req(0, temperature=0, logprobs=True, logit_bias={0: -100.0}),
+            make_req(1, temperature=0, logprobs=True, logit_bias={3: 100.0}),
+            make_req(2, temperature=0, logprobs=True)]
+    out = Sampler(4)(logits, reqs, eos_ids=())
+    assert out.token_ids == [1, 3, 0]
+    raw = logits[0].log_softmax(-1)
+    assert out.logprobs == pytest.approx([raw[1].item(), raw[3].item(), raw[0].item()])
+    # seeded draws see the biased distribution too: a -100 token is never drawn
+    drawn = {Sampler(4)(logits[:1], [make_req(0, seed=s, logit_bias={0: -100.0, 1: -100.0})], ()).token_ids[0]
+             for s in range(50)}
+    assert drawn <= {2, 3}
