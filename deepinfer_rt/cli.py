@@ -129,6 +129,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-queued-requests", type=int, default=256,
                        help="sequences admitted beyond --max-num-seqs; more get 503 with Retry-After "
                        "(default: %(default)s)")
+    serve.add_argument("--tool-call-parser", choices=["deepseek_v3", "dsml", "none"], default=None,
+                       help="format of tool calls in the model's replies (default: by the checkpoint)")
+    serve.add_argument("--chat-encoding", choices=["deepseek_v4", "deepseek_v41"], default=None,
+                       help="render chats with deepseek-recipe's encoder (default: the tokenizer's template, or "
+                       "the renderer registered for the checkpoint)")
+    serve.add_argument("--log-requests", action="store_true", help="log one line per finished request")
     add_engine_args(serve)
     batch = sub.add_parser("batch", help="run an OpenAI batch file (JSONL) offline")
     batch.add_argument("input", help="JSONL of {custom_id, method, url, body} requests")
@@ -203,7 +209,8 @@ def _serve(args: argparse.Namespace) -> int:
     kwargs = engine_kwargs(args)
     model = kwargs.pop("model")
     launch_server(ServerArgs(model, args.host, args.port, args.served_model_name or args.model,
-                             args.max_queued_requests, kwargs))
+                             args.max_queued_requests, kwargs, tool_call_parser=args.tool_call_parser,
+                             log_requests=args.log_requests, chat_encoding=args.chat_encoding))
     return 0
 
 

@@ -52,6 +52,20 @@ def test_parsed_flags_reach_the_engine_kwargs(monkeypatch, tiny_llama_path):
     assert os.environ["DEEPINFER_KV_CACHE_MEMORY_FRACTION"] == "0.5"
 
 
+def test_serve_flags_reach_the_server_args(monkeypatch, tiny_llama_path):
+    pytest.importorskip("fastapi")
+    from deepinfer_rt.server import http_server
+    seen = {}
+    monkeypatch.setattr(http_server, "launch_server", lambda args: seen.setdefault("args", args))
+    assert cli.main(["serve", "--model", str(tiny_llama_path), "--device", "cpu", "--port", "31234",
+                     "--served-model-name", "tiny", "--tool-call-parser", "dsml", "--chat-encoding", "deepseek_v41",
+                     "--log-requests"]) == 0
+    args = seen["args"]
+    assert (args.port, args.model_name, args.tool_call_parser) == (31234, "tiny", "dsml")
+    assert args.chat_encoding == "deepseek_v41" and args.log_requests is True
+    assert args.engine_kwargs["device"] == "cpu"
+
+
 def test_version_and_python_m():
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / ".pypath")])}
     out = subprocess.run([sys.executable, "-m", "deepinfer_rt", "--version"], capture_output=True, text=True,
