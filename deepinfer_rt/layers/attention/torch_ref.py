@@ -152,8 +152,10 @@ class TorchRefBackend(AttentionBackend):
             else:
                 ke = k_buf.index_select(0, e.slots).transpose(0, 1)
                 ve = v_buf.index_select(0, e.slots).transpose(0, 1)
-            oe = F.scaled_dot_product_attention(qe, ke, ve, attn_mask=e.mask, scale=scale, enable_gqa=gqa)
-            out[e.q_start : e.q_start + e.q_len] = oe.transpose(0, 1)
+            # 4-D operands: unbatched (3-D) ones send CPU SDPA to its math path, 5-9x slower at 1K tokens
+            oe = F.scaled_dot_product_attention(qe[None], ke[None], ve[None], attn_mask=e.mask, scale=scale,
+                                                enable_gqa=gqa)
+            out[e.q_start : e.q_start + e.q_len] = oe[0].transpose(0, 1)
         return out
 
 
