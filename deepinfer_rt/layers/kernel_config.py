@@ -52,6 +52,11 @@ class KernelConfig:
     16/32-bit for `quantization` to quantize at load."""
     weight_block_size: tuple[int, int] = (128, 128)
     """(rows, columns) of weight per FP8 scale."""
+    scale_fmt: str = "float32"
+    """The checkpoint's scale encoding (QuantConfig.scale_fmt): 'float32' or 'ue8m0' (decoded to float32 at
+    load: a power of two is exact there)."""
+    expert_dtype: str = "fp8"
+    """The checkpoint's routed experts (QuantConfig.expert_dtype): 'fp8' or 'fp4' (MXFP4, layers/mxfp4.py)."""
 
     @property
     def is_triton(self) -> bool:
@@ -76,7 +81,8 @@ class KernelConfig:
         if quant is None:
             return self
         return dataclasses.replace(self, quantization=quant.method, is_checkpoint_quantized=True,
-                                   weight_block_size=quant.weight_block_size)
+                                   weight_block_size=quant.weight_block_size, scale_fmt=quant.scale_fmt,
+                                   expert_dtype=quant.expert_dtype)
 
 
 _current: KernelConfig | None = None

@@ -405,6 +405,11 @@ def fuse_expert_weights(weights: Iterable[tuple[str, torch.Tensor]],
         if len(layer) < 3 * num_experts:
             continue
         del pending[(prefix, suffix)]
+        shapes = {proj: {tuple(t.shape) for (p, _), t in layer.items() if p == proj} for proj, _ in layer}
+        if (any(len(s) > 1 for s in shapes.values())
+                or {s[1:] for s in shapes["gate_proj"]} != {s[1:] for s in shapes["up_proj"]}):
+            raise ValueError(f"{prefix}: per-expert{suffix} tensors of unequal shapes {shapes} (every expert's "
+                             "alike, and gate's and up's columns)")
         experts = range(num_experts)
         gate = torch.stack([layer[("gate_proj", e)] for e in experts])  # (E, I, H)
         up = torch.stack([layer[("up_proj", e)] for e in experts])

@@ -45,7 +45,7 @@ def test_quant_config_from_hf():
     assert QuantConfig.from_hf(cfg) == V3
     assert QuantConfig.from_hf(dict(cfg, weight_block_size=[64, 32])).weight_block_size == (64, 32)
     for field, value in (("quant_method", "gptq"), ("fmt", "e5m2"), ("activation_scheme", "static"),
-                         ("scale_fmt", "ue8m0"), ("weight_block_size", None)):
+                         ("scale_fmt", "e4m3"), ("expert_dtype", "nvfp4"), ("weight_block_size", None)):
         with pytest.raises(ValueError, match=f"quantization_config.{field}"):
             QuantConfig.from_hf(dict(cfg, **{field: value}))
 
