@@ -16,16 +16,18 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import hf_greedy
 from safetensors.torch import load_file, save_file
 from test_deepseek_v4 import hf_logits, new_pool, prompt, step
 
 from deepinfer_rt import Engine, SamplingParams
 from deepinfer_rt.config import QuantConfig
+from deepinfer_rt.layers.kernel_config import KernelConfig, build_context
 from deepinfer_rt.models.loader import build_model, load_model_config
+from deepinfer_rt.models.registry import get_model_class
 
 CPU = torch.device("cpu")
-DIMS = dict(hidden_size=192, q_lora_rank=160, moe_intermediate_size=64)
+DIMS = dict(hidden_size=192, q_lora_rank=160, moe_intermediate_size=64, vocab_size=20480)
+"""vocab_size below the tokenizer's (the prompts are token ids under 20000): a smaller embedding and head."""
 ATOL = 1e-4
 MAX_NEW = 8
 
@@ -109,16 +111,15 @@ def test_loads_the_dequantized_weights_exactly(ckpts, models):
 def test_prefill_logits_match_transformers_on_dequantized_weights(models):
     config, model, ref = models
     pool = new_pool(model, config)
-    prompts = [prompt(i, n) for i, n in enumerate((5, 19, 37))]
+    prompts = [prompt(i, n) for i, n in enumerate((7, 37))]
     outs = step(model, pool, [(p, torch.tensor(pool.allocator.alloc(len(p))), 0, len(p)) for p in prompts])
     for p, got in zip(prompts, outs):
         err = (got - hf_logits(ref, p)).abs().max().item()
         assert err <= ATOL, f"max abs logit error {err:.2e} > {ATOL:.0e}"
 
 
-def test_engine_greedy_matches_the_engine_on_dequantized_weights(ckpts, models):
+def test_engine_greedy_matches_the_engine_on_dequantized_weights(ckpts):
     v4, ref_path = ckpts
-    _, _, ref = models
     prompts = [prompt(10 + i, n) for i, n in enumerate((4, 13, 30))]
     sp = SamplingParams(max_new_tokens=MAX_NEW, temperature=0)
     with Engine(str(ref_path), dtype="float32", kv_cache_tokens=512) as engine:
@@ -126,9 +127,6 @@ def test_engine_greedy_matches_the_engine_on_dequantized_weights(ckpts, models):
     with Engine(str(v4), dtype="float32", kv_cache_tokens=512) as engine:
         got = [o.token_ids for o in engine.generate(input_ids=prompts, sampling_params=sp)]
     assert got == want
-    with torch.no_grad():  # and they are transformers' tokens too
-        hf = [hf_greedy(ref, p, MAX_NEW, (ref.config.eos_token_id,)) for p in prompts]
-    assert got == hf
 
 
 @pytest.fixture(scope="module")
@@ -137,11 +135,12 @@ def v4_tensors(ckpts):
 
 
 def _load(ckpts, v4_tensors, tmp_path, **changes) -> None:
-    v4, _ = ckpts
+    """Load the release tensors with `changes` (name with '__' for '.') as build_model would from a folder."""
+    config, _ = load_model_config(ckpts[0])
     tensors = dict(v4_tensors, **{k.replace("__", "."): v for k, v in changes.items()})
-    bad = _folder(v4, tmp_path / "bad", tensors, json.loads((v4 / "config.json").read_text()))
-    config, _ = load_model_config(bad)
-    build_model(config, bad, "auto", torch.float32, CPU, seed=0)
+    with build_context(KernelConfig.from_env(CPU).for_checkpoint(config.quantization)):
+        model = get_model_class(config.architecture)(config)
+    model.load_weights(tensors.items())
 
 
 def _all_experts(tensors, layer: int, proj: str, fn) -> dict[str, torch.Tensor]:
