@@ -14,7 +14,9 @@ routed experts (E, N, K) keep (E, ceil(N/bn), ceil(K/bk)) per projection, gate's
     Fp8DequantLinear  elsewhere (CPU, batch-invariant mode, MLA's kv_b whose per-head slices feed the absorbed
                       matmuls): dequantized once at load to the engine dtype, fp32 math of value x scale, rounded
                       once; then the unquantized method it wraps runs
-    Fp8DequantExperts the routed experts, on every device for now (the fused MoE runs them in the engine dtype)
+    Fp8BlockExperts   routed experts (layers/moe.py) on CUDA, not batch-invariant: float8 + scales for the FP8
+                      fused MoE (deepinfer_kernels.fused_moe_fp8, W8A8)
+    Fp8DequantExperts routed experts elsewhere, and DeepSeek-V4's (its own expert loop): dequantized at load
 
 With a 16/32-bit checkpoint (Engine(quantization="fp8"), load_format="dummy") the weights load as they are and
 `process_weights_after_loading` quantizes them, per shard, as scripts/quantize_checkpoint.py would; the dequant
@@ -224,6 +226,9 @@ def dense_linear_method(config: KernelConfig) -> LinearMethod:
 class ExpertWeights:
     """How RoutedExperts hold their fused weights: as loaded (16/32-bit)."""
 
+    is_quantized = False
+    """Whether the weights stay quantized on the device (Fp8BlockExperts)."""
+
     def create_weights(self, experts: nn.Module) -> None:
         pass
 
@@ -283,9 +288,50 @@ class Fp8DequantExperts(ExpertWeights):
                 setattr(experts, name + SCALE_SUFFIX, None)
 
 
+class Fp8BlockExperts(Fp8DequantExperts):
+    """CUDA, not batch-invariant: float8 routed experts and their float32 block scales stay on the device for the
+    FP8 fused MoE (deepinfer_kernels.fused_moe_fp8, layers/moe.py Fp8FusedExperts); a 16/32-bit checkpoint is
+    quantized at load per projection (gate's and up's blocks apart), as scripts/quantize_checkpoint.py would."""
+
+    is_quantized = True
+
+    def create_weights(self, experts: nn.Module) -> None:
+        super().create_weights(experts)
+        if not self.is_checkpoint_quantized:
+            return
+        for name in ("gate_up_proj", "down_proj"):
+            old = getattr(experts, name)
+            new = nn.Parameter(torch.empty_like(old, dtype=torch.float8_e4m3fn), requires_grad=False)
+            new.is_fp8_checkpoint, new.weight_loader = True, old.weight_loader
+            setattr(experts, name, new)
+
+    @torch.no_grad()
+    def process_weights_after_loading(self, experts: nn.Module) -> None:
+        for name, shards in (("gate_up_proj", 2), ("down_proj", 1)):
+            w = getattr(experts, name).data
+            if self.is_checkpoint_quantized:
+                scale = getattr(experts, name + SCALE_SUFFIX).data
+                if scale.shape[0] != w.shape[0]:
+                    raise ValueError(f"{name}: scales for {scale.shape[0]} experts, weights for {w.shape[0]} "
+                                     "(FP8 checkpoints do not run expert-parallel yet)")
+                continue
+            parts = [quantize_fp8_blocks(part, self.block) for part in w.chunk(shards, dim=1)]
+            setattr(experts, name, nn.Parameter(torch.cat([q for q, _ in parts], dim=1), requires_grad=False))
+            setattr(experts, name + SCALE_SUFFIX,
+                    nn.Parameter(torch.cat([s for _, s in parts], dim=1), requires_grad=False))
+
+
+def is_fp8_fused_experts(config: KernelConfig) -> bool:
+    """Whether layers/moe.py's routed experts run the FP8 fused MoE (FP8 weights kept): CUDA with Triton, not
+    batch-invariant, FP8 (not MXFP4) experts."""
+    return (config.quantization == "fp8" and config.is_triton and not config.is_batch_invariant
+            and config.expert_dtype == "fp8")
+
+
 def expert_weights_method(config: KernelConfig) -> ExpertWeights:
-    """How routed experts hold their weights: MXFP4 (`expert_dtype: fp4` checkpoints), FP8 blocks (FP8
-    checkpoints and Engine(quantization="fp8")), else as loaded."""
+    """How routed experts that run in the engine dtype hold their weights: MXFP4 (`expert_dtype: fp4`
+    checkpoints) or FP8 blocks (FP8 checkpoints and Engine(quantization="fp8")) dequantized at load, else as
+    loaded. layers/moe.py's RoutedExperts keep FP8 weights instead where `is_fp8_fused_experts`."""
     if config.quantization == "fp8" and config.is_checkpoint_quantized and config.expert_dtype == "fp4":
         from deepinfer_rt.layers.mxfp4 import Mxfp4DequantExperts
 

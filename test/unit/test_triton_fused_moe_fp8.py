@@ -60,5 +60,57 @@ _FUSED_MOE_FP8 = textwrap.dedent("""
 """)
 
 
+# RoutedExperts built for CUDA with FP8 (is_fp8_fused_experts) keep float8 weights through a cast, load a release
+# checkpoint's tensors or quantize 16/32-bit ones at load to the same, and run the kernel (here interpreted).
+_ROUTED_EXPERTS_FP8 = textwrap.dedent("""
+    import torch
+    from deepinfer_kernels.reference import fused_moe_fp8 as ref, quantize_fp8_blocks
+    from deepinfer_rt.layers.fp8 import Fp8BlockExperts
+    from deepinfer_rt.layers.kernel_config import KernelConfig, build_context
+    from deepinfer_rt.layers.moe import Fp8FusedExperts, RoutedExperts
+    g = torch.Generator().manual_seed(1)
+    e, hidden, inter = 3, 160, 136
+    gate_up, down = torch.randn(e, 2 * inter, hidden, generator=g) * 0.1, torch.randn(e, hidden, inter, generator=g) * 0.1
+    (qg, sg), (qu, su) = quantize_fp8_blocks(gate_up[:, :inter]), quantize_fp8_blocks(gate_up[:, inter:])
+    q_gu, s_gu = torch.cat([qg, qu], dim=1), torch.cat([sg, su], dim=1)
+    qd, sd = quantize_fp8_blocks(down)
+    x = torch.randn(9, hidden, generator=g)
+    ids = torch.stack([torch.randperm(e, generator=g)[:2] for _ in range(9)])
+    w = torch.rand(9, 2, generator=g)
+    want = ref(x, q_gu, s_gu, qd, sd, w, ids)
+    for from_checkpoint in (True, False):
+        config = KernelConfig(device_type="cuda", quantization="fp8", is_checkpoint_quantized=from_checkpoint)
+        with build_context(config):
+            experts = RoutedExperts(e, hidden, inter)
+        assert isinstance(experts.method, Fp8FusedExperts) and isinstance(experts.weights_method, Fp8BlockExperts)
+        if from_checkpoint:
+            for name, t in (("gate_up_proj", q_gu), ("down_proj", qd), ("gate_up_proj_scale_inv", s_gu),
+                            ("down_proj_scale_inv", sd)):
+                p = getattr(experts, name)
+                p.weight_loader(p, t)
+            try:
+                experts.gate_up_proj.weight_loader(experts.gate_up_proj, gate_up.bfloat16())
+            except ValueError as err:
+                assert "bfloat16 weight" in str(err)
+            else:
+                raise AssertionError("a bf16 expert weight was taken for FP8")
+        else:
+            experts.gate_up_proj.data.copy_(gate_up)
+            experts.down_proj.data.copy_(down)
+        experts = experts.to(torch.float32)
+        experts.process_weights_after_loading()
+        assert experts.gate_up_proj.dtype == torch.float8_e4m3fn and experts.down_proj_scale_inv.dtype == torch.float32
+        assert torch.equal(experts.gate_up_proj_scale_inv, s_gu) and torch.equal(experts.down_proj_scale_inv, sd)
+        assert torch.equal(experts.gate_up_proj.float(), q_gu.float())
+        y = experts(x, w, ids)
+        assert (y - want).abs().max() <= 1e-5 * want.abs().max(), from_checkpoint
+    print("ok")
+""")
+
+
+def test_routed_experts_keep_fp8_and_run_the_kernel():
+    assert _interpret(_ROUTED_EXPERTS_FP8).strip().endswith("ok")
+
+
 def test_fused_moe_fp8_equals_torch_form():
     assert _interpret(_FUSED_MOE_FP8).strip().endswith("ok")
