@@ -121,8 +121,12 @@ class Fp8LinearMethod(LinearMethod):
         _, size = layer.shard_rows[shard]
         want = (rows, param.shape[1])
         if tuple(loaded.shape) != want:
+            derived = ""
+            if loaded.dim() == 2 and min(loaded.shape) > 0:
+                derived = (f" (the scale grid derives {_cdiv(size, loaded.shape[0])}x"
+                           f"{_cdiv(layer.in_features, loaded.shape[1])} blocks)")
             raise ValueError(f"scale shape {tuple(loaded.shape)} != {want}, the {self.block[0]}x{self.block[1]} "
-                             f"blocks of a {size}x{layer.in_features} weight")
+                             f"blocks of a {size}x{layer.in_features} weight{derived}")
         param.data[start : start + rows].copy_(loaded)
 
     def shards(self, layer: nn.Module):

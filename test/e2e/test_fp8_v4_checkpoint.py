@@ -149,9 +149,20 @@ def _all_experts(tensors, layer: int, proj: str, fn) -> dict[str, torch.Tensor]:
     return {f"{prefix}.{e}.{proj}".replace(".", "__"): fn(tensors[f"{prefix}.{e}.{proj}"]) for e in range(8)}
 
 
+def test_expert_dtype_detected_from_the_tensors(ckpts, tmp_path):
+    """A config without expert_dtype: int8 expert weights in the safetensors headers mean MXFP4."""
+    v4, _ = ckpts
+    config = json.loads((v4 / "config.json").read_text())
+    del config["expert_dtype"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    (tmp_path / "model.safetensors").symlink_to(v4 / "model.safetensors")
+    detected, _ = load_model_config(tmp_path)
+    assert detected.quantization.expert_dtype == "fp4" and detected.quantization.format == "v4"
+
+
 def test_wrong_dense_block_names_the_tensor(ckpts, v4_tensors, tmp_path):
     scale = v4_tensors["layers.1.attn.wq_a.scale"]  # 32 x 32 blocks (V4.1's) where the config says 128 x 128
-    with pytest.raises(ValueError, match=r"layers\.1\.attn\.wq_a.*scale shape \(5, 6\) != \(2, 2\)"):
+    with pytest.raises(ValueError, match=r"layers\.1\.attn\.wq_a.*scale shape \(5, 6\) != \(2, 2\).*derives 32x32"):
         _load(ckpts, v4_tensors, tmp_path, layers__1__attn__wq_a__scale=scale.repeat_interleave(3, 0)[:5]
               .repeat_interleave(3, 1))
 
