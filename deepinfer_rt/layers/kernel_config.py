@@ -43,10 +43,11 @@ class KernelConfig:
     moe_router_skew: float = 0.0
     """DEEPINFER_MOE_ROUTER_SKEW: benchmarks only; biases MoE routers toward low expert ids (Zipf exponent)."""
     quantization: str | None = None
-    """'fp8': the linear and expert weights are block-scaled float8 e4m3 (layers/fp8.py): loaded so from the
-    checkpoint or quantized at load. On CUDA (not batch-invariant) the linears run the W8A8 block GEMM; elsewhere,
-    and for the routed experts and MLA's kv_b for now, they are dequantized at load to the engine dtype. None: the
-    engine dtype throughout."""
+    """'fp8': the linear and expert weights are block-scaled float8 e4m3 (layers/fp8.py; MXFP4 experts with
+    expert_dtype 'fp4', layers/mxfp4.py): loaded so from the checkpoint or quantized at load. On CUDA (not
+    batch-invariant) the linears run the W8A8 block GEMM and FP8 routed experts the FP8 fused MoE; elsewhere, and
+    for MXFP4 experts, DeepSeek-V4's experts and MLA's kv_b, they are dequantized at load to the engine dtype.
+    None: the engine dtype throughout."""
     is_checkpoint_quantized: bool = False
     """Whether the checkpoint stores the weights quantized (FP8 values + `weight_scale_inv`), rather than in
     16/32-bit for `quantization` to quantize at load."""

@@ -70,7 +70,8 @@ _ROUTED_EXPERTS_FP8 = textwrap.dedent("""
     from deepinfer_rt.layers.moe import Fp8FusedExperts, RoutedExperts
     g = torch.Generator().manual_seed(1)
     e, hidden, inter = 3, 160, 136
-    gate_up, down = torch.randn(e, 2 * inter, hidden, generator=g) * 0.1, torch.randn(e, hidden, inter, generator=g) * 0.1
+    gate_up = torch.randn(e, 2 * inter, hidden, generator=g) * 0.1
+    down = torch.randn(e, hidden, inter, generator=g) * 0.1
     (qg, sg), (qu, su) = quantize_fp8_blocks(gate_up[:, :inter]), quantize_fp8_blocks(gate_up[:, inter:])
     q_gu, s_gu = torch.cat([qg, qu], dim=1), torch.cat([sg, su], dim=1)
     qd, sd = quantize_fp8_blocks(down)
