@@ -6,7 +6,8 @@ A tiny random DeepSeek-V4 (transformers' config, seed 0) whose dims span several
 fp32, written in the V4 release format by scripts/quantize_checkpoint.py --format v4 and loaded by the engine,
 which decodes the e8m0 scales and dequantizes at load. The references run on the same weights dequantized
 (value x 2^e in fp32, a plain fp32 checkpoint under the HF names): our engine token for token, transformers
-by logits. Format mismatches are refused naming the tensor.
+by logits; and transformers' own FP8 integration on a release folder with block-aligned dims. Format mismatches
+are refused naming the tensor.
 """
 from __future__ import annotations
 
@@ -127,6 +128,31 @@ def test_engine_greedy_matches_the_engine_on_dequantized_weights(ckpts):
     with Engine(str(v4), dtype="float32", kv_cache_tokens=512) as engine:
         got = [o.token_ids for o in engine.generate(input_ids=prompts, sampling_params=sp)]
     assert got == want
+
+
+ALIGNED_DIMS = dict(hidden_size=256, q_lora_rank=256, moe_intermediate_size=64, vocab_size=20480)
+"""Every multi-block dim a multiple of 128: transformers derives the block from the scale grid (rows // scale
+rows), which misreads edge blocks that span less than a block but more than one scale row (192 = 1.5 blocks)."""
+
+
+@torch.no_grad()
+def test_matches_transformers_fp8_integration(tmp_path):
+    """transformers loads the release folder itself (its fine-grained FP8 integration reads `.scale`, ue8m0 and
+    expert_dtype fp4; without a GPU it dequantizes at load); our load of that folder gives the same logits."""
+    from make_tiny_checkpoint import make_tiny_checkpoint
+    from quantize_checkpoint import quantize_checkpoint
+    from transformers import AutoModelForCausalLM
+
+    src = make_tiny_checkpoint("deepseek_v4", tmp_path / "src", seed=2, **ALIGNED_DIMS)
+    v4 = quantize_checkpoint(src, tmp_path / "v4", "v4", torch.bfloat16)
+    hf = AutoModelForCausalLM.from_pretrained(v4, dtype=torch.float32).eval()
+    config, _ = load_model_config(v4)
+    model = build_model(config, v4, "auto", torch.float32, CPU, seed=0)
+    p = prompt(3, 23)
+    pool = new_pool(model, config)
+    (got,) = step(model, pool, [(p, torch.tensor(pool.allocator.alloc(len(p))), 0, len(p))])
+    err = (got - hf_logits(hf, p)).abs().max().item()
+    assert err <= ATOL, err
 
 
 @pytest.fixture(scope="module")
