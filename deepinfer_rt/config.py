@@ -21,22 +21,42 @@ def _get(hf: Any, name: str, default: Any = None) -> Any:
 class QuantConfig:
     """A checkpoint's weight quantization (HF `quantization_config`), normalised and checked once.
 
-    The one format read today is DeepSeek-V3/R1/V3.1's: linear weights in float8 e4m3 with a float32
-    `<name>.weight_scale_inv` per weight_block_size block (dequantized weight = fp8 value x its block's scale);
-    embeddings, LM head, norms and the MoE router stay in 16/32-bit.
+    Formats read (layers/quant_formats.py describes the layouts by role):
+      v3-fp8  DeepSeek-V3/R1/V3.1: linear weights float8 e4m3 with a float32 `weight_scale_inv` per
+              weight_block_size block (dequantized weight = fp8 value x its block's scale);
+      v4      DeepSeek-V4 / V4-Flash: dense/attention weights e4m3 with e8m0 (`scale_fmt: ue8m0`) 128 x 128
+              block scales, routed experts MXFP4 (`expert_dtype: fp4`);
+      v41     DeepSeek-V4.1: the same with 32 x 32 dense blocks (and FP8 Engram tables, per-32 e8m0 scales).
+    Embeddings, LM head, norms and the MoE router stay in 16/32-bit.
     """
     method: str = "fp8"
     """HF `quant_method`: 'fp8' (block-scaled e4m3)."""
     weight_block_size: tuple[int, int] = (128, 128)
-    """(rows, columns) of the weight covered by one scale; activations are quantized per token in groups of
+    """(rows, columns) of a dense weight covered by one scale; activations are quantized per token in groups of
     the column block."""
+    scale_fmt: str = "float32"
+    """'float32' (any float scale) or 'ue8m0' (powers of two, stored as e8m0 bytes or float32)."""
+    expert_dtype: str = "fp8"
+    """Routed experts: 'fp8' (the dense layout) or 'fp4' (MXFP4: e2m1 pairs in int8, e8m0 per 32 along K)."""
 
     METHODS = ("fp8",)
     FORMATS = ("e4m3",)
+    SCALE_FMTS = ("float32", "ue8m0")
+    EXPERT_DTYPES = ("fp8", "fp4")
+
+    @property
+    def format(self) -> str:
+        """'v3-fp8', 'v4' or 'v41' (what scripts/quantize_checkpoint.py --format names), else 'fp8-ue8m0'."""
+        if self.scale_fmt == "float32":
+            return "v3-fp8"
+        if self.expert_dtype == "fp4":
+            return {(128, 128): "v4", (32, 32): "v41"}.get(self.weight_block_size, "fp8-ue8m0")
+        return "fp8-ue8m0"
 
     @classmethod
-    def from_hf(cls, hf: Any) -> "QuantConfig | None":
-        """None for an unquantized checkpoint; ValueError naming the field for what we do not read."""
+    def from_hf(cls, hf: Any, expert_dtype: str | None = None) -> "QuantConfig | None":
+        """None for an unquantized checkpoint; ValueError naming the field for what we do not read.
+        `expert_dtype`: the config's top-level field of that name (V4 ships it there, V4.1 in hf)."""
         if hf is None:
             return None
         q = hf if isinstance(hf, dict) else (hf.to_dict() if hasattr(hf, "to_dict") else dict(vars(hf)))
@@ -49,12 +69,18 @@ class QuantConfig:
         if q.get("activation_scheme", "dynamic") != "dynamic":
             raise ValueError(f"quantization_config.activation_scheme {q['activation_scheme']!r} is not supported "
                              "(known: ('dynamic',))")
-        if q.get("scale_fmt") not in (None, "fp32", "float32"):
-            raise ValueError(f"quantization_config.scale_fmt {q['scale_fmt']!r} is not supported (float32 scales only)")
+        scale_fmt = {None: "float32", "fp32": "float32", "float": "float32"}.get(q.get("scale_fmt"), q.get("scale_fmt"))
+        if scale_fmt not in cls.SCALE_FMTS:
+            raise ValueError(f"quantization_config.scale_fmt {q['scale_fmt']!r} is not supported "
+                             f"(known: {cls.SCALE_FMTS})")
+        experts = q.get("expert_dtype") or expert_dtype or "fp8"
+        if experts not in cls.EXPERT_DTYPES:
+            raise ValueError(f"quantization_config.expert_dtype {experts!r} is not supported "
+                             f"(known: {cls.EXPERT_DTYPES})")
         block = q.get("weight_block_size")
         if block is None or len(block) != 2 or not all(isinstance(b, int) and b > 0 for b in block):
             raise ValueError(f"quantization_config.weight_block_size must be two positive ints, got {block!r}")
-        return cls(method, (block[0], block[1]))
+        return cls(method, (block[0], block[1]), scale_fmt, experts)
 
 
 @dataclass(frozen=True)
@@ -162,7 +188,7 @@ class ModelConfig:
             scoring_func=_get(hf, "scoring_func", "sigmoid" if is_v3 else "softmax"),
             topk_method=_get(hf, "topk_method", "noaux_tc" if is_v3 else "greedy"),
             norm_topk_prob=bool(_get(hf, "norm_topk_prob", False)),
-            quantization=QuantConfig.from_hf(_get(hf, "quantization_config", None)),
+            quantization=QuantConfig.from_hf(_get(hf, "quantization_config", None), _get(hf, "expert_dtype", None)),
             raw=hf.to_dict() if hasattr(hf, "to_dict") else dict(vars(hf)),
         )
 

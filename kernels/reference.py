@@ -93,3 +93,34 @@ def fp8_block_gemm(x: torch.Tensor, w: torch.Tensor, w_scale_inv: torch.Tensor,
     fp8 with per-block scales, every product and sum in fp32 -> (M, N) fp32."""
     xq, xs = quantize_fp8_token_groups(x, block[1])
     return dequantize_fp8_blocks(xq, xs, (1, block[1])) @ dequantize_fp8_blocks(w, w_scale_inv, block).t()
+
+
+def fused_moe_fp8(x: torch.Tensor, gate_up: torch.Tensor, gate_up_scale: torch.Tensor, down: torch.Tensor,
+                  down_scale: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                  block: tuple[int, int] = (128, 128)) -> torch.Tensor:
+    """The torch form of deepinfer_kernels.fused_moe_fp8: per (token, slot) pair, x quantized per token and
+    bk-channel group times the dequantized gate / up rows (fp32), h = silu(gate) * up rounded to x's dtype, h
+    quantized per pair and group times the dequantized down, times the top-k weight; slots summed in order."""
+    e, two_i, hidden = gate_up.shape
+    inter = two_i // 2
+    bn, bk = block
+    rows = _cdiv(inter, bn)
+    gate = dequantize_fp8_blocks(gate_up[:, :inter], gate_up_scale[:, :rows], block)
+    up = dequantize_fp8_blocks(gate_up[:, inter:], gate_up_scale[:, rows:], block)
+    down_w = dequantize_fp8_blocks(down, down_scale, block)
+
+    def quantized(a: torch.Tensor) -> torch.Tensor:
+        return dequantize_fp8_blocks(*quantize_fp8_token_groups(a, bk), (1, bk))
+
+    t, k = ids.shape
+    flat = ids.flatten()
+    xq = quantized(x.float())[torch.arange(t, device=x.device).repeat_interleave(k)]  # (T*k, H)
+    g = torch.einsum("ph,pih->pi", xq, gate[flat])
+    u = torch.einsum("ph,pih->pi", xq, up[flat])
+    h = (g / (1.0 + torch.exp(-g)) * u).to(x.dtype)
+    y = torch.einsum("pi,phi->ph", quantized(h.float()), down_w[flat]) * weights.flatten().float()[:, None]
+    y = y.to(x.dtype).float().view(t, k, hidden)
+    out = y[:, 0]
+    for j in range(1, k):
+        out = out + y[:, j]
+    return out.to(x.dtype)

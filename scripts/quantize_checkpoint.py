@@ -1,6 +1,6 @@
-"""Write a 16/32-bit HF DeepSeek-V2/V3 checkpoint in a quantized release format.
+"""Write a 16/32-bit HF DeepSeek checkpoint in a quantized release format.
 
-    python scripts/quantize_checkpoint.py SRC DST --format v3-fp8 [--dtype bfloat16]
+    python scripts/quantize_checkpoint.py SRC DST --format v3-fp8|v4 [--dtype bfloat16]
 
 v3-fp8 is the DeepSeek-V3/R1/V3.1 release format: every linear weight of attention and MLP / experts (q_proj or
 q_a/q_b, kv_a_proj_with_mqa, kv_b, o_proj, dense, shared and routed experts' gate/up/down) becomes
@@ -8,6 +8,19 @@ float8_e4m3fn with a float32 `<name>_scale_inv` per 128 x 128 block (scale_inv =
 weight / scale_inv rounded to e4m3); embeddings, LM head, norms, the router (`mlp.gate.weight`) and
 `e_score_correction_bias` are kept (cast to --dtype if given, the bias always fp32). config.json gains
 `quantization_config`; tokenizer and other files are copied.
+
+v4 is the DeepSeek-V4 / V4-Flash release format (layers/quant_formats.py) for a DeepSeek-V4 checkpoint: the
+releases' tensor names (layers.N.attn.wq_a.weight / .scale, embed.weight, head.weight, hc_head_fn, ...);
+attention wq_a/wq_b/wkv/wo_a/wo_b, the indexer's wq_b and the shared experts' w1/w2/w3 in float8_e4m3fn with
+float8_e8m0fnu 128 x 128 block scales (each the power of two just above block amax / 448); the routed experts
+MXFP4 (int8 (N, K/2) of e2m1 pairs, e8m0 (N, K/32)); the compressors' wkv/wgate, the indexer's weights_proj, the
+embeddings, head and router weight 16-bit (--dtype); the router bias, hyper-connection weights, sinks and
+position biases fp32. config.json: quantization_config {fp8, e4m3, dynamic, scale_fmt ue8m0, [128, 128]} and a
+top-level expert_dtype 'fp4', as the release has.
+
+v41 (DeepSeek-V4.1: 32 x 32 dense blocks, MXFP4 experts, FP8 Engram tables with per-32-column e8m0 scales) is
+written per tensor by `quantize_v41_tensor`; the whole-checkpoint writer follows the V4.1 model, whose tensor
+names it must produce.
 """
 from __future__ import annotations
 
@@ -28,8 +41,11 @@ sys.path.insert(0, str(ROOT / ".pypath"))
 sys.path.insert(0, str(ROOT))
 
 from deepinfer_kernels.reference import quantize_fp8_blocks  # noqa: E402
+from deepinfer_rt.layers.quant_formats import DENSE, ENGRAM, EXPERT, role_layouts  # noqa: E402
+from deepinfer_rt.layers.quant_formats import dequantize_by_layout, quantize_by_layout  # noqa: E402
+from deepinfer_rt.models.release_names import from_release_name  # noqa: E402
 
-FORMATS = ("v3-fp8",)
+FORMATS = ("v3-fp8", "v4")
 BLOCK = (128, 128)
 V3_FP8_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                  "weight_block_size": list(BLOCK)}
@@ -77,6 +93,83 @@ def quantize_tensors(tensors: Iterator[tuple[str, torch.Tensor]], dtype: torch.d
             yield name, t if dtype is None or not t.is_floating_point() else t.to(dtype)
 
 
+# ---- v4 / v41: the V4-family release layouts, by role ----
+
+V4_BLOCK, V41_BLOCK = (128, 128), (32, 32)
+V4_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "scale_fmt": "ue8m0",
+             "weight_block_size": list(V4_BLOCK)}
+V41_CONFIG = {**V4_CONFIG, "weight_block_size": list(V41_BLOCK), "expert_dtype": "fp4"}
+_V4_DENSE = re.compile(r"layers\.\d+\.(attn\.(wq_a|wq_b|wkv|wo_a|wo_b|indexer\.wq_b)|ffn\.shared_experts\.w[123])"
+                       r"\.weight")
+_V4_EXPERT = re.compile(r"layers\.\d+\.ffn\.experts\.\d+\.w[123]\.weight")
+_V41_ENGRAM = re.compile(r"layers\.\d+\.engram\.embed\.weight")
+_V4_FP32 = re.compile(r".*(gate\.bias|attn_sink|\.ape|hc_(attn|ffn)_(fn|base|scale)|hc_head_(fn|base|scale))")
+
+
+def to_release_name(name: str) -> str:
+    """Our (HF save_pretrained) name of a V4-family tensor -> the release's (the inverse of from_release_name)."""
+    name = from_release_name(name)  # one spelling in, whichever came
+    top = {"model.embed_tokens.weight": "embed.weight", "model.norm.weight": "norm.weight"}
+    if name in top:
+        return top[name]
+    if name.startswith("model.hc_head.hc_"):
+        return "hc_head_" + name.removeprefix("model.hc_head.hc_")
+    return name.removeprefix("model.")
+
+
+def release_role(name: str) -> str | None:
+    """DENSE, EXPERT or ENGRAM for a V4-family release weight name, None for a tensor kept unquantized."""
+    if _V4_EXPERT.fullmatch(name):
+        return EXPERT
+    if _V4_DENSE.fullmatch(name):
+        return DENSE
+    if _V41_ENGRAM.fullmatch(name):
+        return ENGRAM
+    return None
+
+
+def _quantize_release_tensor(name: str, t: torch.Tensor, block: tuple[int, int], dtype: torch.dtype | None
+                             ) -> list[tuple[str, torch.Tensor]]:
+    name = to_release_name(name)
+    role = release_role(name)
+    if role is not None:
+        q, scale = quantize_by_layout(role_layouts(block, "fp4")[role], t)
+        return [(name, q), (name.removesuffix(".weight") + ".scale", scale)]
+    if _V4_FP32.fullmatch(name):
+        return [(name, t.float())]
+    return [(name, t if dtype is None or not t.is_floating_point() else t.to(dtype))]
+
+
+def quantize_v4_tensor(name: str, t: torch.Tensor, dtype: torch.dtype | None = None
+                       ) -> list[tuple[str, torch.Tensor]]:
+    """One tensor of a 16/32-bit V4 checkpoint (HF or release name) in the V4 release format: [(release name,
+    tensor)] plus `<module>.scale` for a quantized weight."""
+    return _quantize_release_tensor(name, t, V4_BLOCK, dtype)
+
+
+def quantize_v41_tensor(name: str, t: torch.Tensor, dtype: torch.dtype | None = None
+                        ) -> list[tuple[str, torch.Tensor]]:
+    """As quantize_v4_tensor in V4.1's layout: 32 x 32 dense blocks; Engram tables (layers.N.engram.embed)
+    FP8 with one e8m0 scale per 32 columns."""
+    return _quantize_release_tensor(name, t, V41_BLOCK, dtype)
+
+
+def dequantize_release_tensors(tensors: dict[str, torch.Tensor], block: tuple[int, int] = V4_BLOCK,
+                               dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """The inverse, for references: a V4-family release checkpoint's tensors -> our names, every quantized
+    weight dequantized (value x its e8m0 scale, in fp32) to `dtype`, the rest cast to it (integers kept)."""
+    layouts = role_layouts(block, "fp4")
+    out = {}
+    for name, t in tensors.items():
+        if name.endswith(".scale") and release_role(name.removesuffix(".scale") + ".weight") is not None:
+            continue
+        role = release_role(name)
+        if role is not None:
+            t = dequantize_by_layout(layouts[role], t, tensors[name.removesuffix(".weight") + ".scale"], dtype, name)
+        out[from_release_name(name)] = t.to(dtype) if t.is_floating_point() else t
+    return out
+
+
 def quantize_checkpoint(src: str | Path, dst: str | Path, fmt: str = "v3-fp8",
                         dtype: torch.dtype | None = None) -> Path:
     if fmt not in FORMATS:
@@ -85,12 +178,23 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, fmt: str = "v3-fp8",
     config = json.loads((src / "config.json").read_text())
     if config.get("quantization_config"):
         raise ValueError(f"{src} is already quantized ({config['quantization_config'].get('quant_method')!r})")
+    is_v4 = config.get("model_type") == "deepseek_v4"
+    if (fmt == "v4") != is_v4:
+        raise ValueError(f"--format {fmt} does not fit {src} (model_type {config.get('model_type')!r}): v4 is for "
+                         "deepseek_v4 checkpoints, v3-fp8 for DeepSeek-V2/V3")
     dst.mkdir(parents=True, exist_ok=True)
-    tensors = {name: t.contiguous() for name, t in quantize_tensors(iter_tensors(src), dtype)}
+    if fmt == "v4":
+        tensors = {n: q.contiguous() for name, t in iter_tensors(src) for n, q in quantize_v4_tensor(name, t, dtype)}
+    else:
+        tensors = {name: t.contiguous() for name, t in quantize_tensors(iter_tensors(src), dtype)}
     if not any(t.dtype == torch.float8_e4m3fn for t in tensors.values()):
-        raise ValueError(f"no linear weight of {src} matches the v3-fp8 names (not a DeepSeek-V2/V3 checkpoint?)")
+        raise ValueError(f"no linear weight of {src} matches the {fmt} names (not a DeepSeek checkpoint?)")
     save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
-    config["quantization_config"] = dict(V3_FP8_CONFIG)
+    if fmt == "v4":
+        config["quantization_config"] = dict(V4_CONFIG)
+        config["expert_dtype"] = "fp4"
+    else:
+        config["quantization_config"] = dict(V3_FP8_CONFIG)
     if dtype is not None:
         config["dtype"] = str(dtype).removeprefix("torch.")
     (dst / "config.json").write_text(json.dumps(config, indent=2))

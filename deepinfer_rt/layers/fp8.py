@@ -14,13 +14,18 @@ routed experts (E, N, K) keep (E, ceil(N/bn), ceil(K/bk)) per projection, gate's
     Fp8DequantLinear  elsewhere (CPU, batch-invariant mode, MLA's kv_b whose per-head slices feed the absorbed
                       matmuls): dequantized once at load to the engine dtype, fp32 math of value x scale, rounded
                       once; then the unquantized method it wraps runs
-    Fp8DequantExperts the routed experts, on every device for now (the fused MoE runs them in the engine dtype)
+    Fp8BlockExperts   routed experts (layers/moe.py) on CUDA, not batch-invariant: float8 + scales for the FP8
+                      fused MoE (deepinfer_kernels.fused_moe_fp8, W8A8)
+    Fp8DequantExperts routed experts elsewhere, and DeepSeek-V4's (its own expert loop): dequantized at load
 
 With a 16/32-bit checkpoint (Engine(quantization="fp8"), load_format="dummy") the weights load as they are and
 `process_weights_after_loading` quantizes them, per shard, as scripts/quantize_checkpoint.py would; the dequant
 methods then hold the dequantized FP8 values, so CPU runs see the FP8 model's weights.
 
 Float8 weights and float32 scales keep their dtypes through a module's `.to(dtype)` (`apply_keeping_quantized`).
+Scales in e8m0 (`scale_fmt: ue8m0`, the V4 / V4.1 releases: layers/quant_formats.py) are decoded to float32 as
+they load, so every method here runs on float32 block scales whatever the checkpoint's encoding; MXFP4 routed
+experts are layers/mxfp4.py's.
 """
 from __future__ import annotations
 
@@ -33,6 +38,7 @@ from torch import nn
 from deepinfer_kernels.reference import dequantize_fp8_blocks, quantize_fp8_blocks
 from deepinfer_rt.layers.kernel_config import KernelConfig
 from deepinfer_rt.layers.methods import LinearMethod, linear_method
+from deepinfer_rt.layers.quant_formats import read_scale
 
 SCALE_SUFFIX = "_scale_inv"
 
@@ -81,9 +87,10 @@ class Fp8LinearMethod(LinearMethod):
     `create_weights(layer, shard_sizes)` is called by the layer once its nn.Linear weight exists; shard_sizes are
     the HF projections' output rows in order (one unnamed shard for a plain Linear)."""
 
-    def __init__(self, block: tuple[int, int], is_checkpoint_quantized: bool):
+    def __init__(self, block: tuple[int, int], is_checkpoint_quantized: bool, scale_fmt: str = "float32"):
         self.block = block
         self.is_checkpoint_quantized = is_checkpoint_quantized
+        self.scale_fmt = scale_fmt
 
     weight_dtype: torch.dtype | None = None
     """The dtype the checkpoint's FP8 weight is held in until processed: float8 or, None, the layer's own (an
@@ -107,13 +114,19 @@ class Fp8LinearMethod(LinearMethod):
         layer.weight_scale_inv.weight_loader = functools.partial(self.load_scale, layer)
 
     def load_scale(self, layer: nn.Module, param: nn.Parameter, loaded: torch.Tensor, shard: str | None = None) -> None:
-        """Copy one HF projection's `weight_scale_inv` into its shard's scale rows, refusing another shape."""
+        """Copy one HF projection's `weight_scale_inv` into its shard's scale rows (e8m0 decoded), refusing
+        another shape."""
+        loaded = read_scale(loaded, self.scale_fmt)
         start, rows = layer.scale_offsets[shard]
         _, size = layer.shard_rows[shard]
         want = (rows, param.shape[1])
         if tuple(loaded.shape) != want:
+            derived = ""
+            if loaded.dim() == 2 and min(loaded.shape) > 0:
+                derived = (f" (the scale grid derives {_cdiv(size, loaded.shape[0])}x"
+                           f"{_cdiv(layer.in_features, loaded.shape[1])} blocks)")
             raise ValueError(f"scale shape {tuple(loaded.shape)} != {want}, the {self.block[0]}x{self.block[1]} "
-                             f"blocks of a {size}x{layer.in_features} weight")
+                             f"blocks of a {size}x{layer.in_features} weight{derived}")
         param.data[start : start + rows].copy_(loaded)
 
     def shards(self, layer: nn.Module):
@@ -136,8 +149,9 @@ class Fp8LinearMethod(LinearMethod):
 class Fp8DequantLinear(Fp8LinearMethod):
     """FP8 weights dequantized at load; `inner` (the unquantized method of the config) runs the matmuls."""
 
-    def __init__(self, block: tuple[int, int], is_checkpoint_quantized: bool, inner: LinearMethod):
-        super().__init__(block, is_checkpoint_quantized)
+    def __init__(self, block: tuple[int, int], is_checkpoint_quantized: bool, inner: LinearMethod,
+                 scale_fmt: str = "float32"):
+        super().__init__(block, is_checkpoint_quantized, scale_fmt)
         self.inner = inner
         self.is_batch_invariant = inner.is_batch_invariant
 
@@ -203,7 +217,7 @@ def weight_linear_method(config: KernelConfig) -> LinearMethod:
     if config.quantization != "fp8":
         return linear_method(config)
     if config.is_triton and not config.is_batch_invariant:
-        return Fp8BlockLinear(config.weight_block_size, config.is_checkpoint_quantized)
+        return Fp8BlockLinear(config.weight_block_size, config.is_checkpoint_quantized, config.scale_fmt)
     return dense_linear_method(config)
 
 
@@ -212,13 +226,17 @@ def dense_linear_method(config: KernelConfig) -> LinearMethod:
     """For a weight that other code reads as a dense matrix (MLA's kv_b): FP8 checkpoints dequantize at load."""
     if config.quantization != "fp8":
         return linear_method(config)
-    return Fp8DequantLinear(config.weight_block_size, config.is_checkpoint_quantized, linear_method(config))
+    return Fp8DequantLinear(config.weight_block_size, config.is_checkpoint_quantized, linear_method(config),
+                            config.scale_fmt)
 
 
 # ---- routed experts ----
 
 class ExpertWeights:
     """How RoutedExperts hold their fused weights: as loaded (16/32-bit)."""
+
+    is_quantized = False
+    """Whether the weights stay quantized on the device (Fp8BlockExperts)."""
 
     def create_weights(self, experts: nn.Module) -> None:
         pass
@@ -232,9 +250,10 @@ class Fp8DequantExperts(ExpertWeights):
     reads 16-bit weights). Checkpoint scales: `experts.gate_up_proj_scale_inv` (E, 2 ceil(I/bn), ceil(H/bk)),
     gate's blocks then up's, and `experts.down_proj_scale_inv` (E, ceil(H/bn), ceil(I/bk))."""
 
-    def __init__(self, block: tuple[int, int], is_checkpoint_quantized: bool):
+    def __init__(self, block: tuple[int, int], is_checkpoint_quantized: bool, scale_fmt: str = "float32"):
         self.block = block
         self.is_checkpoint_quantized = is_checkpoint_quantized
+        self.scale_fmt = scale_fmt
 
     def create_weights(self, experts: nn.Module) -> None:
         if not self.is_checkpoint_quantized:
@@ -243,6 +262,17 @@ class Fp8DequantExperts(ExpertWeights):
         e, two_i, hidden = experts.gate_up_proj.shape
         experts.gate_up_proj_scale_inv = _scale_param(2 * _cdiv(two_i // 2, bn), _cdiv(hidden, bk), (e,))
         experts.down_proj_scale_inv = _scale_param(_cdiv(hidden, bn), _cdiv(two_i // 2, bk), (e,))
+        for name in ("gate_up_proj", "down_proj"):
+            getattr(experts, name).is_fp8_checkpoint = True
+            getattr(experts, name).weight_loader = load_fp8_weight
+            getattr(experts, name + SCALE_SUFFIX).weight_loader = self.load_scale
+
+    def load_scale(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        loaded = read_scale(loaded, self.scale_fmt)
+        if tuple(loaded.shape) != tuple(param.shape):
+            raise ValueError(f"scale shape {tuple(loaded.shape)} != {tuple(param.shape)}, the "
+                             f"{self.block[0]}x{self.block[1]} blocks of each expert's projection")
+        param.data.copy_(loaded)
 
     @torch.no_grad()
     def process_weights_after_loading(self, experts: nn.Module) -> None:
@@ -267,7 +297,54 @@ class Fp8DequantExperts(ExpertWeights):
                 setattr(experts, name + SCALE_SUFFIX, None)
 
 
+class Fp8BlockExperts(Fp8DequantExperts):
+    """CUDA, not batch-invariant: float8 routed experts and their float32 block scales stay on the device for the
+    FP8 fused MoE (deepinfer_kernels.fused_moe_fp8, layers/moe.py Fp8FusedExperts); a 16/32-bit checkpoint is
+    quantized at load per projection (gate's and up's blocks apart), as scripts/quantize_checkpoint.py would."""
+
+    is_quantized = True
+
+    def create_weights(self, experts: nn.Module) -> None:
+        super().create_weights(experts)
+        if not self.is_checkpoint_quantized:
+            return
+        for name in ("gate_up_proj", "down_proj"):
+            old = getattr(experts, name)
+            new = nn.Parameter(torch.empty_like(old, dtype=torch.float8_e4m3fn), requires_grad=False)
+            new.is_fp8_checkpoint, new.weight_loader = True, old.weight_loader
+            setattr(experts, name, new)
+
+    @torch.no_grad()
+    def process_weights_after_loading(self, experts: nn.Module) -> None:
+        for name, shards in (("gate_up_proj", 2), ("down_proj", 1)):
+            w = getattr(experts, name).data
+            if self.is_checkpoint_quantized:
+                scale = getattr(experts, name + SCALE_SUFFIX).data
+                if scale.shape[0] != w.shape[0]:
+                    raise ValueError(f"{name}: scales for {scale.shape[0]} experts, weights for {w.shape[0]} "
+                                     "(FP8 checkpoints do not run expert-parallel yet)")
+                continue
+            parts = [quantize_fp8_blocks(part, self.block) for part in w.chunk(shards, dim=1)]
+            setattr(experts, name, nn.Parameter(torch.cat([q for q, _ in parts], dim=1), requires_grad=False))
+            setattr(experts, name + SCALE_SUFFIX,
+                    nn.Parameter(torch.cat([s for _, s in parts], dim=1), requires_grad=False))
+
+
+def is_fp8_fused_experts(config: KernelConfig) -> bool:
+    """Whether layers/moe.py's routed experts run the FP8 fused MoE (FP8 weights kept): CUDA with Triton, not
+    batch-invariant, FP8 (not MXFP4) experts."""
+    return (config.quantization == "fp8" and config.is_triton and not config.is_batch_invariant
+            and config.expert_dtype == "fp8")
+
+
 def expert_weights_method(config: KernelConfig) -> ExpertWeights:
+    """How routed experts that run in the engine dtype hold their weights: MXFP4 (`expert_dtype: fp4`
+    checkpoints) or FP8 blocks (FP8 checkpoints and Engine(quantization="fp8")) dequantized at load, else as
+    loaded. layers/moe.py's RoutedExperts keep FP8 weights instead where `is_fp8_fused_experts`."""
+    if config.quantization == "fp8" and config.is_checkpoint_quantized and config.expert_dtype == "fp4":
+        from deepinfer_rt.layers.mxfp4 import Mxfp4DequantExperts
+
+        return Mxfp4DequantExperts()
     if config.quantization == "fp8":
-        return Fp8DequantExperts(config.weight_block_size, config.is_checkpoint_quantized)
+        return Fp8DequantExperts(config.weight_block_size, config.is_checkpoint_quantized, config.scale_fmt)
     return ExpertWeights()

@@ -46,16 +46,22 @@ class KernelConfig:
     moe_router_skew: float = 0.0
     """DEEPINFER_MOE_ROUTER_SKEW: benchmarks only; biases MoE routers toward low expert ids (Zipf exponent)."""
     quantization: str | None = None
-    """'fp8': the linear and expert weights are block-scaled float8 e4m3 (layers/fp8.py): loaded so from the
-    checkpoint or quantized at load. On CUDA (not batch-invariant) the linears run the W8A8 block GEMM; elsewhere,
-    and for the routed experts and MLA's kv_b for now, they are dequantized at load to the engine dtype. 'int8'
-    (CPU, not batch-invariant): the linears' weights per-row int8 at load, activations in the engine dtype
+    """'fp8': the linear and expert weights are block-scaled float8 e4m3 (layers/fp8.py; MXFP4 experts with
+    expert_dtype 'fp4', layers/mxfp4.py): loaded so from the checkpoint or quantized at load. On CUDA (not
+    batch-invariant) the linears run the W8A8 block GEMM and FP8 routed experts the FP8 fused MoE; elsewhere, and
+    for MXFP4 experts, DeepSeek-V4's experts and MLA's kv_b, they are dequantized at load to the engine dtype.
+    'int8' (CPU, not batch-invariant): the linears' weights per-row int8 at load, activations in the engine dtype
     (layers/int8.py). None: the engine dtype throughout."""
     is_checkpoint_quantized: bool = False
     """Whether the checkpoint stores the weights quantized (FP8 values + `weight_scale_inv`), rather than in
     16/32-bit for `quantization` to quantize at load."""
     weight_block_size: tuple[int, int] = (128, 128)
     """(rows, columns) of weight per FP8 scale."""
+    scale_fmt: str = "float32"
+    """The checkpoint's scale encoding (QuantConfig.scale_fmt): 'float32' or 'ue8m0' (decoded to float32 at
+    load: a power of two is exact there)."""
+    expert_dtype: str = "fp8"
+    """The checkpoint's routed experts (QuantConfig.expert_dtype): 'fp8' or 'fp4' (MXFP4, layers/mxfp4.py)."""
 
     @property
     def is_triton(self) -> bool:
@@ -84,7 +90,8 @@ class KernelConfig:
         if quant is None:
             return self
         return dataclasses.replace(self, quantization=quant.method, is_checkpoint_quantized=True,
-                                   weight_block_size=quant.weight_block_size)
+                                   weight_block_size=quant.weight_block_size, scale_fmt=quant.scale_fmt,
+                                   expert_dtype=quant.expert_dtype)
 
 
 def cpu_has_native_bf16() -> bool:

@@ -21,7 +21,8 @@ import torch
 from torch import nn
 
 from deepinfer_rt.config import ModelConfig
-from deepinfer_rt.layers.fp8 import apply_keeping_quantized, expert_weights_method
+from deepinfer_rt.layers.fp8 import (Fp8BlockExperts, apply_keeping_quantized, expert_weights_method,
+                                     is_fp8_fused_experts)
 from deepinfer_rt.layers.kernel_config import KernelConfig, current_kernel_config
 from deepinfer_rt.layers.methods import Activation, LinearMethod, activation_method, linear_method
 from deepinfer_rt.layers.mlp import GatedMLP
@@ -224,6 +225,11 @@ class ExpertsMethod:
               ids: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
+    def apply_experts(self, experts: nn.Module, x: torch.Tensor, weights: torch.Tensor,
+                      ids: torch.Tensor) -> torch.Tensor:
+        """`apply` over a RoutedExperts' own tensors (a quantized method also reads their scales)."""
+        return self.apply(x, experts.gate_up_proj, experts.down_proj, weights, ids)
+
     def fuses_shared(self, num_tokens: int) -> bool:
         """Whether a batch of this many rows runs the shared experts inside the routed launch."""
         return False
@@ -282,7 +288,25 @@ class FusedExperts(ExpertsMethod):
         return num_tokens <= FUSED_SHARED_MAX_TOKENS or self.is_batch_invariant
 
 
+class Fp8FusedExperts(ExpertsMethod):
+    """The FP8 fused MoE (deepinfer_kernels.fused_moe_fp8): float8 experts with float32 block scales, activations
+    quantized per token and block[1] channels inside the kernel (W8A8). The shared experts keep their own FP8
+    GEMMs (no joint launch)."""
+
+    def __init__(self, block: tuple[int, int]):
+        self.block = block
+
+    def apply_experts(self, experts: nn.Module, x: torch.Tensor, weights: torch.Tensor,
+                      ids: torch.Tensor) -> torch.Tensor:
+        from deepinfer_kernels.fused_moe_fp8 import fused_moe_fp8
+
+        return fused_moe_fp8(x.contiguous(), experts.gate_up_proj, experts.gate_up_proj_scale_inv,
+                             experts.down_proj, experts.down_proj_scale_inv, weights, ids, self.block)
+
+
 def experts_method(config: KernelConfig) -> ExpertsMethod:
+    if is_fp8_fused_experts(config):
+        return Fp8FusedExperts(config.weight_block_size)
     if config.is_triton:
         return FusedExperts(config.is_batch_invariant)
     return TorchExperts(linear_method(config), activation_method(config), config.is_batch_invariant)
@@ -296,13 +320,17 @@ class RoutedExperts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
         kernel_config = current_kernel_config()
         self.method = experts_method(kernel_config)
-        self.weights_method = expert_weights_method(kernel_config)
-        """How the fused weights are held (layers/fp8.py: FP8 checkpoints add their scales, dequantized at load)."""
+        self.weights_method = (
+            Fp8BlockExperts(kernel_config.weight_block_size, kernel_config.is_checkpoint_quantized,
+                            kernel_config.scale_fmt)
+            if is_fp8_fused_experts(kernel_config) else expert_weights_method(kernel_config))
+        """How the fused weights are held (layers/fp8.py: FP8 checkpoints add their scales; kept FP8 for the FP8
+        fused MoE, else dequantized at load)."""
         self.weights_method.create_weights(self)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x (T, H), weights/ids (T, k) -> sum_k weights * expert_ids(x) (T, H) (the method's docstring)."""
-        return self.method.apply(x, self.gate_up_proj, self.down_proj, weights, ids)
+        return self.method.apply_experts(self, x, weights, ids)
 
     @torch.no_grad()
     def process_weights_after_loading(self) -> None:
@@ -405,6 +433,11 @@ def fuse_expert_weights(weights: Iterable[tuple[str, torch.Tensor]],
         if len(layer) < 3 * num_experts:
             continue
         del pending[(prefix, suffix)]
+        shapes = {proj: {tuple(t.shape) for (p, _), t in layer.items() if p == proj} for proj, _ in layer}
+        if (any(len(s) > 1 for s in shapes.values())
+                or {s[1:] for s in shapes["gate_proj"]} != {s[1:] for s in shapes["up_proj"]}):
+            raise ValueError(f"{prefix}: per-expert{suffix} tensors of unequal shapes {shapes} (every expert's "
+                             "alike, and gate's and up's columns)")
         experts = range(num_experts)
         gate = torch.stack([layer[("gate_proj", e)] for e in experts])  # (E, I, H)
         up = torch.stack([layer[("up_proj", e)] for e in experts])

@@ -1,7 +1,9 @@
 """Resolve a model name to an HF folder, build the model from its config, load safetensors by name."""
 from __future__ import annotations
 
+import dataclasses
 import json
+import re
 from pathlib import Path
 from typing import Iterator, Protocol
 
@@ -39,7 +41,29 @@ def load_model_config(path: Path) -> tuple[ModelConfig, object]:
     from transformers import AutoConfig
 
     hf = AutoConfig.from_pretrained(path)
-    return ModelConfig.from_hf(hf), hf
+    config = ModelConfig.from_hf(hf)
+    return _with_detected_expert_dtype(config, path), hf
+
+
+_EXPERT_WEIGHT = re.compile(r".*\.experts\.(\d+\.(w[123]|gate_proj|up_proj|down_proj)\.weight|gate_up_proj|down_proj)")
+
+
+def _with_detected_expert_dtype(config: ModelConfig, path: Path) -> ModelConfig:
+    """A quantized checkpoint whose config does not say `expert_dtype`: MXFP4 ('fp4') if its routed experts are
+    stored as int8/uint8 (packed e2m1), read from the safetensors headers; else the config as it is."""
+    q = config.quantization
+    declared = config.raw.get("expert_dtype") or (config.raw.get("quantization_config") or {}).get("expert_dtype")
+    if q is None or declared:
+        return config
+    for f in sorted(path.glob("*.safetensors")):
+        with safe_open(f, framework="pt") as sf:
+            for name in sf.keys():
+                if _EXPERT_WEIGHT.fullmatch(name):
+                    packed = sf.get_slice(name).get_dtype() in ("I8", "U8")
+                    if not packed:
+                        return config
+                    return dataclasses.replace(config, quantization=dataclasses.replace(q, expert_dtype="fp4"))
+    return config
 
 
 def iter_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:

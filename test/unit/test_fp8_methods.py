@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from deepinfer_kernels.dispatch import HAS_TRITON
 from deepinfer_kernels.reference import dequantize_fp8_blocks, quantize_fp8_blocks
 from deepinfer_rt.config import QuantConfig
 from deepinfer_rt.layers import methods
@@ -45,7 +46,7 @@ def test_quant_config_from_hf():
     assert QuantConfig.from_hf(cfg) == V3
     assert QuantConfig.from_hf(dict(cfg, weight_block_size=[64, 32])).weight_block_size == (64, 32)
     for field, value in (("quant_method", "gptq"), ("fmt", "e5m2"), ("activation_scheme", "static"),
-                         ("scale_fmt", "ue8m0"), ("weight_block_size", None)):
+                         ("scale_fmt", "e4m3"), ("expert_dtype", "nvfp4"), ("weight_block_size", None)):
         with pytest.raises(ValueError, match=f"quantization_config.{field}"):
             QuantConfig.from_hf(dict(cfg, **{field: value}))
 
@@ -70,5 +71,7 @@ def test_layers_hold_fp8_parameters_and_keep_them_through_casts():
     assert experts.gate_up_proj_scale_inv.shape == (4, 4, 2) and experts.down_proj_scale_inv.shape == (4, 2, 2)
     linear, experts = linear.to(torch.bfloat16), experts.to(torch.bfloat16)
     assert linear.weight.dtype == torch.float8_e4m3fn and linear.weight_scale_inv.dtype == torch.float32
-    assert experts.gate_up_proj.dtype == torch.bfloat16 and experts.gate_up_proj_scale_inv.dtype == torch.float32
+    # Routed experts stay FP8 for the FP8 fused MoE where it runs (CUDA with Triton), else dequantize at load.
+    kept = torch.float8_e4m3fn if HAS_TRITON else torch.bfloat16
+    assert experts.gate_up_proj.dtype == kept and experts.gate_up_proj_scale_inv.dtype == torch.float32
     assert [n for n, _ in linear.named_parameters()] == ["weight", "weight_scale_inv"]

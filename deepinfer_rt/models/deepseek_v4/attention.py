@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from deepinfer_rt.cache.kv_pool import KVPool
+from deepinfer_rt.layers.fp8 import dense_linear_method
 from deepinfer_rt.layers.kernel_config import current_kernel_config
 from deepinfer_rt.layers.linear import Linear
 from deepinfer_rt.models.deepseek_v4.batch import V4Batch
@@ -36,7 +37,9 @@ class V4Attention(nn.Module):
         self.wq_b = Linear(cfg.q_lora_rank, cfg.num_heads * cfg.head_dim)
         self.wkv = Linear(cfg.hidden_size, cfg.head_dim)
         self.norm = V4RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
-        self.wo_a = Linear(cfg.num_heads * cfg.head_dim // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank)
+        # Read as a dense (o_groups, o_lora_rank, .) tensor by the grouped projection: FP8 dequantized at load.
+        self.wo_a = Linear(cfg.num_heads * cfg.head_dim // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank,
+                           method=dense_linear_method(current_kernel_config()))
         self.wo_b = Linear(cfg.o_groups * cfg.o_lora_rank, cfg.hidden_size)
         self.attn_sink = nn.Parameter(torch.empty(cfg.num_heads))
         self.compressor = (Compressor(cfg, cfg.head_dim, self.ratio, overlap=layer_type == CSA, rotary=rotary)

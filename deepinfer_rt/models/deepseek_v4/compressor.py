@@ -17,6 +17,7 @@ from torch import nn
 
 from deepinfer_rt.layers.kernel_config import current_kernel_config
 from deepinfer_rt.layers.linear import Linear
+from deepinfer_rt.layers.methods import linear_method
 from deepinfer_rt.models.deepseek_v4.batch import Windows
 from deepinfer_rt.models.deepseek_v4.common import V4Config, V4RMSNorm, V4Rotary, apply_rope
 from deepinfer_rt.models.deepseek_v4.methods import v4_method
@@ -27,8 +28,10 @@ class Compressor(nn.Module):
         super().__init__()
         width = (2 if overlap else 1) * head_dim
         self.head_dim, self.ratio, self.overlap, self.rotary = head_dim, ratio, overlap, rotary
-        self.wkv = Linear(cfg.hidden_size, width)
-        self.wgate = Linear(cfg.hidden_size, width)
+        # 16-bit in every checkpoint, quantized ones too (the V4 releases ship these without a scale).
+        unquantized = linear_method(current_kernel_config())
+        self.wkv = Linear(cfg.hidden_size, width, method=unquantized)
+        self.wgate = Linear(cfg.hidden_size, width, method=unquantized)
         self.ape = nn.Parameter(torch.empty(ratio, width))
         self.norm = V4RMSNorm(head_dim, cfg.rms_norm_eps)
         self.method = v4_method(current_kernel_config())
@@ -63,7 +66,7 @@ class Indexer(nn.Module):
         self.num_heads, self.head_dim, self.topk = cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk
         self.rotary = rotary
         self.wq_b = Linear(cfg.q_lora_rank, self.num_heads * self.head_dim)
-        self.weights_proj = Linear(cfg.hidden_size, self.num_heads)
+        self.weights_proj = Linear(cfg.hidden_size, self.num_heads, method=linear_method(current_kernel_config()))
         self.compressor = Compressor(cfg, self.head_dim, ratio, overlap=True, rotary=rotary)
         self.method = v4_method(current_kernel_config())
 

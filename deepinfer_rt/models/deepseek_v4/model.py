@@ -2,7 +2,9 @@
 compressed (HCA) attention, hyper-connection residual streams, hash-routed then learned-routed MoE.
 
 Module names follow the released checkpoints (what transformers' save_pretrained writes back): attn, ffn,
-attn_norm, ffn_norm, hc_attn_*, hc_ffn_*, hc_head, head. Multi-token-prediction weights (mtp.*) are not run.
+attn_norm, ffn_norm, hc_attn_*, hc_ffn_*, hc_head, head; the releases' own spelling (layers.N.*, embed.weight,
+`.scale`: models/release_names.py) loads too, with FP8 / MXFP4 weights (layers/quant_formats.py).
+Multi-token-prediction weights (mtp.*) are not run.
 What the KV pool keeps per token and layer is described in models/deepseek_v4/common.py.
 
 Not covered (the V4.1 line): compression ratios 1 and 2, shifted hyper-connections, cross-layer KV sharing,
@@ -26,6 +28,7 @@ from deepinfer_rt.models.deepseek_v4.batch import V4Batch, build_v4_batch
 from deepinfer_rt.models.deepseek_v4.common import SLIDING, PoolColumns, V4Config, V4RMSNorm, V4Rotary
 from deepinfer_rt.models.deepseek_v4.moe import V4MoE
 from deepinfer_rt.models.base import CausalLM
+from deepinfer_rt.models.release_names import from_release_name
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")
 # Kept in fp32 whatever the model dtype, as the reference does: norm gains, attention sinks, compressor position
@@ -123,6 +126,7 @@ class DeepseekV4ForCausalLM(CausalLM):
 
         def renamed() -> Iterator[tuple[str, torch.Tensor]]:
             for name, tensor in weights:
+                name = from_release_name(name)
                 m = _LAYER.match(name)
                 if name.startswith("mtp.") or (m is not None and int(m[1]) >= num_layers):
                     continue  # multi-token-prediction layers are not run

@@ -3,7 +3,9 @@
     ffn.gate.weight (E, H), ffn.gate.bias (E,)          'moe' layers: top-k of scores + bias (the bias steers
                                                           the choice, never the weights)
     ffn.gate.tid2eid (vocab, k)                          'hash_moe' layers: experts fixed by the token id
-    ffn.experts.gate_up_proj (E, 2I, H), down_proj (E, H, I)  fused from the per-expert w1 (gate), w3 (up), w2
+    ffn.experts.gate_up_proj (E, 2I, H), down_proj (E, H, I)  fused from the per-expert w1 (gate), w3 (up), w2;
+                                                          quantized checkpoints add their scales (FP8 blocks
+                                                          or MXFP4, layers/fp8.py expert_weights_method)
     ffn.shared_experts.{w1, w2, w3}                      one always-on expert of width I
 
 Weights are the chosen experts' scores renormalised to sum 1, times routed_scaling_factor. SwiGLU clamps
@@ -14,6 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from deepinfer_rt.layers.fp8 import apply_keeping_quantized, expert_weights_method
 from deepinfer_rt.layers.kernel_config import current_kernel_config
 from deepinfer_rt.layers.linear import Linear
 from deepinfer_rt.models.deepseek_v4.common import V4Config
@@ -58,6 +61,15 @@ class ClampedExperts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h))
         self.down_proj = nn.Parameter(torch.empty(e, h, i))
         self.method = v4_method(current_kernel_config())
+        self.weights_method = expert_weights_method(current_kernel_config())
+        self.weights_method.create_weights(self)
+
+    @torch.no_grad()
+    def process_weights_after_loading(self) -> None:
+        self.weights_method.process_weights_after_loading(self)
+
+    def _apply(self, fn, recurse=True):
+        return apply_keeping_quantized(self, fn, lambda f: super(ClampedExperts, self)._apply(f, recurse))
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """(token, slot) pairs grouped by expert, one matmul per expert hit, slots summed per token."""

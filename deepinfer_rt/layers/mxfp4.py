@@ -1,0 +1,66 @@
+"""MXFP4 routed experts (DeepSeek-V4 / V4-Flash / V4.1 releases, `expert_dtype: fp4`), dequantized at load.
+
+    experts.gate_up_proj             int8 (E, 2I, H/2) on disk: e2m1 pairs, gate's rows then up's
+    experts.gate_up_proj_scale_inv   e8m0 (E, 2I, H/32): one power of two per 32 elements along K
+    experts.down_proj                int8 (E, H, I/2)
+    experts.down_proj_scale_inv      e8m0 (E, H, I/32)
+
+(fused by layers/moe.py fuse_expert_weights from the per-expert `experts.E.w{1,3,2}.{weight,scale}`). The
+weight loader unpacks the e2m1 codes into the layer's (E, N, K) parameter of the engine dtype -- every e2m1 value
+is exact in bf16 -- and `process_weights_after_loading` multiplies in the scales in fp32, rounded once to the
+engine dtype: the experts then run as 16/32-bit ones. A fused MXFP4 MoE kernel (dequantizing inside the GEMM, as
+Hopper has no FP4 tensor cores) is the later step that keeps them 4-bit in memory.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+
+from deepinfer_rt.layers.fp8 import SCALE_SUFFIX, ExpertWeights
+from deepinfer_rt.layers.quant_formats import EXPERT, MX_BLOCK, check_layout, decode_e8m0, role_layouts, unpack_e2m1
+
+_LAYOUT = role_layouts((1, MX_BLOCK), "fp4")[EXPERT]
+
+
+class Mxfp4DequantExperts(ExpertWeights):
+    """Checks each fused tensor against the MXFP4 layout (dtype, packing, per-32 scales), naming it."""
+
+    def create_weights(self, experts: nn.Module) -> None:
+        for name in ("gate_up_proj", "down_proj"):
+            weight = getattr(experts, name)
+            e, n, k = weight.shape
+            if k % MX_BLOCK:
+                raise ValueError(f"experts.{name}: MXFP4 needs K a multiple of {MX_BLOCK}, the model has {k}")
+            weight.weight_loader = functools.partial(self.load_weight, name)
+            scale = nn.Parameter(torch.empty(e, n, k // MX_BLOCK, dtype=torch.float32), requires_grad=False)
+            scale.weight_loader = functools.partial(self.load_scale, name, (e, n, k))
+            setattr(experts, name + SCALE_SUFFIX, scale)
+
+    @staticmethod
+    def load_weight(name: str, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        e, n, k = param.shape
+        if loaded.dtype != _LAYOUT.storage_dtype:
+            raise ValueError(f"{loaded.dtype} expert weight where the checkpoint's quantization_config says "
+                             f"expert_dtype 'fp4' ({_LAYOUT.format})")
+        if tuple(loaded.shape) != (e, n, k // 2):
+            raise ValueError(f"experts.{name}: packed shape {tuple(loaded.shape)} != {(e, n, k // 2)}, two e2m1 "
+                             f"per byte of a {e}x{n}x{k} weight")
+        param.data.copy_(unpack_e2m1(loaded))
+
+    @staticmethod
+    def load_scale(name: str, logical: tuple[int, int, int], param: nn.Parameter, loaded: torch.Tensor) -> None:
+        check_layout(f"experts.{name}", _LAYOUT, None, tuple(loaded.shape), logical)
+        param.data.copy_(decode_e8m0(loaded, f"experts.{name} scale"))
+
+    @torch.no_grad()
+    def process_weights_after_loading(self, experts: nn.Module) -> None:
+        for name in ("gate_up_proj", "down_proj"):
+            w = getattr(experts, name)
+            scale = getattr(experts, name + SCALE_SUFFIX)
+            if scale.shape[0] != w.shape[0]:
+                raise ValueError(f"{name}: scales for {scale.shape[0]} experts, weights for {w.shape[0]} "
+                                 "(MXFP4 checkpoints do not run expert-parallel yet)")
+            w.data = (w.data.float() * scale.data.float().repeat_interleave(MX_BLOCK, dim=-1)).to(w.dtype)
+            setattr(experts, name + SCALE_SUFFIX, None)

@@ -1,0 +1,117 @@
+"""The FP8 fused MoE (deepinfer_kernels.fused_moe_fp8) through Triton's interpreter on CPU against its torch form
+(reference.fused_moe_fp8), with widths that end inside a scale block (intermediate 200 = 1.56 blocks of 128,
+hidden 160), sorted blocks and one-block-per-pair routing, fp32 and fp16 activations. The GPU suite runs the
+kernel compiled (see the GPU checks listed with it).
+
+Tolerance: both sides quantize the same activations the same way and every product is exact, so in fp32 they
+differ by summation order only (max error <= 1e-5 of the output's max). In fp16 an h within an fp32 rounding
+error of an fp16 rounding boundary rounds differently on the two sides, which moves its group's amax or flips
+its e4m3 code (one step, 6%) now and then: <= 1% in norm there. Against the unquantized path (x @ dequantized
+weights, h unquantized) the activations' e4m3 rounding leaves a few percent (<= 8% in norm).
+"""
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+
+pytest.importorskip("triton")
+
+from test_triton_interpreted import _interpret  # noqa: E402
+
+_FUSED_MOE_FP8 = textwrap.dedent("""
+    import torch
+    from deepinfer_kernels.fused_moe_fp8 import fused_moe_fp8
+    from deepinfer_kernels.reference import dequantize_fp8_blocks, fused_moe_fp8 as ref, quantize_fp8_blocks
+    g = torch.Generator().manual_seed(0)
+    e, hidden, inter, k = 4, 160, 200, 2
+    gate, up = torch.randn(e, inter, hidden, generator=g) * 0.05, torch.randn(e, inter, hidden, generator=g) * 0.05
+    gate[:, :, :128] *= 10  # blocks of very different scales
+    down = torch.randn(e, hidden, inter, generator=g) * 0.05
+    (qg, sg), (qu, su), (qd, sd) = (quantize_fp8_blocks(w) for w in (gate, up, down))
+    q_gu, s_gu = torch.cat([qg, qu], dim=1), torch.cat([sg, su], dim=1)
+    for dtype, t in ((torch.float32, 5), (torch.float32, 40), (torch.float16, 40)):
+        x = torch.randn(t, hidden, generator=g).to(dtype)
+        x[0, 128:] = 0  # a zero activation group
+        ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
+        w = torch.rand(t, k, generator=g)
+        y = fused_moe_fp8(x, q_gu, s_gu, qd, sd, w, ids, config=dict(BLOCK_N=32, num_warps=4, num_stages=1))
+        want = ref(x, q_gu, s_gu, qd, sd, w, ids)
+        assert y.shape == (t, hidden) and y.dtype == dtype
+        diff, want = y.float() - want.float(), want.float()
+        if dtype == torch.float32:
+            assert diff.abs().max() <= 1e-5 * want.abs().max(), (t, diff.abs().max().item())
+        else:
+            assert diff.norm() <= 0.01 * want.norm(), (t, (diff.norm() / want.norm()).item())
+        dg, du, dd = (dequantize_fp8_blocks(q, s) for q, s in ((qg, sg), (qu, su), (qd, sd)))
+        xf = x.float()
+        exact = torch.zeros(t, hidden)
+        for j in range(k):
+            a, b = torch.einsum("th,tih->ti", xf, dg[ids[:, j]]), torch.einsum("th,tih->ti", xf, du[ids[:, j]])
+            exact += torch.einsum("ti,thi->th", a * torch.sigmoid(a) * b, dd[ids[:, j]]) * w[:, j:j + 1]
+        assert (y.float() - exact).norm() <= 0.08 * exact.norm(), (dtype, t)
+    try:
+        fused_moe_fp8(x, q_gu, s_gu[:, 1:].contiguous(), qd, sd, w, ids)
+    except ValueError as err:
+        assert "128x128 blocks" in str(err)
+    else:
+        raise AssertionError("a scale grid of the wrong shape was accepted")
+    print("ok")
+""")
+
+
+# RoutedExperts built for CUDA with FP8 (is_fp8_fused_experts) keep float8 weights through a cast, load a release
+# checkpoint's tensors or quantize 16/32-bit ones at load to the same, and run the kernel (here interpreted).
+_ROUTED_EXPERTS_FP8 = textwrap.dedent("""
+    import torch
+    from deepinfer_kernels.reference import fused_moe_fp8 as ref, quantize_fp8_blocks
+    from deepinfer_rt.layers.fp8 import Fp8BlockExperts
+    from deepinfer_rt.layers.kernel_config import KernelConfig, build_context
+    from deepinfer_rt.layers.moe import Fp8FusedExperts, RoutedExperts
+    g = torch.Generator().manual_seed(1)
+    e, hidden, inter = 3, 160, 136
+    gate_up = torch.randn(e, 2 * inter, hidden, generator=g) * 0.1
+    down = torch.randn(e, hidden, inter, generator=g) * 0.1
+    (qg, sg), (qu, su) = quantize_fp8_blocks(gate_up[:, :inter]), quantize_fp8_blocks(gate_up[:, inter:])
+    q_gu, s_gu = torch.cat([qg, qu], dim=1), torch.cat([sg, su], dim=1)
+    qd, sd = quantize_fp8_blocks(down)
+    x = torch.randn(9, hidden, generator=g)
+    ids = torch.stack([torch.randperm(e, generator=g)[:2] for _ in range(9)])
+    w = torch.rand(9, 2, generator=g)
+    want = ref(x, q_gu, s_gu, qd, sd, w, ids)
+    for from_checkpoint in (True, False):
+        config = KernelConfig(device_type="cuda", quantization="fp8", is_checkpoint_quantized=from_checkpoint)
+        with build_context(config):
+            experts = RoutedExperts(e, hidden, inter)
+        assert isinstance(experts.method, Fp8FusedExperts) and isinstance(experts.weights_method, Fp8BlockExperts)
+        if from_checkpoint:
+            for name, t in (("gate_up_proj", q_gu), ("down_proj", qd), ("gate_up_proj_scale_inv", s_gu),
+                            ("down_proj_scale_inv", sd)):
+                p = getattr(experts, name)
+                p.weight_loader(p, t)
+            try:
+                experts.gate_up_proj.weight_loader(experts.gate_up_proj, gate_up.bfloat16())
+            except ValueError as err:
+                assert "bfloat16 weight" in str(err)
+            else:
+                raise AssertionError("a bf16 expert weight was taken for FP8")
+        else:
+            experts.gate_up_proj.data.copy_(gate_up)
+            experts.down_proj.data.copy_(down)
+        experts = experts.to(torch.float32)
+        experts.process_weights_after_loading()
+        assert experts.gate_up_proj.dtype == torch.float8_e4m3fn and experts.down_proj_scale_inv.dtype == torch.float32
+        assert torch.equal(experts.gate_up_proj_scale_inv, s_gu) and torch.equal(experts.down_proj_scale_inv, sd)
+        assert torch.equal(experts.gate_up_proj.float(), q_gu.float())
+        y = experts(x, w, ids)
+        assert (y - want).abs().max() <= 1e-5 * want.abs().max(), from_checkpoint
+    print("ok")
+""")
+
+
+def test_routed_experts_keep_fp8_and_run_the_kernel():
+    assert _interpret(_ROUTED_EXPERTS_FP8).strip().endswith("ok")
+
+
+def test_fused_moe_fp8_equals_torch_form():
+    assert _interpret(_FUSED_MOE_FP8).strip().endswith("ok")
