@@ -37,7 +37,9 @@ def test_method_selection():
     online = KernelConfig.from_env("cpu", quantization="fp8")
     assert online.quantization == "fp8" and not online.is_checkpoint_quantized
     with pytest.raises(ValueError, match="quantization"):
-        KernelConfig.from_env("cpu", quantization="int8")
+        KernelConfig.from_env("cpu", quantization="int4")
+    with pytest.raises(ValueError, match="quantization"):
+        KernelConfig.from_env("cuda", quantization="int8")  # the weight-only int8 path is CPU-only
 
 
 def test_quant_config_from_hf():
