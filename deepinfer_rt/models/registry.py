@@ -11,6 +11,7 @@ _MODELS = {
     "DeepseekV2ForCausalLM": ("deepinfer_rt.models.deepseek_v3", "DeepseekV3ForCausalLM"),
     "DeepseekV3ForCausalLM": ("deepinfer_rt.models.deepseek_v3", "DeepseekV3ForCausalLM"),
     "DeepseekV4ForCausalLM": ("deepinfer_rt.models.deepseek_v4.model", "DeepseekV4ForCausalLM"),
+    "DeepseekV41ForCausalLM": ("deepinfer_rt.models.deepseek_v41.model", "DeepseekV41ForCausalLM"),
 }
 
 
