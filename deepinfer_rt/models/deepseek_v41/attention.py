@@ -176,8 +176,8 @@ class V41Attention(nn.Module):
             step.candidates[gi] = self._candidate_blocks(scores, visible)
         if spec.candidate_source is not None:
             scores = scores.masked_fill(~step.candidates[gi], float("-inf"))
-        picks = scores.topk(min(cfg.index_topk, num_entries), dim=-1)
-        sel = torch.zeros_like(visible).scatter_(-1, picks.indices, picks.values > float("-inf"))
+        values, order = _top(scores, cfg.index_topk)
+        sel = torch.zeros_like(visible).scatter_(-1, order, values > float("-inf"))
         step.picks[(spec.layer_id, gi)] = sel
         return sel
 
@@ -191,7 +191,14 @@ class V41Attention(nn.Module):
         block_max = padded.view(n, q_len, num_blocks, b).amax(dim=-1)
         newest = ((visible.sum(dim=-1) - 1).clamp(min=0) // b)  # (G, Q)
         block_max = block_max.scatter(-1, newest[..., None], float("inf"))
-        top = block_max.topk(min(self.cfg.candidate_topk_blocks, num_blocks), dim=-1).indices
+        top = _top(block_max, self.cfg.candidate_topk_blocks)[1]
         chosen = torch.zeros(n, q_len, num_blocks, dtype=torch.bool, device=scores.device).scatter_(-1, top, True)
         entry_block = torch.arange(num_entries, device=scores.device) // b
         return chosen[..., entry_block] & visible
+
+
+def _top(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k largest along the last dim, equal scores taken in index order (ReLU scores are often exactly 0, so
+    the tie rule decides selections)."""
+    values, order = scores.sort(dim=-1, descending=True, stable=True)
+    return values[..., :k], order[..., :k]

@@ -17,6 +17,7 @@ FP8 with per-32 scales (host memory is their intended home); this slice reads bf
 from __future__ import annotations
 
 import functools
+import hashlib
 import unicodedata
 from pathlib import Path
 
@@ -46,9 +47,18 @@ def compressed_vocabulary(token_texts: list[str]) -> tuple[np.ndarray, int]:
     return table, len(classes)
 
 
-@functools.cache
 def tokenizer_vocabulary(path: str, vocab_size: int) -> tuple[np.ndarray, int]:
-    """The compressed vocabulary of the tokenizer in a model folder (each id decoded on its own)."""
+    """The compressed vocabulary of the tokenizer in a model folder (each id decoded on its own); computed once per
+    tokenizer content in a process."""
+    files = sorted(Path(path).glob("tokenizer*.json"))
+    if not files:
+        raise ValueError(f"Engram needs the tokenizer of {path} (no tokenizer*.json there)")
+    digest = hashlib.sha256(b"".join(f.read_bytes() for f in files)).hexdigest()
+    return _vocabulary(digest, path, vocab_size)
+
+
+@functools.lru_cache(maxsize=4)
+def _vocabulary(digest: str, path: str, vocab_size: int) -> tuple[np.ndarray, int]:
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(Path(path))
