@@ -22,6 +22,7 @@ from deepinfer_rt.layers.attention.select import select_backend
 from deepinfer_rt.model_runner import ModelRunner
 from deepinfer_rt.layers.kernel_config import KernelConfig
 from deepinfer_rt.models.loader import build_model, load_model_config, resolve_model_path
+from deepinfer_rt.models.registry import prompt_checker
 from deepinfer_rt.output_processor import OutputProcessor
 from deepinfer_rt.request import GenerateOutput, Req
 from deepinfer_rt.sampler import Sampler, stream_seed
@@ -73,6 +74,8 @@ class Engine:
         path = resolve_model_path(model)
         self.model_config, _ = load_model_config(path)
         self.tokenizer = load_tokenizer(path)
+        self._check_prompt = prompt_checker(self.model_config)
+        """Model-specific prompt refusals (DeepSeek-V4.1: image placeholders, text-only engine)."""
         mc = self.model_config
         self.eos_ids = mc.eos_token_ids or ((self.tokenizer.eos_token_id,) if self.tokenizer.eos_token_id
                                             is not None else ())
@@ -253,6 +256,10 @@ class Engine:
                 raise ValueError(f"input_ids[{i}]: empty prompt")
             if not all(isinstance(t, int) and 0 <= t < vocab for t in ids):
                 raise ValueError(f"input_ids[{i}]: token ids must be ints in [0, {vocab})")
+            try:
+                self._check_prompt(ids)
+            except ValueError as e:
+                raise ValueError(f"input_ids[{i}]: {e}") from None
             if len(ids) >= ctx:
                 raise ValueError(f"input_ids[{i}]: prompt of {len(ids)} tokens does not fit the model context "
                                  f"of {ctx} tokens")

@@ -145,7 +145,9 @@ def release_config(text: dict) -> dict:
 
 
 def make_v41_checkpoint(out_dir: str | Path, tokenizer_dir: Path, seed: int = 0, variant: str = "a",
-                        names: str = "hf", **overrides) -> Path:
+                        names: str = "hf", vocab_size: int | None = 20480, **overrides) -> Path:
+    """vocab_size: embedding rows (default 20480, the tokenizer's first ids: test prompts are id lists and the
+    Engram vocabulary is derived from that many tokens); None = the whole tokenizer."""
     from transformers import AutoTokenizer
 
     if variant not in TINY_CONFIGS:
@@ -153,7 +155,8 @@ def make_v41_checkpoint(out_dir: str | Path, tokenizer_dir: Path, seed: int = 0,
     if names not in ("hf", "release"):
         raise ValueError(f"names must be 'hf' or 'release', got {names!r}")
     tok = AutoTokenizer.from_pretrained(tokenizer_dir)
-    text = dict(TINY_CONFIGS[variant], vocab_size=len(tok), bos_token_id=tok.bos_token_id,
+    vocab = len(tok) if vocab_size is None else min(vocab_size, len(tok))
+    text = dict(TINY_CONFIGS[variant], vocab_size=vocab, bos_token_id=tok.bos_token_id,
                 eos_token_id=tok.eos_token_id, model_type="deepseek_v41_text", **overrides)
     text["engram_num_embeddings"] = [sum(s) for s in _primes(text).values()]
     out = Path(out_dir)

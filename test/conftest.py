@@ -104,3 +104,12 @@ def v41_oracles(tiny_v41_paths):
             texts = tok.batch_decode([[i] for i in range(text["vocab_size"])])
         out[variant] = V41Reference(text, weights, texts)
     return out
+
+
+@pytest.fixture(scope="module")
+def single_thread():
+    """One intra-op thread while a module runs (many tiny ops: thread hand-offs dominate on a shared 2-core host)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

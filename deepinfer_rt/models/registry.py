@@ -24,3 +24,12 @@ def get_model_class(architecture: str) -> type[CausalLM]:
         raise ValueError(f"unsupported model architecture {architecture!r}; supported: {supported_architectures()}")
     module, name = _MODELS[architecture]
     return getattr(importlib.import_module(module), name)
+
+
+def prompt_checker(config):
+    """A callable(token_ids) raising ValueError for prompts the model refuses (ModelConfig -> checker)."""
+    if config.architecture == "DeepseekV41ForCausalLM":
+        from deepinfer_rt.models.deepseek_v41.config import V41Config
+
+        return V41Config.from_raw({k: v for k, v in config.raw.items() if k != "_tokenizer_dir"}).check_prompt
+    return lambda token_ids: None

@@ -20,6 +20,8 @@ from deepinfer_rt.layers.attention.torch_ref import TorchRefBackend
 from deepinfer_rt.models.deepseek_v41.config import V41Config
 from deepinfer_rt.models.loader import build_model, load_model_config
 
+pytestmark = pytest.mark.usefixtures("single_thread")
+
 ATOL = 1e-4
 CPU = torch.device("cpu")
 

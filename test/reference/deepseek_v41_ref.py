@@ -252,29 +252,37 @@ class V41Reference:
             if i == isrc:
                 iq = qall[:, H * Dh:].view(T, Hi, Di)
                 wts = (x @ self.W(A + "indexer.weights_proj.weight").T) * Hi ** -0.5
-                keys = st["index_keys"][src]
+                iq = torch.stack([rotate(iq[t], t, self.comp_inv, self.comp_scale) for t in range(T)])
+                # all[t, e] = sum_h w[t, h] * relu(q[t, h] . k[e]) / sqrt(Di)
+                all_scores = (torch.einsum("thd,ed->the", iq, st["index_keys"][src]).relu()
+                              * wts[:, :, None]).sum(1) * Di ** -0.5
                 for t in range(T):
                     vis = self.visible(r, t, entries.shape[0])
-                    qt = rotate(iq[t], t, self.comp_inv, self.comp_scale)
-                    score = {e: float((wts[t] * torch.relu(qt @ keys[e]) * Di ** -0.5).sum()) for e in vis}
+                    score = {e: float(all_scores[t, e]) for e in vis}
                     if self.cand_src is not None and i == self.cand_src:
                         st["candidates"].setdefault(t, self.candidate_set(score, vis))
                     if self.cand_src is not None and i > self.cand_src and self.ratios[self.cand_src] == r:
                         score = {e: s for e, s in score.items() if e in st["candidates"][t]}
-                    ranked = sorted(score, key=lambda e: (-score[e], e))
+                    ranked = sorted(score, key=lambda e: (-score[e], e))  # ties: the earlier entry
                     picks[t] = sorted(ranked[:c["index_topk"]])
                 st["picks"][i] = picks
             else:
                 picks = st["picks"][isrc]
-        sink = self.W(A + "attn_sink")
-        out = torch.zeros(T, H, Dh)
+        # keys: this layer's sliding keys of every position, then the source's entries; allow[t] marks the ones
+        # query t sees (its window of W positions and its picked entries)
+        keys = torch.cat([swa, entries]) if r else swa
+        allow = torch.zeros(T, keys.shape[0], dtype=torch.bool)
         for t in range(T):
-            keys = [swa[s] for s in range(max(0, t - W + 1), t + 1)] + [entries[e] for e in picks[t]]
-            K = torch.stack(keys)
-            qt = rotate(q[t], t, inv, sc)
-            logits = torch.cat([qt @ K.T * Dh ** -0.5, sink[:, None]], dim=1)
-            p = torch.softmax(logits, dim=1)[:, :-1]
-            out[t] = rotate(p @ K, t, inv, sc, sign=-1.0)
+            allow[t, max(0, t - W + 1):t + 1] = True
+            for e in picks[t]:
+                allow[t, T + e] = True
+        qrot = torch.stack([rotate(q[t], t, inv, sc) for t in range(T)])
+        logits = torch.einsum("thd,kd->thk", qrot, keys) * Dh ** -0.5
+        logits = logits.masked_fill(~allow[:, None, :], -math.inf)
+        sink = self.W(A + "attn_sink")[None, :, None].expand(T, H, 1)
+        p = torch.softmax(torch.cat([logits, sink], dim=-1), dim=-1)[..., :-1]
+        mixed = torch.einsum("thk,kd->thd", p, keys)
+        out = torch.stack([rotate(mixed[t], t, inv, sc, sign=-1.0) for t in range(T)])
         g = c["o_groups"]
         wo_a = self.W(A + "wo_a.weight").view(g, c["o_lora_rank"], -1)
         grouped = torch.einsum("tgi,gri->tgr", out.reshape(T, g, -1), wo_a).reshape(T, -1)
