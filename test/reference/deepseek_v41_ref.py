@@ -40,6 +40,7 @@ Which source each part follows (all public; nothing copied):
 from __future__ import annotations
 
 import math
+import re
 import unicodedata
 
 import numpy as np
@@ -89,17 +90,20 @@ def swiglu(x, w1, w2, w3, limit):
 
 # ---------------------------------------------------------------- Engram hashing
 
+WHITE_SPACE = ("\t\n\x0b\x0c\r \x85\xa0\u1680\u2000\u2001\u2002\u2003\u2004\u2005\u2006\u2007\u2008\u2009\u200a"
+               "\u2028\u2029\u202f\u205f\u3000")  # the Unicode White_Space property
+
 def compressed_vocabulary(token_texts):
     """old id -> compressed id, and the number of compressed ids."""
     key_to_new, table = {}, []
-    for text in token_texts:
+    for tid, text in enumerate(token_texts):
         if "\ufffd" in text:
-            key = "\x00raw:" + text  # undecodable bytes stay their own class
+            key = ("raw", tid)  # a partial UTF-8 sequence: a class of its own
         else:
             norm = unicodedata.normalize("NFD", unicodedata.normalize("NFKC", text))
-            norm = "".join(ch for ch in norm if unicodedata.category(ch) != "Mn").lower()
-            norm = " ".join(part for part in norm.replace("\t", " ").replace("\r", " ").replace("\n", " ").split(" ")
-                            if part) if norm.strip(" \t\r\n") else (" " if norm else "")
+            norm = "".join(ch for ch in norm if unicodedata.category(ch)[0] != "M").lower()
+            norm = re.sub(r"[ \t\r\n]+", " ", norm)
+            norm = " " if norm == " " else norm.strip(WHITE_SPACE)
             key = norm if norm else text
         table.append(key_to_new.setdefault(key, len(key_to_new)))
     return table, len(key_to_new)

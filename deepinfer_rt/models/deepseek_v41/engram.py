@@ -1,7 +1,8 @@
 """DeepSeek-V4.1 Engram: n-gram hash embeddings gated into the residual streams before a layer's attention.
 
-  1. Token ids map to a compressed vocabulary: the text of each token, NFKC then NFD, combining marks dropped,
-     lowercased, whitespace runs collapsed to one space and trimmed (a token that is only whitespace stays " ");
+  1. Token ids map to a compressed vocabulary: the text of each token, NFKC then NFD, combining marks (Mn, Mc, Me)
+     dropped, lowercased, runs of space / tab / CR / LF collapsed to one space, then Unicode white space trimmed
+     unless the text is exactly one space;
      tokens whose text is the same after that share one id (`compressed_vocabulary`).
   2. For n = 2 .. max_ngram and each of n_heads heads, the n most recent compressed ids (pad id before the
      sequence start) are mixed as XOR_k id[t-k] * m_k with per-layer odd multipliers m (numpy's default_rng seeded
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import re
 import unicodedata
 from pathlib import Path
 
@@ -28,12 +30,15 @@ from torch import nn
 from deepinfer_rt.layers.linear import Linear
 
 
+# Unicode White_Space (what the tokenizers library's Strip trims; Python's str.strip() would also trim \x1c-\x1f).
+_WHITE_SPACE = "\t\n\x0b\x0c\r \x85\xa0\u1680" + "".join(map(chr, range(0x2000, 0x200B))) + "\u2028\u2029\u202f\u205f\u3000"
+
+
 def _normalise(text: str) -> str:
     text = unicodedata.normalize("NFD", unicodedata.normalize("NFKC", text))
-    text = "".join(ch for ch in text if unicodedata.category(ch) != "Mn").lower()
-    words = text.replace("\t", " ").replace("\r", " ").replace("\n", " ").split(" ")
-    collapsed = " ".join(w for w in words if w)
-    return collapsed if collapsed else (" " if text else "")
+    text = "".join(ch for ch in text if not unicodedata.category(ch).startswith("M")).lower()  # all combining marks
+    text = re.sub(r"[ \t\r\n]+", " ", text)
+    return " " if text == " " else text.strip(_WHITE_SPACE)
 
 
 def compressed_vocabulary(token_texts: list[str]) -> tuple[np.ndarray, int]:
@@ -42,7 +47,7 @@ def compressed_vocabulary(token_texts: list[str]) -> tuple[np.ndarray, int]:
     classes: dict[str, int] = {}
     table = np.empty(len(token_texts), dtype=np.int64)
     for tid, text in enumerate(token_texts):
-        key = ("\x00" + text) if "\ufffd" in text else (_normalise(text) or text)
+        key = f"\x00{tid}" if "\ufffd" in text else (_normalise(text) or text)
         table[tid] = classes.setdefault(key, len(classes))
     return table, len(classes)
 
