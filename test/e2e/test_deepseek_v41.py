@@ -151,3 +151,4 @@ def test_image_inputs_are_refused(tiny_v41_paths):
     cfg.check_prompt([5, 6, 7])
     with pytest.raises(ValueError, match="image"):
         cfg.check_prompt([5, 128815, 7])
+
