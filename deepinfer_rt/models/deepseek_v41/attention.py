@@ -94,7 +94,8 @@ class V41Compressor(nn.Module):
             return
         kv, gate = buf[:, kv_cols][win.cur].float(), buf[:, gate_cols][win.cur].float()  # (N, 2, D)
         pooled = (kv * gate.softmax(dim=1)).sum(dim=1)
-        self._write(self.norm(pooled), win.positions, win.end, buf, index_wk, index_norm)
+        # the pooled entry leaves the fp32 compressor in the model's dtype, as the per-token ratio-1 entries are
+        self._write(self.norm(pooled).to(kv_x.dtype), win.positions, win.end, buf, index_wk, index_norm)
 
 
 class V41Attention(nn.Module):
