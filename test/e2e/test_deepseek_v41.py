@@ -110,6 +110,15 @@ def test_descriptor_roles(tiny_v41_paths):
     assert cfg.hc_shifted and cfg.yoco_capture_layer == 6 and cfg.rms_norm_eps != cfg.hc_eps
 
 
+def test_yoco_starts_at_the_first_ratio_1_layer_by_default(tiny_v41_paths):
+    raw = json.loads((tiny_v41_paths["a"] / "config.json").read_text())
+    del raw["text_config"]["n_prefill_layer"]
+    raw["text_config"]["engram_layer_ids"], raw["text_config"]["engram_num_embeddings"] = [1], [152]
+    cfg = V41Config.from_raw(raw)
+    assert cfg.n_prefill_layer == cfg.yoco_capture_layer == 2
+    assert [s.is_yoco_consumer for s in cfg.layers] == [False, False] + [True] * 6
+
+
 def test_release_config_and_names_load(tiny_v41_paths):
     """Variant b is written with the release's tensor names; its inference/config.json (reference names) parses
     to the same descriptor and sizes as the HF composite."""

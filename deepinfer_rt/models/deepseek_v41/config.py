@@ -137,7 +137,8 @@ class V41Config:
     engram_head_dim: int
     engram_pad_token_id: int
     n_prefill_layer: int
-    """YOCO: layers [n_prefill_layer, num_layers) are consumers; == num_layers turns YOCO off."""
+    """YOCO: layers [n_prefill_layer, num_layers) are consumers; == num_layers turns YOCO off. Absent from the
+    config: the first ratio-1 layer."""
     num_nextn_predict_layers: int
     """MTP / DSpark layers in the checkpoint (not run by this slice)."""
     max_position: int
@@ -248,7 +249,10 @@ class V41Config:
             if len(set(vocab)) != 1:
                 raise ValueError(f"engram_vocab_size must be one value for every n-gram order, got {vocab}")
             vocab = vocab[0]
-        n_prefill = int(t.get("n_prefill_layer", n))
+        # YOCO starts at the first ratio-1 layer unless the config says otherwise (V4.1-Flash: layer 20); a config
+        # without ratio-1 layers has no consumers.
+        n_prefill = int(t["n_prefill_layer"]) if t.get("n_prefill_layer") is not None else \
+            next((i for i, r in enumerate(ratios[:n]) if r == 1), n)
         layers = build_layers(
             ratios[:n], kv_sources=need("kv_source_layer_ids") if any(ratios[:n]) else (),
             index_sources=need("index_source_layer_ids") if any(ratios[:n]) else (),
