@@ -16,7 +16,8 @@ Which source each part follows (all public; nothing copied):
     token (as in V4); that choice is this oracle's reading, not a quoted fact.
   * indexer: K = linear + RMSNorm of the main compressor's *pre-RoPE* normed entry, then RoPE (DeepInfer
     compress.py KProject); Q = the tail of wq_b (fused); score = sum_h w_h relu(q_h . k) * Di^-0.5 with
-    w = weights_proj(x) * Hi^-0.5 (V4 engine); top index_topk over causally visible entries.
+    w = weights_proj(x) * Hi^-0.5 (V4 engine); top index_topk over causally visible entries, equal scores
+    taken in entry order (ReLU makes exact ties common; the sources do not state a rule, this is ours).
   * candidate two-level top-k: blocks of candidate_block_size entries scored by the block max of the candidate
     source's (visible) index scores, the query's newest block always kept, the top candidate_topk_blocks blocks
     published; later index sources take their top-k inside them (cross_layer.py, csa2/README.md "block maxima,
@@ -25,7 +26,9 @@ Which source each part follows (all public; nothing copied):
     previous sublayer computed (one-hot on stream 0 first), mixes from the current streams, the model ends with
     the last pre-mix, no head (DeepInfer v4_modules/hc.py HCLayerMixin._hc_pre, deepseek.py). Mixer RMS uses
     rms_norm_eps, pre/Sinkhorn use hc_eps.
-  * Engram: compressed vocabulary by NFKC, NFD, accent strip, lowercase, whitespace collapse of each token's text;
+  * Engram: compressed vocabulary by NFKC, NFD, combining marks dropped, lowercase, space/tab/CR/LF runs
+    collapsed, Unicode white space trimmed unless the text is one space (the `tokenizers` normalizer sequence
+    TensorRT-LLM's CompressedTokenizer builds; test/unit/test_deepseek_v41_engram.py checks the equivalence);
     per-layer odd multipliers from numpy default_rng(10007 * layer_id); n-gram mix = XOR of token * multiplier
     over the n most recent compressed ids (pad before the start); per (n, head) a distinct prime table size found
     upwards from engram_vocab_size - 1, primes unique across layers; rows concatenated -> wkv -> hc_mult keys then
@@ -33,9 +36,14 @@ Which source each part follows (all public; nothing copied):
     gate * value, before the layer's attention pre-mix (TensorRT-LLM modules/engram/{engram,functional}.py,
     configs/deepseek_v41.py notes; DeepInfer v4_modules/engram*.py).
   * YOCO: layers >= n_prefill_layer take their KV (sliding keys and compressor input) from the first consumer's
-    attention-norm output (DeepInfer v4_modules/yoco.py, decoder_layer.py).
+    attention-norm output (DeepInfer v4_modules/yoco.py, decoder_layer.py); n_prefill_layer, else the first
+    ratio-1 layer (shared/V41.md).
   * MoE: logits / gate_temp, sqrt(softplus) scores, top-k of scores + bias, weights renormalised (1e-20) times
     routed_scaling_factor, SwiGLU with gate <= limit and |up| <= limit, one shared expert.
+
+Cross-checks against public code run on CPU (same tensors): the Engram gate equals the CPU branch of TensorRT-LLM's
+modules/engram/functional.py engram_gate to 2e-6; the prime tables of the released config hold its declared
+engram_num_embeddings (384006168, 384016682).
 """
 from __future__ import annotations
 
@@ -166,7 +174,8 @@ class V41Reference:
         self.ratios = list(c["compress_ratios"])[:n]
         self.kv_src, self.idx_src = set(c.get("kv_source_layer_ids", [])), set(c.get("index_source_layer_ids", []))
         self.cand_src = c.get("candidate_source_layer_id")
-        self.n_prefill = c.get("n_prefill_layer", n)
+        first_ratio_1 = next((i for i, r in enumerate(self.ratios) if r == 1), n)
+        self.n_prefill = c["n_prefill_layer"] if c.get("n_prefill_layer") is not None else first_ratio_1
         self.engram_ids = list(c.get("engram_layer_ids", []))
         rd = c["qk_rope_head_dim"]
         self.main_inv = 1.0 / (c["rope_theta"] ** (torch.arange(0, rd, 2, dtype=torch.float32) / rd))

@@ -176,9 +176,6 @@ class DeepseekV41ForCausalLM(DeepseekV4ForCausalLM):
         dims = tuple(pool_width(cfg, s) for s in cfg.layers)
         return KVLayout(config.num_layers, (1, max(dims)), None, cfg.head_dim, layer_dims=dims)
 
-    def check_prompt(self, token_ids: list[int]) -> None:
-        self.v41.check_prompt(token_ids)
-
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         def hf_names() -> Iterator[tuple[str, torch.Tensor]]:
             for name, tensor in weights:
