@@ -256,15 +256,15 @@ class Engine:
                 raise ValueError(f"input_ids[{i}]: empty prompt")
             if not all(isinstance(t, int) and 0 <= t < vocab for t in ids):
                 raise ValueError(f"input_ids[{i}]: token ids must be ints in [0, {vocab})")
-            try:
-                self._check_prompt(ids)
-            except ValueError as e:
-                raise ValueError(f"input_ids[{i}]: {e}") from None
             if len(ids) >= ctx:
                 raise ValueError(f"input_ids[{i}]: prompt of {len(ids)} tokens does not fit the model context "
                                  f"of {ctx} tokens")
             if not isinstance(p, SamplingParams):
                 raise ValueError(f"sampling_params[{i}]: expected SamplingParams, got {type(p).__name__}")
+            try:
+                self._check_prompt(ids, p)
+            except ValueError as e:
+                raise ValueError(f"input_ids[{i}]: {e}") from None
             p.validate(vocab)
             if p.constraint is not None:
                 self.grammar.validate(*p.constraint)

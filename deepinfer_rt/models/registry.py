@@ -27,9 +27,19 @@ def get_model_class(architecture: str) -> type[CausalLM]:
 
 
 def prompt_checker(config):
-    """A callable(token_ids) raising ValueError for prompts the model refuses (ModelConfig -> checker)."""
+    """A callable(token_ids, sampling_params) raising ValueError for requests the model refuses."""
     if config.architecture == "DeepseekV41ForCausalLM":
+        from deepinfer_rt.env import get_env
         from deepinfer_rt.models.deepseek_v41.config import V41Config
 
-        return V41Config.from_raw({k: v for k, v in config.raw.items() if k != "_tokenizer_dir"}).check_prompt
-    return lambda token_ids: None
+        cfg = V41Config.from_raw({k: v for k, v in config.raw.items() if k != "_tokenizer_dir"})
+        truncating = get_env().v41_yoco_truncation
+
+        def check(token_ids, params) -> None:
+            cfg.check_prompt(token_ids)
+            if truncating and params.prompt_logprobs:
+                raise ValueError("prompt_logprobs: not available with DEEPINFER_V41_YOCO_TRUNCATION=1 (the YOCO "
+                                 "consumer layers skip all but the last window of prompt rows)")
+
+        return check
+    return lambda token_ids, params: None

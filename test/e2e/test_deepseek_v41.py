@@ -161,3 +161,27 @@ def test_image_inputs_are_refused(tiny_v41_paths):
     with pytest.raises(ValueError, match="image"):
         cfg.check_prompt([5, 128815, 7])
 
+
+
+def test_yoco_prefill_truncation_is_exact_for_kept_rows(tiny_v41_paths, v41_oracles, monkeypatch):
+    """DEEPINFER_V41_YOCO_TRUNCATION=1: the consumer layers compute only the last sliding window of each prefill
+    chunk; those rows' logits move by no more than float rounding (every consumer's KV comes from the shared hidden
+    of all rows), decode after a truncated prefill is exact too, and the skipped rows read NaN. Config 'a' reuses
+    a pre-consumer index selection in a consumer, which truncation refuses."""
+    monkeypatch.setenv("DEEPINFER_V41_YOCO_TRUNCATION", "1")
+    path = tiny_v41_paths["b"]
+    config, _ = load_model_config(path)
+    model = build_model(config, path, "auto", torch.float32, CPU, seed=0)
+    assert model.model.truncate_prefill
+    p, window = prompt(5, 60), model.v41.sliding_window
+    want = v41_oracles["b"].logits(p)
+    pool = new_pool(model, config)
+    slots = scattered_slots(pool, len(p), 0)
+    got = step(model, pool, [(p, slots, 0, 50)])[0]
+    assert torch.isnan(got[: 50 - window]).all()
+    assert_close(got[50 - window :], want[50 - window : 50])
+    for pos in range(50, 60):  # decode steps over the truncated prefill's state
+        assert_close(step(model, pool, [(p, slots, pos, pos + 1)])[0], want[pos : pos + 1])
+    config_a, _ = load_model_config(tiny_v41_paths["a"])
+    with pytest.raises(ValueError, match="reuses the index selection of layer 5"):
+        build_model(config_a, tiny_v41_paths["a"], "auto", torch.float32, CPU, seed=0)

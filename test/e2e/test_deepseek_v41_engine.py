@@ -104,3 +104,16 @@ def test_bf16_and_dummy_weights_run(tiny_v41_paths):
     assert all(o.error is None and len(o.token_ids) == MAX_NEW for o in outs)
     dummy = [_generate(path, PROMPTS[:2], load_format="dummy", seed=3, kv_cache_tokens=512)[0] for _ in range(2)]
     assert dummy[0] == dummy[1] and all(len(t) == MAX_NEW for t in dummy[0])
+
+
+def test_yoco_prefill_truncation_keeps_greedy_outputs(tiny_v41_paths, greedy, monkeypatch):
+    """With DEEPINFER_V41_YOCO_TRUNCATION=1 (config 'b', whose consumers select on their own) greedy outputs do
+    not move, whole prompts or 7-token chunks; prompt logprobs are refused."""
+    monkeypatch.setenv("DEEPINFER_V41_YOCO_TRUNCATION", "1")
+    path = tiny_v41_paths["b"]
+    assert _generate(path)[0] == greedy["b"]
+    assert _generate(path, chunked_prefill_tokens=7)[0] == greedy["b"]
+    with Engine(str(path), dtype="float32", kv_cache_tokens=256) as engine:
+        with pytest.raises(ValueError, match="prompt_logprobs"):
+            engine.generate(input_ids=[PROMPTS[2]], sampling_params=SamplingParams(max_new_tokens=1,
+                                                                                 prompt_logprobs=True))

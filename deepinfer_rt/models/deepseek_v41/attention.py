@@ -47,6 +47,10 @@ class V41Step:
     candidates: dict[int, torch.Tensor] = field(default_factory=dict)
     """group index -> (G, Q, E) entries inside the candidate source's blocks."""
     shared_hidden: torch.Tensor | None = None
+    query_vb: V4Batch | None = None
+    """YOCO prefill truncation: the attention groups of the rows the consumer layers compute (None = all rows)."""
+    keep: torch.Tensor | None = None
+    """Those rows' indices among the step's tokens."""
 
 
 def pool_width(cfg: V41Config, spec: V41Layer) -> int:
@@ -122,13 +126,17 @@ class V41Attention(nn.Module):
             self.indexer.weights_proj = Linear(cfg.hidden_size, cfg.index_n_heads)
 
     def forward(self, x: torch.Tensor, kv_x: torch.Tensor, step: V41Step, pool: KVPool) -> torch.Tensor:
+        """x (Q, hidden) the queries' rows, kv_x (T, hidden) every token's KV input (Q < T only for YOCO consumers
+        under prefill truncation)."""
         spec, vb, t = self.spec, step.vb, x.shape[0]
+        qvb = step.query_vb if spec.is_yoco_consumer and step.query_vb is not None else vb
         h, d = self.num_heads, self.head_dim
         buf = pool.k[spec.layer_id].view(pool.num_slots, -1)
-        cos, sin = self.rotary.cos_sin(vb.positions)
+        kv_cos, kv_sin = self.rotary.cos_sin(vb.positions)
+        cos, sin = (kv_cos, kv_sin) if qvb is vb else self.rotary.cos_sin(qvb.positions)
         q_all = self.wq_b(self.q_norm(self.wq_a(x)))
         q = apply_rope(q_all[:, : h * d].view(t, h, d), cos, sin)  # V4.1: no per-head q norm
-        buf[vb.out_slots, :d] = apply_rope(self.norm(self.wkv(kv_x)), cos, sin).to(buf.dtype)
+        buf[vb.out_slots, :d] = apply_rope(self.norm(self.wkv(kv_x)), kv_cos, kv_sin).to(buf.dtype)
         if self.compressor is not None:
             self.compressor(kv_x, vb, buf, self.indexer.wk, self.indexer.k_norm)
         src_buf = None if spec.kv_source is None else pool.k[spec.kv_source].view(pool.num_slots, -1)
@@ -138,7 +146,7 @@ class V41Attention(nn.Module):
             iq = apply_rope(q_all[:, h * d :].view(t, cfg.index_n_heads, cfg.index_head_dim), cos, sin)
             weights = self.indexer.weights_proj(x).float() * cfg.index_n_heads ** -0.5
         out = torch.empty_like(q)
-        for gi, group in enumerate(vb.groups):
+        for gi, group in enumerate(qvb.groups):
             keys, mask = buf[:, :d][group.swa_slots], group.swa_mask  # (G, L, D), (G, Q, L)
             if spec.has_long_range:
                 slots = group.entry_slots[spec.ratio]

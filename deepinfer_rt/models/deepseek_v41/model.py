@@ -8,11 +8,12 @@ hyper-connection mixes (Sinkhorn) and head, the router / experts / shared expert
 compression-window indices (deepseek_v4/batch.py), weight renames and fp32 parameter handling.
 
 Not covered by this slice: FP8 / MXFP4 weights (refused at config parse), the DSpark drafter (mtp.* weights are
-skipped), the YOCO prefill truncation option, Engram tables in host memory, the image-token router bias and the
+skipped), Engram tables in host memory, the image-token router bias and the
 vision tower (prompts holding the image token are refused), the batch-invariant mode (refused), CUDA graphs.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Iterable, Iterator
 
 import numpy as np
@@ -20,6 +21,7 @@ import torch
 from torch import nn
 
 from deepinfer_rt.cache.kv_pool import KVLayout, KVPool
+from deepinfer_rt.env import get_env
 from deepinfer_rt.config import ModelConfig
 from deepinfer_rt.forward_batch import ForwardBatch
 from deepinfer_rt.models.deepseek_v4.batch import build_v4_batch
@@ -32,6 +34,17 @@ from deepinfer_rt.models.deepseek_v41.config import V41Config, V41Layer
 from deepinfer_rt.models.deepseek_v41.engram import Engram, EngramHashing, tokenizer_vocabulary
 
 _DIGITS = 3  # a compressed id kept as base-256 digits: exact in bf16 / fp16 / fp32 pools
+
+
+def check_truncation(cfg: V41Config) -> None:
+    """ValueError unless YOCO prefill truncation can run on this layer plan."""
+    if cfg.yoco_capture_layer is None:
+        raise ValueError("YOCO prefill truncation: the model has no YOCO consumer layers")
+    for spec in cfg.layers[cfg.n_prefill_layer:]:
+        for name, source in (("index", spec.index_source), ("candidate", spec.candidate_source)):
+            if source is not None and source < cfg.n_prefill_layer:
+                raise ValueError(f"YOCO prefill truncation: consumer layer {spec.layer_id} reuses the {name} "
+                                 f"selection of layer {source}, before the consumers")
 
 
 class V41MoE(nn.Module):
@@ -83,11 +96,29 @@ class V41DecoderLayer(nn.Module):
             step.shared_hidden = h
         return self.attn(h, step.shared_hidden if self.spec.is_yoco_consumer else h, step, pool)
 
+    def _compacting_attention(self, streams, carried, step: V41Step, pool: KVPool):
+        """The YOCO capture layer under prefill truncation: the shared hidden from every row, then only the kept
+        rows go on (streams, carried and this sublayer's mixes)."""
+        hc, keep = self.hc_attn, step.keep
+        pre, post, comb = hc.weights(streams)
+        use = carried if self.is_shifted else pre
+        dtype = streams.dtype
+        h = self.attn_norm(hc.method.middle_sum(use.unsqueeze(-1) * streams, dim=1).to(dtype))
+        step.shared_hidden = h
+        y = self.attn(h[keep], h, step, pool)
+        streams, post, comb = streams[keep], post[keep], comb[keep]
+        return post.to(dtype).unsqueeze(-1) * y.unsqueeze(1) + hc.method.hc_mix(comb.to(dtype), streams), pre[keep]
+
     def forward(self, streams, carried, step: V41Step, pool: KVPool, input_ids: torch.Tensor):
         if self.engram is not None:
             streams = self.engram(streams, step.engram_rows[self.spec.layer_id])
-        streams, carried = self._sublayer(self.hc_attn, streams, carried, lambda x: self._attention(x, step, pool))
-        return self._sublayer(self.hc_ffn, streams, carried, lambda x: self.ffn(self.ffn_norm(x), input_ids))
+        if self.is_yoco_capture and step.keep is not None:
+            streams, carried = self._compacting_attention(streams, carried, step, pool)
+            input_ids = input_ids[step.keep]
+        else:
+            streams, carried = self._sublayer(self.hc_attn, streams, carried, lambda x: self._attention(x, step, pool))
+        streams, carried = self._sublayer(self.hc_ffn, streams, carried, lambda x: self.ffn(self.ffn_norm(x), input_ids))
+        return streams, carried, input_ids
 
 
 class V41Model(nn.Module):
@@ -114,9 +145,28 @@ class V41Model(nn.Module):
         self.ratios = tuple(sorted({s.ratio for s in cfg.layers} - {0}))
         self.query_block = 256
         """Most prefill queries of one sequence attended together (bounds the (Q, H, keys) score tensor)."""
+        self.truncate_prefill = get_env().v41_yoco_truncation
+        """YOCO prefill truncation (env.py DEEPINFER_V41_YOCO_TRUNCATION): consumer layers compute only the last
+        sliding window of each prefill chunk's queries. Exact for those rows, since every consumer's KV comes from
+        the shared hidden of all rows; needs every consumer's index and candidate source to be a consumer."""
+        if self.truncate_prefill:
+            check_truncation(cfg)
 
     def prepare_batch(self, batch: ForwardBatch) -> V41Step:
         vb = build_v4_batch(batch, self.cfg.sliding_window, self.ratios, self.query_block)
+        step = self._engram_step(batch, vb)
+        window = self.cfg.sliding_window
+        if self.truncate_prefill and any(q > window for q in batch.q_lens):
+            kept = [min(q, window) for q in batch.q_lens]
+            ends = torch.tensor(batch.q_lens).cumsum(0).tolist()
+            step.keep = torch.cat([torch.arange(e - k, e) for e, k in zip(ends, kept)]).to(batch.input_ids.device)
+            queries = dataclasses.replace(batch, input_ids=batch.input_ids[step.keep],
+                                          positions=batch.positions[step.keep], out_slots=batch.out_slots[step.keep],
+                                          q_lens=kept)
+            step.query_vb = build_v4_batch(queries, window, self.ratios, self.query_block)
+        return step
+
+    def _engram_step(self, batch: ForwardBatch, vb) -> V41Step:
         if self.hashing is None:
             return V41Step(vb, {}, batch.input_ids)
         device = batch.input_ids.device
@@ -152,11 +202,19 @@ class V41Model(nn.Module):
         streams = x.unsqueeze(1).expand(-1, n, -1).contiguous()  # (T, N, D)
         carried = torch.zeros(x.shape[0], n, dtype=torch.float32, device=x.device)
         carried[:, 0] = 1.0  # the first shifted sublayer reads stream 0
+        input_ids = batch.input_ids
         for layer in self.layers:
-            streams, carried = layer(streams, carried, step, pool, batch.input_ids)
+            streams, carried, input_ids = layer(streams, carried, step, pool, input_ids)
         if self.hc_head is not None:
-            return self.norm(self.hc_head(streams))
-        return self.norm((carried.unsqueeze(-1) * streams.float()).sum(dim=1).to(streams.dtype))
+            hidden = self.norm(self.hc_head(streams))
+        else:
+            hidden = self.norm((carried.unsqueeze(-1) * streams.float()).sum(dim=1).to(streams.dtype))
+        if step.keep is None:
+            return hidden
+        # Rows the consumer layers skipped have no output: NaN, so that no reader mistakes them for values.
+        full = hidden.new_full((x.shape[0], hidden.shape[1]), float("nan"))
+        full[step.keep] = hidden
+        return full
 
 
 class DeepseekV41ForCausalLM(DeepseekV4ForCausalLM):
