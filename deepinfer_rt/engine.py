@@ -22,6 +22,7 @@ from deepinfer_rt.layers.attention.select import select_backend
 from deepinfer_rt.model_runner import ModelRunner
 from deepinfer_rt.layers.kernel_config import KernelConfig, cpu_has_native_bf16
 from deepinfer_rt.models.loader import build_model, load_model_config, resolve_model_path
+from deepinfer_rt.models.registry import prompt_checker
 from deepinfer_rt.output_processor import OutputProcessor
 from deepinfer_rt.request import GenerateOutput, Req
 from deepinfer_rt.sampler import Sampler, stream_seed
@@ -74,6 +75,8 @@ class Engine:
         path = resolve_model_path(model)
         self.model_config, _ = load_model_config(path)
         self.tokenizer = load_tokenizer(path)
+        self._check_prompt = prompt_checker(self.model_config)
+        """Model-specific prompt refusals (DeepSeek-V4.1: image placeholders, text-only engine)."""
         mc = self.model_config
         self.eos_ids = mc.eos_token_ids or ((self.tokenizer.eos_token_id,) if self.tokenizer.eos_token_id
                                             is not None else ())
@@ -259,6 +262,10 @@ class Engine:
                                  f"of {ctx} tokens")
             if not isinstance(p, SamplingParams):
                 raise ValueError(f"sampling_params[{i}]: expected SamplingParams, got {type(p).__name__}")
+            try:
+                self._check_prompt(ids, p)
+            except ValueError as e:
+                raise ValueError(f"input_ids[{i}]: {e}") from None
             p.validate(vocab)
             if p.constraint is not None:
                 self.grammar.validate(*p.constraint)

@@ -92,6 +92,10 @@ class Env:
     """DEEPINFER_MLA_MHA_PREFILL: MLA prefill chunks in the standard (expanded K/V) form. Unset = on for the
     Triton backend, for chunks of at least deepinfer_rt.layers.mla_prefill.MHA_MIN_QUERIES new tokens; 1 = every
     chunk of more than one new token, on any backend (CPU tests); 0 = never. Never in batch-invariant mode."""
+    v41_yoco_truncation: bool
+    """DEEPINFER_V41_YOCO_TRUNCATION=1: DeepSeek-V4.1 prefill chunks run the YOCO consumer layers only for their last
+    sliding window of queries (their KV still comes from every token's shared hidden); the other rows' outputs are
+    not computed, so prompt logprobs are refused. Default off."""
     # ---- the HTTP server's input limits and supervision ----
     max_body_bytes: int
     """DEEPINFER_MAX_BODY_BYTES: largest request body the server reads (default 16 MiB; beyond it: 413, checked
@@ -130,6 +134,7 @@ def get_env() -> Env:
     return Env(
         cache_dir=Path(_str("DEEPINFER_CACHE", str(Path.home() / ".cache" / "deepinfer"))),
         batch_invariant=_bool("DEEPINFER_BATCH_INVARIANT", False),
+        v41_yoco_truncation=_bool("DEEPINFER_V41_YOCO_TRUNCATION", False),
         log_level=_str("DEEPINFER_LOG_LEVEL", "WARNING"),
         kv_cache_memory_fraction=_float("DEEPINFER_KV_CACHE_MEMORY_FRACTION", 0.85),
         kv_cache_max_cpu_gib=_float("DEEPINFER_KV_CACHE_MAX_CPU_GIB", 2.0),

@@ -1,9 +1,11 @@
 """Build a tiny random HF checkpoint (safetensors + a real tokenizer) for tests.
 
     python scripts/make_tiny_checkpoint.py deepseek_v3 /tmp/tiny-v3 --seed 0 --set q_lora_rank=None
+    python scripts/make_tiny_checkpoint.py deepseek_v41 /tmp/tiny-v41 --variant b --names release
 
 The model comes from the transformers config class, so the folder is exactly what `save_pretrained` writes and
-the transformers model is the reference to compare against. Weights are re-initialised with a larger spread than
+the transformers model is the reference to compare against (DeepSeek-V4.1, which transformers lacks, is written by
+tiny_deepseek_v41.py; its reference is test/reference/deepseek_v41_ref.py). Weights are re-initialised with a larger spread than
 the HF default (and a random router correction bias), so attention and routing are not near-uniform.
 """
 from __future__ import annotations
@@ -17,7 +19,7 @@ from typing import Any
 
 import torch
 
-KINDS = ("llama", "deepseek_v3", "deepseek_v2", "deepseek_v4")
+KINDS = ("llama", "deepseek_v3", "deepseek_v2", "deepseek_v4", "deepseek_v41")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                     "tokenizer.model", "vocab.json", "merges.txt")
 
@@ -90,6 +92,10 @@ def make_tiny_checkpoint(kind: str, out_dir: str | Path, seed: int = 0, tokenize
     overrides go to the HF config."""
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+    if kind == "deepseek_v41":
+        from tiny_deepseek_v41 import make_v41_checkpoint
+
+        return make_v41_checkpoint(out_dir, tokenizer_dir or _tokenizer_dir(kind), seed, **overrides)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     out = Path(out_dir)
@@ -126,8 +132,16 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="HF config override, value as a Python literal (e.g. q_lora_rank=None)")
+    parser.add_argument("--variant", default=None, help="deepseek_v41: which tiny config (a or b)")
+    parser.add_argument("--names", default=None, choices=("hf", "release"),
+                        help="deepseek_v41: HF tensor names (default) or the release's")
     args = parser.parse_args()
-    path = make_tiny_checkpoint(args.kind, args.out_dir, args.seed, **dict(map(_parse_override, args.set)))
+    overrides = dict(map(_parse_override, args.set))
+    if args.kind == "deepseek_v41":
+        overrides.update(variant=args.variant or "a", names=args.names or "hf")
+    elif args.variant or args.names:
+        parser.error("--variant and --names apply to deepseek_v41 only")
+    path = make_tiny_checkpoint(args.kind, args.out_dir, args.seed, **overrides)
     print(path)
 
 

@@ -68,3 +68,48 @@ def tiny_v4_hc4_path(tmp_path_factory) -> Path:
         layer_types=["heavily_compressed_attention", "compressed_sparse_attention", "sliding_attention",
                      "compressed_sparse_attention"],
         mlp_layer_types=["hash_moe", "moe", "moe", "moe"])
+
+
+@pytest.fixture(scope="session")
+def tiny_v41_paths(tmp_path_factory) -> dict[str, Path]:
+    """The two tiny DeepSeek-V4.1 configs (scripts/tiny_deepseek_v41.py TINY_CONFIGS): 'a' with HF names, 'b' with
+    the release's names and inference/config.json."""
+    from make_tiny_checkpoint import make_tiny_checkpoint
+
+    return {"a": make_tiny_checkpoint("deepseek_v41", tmp_path_factory.mktemp("tiny-v41a"), seed=0, variant="a"),
+            "b": make_tiny_checkpoint("deepseek_v41", tmp_path_factory.mktemp("tiny-v41b"), seed=1, variant="b",
+                                      names="release")}
+
+
+@pytest.fixture(scope="session")
+def v41_oracles(tiny_v41_paths):
+    """variant -> the plain reference forward (test/reference/deepseek_v41_ref.py) on that checkpoint's weights."""
+    import json
+
+    from safetensors.torch import load_file
+    from transformers import AutoTokenizer
+
+    sys.path.insert(0, str(ROOT / "test" / "reference"))
+    from deepseek_v41_ref import V41Reference
+
+    out, texts = {}, None
+    for variant, path in tiny_v41_paths.items():
+        text = json.loads((path / "config.json").read_text())["text_config"]
+        weights = load_file(path / "model.safetensors")
+        if "head.weight" in weights and "embed.weight" in weights:  # release names
+            weights = {k if k == "head.weight" else "model." + ("embed_tokens.weight" if k == "embed.weight" else k): v
+                       for k, v in weights.items()}
+        if texts is None:  # both checkpoints carry the same tokenizer
+            tok = AutoTokenizer.from_pretrained(path)
+            texts = tok.batch_decode([[i] for i in range(text["vocab_size"])])
+        out[variant] = V41Reference(text, weights, texts)
+    return out
+
+
+@pytest.fixture(scope="module")
+def single_thread():
+    """One intra-op thread while a module runs (many tiny ops: thread hand-offs dominate on a shared 2-core host)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

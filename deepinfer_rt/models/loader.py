@@ -40,6 +40,11 @@ def resolve_model_path(model: str) -> Path:
 def load_model_config(path: Path) -> tuple[ModelConfig, object]:
     from transformers import AutoConfig
 
+    from deepinfer_rt.models.deepseek_v41.config import is_v41_config, read_config_file, v41_model_config
+
+    raw = read_config_file(path)
+    if is_v41_config(raw):  # transformers has no DeepSeek-V4.1 classes
+        return v41_model_config(raw, path), raw
     hf = AutoConfig.from_pretrained(path)
     config = ModelConfig.from_hf(hf)
     return _with_detected_expert_dtype(config, path), hf

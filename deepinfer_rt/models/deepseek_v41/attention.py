@@ -1,0 +1,213 @@
+"""DeepSeek-V4.1 attention over the KV pool: a sliding window on every layer, plus (ratio 1 / 2) the indexer's top-k of
+the latest KV source's compressed entries.
+
+Pool columns per token slot and layer (D = head_dim, Di = index_head_dim):
+
+    every layer                    [ swa D ]
+    KV source, ratio 1             [ swa D | entry D | index_key Di ]
+    KV source, ratio 2             [ swa D | entry D | index_key Di | kv D | gate D ]
+    the first Engram layer         ... | 3 columns: the token's compressed id in base-256 digits
+
+`swa` is the token's normalised, rotated key (= value), from the YOCO shared hidden on consumer layers. On a ratio-1
+source every position is an entry: `entry` / `index_key` of a slot belong to that token. On a ratio-2 source
+`kv` / `gate` are the compressor's raw projections of the token, and `entry` / `index_key` are meaningful only in
+the slot of a window's second token, written when that token is computed. The index key is a projection
+(linear + RMSNorm) of the entry *before* its RoPE, then rotated like the entry. Everything is a function of the
+token's prefix, so a prefix-cache hit at any position restores the state exactly and freeing slots frees it all.
+
+Per step, index sources keep their top-k selection per attention group on the step state (`V41Step.picks`) for the
+layers that reuse it; the candidate source keeps its block set there (`V41Step.candidates`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from deepinfer_rt.cache.kv_pool import KVPool
+from deepinfer_rt.layers.linear import Linear
+from deepinfer_rt.models.deepseek_v4.batch import AttnGroup, V4Batch
+from deepinfer_rt.models.deepseek_v4.common import V4RMSNorm, V4Rotary, apply_rope
+from deepinfer_rt.models.deepseek_v41.config import V41Config, V41Layer
+
+
+@dataclass
+class V41Step:
+    """Per-step metadata (built by prepare_batch) and the cross-layer results of this step's forward."""
+
+    vb: V4Batch
+    engram_rows: dict[int, torch.Tensor]
+    """Engram layer -> (T, cols) table rows of the step's tokens."""
+    compressed_ids: torch.Tensor
+    """(T,) compressed ids of the step's tokens (kept in the first Engram layer's pool columns)."""
+    picks: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
+    """(index source layer, group index) -> (G, Q, E) selected entries."""
+    candidates: dict[int, torch.Tensor] = field(default_factory=dict)
+    """group index -> (G, Q, E) entries inside the candidate source's blocks."""
+    shared_hidden: torch.Tensor | None = None
+    query_vb: V4Batch | None = None
+    """YOCO prefill truncation: the attention groups of the rows the consumer layers compute (None = all rows)."""
+    keep: torch.Tensor | None = None
+    """Those rows' indices among the step's tokens."""
+
+
+def pool_width(cfg: V41Config, spec: V41Layer) -> int:
+    d, di = cfg.head_dim, cfg.index_head_dim
+    width = d
+    if spec.is_kv_source:
+        width += d + di + (2 * d if spec.ratio == 2 else 0)
+    if spec.engram_slot == 0:
+        width += 3
+    return width
+
+
+class V41Compressor(nn.Module):
+    """A KV source's compressor and index-key projection. Names: attn.compressor.{wkv, wgate, norm},
+    attn.indexer.{wk, k_norm}."""
+
+    def __init__(self, cfg: V41Config, ratio: int, rotary: V4Rotary):
+        super().__init__()
+        d, di = cfg.head_dim, cfg.index_head_dim
+        self.ratio, self.rotary, self.d, self.di = ratio, rotary, d, di
+        self.wkv = Linear(cfg.hidden_size, d)
+        self.wgate = Linear(cfg.hidden_size, d) if ratio == 2 else None
+        self.norm = V4RMSNorm(d, cfg.rms_norm_eps)
+
+    def _write(self, pre: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, buf: torch.Tensor,
+               index_wk: Linear, index_norm: V4RMSNorm) -> None:
+        d, di = self.d, self.di
+        cos, sin = self.rotary.cos_sin(positions)
+        buf[slots, d : 2 * d] = apply_rope(pre, cos, sin).to(buf.dtype)
+        buf[slots, 2 * d : 2 * d + di] = apply_rope(index_norm(index_wk(pre)), cos, sin).to(buf.dtype)
+
+    def forward(self, kv_x: torch.Tensor, vb: V4Batch, buf: torch.Tensor, index_wk: Linear,
+                index_norm: V4RMSNorm) -> None:
+        if self.ratio == 1:
+            self._write(self.norm(self.wkv(kv_x)), vb.positions, vb.out_slots, buf, index_wk, index_norm)
+            return
+        d, di = self.d, self.di
+        kv_cols, gate_cols = slice(2 * d + di, 3 * d + di), slice(3 * d + di, 4 * d + di)
+        # The pooling compressor runs in fp32 (its projections and the softmax over the window).
+        xf = kv_x.float()
+        buf[vb.out_slots, kv_cols] = F.linear(xf, self.wkv.weight.float()).to(buf.dtype)
+        buf[vb.out_slots, gate_cols] = F.linear(xf, self.wgate.weight.float()).to(buf.dtype)
+        win = vb.windows[2]
+        if win.num == 0:
+            return
+        kv, gate = buf[:, kv_cols][win.cur].float(), buf[:, gate_cols][win.cur].float()  # (N, 2, D)
+        pooled = (kv * gate.softmax(dim=1)).sum(dim=1)
+        # the pooled entry leaves the fp32 compressor in the model's dtype, as the per-token ratio-1 entries are
+        self._write(self.norm(pooled).to(kv_x.dtype), win.positions, win.end, buf, index_wk, index_norm)
+
+
+class V41Attention(nn.Module):
+    def __init__(self, cfg: V41Config, spec: V41Layer, rotary: V4Rotary):
+        super().__init__()
+        self.spec, self.cfg, self.rotary = spec, cfg, rotary
+        h, d = cfg.num_heads, cfg.head_dim
+        self.num_heads, self.head_dim = h, d
+        q_out = h * d + (cfg.index_n_heads * cfg.index_head_dim if spec.is_index_source else 0)
+        self.wq_a = Linear(cfg.hidden_size, cfg.q_lora_rank)
+        self.q_norm = V4RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
+        self.wq_b = Linear(cfg.q_lora_rank, q_out)
+        self.wkv = Linear(cfg.hidden_size, d)
+        self.norm = V4RMSNorm(d, cfg.rms_norm_eps)
+        self.wo_a = Linear(h * d // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank)
+        self.wo_b = Linear(cfg.o_groups * cfg.o_lora_rank, cfg.hidden_size)
+        self.attn_sink = nn.Parameter(torch.empty(h))
+        self.compressor = V41Compressor(cfg, spec.ratio, rotary) if spec.is_kv_source else None
+        self.indexer = nn.Module()
+        if spec.is_kv_source:
+            self.indexer.wk = Linear(d, cfg.index_head_dim)
+            self.indexer.k_norm = V4RMSNorm(cfg.index_head_dim, cfg.rms_norm_eps)
+        if spec.is_index_source:
+            self.indexer.weights_proj = Linear(cfg.hidden_size, cfg.index_n_heads)
+
+    def forward(self, x: torch.Tensor, kv_x: torch.Tensor, step: V41Step, pool: KVPool) -> torch.Tensor:
+        """x (Q, hidden) the queries' rows, kv_x (T, hidden) every token's KV input (Q < T only for YOCO consumers
+        under prefill truncation)."""
+        spec, vb, t = self.spec, step.vb, x.shape[0]
+        qvb = step.query_vb if spec.is_yoco_consumer and step.query_vb is not None else vb
+        h, d = self.num_heads, self.head_dim
+        buf = pool.k[spec.layer_id].view(pool.num_slots, -1)
+        kv_cos, kv_sin = self.rotary.cos_sin(vb.positions)
+        cos, sin = (kv_cos, kv_sin) if qvb is vb else self.rotary.cos_sin(qvb.positions)
+        q_all = self.wq_b(self.q_norm(self.wq_a(x)))
+        q = apply_rope(q_all[:, : h * d].view(t, h, d), cos, sin)  # V4.1: no per-head q norm
+        buf[vb.out_slots, :d] = apply_rope(self.norm(self.wkv(kv_x)), kv_cos, kv_sin).to(buf.dtype)
+        if self.compressor is not None:
+            self.compressor(kv_x, vb, buf, self.indexer.wk, self.indexer.k_norm)
+        src_buf = None if spec.kv_source is None else pool.k[spec.kv_source].view(pool.num_slots, -1)
+        iq = weights = None
+        if spec.is_index_source:
+            cfg = self.cfg
+            iq = apply_rope(q_all[:, h * d :].view(t, cfg.index_n_heads, cfg.index_head_dim), cos, sin)
+            weights = self.indexer.weights_proj(x).float() * cfg.index_n_heads ** -0.5
+        out = torch.empty_like(q)
+        for gi, group in enumerate(qvb.groups):
+            keys, mask = buf[:, :d][group.swa_slots], group.swa_mask  # (G, L, D), (G, Q, L)
+            if spec.has_long_range:
+                slots = group.entry_slots[spec.ratio]
+                sel = self._select(gi, group, iq, weights, src_buf, slots, step)
+                keys = torch.cat([keys, src_buf[:, d : 2 * d][slots]], dim=1)
+                mask = torch.cat([mask, sel], dim=2)
+            out[group.rows] = self._attend(q[group.rows], keys.to(q.dtype), mask, group)
+        out = apply_rope(out, cos, -sin)  # undo the rotation V carried into the output
+        grouped = out.reshape(t, self.cfg.o_groups, -1)
+        w = self.wo_a.weight.view(self.cfg.o_groups, -1, grouped.shape[-1])
+        return self.wo_b(torch.einsum("tgi,gri->tgr", grouped, w.to(grouped.dtype)).reshape(t, -1))
+
+    def _attend(self, q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor, g: AttnGroup) -> torch.Tensor:
+        h, d = self.num_heads, self.head_dim
+        qg = q.view(g.num_seqs, g.q_len, h, d)
+        scores = torch.einsum("gqhd,gld->gqhl", qg, keys) * d ** -0.5
+        scores = scores.masked_fill(~mask[:, :, None, :], float("-inf"))
+        sink = self.attn_sink.to(scores.dtype).view(1, 1, -1, 1).expand(*scores.shape[:3], 1)
+        probs = torch.cat([scores, sink], dim=-1).softmax(dim=-1)[..., :-1]
+        return torch.einsum("gqhl,gld->gqhd", probs.to(keys.dtype), keys).reshape(-1, h, d)
+
+    def _select(self, gi: int, g: AttnGroup, iq, weights, src_buf, slots, step: V41Step) -> torch.Tensor:
+        """(G, Q, E) entries this layer's queries attend to: its own indexer top-k on an index source (inside the
+        candidate blocks when it follows the candidate source), the index source's otherwise."""
+        spec, cfg = self.spec, self.cfg
+        if not spec.is_index_source:
+            return step.picks[(spec.index_source, gi)]
+        visible = g.entry_mask[spec.ratio]
+        n, q_len, num_entries = visible.shape
+        d, di = cfg.head_dim, cfg.index_head_dim
+        keys = src_buf[:, 2 * d : 2 * d + di][slots].float()  # (G, E, Di)
+        q = iq[g.rows].float().view(n, q_len, cfg.index_n_heads, di)
+        scores = torch.einsum("gqhd,ged->gqhe", q, keys).relu() * di ** -0.5
+        scores = (scores * weights[g.rows].view(n, q_len, -1, 1)).sum(dim=2).masked_fill(~visible, float("-inf"))
+        if spec.is_candidate_source:
+            step.candidates[gi] = self._candidate_blocks(scores, visible)
+        if spec.candidate_source is not None:
+            scores = scores.masked_fill(~step.candidates[gi], float("-inf"))
+        values, order = _top(scores, cfg.index_topk)
+        sel = torch.zeros_like(visible).scatter_(-1, order, values > float("-inf"))
+        step.picks[(spec.layer_id, gi)] = sel
+        return sel
+
+    def _candidate_blocks(self, scores: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+        """Entries in the query's newest block and in the top candidate_topk_blocks - 1 other blocks by block max."""
+        b = self.cfg.candidate_block_size
+        n, q_len, num_entries = scores.shape
+        num_blocks = -(-num_entries // b)
+        padded = torch.full((n, q_len, num_blocks * b), float("-inf"), dtype=scores.dtype, device=scores.device)
+        padded[..., :num_entries] = scores
+        block_max = padded.view(n, q_len, num_blocks, b).amax(dim=-1)
+        newest = ((visible.sum(dim=-1) - 1).clamp(min=0) // b)  # (G, Q)
+        block_max = block_max.scatter(-1, newest[..., None], float("inf"))
+        top = _top(block_max, self.cfg.candidate_topk_blocks)[1]
+        chosen = torch.zeros(n, q_len, num_blocks, dtype=torch.bool, device=scores.device).scatter_(-1, top, True)
+        entry_block = torch.arange(num_entries, device=scores.device) // b
+        return chosen[..., entry_block] & visible
+
+
+def _top(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k largest along the last dim, equal scores taken in index order (ReLU scores are often exactly 0, so
+    the tie rule decides selections)."""
+    values, order = scores.sort(dim=-1, descending=True, stable=True)
+    return values[..., :k], order[..., :k]

@@ -1,0 +1,149 @@
+"""DeepSeek-V4.1 Engram: n-gram hash embeddings gated into the residual streams before a layer's attention.
+
+  1. Token ids map to a compressed vocabulary: the text of each token, NFKC then NFD, combining marks (Mn, Mc, Me)
+     dropped, lowercased, runs of space / tab / CR / LF collapsed to one space, then Unicode white space trimmed
+     unless the text is exactly one space;
+     tokens whose text is the same after that share one id (`compressed_vocabulary`).
+  2. For n = 2 .. max_ngram and each of n_heads heads, the n most recent compressed ids (pad id before the
+     sequence start) are mixed as XOR_k id[t-k] * m_k with per-layer odd multipliers m (numpy's default_rng seeded
+     by 10007 * layer id) and reduced modulo that (n, head)'s prime table size; the primes are the successive
+     primes above engram_vocab_size - 1, none used twice in the model (`EngramHashing`).
+  3. The rows of the layer's table (head sections end to end) are concatenated, projected by `wkv` into hc_mult
+     keys then one value (keys first), and each stream s gets  s + sigmoid(signed_sqrt(<rms(s) w_h, rms(k) w_e> /
+     sqrt(D))) * value, in fp32 (`Engram`).
+
+Checkpoint names: layers.i.engram.{embed, wkv, hidden_norm, embed_norm}.weight. The release stores the tables in
+FP8 with per-32 scales (host memory is their intended home); this slice reads bf16/fp32 tables on the device.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import re
+import unicodedata
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from deepinfer_rt.layers.linear import Linear
+
+
+# Unicode White_Space (what the tokenizers library's Strip trims; Python's str.strip() would also trim \x1c-\x1f).
+_WHITE_SPACE = "\t\n\x0b\x0c\r \x85\xa0\u1680" + "".join(map(chr, range(0x2000, 0x200B))) + "\u2028\u2029\u202f\u205f\u3000"
+
+
+def _normalise(text: str) -> str:
+    text = unicodedata.normalize("NFD", unicodedata.normalize("NFKC", text))
+    text = "".join(ch for ch in text if not unicodedata.category(ch).startswith("M")).lower()  # all combining marks
+    text = re.sub(r"[ \t\r\n]+", " ", text)
+    return " " if text == " " else text.strip(_WHITE_SPACE)
+
+
+def compressed_vocabulary(token_texts: list[str]) -> tuple[np.ndarray, int]:
+    """(vocab,) int64 compressed id of every token id, and the number of compressed ids. A text holding U+FFFD
+    (a partial UTF-8 sequence) keeps a class of its own."""
+    classes: dict[str, int] = {}
+    table = np.empty(len(token_texts), dtype=np.int64)
+    for tid, text in enumerate(token_texts):
+        key = f"\x00{tid}" if "\ufffd" in text else (_normalise(text) or text)
+        table[tid] = classes.setdefault(key, len(classes))
+    return table, len(classes)
+
+
+def tokenizer_vocabulary(path: str, vocab_size: int) -> tuple[np.ndarray, int]:
+    """The compressed vocabulary of the tokenizer in a model folder (each id decoded on its own); computed once per
+    tokenizer content in a process."""
+    files = sorted(Path(path).glob("tokenizer*.json"))
+    if not files:
+        raise ValueError(f"Engram needs the tokenizer of {path} (no tokenizer*.json there)")
+    digest = hashlib.sha256(b"".join(f.read_bytes() for f in files)).hexdigest()
+    return _vocabulary(digest, path, vocab_size)
+
+
+@functools.lru_cache(maxsize=4)
+def _vocabulary(digest: str, path: str, vocab_size: int) -> tuple[np.ndarray, int]:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(Path(path))
+    texts = tok.batch_decode([[i] for i in range(min(vocab_size, len(tok)))])
+    texts += [f"\x00unused{i}" for i in range(len(texts), vocab_size)]
+    return compressed_vocabulary(texts)
+
+
+def _is_prime(n: int) -> bool:
+    if n < 2:
+        return False
+    if n % 2 == 0:
+        return n == 2
+    d = 3
+    while d * d <= n:
+        if n % d == 0:
+            return False
+        d += 2
+    return True
+
+
+class EngramHashing:
+    """Table rows of every Engram layer for a token history (host-side numpy, int64)."""
+
+    def __init__(self, layer_ids: tuple[int, ...], max_ngram: int, num_heads: int, vocab_size: int,
+                 lookup: np.ndarray, num_compressed: int, pad_token_id: int):
+        self.max_ngram, self.num_heads = max_ngram, num_heads
+        self.lookup, self.pad = lookup, int(lookup[pad_token_id])
+        half = max(1, (np.iinfo(np.int64).max // max(1, num_compressed)) // 2)
+        used: set[int] = set()
+        self.sizes, self.offsets, self.multipliers = {}, {}, {}
+        for layer in layer_ids:
+            sizes = []
+            for _ in range(2, max_ngram + 1):
+                p = vocab_size - 1
+                for _ in range(num_heads):
+                    p += 1
+                    while not _is_prime(p) or p in used:
+                        p += 1
+                    used.add(p)
+                    sizes.append(p)
+            self.sizes[layer] = np.array(sizes, dtype=np.int64)
+            self.offsets[layer] = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
+            rng = np.random.default_rng(10007 * layer)
+            self.multipliers[layer] = rng.integers(0, half, size=max_ngram, dtype=np.int64) * 2 + 1
+
+    def table_rows(self, layer: int) -> int:
+        return int(self.sizes[layer].sum())
+
+    def rows(self, layer: int, history: np.ndarray) -> np.ndarray:
+        """history (T, max_ngram) compressed ids, column k = the token k positions back -> (T, cols) rows."""
+        m = self.multipliers[layer]
+        out, mix = [], history[:, 0] * m[0]
+        for n in range(2, self.max_ngram + 1):
+            mix = np.bitwise_xor(mix, history[:, n - 1] * m[n - 1])
+            j = slice((n - 2) * self.num_heads, (n - 1) * self.num_heads)
+            out.append(self.offsets[layer][j] + mix[:, None] % self.sizes[layer][j])
+        return np.concatenate(out, axis=1)
+
+
+class Engram(nn.Module):
+    def __init__(self, hidden_size: int, hc_mult: int, num_rows: int, head_dim: int, num_cols: int, eps: float):
+        super().__init__()
+        self.hc_mult, self.hidden_size, self.eps = hc_mult, hidden_size, eps
+        self.embed = nn.Embedding(num_rows, head_dim)
+        self.wkv = Linear(num_cols * head_dim, (hc_mult + 1) * hidden_size)
+        self.hidden_norm = nn.Module()
+        self.hidden_norm.weight = nn.Parameter(torch.ones(hc_mult, hidden_size))
+        self.embed_norm = nn.Module()
+        self.embed_norm.weight = nn.Parameter(torch.ones(hc_mult, hidden_size))
+
+    def forward(self, streams: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """streams (T, N, D), rows (T, cols) -> streams with the gated value added (gate in fp32)."""
+        n, d = self.hc_mult, self.hidden_size
+        kv = self.wkv(self.embed(rows).flatten(1)).float()
+        keys, value = kv[:, : n * d].view(-1, n, d), kv[:, n * d :]
+        s = streams.float()
+        s_rstd = torch.rsqrt(s.square().mean(-1) + self.eps)
+        k_rstd = torch.rsqrt(keys.square().mean(-1) + self.eps)
+        w = self.hidden_norm.weight.float() * self.embed_norm.weight.float()
+        dot = (s * w * keys).sum(-1) * s_rstd * k_rstd * d ** -0.5
+        gate = torch.sigmoid(torch.copysign(dot.abs().clamp(min=1e-6).sqrt(), dot))
+        return (s + gate.unsqueeze(-1) * value.unsqueeze(1)).to(streams.dtype)

@@ -1,0 +1,248 @@
+"""DeepSeek-V4.1 (V4.1-Flash layout) over the engine's paged KV pool: per-layer sliding window plus the ratio-1 / 2
+long-range path with cross-layer KV and index sharing (attention.py), shifted or V4 hyper-connections, Engram
+(engram.py), YOCO shared hidden, and V4's sqrtsoftplus MoE (every layer learned-routed, clamped SwiGLU, one shared
+expert).
+
+Reused from DeepSeek-V4 where the math is the same: RMSNorm, RoPE tables (YaRN through transformers), the
+hyper-connection mixes (Sinkhorn) and head, the router / experts / shared expert, the attention-group and
+compression-window indices (deepseek_v4/batch.py), weight renames and fp32 parameter handling.
+
+Not covered by this slice: FP8 / MXFP4 weights (refused at config parse), the DSpark drafter (mtp.* weights are
+skipped), Engram tables in host memory, the image-token router bias and the
+vision tower (prompts holding the image token are refused), the batch-invariant mode (refused), CUDA graphs.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Iterable, Iterator
+
+import numpy as np
+import torch
+from torch import nn
+
+from deepinfer_rt.cache.kv_pool import KVLayout, KVPool
+from deepinfer_rt.env import get_env
+from deepinfer_rt.config import ModelConfig
+from deepinfer_rt.forward_batch import ForwardBatch
+from deepinfer_rt.models.deepseek_v4.batch import build_v4_batch
+from deepinfer_rt.models.deepseek_v4.common import V4RMSNorm, V4Rotary
+from deepinfer_rt.models.deepseek_v4.hyper_connections import HyperConnection, HyperHead
+from deepinfer_rt.models.deepseek_v4.model import DeepseekV4ForCausalLM
+from deepinfer_rt.models.deepseek_v4.moe import ClampedExperts, SharedExpert, V4Router
+from deepinfer_rt.models.deepseek_v41.attention import V41Attention, V41Step, pool_width
+from deepinfer_rt.models.deepseek_v41.config import V41Config, V41Layer
+from deepinfer_rt.models.deepseek_v41.engram import Engram, EngramHashing, tokenizer_vocabulary
+
+_DIGITS = 3  # a compressed id kept as base-256 digits: exact in bf16 / fp16 / fp32 pools
+
+
+def check_truncation(cfg: V41Config) -> None:
+    """ValueError unless YOCO prefill truncation can run on this layer plan."""
+    if cfg.yoco_capture_layer is None:
+        raise ValueError("YOCO prefill truncation: the model has no YOCO consumer layers")
+    for spec in cfg.layers[cfg.n_prefill_layer:]:
+        for name, source in (("index", spec.index_source), ("candidate", spec.candidate_source)):
+            if source is not None and source < cfg.n_prefill_layer:
+                raise ValueError(f"YOCO prefill truncation: consumer layer {spec.layer_id} reuses the {name} "
+                                 f"selection of layer {source}, before the consumers")
+
+
+class V41MoE(nn.Module):
+    def __init__(self, cfg: V41Config):
+        super().__init__()
+        self.gate_temp = cfg.gate_temp
+        self.gate = V4Router(cfg, is_hash=False, vocab_size=cfg.vocab_size)
+        self.experts = ClampedExperts(cfg)
+        self.shared_experts = SharedExpert(cfg)
+        self.expert_parallel = None
+        """The expert-parallel hook, as on deepseek_v4/moe.py V4MoE."""
+
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.gate(x / self.gate_temp if self.gate_temp != 1.0 else x, input_ids)
+        if self.expert_parallel is not None:
+            return self.expert_parallel(self, x, weights, ids)
+        return self.experts(x, weights, ids) + self.shared_experts(x)
+
+
+class V41DecoderLayer(nn.Module):
+    def __init__(self, cfg: V41Config, spec: V41Layer, rotary: V4Rotary, hashing: EngramHashing | None):
+        super().__init__()
+        self.spec, self.is_shifted = spec, cfg.hc_shifted
+        self.is_yoco_capture = spec.layer_id == cfg.yoco_capture_layer
+        self.attn = V41Attention(cfg, spec, rotary)
+        self.ffn = V41MoE(cfg)
+        self.attn_norm = V4RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.ffn_norm = V4RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.hc_attn = HyperConnection(cfg)
+        self.hc_ffn = HyperConnection(cfg)
+        self.engram = None
+        if spec.engram_slot is not None:
+            num_cols = (cfg.engram_max_ngram_size - 1) * cfg.engram_n_heads
+            self.engram = Engram(cfg.hidden_size, cfg.hc_mult, hashing.table_rows(spec.layer_id), cfg.engram_head_dim,
+                                 num_cols, cfg.rms_norm_eps)
+
+    def _sublayer(self, hc: HyperConnection, streams, carried, block):
+        """One mHC sublayer; shifted: the input applies the previous sublayer's pre-mix (`carried`) and this one's
+        is handed on. Returns the new streams and the pre-mix to carry."""
+        pre, post, comb = hc.weights(streams)
+        use = carried if self.is_shifted else pre
+        dtype = streams.dtype
+        y = block(hc.method.middle_sum(use.unsqueeze(-1) * streams, dim=1).to(dtype))
+        return post.to(dtype).unsqueeze(-1) * y.unsqueeze(1) + hc.method.hc_mix(comb.to(dtype), streams), pre
+
+    def _attention(self, x: torch.Tensor, step: V41Step, pool: KVPool) -> torch.Tensor:
+        h = self.attn_norm(x)
+        if self.is_yoco_capture:
+            step.shared_hidden = h
+        return self.attn(h, step.shared_hidden if self.spec.is_yoco_consumer else h, step, pool)
+
+    def _compacting_attention(self, streams, carried, step: V41Step, pool: KVPool):
+        """The YOCO capture layer under prefill truncation: the shared hidden from every row, then only the kept
+        rows go on (streams, carried and this sublayer's mixes)."""
+        hc, keep = self.hc_attn, step.keep
+        pre, post, comb = hc.weights(streams)
+        use = carried if self.is_shifted else pre
+        dtype = streams.dtype
+        h = self.attn_norm(hc.method.middle_sum(use.unsqueeze(-1) * streams, dim=1).to(dtype))
+        step.shared_hidden = h
+        y = self.attn(h[keep], h, step, pool)
+        streams, post, comb = streams[keep], post[keep], comb[keep]
+        return post.to(dtype).unsqueeze(-1) * y.unsqueeze(1) + hc.method.hc_mix(comb.to(dtype), streams), pre[keep]
+
+    def forward(self, streams, carried, step: V41Step, pool: KVPool, input_ids: torch.Tensor):
+        if self.engram is not None:
+            streams = self.engram(streams, step.engram_rows[self.spec.layer_id])
+        if self.is_yoco_capture and step.keep is not None:
+            streams, carried = self._compacting_attention(streams, carried, step, pool)
+            input_ids = input_ids[step.keep]
+        else:
+            streams, carried = self._sublayer(self.hc_attn, streams, carried, lambda x: self._attention(x, step, pool))
+        streams, carried = self._sublayer(self.hc_ffn, streams, carried, lambda x: self.ffn(self.ffn_norm(x), input_ids))
+        return streams, carried, input_ids
+
+
+class V41Model(nn.Module):
+    def __init__(self, config: ModelConfig, cfg: V41Config):
+        super().__init__()
+        self.cfg = cfg
+        self.hashing = None
+        if cfg.engram_layer_ids:
+            tok_dir = config.raw.get("_tokenizer_dir")
+            if tok_dir is None:
+                raise ValueError("Engram layers need the model folder's tokenizer (compressed vocabulary)")
+            lookup, num_compressed = tokenizer_vocabulary(tok_dir, cfg.vocab_size)
+            self.hashing = EngramHashing(cfg.engram_layer_ids, cfg.engram_max_ngram_size, cfg.engram_n_heads,
+                                         cfg.engram_vocab_size, lookup, num_compressed, cfg.engram_pad_token_id)
+            for layer, rows in zip(cfg.engram_layer_ids, cfg.engram_num_embeddings):
+                if self.hashing.table_rows(layer) != rows:
+                    raise ValueError(f"engram_num_embeddings: layer {layer} declares {rows} rows, the prime tables "
+                                     f"derived from the config hold {self.hashing.table_rows(layer)}")
+        rotary = {"main": V4Rotary(cfg, cfg.rope_main), "compress": V4Rotary(cfg, cfg.rope_compress)}
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(V41DecoderLayer(cfg, s, rotary[s.rope], self.hashing) for s in cfg.layers)
+        self.norm = V4RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.hc_head = None if cfg.hc_shifted else HyperHead(cfg)
+        self.ratios = tuple(sorted({s.ratio for s in cfg.layers} - {0}))
+        self.query_block = 256
+        """Most prefill queries of one sequence attended together (bounds the (Q, H, keys) score tensor)."""
+        self.truncate_prefill = get_env().v41_yoco_truncation
+        """YOCO prefill truncation (env.py DEEPINFER_V41_YOCO_TRUNCATION): consumer layers compute only the last
+        sliding window of each prefill chunk's queries. Exact for those rows, since every consumer's KV comes from
+        the shared hidden of all rows; needs every consumer's index and candidate source to be a consumer."""
+        if self.truncate_prefill:
+            check_truncation(cfg)
+
+    def prepare_batch(self, batch: ForwardBatch) -> V41Step:
+        vb = build_v4_batch(batch, self.cfg.sliding_window, self.ratios, self.query_block)
+        step = self._engram_step(batch, vb)
+        window = self.cfg.sliding_window
+        if self.truncate_prefill and any(q > window for q in batch.q_lens):
+            kept = [min(q, window) for q in batch.q_lens]
+            ends = torch.tensor(batch.q_lens).cumsum(0).tolist()
+            step.keep = torch.cat([torch.arange(e - k, e) for e, k in zip(ends, kept)]).to(batch.input_ids.device)
+            queries = dataclasses.replace(batch, input_ids=batch.input_ids[step.keep],
+                                          positions=batch.positions[step.keep], out_slots=batch.out_slots[step.keep],
+                                          q_lens=kept)
+            step.query_vb = build_v4_batch(queries, window, self.ratios, self.query_block)
+        return step
+
+    def _engram_step(self, batch: ForwardBatch, vb) -> V41Step:
+        if self.hashing is None:
+            return V41Step(vb, {}, batch.input_ids)
+        device = batch.input_ids.device
+        compressed = self.hashing.lookup[batch.input_ids.cpu().numpy()]
+        back = self.cfg.engram_max_ngram_size - 1
+        id_layer = self.cfg.engram_layer_ids[0]
+        buf = batch.pool.k[id_layer].view(batch.pool.num_slots, -1)
+        history, row = [], 0
+        for q_len, kv_len, slots in zip(batch.q_lens, batch.kv_lens, batch.kv_slots):
+            start = kv_len - q_len
+            lo = max(0, start - back)
+            digits = buf[slots[lo:start], -_DIGITS:].float().round().long().cpu().numpy()
+            earlier = (digits * (256 ** np.arange(_DIGITS))).sum(axis=1)
+            seq = np.concatenate([np.full(back - (start - lo), self.hashing.pad), earlier,
+                                  compressed[row : row + q_len]]).astype(np.int64)
+            idx = np.arange(q_len)[:, None] + back - np.arange(back + 1)[None, :]  # column k = k tokens back
+            history.append(seq[idx])
+            row += q_len
+        hist = np.concatenate(history)
+        rows = {layer: torch.from_numpy(self.hashing.rows(layer, hist)).to(device) for layer in self.cfg.engram_layer_ids}
+        return V41Step(vb, rows, torch.from_numpy(compressed).to(device))
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        step: V41Step = batch.model_meta
+        pool = batch.pool
+        if self.hashing is not None:  # keep the tokens' compressed ids for later steps' n-gram histories
+            buf = pool.k[self.cfg.engram_layer_ids[0]].view(pool.num_slots, -1)
+            ids = step.compressed_ids
+            digits = torch.stack([(ids // 256 ** k) % 256 for k in range(_DIGITS)], dim=1)
+            buf[batch.out_slots, -_DIGITS:] = digits.to(buf.dtype)
+        x = self.embed_tokens(batch.input_ids)
+        n = self.cfg.hc_mult
+        streams = x.unsqueeze(1).expand(-1, n, -1).contiguous()  # (T, N, D)
+        carried = torch.zeros(x.shape[0], n, dtype=torch.float32, device=x.device)
+        carried[:, 0] = 1.0  # the first shifted sublayer reads stream 0
+        input_ids = batch.input_ids
+        for layer in self.layers:
+            streams, carried, input_ids = layer(streams, carried, step, pool, input_ids)
+        if self.hc_head is not None:
+            hidden = self.norm(self.hc_head(streams))
+        else:
+            hidden = self.norm((carried.unsqueeze(-1) * streams.float()).sum(dim=1).to(streams.dtype))
+        if step.keep is None:
+            return hidden
+        # Rows the consumer layers skipped have no output: NaN, so that no reader mistakes them for values.
+        full = hidden.new_full((x.shape[0], hidden.shape[1]), float("nan"))
+        full[step.keep] = hidden
+        return full
+
+
+class DeepseekV41ForCausalLM(DeepseekV4ForCausalLM):
+    """Shares V4's head, fp32 parameter handling, weight renames, expert fusion and dummy init."""
+
+    def __init__(self, config: ModelConfig):
+        super(DeepseekV4ForCausalLM, self).__init__(config)
+        if self.kernel_config.is_batch_invariant:
+            raise ValueError("DeepSeek-V4.1 does not run in batch-invariant mode yet")
+        self.v41 = V41Config.from_raw(_config_dict(config))
+        self.model = V41Model(config, self.v41)
+        self.head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    @staticmethod
+    def kv_layout(config: ModelConfig) -> KVLayout:
+        cfg = V41Config.from_raw(_config_dict(config))
+        dims = tuple(pool_width(cfg, s) for s in cfg.layers)
+        return KVLayout(config.num_layers, (1, max(dims)), None, cfg.head_dim, layer_dims=dims)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        def hf_names() -> Iterator[tuple[str, torch.Tensor]]:
+            for name, tensor in weights:
+                if not name.startswith(("model.", "head.", "mtp.")):  # the release's names
+                    name = "model." + ("embed_tokens.weight" if name == "embed.weight" else name)
+                yield name, tensor
+
+        super().load_weights(hf_names())
+
+
+def _config_dict(config: ModelConfig) -> dict:
+    return {k: v for k, v in config.raw.items() if k != "_tokenizer_dir"}
