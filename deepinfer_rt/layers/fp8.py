@@ -335,16 +335,3 @@ def is_fp8_fused_experts(config: KernelConfig) -> bool:
     batch-invariant, FP8 (not MXFP4) experts."""
     return (config.quantization == "fp8" and config.is_triton and not config.is_batch_invariant
             and config.expert_dtype == "fp8")
-
-
-def expert_weights_method(config: KernelConfig) -> ExpertWeights:
-    """How routed experts that run in the engine dtype hold their weights: MXFP4 (`expert_dtype: fp4`
-    checkpoints) or FP8 blocks (FP8 checkpoints and Engine(quantization="fp8")) dequantized at load, else as
-    loaded. layers/moe.py's RoutedExperts keep FP8 weights instead where `is_fp8_fused_experts`."""
-    if config.quantization == "fp8" and config.is_checkpoint_quantized and config.expert_dtype == "fp4":
-        from deepinfer_rt.layers.mxfp4 import Mxfp4DequantExperts
-
-        return Mxfp4DequantExperts()
-    if config.quantization == "fp8":
-        return Fp8DequantExperts(config.weight_block_size, config.is_checkpoint_quantized, config.scale_fmt)
-    return ExpertWeights()

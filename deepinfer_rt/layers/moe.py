@@ -21,8 +21,8 @@ import torch
 from torch import nn
 
 from deepinfer_rt.config import ModelConfig
-from deepinfer_rt.layers.fp8 import (Fp8BlockExperts, apply_keeping_quantized, expert_weights_method,
-                                     is_fp8_fused_experts)
+from deepinfer_rt.layers.expert_weights import expert_weights_method
+from deepinfer_rt.layers.fp8 import Fp8BlockExperts, apply_keeping_quantized, is_fp8_fused_experts
 from deepinfer_rt.layers.kernel_config import KernelConfig, current_kernel_config
 from deepinfer_rt.layers.methods import Activation, LinearMethod, activation_method, linear_method
 from deepinfer_rt.layers.mlp import GatedMLP

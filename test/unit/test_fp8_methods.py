@@ -10,7 +10,8 @@ from deepinfer_kernels.reference import dequantize_fp8_blocks, quantize_fp8_bloc
 from deepinfer_rt.config import QuantConfig
 from deepinfer_rt.layers import methods
 from deepinfer_rt.layers.fp8 import (ExpertWeights, Fp8BlockLinear, Fp8DequantExperts, Fp8DequantLinear,
-                                     dense_linear_method, expert_weights_method, weight_linear_method)
+                                     dense_linear_method, weight_linear_method)
+from deepinfer_rt.layers.expert_weights import expert_weights_method
 from deepinfer_rt.layers.kernel_config import KernelConfig, build_context
 from deepinfer_rt.layers.linear import Linear
 from deepinfer_rt.layers.moe import RoutedExperts

@@ -5,7 +5,7 @@
     ffn.gate.tid2eid (vocab, k)                          'hash_moe' layers: experts fixed by the token id
     ffn.experts.gate_up_proj (E, 2I, H), down_proj (E, H, I)  fused from the per-expert w1 (gate), w3 (up), w2;
                                                           quantized checkpoints add their scales (FP8 blocks
-                                                          or MXFP4, layers/fp8.py expert_weights_method)
+                                                          or MXFP4, layers/expert_weights.py)
     ffn.shared_experts.{w1, w2, w3}                      one always-on expert of width I
 
 Weights are the chosen experts' scores renormalised to sum 1, times routed_scaling_factor. SwiGLU clamps
@@ -16,7 +16,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from deepinfer_rt.layers.fp8 import apply_keeping_quantized, expert_weights_method
+from deepinfer_rt.layers.expert_weights import expert_weights_method
+from deepinfer_rt.layers.fp8 import apply_keeping_quantized
 from deepinfer_rt.layers.kernel_config import current_kernel_config
 from deepinfer_rt.layers.linear import Linear
 from deepinfer_rt.models.deepseek_v4.common import V4Config

@@ -1,0 +1,18 @@
+"""How routed experts that run in the engine dtype hold their weights, by checkpoint format: one choice for
+layers/moe.py and DeepSeek-V4's experts (fp8.py and mxfp4.py hold the methods)."""
+from __future__ import annotations
+
+from deepinfer_rt.layers.fp8 import ExpertWeights, Fp8DequantExperts
+from deepinfer_rt.layers.kernel_config import KernelConfig
+from deepinfer_rt.layers.mxfp4 import Mxfp4DequantExperts
+
+
+def expert_weights_method(config: KernelConfig) -> ExpertWeights:
+    """How routed experts that run in the engine dtype hold their weights: MXFP4 (`expert_dtype: fp4`
+    checkpoints) or FP8 blocks (FP8 checkpoints and Engine(quantization="fp8")) dequantized at load, else as
+    loaded. layers/moe.py's RoutedExperts keep FP8 weights instead where `is_fp8_fused_experts`."""
+    if config.quantization == "fp8" and config.is_checkpoint_quantized and config.expert_dtype == "fp4":
+        return Mxfp4DequantExperts()
+    if config.quantization == "fp8":
+        return Fp8DequantExperts(config.weight_block_size, config.is_checkpoint_quantized, config.scale_fmt)
+    return ExpertWeights()
