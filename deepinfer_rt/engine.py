@@ -103,7 +103,7 @@ class Engine:
                 self.config.batch_invariant, seed)
             self.pool = KVPool(self._kv_layout(), self._num_pages(), page_size, self.config.dtype, dev)
             backend = select_backend(dev, self.config.batch_invariant)
-            overlap = env.overlap if env.overlap is not None else dev.type == "cuda"
+            overlap = (env.overlap if env.overlap is not None else dev.type == "cuda") and self.model.supports_overlap
             graphs = None
             if dev.type == "cuda" and env.cuda_graph_max_bs > 0 and self.model.supports_cuda_graphs:
                 from deepinfer_rt.cuda_graph import CudaGraphRunner

@@ -34,6 +34,10 @@ class CausalLM(nn.Module):
     """Checkpoint name fragments that are not parameters here (buffers, heads we do not run)."""
     supports_cuda_graphs: ClassVar[bool] = True
     """Whether a decode step reads only the attention backend's graph-static metadata (CUDA-graph capture)."""
+    supports_overlap: bool = True
+    """Whether a step's token ids may still be placeholders on the host when the model prepares it (overlap
+    scheduling resolves them on the device); False for a model that reads the ids on the host (V4.1's Engram
+    hashing)."""
 
     def __init__(self, config: ModelConfig):
         super().__init__()

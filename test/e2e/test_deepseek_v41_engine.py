@@ -117,3 +117,13 @@ def test_yoco_prefill_truncation_keeps_greedy_outputs(tiny_v41_paths, greedy, mo
         with pytest.raises(ValueError, match="prompt_logprobs"):
             engine.generate(input_ids=[PROMPTS[2]], sampling_params=SamplingParams(max_new_tokens=1,
                                                                                  prompt_logprobs=True))
+
+
+def test_overlap_steps_aside_for_engram(tiny_v41_paths, greedy, monkeypatch):
+    """Engram hashes each step's token ids on the host, where an overlapped decode step still holds placeholders:
+    with overlap scheduling asked for (DEEPINFER_OVERLAP=1, as on CUDA) V4.1 runs synchronously, same tokens."""
+    monkeypatch.setenv("DEEPINFER_OVERLAP", "1")
+    with Engine(str(tiny_v41_paths["a"]), dtype="float32", kv_cache_tokens=2048) as engine:
+        assert engine.model.supports_overlap is False and engine.executor.is_overlap_enabled is False
+        outs = engine.generate(input_ids=PROMPTS, sampling_params=GREEDY)
+    assert [o.token_ids for o in outs] == greedy["a"]

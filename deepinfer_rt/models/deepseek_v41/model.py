@@ -226,6 +226,7 @@ class DeepseekV41ForCausalLM(DeepseekV4ForCausalLM):
             raise ValueError("DeepSeek-V4.1 does not run in batch-invariant mode yet")
         self.v41 = V41Config.from_raw(_config_dict(config))
         self.model = V41Model(config, self.v41)
+        self.supports_overlap = self.model.hashing is None  # Engram hashes the step's token ids on the host
         self.head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 
     @staticmethod
