@@ -64,22 +64,33 @@ class ExpertPlacement:
 
 
 class LoadRecorder:
-    """Per-step counts, kept on the device until the step ends: tokens per logical expert (EPLB's input) and
-    (token, expert) pairs per rank (the balance reported in engine stats)."""
+    """Routing counts, kept on the device (no host sync in a step): tokens per logical expert of the step in
+    progress (EPLB's input, taken each step as a device tensor), and over all steps the (token, expert) pairs
+    per rank and the sum over steps and layers of the busiest rank's pairs (the balance in engine stats, read
+    only when asked)."""
 
     def __init__(self, num_layers: int, num_experts: int, num_ranks: int, device: torch.device):
         self.expert_tokens = torch.zeros(num_layers, num_experts, dtype=torch.long, device=device)
         self.rank_tokens = torch.zeros(num_layers, num_ranks, dtype=torch.long, device=device)
+        self.total_rank_tokens = torch.zeros(num_ranks, dtype=torch.long, device=device)
+        self.sum_max = torch.zeros((), dtype=torch.long, device=device)
 
-    def record(self, layer: int, ids: torch.Tensor, ranks: torch.Tensor) -> None:
+    def record(self, layer: int, ids: torch.Tensor, rank_tokens: torch.Tensor) -> None:
+        """ids: this rank's (token, k) expert ids; rank_tokens (ranks,): pairs every rank receives this layer."""
         self.expert_tokens[layer] += torch.bincount(ids.flatten(), minlength=self.expert_tokens.shape[1])
-        self.rank_tokens[layer] += torch.bincount(ranks.flatten(), minlength=self.rank_tokens.shape[1])
+        self.rank_tokens[layer] += rank_tokens
 
-    def take(self) -> tuple[torch.Tensor, torch.Tensor]:
-        counts = self.expert_tokens.clone().cpu(), self.rank_tokens.clone().cpu()
-        self.expert_tokens.zero_()
+    def take(self) -> torch.Tensor:
+        """End of a step: fold its rank counts into the totals; returns its expert counts (layers, experts)."""
+        self.total_rank_tokens += self.rank_tokens.sum(0)
+        self.sum_max += self.rank_tokens.max(1).values.sum()
         self.rank_tokens.zero_()
+        counts = self.expert_tokens.clone()
+        self.expert_tokens.zero_()
         return counts
+
+    def totals(self) -> tuple[list[int], int]:
+        return self.total_rank_tokens.tolist(), int(self.sum_max)
 
 
 class ExpertParallelMoE:
@@ -98,7 +109,7 @@ class ExpertParallelMoE:
         per_rank = self.placement.slots_per_rank
         slots = self.placement.route(self.layer, ids)  # (T, k) global slots
         dest = slots // per_rank
-        self.recorder.record(self.layer, ids, dest)
+        self.recorder.record(self.layer, ids, torch.bincount(dest.flatten(), minlength=self.size))
         chunk = -(-num_tokens // self.size)
         lo, hi = min(self.rank * chunk, num_tokens), min((self.rank + 1) * chunk, num_tokens)
         # Every rank routes every token, so each knows what every rank sends every other: no count exchange.
@@ -168,7 +179,8 @@ def shard_experts(model: nn.Module, placement: ExpertPlacement, rank: int, recor
             param.weight_loader = _expert_rows_loader(local)
             setattr(experts, name, param)
         experts.num_experts = len(local)
-        moe.expert_parallel = ExpertParallelMoE(layer, placement, recorder)
+        if placement.num_ranks > 1:  # one rank: the layer's own forward, with nothing to exchange
+            moe.expert_parallel = ExpertParallelMoE(layer, placement, recorder)
 
 
 def _expert_rows_loader(local: list[int]):
@@ -212,7 +224,7 @@ class ExpertShard:
     """build_model's shard hook for one EP rank: every MoE layer starts from the same placement of the routed
     experts; the rank keeps its slots of each (shard_experts) and installs the dispatch/combine hook. After the
     build, `placement` and `recorder` are the tables and counters the worker keeps (None for a model without MoE
-    layers)."""
+    layers; no recorder on a single rank, which installs no hook)."""
 
     def __init__(self, initial: Placement, num_experts: int, rank: int, device: torch.device):
         self.initial = initial
@@ -228,7 +240,8 @@ class ExpertShard:
             return
         self.placement = ExpertPlacement([[list(experts) for experts in self.initial] for _ in range(num_moe)],
                                          self.num_experts, self.device)
-        self.recorder = LoadRecorder(num_moe, self.num_experts, len(self.initial), self.device)
+        if len(self.initial) > 1:
+            self.recorder = LoadRecorder(num_moe, self.num_experts, len(self.initial), self.device)
         shard_experts(model, self.placement, self.rank, self.recorder, device, dtype)
 
     def init_dummy(self, model: nn.Module, seed: int) -> None:

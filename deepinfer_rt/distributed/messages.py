@@ -82,7 +82,3 @@ class StepReply:
     rank: int
     result: RunResult | None
     """Rank 0's result (every rank computes the same; only one is sent)."""
-    rank_tokens: list[list[int]] | None
-    """(moe layers, ranks) (token, expert) pairs computed per rank this step; rank 0 only."""
-    num_moved_experts: int = 0
-    num_rearrangements: int = 0

@@ -31,6 +31,7 @@ from deepinfer_rt.distributed.eplb import (
     window_objective,
 )
 from deepinfer_rt.distributed.messages import StepMsg, StepReply, WorkerArgs
+from deepinfer_rt.env import get_env
 from deepinfer_rt.layers.attention.select import select_backend
 from deepinfer_rt.layers.kernel_config import KernelConfig
 from deepinfer_rt.model_runner import ModelRunner
@@ -79,14 +80,28 @@ class Worker:
         self.num_pages = self._num_kv_pages(layout)
         self.pool = KVPool(layout, self.num_pages, args.page_size, args.dtype, self.device)
         # The engine's backend rule, so EP=1 in-process and EP=N in workers run the same attention.
-        self.runner = ModelRunner(self.model, self.pool, select_backend(self.device, args.batch_invariant),
-                                  Sampler(mc.vocab_size), self.device, args.eos_ids)
+        backend = select_backend(self.device, args.batch_invariant)
+        self.runner = ModelRunner(self.model, self.pool, backend, Sampler(mc.vocab_size), self.device, args.eos_ids,
+                                  graphs=self._cuda_graphs(backend))
         self.runner.grammar = ShippedBitmasks(mc.vocab_size)
         self.mirrors: dict[int, Req] = {}
         self.window = LoadWindow(self.eplb.window_steps) if self.eplb else None
         self.num_steps = 0
         self.num_moved_experts = 0
         self.num_rearrangements = 0
+
+    def _cuda_graphs(self, backend):
+        """Decode CUDA graphs as the in-process engine builds them, where this rank's forward holds no
+        collective: one rank (no EP hook) on CUDA. A dispatch hook sizes its all-to-all on the host (split
+        lists), which a graph cannot capture."""
+        env = get_env()
+        if (self.device.type != "cuda" or env.cuda_graph_max_bs <= 0 or not self.model.supports_cuda_graphs
+                or self.recorder is not None):
+            return None
+        from deepinfer_rt.cuda_graph import CudaGraphRunner
+
+        return CudaGraphRunner(self.model, self.pool, backend, min(self.args.max_num_seqs, env.cuda_graph_max_bs),
+                               min(self.config.max_position, env.cuda_graph_max_context))
 
     # ---- start ----
     @staticmethod
@@ -124,21 +139,26 @@ class Worker:
 
     # ---- each step ----
     def step(self, msg: StepMsg) -> StepReply:
+        """The forward and sampling of the step; the routing counts stay on the device (see `stats`)."""
         for src, dst in msg.kv_copies:
             self.pool.copy_slots(src, dst)
         result = self.runner.run(self._batch(msg))
-        rank_tokens = None
         if self.recorder is not None:
-            expert_tokens, rank_tokens = self.recorder.take()
+            expert_tokens = self.recorder.take()
             self.num_steps += 1
             if self.eplb is not None:
                 self.window.add(expert_tokens)
                 if self.num_steps % self.eplb.interval_steps == 0:
                     self._rearrange()
-            rank_tokens = rank_tokens.tolist()
-        if self.rank != 0:
-            return StepReply(self.rank, None, None)
-        return StepReply(0, result, rank_tokens, self.num_moved_experts, self.num_rearrangements)
+        return StepReply(self.rank, result if self.rank == 0 else None)
+
+    def stats(self) -> dict:
+        """Counters since the start, read back from the device only when the engine asks."""
+        if self.recorder is None:
+            return {}
+        rank_tokens, sum_max = self.recorder.totals()
+        return {"rank_tokens": rank_tokens, "sum_max": sum_max, "num_moved_experts": self.num_moved_experts,
+                "num_rearrangements": self.num_rearrangements}
 
     def _batch(self, msg: StepMsg) -> ScheduledBatch:
         """Mirror requests of this step: new ones whole, returning ones advanced by the message's deltas."""
@@ -254,6 +274,9 @@ def _serve(args: WorkerArgs, ctx, sock) -> None:
             kind, msg = pickle.loads(sock.recv())
             if kind == "stop":
                 break
+            if kind == "stats":
+                sock.send(pickle.dumps(("stats", args.rank, worker.stats())))
+                continue
             sock.send(pickle.dumps(("step", args.rank, worker.step(msg)), protocol=pickle.HIGHEST_PROTOCOL))
     except Exception:  # any failure is reported to the engine, which names this rank in its error
         sock.send(pickle.dumps(("error", args.rank, traceback.format_exc())))

@@ -22,6 +22,7 @@ import pickle
 import socket
 import subprocess
 import sys
+import threading
 import time
 import weakref
 from pathlib import Path
@@ -142,7 +143,9 @@ class WorkerPool:
         self._sent: dict[int, tuple[int, int, int]] = {}
         """rid -> (tokens, retractions, pages) the workers' mirror holds after the previous step."""
         self._num_launched = self._num_collected = 0
-        self._last: StepReply | None = None
+        self._lock = threading.Lock()
+        """Held while the socket is used: stats may be asked from another thread than the engine loop's."""
+        self._last_stats: dict = {}
         self.reset_stats()
 
     # ---- supervision ----
@@ -211,9 +214,10 @@ class WorkerPool:
         if self._broken is not None:
             raise RuntimeError(f"the expert-parallel worker pool is down: {self._broken}")
         payload = pickle.dumps(("step", self._step_msg(batch)), protocol=pickle.HIGHEST_PROTOCOL)
-        for rank in range(self.size):
-            self._sock.send_multipart([f"w{rank}".encode(), payload])
-        self._num_launched += 1
+        with self._lock:
+            for rank in range(self.size):
+                self._sock.send_multipart([f"w{rank}".encode(), payload])
+            self._num_launched += 1
         return self._num_launched - 1
 
     def collect(self, handle: int) -> RunResult:
@@ -221,9 +225,9 @@ class WorkerPool:
         if self._broken is not None:
             raise RuntimeError(f"the expert-parallel worker pool is down: {self._broken}")
         assert handle == self._num_collected, f"step {handle} collected out of order (next: {self._num_collected})"
-        reply: StepReply = self._collect("step", self.step_timeout_s)[0][0]
-        self._num_collected += 1
-        self._account(reply)
+        with self._lock:
+            reply: StepReply = self._collect("step", self.step_timeout_s)[0][0]
+            self._num_collected += 1
         return reply.result
 
     def run(self, batch: ScheduledBatch) -> RunResult:
@@ -260,22 +264,29 @@ class WorkerPool:
         return mask[0]
 
     # ---- statistics ----
-    def _account(self, reply: StepReply) -> None:
-        self._last = reply
-        for layer in reply.rank_tokens or []:
-            self._rank_tokens = [a + b for a, b in zip(self._rank_tokens, layer)]
-            self._sum_mean += sum(layer) / self.size
-            self._sum_max += max(layer)
-
     def reset_stats(self) -> None:
         """Restart the balance counters (a benchmark measures after its warm-up)."""
-        self._rank_tokens = [0] * self.size
-        self._sum_mean = self._sum_max = 0.0
+        self._stats_base = self._read_stats() if hasattr(self, "_stats_base") else {}
+
+    def _read_stats(self) -> dict:
+        """Rank 0's counters (every rank records the same routing counts), asked for between steps; while a step
+        is in flight (another thread drives the loop), the last ones read."""
+        with self._lock:
+            if self._broken is None and self._num_launched == self._num_collected:
+                for rank in range(self.size):
+                    self._sock.send_multipart([f"w{rank}".encode(), pickle.dumps(("stats", None))])
+                self._last_stats = self._collect("stats", self.step_timeout_s)[0][0]
+        return self._last_stats
 
     def stats(self) -> dict:
-        """MoE balance over all steps and layers: moe_balance = sum of mean / sum of max (token, expert) pairs
-        per rank (1.0 = even); per-rank totals; EPLB rearrangements and expert copies moved."""
-        return {"ep_size": self.size, "ep_tokens_per_rank": list(self._rank_tokens),
-                "moe_balance": self._sum_mean / self._sum_max if self._sum_max else 1.0,
-                "eplb_rearrangements": self._last.num_rearrangements if self._last else 0,
-                "eplb_moved_experts": self._last.num_moved_experts if self._last else 0}
+        """MoE balance over the steps and layers since reset_stats: moe_balance = sum of mean / sum of max
+        (token, expert) pairs per rank (1.0 = even); per-rank totals; EPLB rearrangements and expert copies
+        moved. One rank has no balance to report."""
+        now, base = self._read_stats(), self._stats_base
+        if not now:
+            return {"ep_size": self.size}
+        rank_tokens = [a - b for a, b in zip(now["rank_tokens"], base.get("rank_tokens", [0] * self.size))]
+        sum_max = now["sum_max"] - base.get("sum_max", 0)
+        return {"ep_size": self.size, "ep_tokens_per_rank": rank_tokens,
+                "moe_balance": sum(rank_tokens) / self.size / sum_max if sum_max else 1.0,
+                "eplb_rearrangements": now["num_rearrangements"], "eplb_moved_experts": now["num_moved_experts"]}
