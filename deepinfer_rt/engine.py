@@ -109,9 +109,15 @@ class Engine:
             runner = ModelRunner(self.model, self.pool, backend, self.sampler, dev, self.eos_ids,
                                  is_overlap_enabled=overlap, graphs=graphs, spec=self.spec)
             self.executor = runner
-        self.cache: PrefixCache = (RadixCache(self.executor.allocator, page_size) if enable_prefix_cache
-                                   else NoPrefixCache(self.executor.allocator, page_size))
-        self.scheduler = Scheduler(self.config.scheduler, self.executor, self.cache, spec=self.spec)
+        if getattr(self.executor, "rank_pools", None):  # data-parallel attention: a scheduler per EP rank
+            from deepinfer_rt.distributed.dp_scheduler import DPScheduler
+
+            self.scheduler = DPScheduler(self.config.scheduler, self.executor.rank_pools, enable_prefix_cache)
+            self.cache = self.scheduler.cache
+        else:
+            self.cache: PrefixCache = (RadixCache(self.executor.allocator, page_size) if enable_prefix_cache
+                                       else NoPrefixCache(self.executor.allocator, page_size))
+            self.scheduler = Scheduler(self.config.scheduler, self.executor, self.cache, spec=self.spec)
         self.outputs = OutputProcessor(self.tokenizer, self.eos_ids, mc.max_position)
         self._rng = random.Random(seed)
         self._rids = itertools.count()
@@ -424,7 +430,7 @@ class Engine:
         stats = {"num_retractions": self.scheduler.num_retractions, "num_steps": self._loop.num_steps,
                  "num_free_pages": allocator.num_free, "num_pages": allocator.num_pages,
                  "num_cached_pages": self.cache.num_cached_pages}
-        if isinstance(self.cache, RadixCache):
+        if isinstance(self.cache, RadixCache) or hasattr(self.cache, "stats"):
             stats.update(self.cache.stats())
         stats.update(self.executor.stats())  # the EP worker pool: MoE balance across ranks, EPLB moves
         if self.spec is not None:

@@ -1,19 +1,18 @@
 """Expert parallelism inside a worker: expert placement tables, the MoE dispatch/combine hook, expert sharding.
 
-Every EP rank runs attention over the whole batch (attention is replicated), so every rank holds the same
-hidden states and router output. A MoE layer then splits the tokens into one contiguous chunk per rank and,
-for its own chunk, each rank
+Attention is data-parallel: each EP rank runs attention over its own requests only, so each rank enters a MoE
+layer with its own tokens (none at all in an empty step: the layer's collectives still run, see `run_empty`).
+For its tokens each rank then does
 
     route      each (token, k) pair -> a slot (rank, local slot) holding a copy of the chosen expert
-    dispatch   all-to-all: the pairs' hidden rows go to the slots' ranks
+    counts     all-gather of the (source, destination) pair counts: every rank learns the all-to-all splits
+    dispatch   all-to-all: the pairs' hidden rows and slot ids go to the slots' ranks
     compute    the local experts over the rows they received (the model's own grouped reference)
-    combine    all-to-all back; the k results of a token are weighted and summed in slot (= expert id) order
-    gather     all-gather of the chunks: every rank again holds the whole batch for the next attention
+    combine    all-to-all back; the k results of a token are weighted and summed in top-k order
 
-A receiving rank orders an expert's rows by source rank, then by token within the source: that is the global
-token order, so each expert multiplies exactly the matrix it would without EP, and the weighted sum runs in the
-same order. EP size therefore does not change the routed result; only the shared experts see chunk-sized
-matmuls, which moves fp32 results by float rounding at most.
+A receiving rank orders an expert's rows by source rank, then by token within the source, and the k results of
+a token are summed in the same order whatever rank computed them, so the routed result of a token does not
+depend on the EP size; with the fixed-tile (batch-invariant) expert GEMMs it is bit-identical across EP sizes.
 """
 from __future__ import annotations
 
@@ -105,57 +104,48 @@ class ExpertParallelMoE:
         self.size = dist.get_world_size(group)
 
     def __call__(self, moe: nn.Module, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        num_tokens = x.shape[0]
+        num_tokens, k = ids.shape
         per_rank = self.placement.slots_per_rank
-        slots = self.placement.route(self.layer, ids)  # (T, k) global slots
-        dest = slots // per_rank
-        self.recorder.record(self.layer, ids, torch.bincount(dest.flatten(), minlength=self.size))
-        chunk = -(-num_tokens // self.size)
-        lo, hi = min(self.rank * chunk, num_tokens), min((self.rank + 1) * chunk, num_tokens)
-        # Every rank routes every token, so each knows what every rank sends every other: no count exchange.
-        source = (torch.arange(num_tokens, device=x.device) // chunk)[:, None].expand_as(slots)
-        counts = torch.bincount((source * self.size + dest).flatten(), minlength=self.size**2)
-        counts = counts.view(self.size, self.size).tolist()  # [source][destination] (token, k) pairs
-        send_split = counts[self.rank]
-        recv_split = [row[self.rank] for row in counts]
-        xs = x[lo:hi]
-        y = self._dispatch_compute_combine(moe.experts, xs, weights[lo:hi], slots, source, send_split, recv_split,
-                                           lo, hi)
-        if moe.shared_experts is not None:
-            y = y + moe.shared_experts(xs)
-        padded = x.new_zeros(chunk, x.shape[1])
-        padded[: hi - lo] = y
-        out = x.new_empty(chunk * self.size, x.shape[1])
-        _all_gather(out, padded, group=self.group)
-        return out[:num_tokens]
+        slots = self.placement.route(self.layer, ids).flatten()  # (T * k,) global slots, token-major
+        order = slots.argsort(stable=True)  # by destination rank, then slot; token order kept within a slot
+        mine = torch.bincount(slots // per_rank, minlength=self.size)
+        counts = mine.new_empty(self.size * self.size)
+        _all_gather(counts, mine, group=self.group)
+        counts = counts.view(self.size, self.size)  # [source][destination] (token, k) pairs
+        self.recorder.record(self.layer, ids, counts.sum(0))
+        counts = counts.tolist()
+        send_split, recv_split = counts[self.rank], [row[self.rank] for row in counts]
+        recv_x = self._all_to_all(x[order // k], recv_split, send_split)
+        recv_slot = self._all_to_all(slots[order] % per_rank, recv_split, send_split)
+        if recv_x.shape[0]:
+            # Rows arrive by source rank, each source's sorted by slot: per expert, the global token order.
+            # Weight 1 (exact): the routing weights are applied after combine, as without EP.
+            ones = torch.ones(recv_x.shape[0], 1, dtype=torch.float32, device=x.device)
+            recv_y = moe.experts(recv_x, ones, recv_slot[:, None])
+        else:
+            recv_y = recv_x
+        back = self._all_to_all(recv_y, send_split, recv_split)
+        out = torch.empty_like(back)
+        out[order] = back  # (token, k) order
+        y = (out.view(num_tokens, k, x.shape[1]) * weights.unsqueeze(-1)).sum(dim=1).to(x.dtype)
+        if moe.shared_experts is not None and num_tokens:
+            y = y + moe.shared_experts(x)
+        return y
 
     def _all_to_all(self, rows: torch.Tensor, out_split: list[int], in_split: list[int]) -> torch.Tensor:
         out = rows.new_empty(sum(out_split), *rows.shape[1:])
         dist.all_to_all_single(out, rows, out_split, in_split, group=self.group)
         return out
 
-    def _dispatch_compute_combine(self, experts: nn.Module, xs: torch.Tensor, weights: torch.Tensor,
-                                  slots: torch.Tensor, source: torch.Tensor, send_split: list[int],
-                                  recv_split: list[int], lo: int, hi: int) -> torch.Tensor:
-        k, hidden = slots.shape[1], xs.shape[1]
-        per_rank = self.placement.slots_per_rank
-        mine = slots[lo:hi].flatten()
-        order = mine.argsort(stable=True)  # this chunk's pairs by destination rank, then slot, token order kept
-        recv_x = self._all_to_all(xs[order // k], recv_split, send_split)
-        if recv_x.shape[0]:
-            # The received rows come by source chunk, each sorted by slot: recompute that order locally.
-            flat, src, num_slots = slots.flatten(), source.flatten(), per_rank * self.size
-            key = torch.where(flat // per_rank == self.rank, src * num_slots + flat, num_slots * self.size)
-            recv_slot = flat[key.argsort(stable=True)[: recv_x.shape[0]]] % per_rank
-            # Weight 1 (exact): the routing weights are applied after combine, as without EP.
-            ones = torch.ones(recv_x.shape[0], 1, dtype=torch.float32, device=xs.device)
-            recv_y = experts(recv_x, ones, recv_slot[:, None])
-        else:
-            recv_y = recv_x
-        back = self._all_to_all(recv_y, send_split, recv_split)
-        out = torch.empty_like(back)
-        out[order] = back  # (token, k) order
-        return (out.view(hi - lo, k, hidden) * weights.unsqueeze(-1)).sum(dim=1).to(xs.dtype)
+
+@torch.no_grad()
+def run_empty(model: nn.Module, hidden_size: int, dtype: torch.dtype, device: torch.device) -> None:
+    """An empty step: a rank with no requests this step takes its part in every MoE layer's collectives, in
+    layer order, with no tokens of its own (it still computes the rows other ranks send its experts)."""
+    x = torch.empty(0, hidden_size, dtype=dtype, device=device)
+    weights, ids = torch.empty(0, 1, device=device), torch.empty(0, 1, dtype=torch.long, device=device)
+    for moe in moe_layers(model):
+        moe.expert_parallel(moe, x, weights, ids)
 
 
 def moe_layers(model: nn.Module) -> list[nn.Module]:

@@ -51,7 +51,8 @@ class LoadWindow:
         return len(self._steps)
 
     def loads(self) -> torch.Tensor:
-        return torch.stack(list(self._steps)).cpu()
+        """(steps, layers, experts) on the counts' device."""
+        return torch.stack(list(self._steps))
 
 
 def contiguous_placement(num_experts: int, num_ranks: int) -> Placement:

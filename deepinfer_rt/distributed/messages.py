@@ -81,4 +81,4 @@ class StepMsg:
 class StepReply:
     rank: int
     result: RunResult | None
-    """Rank 0's result (every rank computes the same; only one is sent)."""
+    """This rank's result, item indices within its own part of the step."""

@@ -3,9 +3,10 @@
 Every rank is an ordinary `python -m deepinfer_rt.distributed.worker` process (see main), whether the engine
 started it or a launcher on another node did: nothing re-imports the user's script. It joins the EP group
 through torch.distributed's env:// rendezvous (the variables torchrun sets: MASTER_ADDR, MASTER_PORT, RANK,
-WORLD_SIZE, LOCAL_RANK), holds the attention/dense weights, its slots of every MoE layer and a KV pool, and runs
-the engine's plain-data steps through the ordinary ModelRunner. Steps arrive on a zmq DEALER socket; every rank
-answers each step, rank 0 with the sampled tokens (all ranks compute the same)."""
+WORLD_SIZE, LOCAL_RANK), holds the attention/dense weights, its slots of every MoE layer and a KV pool of its
+own, and runs its part of the engine's plain-data steps (its own requests: attention is data-parallel) through
+the ordinary ModelRunner; with no requests in a step it runs an empty one, its part in every MoE layer's
+collectives. Steps arrive on a zmq DEALER socket; every rank answers each step with its sampled tokens."""
 from __future__ import annotations
 
 import argparse
@@ -22,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from deepinfer_rt.cache.kv_pool import KVPool, num_kv_pages
-from deepinfer_rt.distributed.ep import ExpertShard, moe_layers
+from deepinfer_rt.distributed.ep import ExpertShard, moe_layers, run_empty
 from deepinfer_rt.distributed.eplb import (
     LoadWindow,
     contiguous_placement,
@@ -34,7 +35,7 @@ from deepinfer_rt.distributed.messages import StepMsg, StepReply, WorkerArgs
 from deepinfer_rt.env import get_env
 from deepinfer_rt.layers.attention.select import select_backend
 from deepinfer_rt.layers.kernel_config import KernelConfig
-from deepinfer_rt.model_runner import ModelRunner
+from deepinfer_rt.model_runner import ModelRunner, RunResult
 from deepinfer_rt.models.loader import build_model
 from deepinfer_rt.request import Req
 from deepinfer_rt.sampler import Sampler
@@ -142,7 +143,12 @@ class Worker:
         """The forward and sampling of the step; the routing counts stay on the device (see `stats`)."""
         for src, dst in msg.kv_copies:
             self.pool.copy_slots(src, dst)
-        result = self.runner.run(self._batch(msg))
+        batch = self._batch(msg)
+        if batch.is_empty:  # no requests on this rank this step: its part in the MoE layers' collectives only
+            run_empty(self.model, self.config.hidden_size, self.args.dtype, self.device)
+            result = RunResult([], None, {})
+        else:
+            result = self.runner.run(batch)
         if self.recorder is not None:
             expert_tokens = self.recorder.take()
             self.num_steps += 1
@@ -150,7 +156,7 @@ class Worker:
                 self.window.add(expert_tokens)
                 if self.num_steps % self.eplb.interval_steps == 0:
                     self._rearrange()
-        return StepReply(self.rank, result if self.rank == 0 else None)
+        return StepReply(self.rank, result)
 
     def stats(self) -> dict:
         """Counters since the start, read back from the device only when the engine asks."""
@@ -188,7 +194,11 @@ class Worker:
     def _rearrange(self) -> None:
         """Every rank holds the same routing counts, so each computes the same new placement with no messages;
         only the slots whose expert changed receive weights, point to point from a rank that held it."""
+        # Each rank counted its own tokens (attention is data-parallel): summed, every rank holds the same
+        # counts and computes the same placement.
         loads = self.window.loads()  # (steps, layers, experts)
+        dist.all_reduce(loads)
+        loads = loads.cpu()
         moves = []
         for layer, old in enumerate(self.placement.layers):
             load = loads[:, layer]

@@ -1,9 +1,12 @@
 """Engine side of expert parallelism: starts, feeds and supervises the EP worker processes.
 
 `WorkerPool` is an Executor (deepinfer_rt/executor.py), so the engine loop does not know it is there: the
-scheduler stays in the engine process and hands out pages of `allocator`, each step's batch goes to every worker
-as plain data (pickled once, sent over one zmq ROUTER socket, the KV slot copies it needs included) and rank 0's
-sampled tokens come back. Every worker is an ordinary `python -m deepinfer_rt.distributed.worker` process, one
+scheduling stays in the engine process. With one rank the engine's scheduler hands out pages of `allocator`;
+with EP > 1 attention is data-parallel: the engine runs a DPScheduler (distributed/dp_scheduler.py) with one
+scheduler per rank over that rank's pages (`rank_pools`), each rank receives its own part of the step as plain
+data (what changed since the previous step, pickled once, sent over one zmq ROUTER socket, the KV slot copies
+it needs included; an empty part makes that rank run an empty step) and every rank's sampled tokens come back,
+merged in rank order. Every worker is an ordinary `python -m deepinfer_rt.distributed.worker` process, one
 per GPU on CUDA, so a user's script needs no `if __name__ == "__main__":` guard (nothing re-imports it); workers
 find each other through torch.distributed's env:// rendezvous. Ranks beyond DEEPINFER_EP_LOCAL_WORKERS are
 started elsewhere (another node, by torchrun or any launcher that sets RANK and LOCAL_RANK) with the same
@@ -32,6 +35,7 @@ import zmq
 
 from deepinfer_rt.cache.kv_pool import PageAllocator
 from deepinfer_rt.config import EngineConfig, ModelConfig
+from deepinfer_rt.distributed.dp_scheduler import DPBatch, RankPool
 from deepinfer_rt.distributed.eplb import EPLBConfig
 from deepinfer_rt.distributed.messages import (
     NewReq,
@@ -42,6 +46,7 @@ from deepinfer_rt.distributed.messages import (
 )
 from deepinfer_rt.env import get_env
 from deepinfer_rt.model_runner import RunResult
+from deepinfer_rt.sampler import SampleResult
 from deepinfer_rt.scheduler.batch import ScheduledBatch
 
 _POLL_MS = 200
@@ -93,6 +98,41 @@ def _stop_workers(num_workers: int, procs: list[subprocess.Popen], sock, ctx) ->
     ctx.term()
 
 
+class _PagesOfRanks:
+    """Every rank's page allocator counted as one (engine stats)."""
+
+    def __init__(self, pools: list[RankPool]):
+        self.pools = pools
+
+    @property
+    def num_free(self) -> int:
+        return sum(p.allocator.num_free for p in self.pools)
+
+    @property
+    def num_pages(self) -> int:
+        return sum(p.allocator.num_pages for p in self.pools)
+
+
+def merge_results(results: list[RunResult], num_items: list[int]) -> RunResult:
+    """The ranks' results of one DPBatch (num_items[r]: items of rank r's part) as one, item indices moved past
+    the items of the ranks before."""
+    sampled, prompt_lps, tokens, logprobs, top = [], {}, [], [], []
+    has_lp, has_top, offset = False, False, 0
+    for result, n_items in zip(results, num_items):
+        sampled += [(offset + i, t) for i, t in result.sampled]
+        prompt_lps.update({offset + i: v for i, v in result.prompt_logprobs.items()})
+        s = result.sample
+        if s is not None:
+            n = len(s.token_ids)
+            tokens += s.token_ids
+            logprobs += s.logprobs if s.logprobs is not None else [0.0] * n
+            top += s.top_logprobs if s.top_logprobs is not None else [[] for _ in range(n)]
+            has_lp, has_top = has_lp or s.logprobs is not None, has_top or s.top_logprobs is not None
+        offset += n_items
+    sample = SampleResult(tokens, logprobs if has_lp else None, top if has_top else None) if tokens else None
+    return RunResult(sampled, sample, prompt_lps)
+
+
 class WorkerPool:
     def __init__(self, config: EngineConfig, path: Path, model_config: ModelConfig, eos_ids: tuple[int, ...]):
         env = get_env()
@@ -134,9 +174,12 @@ class WorkerPool:
         self._broken: str | None = None
         ready = self._collect("ready", env.ep_start_timeout_s)
         num_pages = min(num_pages for (num_pages,) in ready.values())
-        self.allocator = PageAllocator(num_pages)
-        """The workers' KV pages (every rank's pool has as many): the scheduler and prefix cache hand them out."""
         self.page_size = config.cache.page_size
+        self.rank_pools = [RankPool(PageAllocator(num_pages), self.page_size) for _ in range(n)] if n > 1 else []
+        """Data-parallel attention (EP > 1): each rank's KV pages, handed out by that rank's scheduler and prefix
+        cache (distributed/dp_scheduler.py); the engine builds its DPScheduler over them."""
+        self.allocator = PageAllocator(num_pages) if n == 1 else _PagesOfRanks(self.rank_pools)
+        """One rank: the worker's KV pages, handed out by the engine's scheduler and prefix cache."""
         self.num_slots = num_pages * self.page_size
         self.grammar = None
         """Set by the engine; the matchers stay here and the workers receive filled bitmask rows."""
@@ -213,9 +256,16 @@ class WorkerPool:
         when it is launched (`can_overlap` is False), so `prev` is never read."""
         if self._broken is not None:
             raise RuntimeError(f"the expert-parallel worker pool is down: {self._broken}")
-        payload = pickle.dumps(("step", self._step_msg(batch)), protocol=pickle.HIGHEST_PROTOCOL)
+        parts = batch.parts if isinstance(batch, DPBatch) else [batch]
+        if len(parts) != self.size:
+            raise ValueError(f"an EP={self.size} step needs one part per rank (a DPBatch), got {len(parts)}")
+        sent: dict[int, tuple[int, int, int]] = {}
+        payloads = [pickle.dumps(("step", self._step_msg(part, sent)), protocol=pickle.HIGHEST_PROTOCOL)
+                    for part in parts]
+        self._sent = sent
+        self._num_items = [len(part.items) for part in parts]
         with self._lock:
-            for rank in range(self.size):
+            for rank, payload in enumerate(payloads):
                 self._sock.send_multipart([f"w{rank}".encode(), payload])
             self._num_launched += 1
         return self._num_launched - 1
@@ -226,9 +276,11 @@ class WorkerPool:
             raise RuntimeError(f"the expert-parallel worker pool is down: {self._broken}")
         assert handle == self._num_collected, f"step {handle} collected out of order (next: {self._num_collected})"
         with self._lock:
-            reply: StepReply = self._collect("step", self.step_timeout_s)[0][0]
+            replies = self._collect("step", self.step_timeout_s)
             self._num_collected += 1
-        return reply.result
+        if self.size == 1:
+            return replies[0][0].result
+        return merge_results([replies[rank][0].result for rank in range(self.size)], self._num_items)
 
     def run(self, batch: ScheduledBatch) -> RunResult:
         return self.collect(self.launch(batch))
@@ -236,9 +288,10 @@ class WorkerPool:
     def can_overlap(self, batch: ScheduledBatch) -> bool:
         return False  # a step's sampled tokens reach the workers' inputs only through the engine, after collect
 
-    def _step_msg(self, batch: ScheduledBatch) -> StepMsg:
-        # The slot copies are done by every worker before the step's forward.
-        msg, sent = StepMsg(kv_copies=list(batch.kv_copies)), {}
+    def _step_msg(self, batch: ScheduledBatch, sent: dict[int, tuple[int, int, int]]) -> StepMsg:
+        """One rank's step: what changed in its requests since the previous step (recorded in `sent`). The slot
+        copies are done before the step's forward."""
+        msg = StepMsg(kv_copies=list(batch.kv_copies))
         for item in batch.items:
             req = item.req
             prev = self._sent.get(req.rid)
@@ -253,7 +306,6 @@ class WorkerPool:
                 req.pages[num_pages:], len(req.prompt_logprobs),
                 self._bitmask(req) if item.is_sampling and req.grammar is not None else None))
             sent[req.rid] = (req.num_tokens, req.num_retractions, len(req.pages))
-        self._sent = sent
         return msg
 
     def _bitmask(self, req) -> torch.Tensor:
@@ -269,7 +321,7 @@ class WorkerPool:
         self._stats_base = self._read_stats() if hasattr(self, "_stats_base") else {}
 
     def _read_stats(self) -> dict:
-        """Rank 0's counters (every rank records the same routing counts), asked for between steps; while a step
+        """Rank 0's counters (every rank records the same: the gathered pair counts), asked for between steps; while a step
         is in flight (another thread drives the loop), the last ones read."""
         with self._lock:
             if self._broken is None and self._num_launched == self._num_collected:
