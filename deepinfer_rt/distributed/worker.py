@@ -107,7 +107,8 @@ class Worker:
     # ---- start ----
     @staticmethod
     def _init_distributed(args: WorkerArgs) -> torch.device:
-        os.environ.update(args.dist_env)
+        os.environ.update(args.dist_env)  # the engine's rendezvous, over any a launcher (torchrun) set
+        os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)  # torchrun's agent store is not the engine's
         if args.num_threads:
             torch.set_num_threads(args.num_threads)
         timeout = timedelta(seconds=args.timeout_s)
@@ -255,22 +256,38 @@ def main(argv: list[str] | None = None) -> None:
     """Entry of every worker process:
 
         RANK=2 LOCAL_RANK=0 python -m deepinfer_rt.distributed.worker tcp://ENGINE_HOST:DEEPINFER_EP_PORT
+        torchrun --nproc-per-node 2 -m deepinfer_rt.distributed.worker --first-rank 2 tcp://ENGINE_HOST:PORT
 
     The engine starts its local ranks so, with --parent-pid; ranks beyond DEEPINFER_EP_LOCAL_WORKERS (another
-    node) are started the same way by any launcher that sets RANK and LOCAL_RANK (torchrun does). A worker asks
-    the engine for its arguments ("hello"), including the rendezvous address, then serves steps."""
+    node) are started the same way by any launcher that sets RANK and LOCAL_RANK (WORLD_SIZE, when set, must be
+    the engine's ep_size), or by torchrun on that node with --first-rank (the node's first EP rank; its
+    processes take first rank + LOCAL_RANK, torchrun's own node-local RANK and rendezvous are not used). A worker
+    asks the engine for its arguments ("hello"), including the rendezvous address, then serves steps."""
     parser = argparse.ArgumentParser(prog="python -m deepinfer_rt.distributed.worker")
     parser.add_argument("engine_addr", help="the engine's zmq address, tcp://HOST:PORT")
     parser.add_argument("--parent-pid", type=int, default=0,
                         help="exit when this process (the engine that started this worker) is gone")
+    parser.add_argument("--first-rank", type=int, default=None,
+                        help="this node's first EP rank: the rank is it + LOCAL_RANK (for torchrun)")
     opts = parser.parse_args(argv)
     if opts.parent_pid:
         threading.Thread(target=_exit_with, args=(opts.parent_pid,), name="parent-watchdog", daemon=True).start()
-    rank = int(os.environ["RANK"])
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if opts.first_rank is not None:
+        rank, world_size = opts.first_rank + local_rank, None
+    elif "RANK" in os.environ:
+        rank = int(os.environ["RANK"])
+        world_size = int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else None
+    else:
+        raise SystemExit("deepinfer_rt.distributed.worker: set RANK (and LOCAL_RANK), or pass --first-rank")
     ctx, sock = _connect(opts.engine_addr, rank)
-    sock.send(pickle.dumps(("hello", rank)))
-    args: WorkerArgs = pickle.loads(sock.recv())
-    args = replace(args, dist_env={**args.dist_env, "LOCAL_RANK": os.environ.get("LOCAL_RANK", "0")})
+    sock.send(pickle.dumps(("hello", rank, world_size)))
+    args = pickle.loads(sock.recv())
+    if isinstance(args, tuple) and args[0] == "refused":
+        sock.close()
+        ctx.term()
+        raise SystemExit(f"deepinfer_rt.distributed.worker: the engine refused rank {rank}: {args[1]}")
+    args = replace(args, dist_env={**args.dist_env, "LOCAL_RANK": str(local_rank)})
     _serve(args, ctx, sock)
 
 

@@ -58,12 +58,12 @@ def _free_port(host: str) -> int:
         return s.getsockname()[1]
 
 
-def _start_worker(rank: int, engine_addr: str) -> subprocess.Popen:
+def _start_worker(rank: int, world_size: int, engine_addr: str) -> subprocess.Popen:
     """A local rank: a fresh interpreter running the worker module, which exits when this process is gone. It
     runs this process's deepinfer_rt whatever sys.path edits the user's script made."""
     root = str(Path(__file__).resolve().parents[2])  # the folder holding this deepinfer_rt
     path = os.pathsep.join([root, *filter(None, [os.environ.get("PYTHONPATH")])])
-    env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), PYTHONPATH=path)
+    env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), PYTHONPATH=path)
     return subprocess.Popen(
         [sys.executable, "-m", "deepinfer_rt.distributed.worker", engine_addr, "--parent-pid", str(os.getpid())],
         env=env, stdin=subprocess.DEVNULL, stdout=2)  # stdout to our stderr (fd 2); stderr is inherited
@@ -155,7 +155,8 @@ class WorkerPool:
             self._sock.bind(f"tcp://{host}:{port}")
         else:
             port = self._sock.bind_to_random_port(f"tcp://{host}")
-        master = {"MASTER_ADDR": host, "MASTER_PORT": str(_free_port(host)), "WORLD_SIZE": str(n)}
+        master = {"MASTER_ADDR": env.master_addr or host, "MASTER_PORT": str(env.master_port or _free_port(host)),
+                  "WORLD_SIZE": str(n)}
         eplb = EPLBConfig(env.eplb, env.eplb_window_steps, env.eplb_interval_steps, env.eplb_redundant_per_rank)
         # Every rank gets the same arguments but its rank, sent when it asks ("hello").
         engine_addr = f"tcp://{host}:{port}"
@@ -169,9 +170,11 @@ class WorkerPool:
             num_threads=env.num_threads or max(1, torch.get_num_threads() // num_local), eplb=eplb,
             timeout_s=max(60.0, 2 * env.ep_step_timeout_s), batch_invariant=config.batch_invariant)
             for rank in range(n)]
-        self._procs = [_start_worker(rank, engine_addr) for rank in range(num_local)]
+        self._procs = [_start_worker(rank, n, engine_addr) for rank in range(num_local)]
         self._finalizer = weakref.finalize(self, _stop_workers, n, self._procs, self._sock, self._ctx)
         self._broken: str | None = None
+        self._refused: list[str] = []
+        """Why workers that asked to join were turned away (named when the start times out)."""
         ready = self._collect("ready", env.ep_start_timeout_s)
         num_pages = min(num_pages for (num_pages,) in ready.values())
         self.page_size = config.cache.page_size
@@ -200,8 +203,8 @@ class WorkerPool:
             if self._sock.poll(_POLL_MS):
                 _, payload = self._sock.recv_multipart()
                 got, rank, *rest = pickle.loads(payload)
-                if got == "hello":  # a worker started outside the engine asks for its arguments
-                    self._sock.send_multipart([f"w{rank}".encode(), pickle.dumps(self._worker_args[rank])])
+                if got == "hello":  # a worker asks for its arguments
+                    self._answer_hello(rank, *rest)
                     continue
                 if got == "error":
                     # A peer's death surfaces first as a collective error in the survivors: name the cause.
@@ -215,9 +218,24 @@ class WorkerPool:
                 self._fail(dead + self._late_error())
             if time.monotonic() > deadline:
                 missing = sorted(set(range(self.size)) - set(replies))
+                variable, what = ("START", "starts") if kind == "ready" else ("STEP", "steps")
+                refused = f"; workers refused: {'; '.join(self._refused)}" if self._refused else ""
                 self._fail(f"expert-parallel worker(s) {missing} did not answer within {timeout_s:g} s "
-                           f"(hung?); set DEEPINFER_EP_STEP_TIMEOUT for longer steps")
+                           f"(hung?); set DEEPINFER_EP_{variable}_TIMEOUT for longer {what}{refused}")
         return replies
+
+    def _answer_hello(self, rank: int, world_size: int | None = None) -> None:
+        """Its arguments to a rank the engine expects; a clear refusal to any other (the worker exits with it)."""
+        problem = None
+        if not 0 <= rank < self.size:
+            problem = f"rank {rank} is outside the EP group of {self.size} ranks (ep_size)"
+        elif world_size is not None and world_size != self.size:
+            problem = f"WORLD_SIZE={world_size} but the engine runs ep_size={self.size}"
+        if problem is not None:
+            self._sock.send_multipart([f"w{rank}".encode(), pickle.dumps(("refused", problem))])
+            self._refused.append(problem)
+            return
+        self._sock.send_multipart([f"w{rank}".encode(), pickle.dumps(self._worker_args[rank])])
 
     def _dead_worker(self, wait_s: float) -> str | None:
         deadline = time.monotonic() + wait_s
