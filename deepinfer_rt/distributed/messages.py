@@ -65,6 +65,10 @@ class StepItem:
     """new_pages extend the mirror's pages from this index (0: replace them)."""
     new_pages: list[int]
     num_prompt_logprobs: int
+    is_sampling: bool
+    wants_prompt_logprobs: bool
+    num_inflight_tokens: int
+    """Overlap: the engine's token of the step before, still on the workers' device (see model_runner)."""
     bitmask: torch.Tensor | None = None
     """Grammar bitmask row (int32, ceil(V / 32)) filled by the engine when the item samples constrained."""
 
@@ -75,6 +79,9 @@ class StepMsg:
     items: list[StepItem] = field(default_factory=list)
     kv_copies: list[tuple[list[int], list[int]]] = field(default_factory=list)
     """(src slots, dst slots) copies the scheduler asked for since the previous step, done before the forward."""
+    is_overlapped: bool = False
+    """Launched before the step before is collected: its decode inputs read that step's tokens on the device,
+    and its answer waits until the next step arrives (or a "flush")."""
 
 
 @dataclass

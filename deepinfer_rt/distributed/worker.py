@@ -35,7 +35,7 @@ from deepinfer_rt.distributed.messages import StepMsg, StepReply, WorkerArgs
 from deepinfer_rt.env import get_env
 from deepinfer_rt.layers.attention.select import select_backend
 from deepinfer_rt.layers.kernel_config import KernelConfig
-from deepinfer_rt.model_runner import ModelRunner, RunResult
+from deepinfer_rt.model_runner import Launched, ModelRunner, RunResult
 from deepinfer_rt.models.loader import build_model
 from deepinfer_rt.request import Req
 from deepinfer_rt.sampler import Sampler
@@ -82,10 +82,13 @@ class Worker:
         self.pool = KVPool(layout, self.num_pages, args.page_size, args.dtype, self.device)
         # The engine's backend rule, so EP=1 in-process and EP=N in workers run the same attention.
         backend = select_backend(self.device, args.batch_invariant)
+        # Overlap is the engine's decision, step by step (StepMsg.is_overlapped).
         self.runner = ModelRunner(self.model, self.pool, backend, Sampler(mc.vocab_size), self.device, args.eos_ids,
-                                  graphs=self._cuda_graphs(backend))
+                                  is_overlap_enabled=True, graphs=self._cuda_graphs(backend))
         self.runner.grammar = ShippedBitmasks(mc.vocab_size)
         self.mirrors: dict[int, Req] = {}
+        self.held: Launched | None = None
+        """The overlapped step launched and not yet answered."""
         self.window = LoadWindow(self.eplb.window_steps) if self.eplb else None
         self.num_steps = 0
         self.num_moved_experts = 0
@@ -140,16 +143,19 @@ class Worker:
         return int(pages.item())
 
     # ---- each step ----
-    def step(self, msg: StepMsg) -> StepReply:
-        """The forward and sampling of the step; the routing counts stay on the device (see `stats`)."""
+    def step(self, msg: StepMsg) -> list[StepReply]:
+        """Launch the step's forward and sampling; returns the answers now due: the overlapped step held from
+        before (whose tokens this step's inputs read on the device), then this step's unless it is overlapped
+        itself (held until the next step or a flush). The routing counts stay on the device (see `stats`)."""
         for src, dst in msg.kv_copies:
             self.pool.copy_slots(src, dst)
         batch = self._batch(msg)
         if batch.is_empty:  # no requests on this rank this step: its part in the MoE layers' collectives only
             run_empty(self.model, self.config.hidden_size, self.args.dtype, self.device)
-            result = RunResult([], None, {})
+            handle = Launched(result=RunResult([], None, {}))
         else:
-            result = self.runner.run(batch)
+            batch.is_overlappable = msg.is_overlapped
+            handle = self.runner.launch(batch, self.held if msg.is_overlapped else None)
         if self.recorder is not None:
             expert_tokens = self.recorder.take()
             self.num_steps += 1
@@ -157,7 +163,17 @@ class Worker:
                 self.window.add(expert_tokens)
                 if self.num_steps % self.eplb.interval_steps == 0:
                     self._rearrange()
-        return StepReply(self.rank, result)
+        replies = self.flush()
+        if msg.is_overlapped:
+            self.held = handle
+        else:
+            replies.append(StepReply(self.rank, self.runner.collect(handle)))
+        return replies
+
+    def flush(self) -> list[StepReply]:
+        """The answer of the overlapped step held, if any."""
+        held, self.held = self.held, None
+        return [] if held is None else [StepReply(self.rank, self.runner.collect(held))]
 
     def stats(self) -> dict:
         """Counters since the start, read back from the device only when the engine asks."""
@@ -174,7 +190,7 @@ class Worker:
             req = Req(new.rid, new.prompt_ids, new.params, new.seed)
             req.token_ids = list(new.token_ids)
             mirrors[new.rid] = req
-        batch = ScheduledBatch()
+        batch = ScheduledBatch()  # the engine's plan, item for item (its flags too: the mirrors lack in-flight tokens)
         for item in msg.items:
             req = mirrors.get(item.rid) or self.mirrors[item.rid]
             req.token_ids.extend(item.new_token_ids)
@@ -186,8 +202,10 @@ class Worker:
             req.num_computed_tokens = item.num_computed_tokens
             req.prompt_logprobs = [None] * item.num_prompt_logprobs
             req.grammar = item.bitmask
+            req.num_inflight_tokens = item.num_inflight_tokens
             mirrors[item.rid] = req
-            batch.items.append(ScheduledReq.of(req, item.num_new_tokens))
+            batch.items.append(ScheduledReq(req, item.num_computed_tokens, item.num_new_tokens, item.is_sampling,
+                                            (), item.wants_prompt_logprobs))
         self.mirrors = mirrors
         return batch
 
@@ -304,7 +322,8 @@ def _serve(args: WorkerArgs, ctx, sock) -> None:
             if kind == "stats":
                 sock.send(pickle.dumps(("stats", args.rank, worker.stats())))
                 continue
-            sock.send(pickle.dumps(("step", args.rank, worker.step(msg)), protocol=pickle.HIGHEST_PROTOCOL))
+            for reply in worker.step(msg) if kind == "step" else worker.flush():
+                sock.send(pickle.dumps(("step", args.rank, reply), protocol=pickle.HIGHEST_PROTOCOL))
     except Exception:  # any failure is reported to the engine, which names this rank in its error
         sock.send(pickle.dumps(("error", args.rank, traceback.format_exc())))
         code = 1

@@ -45,7 +45,7 @@ from deepinfer_rt.distributed.messages import (
     WorkerArgs,
 )
 from deepinfer_rt.env import get_env
-from deepinfer_rt.model_runner import RunResult
+from deepinfer_rt.model_runner import RunResult, is_overlappable
 from deepinfer_rt.sampler import SampleResult
 from deepinfer_rt.scheduler.batch import ScheduledBatch
 
@@ -189,6 +189,12 @@ class WorkerPool:
         self._sent: dict[int, tuple[int, int, int]] = {}
         """rid -> (tokens, retractions, pages) the workers' mirror holds after the previous step."""
         self._num_launched = self._num_collected = 0
+        self._num_items: dict[int, list[int]] = {}
+        """Launched, not yet collected step -> its parts' item counts."""
+        self._held: int | None = None
+        """The overlapped step the workers hold unanswered until the next step (or a flush) arrives."""
+        self._num_overlapped = 0
+        self.is_overlap_enabled = env.overlap if env.overlap is not None else config.device.type == "cuda"
         self._lock = threading.Lock()
         """Held while the socket is used: stats may be asked from another thread than the engine loop's."""
         self._last_stats: dict = {}
@@ -270,60 +276,76 @@ class WorkerPool:
 
     # ---- each step (the Executor contract) ----
     def launch(self, batch: ScheduledBatch, prev=None) -> int:
-        """Send the step to every worker and return its number without waiting. Every step's inputs are final
-        when it is launched (`can_overlap` is False), so `prev` is never read."""
+        """Send the step to every worker and return its number without waiting. An overlapped step's inputs may
+        be the previous step's tokens: the workers hold that step (`prev`) and read them on their device."""
         if self._broken is not None:
             raise RuntimeError(f"the expert-parallel worker pool is down: {self._broken}")
         parts = batch.parts if isinstance(batch, DPBatch) else [batch]
         if len(parts) != self.size:
             raise ValueError(f"an EP={self.size} step needs one part per rank (a DPBatch), got {len(parts)}")
+        is_overlapped = self.can_overlap(batch)
         sent: dict[int, tuple[int, int, int]] = {}
-        payloads = [pickle.dumps(("step", self._step_msg(part, sent)), protocol=pickle.HIGHEST_PROTOCOL)
-                    for part in parts]
+        payloads = [pickle.dumps(("step", self._step_msg(part, sent, is_overlapped)),
+                                 protocol=pickle.HIGHEST_PROTOCOL) for part in parts]
         self._sent = sent
-        self._num_items = [len(part.items) for part in parts]
         with self._lock:
             for rank, payload in enumerate(payloads):
                 self._sock.send_multipart([f"w{rank}".encode(), payload])
+            handle = self._num_launched
+            self._num_items[handle] = [len(part.items) for part in parts]
+            self._held = handle if is_overlapped else None
             self._num_launched += 1
-        return self._num_launched - 1
+            self._num_overlapped += is_overlapped
+        return handle
 
     def collect(self, handle: int) -> RunResult:
-        """Wait for every rank's answer to step `handle` (steps are collected in launch order); rank 0's result."""
+        """Wait for every rank's answer to step `handle` (steps are collected in launch order), merged."""
         if self._broken is not None:
             raise RuntimeError(f"the expert-parallel worker pool is down: {self._broken}")
         assert handle == self._num_collected, f"step {handle} collected out of order (next: {self._num_collected})"
         with self._lock:
+            if self._held == handle:  # the workers answer an overlapped step when the next one comes: no next
+                for rank in range(self.size):
+                    self._sock.send_multipart([f"w{rank}".encode(), pickle.dumps(("flush", None))])
+                self._held = None
             replies = self._collect("step", self.step_timeout_s)
             self._num_collected += 1
+            num_items = self._num_items.pop(handle)
         if self.size == 1:
             return replies[0][0].result
-        return merge_results([replies[rank][0].result for rank in range(self.size)], self._num_items)
+        return merge_results([replies[rank][0].result for rank in range(self.size)], num_items)
 
     def run(self, batch: ScheduledBatch) -> RunResult:
         return self.collect(self.launch(batch))
 
     def can_overlap(self, batch: ScheduledBatch) -> bool:
-        return False  # a step's sampled tokens reach the workers' inputs only through the engine, after collect
+        """As the local runner: a decode step launched while the step before computes (DEEPINFER_OVERLAP, on by
+        default on CUDA); the workers read its inputs from that step's tokens on their device."""
+        if not self.is_overlap_enabled:
+            return False
+        if batch.is_overlappable is None:
+            batch.is_overlappable = is_overlappable(batch)
+        return batch.is_overlappable
 
-    def _step_msg(self, batch: ScheduledBatch, sent: dict[int, tuple[int, int, int]]) -> StepMsg:
+    def _step_msg(self, batch: ScheduledBatch, sent: dict[int, tuple[int, int, int]], is_overlapped: bool
+                  ) -> StepMsg:
         """One rank's step: what changed in its requests since the previous step (recorded in `sent`). The slot
         copies are done before the step's forward."""
-        msg = StepMsg(kv_copies=list(batch.kv_copies))
+        msg = StepMsg(kv_copies=list(batch.kv_copies), is_overlapped=is_overlapped)
         for item in batch.items:
             req = item.req
             prev = self._sent.get(req.rid)
             if prev is None:
                 msg.new_reqs.append(NewReq(req.rid, req.prompt_ids, list(req.token_ids), req.params, req.seed))
-                prev = (req.num_tokens, -1, 0)
-            num_tokens, retractions, num_pages = prev
+                prev = (len(req.token_ids), -1, 0)
+            num_known, retractions, num_pages = prev
             if retractions != req.num_retractions:
                 num_pages = 0  # pages were given back and taken anew: send them all
             msg.items.append(StepItem(
-                req.rid, req.num_computed_tokens, item.num_new_tokens, req.token_ids[num_tokens:], num_pages,
-                req.pages[num_pages:], len(req.prompt_logprobs),
-                self._bitmask(req) if item.is_sampling and req.grammar is not None else None))
-            sent[req.rid] = (req.num_tokens, req.num_retractions, len(req.pages))
+                req.rid, item.start, item.num_new_tokens, req.token_ids[num_known:], num_pages,
+                req.pages[num_pages:], len(req.prompt_logprobs), item.is_sampling, item.wants_prompt_logprobs,
+                req.num_inflight_tokens, self._bitmask(req) if item.is_sampling and req.grammar is not None else None))
+            sent[req.rid] = (len(req.token_ids), req.num_retractions, len(req.pages))
         return msg
 
     def _bitmask(self, req) -> torch.Tensor:
@@ -354,9 +376,9 @@ class WorkerPool:
         moved. One rank has no balance to report."""
         now, base = self._read_stats(), self._stats_base
         if not now:
-            return {"ep_size": self.size}
+            return {"ep_size": self.size, "ep_overlapped_steps": self._num_overlapped}
         rank_tokens = [a - b for a, b in zip(now["rank_tokens"], base.get("rank_tokens", [0] * self.size))]
         sum_max = now["sum_max"] - base.get("sum_max", 0)
-        return {"ep_size": self.size, "ep_tokens_per_rank": rank_tokens,
+        return {"ep_size": self.size, "ep_overlapped_steps": self._num_overlapped, "ep_tokens_per_rank": rank_tokens,
                 "moe_balance": sum(rank_tokens) / self.size / sum_max if sum_max else 1.0,
                 "eplb_rearrangements": now["num_rearrangements"], "eplb_moved_experts": now["num_moved_experts"]}
