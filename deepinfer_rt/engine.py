@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import random
@@ -81,13 +82,18 @@ class Engine:
         if ep_size > 1 or env.ep_worker_pool:
             from deepinfer_rt.distributed.worker_pool import WorkerPool
 
-            if speculative is not None:
-                raise ValueError("speculative decoding does not run with the expert-parallel worker pool yet")
             if quantization is not None:
                 raise ValueError("quantization= does not reach the expert-parallel workers yet")
+            spec_config = None if speculative is None else SpeculativeConfig.parse(speculative)
+            if spec_config is not None:  # planned here, verified in the workers (distributed/spec.py)
+                from deepinfer_rt.distributed.spec import engine_spec_decoder
+
+                self.spec = engine_spec_decoder(spec_config, self.config.batch_invariant, mc.max_position)
             # The model lives in the EP worker processes; the pool's allocator hands out pages of theirs.
             self.model = None
-            self.executor: Executor = WorkerPool(self.config, path, mc, self.eos_ids)
+            self.executor: Executor = WorkerPool(self.config, path, mc, self.eos_ids, spec_config and
+                                                 dataclasses.replace(spec_config, drafter=None))
+            self.executor.spec = self.spec
             self.pool = self.executor
         else:
             self.model = build_model(self.model_config, path, load_format, self.config.dtype, dev, seed,
@@ -112,7 +118,8 @@ class Engine:
         if getattr(self.executor, "rank_pools", None):  # data-parallel attention: a scheduler per EP rank
             from deepinfer_rt.distributed.dp_scheduler import DPScheduler
 
-            self.scheduler = DPScheduler(self.config.scheduler, self.executor.rank_pools, enable_prefix_cache)
+            self.scheduler = DPScheduler(self.config.scheduler, self.executor.rank_pools, enable_prefix_cache,
+                                         spec=self.spec)
             self.cache = self.scheduler.cache
         else:
             self.cache: PrefixCache = (RadixCache(self.executor.allocator, page_size) if enable_prefix_cache

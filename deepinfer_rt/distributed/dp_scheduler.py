@@ -81,11 +81,11 @@ class DPCache(PrefixCache):
 
 
 class DPScheduler:
-    def __init__(self, config: SchedulerConfig, pools: list[RankPool], enable_prefix_cache: bool):
+    def __init__(self, config: SchedulerConfig, pools: list[RankPool], enable_prefix_cache: bool, spec=None):
         self.caches: list[PrefixCache] = [
             RadixCache(p.allocator, p.page_size) if enable_prefix_cache else NoPrefixCache(p.allocator, p.page_size)
             for p in pools]
-        self.ranks = [Scheduler(config, pool, cache) for pool, cache in zip(pools, self.caches)]
+        self.ranks = [Scheduler(config, pool, cache, spec=spec) for pool, cache in zip(pools, self.caches)]
         self.cache = DPCache(self.caches)
         self.min_prefix_tokens = config.inflight_prefix_min_tokens
         """A rank's prefix counts for placement from this many tokens on."""
@@ -124,10 +124,12 @@ class DPScheduler:
         return _merge([sched.schedule() for sched in self.ranks])
 
     def update(self, batch: DPBatch, num_accepted: dict[int, int] | None = None) -> None:
-        if num_accepted:
-            raise ValueError("speculative decoding does not run with data-parallel attention")
+        """num_accepted: merged item index -> drafts accepted (speculation), handed to each rank by its index."""
+        offset = 0
         for sched, part in zip(self.ranks, batch.parts):
-            sched.update(part)
+            n = len(part.items)
+            sched.update(part, {i - offset: a for i, a in (num_accepted or {}).items() if offset <= i < offset + n})
+            offset += n
 
     def finish(self, req: Req) -> None:
         rank = self.rank_of.pop(req.rid, None)

@@ -14,6 +14,7 @@ from deepinfer_rt.config import ModelConfig
 from deepinfer_rt.distributed.eplb import EPLBConfig
 from deepinfer_rt.model_runner import RunResult
 from deepinfer_rt.sampling_params import SamplingParams
+from deepinfer_rt.speculative.config import SpeculativeConfig
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,8 @@ class WorkerArgs:
     eplb: EPLBConfig
     timeout_s: float
     batch_invariant: bool = False
+    speculative: SpeculativeConfig | None = None
+    """Prompt-lookup speculation: each worker verifies the drafts its steps carry."""
 
 
 @dataclass
@@ -70,6 +73,8 @@ class StepItem:
     num_inflight_tokens: int
     """Overlap: the engine's token of the step before, still on the workers' device (see model_runner)."""
     bitmask: torch.Tensor | None = None
+    draft_tokens: tuple[int, ...] = ()
+    """Speculation: the drafts the step verifies after the item's tokens (counted in num_new_tokens)."""
     """Grammar bitmask row (int32, ceil(V / 32)) filled by the engine when the item samples constrained."""
 
 

@@ -32,6 +32,7 @@ from deepinfer_rt.distributed.eplb import (
     window_objective,
 )
 from deepinfer_rt.distributed.messages import StepMsg, StepReply, WorkerArgs
+from deepinfer_rt.distributed.spec import set_step_drafts, worker_spec_decoder
 from deepinfer_rt.env import get_env
 from deepinfer_rt.layers.attention.select import select_backend
 from deepinfer_rt.layers.kernel_config import KernelConfig
@@ -83,8 +84,10 @@ class Worker:
         # The engine's backend rule, so EP=1 in-process and EP=N in workers run the same attention.
         backend = select_backend(self.device, args.batch_invariant)
         # Overlap is the engine's decision, step by step (StepMsg.is_overlapped).
+        spec = None if args.speculative is None else worker_spec_decoder(args.speculative, args.batch_invariant,
+                                                                         args.max_position)
         self.runner = ModelRunner(self.model, self.pool, backend, Sampler(mc.vocab_size), self.device, args.eos_ids,
-                                  is_overlap_enabled=True, graphs=self._cuda_graphs(backend))
+                                  is_overlap_enabled=True, graphs=self._cuda_graphs(backend), spec=spec)
         self.runner.grammar = ShippedBitmasks(mc.vocab_size)
         self.mirrors: dict[int, Req] = {}
         self.held: Launched | None = None
@@ -205,7 +208,10 @@ class Worker:
             req.num_inflight_tokens = item.num_inflight_tokens
             mirrors[item.rid] = req
             batch.items.append(ScheduledReq(req, item.num_computed_tokens, item.num_new_tokens, item.is_sampling,
-                                            (), item.wants_prompt_logprobs))
+                                            item.draft_tokens, item.wants_prompt_logprobs))
+        if self.runner.spec is not None:
+            set_step_drafts(self.runner.spec, {it.rid: (it.draft_tokens, it.req.num_tokens)
+                                               for it in batch.items if it.draft_tokens})
         self.mirrors = mirrors
         return batch
 

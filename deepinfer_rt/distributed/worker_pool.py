@@ -37,6 +37,7 @@ from deepinfer_rt.cache.kv_pool import PageAllocator
 from deepinfer_rt.config import EngineConfig, ModelConfig
 from deepinfer_rt.distributed.dp_scheduler import DPBatch, RankPool
 from deepinfer_rt.distributed.eplb import EPLBConfig
+from deepinfer_rt.distributed.spec import EngineSpecDecoder
 from deepinfer_rt.distributed.messages import (
     NewReq,
     StepItem,
@@ -48,6 +49,7 @@ from deepinfer_rt.env import get_env
 from deepinfer_rt.model_runner import RunResult, is_overlappable
 from deepinfer_rt.sampler import SampleResult
 from deepinfer_rt.scheduler.batch import ScheduledBatch
+from deepinfer_rt.speculative.config import SpeculativeConfig
 
 _POLL_MS = 200
 
@@ -116,11 +118,15 @@ class _PagesOfRanks:
 def merge_results(results: list[RunResult], num_items: list[int]) -> RunResult:
     """The ranks' results of one DPBatch (num_items[r]: items of rank r's part) as one, item indices moved past
     the items of the ranks before."""
-    sampled, prompt_lps, tokens, logprobs, top = [], {}, [], [], []
+    sampled, prompt_lps, num_accepted, tokens, logprobs, top = [], {}, {}, [], [], []
     has_lp, has_top, offset = False, False, 0
+    verified = []  # speculation: every rank's verified tokens after all sampler rows, as RunResult lists them
     for result, n_items in zip(results, num_items):
-        sampled += [(offset + i, t) for i, t in result.sampled]
+        num_rows = len(result.sample.token_ids) if result.sample is not None else 0
+        sampled += [(offset + i, t) for i, t in result.sampled[:num_rows]]
+        verified += [(offset + i, t) for i, t in result.sampled[num_rows:]]
         prompt_lps.update({offset + i: v for i, v in result.prompt_logprobs.items()})
+        num_accepted.update({offset + i: n for i, n in result.num_accepted.items()})
         s = result.sample
         if s is not None:
             n = len(s.token_ids)
@@ -130,11 +136,12 @@ def merge_results(results: list[RunResult], num_items: list[int]) -> RunResult:
             has_lp, has_top = has_lp or s.logprobs is not None, has_top or s.top_logprobs is not None
         offset += n_items
     sample = SampleResult(tokens, logprobs if has_lp else None, top if has_top else None) if tokens else None
-    return RunResult(sampled, sample, prompt_lps)
+    return RunResult(sampled + verified, sample, prompt_lps, num_accepted)
 
 
 class WorkerPool:
-    def __init__(self, config: EngineConfig, path: Path, model_config: ModelConfig, eos_ids: tuple[int, ...]):
+    def __init__(self, config: EngineConfig, path: Path, model_config: ModelConfig, eos_ids: tuple[int, ...],
+                 speculative: SpeculativeConfig | None = None):
         env = get_env()
         n = config.ep_size
         if n > 1 and not model_config.is_moe:
@@ -168,7 +175,8 @@ class WorkerPool:
             kv_cache_tokens=config.cache.kv_cache_tokens, max_num_seqs=config.scheduler.max_num_seqs,
             max_position=model_config.max_position, eos_ids=eos_ids,
             num_threads=env.num_threads or max(1, torch.get_num_threads() // num_local), eplb=eplb,
-            timeout_s=max(60.0, 2 * env.ep_step_timeout_s), batch_invariant=config.batch_invariant)
+            timeout_s=max(60.0, 2 * env.ep_step_timeout_s), batch_invariant=config.batch_invariant,
+            speculative=speculative)
             for rank in range(n)]
         self._procs = [_start_worker(rank, n, engine_addr) for rank in range(num_local)]
         self._finalizer = weakref.finalize(self, _stop_workers, n, self._procs, self._sock, self._ctx)
@@ -184,13 +192,17 @@ class WorkerPool:
         self.allocator = PageAllocator(num_pages) if n == 1 else _PagesOfRanks(self.rank_pools)
         """One rank: the worker's KV pages, handed out by the engine's scheduler and prefix cache."""
         self.num_slots = num_pages * self.page_size
+        self.spec: EngineSpecDecoder | None = None
+        """Set by the engine with speculation: plans the drafts the workers verify, books what they accepted."""
         self.grammar = None
         """Set by the engine; the matchers stay here and the workers receive filled bitmask rows."""
         self._sent: dict[int, tuple[int, int, int]] = {}
+        self._last_page: dict[int, int] = {}
+        """Speculation: rid -> the last page sent (a rollback of draft pages changes it)."""
         """rid -> (tokens, retractions, pages) the workers' mirror holds after the previous step."""
         self._num_launched = self._num_collected = 0
-        self._num_items: dict[int, list[int]] = {}
-        """Launched, not yet collected step -> its parts' item counts."""
+        self._launched: dict[int, tuple[list[int], ScheduledBatch, float]] = {}
+        """Launched, not yet collected step -> (its parts' item counts, its batch, its launch time)."""
         self._held: int | None = None
         """The overlapped step the workers hold unanswered until the next step (or a flush) arrives."""
         self._num_overlapped = 0
@@ -292,7 +304,7 @@ class WorkerPool:
             for rank, payload in enumerate(payloads):
                 self._sock.send_multipart([f"w{rank}".encode(), payload])
             handle = self._num_launched
-            self._num_items[handle] = [len(part.items) for part in parts]
+            self._launched[handle] = ([len(part.items) for part in parts], batch, time.perf_counter())
             self._held = handle if is_overlapped else None
             self._num_launched += 1
             self._num_overlapped += is_overlapped
@@ -310,10 +322,14 @@ class WorkerPool:
                 self._held = None
             replies = self._collect("step", self.step_timeout_s)
             self._num_collected += 1
-            num_items = self._num_items.pop(handle)
+            num_items, batch, start = self._launched.pop(handle)
         if self.size == 1:
-            return replies[0][0].result
-        return merge_results([replies[rank][0].result for rank in range(self.size)], num_items)
+            result = replies[0][0].result
+        else:
+            result = merge_results([replies[rank][0].result for rank in range(self.size)], num_items)
+        if self.spec is not None:
+            self.spec.book(batch, result.num_accepted, time.perf_counter() - start)
+        return result
 
     def run(self, batch: ScheduledBatch) -> RunResult:
         return self.collect(self.launch(batch))
@@ -321,7 +337,7 @@ class WorkerPool:
     def can_overlap(self, batch: ScheduledBatch) -> bool:
         """As the local runner: a decode step launched while the step before computes (DEEPINFER_OVERLAP, on by
         default on CUDA); the workers read its inputs from that step's tokens on their device."""
-        if not self.is_overlap_enabled:
+        if not self.is_overlap_enabled or self.spec is not None:
             return False
         if batch.is_overlappable is None:
             batch.is_overlappable = is_overlappable(batch)
@@ -339,13 +355,19 @@ class WorkerPool:
                 msg.new_reqs.append(NewReq(req.rid, req.prompt_ids, list(req.token_ids), req.params, req.seed))
                 prev = (len(req.token_ids), -1, 0)
             num_known, retractions, num_pages = prev
-            if retractions != req.num_retractions:
-                num_pages = 0  # pages were given back and taken anew: send them all
+            if retractions != req.num_retractions or (self.spec is not None and num_pages and (
+                    num_pages > len(req.pages) or req.pages[num_pages - 1] != self._last_page[req.rid])):
+                # Pages were given back and taken anew (a retraction; rejected drafts' pages rolled back,
+                # perhaps regrown): send them all.
+                num_pages = 0
             msg.items.append(StepItem(
                 req.rid, item.start, item.num_new_tokens, req.token_ids[num_known:], num_pages,
                 req.pages[num_pages:], len(req.prompt_logprobs), item.is_sampling, item.wants_prompt_logprobs,
-                req.num_inflight_tokens, self._bitmask(req) if item.is_sampling and req.grammar is not None else None))
+                req.num_inflight_tokens, self._bitmask(req) if item.is_sampling and req.grammar is not None else None,
+                item.draft_tokens))
             sent[req.rid] = (len(req.token_ids), req.num_retractions, len(req.pages))
+            if self.spec is not None and req.pages:
+                self._last_page[req.rid] = req.pages[-1]
         return msg
 
     def _bitmask(self, req) -> torch.Tensor:
