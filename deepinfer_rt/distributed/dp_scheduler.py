@@ -110,7 +110,8 @@ class DPScheduler:
             held = self.caches[rank].peek(req) if self.cache.enabled else 0
             if self.cache.enabled:
                 recent = list(sched.running[-_MAX_PREFIX_CHECKS:]) + list(sched.waiting)[-_MAX_PREFIX_CHECKS:]
-                held = max([held, *(_common_prefix(req.token_ids, r.token_ids) for r in recent)])
+                held = max([held, *(_common_prefix(req.token_ids, r.token_ids, self.min_prefix_tokens)
+                                     for r in recent)])
             held -= held % sched.page_size  # only whole pages are shared
             if held < self.min_prefix_tokens:
                 held = 0  # a short shared start (a BOS, a chat header) is not worth an unbalanced placement
@@ -162,11 +163,16 @@ class DPScheduler:
         return sum(sched.num_retractions for sched in self.ranks)
 
 
-def _common_prefix(a: list[int], b: list[int]) -> int:
+def _common_prefix(a: list[int], b: list[int], min_len: int) -> int:
+    """Length of the common prefix of a and b, or 0 when shorter than min_len (slice compares run in C)."""
     n = min(len(a), len(b))
-    if n == 0 or a[0] != b[0]:
+    if n < min_len or a[:min_len] != b[:min_len]:
         return 0
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
+    lo, hi = min_len, n  # a[:lo] == b[:lo]; the answer is in [lo, hi]
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
