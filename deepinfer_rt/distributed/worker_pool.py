@@ -42,7 +42,6 @@ from deepinfer_rt.distributed.messages import (
     NewReq,
     StepItem,
     StepMsg,
-    StepReply,
     WorkerArgs,
 )
 from deepinfer_rt.env import get_env
