@@ -37,13 +37,13 @@ from deepinfer_rt.cache.kv_pool import PageAllocator
 from deepinfer_rt.config import EngineConfig, ModelConfig
 from deepinfer_rt.distributed.dp_scheduler import DPBatch, RankPool
 from deepinfer_rt.distributed.eplb import EPLBConfig
-from deepinfer_rt.distributed.spec import EngineSpecDecoder
 from deepinfer_rt.distributed.messages import (
     NewReq,
     StepItem,
     StepMsg,
     WorkerArgs,
 )
+from deepinfer_rt.distributed.spec import EngineSpecDecoder
 from deepinfer_rt.env import get_env
 from deepinfer_rt.model_runner import RunResult, is_overlappable
 from deepinfer_rt.sampler import SampleResult
