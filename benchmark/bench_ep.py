@@ -3,19 +3,24 @@
     python benchmark/bench_ep.py                          # CPU (gloo): a small DeepSeek-V2-shaped dummy model
     python benchmark/bench_ep.py --shape v2-lite --device cuda --dtype bfloat16 --batch 64,256 \\
         --check-tiny --out $OUT/ep_h200x2.json          # two GPUs (scripts/gpu_ep_check.sh)
+    python benchmark/bench_ep.py --shape v2-lite --device cuda --dtype bfloat16 --batch 16,64,256 --ep 1 \\
+        --skew 0 --out $OUT/ep_h200.json                # one GPU: the EP=1 pool beside the in-process engine
 
 Configurations, in one process run: EP=1 (the same worker-pool code path, one worker), EP=N, and EP=N with EPLB,
 each with the routers unbiased and biased toward low expert ids (DEEPINFER_MOE_ROUTER_SKEW, a Zipf exponent),
 except EPLB, which runs under skew only. Dummy weights are drawn per expert, so every EP size serves the same model.
 Beside each figure: the decode floor of PERF.md (bytes a step must read / copy bandwidth measured in this run;
-with EP each rank reads the replicated weights, the KV and its share of the touched experts), and on CPU the
-single-process engine (no worker pool) at EP=1, which prices the pool's own overhead.
+with EP each rank reads the replicated weights, the KV and its share of the touched experts), and the
+single-process engine (no worker pool) at EP=1, which prices the pool's own overhead
+(`over_in_process`: pool tok/s / in-process tok/s, the goal >= 0.9). `--shape tiny` has next to no compute, so
+its step times are the host path alone.
 Decode tok/s = batch * (new tokens - 1) / (time of the full generate - time of a 1-token generate).
 """
 from __future__ import annotations
 
 import argparse
 import functools
+import gc
 import importlib.util
 import json
 import os
@@ -52,6 +57,13 @@ SHAPES = {
                   q_lora_rank=None, qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64, topk_method="greedy",
                   n_group=1, topk_group=1, routed_scaling_factor=1.0, norm_topk_prob=False,
                   max_position_embeddings=4096, bos_token_id=0, eos_token_id=1),
+    # Compute next to nothing: prices the host path of a step (scheduling, messages, sampling) alone.
+    "tiny": dict(vocab_size=1024, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                 num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1,
+                 n_routed_experts=8, num_experts_per_tok=2, first_k_dense_replace=1, kv_lora_rank=32,
+                 q_lora_rank=None, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, topk_method="greedy",
+                 n_group=1, topk_group=1, routed_scaling_factor=1.0, norm_topk_prob=False,
+                 max_position_embeddings=4096, bos_token_id=0, eos_token_id=1),
 }
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
@@ -223,13 +235,19 @@ def main() -> None:
     kv_tokens = max(batches) * (args.prompt_len + args.max_new_tokens + 16)
     common = dict(dtype=args.dtype, device=args.device, load_format="dummy", enable_prefix_cache=False,
                   kv_cache_tokens=kv_tokens, max_num_seqs=max(batches), chunked_prefill_tokens=8192)
-    if args.device == "cpu" and 1 in eps:
+    in_process = {}
+    if 1 in eps:
         with Engine(str(path), **common) as engine:  # the single-process engine: no worker pool
             for b in batches:
                 run = measure(engine, b, args.prompt_len, args.max_new_tokens, args.repeats, vocab, rng, 0)
+                in_process[b] = run["decode_tok_s"]
                 result["runs"].append({"mode": "in_process", "ep": 1, "skew": 0.0, "eplb": False, "batch": b, **run})
                 print(f"in-process EP=1 batch {b}: {run['decode_tok_s']:.1f} tok/s")
                 save()
+        del engine  # its model and KV pool leave the GPU before the EP workers load theirs
+        gc.collect()
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
     for ep, skew, eplb in configs(eps, skews):
         with env(DEEPINFER_EP_WORKER_POOL=1, DEEPINFER_MOE_ROUTER_SKEW=skew, DEEPINFER_EPLB=int(eplb),
                  DEEPINFER_EPLB_INTERVAL=args.eplb_interval, DEEPINFER_EPLB_WINDOW=4 * args.eplb_interval):
@@ -239,6 +257,8 @@ def main() -> None:
                                   2 * args.eplb_interval + 2 if eplb else 0)
                     floor = decode_floor(path, dtype, b, context, ep, bandwidth)
                     run.update(floor_tok_s=floor, fraction_of_floor=run["decode_tok_s"] / floor)
+                    if ep == 1 and b in in_process:  # the goal: >= 0.9 of the in-process engine
+                        run["over_in_process"] = run["decode_tok_s"] / in_process[b]
                     result["runs"].append({"mode": "worker_pool", "ep": ep, "skew": skew, "eplb": eplb, "batch": b,
                                            **run})
                     print(f"EP={ep} skew={skew} eplb={'on' if eplb else 'off'} batch {b}: "

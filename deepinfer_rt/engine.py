@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import random
@@ -85,13 +86,18 @@ class Engine:
         if ep_size > 1 or env.ep_worker_pool:
             from deepinfer_rt.distributed.worker_pool import WorkerPool
 
-            if speculative is not None:
-                raise ValueError("speculative decoding does not run with the expert-parallel worker pool yet")
             if quantization is not None:
                 raise ValueError("quantization= does not reach the expert-parallel workers yet")
+            spec_config = None if speculative is None else SpeculativeConfig.parse(speculative)
+            if spec_config is not None:  # planned here, verified in the workers (distributed/spec.py)
+                from deepinfer_rt.distributed.spec import engine_spec_decoder
+
+                self.spec = engine_spec_decoder(spec_config, self.config.batch_invariant, mc.max_position)
             # The model lives in the EP worker processes; the pool's allocator hands out pages of theirs.
             self.model = None
-            self.executor: Executor = WorkerPool(self.config, path, mc, self.eos_ids)
+            self.executor: Executor = WorkerPool(self.config, path, mc, self.eos_ids, spec_config and
+                                                 dataclasses.replace(spec_config, drafter=None))
+            self.executor.spec = self.spec
             self.pool = self.executor
         else:
             self.model = build_model(self.model_config, path, load_format, self.config.dtype, dev, seed,
@@ -113,9 +119,16 @@ class Engine:
             runner = ModelRunner(self.model, self.pool, backend, self.sampler, dev, self.eos_ids,
                                  is_overlap_enabled=overlap, graphs=graphs, spec=self.spec)
             self.executor = runner
-        self.cache: PrefixCache = (RadixCache(self.executor.allocator, page_size) if enable_prefix_cache
-                                   else NoPrefixCache(self.executor.allocator, page_size))
-        self.scheduler = Scheduler(self.config.scheduler, self.executor, self.cache, spec=self.spec)
+        if getattr(self.executor, "rank_pools", None):  # data-parallel attention: a scheduler per EP rank
+            from deepinfer_rt.distributed.dp_scheduler import DPScheduler
+
+            self.scheduler = DPScheduler(self.config.scheduler, self.executor.rank_pools, enable_prefix_cache,
+                                         spec=self.spec)
+            self.cache = self.scheduler.cache
+        else:
+            self.cache: PrefixCache = (RadixCache(self.executor.allocator, page_size) if enable_prefix_cache
+                                       else NoPrefixCache(self.executor.allocator, page_size))
+            self.scheduler = Scheduler(self.config.scheduler, self.executor, self.cache, spec=self.spec)
         self.outputs = OutputProcessor(self.tokenizer, self.eos_ids, mc.max_position)
         self._rng = random.Random(seed)
         self._rids = itertools.count()
@@ -432,7 +445,7 @@ class Engine:
         stats = {"num_retractions": self.scheduler.num_retractions, "num_steps": self._loop.num_steps,
                  "num_free_pages": allocator.num_free, "num_pages": allocator.num_pages,
                  "num_cached_pages": self.cache.num_cached_pages}
-        if isinstance(self.cache, RadixCache):
+        if isinstance(self.cache, RadixCache) or hasattr(self.cache, "stats"):
             stats.update(self.cache.stats())
         stats.update(self.executor.stats())  # the EP worker pool: MoE balance across ranks, EPLB moves
         if self.spec is not None:

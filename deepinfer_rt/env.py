@@ -61,6 +61,12 @@ class Env:
     """DEEPINFER_EP_HOST: address the engine listens on for its EP workers and their rendezvous (127.0.0.1)."""
     ep_port: int
     """DEEPINFER_EP_PORT: the engine's port for EP workers (0 = any free port; fix it for remote workers)."""
+    master_addr: str | None
+    """MASTER_ADDR (torch.distributed's own name): where the EP ranks' rendezvous listens, when set for the
+    engine's process (multi-node: an address every node reaches); else DEEPINFER_EP_HOST."""
+    master_port: int
+    """MASTER_PORT (torch.distributed's own name): the rendezvous port, when set for the engine's process (0 = a
+    free port)."""
     ep_step_timeout_s: float
     """DEEPINFER_EP_STEP_TIMEOUT: seconds a step may take before an EP worker counts as hung (default 30)."""
     ep_start_timeout_s: float
@@ -144,6 +150,8 @@ def get_env() -> Env:
         ep_local_workers=_int("DEEPINFER_EP_LOCAL_WORKERS", 0),
         ep_host=_str("DEEPINFER_EP_HOST", "127.0.0.1"),
         ep_port=_int("DEEPINFER_EP_PORT", 0),
+        master_addr=os.environ.get("MASTER_ADDR") or None,
+        master_port=_int("MASTER_PORT", 0),
         ep_step_timeout_s=_float("DEEPINFER_EP_STEP_TIMEOUT", 30.0),
         ep_start_timeout_s=_float("DEEPINFER_EP_START_TIMEOUT", 600.0),
         eplb=_bool("DEEPINFER_EPLB", False),

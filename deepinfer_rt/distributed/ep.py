@@ -1,19 +1,18 @@
 """Expert parallelism inside a worker: expert placement tables, the MoE dispatch/combine hook, expert sharding.
 
-Every EP rank runs attention over the whole batch (attention is replicated), so every rank holds the same
-hidden states and router output. A MoE layer then splits the tokens into one contiguous chunk per rank and,
-for its own chunk, each rank
+Attention is data-parallel: each EP rank runs attention over its own requests only, so each rank enters a MoE
+layer with its own tokens (none at all in an empty step: the layer's collectives still run, see `run_empty`).
+For its tokens each rank then does
 
     route      each (token, k) pair -> a slot (rank, local slot) holding a copy of the chosen expert
-    dispatch   all-to-all: the pairs' hidden rows go to the slots' ranks
+    counts     all-gather of the (source, destination) pair counts: every rank learns the all-to-all splits
+    dispatch   all-to-all: the pairs' hidden rows and slot ids go to the slots' ranks
     compute    the local experts over the rows they received (the model's own grouped reference)
-    combine    all-to-all back; the k results of a token are weighted and summed in slot (= expert id) order
-    gather     all-gather of the chunks: every rank again holds the whole batch for the next attention
+    combine    all-to-all back; the k results of a token are weighted and summed in top-k order
 
-A receiving rank orders an expert's rows by source rank, then by token within the source: that is the global
-token order, so each expert multiplies exactly the matrix it would without EP, and the weighted sum runs in the
-same order. EP size therefore does not change the routed result; only the shared experts see chunk-sized
-matmuls, which moves fp32 results by float rounding at most.
+A receiving rank orders an expert's rows by source rank, then by token within the source, and the k results of
+a token are summed in the same order whatever rank computed them, so the routed result of a token does not
+depend on the EP size; with the fixed-tile (batch-invariant) expert GEMMs it is bit-identical across EP sizes.
 """
 from __future__ import annotations
 
@@ -64,22 +63,33 @@ class ExpertPlacement:
 
 
 class LoadRecorder:
-    """Per-step counts, kept on the device until the step ends: tokens per logical expert (EPLB's input) and
-    (token, expert) pairs per rank (the balance reported in engine stats)."""
+    """Routing counts, kept on the device (no host sync in a step): tokens per logical expert of the step in
+    progress (EPLB's input, taken each step as a device tensor), and over all steps the (token, expert) pairs
+    per rank and the sum over steps and layers of the busiest rank's pairs (the balance in engine stats, read
+    only when asked)."""
 
     def __init__(self, num_layers: int, num_experts: int, num_ranks: int, device: torch.device):
         self.expert_tokens = torch.zeros(num_layers, num_experts, dtype=torch.long, device=device)
         self.rank_tokens = torch.zeros(num_layers, num_ranks, dtype=torch.long, device=device)
+        self.total_rank_tokens = torch.zeros(num_ranks, dtype=torch.long, device=device)
+        self.sum_max = torch.zeros((), dtype=torch.long, device=device)
 
-    def record(self, layer: int, ids: torch.Tensor, ranks: torch.Tensor) -> None:
+    def record(self, layer: int, ids: torch.Tensor, rank_tokens: torch.Tensor) -> None:
+        """ids: this rank's (token, k) expert ids; rank_tokens (ranks,): pairs every rank receives this layer."""
         self.expert_tokens[layer] += torch.bincount(ids.flatten(), minlength=self.expert_tokens.shape[1])
-        self.rank_tokens[layer] += torch.bincount(ranks.flatten(), minlength=self.rank_tokens.shape[1])
+        self.rank_tokens[layer] += rank_tokens
 
-    def take(self) -> tuple[torch.Tensor, torch.Tensor]:
-        counts = self.expert_tokens.clone().cpu(), self.rank_tokens.clone().cpu()
-        self.expert_tokens.zero_()
+    def take(self) -> torch.Tensor:
+        """End of a step: fold its rank counts into the totals; returns its expert counts (layers, experts)."""
+        self.total_rank_tokens += self.rank_tokens.sum(0)
+        self.sum_max += self.rank_tokens.max(1).values.sum()
         self.rank_tokens.zero_()
+        counts = self.expert_tokens.clone()
+        self.expert_tokens.zero_()
         return counts
+
+    def totals(self) -> tuple[list[int], int]:
+        return self.total_rank_tokens.tolist(), int(self.sum_max)
 
 
 class ExpertParallelMoE:
@@ -94,57 +104,48 @@ class ExpertParallelMoE:
         self.size = dist.get_world_size(group)
 
     def __call__(self, moe: nn.Module, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        num_tokens = x.shape[0]
+        num_tokens, k = ids.shape
         per_rank = self.placement.slots_per_rank
-        slots = self.placement.route(self.layer, ids)  # (T, k) global slots
-        dest = slots // per_rank
-        self.recorder.record(self.layer, ids, dest)
-        chunk = -(-num_tokens // self.size)
-        lo, hi = min(self.rank * chunk, num_tokens), min((self.rank + 1) * chunk, num_tokens)
-        # Every rank routes every token, so each knows what every rank sends every other: no count exchange.
-        source = (torch.arange(num_tokens, device=x.device) // chunk)[:, None].expand_as(slots)
-        counts = torch.bincount((source * self.size + dest).flatten(), minlength=self.size**2)
-        counts = counts.view(self.size, self.size).tolist()  # [source][destination] (token, k) pairs
-        send_split = counts[self.rank]
-        recv_split = [row[self.rank] for row in counts]
-        xs = x[lo:hi]
-        y = self._dispatch_compute_combine(moe.experts, xs, weights[lo:hi], slots, source, send_split, recv_split,
-                                           lo, hi)
-        if moe.shared_experts is not None:
-            y = y + moe.shared_experts(xs)
-        padded = x.new_zeros(chunk, x.shape[1])
-        padded[: hi - lo] = y
-        out = x.new_empty(chunk * self.size, x.shape[1])
-        _all_gather(out, padded, group=self.group)
-        return out[:num_tokens]
+        slots = self.placement.route(self.layer, ids).flatten()  # (T * k,) global slots, token-major
+        order = slots.argsort(stable=True)  # by destination rank, then slot; token order kept within a slot
+        mine = torch.bincount(slots // per_rank, minlength=self.size)
+        counts = mine.new_empty(self.size * self.size)
+        _all_gather(counts, mine, group=self.group)
+        counts = counts.view(self.size, self.size)  # [source][destination] (token, k) pairs
+        self.recorder.record(self.layer, ids, counts.sum(0))
+        counts = counts.tolist()
+        send_split, recv_split = counts[self.rank], [row[self.rank] for row in counts]
+        recv_x = self._all_to_all(x[order // k], recv_split, send_split)
+        recv_slot = self._all_to_all(slots[order] % per_rank, recv_split, send_split)
+        if recv_x.shape[0]:
+            # Rows arrive by source rank, each source's sorted by slot: per expert, the global token order.
+            # Weight 1 (exact): the routing weights are applied after combine, as without EP.
+            ones = torch.ones(recv_x.shape[0], 1, dtype=torch.float32, device=x.device)
+            recv_y = moe.experts(recv_x, ones, recv_slot[:, None])
+        else:
+            recv_y = recv_x
+        back = self._all_to_all(recv_y, send_split, recv_split)
+        out = torch.empty_like(back)
+        out[order] = back  # (token, k) order
+        y = (out.view(num_tokens, k, x.shape[1]) * weights.unsqueeze(-1)).sum(dim=1).to(x.dtype)
+        if moe.shared_experts is not None and num_tokens:
+            y = y + moe.shared_experts(x)
+        return y
 
     def _all_to_all(self, rows: torch.Tensor, out_split: list[int], in_split: list[int]) -> torch.Tensor:
         out = rows.new_empty(sum(out_split), *rows.shape[1:])
         dist.all_to_all_single(out, rows, out_split, in_split, group=self.group)
         return out
 
-    def _dispatch_compute_combine(self, experts: nn.Module, xs: torch.Tensor, weights: torch.Tensor,
-                                  slots: torch.Tensor, source: torch.Tensor, send_split: list[int],
-                                  recv_split: list[int], lo: int, hi: int) -> torch.Tensor:
-        k, hidden = slots.shape[1], xs.shape[1]
-        per_rank = self.placement.slots_per_rank
-        mine = slots[lo:hi].flatten()
-        order = mine.argsort(stable=True)  # this chunk's pairs by destination rank, then slot, token order kept
-        recv_x = self._all_to_all(xs[order // k], recv_split, send_split)
-        if recv_x.shape[0]:
-            # The received rows come by source chunk, each sorted by slot: recompute that order locally.
-            flat, src, num_slots = slots.flatten(), source.flatten(), per_rank * self.size
-            key = torch.where(flat // per_rank == self.rank, src * num_slots + flat, num_slots * self.size)
-            recv_slot = flat[key.argsort(stable=True)[: recv_x.shape[0]]] % per_rank
-            # Weight 1 (exact): the routing weights are applied after combine, as without EP.
-            ones = torch.ones(recv_x.shape[0], 1, dtype=torch.float32, device=xs.device)
-            recv_y = experts(recv_x, ones, recv_slot[:, None])
-        else:
-            recv_y = recv_x
-        back = self._all_to_all(recv_y, send_split, recv_split)
-        out = torch.empty_like(back)
-        out[order] = back  # (token, k) order
-        return (out.view(hi - lo, k, hidden) * weights.unsqueeze(-1)).sum(dim=1).to(xs.dtype)
+
+@torch.no_grad()
+def run_empty(model: nn.Module, hidden_size: int, dtype: torch.dtype, device: torch.device) -> None:
+    """An empty step: a rank with no requests this step takes its part in every MoE layer's collectives, in
+    layer order, with no tokens of its own (it still computes the rows other ranks send its experts)."""
+    x = torch.empty(0, hidden_size, dtype=dtype, device=device)
+    weights, ids = torch.empty(0, 1, device=device), torch.empty(0, 1, dtype=torch.long, device=device)
+    for moe in moe_layers(model):
+        moe.expert_parallel(moe, x, weights, ids)
 
 
 def moe_layers(model: nn.Module) -> list[nn.Module]:
@@ -168,7 +169,8 @@ def shard_experts(model: nn.Module, placement: ExpertPlacement, rank: int, recor
             param.weight_loader = _expert_rows_loader(local)
             setattr(experts, name, param)
         experts.num_experts = len(local)
-        moe.expert_parallel = ExpertParallelMoE(layer, placement, recorder)
+        if placement.num_ranks > 1:  # one rank: the layer's own forward, with nothing to exchange
+            moe.expert_parallel = ExpertParallelMoE(layer, placement, recorder)
 
 
 def _expert_rows_loader(local: list[int]):
@@ -212,7 +214,7 @@ class ExpertShard:
     """build_model's shard hook for one EP rank: every MoE layer starts from the same placement of the routed
     experts; the rank keeps its slots of each (shard_experts) and installs the dispatch/combine hook. After the
     build, `placement` and `recorder` are the tables and counters the worker keeps (None for a model without MoE
-    layers)."""
+    layers; no recorder on a single rank, which installs no hook)."""
 
     def __init__(self, initial: Placement, num_experts: int, rank: int, device: torch.device):
         self.initial = initial
@@ -228,7 +230,8 @@ class ExpertShard:
             return
         self.placement = ExpertPlacement([[list(experts) for experts in self.initial] for _ in range(num_moe)],
                                          self.num_experts, self.device)
-        self.recorder = LoadRecorder(num_moe, self.num_experts, len(self.initial), self.device)
+        if len(self.initial) > 1:
+            self.recorder = LoadRecorder(num_moe, self.num_experts, len(self.initial), self.device)
         shard_experts(model, self.placement, self.rank, self.recorder, device, dtype)
 
     def init_dummy(self, model: nn.Module, seed: int) -> None:

@@ -44,13 +44,14 @@ class LoadWindow:
         self._steps: deque[torch.Tensor] = deque(maxlen=window_steps)
 
     def add(self, counts: torch.Tensor) -> None:
-        """counts (layers, experts) of one step."""
-        self._steps.append(counts.to("cpu", torch.float64))
+        """counts (layers, experts) of one step, left on its device (read back only by `loads`)."""
+        self._steps.append(counts.to(torch.float64))
 
     def __len__(self) -> int:
         return len(self._steps)
 
     def loads(self) -> torch.Tensor:
+        """(steps, layers, experts) on the counts' device."""
         return torch.stack(list(self._steps))
 
 

@@ -14,6 +14,7 @@ from deepinfer_rt.config import ModelConfig
 from deepinfer_rt.distributed.eplb import EPLBConfig
 from deepinfer_rt.model_runner import RunResult
 from deepinfer_rt.sampling_params import SamplingParams
+from deepinfer_rt.speculative.config import SpeculativeConfig
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,8 @@ class WorkerArgs:
     eplb: EPLBConfig
     timeout_s: float
     batch_invariant: bool = False
+    speculative: SpeculativeConfig | None = None
+    """Prompt-lookup speculation: each worker verifies the drafts its steps carry."""
 
 
 @dataclass
@@ -65,7 +68,13 @@ class StepItem:
     """new_pages extend the mirror's pages from this index (0: replace them)."""
     new_pages: list[int]
     num_prompt_logprobs: int
+    is_sampling: bool
+    wants_prompt_logprobs: bool
+    num_inflight_tokens: int
+    """Overlap: the engine's token of the step before, still on the workers' device (see model_runner)."""
     bitmask: torch.Tensor | None = None
+    draft_tokens: tuple[int, ...] = ()
+    """Speculation: the drafts the step verifies after the item's tokens (counted in num_new_tokens)."""
     """Grammar bitmask row (int32, ceil(V / 32)) filled by the engine when the item samples constrained."""
 
 
@@ -75,14 +84,13 @@ class StepMsg:
     items: list[StepItem] = field(default_factory=list)
     kv_copies: list[tuple[list[int], list[int]]] = field(default_factory=list)
     """(src slots, dst slots) copies the scheduler asked for since the previous step, done before the forward."""
+    is_overlapped: bool = False
+    """Launched before the step before is collected: its decode inputs read that step's tokens on the device,
+    and its answer waits until the next step arrives (or a "flush")."""
 
 
 @dataclass
 class StepReply:
     rank: int
     result: RunResult | None
-    """Rank 0's result (every rank computes the same; only one is sent)."""
-    rank_tokens: list[list[int]] | None
-    """(moe layers, ranks) (token, expert) pairs computed per rank this step; rank 0 only."""
-    num_moved_experts: int = 0
-    num_rearrangements: int = 0
+    """This rank's result, item indices within its own part of the step."""

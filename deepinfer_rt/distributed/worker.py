@@ -3,9 +3,10 @@
 Every rank is an ordinary `python -m deepinfer_rt.distributed.worker` process (see main), whether the engine
 started it or a launcher on another node did: nothing re-imports the user's script. It joins the EP group
 through torch.distributed's env:// rendezvous (the variables torchrun sets: MASTER_ADDR, MASTER_PORT, RANK,
-WORLD_SIZE, LOCAL_RANK), holds the attention/dense weights, its slots of every MoE layer and a KV pool, and runs
-the engine's plain-data steps through the ordinary ModelRunner. Steps arrive on a zmq DEALER socket; every rank
-answers each step, rank 0 with the sampled tokens (all ranks compute the same)."""
+WORLD_SIZE, LOCAL_RANK), holds the attention/dense weights, its slots of every MoE layer and a KV pool of its
+own, and runs its part of the engine's plain-data steps (its own requests: attention is data-parallel) through
+the ordinary ModelRunner; with no requests in a step it runs an empty one, its part in every MoE layer's
+collectives. Steps arrive on a zmq DEALER socket; every rank answers each step with its sampled tokens."""
 from __future__ import annotations
 
 import argparse
@@ -22,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from deepinfer_rt.cache.kv_pool import KVPool, num_kv_pages
-from deepinfer_rt.distributed.ep import ExpertShard, moe_layers
+from deepinfer_rt.distributed.ep import ExpertShard, moe_layers, run_empty
 from deepinfer_rt.distributed.eplb import (
     LoadWindow,
     contiguous_placement,
@@ -31,9 +32,11 @@ from deepinfer_rt.distributed.eplb import (
     window_objective,
 )
 from deepinfer_rt.distributed.messages import StepMsg, StepReply, WorkerArgs
+from deepinfer_rt.distributed.spec import set_step_drafts, worker_spec_decoder
+from deepinfer_rt.env import get_env
 from deepinfer_rt.layers.attention.select import select_backend
 from deepinfer_rt.layers.kernel_config import KernelConfig
-from deepinfer_rt.model_runner import ModelRunner
+from deepinfer_rt.model_runner import Launched, ModelRunner, RunResult
 from deepinfer_rt.models.loader import build_model
 from deepinfer_rt.request import Req
 from deepinfer_rt.sampler import Sampler
@@ -79,19 +82,39 @@ class Worker:
         self.num_pages = self._num_kv_pages(layout)
         self.pool = KVPool(layout, self.num_pages, args.page_size, args.dtype, self.device)
         # The engine's backend rule, so EP=1 in-process and EP=N in workers run the same attention.
-        self.runner = ModelRunner(self.model, self.pool, select_backend(self.device, args.batch_invariant),
-                                  Sampler(mc.vocab_size), self.device, args.eos_ids)
+        backend = select_backend(self.device, args.batch_invariant)
+        # Overlap is the engine's decision, step by step (StepMsg.is_overlapped).
+        spec = None if args.speculative is None else worker_spec_decoder(args.speculative, args.batch_invariant,
+                                                                         args.max_position)
+        self.runner = ModelRunner(self.model, self.pool, backend, Sampler(mc.vocab_size), self.device, args.eos_ids,
+                                  is_overlap_enabled=True, graphs=self._cuda_graphs(backend), spec=spec)
         self.runner.grammar = ShippedBitmasks(mc.vocab_size)
         self.mirrors: dict[int, Req] = {}
+        self.held: Launched | None = None
+        """The overlapped step launched and not yet answered."""
         self.window = LoadWindow(self.eplb.window_steps) if self.eplb else None
         self.num_steps = 0
         self.num_moved_experts = 0
         self.num_rearrangements = 0
 
+    def _cuda_graphs(self, backend):
+        """Decode CUDA graphs as the in-process engine builds them, where this rank's forward holds no
+        collective: one rank (no EP hook) on CUDA. A dispatch hook sizes its all-to-all on the host (split
+        lists), which a graph cannot capture."""
+        env = get_env()
+        if (self.device.type != "cuda" or env.cuda_graph_max_bs <= 0 or not self.model.supports_cuda_graphs
+                or self.recorder is not None):
+            return None
+        from deepinfer_rt.cuda_graph import CudaGraphRunner
+
+        return CudaGraphRunner(self.model, self.pool, backend, min(self.args.max_num_seqs, env.cuda_graph_max_bs),
+                               min(self.config.max_position, env.cuda_graph_max_context))
+
     # ---- start ----
     @staticmethod
     def _init_distributed(args: WorkerArgs) -> torch.device:
-        os.environ.update(args.dist_env)
+        os.environ.update(args.dist_env)  # the engine's rendezvous, over any a launcher (torchrun) set
+        os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)  # torchrun's agent store is not the engine's
         if args.num_threads:
             torch.set_num_threads(args.num_threads)
         timeout = timedelta(seconds=args.timeout_s)
@@ -123,22 +146,45 @@ class Worker:
         return int(pages.item())
 
     # ---- each step ----
-    def step(self, msg: StepMsg) -> StepReply:
+    def step(self, msg: StepMsg) -> list[StepReply]:
+        """Launch the step's forward and sampling; returns the answers now due: the overlapped step held from
+        before (whose tokens this step's inputs read on the device), then this step's unless it is overlapped
+        itself (held until the next step or a flush). The routing counts stay on the device (see `stats`)."""
         for src, dst in msg.kv_copies:
             self.pool.copy_slots(src, dst)
-        result = self.runner.run(self._batch(msg))
-        rank_tokens = None
+        batch = self._batch(msg)
+        if batch.is_empty:  # no requests on this rank this step: its part in the MoE layers' collectives only
+            run_empty(self.model, self.config.hidden_size, self.args.dtype, self.device)
+            handle = Launched(result=RunResult([], None, {}))
+        else:
+            batch.is_overlappable = msg.is_overlapped
+            handle = self.runner.launch(batch, self.held if msg.is_overlapped else None)
         if self.recorder is not None:
-            expert_tokens, rank_tokens = self.recorder.take()
+            expert_tokens = self.recorder.take()
             self.num_steps += 1
             if self.eplb is not None:
                 self.window.add(expert_tokens)
                 if self.num_steps % self.eplb.interval_steps == 0:
                     self._rearrange()
-            rank_tokens = rank_tokens.tolist()
-        if self.rank != 0:
-            return StepReply(self.rank, None, None)
-        return StepReply(0, result, rank_tokens, self.num_moved_experts, self.num_rearrangements)
+        replies = self.flush()
+        if msg.is_overlapped:
+            self.held = handle
+        else:
+            replies.append(StepReply(self.rank, self.runner.collect(handle)))
+        return replies
+
+    def flush(self) -> list[StepReply]:
+        """The answer of the overlapped step held, if any."""
+        held, self.held = self.held, None
+        return [] if held is None else [StepReply(self.rank, self.runner.collect(held))]
+
+    def stats(self) -> dict:
+        """Counters since the start, read back from the device only when the engine asks."""
+        if self.recorder is None:
+            return {}
+        rank_tokens, sum_max = self.recorder.totals()
+        return {"rank_tokens": rank_tokens, "sum_max": sum_max, "num_moved_experts": self.num_moved_experts,
+                "num_rearrangements": self.num_rearrangements}
 
     def _batch(self, msg: StepMsg) -> ScheduledBatch:
         """Mirror requests of this step: new ones whole, returning ones advanced by the message's deltas."""
@@ -147,7 +193,7 @@ class Worker:
             req = Req(new.rid, new.prompt_ids, new.params, new.seed)
             req.token_ids = list(new.token_ids)
             mirrors[new.rid] = req
-        batch = ScheduledBatch()
+        batch = ScheduledBatch()  # the engine's plan, item for item (its flags too: the mirrors lack in-flight tokens)
         for item in msg.items:
             req = mirrors.get(item.rid) or self.mirrors[item.rid]
             req.token_ids.extend(item.new_token_ids)
@@ -159,8 +205,13 @@ class Worker:
             req.num_computed_tokens = item.num_computed_tokens
             req.prompt_logprobs = [None] * item.num_prompt_logprobs
             req.grammar = item.bitmask
+            req.num_inflight_tokens = item.num_inflight_tokens
             mirrors[item.rid] = req
-            batch.items.append(ScheduledReq.of(req, item.num_new_tokens))
+            batch.items.append(ScheduledReq(req, item.num_computed_tokens, item.num_new_tokens, item.is_sampling,
+                                            item.draft_tokens, item.wants_prompt_logprobs))
+        if self.runner.spec is not None:
+            set_step_drafts(self.runner.spec, {it.rid: (it.draft_tokens, it.req.num_tokens)
+                                               for it in batch.items if it.draft_tokens})
         self.mirrors = mirrors
         return batch
 
@@ -168,7 +219,11 @@ class Worker:
     def _rearrange(self) -> None:
         """Every rank holds the same routing counts, so each computes the same new placement with no messages;
         only the slots whose expert changed receive weights, point to point from a rank that held it."""
+        # Each rank counted its own tokens (attention is data-parallel): summed, every rank holds the same
+        # counts and computes the same placement.
         loads = self.window.loads()  # (steps, layers, experts)
+        dist.all_reduce(loads)
+        loads = loads.cpu()
         moves = []
         for layer, old in enumerate(self.placement.layers):
             load = loads[:, layer]
@@ -225,22 +280,38 @@ def main(argv: list[str] | None = None) -> None:
     """Entry of every worker process:
 
         RANK=2 LOCAL_RANK=0 python -m deepinfer_rt.distributed.worker tcp://ENGINE_HOST:DEEPINFER_EP_PORT
+        torchrun --nproc-per-node 2 -m deepinfer_rt.distributed.worker --first-rank 2 tcp://ENGINE_HOST:PORT
 
     The engine starts its local ranks so, with --parent-pid; ranks beyond DEEPINFER_EP_LOCAL_WORKERS (another
-    node) are started the same way by any launcher that sets RANK and LOCAL_RANK (torchrun does). A worker asks
-    the engine for its arguments ("hello"), including the rendezvous address, then serves steps."""
+    node) are started the same way by any launcher that sets RANK and LOCAL_RANK (WORLD_SIZE, when set, must be
+    the engine's ep_size), or by torchrun on that node with --first-rank (the node's first EP rank; its
+    processes take first rank + LOCAL_RANK, torchrun's own node-local RANK and rendezvous are not used). A worker
+    asks the engine for its arguments ("hello"), including the rendezvous address, then serves steps."""
     parser = argparse.ArgumentParser(prog="python -m deepinfer_rt.distributed.worker")
     parser.add_argument("engine_addr", help="the engine's zmq address, tcp://HOST:PORT")
     parser.add_argument("--parent-pid", type=int, default=0,
                         help="exit when this process (the engine that started this worker) is gone")
+    parser.add_argument("--first-rank", type=int, default=None,
+                        help="this node's first EP rank: the rank is it + LOCAL_RANK (for torchrun)")
     opts = parser.parse_args(argv)
     if opts.parent_pid:
         threading.Thread(target=_exit_with, args=(opts.parent_pid,), name="parent-watchdog", daemon=True).start()
-    rank = int(os.environ["RANK"])
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if opts.first_rank is not None:
+        rank, world_size = opts.first_rank + local_rank, None
+    elif "RANK" in os.environ:
+        rank = int(os.environ["RANK"])
+        world_size = int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else None
+    else:
+        raise SystemExit("deepinfer_rt.distributed.worker: set RANK (and LOCAL_RANK), or pass --first-rank")
     ctx, sock = _connect(opts.engine_addr, rank)
-    sock.send(pickle.dumps(("hello", rank)))
-    args: WorkerArgs = pickle.loads(sock.recv())
-    args = replace(args, dist_env={**args.dist_env, "LOCAL_RANK": os.environ.get("LOCAL_RANK", "0")})
+    sock.send(pickle.dumps(("hello", rank, world_size)))
+    args = pickle.loads(sock.recv())
+    if isinstance(args, tuple) and args[0] == "refused":
+        sock.close()
+        ctx.term()
+        raise SystemExit(f"deepinfer_rt.distributed.worker: the engine refused rank {rank}: {args[1]}")
+    args = replace(args, dist_env={**args.dist_env, "LOCAL_RANK": str(local_rank)})
     _serve(args, ctx, sock)
 
 
@@ -254,7 +325,11 @@ def _serve(args: WorkerArgs, ctx, sock) -> None:
             kind, msg = pickle.loads(sock.recv())
             if kind == "stop":
                 break
-            sock.send(pickle.dumps(("step", args.rank, worker.step(msg)), protocol=pickle.HIGHEST_PROTOCOL))
+            if kind == "stats":
+                sock.send(pickle.dumps(("stats", args.rank, worker.stats())))
+                continue
+            for reply in worker.step(msg) if kind == "step" else worker.flush():
+                sock.send(pickle.dumps(("step", args.rank, reply), protocol=pickle.HIGHEST_PROTOCOL))
     except Exception:  # any failure is reported to the engine, which names this rank in its error
         sock.send(pickle.dumps(("error", args.rank, traceback.format_exc())))
         code = 1

@@ -1,9 +1,12 @@
 """Engine side of expert parallelism: starts, feeds and supervises the EP worker processes.
 
 `WorkerPool` is an Executor (deepinfer_rt/executor.py), so the engine loop does not know it is there: the
-scheduler stays in the engine process and hands out pages of `allocator`, each step's batch goes to every worker
-as plain data (pickled once, sent over one zmq ROUTER socket, the KV slot copies it needs included) and rank 0's
-sampled tokens come back. Every worker is an ordinary `python -m deepinfer_rt.distributed.worker` process, one
+scheduling stays in the engine process. With one rank the engine's scheduler hands out pages of `allocator`;
+with EP > 1 attention is data-parallel: the engine runs a DPScheduler (distributed/dp_scheduler.py) with one
+scheduler per rank over that rank's pages (`rank_pools`), each rank receives its own part of the step as plain
+data (what changed since the previous step, pickled once, sent over one zmq ROUTER socket, the KV slot copies
+it needs included; an empty part makes that rank run an empty step) and every rank's sampled tokens come back,
+merged in rank order. Every worker is an ordinary `python -m deepinfer_rt.distributed.worker` process, one
 per GPU on CUDA, so a user's script needs no `if __name__ == "__main__":` guard (nothing re-imports it); workers
 find each other through torch.distributed's env:// rendezvous. Ranks beyond DEEPINFER_EP_LOCAL_WORKERS are
 started elsewhere (another node, by torchrun or any launcher that sets RANK and LOCAL_RANK) with the same
@@ -22,6 +25,7 @@ import pickle
 import socket
 import subprocess
 import sys
+import threading
 import time
 import weakref
 from pathlib import Path
@@ -31,17 +35,20 @@ import zmq
 
 from deepinfer_rt.cache.kv_pool import PageAllocator
 from deepinfer_rt.config import EngineConfig, ModelConfig
+from deepinfer_rt.distributed.dp_scheduler import DPBatch, RankPool
 from deepinfer_rt.distributed.eplb import EPLBConfig
 from deepinfer_rt.distributed.messages import (
     NewReq,
     StepItem,
     StepMsg,
-    StepReply,
     WorkerArgs,
 )
+from deepinfer_rt.distributed.spec import EngineSpecDecoder
 from deepinfer_rt.env import get_env
-from deepinfer_rt.model_runner import RunResult
+from deepinfer_rt.model_runner import RunResult, is_overlappable
+from deepinfer_rt.sampler import SampleResult
 from deepinfer_rt.scheduler.batch import ScheduledBatch
+from deepinfer_rt.speculative.config import SpeculativeConfig
 
 _POLL_MS = 200
 
@@ -52,12 +59,12 @@ def _free_port(host: str) -> int:
         return s.getsockname()[1]
 
 
-def _start_worker(rank: int, engine_addr: str) -> subprocess.Popen:
+def _start_worker(rank: int, world_size: int, engine_addr: str) -> subprocess.Popen:
     """A local rank: a fresh interpreter running the worker module, which exits when this process is gone. It
     runs this process's deepinfer_rt whatever sys.path edits the user's script made."""
     root = str(Path(__file__).resolve().parents[2])  # the folder holding this deepinfer_rt
     path = os.pathsep.join([root, *filter(None, [os.environ.get("PYTHONPATH")])])
-    env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), PYTHONPATH=path)
+    env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), PYTHONPATH=path)
     return subprocess.Popen(
         [sys.executable, "-m", "deepinfer_rt.distributed.worker", engine_addr, "--parent-pid", str(os.getpid())],
         env=env, stdin=subprocess.DEVNULL, stdout=2)  # stdout to our stderr (fd 2); stderr is inherited
@@ -92,8 +99,48 @@ def _stop_workers(num_workers: int, procs: list[subprocess.Popen], sock, ctx) ->
     ctx.term()
 
 
+class _PagesOfRanks:
+    """Every rank's page allocator counted as one (engine stats)."""
+
+    def __init__(self, pools: list[RankPool]):
+        self.pools = pools
+
+    @property
+    def num_free(self) -> int:
+        return sum(p.allocator.num_free for p in self.pools)
+
+    @property
+    def num_pages(self) -> int:
+        return sum(p.allocator.num_pages for p in self.pools)
+
+
+def merge_results(results: list[RunResult], num_items: list[int]) -> RunResult:
+    """The ranks' results of one DPBatch (num_items[r]: items of rank r's part) as one, item indices moved past
+    the items of the ranks before."""
+    sampled, prompt_lps, num_accepted, tokens, logprobs, top = [], {}, {}, [], [], []
+    has_lp, has_top, offset = False, False, 0
+    verified = []  # speculation: every rank's verified tokens after all sampler rows, as RunResult lists them
+    for result, n_items in zip(results, num_items):
+        num_rows = len(result.sample.token_ids) if result.sample is not None else 0
+        sampled += [(offset + i, t) for i, t in result.sampled[:num_rows]]
+        verified += [(offset + i, t) for i, t in result.sampled[num_rows:]]
+        prompt_lps.update({offset + i: v for i, v in result.prompt_logprobs.items()})
+        num_accepted.update({offset + i: n for i, n in result.num_accepted.items()})
+        s = result.sample
+        if s is not None:
+            n = len(s.token_ids)
+            tokens += s.token_ids
+            logprobs += s.logprobs if s.logprobs is not None else [0.0] * n
+            top += s.top_logprobs if s.top_logprobs is not None else [[] for _ in range(n)]
+            has_lp, has_top = has_lp or s.logprobs is not None, has_top or s.top_logprobs is not None
+        offset += n_items
+    sample = SampleResult(tokens, logprobs if has_lp else None, top if has_top else None) if tokens else None
+    return RunResult(sampled + verified, sample, prompt_lps, num_accepted)
+
+
 class WorkerPool:
-    def __init__(self, config: EngineConfig, path: Path, model_config: ModelConfig, eos_ids: tuple[int, ...]):
+    def __init__(self, config: EngineConfig, path: Path, model_config: ModelConfig, eos_ids: tuple[int, ...],
+                 speculative: SpeculativeConfig | None = None):
         env = get_env()
         n = config.ep_size
         if n > 1 and not model_config.is_moe:
@@ -114,7 +161,8 @@ class WorkerPool:
             self._sock.bind(f"tcp://{host}:{port}")
         else:
             port = self._sock.bind_to_random_port(f"tcp://{host}")
-        master = {"MASTER_ADDR": host, "MASTER_PORT": str(_free_port(host)), "WORLD_SIZE": str(n)}
+        master = {"MASTER_ADDR": env.master_addr or host, "MASTER_PORT": str(env.master_port or _free_port(host)),
+                  "WORLD_SIZE": str(n)}
         eplb = EPLBConfig(env.eplb, env.eplb_window_steps, env.eplb_interval_steps, env.eplb_redundant_per_rank)
         # Every rank gets the same arguments but its rank, sent when it asks ("hello").
         engine_addr = f"tcp://{host}:{port}"
@@ -126,23 +174,41 @@ class WorkerPool:
             kv_cache_tokens=config.cache.kv_cache_tokens, max_num_seqs=config.scheduler.max_num_seqs,
             max_position=model_config.max_position, eos_ids=eos_ids,
             num_threads=env.num_threads or max(1, torch.get_num_threads() // num_local), eplb=eplb,
-            timeout_s=max(60.0, 2 * env.ep_step_timeout_s), batch_invariant=config.batch_invariant)
+            timeout_s=max(60.0, 2 * env.ep_step_timeout_s), batch_invariant=config.batch_invariant,
+            speculative=speculative)
             for rank in range(n)]
-        self._procs = [_start_worker(rank, engine_addr) for rank in range(num_local)]
+        self._procs = [_start_worker(rank, n, engine_addr) for rank in range(num_local)]
         self._finalizer = weakref.finalize(self, _stop_workers, n, self._procs, self._sock, self._ctx)
         self._broken: str | None = None
+        self._refused: list[str] = []
+        """Why workers that asked to join were turned away (named when the start times out)."""
         ready = self._collect("ready", env.ep_start_timeout_s)
         num_pages = min(num_pages for (num_pages,) in ready.values())
-        self.allocator = PageAllocator(num_pages)
-        """The workers' KV pages (every rank's pool has as many): the scheduler and prefix cache hand them out."""
         self.page_size = config.cache.page_size
+        self.rank_pools = [RankPool(PageAllocator(num_pages), self.page_size) for _ in range(n)] if n > 1 else []
+        """Data-parallel attention (EP > 1): each rank's KV pages, handed out by that rank's scheduler and prefix
+        cache (distributed/dp_scheduler.py); the engine builds its DPScheduler over them."""
+        self.allocator = PageAllocator(num_pages) if n == 1 else _PagesOfRanks(self.rank_pools)
+        """One rank: the worker's KV pages, handed out by the engine's scheduler and prefix cache."""
         self.num_slots = num_pages * self.page_size
+        self.spec: EngineSpecDecoder | None = None
+        """Set by the engine with speculation: plans the drafts the workers verify, books what they accepted."""
         self.grammar = None
         """Set by the engine; the matchers stay here and the workers receive filled bitmask rows."""
         self._sent: dict[int, tuple[int, int, int]] = {}
+        self._last_page: dict[int, int] = {}
+        """Speculation: rid -> the last page sent (a rollback of draft pages changes it)."""
         """rid -> (tokens, retractions, pages) the workers' mirror holds after the previous step."""
         self._num_launched = self._num_collected = 0
-        self._last: StepReply | None = None
+        self._launched: dict[int, tuple[list[int], ScheduledBatch, float]] = {}
+        """Launched, not yet collected step -> (its parts' item counts, its batch, its launch time)."""
+        self._held: int | None = None
+        """The overlapped step the workers hold unanswered until the next step (or a flush) arrives."""
+        self._num_overlapped = 0
+        self.is_overlap_enabled = env.overlap if env.overlap is not None else config.device.type == "cuda"
+        self._lock = threading.Lock()
+        """Held while the socket is used: stats may be asked from another thread than the engine loop's."""
+        self._last_stats: dict = {}
         self.reset_stats()
 
     # ---- supervision ----
@@ -154,8 +220,8 @@ class WorkerPool:
             if self._sock.poll(_POLL_MS):
                 _, payload = self._sock.recv_multipart()
                 got, rank, *rest = pickle.loads(payload)
-                if got == "hello":  # a worker started outside the engine asks for its arguments
-                    self._sock.send_multipart([f"w{rank}".encode(), pickle.dumps(self._worker_args[rank])])
+                if got == "hello":  # a worker asks for its arguments
+                    self._answer_hello(rank, *rest)
                     continue
                 if got == "error":
                     # A peer's death surfaces first as a collective error in the survivors: name the cause.
@@ -169,9 +235,24 @@ class WorkerPool:
                 self._fail(dead + self._late_error())
             if time.monotonic() > deadline:
                 missing = sorted(set(range(self.size)) - set(replies))
+                variable, what = ("START", "starts") if kind == "ready" else ("STEP", "steps")
+                refused = f"; workers refused: {'; '.join(self._refused)}" if self._refused else ""
                 self._fail(f"expert-parallel worker(s) {missing} did not answer within {timeout_s:g} s "
-                           f"(hung?); set DEEPINFER_EP_STEP_TIMEOUT for longer steps")
+                           f"(hung?); set DEEPINFER_EP_{variable}_TIMEOUT for longer {what}{refused}")
         return replies
+
+    def _answer_hello(self, rank: int, world_size: int | None = None) -> None:
+        """Its arguments to a rank the engine expects; a clear refusal to any other (the worker exits with it)."""
+        problem = None
+        if not 0 <= rank < self.size:
+            problem = f"rank {rank} is outside the EP group of {self.size} ranks (ep_size)"
+        elif world_size is not None and world_size != self.size:
+            problem = f"WORLD_SIZE={world_size} but the engine runs ep_size={self.size}"
+        if problem is not None:
+            self._sock.send_multipart([f"w{rank}".encode(), pickle.dumps(("refused", problem))])
+            self._refused.append(problem)
+            return
+        self._sock.send_multipart([f"w{rank}".encode(), pickle.dumps(self._worker_args[rank])])
 
     def _dead_worker(self, wait_s: float) -> str | None:
         deadline = time.monotonic() + wait_s
@@ -206,50 +287,86 @@ class WorkerPool:
 
     # ---- each step (the Executor contract) ----
     def launch(self, batch: ScheduledBatch, prev=None) -> int:
-        """Send the step to every worker and return its number without waiting. Every step's inputs are final
-        when it is launched (`can_overlap` is False), so `prev` is never read."""
+        """Send the step to every worker and return its number without waiting. An overlapped step's inputs may
+        be the previous step's tokens: the workers hold that step (`prev`) and read them on their device."""
         if self._broken is not None:
             raise RuntimeError(f"the expert-parallel worker pool is down: {self._broken}")
-        payload = pickle.dumps(("step", self._step_msg(batch)), protocol=pickle.HIGHEST_PROTOCOL)
-        for rank in range(self.size):
-            self._sock.send_multipart([f"w{rank}".encode(), payload])
-        self._num_launched += 1
-        return self._num_launched - 1
+        parts = batch.parts if isinstance(batch, DPBatch) else [batch]
+        if len(parts) != self.size:
+            raise ValueError(f"an EP={self.size} step needs one part per rank (a DPBatch), got {len(parts)}")
+        is_overlapped = self.can_overlap(batch)
+        sent: dict[int, tuple[int, int, int]] = {}
+        payloads = [pickle.dumps(("step", self._step_msg(part, sent, is_overlapped)),
+                                 protocol=pickle.HIGHEST_PROTOCOL) for part in parts]
+        self._sent = sent
+        with self._lock:
+            for rank, payload in enumerate(payloads):
+                self._sock.send_multipart([f"w{rank}".encode(), payload])
+            handle = self._num_launched
+            self._launched[handle] = ([len(part.items) for part in parts], batch, time.perf_counter())
+            self._held = handle if is_overlapped else None
+            self._num_launched += 1
+            self._num_overlapped += is_overlapped
+        return handle
 
     def collect(self, handle: int) -> RunResult:
-        """Wait for every rank's answer to step `handle` (steps are collected in launch order); rank 0's result."""
+        """Wait for every rank's answer to step `handle` (steps are collected in launch order), merged."""
         if self._broken is not None:
             raise RuntimeError(f"the expert-parallel worker pool is down: {self._broken}")
         assert handle == self._num_collected, f"step {handle} collected out of order (next: {self._num_collected})"
-        reply: StepReply = self._collect("step", self.step_timeout_s)[0][0]
-        self._num_collected += 1
-        self._account(reply)
-        return reply.result
+        with self._lock:
+            if self._held == handle:  # the workers answer an overlapped step when the next one comes: no next
+                for rank in range(self.size):
+                    self._sock.send_multipart([f"w{rank}".encode(), pickle.dumps(("flush", None))])
+                self._held = None
+            replies = self._collect("step", self.step_timeout_s)
+            self._num_collected += 1
+            num_items, batch, start = self._launched.pop(handle)
+        if self.size == 1:
+            result = replies[0][0].result
+        else:
+            result = merge_results([replies[rank][0].result for rank in range(self.size)], num_items)
+        if self.spec is not None:
+            self.spec.book(batch, result.num_accepted, time.perf_counter() - start)
+        return result
 
     def run(self, batch: ScheduledBatch) -> RunResult:
         return self.collect(self.launch(batch))
 
     def can_overlap(self, batch: ScheduledBatch) -> bool:
-        return False  # a step's sampled tokens reach the workers' inputs only through the engine, after collect
+        """As the local runner: a decode step launched while the step before computes (DEEPINFER_OVERLAP, on by
+        default on CUDA); the workers read its inputs from that step's tokens on their device."""
+        if not self.is_overlap_enabled or self.spec is not None:
+            return False
+        if batch.is_overlappable is None:
+            batch.is_overlappable = is_overlappable(batch)
+        return batch.is_overlappable
 
-    def _step_msg(self, batch: ScheduledBatch) -> StepMsg:
-        # The slot copies are done by every worker before the step's forward.
-        msg, sent = StepMsg(kv_copies=list(batch.kv_copies)), {}
+    def _step_msg(self, batch: ScheduledBatch, sent: dict[int, tuple[int, int, int]], is_overlapped: bool
+                  ) -> StepMsg:
+        """One rank's step: what changed in its requests since the previous step (recorded in `sent`). The slot
+        copies are done before the step's forward."""
+        msg = StepMsg(kv_copies=list(batch.kv_copies), is_overlapped=is_overlapped)
         for item in batch.items:
             req = item.req
             prev = self._sent.get(req.rid)
             if prev is None:
                 msg.new_reqs.append(NewReq(req.rid, req.prompt_ids, list(req.token_ids), req.params, req.seed))
-                prev = (req.num_tokens, -1, 0)
-            num_tokens, retractions, num_pages = prev
-            if retractions != req.num_retractions:
-                num_pages = 0  # pages were given back and taken anew: send them all
+                prev = (len(req.token_ids), -1, 0)
+            num_known, retractions, num_pages = prev
+            if retractions != req.num_retractions or (self.spec is not None and num_pages and (
+                    num_pages > len(req.pages) or req.pages[num_pages - 1] != self._last_page[req.rid])):
+                # Pages were given back and taken anew (a retraction; rejected drafts' pages rolled back,
+                # perhaps regrown): send them all.
+                num_pages = 0
             msg.items.append(StepItem(
-                req.rid, req.num_computed_tokens, item.num_new_tokens, req.token_ids[num_tokens:], num_pages,
-                req.pages[num_pages:], len(req.prompt_logprobs),
-                self._bitmask(req) if item.is_sampling and req.grammar is not None else None))
-            sent[req.rid] = (req.num_tokens, req.num_retractions, len(req.pages))
-        self._sent = sent
+                req.rid, item.start, item.num_new_tokens, req.token_ids[num_known:], num_pages,
+                req.pages[num_pages:], len(req.prompt_logprobs), item.is_sampling, item.wants_prompt_logprobs,
+                req.num_inflight_tokens, self._bitmask(req) if item.is_sampling and req.grammar is not None else None,
+                item.draft_tokens))
+            sent[req.rid] = (len(req.token_ids), req.num_retractions, len(req.pages))
+            if self.spec is not None and req.pages:
+                self._last_page[req.rid] = req.pages[-1]
         return msg
 
     def _bitmask(self, req) -> torch.Tensor:
@@ -260,22 +377,29 @@ class WorkerPool:
         return mask[0]
 
     # ---- statistics ----
-    def _account(self, reply: StepReply) -> None:
-        self._last = reply
-        for layer in reply.rank_tokens or []:
-            self._rank_tokens = [a + b for a, b in zip(self._rank_tokens, layer)]
-            self._sum_mean += sum(layer) / self.size
-            self._sum_max += max(layer)
-
     def reset_stats(self) -> None:
         """Restart the balance counters (a benchmark measures after its warm-up)."""
-        self._rank_tokens = [0] * self.size
-        self._sum_mean = self._sum_max = 0.0
+        self._stats_base = self._read_stats() if hasattr(self, "_stats_base") else {}
+
+    def _read_stats(self) -> dict:
+        """Rank 0's counters (every rank records the same: the gathered pair counts), asked for between steps; while a step
+        is in flight (another thread drives the loop), the last ones read."""
+        with self._lock:
+            if self._broken is None and self._num_launched == self._num_collected:
+                for rank in range(self.size):
+                    self._sock.send_multipart([f"w{rank}".encode(), pickle.dumps(("stats", None))])
+                self._last_stats = self._collect("stats", self.step_timeout_s)[0][0]
+        return self._last_stats
 
     def stats(self) -> dict:
-        """MoE balance over all steps and layers: moe_balance = sum of mean / sum of max (token, expert) pairs
-        per rank (1.0 = even); per-rank totals; EPLB rearrangements and expert copies moved."""
-        return {"ep_size": self.size, "ep_tokens_per_rank": list(self._rank_tokens),
-                "moe_balance": self._sum_mean / self._sum_max if self._sum_max else 1.0,
-                "eplb_rearrangements": self._last.num_rearrangements if self._last else 0,
-                "eplb_moved_experts": self._last.num_moved_experts if self._last else 0}
+        """MoE balance over the steps and layers since reset_stats: moe_balance = sum of mean / sum of max
+        (token, expert) pairs per rank (1.0 = even); per-rank totals; EPLB rearrangements and expert copies
+        moved. One rank has no balance to report."""
+        now, base = self._read_stats(), self._stats_base
+        if not now:
+            return {"ep_size": self.size, "ep_overlapped_steps": self._num_overlapped}
+        rank_tokens = [a - b for a, b in zip(now["rank_tokens"], base.get("rank_tokens", [0] * self.size))]
+        sum_max = now["sum_max"] - base.get("sum_max", 0)
+        return {"ep_size": self.size, "ep_overlapped_steps": self._num_overlapped, "ep_tokens_per_rank": rank_tokens,
+                "moe_balance": sum(rank_tokens) / self.size / sum_max if sum_max else 1.0,
+                "eplb_rearrangements": now["num_rearrangements"], "eplb_moved_experts": now["num_moved_experts"]}

@@ -81,15 +81,18 @@ def test_ep2_seeded_siblings_match_ep1(ep2, reference):
 
 
 def test_ep2_is_an_executor_and_applies_kv_copies_from_the_batch(ep2, reference, monkeypatch):
+    # Data-parallel attention: one scheduler per rank, over that rank's pages; a step is one part per rank.
     pool, scheduler = ep2.executor, ep2.scheduler
-    assert pool.allocator is scheduler.allocator and pool.page_size == 4
-    assert pool.num_slots == pool.allocator.num_pages * pool.page_size
+    assert [s.allocator for s in scheduler.ranks] == [p.allocator for p in pool.rank_pools] and pool.page_size == 4
+    assert all(s.allocator is p.allocator for s, p in zip(scheduler.ranks, pool.rank_pools))
+    assert pool.num_slots == pool.rank_pools[0].allocator.num_pages * pool.page_size
     assert pool.can_overlap(ScheduledBatch()) is False
     schedule, num_copies = scheduler.schedule, []
 
     def schedule_counting_copies():
         batch = schedule()
-        num_copies.append(len(batch.kv_copies))
+        assert len(batch.parts) == 2 and not batch.kv_copies
+        num_copies.append(sum(len(part.kv_copies) for part in batch.parts))
         return batch
 
     monkeypatch.setattr(scheduler, "schedule", schedule_counting_copies)
