@@ -22,7 +22,7 @@ from pydantic import ValidationError
 from deepinfer_rt.request import GenerateOutput, Req
 from deepinfer_rt.server import openai_api
 from deepinfer_rt.server.api_models import ChatCompletionRequest, CompletionRequest
-from deepinfer_rt.server.chat import make_chat_renderer
+from deepinfer_rt.server.chat import make_chat_format
 from deepinfer_rt.server.errors import CHAT_NAMES, OPENAI_NAMES, error_response
 from deepinfer_rt.server.http_server import failure_response, validation_response
 from deepinfer_rt.server.io_struct import SeqDelta
@@ -49,6 +49,9 @@ class Job:
     model: str = ""
     groups: list[list[Req]] = field(default_factory=list)
     """One group per prompt: its params.n sequences."""
+    formatter_kwargs: dict = field(default_factory=dict)
+    """echo (completions) or reading (chat), as the server builds them."""
+    best_of: object = None
 
     @property
     def is_finished(self) -> bool:
@@ -118,7 +121,7 @@ class BatchRunner:
         self.engine = engine
         self.model_names = model_names
         self.max_position = engine.model_config.max_position
-        self.renderer = make_chat_renderer(engine.tokenizer, resolve_model_path(engine.config.model))
+        self.chat = make_chat_format(engine.tokenizer, resolve_model_path(engine.config.model))
         self.names: dict[str, dict] = {}
 
     def _encode(self, text: str) -> list[int]:
@@ -138,9 +141,17 @@ class BatchRunner:
         if url == "/v1/completions":
             prompts = openai_api.completion_inputs(req, self._encode)
             params = openai_api.completion_params(req, max(map(len, prompts)), self.max_position)
+            if req.echo:
+                texts = openai_api.echo_texts(req, prompts, self.engine.tokenizer)
+                job.formatter_kwargs["echo"] = openai_api.Echo(texts, prompts, req.n,
+                                                               is_output_dropped=req.max_tokens == 0)
+            if req.best_of is not None and req.best_of > req.n:
+                job.best_of = openai_api.BestOf(req.best_of, req.n, is_logprobs_asked=req.logprobs is not None)
         else:
-            prompts = openai_api.chat_inputs(req, self.renderer)
-            params = openai_api.chat_params(req, len(prompts[0]), self.max_position)
+            rendered = openai_api.chat_inputs(req, self.chat)
+            params = openai_api.chat_params(req, rendered, self.max_position)
+            prompts = [rendered.ids]
+            job.formatter_kwargs["reading"] = openai_api.ChatReading.of(req, self.chat, rendered)
         groups = []
         try:  # add_request validates as generate does; a bad prompt withdraws those queued before it
             for ids in prompts:
@@ -152,7 +163,7 @@ class BatchRunner:
 
     async def response(self, job: Job) -> tuple[int, dict]:
         """(status, body) of a finished job, formatted by the server's code."""
-        formatter = openai_api.Formatter(job.kind, job.model, self.engine.tokenizer)
+        formatter = openai_api.Formatter(job.kind, job.model, self.engine.tokenizer, **job.formatter_kwargs)
         n = len(job.groups[0])
 
         async def deltas():
@@ -162,10 +173,11 @@ class BatchRunner:
                     yield SeqDelta(f"{job.custom_id}-{i}", i * n + k, out.token_ids, out.text,
                                    out.logprobs or [], out.top_logprobs or [], out.finish_reason, out.error,
                                    prompt_tokens=out.prompt_tokens, completion_tokens=out.completion_tokens,
-                                   cached_tokens=out.cached_tokens, prompt_logprobs=out.prompt_logprobs)
+                                   cached_tokens=out.cached_tokens, prompt_logprobs=out.prompt_logprobs,
+                                   prompt_top_logprobs=out.prompt_top_logprobs)
 
         try:
-            return 200, await openai_api.collect(deltas(), formatter)
+            return 200, await openai_api.collect(deltas(), formatter, job.best_of)
         except Exception as e:  # noqa: BLE001 -- a failed generation (finish_reason 'error') fails its line
             return _error_body(failure_response(e, self.names[job.custom_id]))
 

@@ -189,11 +189,12 @@ class LLM:
         """Each conversation rendered by the model's chat renderer (its chat template, or the one registered for
         its family), then generated as `generate` does."""
         from deepinfer_rt.models.loader import resolve_model_path
-        from deepinfer_rt.server.chat import make_chat_renderer
+        from deepinfer_rt.server.chat import make_chat_format
 
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        renderer = make_chat_renderer(self.llm_engine.tokenizer, resolve_model_path(self.llm_engine.config.model))
-        ids = [renderer.render(list(c), {}) for c in conversations]
+        renderer = make_chat_format(self.llm_engine.tokenizer,
+                                    resolve_model_path(self.llm_engine.config.model)).renderer
+        ids = [renderer.render(list(c), {}).ids for c in conversations]
         return self.generate(sampling_params=sampling_params, prompt_token_ids=ids, use_tqdm=use_tqdm)
 
     def _run(self, prompt_ids: list[list[int]], params: list[SamplingParams], use_tqdm: bool) -> list:
