@@ -90,7 +90,9 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
             os.environ[var] = str(getattr(args, name))
     if args.log_level is not None:
         os.environ["DEEPINFER_LOG_LEVEL"] = args.log_level.upper()
-    logging.basicConfig(level=os.environ.get("DEEPINFER_LOG_LEVEL", "WARNING").upper(),
+    # serve logs its startup line and requests at INFO unless a level is asked for; the other commands stay quiet
+    default = "INFO" if getattr(args, "command", None) == "serve" else "WARNING"
+    logging.basicConfig(level=os.environ.get("DEEPINFER_LOG_LEVEL", default).upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     kwargs = {opt.name: getattr(args, opt.name) for opt in ENGINE_OPTIONS}
     kwargs["device"] = resolve_device(kwargs["device"])

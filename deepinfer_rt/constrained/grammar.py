@@ -254,11 +254,16 @@ class GrammarBackend:
             self.cache_hits += 1
         else:
             self.cache_misses += 1
-            future = self._pool.submit(self._compile, kind, text)
+            future = self._pool.submit(self._timed_compile, kind, text)
             self._cache[key] = future
             if len(self._cache) > _CACHE_ENTRIES:
                 self._cache.popitem(last=False)
         return GrammarHandle(future, time.monotonic())
+
+    def _timed_compile(self, kind: str, text: str) -> tuple[xgrammar.CompiledGrammar, float]:
+        """The compiled grammar and when it was done (a compilation that ends before the first poll still counts
+        its time against the timeout)."""
+        return self._compile(kind, text), time.monotonic()
 
     def _compile(self, kind: str, text: str) -> xgrammar.CompiledGrammar:
         if kind == "regex":
@@ -279,7 +284,10 @@ class GrammarBackend:
         exc = future.exception()
         if exc is not None:
             return "error", f"grammar compilation failed: {_xgrammar_message(exc)}"
-        return "ready", RequestGrammar(xgrammar.GrammarMatcher(future.result()))
+        compiled, finished_at = future.result()
+        if finished_at - handle.submitted_at > self.compile_timeout_s:  # cached earlier: finished before submission
+            return "error", f"grammar compilation exceeded {self.compile_timeout_s:g} s"
+        return "ready", RequestGrammar(xgrammar.GrammarMatcher(compiled))
 
     def wait(self, handles: list[GrammarHandle], max_wait_s: float | None = None) -> None:
         """Block until one of these compilations ends, the earliest of them times out, or `max_wait_s`: for a

@@ -203,6 +203,22 @@ def test_compile_timeout_gives_error(backend, monkeypatch):
         release.set()
 
 
+def test_compile_that_ends_before_the_first_poll_still_counts_its_time(backend, monkeypatch):
+    real = backend._compile
+
+    def slowish(kind, text):
+        time.sleep(0.2)
+        return real(kind, text)
+
+    monkeypatch.setattr(backend, "_compile", slowish)
+    monkeypatch.setattr(backend, "compile_timeout_s", 0.1)
+    handle = backend.submit("regex", "late-[a-z]+")
+    handle.future.result(timeout=60)  # done before anyone polls
+    assert backend.poll(handle) == ("error", "grammar compilation exceeded 0.1 s")
+    monkeypatch.setattr(backend, "compile_timeout_s", 0.0)
+    assert backend.poll(backend.submit("regex", "late-[a-z]+"))[0] == "ready"  # compiled earlier: cached
+
+
 def test_compile_exception_gives_error(backend, monkeypatch):
     def broken(kind, text):
         raise RuntimeError("[12:00:00] /project/cpp/x.cc:1: kaboom")

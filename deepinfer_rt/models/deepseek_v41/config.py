@@ -377,9 +377,10 @@ def build_layers(ratios: list[int], kv_sources, index_sources, candidate_source:
     return tuple(layers)
 
 
-def read_config_file(path: Path) -> dict:
+def read_config_file(path: str | Path) -> dict:
     """config.json of a model folder; the release's inference/config.json when the folder has one and no
     top-level config."""
+    path = Path(path)
     top = path / "config.json"
     if top.exists():
         return json.loads(top.read_text())
