@@ -25,6 +25,8 @@ from contextlib import contextmanager
 from typing import Any, Iterator
 
 from deepinfer_lang.backend import RuntimeBackend
+from deepinfer_lang.fork_group import ProgramStateGroup
+from deepinfer_lang.gen_meta import UnknownVariableError, gen_meta
 from deepinfer_lang.ir import (Expr, ExprList, Gen, GenArgs, Image, RoleBegin, RoleEnd, Select, SeparateReasoning,
                                Text, VarScopeBegin, VarScopeEnd, Video, as_expr, reasoning_name)
 from deepinfer_lang.reasoning import split_reasoning
@@ -46,35 +48,6 @@ def current_program_id() -> str | None:
     """The id of the program run whose expressions execute on this thread (fork branches share their root's),
     for instrumentation: e.g. a backend wrapper grouping its calls by program."""
     return getattr(_current, "program_id", None)
-
-
-class UnknownVariableError(KeyError):
-    """A variable read that no expression has set (a KeyError, printed without KeyError's quoting)."""
-
-    def __str__(self) -> str:
-        return self.args[0]
-
-
-class FinishReason(str):
-    """A gen's finish reason: compares and prints as our string ('stop', 'length', 'abort', 'error') and reads as
-    SGLang's dict too: reason["type"], reason["matched"] (the stop token id, when a stop token ended it),
-    reason["length"] (max_new_tokens, when the length did)."""
-
-    def __new__(cls, reason: str, **info):
-        obj = super().__new__(cls, reason)
-        obj.info = {"type": reason, **info}
-        return obj
-
-    def __getitem__(self, key):
-        if isinstance(key, str):
-            return self.info[key]
-        return str.__getitem__(self, key)
-
-    def get(self, key: str, default=None):
-        return self.info.get(key, default)
-
-    def keys(self):
-        return self.info.keys()
 
 
 class _PrefixEnd(Exception):
@@ -385,7 +358,7 @@ class ProgramState:
                 raise RuntimeError(f"{what} in program {self.program_name!r} failed: {out.error or out.finish_reason}")
         self._append(outs[0].text, backend.output_ids(prompt, outs[0], params))
         self._num_known_cached = len(prompt)
-        metas = [_gen_meta(o, prompt, params, gen.args.over(self.defaults), self.backend, latency) for o in outs]
+        metas = [gen_meta(o, prompt, params, gen.args.over(self.defaults), self.backend, latency) for o in outs]
         if params.n == 1:
             self._set_var(gen.name, outs[0].text, metas[0])
         else:
@@ -491,106 +464,3 @@ class ProgramState:
         if self._executor is not None and not self._is_closed:
             self._executor.shutdown()
             self._is_closed = True
-
-
-def _finish_reason(out: GenerateOutput, params, backend: RuntimeBackend) -> FinishReason:
-    if out.finish_reason == "length":
-        return FinishReason("length", length=params.max_new_tokens)
-    if out.finish_reason == "stop":
-        stop_ids = set(params.stop_token_ids or ()) | (set() if params.ignore_eos else set(backend.eos_ids))
-        last = out.token_ids[-1] if out.token_ids else None
-        return FinishReason("stop", matched=last if last in stop_ids else None)
-    return FinishReason(out.finish_reason, message=out.error)
-
-
-def _gen_meta(out: GenerateOutput, prompt: list[int], params, args: GenArgs, backend: RuntimeBackend,
-              latency: float) -> dict:
-    """SGLang's meta info of a gen: id, finish_reason, token counts, e2e_latency and, when asked for, logprobs as
-    (logprob, token_id, token_text) entries (the text with return_text_in_logprobs, else None)."""
-    with_text = bool(args.return_text_in_logprobs)
-
-    def entry(lp, tid):
-        return (lp, tid, backend.tokenizer.decode([tid]) if with_text else None)
-
-    meta = {"id": uuid.uuid4().hex, "prompt_tokens": out.prompt_tokens, "completion_tokens": out.completion_tokens,
-            "cached_tokens": out.cached_tokens, "finish_reason": _finish_reason(out, params, backend),
-            "e2e_latency": latency}
-    if out.logprobs is not None:
-        meta["output_token_logprobs"] = [entry(lp, tid) for lp, tid in zip(out.logprobs, out.token_ids)]
-    if out.top_logprobs is not None:
-        meta["output_top_logprobs"] = [[entry(lp, tid) for tid, lp in top] for top in out.top_logprobs]
-    if out.prompt_logprobs is not None:
-        start = params.logprob_start_len
-        meta["input_token_logprobs"] = [entry(out.prompt_logprobs[i], prompt[i]) for i in range(start, len(prompt))]
-    return meta
-
-
-class ProgramStateGroup:
-    """The branches of s.fork(n). `forks += x` appends x to every branch (a list: x[i] to branch i; a callable:
-    x(i) to branch i); forks[i] is branch i. join() waits for the branches and brings their results back."""
-
-    def __init__(self, branches: list[ProgramState], parent: ProgramState):
-        self._branches = branches
-        self._parent = parent
-
-    @property
-    def states(self) -> list[ProgramState]:
-        return self._branches
-
-    @property
-    def src_state(self) -> ProgramState:
-        return self._parent
-
-    def __setitem__(self, i: int, value) -> None:
-        """`forks[i] += x` appends to branch i, then stores the branch back: only that same branch may be stored."""
-        if value is not self._branches[i]:
-            raise TypeError(f"fork branches cannot be replaced: forks[{i}] can only be assigned its own branch "
-                            f"(as `forks[{i}] += ...` does)")
-
-    def __len__(self) -> int:
-        return len(self._branches)
-
-    def __iter__(self) -> Iterator[ProgramState]:
-        return iter(self._branches)
-
-    def __getitem__(self, i: int) -> ProgramState:
-        return self._branches[i]
-
-    def __iadd__(self, other) -> "ProgramStateGroup":
-        if isinstance(other, (list, tuple)) and len(other) != len(self._branches):
-            raise ValueError(f"forks += list: {len(other)} items for {len(self._branches)} branches")
-        if not (callable(other) or isinstance(other, (list, tuple, str, Expr))):
-            raise ValueError(f"forks += {type(other).__name__}: append a str, an expression, a list of them (one "
-                             f"per branch) or a function of the branch index")
-        for i, branch in enumerate(self._branches):
-            if callable(other) and not isinstance(other, Expr):
-                branch += other(i)
-            elif isinstance(other, (list, tuple)):
-                branch += other[i]
-            else:
-                branch += other
-        return self
-
-    def join(self, mode: str = "gather_variable") -> None:
-        """gather_variable: each variable a branch set becomes, in the parent, the list of the branches' values
-        (meta info likewise). concate_and_append: the parent appends each branch's new text, in branch order
-        (its ids as the branch computed them)."""
-        if mode not in ("gather_variable", "concate_and_append"):
-            raise ValueError(f"join mode must be 'gather_variable' or 'concate_and_append', got {mode!r}")
-        for i, branch in enumerate(self._branches):
-            branch._wait()
-            if branch._error is not None:
-                raise RuntimeError(f"fork branch {i} of program {branch.program_name!r} failed: "
-                                   f"{branch._error}") from branch._error
-        parent = self._parent
-        parent._wait()
-        if mode == "gather_variable":
-            names = dict.fromkeys(name for branch in self._branches for name in branch._assigned)
-            for name in names:
-                setters = [branch for branch in self._branches if name in branch._assigned]
-                parent._set_var(name, [b._variables[name] for b in setters], [b._meta_info[name] for b in setters])
-        else:
-            for branch in self._branches:
-                parent._append(branch._text[branch._fork_text_start:], branch.ids[branch._fork_ids_start:])
-        for branch in self._branches:
-            branch._close()
