@@ -92,7 +92,7 @@ def v41_oracles(tiny_v41_paths):
     sys.path.insert(0, str(ROOT / "test" / "reference"))
     from deepseek_v41_ref import V41Reference
 
-    out, texts = {}, None
+    out, texts, raw = {}, None, None
     for variant, path in tiny_v41_paths.items():
         text = json.loads((path / "config.json").read_text())["text_config"]
         weights = load_file(path / "model.safetensors")
@@ -102,7 +102,8 @@ def v41_oracles(tiny_v41_paths):
         if texts is None:  # both checkpoints carry the same tokenizer
             tok = AutoTokenizer.from_pretrained(path)
             texts = tok.batch_decode([[i] for i in range(text["vocab_size"])])
-        out[variant] = V41Reference(text, weights, texts)
+            raw = tok.convert_ids_to_tokens(list(range(text["vocab_size"])))
+        out[variant] = V41Reference(text, weights, texts, raw_tokens=raw)
     return out
 
 

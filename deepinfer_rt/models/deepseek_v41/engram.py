@@ -3,7 +3,10 @@
   1. Token ids map to a compressed vocabulary: the text of each token, NFKC then NFD, combining marks (Mn, Mc, Me)
      dropped, lowercased, runs of space / tab / CR / LF collapsed to one space, then Unicode white space trimmed
      unless the text is exactly one space;
-     tokens whose text is the same after that share one id (`compressed_vocabulary`).
+     tokens whose text is the same after that share one id (`compressed_vocabulary`). A token whose text holds U+FFFD
+     (a partial UTF-8 sequence) is keyed by its raw vocabulary string instead, which may coincide with another
+     token's normalised text: on the DeepSeek tokenizer this gives the release's 99,092 ids (unique keys would give
+     99,119).
   2. For n = 2 .. max_ngram and each of n_heads heads, the n most recent compressed ids (pad id before the
      sequence start) are mixed as XOR_k id[t-k] * m_k with per-layer odd multipliers m (numpy's default_rng seeded
      by 10007 * layer id) and reduced modulo that (n, head)'s prime table size; the primes are the successive
@@ -41,13 +44,15 @@ def _normalise(text: str) -> str:
     return " " if text == " " else text.strip(_WHITE_SPACE)
 
 
-def compressed_vocabulary(token_texts: list[str]) -> tuple[np.ndarray, int]:
-    """(vocab,) int64 compressed id of every token id, and the number of compressed ids. A text holding U+FFFD
-    (a partial UTF-8 sequence) keeps a class of its own."""
+def compressed_vocabulary(token_texts: list[str], raw_tokens: list[str]) -> tuple[np.ndarray, int]:
+    """(vocab,) int64 compressed id of every token id, and the number of compressed ids. token_texts: each id
+    decoded alone; raw_tokens: each id's vocabulary string (the key of a text holding U+FFFD)."""
+    if len(raw_tokens) != len(token_texts):
+        raise ValueError(f"{len(raw_tokens)} raw tokens for {len(token_texts)} token texts")
     classes: dict[str, int] = {}
     table = np.empty(len(token_texts), dtype=np.int64)
     for tid, text in enumerate(token_texts):
-        key = f"\x00{tid}" if "\ufffd" in text else (_normalise(text) or text)
+        key = raw_tokens[tid] if "\ufffd" in text else (_normalise(text) or text)
         table[tid] = classes.setdefault(key, len(classes))
     return table, len(classes)
 
@@ -67,9 +72,10 @@ def _vocabulary(digest: str, path: str, vocab_size: int) -> tuple[np.ndarray, in
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(Path(path))
-    texts = tok.batch_decode([[i] for i in range(min(vocab_size, len(tok)))])
-    texts += [f"\x00unused{i}" for i in range(len(texts), vocab_size)]
-    return compressed_vocabulary(texts)
+    ids = list(range(min(vocab_size, len(tok))))
+    texts, raw = tok.batch_decode([[i] for i in ids]), tok.convert_ids_to_tokens(ids)
+    unused = [f"\x00unused{i}" for i in range(len(texts), vocab_size)]
+    return compressed_vocabulary(texts + unused, raw + unused)
 
 
 def _is_prime(n: int) -> bool:
