@@ -12,7 +12,7 @@ from deepinfer_rt import Engine, GenerateOutput, SamplingParams
 # drops a leading space at the start of a decode does not make the ids look unlike the engine's text.
 _DECODE_CONTEXT = 4
 # Model families whose prompts are rendered by deepseek-recipe rather than a Jinja chat template.
-_CHAT_RECIPES = {"DeepseekV4ForCausalLM": "deepseek_v4"}
+_CHAT_RECIPES = {"DeepseekV4ForCausalLM": "deepseek_v4", "DeepseekV41ForCausalLM": "deepseek_v41"}
 
 
 class RuntimeBackend:

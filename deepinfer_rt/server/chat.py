@@ -3,7 +3,7 @@
 By default the model's Hugging Face chat template renders the conversation. A model family whose prompt
 format is not a template registers its own renderer under its HF `model_type` with `register_chat_renderer`; it is
 used for checkpoints of that type whose tokenizer has no chat template. DeepSeek-V4 checkpoints ship none: PyPI
-deepseek-recipe renders them (V4 by default, V4.1 with chat_encoding="deepseek_v41").
+deepseek-recipe renders them (V4's or V4.1's encoding by the checkpoint's model_type; chat_encoding forces one).
 
 Thinking: `chat_template_kwargs` reach the template as given; `reasoning_effort` sets `thinking` and
 `enable_thinking` (the names DeepSeek's and Qwen's templates read) unless those kwargs set them: "none" off, any
@@ -132,6 +132,7 @@ def register_chat_renderer(model_type: str, factory: Callable[[object, Path], Ch
 
 
 register_chat_renderer("deepseek_v4", lambda tokenizer, path: RecipeChatRenderer(tokenizer))
+register_chat_renderer("deepseek_v41", lambda tokenizer, path: RecipeChatRenderer(tokenizer, "DeepseekV41Encoding"))
 
 _ENCODINGS = {"deepseek_v4": "DeepseekV4Encoding", "deepseek_v41": "DeepseekV41Encoding"}
 
