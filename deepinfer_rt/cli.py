@@ -51,7 +51,8 @@ ENGINE_OPTIONS = (
     EngineOption("seed", 0, "engine seed: dummy weights and the draws of requests without a seed", int),
     EngineOption("speculative", None, "speculative decoding method (off by default)", str,
                  ("prompt_lookup", "mtp")),
-    EngineOption("quantization", None, "quantize 16/32-bit checkpoint weights at load", str, ("fp8",)),
+    EngineOption("quantization", None, "quantize 16/32-bit checkpoint weights at load (int8 / q4_1: weight-only, "
+                 "CPU)", str, ("fp8", "int8", "q4_1")),
 )
 ENV_OPTIONS = (
     ("kv_cache_memory_fraction", "DEEPINFER_KV_CACHE_MEMORY_FRACTION", 0.85, float,

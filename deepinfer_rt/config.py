@@ -232,4 +232,5 @@ class EngineConfig:
     scheduler: SchedulerConfig
     quantization: str | None = None
     """Engine(quantization=): 'fp8' quantizes 16/32-bit weights to block-scaled e4m3 at load (a checkpoint
-    already in FP8 needs nothing); None keeps what the checkpoint stores."""
+    already in FP8 needs nothing); 'int8' / 'q4_1' weight-only on CPU (layers/int8.py, layers/q4.py); None keeps
+    what the checkpoint stores."""

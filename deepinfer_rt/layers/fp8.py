@@ -208,12 +208,16 @@ class Fp8BlockLinear(Fp8LinearMethod):
 @functools.cache
 def weight_linear_method(config: KernelConfig) -> LinearMethod:
     """The method of a layer holding a model weight (Linear, MergedLinear): FP8 under `quantization == 'fp8'`
-    (the GEMM on CUDA, dequantized elsewhere), weight-only int8 under 'int8' (CPU, layers/int8.py), else the
+    (the GEMM on CUDA, dequantized elsewhere), weight-only int8 under 'int8' (CPU, layers/int8.py), 4-bit under 'q4_1' (CPU, layers/q4.py), else the
     config's unquantized method."""
     if config.quantization == "int8":
         from deepinfer_rt.layers.int8 import Int8WeightOnlyLinear
 
         return Int8WeightOnlyLinear()
+    if config.quantization == "q4_1":
+        from deepinfer_rt.layers.q4 import Q4WeightOnlyLinear
+
+        return Q4WeightOnlyLinear()
     if config.quantization != "fp8":
         return linear_method(config)
     if config.is_triton and not config.is_batch_invariant:

@@ -22,7 +22,7 @@ from deepinfer_kernels.dispatch import HAS_TRITON
 from deepinfer_rt.config import QuantConfig
 from deepinfer_rt.env import get_env
 
-QUANTIZATIONS = (None, "fp8", "int8")
+QUANTIZATIONS = (None, "fp8", "int8", "q4_1")
 """What `Engine(quantization=)` takes."""
 
 
@@ -51,7 +51,8 @@ class KernelConfig:
     batch-invariant) the linears run the W8A8 block GEMM and FP8 routed experts the FP8 fused MoE; elsewhere, and
     for MXFP4 experts, DeepSeek-V4's experts and MLA's kv_b, they are dequantized at load to the engine dtype.
     'int8' (CPU, not batch-invariant): the linears' weights per-row int8 at load, activations in the engine dtype
-    (layers/int8.py). None: the engine dtype throughout."""
+    (layers/int8.py). 'q4_1' (CPU, not batch-invariant): the linears' weights in GGUF's Q4_1 layout (4-bit codes,
+    fp16 scale and min per 32 weights; layers/q4.py). None: the engine dtype throughout."""
     is_checkpoint_quantized: bool = False
     """Whether the checkpoint stores the weights quantized (FP8 values + `weight_scale_inv`), rather than in
     16/32-bit for `quantization` to quantize at load."""
@@ -75,9 +76,9 @@ class KernelConfig:
         former already folds in DEEPINFER_BATCH_INVARIANT), the layer knobs from the environment."""
         if quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
-        if quantization == "int8" and (torch.device(device).type != "cpu" or batch_invariant):
-            raise ValueError("quantization='int8' (weight-only, torch's CPU int8 matmul) runs on CPU and not in "
-                             "batch-invariant mode")
+        if quantization in ("int8", "q4_1") and (torch.device(device).type != "cpu" or batch_invariant):
+            raise ValueError(f"quantization={quantization!r} (weight-only, torch's CPU int8 / int4 matmul) runs on "
+                             f"CPU and not in batch-invariant mode")
         env = get_env()
         return cls(device_type=torch.device(device).type, is_batch_invariant=batch_invariant,
                    is_skinny_gemm=env.skinny_gemm, mla_mha_prefill=env.mla_mha_prefill,
