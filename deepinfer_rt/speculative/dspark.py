@@ -19,6 +19,7 @@ mode) the planner verifies every proposed draft instead. Verification (verify.py
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -34,6 +35,18 @@ from deepinfer_rt.speculative.dspark_model import DSparkModel
 
 _DRAFT_SALT = 0x6A09E667F3BCC909
 """Separates the drafter's draws from the target sampler's noise of the same (seed, position)."""
+
+
+@dataclass
+class _End:
+    """A request that produced tokens this step: the block goes after `last`, the last verified position."""
+
+    req: Req
+    slots: list[int]
+    """Pool slots of the context positions (the last sliding_window up to `last`)."""
+    last: int
+    seq: list[int]
+    """The request's tokens with this step's emitted ones (seq[-1], at position last + 1, starts the block)."""
 
 
 class FeatureCapture:
@@ -134,7 +147,7 @@ class DSparkDrafter(Drafter):
                 valid = item.num_input_tokens + (len(emitted[i]) - 1 if item.draft_tokens else 0)
                 last = start + valid - 1  # the last position whose target features are final
                 lo = max(0, last - self.window + 1)
-                ends.append((req, slots[lo : last + 1], last, emitted[i][-1], len(req.token_ids) + len(emitted[i])))
+                ends.append(_End(req, slots[lo : last + 1], last, req.token_ids + emitted[i]))
         dev = buf.device
         keys = self.net.context_keys(features, torch.tensor(positions, device=dev))
         buf[torch.tensor(out_slots, device=dev), : keys.shape[1]] = keys.to(buf.dtype)
@@ -143,17 +156,17 @@ class DSparkDrafter(Drafter):
     def _draft(self, runner, ends) -> dict[int, Proposal]:
         pool, dev = runner.pool, runner.pool.k[self.layer].device
         buf = pool.k[self.layer].view(pool.num_slots, -1)[:, : self.net.key_width]
-        num_ctx = max(len(e[1]) for e in ends)
+        num_ctx = max(len(e.slots) for e in ends)
         ctx_slots = torch.zeros(len(ends), num_ctx, dtype=torch.long)
         ctx_mask = torch.zeros(len(ends), num_ctx, dtype=torch.bool)
-        for j, (_, slots, _, _, _) in enumerate(ends):
-            ctx_slots[j, : len(slots)] = torch.tensor(slots, dtype=torch.long)
-            ctx_mask[j, : len(slots)] = True
-        bonus = torch.tensor([e[3] for e in ends], device=dev)
-        first = torch.tensor([e[2] + 1 for e in ends], device=dev)
+        for j, end in enumerate(ends):
+            ctx_slots[j, : len(end.slots)] = torch.tensor(end.slots, dtype=torch.long)
+            ctx_mask[j, : len(end.slots)] = True
+        bonus = torch.tensor([e.seq[-1] for e in ends], device=dev)
+        first = torch.tensor([e.last + 1 for e in ends], device=dev)
         hidden = self.net(buf[ctx_slots.to(dev)], ctx_mask.to(dev), bonus, first)  # (R, B, H)
         base = self.net.base_logits(hidden)[..., : runner.sampler.vocab_size]
-        reqs = [e[0] for e in ends]
+        reqs = [e.req for e in ends]
         k = min(self.max_draft, self.net.block_size)
         prev, tokens, survival, probs = bonus, [], [], []
         for row in range(k):
@@ -165,10 +178,10 @@ class DSparkDrafter(Drafter):
             probs.append(q)
             prev = torch.tensor(d, device=dev)
         out = {}
-        for j, (req, _, _, _, num_tokens) in enumerate(ends):
-            q = None if req.params.is_greedy else torch.stack([p[j] for p in probs])
-            out[req.rid] = Proposal([t[j] for t in tokens], survival_to_confidences([s[j] for s in survival]), q,
-                                    num_tokens)
+        for j, end in enumerate(ends):
+            q = None if end.req.params.is_greedy else torch.stack([p[j] for p in probs])
+            out[end.req.rid] = Proposal([t[j] for t in tokens], survival_to_confidences([s[j] for s in survival]),
+                                        q, len(end.seq))
         return out
 
     @staticmethod
