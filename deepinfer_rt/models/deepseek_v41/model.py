@@ -10,7 +10,9 @@ compression-window indices (deepseek_v4/batch.py), weight renames and fp32 param
 The DSpark drafter's mtp.* weights are skipped here: speculative="dspark" loads them (speculative/dspark.py) and
 hooks its feature capture onto the target layers (`V41DecoderLayer.capture`).
 
-Not covered by this slice: FP8 / MXFP4 weights (refused at config parse), Engram tables in host memory, the image-token router bias and the
+Engram tables can stay in host memory (env.py DEEPINFER_V41_ENGRAM_HOST; engram.py Engram.is_host_table).
+
+Not covered by this slice: FP8 / MXFP4 weights (refused at config parse), the image-token router bias and the
 vision tower (prompts holding the image token are refused), the batch-invariant mode (refused), CUDA graphs.
 """
 from __future__ import annotations
@@ -84,7 +86,7 @@ class V41DecoderLayer(nn.Module):
         if spec.engram_slot is not None:
             num_cols = (cfg.engram_max_ngram_size - 1) * cfg.engram_n_heads
             self.engram = Engram(cfg.hidden_size, cfg.hc_mult, hashing.table_rows(spec.layer_id), cfg.engram_head_dim,
-                                 num_cols, cfg.rms_norm_eps)
+                                 num_cols, cfg.rms_norm_eps, is_host_table=get_env().v41_engram_host)
 
     def _sublayer(self, hc: HyperConnection, streams, carried, block):
         """One mHC sublayer; shifted: the input applies the previous sublayer's pre-mix (`carried`) and this one's
