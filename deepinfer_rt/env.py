@@ -102,6 +102,10 @@ class Env:
     """DEEPINFER_V41_YOCO_TRUNCATION=1: DeepSeek-V4.1 prefill chunks run the YOCO consumer layers only for their last
     sliding window of queries (their KV still comes from every token's shared hidden); the other rows' outputs are
     not computed, so prompt logprobs are refused. Default off."""
+    v41_engram_host: bool
+    """DEEPINFER_V41_ENGRAM_HOST=1: DeepSeek-V4.1's Engram tables stay in host memory (they are large); each step
+    gathers the rows of its n-gram hashes there and copies only those to the device. Default off (tables on the
+    device)."""
     # ---- the HTTP server's input limits and supervision ----
     max_body_bytes: int
     """DEEPINFER_MAX_BODY_BYTES: largest request body the server reads (default 16 MiB; beyond it: 413, checked
@@ -141,6 +145,7 @@ def get_env() -> Env:
         cache_dir=Path(_str("DEEPINFER_CACHE", str(Path.home() / ".cache" / "deepinfer"))),
         batch_invariant=_bool("DEEPINFER_BATCH_INVARIANT", False),
         v41_yoco_truncation=_bool("DEEPINFER_V41_YOCO_TRUNCATION", False),
+        v41_engram_host=_bool("DEEPINFER_V41_ENGRAM_HOST", False),
         log_level=_str("DEEPINFER_LOG_LEVEL", "WARNING"),
         kv_cache_memory_fraction=_float("DEEPINFER_KV_CACHE_MEMORY_FRACTION", 0.85),
         kv_cache_max_cpu_gib=_float("DEEPINFER_KV_CACHE_MAX_CPU_GIB", 2.0),

@@ -135,12 +135,13 @@ def main() -> None:
     parser.add_argument("--variant", default=None, help="deepseek_v41: which tiny config (a or b)")
     parser.add_argument("--names", default=None, choices=("hf", "release"),
                         help="deepseek_v41: HF tensor names (default) or the release's")
+    parser.add_argument("--dspark", action="store_true", help="deepseek_v41: add the DSpark drafter's mtp.* weights")
     args = parser.parse_args()
     overrides = dict(map(_parse_override, args.set))
     if args.kind == "deepseek_v41":
-        overrides.update(variant=args.variant or "a", names=args.names or "hf")
-    elif args.variant or args.names:
-        parser.error("--variant and --names apply to deepseek_v41 only")
+        overrides.update(variant=args.variant or "a", names=args.names or "hf", dspark=args.dspark)
+    elif args.variant or args.names or args.dspark:
+        parser.error("--variant, --names and --dspark apply to deepseek_v41 only")
     path = make_tiny_checkpoint(args.kind, args.out_dir, args.seed, **overrides)
     print(path)
 

@@ -43,6 +43,12 @@ TINY_CONFIGS = {
 }
 
 
+# The DSpark drafter (make_v41_checkpoint(dspark=True)): 2 stages over a 3-position block, reading an Engram layer's
+# and a YOCO consumer's inputs, with its own 2-expert bank.
+DSPARK = dict(num_nextn_predict_layers=2, dspark_block_size=3, dspark_target_layer_ids=[1, 6], dspark_markov_rank=4,
+              dspark_n_routed_experts=2, dspark_num_experts_per_tok=1)
+
+
 def _primes(c: dict) -> dict[int, list[int]]:
     """Table sizes per Engram layer: for each n-gram order and head the next prime above engram_vocab_size - 1 not
     used before (by any layer)."""
@@ -105,6 +111,39 @@ def tensor_shapes(c: dict) -> dict[str, tuple[int, ...]]:
             shapes.update({g + "embed.weight": (sum(tables[i]), c["engram_head_dim"]),
                            g + "wkv.weight": ((n + 1) * d, cols * c["engram_head_dim"]),
                            g + "hidden_norm.weight": (n, d), g + "embed_norm.weight": (n, d)})
+    if c.get("dspark_block_size"):
+        shapes.update(dspark_shapes(c))
+    return shapes
+
+
+def dspark_shapes(c: dict) -> dict[str, tuple[int, ...]]:
+    """The DSpark stages' tensors (`mtp.{s}.*`, the same in HF and release spellings)."""
+    d, h, dh, n, r = c["hidden_size"], c["num_attention_heads"], c["head_dim"], c["hc_mult"], c["dspark_markov_rank"]
+    e, i_moe, num = c["dspark_n_routed_experts"], c["moe_intermediate_size"], c["num_nextn_predict_layers"]
+    shapes = {}
+    for s in range(num):
+        p = f"mtp.{s}."
+        for kind in ("attn", "ffn"):
+            shapes.update({p + f"{kind}_norm.weight": (d,), p + f"hc_{kind}_fn": ((2 + n) * n, n * d),
+                           p + f"hc_{kind}_base": ((2 + n) * n,), p + f"hc_{kind}_scale": (3,)})
+        a = p + "attn."
+        shapes.update({a + "wq_a.weight": (c["q_lora_rank"], d), a + "q_norm.weight": (c["q_lora_rank"],),
+                       a + "wq_b.weight": (h * dh, c["q_lora_rank"]), a + "wkv.weight": (dh, d),
+                       a + "kv_norm.weight": (dh,), a + "attn_sink": (h,),
+                       a + "wo_a.weight": (c["o_groups"] * c["o_lora_rank"], h * dh // c["o_groups"]),
+                       a + "wo_b.weight": (d, c["o_groups"] * c["o_lora_rank"])})
+        f = p + "ffn."
+        shapes.update({f + "gate.weight": (e, d), f + "gate.bias": (e,)})
+        for x in range(e):
+            shapes.update({f + f"experts.{x}.w1.weight": (i_moe, d), f + f"experts.{x}.w3.weight": (i_moe, d),
+                           f + f"experts.{x}.w2.weight": (d, i_moe)})
+        shapes.update({f + "shared_experts.w1.weight": (i_moe, d), f + "shared_experts.w3.weight": (i_moe, d),
+                       f + "shared_experts.w2.weight": (d, i_moe)})
+    shapes.update({"mtp.0.main_proj.weight": (d, d * len(c["dspark_target_layer_ids"])), "mtp.0.main_norm.weight": (d,)})
+    last = f"mtp.{num - 1}."
+    shapes.update({last + "norm.weight": (d,), last + "markov_head.embed.weight": (c["vocab_size"], r),
+                   last + "markov_head.head.weight": (c["vocab_size"], r),
+                   last + "confidence_head.proj.weight": (1, d + r)})
     return shapes
 
 
@@ -145,9 +184,10 @@ def release_config(text: dict) -> dict:
 
 
 def make_v41_checkpoint(out_dir: str | Path, tokenizer_dir: Path, seed: int = 0, variant: str = "a",
-                        names: str = "hf", vocab_size: int | None = 20480, **overrides) -> Path:
+                        names: str = "hf", vocab_size: int | None = 20480, dspark: bool = False, **overrides) -> Path:
     """vocab_size: embedding rows (default 20480, the tokenizer's first ids: test prompts are id lists and the
-    Engram vocabulary is derived from that many tokens); None = the whole tokenizer."""
+    Engram vocabulary is derived from that many tokens); None = the whole tokenizer. dspark: add the DSpark
+    drafter's config (DSPARK) and `mtp.*` tensors (drawn after the target's, which stay as without it)."""
     from transformers import AutoTokenizer
 
     if variant not in TINY_CONFIGS:
@@ -157,7 +197,9 @@ def make_v41_checkpoint(out_dir: str | Path, tokenizer_dir: Path, seed: int = 0,
     tok = AutoTokenizer.from_pretrained(tokenizer_dir)
     vocab = len(tok) if vocab_size is None else min(vocab_size, len(tok))
     text = dict(TINY_CONFIGS[variant], vocab_size=vocab, bos_token_id=tok.bos_token_id,
-                eos_token_id=tok.eos_token_id, model_type="deepseek_v41_text", **overrides)
+                eos_token_id=tok.eos_token_id, model_type="deepseek_v41_text", **(DSPARK if dspark else {}), **overrides)
+    if dspark:
+        text.setdefault("dspark_noise_token_id", vocab - 1)
     text["engram_num_embeddings"] = [sum(s) for s in _primes(text).values()]
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

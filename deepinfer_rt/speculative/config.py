@@ -6,13 +6,14 @@ from typing import Any
 
 from deepinfer_rt.env import get_env
 
-METHODS = ("prompt_lookup", "mtp")
+METHODS = ("prompt_lookup", "mtp", "dspark")
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
     method: str = "prompt_lookup"
-    """'prompt_lookup' (n-gram match over the request's own tokens) or 'mtp' (DeepSeek MTP head)."""
+    """'prompt_lookup' (n-gram match over the request's own tokens), 'mtp' (DeepSeek MTP head) or 'dspark'
+    (DeepSeek-V4.1's DSpark block drafter)."""
     max_draft: int = 0
     """Most draft tokens verified per request and step; 0 = DEEPINFER_SPEC_MAX_DRAFT (default 5)."""
     fixed_length: bool | None = None

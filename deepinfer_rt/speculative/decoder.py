@@ -10,8 +10,6 @@ by 1 + accepted, and pages beyond it are freed, so the prefix cache only ever se
 """
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
 from deepinfer_rt.cache.kv_pool import KVLayout
@@ -39,7 +37,7 @@ class SpecDecoder:
         self.num_drafted = self.num_accepted = self.num_verify_steps = 0
 
     def kv_layout(self, layout: KVLayout) -> KVLayout:
-        return dataclasses.replace(layout, num_layers=layout.num_layers + self.drafter.num_kv_layers)
+        return self.drafter.kv_layout(layout)
 
     # ---- scheduler ----
     def plan(self, reqs: list[Req], base_tokens: int, budget: int) -> list[list[int]]:
@@ -136,6 +134,10 @@ def build_spec_decoder(config: SpeculativeConfig, model, model_config, path, loa
 
         # Constrained requests draft the grammar's text too (tokenized as the engine's tokenizer does).
         drafter = GrammarDrafter(load_tokenizer(path), PromptLookupDrafter(config.min_ngram, config.max_ngram))
+    elif config.method == "dspark":
+        from deepinfer_rt.speculative.dspark import DSparkDrafter
+
+        drafter = DSparkDrafter.load(model, model_config, path, load_format, seed, config.num_draft)
     else:
         from deepinfer_rt.speculative.mtp import MTPDrafter
 

@@ -10,11 +10,13 @@ to date and prepare the next proposals; request-local drafters (prompt lookup) c
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from deepinfer_rt.cache.kv_pool import KVLayout
 from deepinfer_rt.request import Req
 
 
@@ -36,6 +38,10 @@ class Proposal:
 class Drafter:
     num_kv_layers: int = 0
     """Extra pool layers the drafter's own attention needs (slot j holds its KV of position j)."""
+
+    def kv_layout(self, layout: KVLayout) -> KVLayout:
+        """The target's pool layout plus the drafter's layers (same width as the target's by default)."""
+        return dataclasses.replace(layout, num_layers=layout.num_layers + self.num_kv_layers)
 
     def propose(self, req: Req, k: int) -> Proposal | None:
         """Up to k tokens to follow req.token_ids, or None."""

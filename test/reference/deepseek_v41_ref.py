@@ -314,11 +314,11 @@ class V41Reference:
         keep = {newest, *others[:c["candidate_topk_blocks"] - 1]}
         return {e for e in vis if e // B in keep}
 
-    def moe(self, i, x):
-        c, L = self.c, f"layers.{i}.ffn."
+    def moe(self, i, x, prefix=None, top_k=None):
+        c, L = self.c, f"layers.{i}.ffn." if prefix is None else prefix
         logits = x @ self.W(L + "gate.weight").T / c.get("gate_temp", 1.0)
         scores = torch.sqrt(F.softplus(logits))
-        ids = (scores + self.W(L + "gate.bias")).topk(c["num_experts_per_tok"], dim=-1).indices
+        ids = (scores + self.W(L + "gate.bias")).topk(top_k or c["num_experts_per_tok"], dim=-1).indices
         wts = scores.gather(1, ids)
         wts = wts / (wts.sum(-1, keepdim=True) + 1e-20) * c["routed_scaling_factor"]
         lim = c["swiglu_limit"]
@@ -337,7 +337,14 @@ class V41Reference:
     @torch.no_grad()
     def logits(self, ids: list[int]) -> torch.Tensor:
         """(T, vocab) fp32 logits of every position."""
+        return self.forward(ids)[0]
+
+    @torch.no_grad()
+    def forward(self, ids: list[int]):
+        """(T, vocab) logits and (T, targets * hidden) DSpark features: the mean over the streams of each
+        dspark_target_layer_ids layer's input (after its Engram), concatenated in config order."""
         c, nh, eps = self.c, self.c["hc_mult"], self.c["rms_norm_eps"]
+        targets, captured = list(c.get("dspark_target_layer_ids") or []), {}
         shifted = c.get("hc_shifted", True)
         x = self.W("embed_tokens.weight")[torch.tensor(ids)]
         streams = x[:, None, :].repeat(1, nh, 1)
@@ -348,6 +355,8 @@ class V41Reference:
             L = f"layers.{i}."
             if i in self.engram_ids:
                 streams = self.engram(i, streams, ids)
+            if i in targets:
+                captured[i] = streams.mean(1)
             for kind in ("attn", "ffn"):
                 pre, post, comb = self.hc_mixes(streams, L + f"hc_{kind}")
                 use = carried if shifted else pre
@@ -367,4 +376,91 @@ class V41Reference:
             w = torch.sigmoid(flat @ self.W("hc_head.hc_fn").T * self.W("hc_head.hc_scale")[0]
                               + self.W("hc_head.hc_base")) + c["hc_eps"]
             h = (w[..., None] * streams).sum(1)
-        return rms(h, self.W("norm.weight"), eps) @ self.w["head.weight"].T
+        features = torch.cat([captured[i] for i in targets], dim=-1) if targets else None
+        return rms(h, self.W("norm.weight"), eps) @ self.w["head.weight"].T, features
+
+
+# ---------------------------------------------------------------- the DSpark drafter
+
+class DSparkReference:
+    """The DSpark block drafter's plain forward over V41Reference (sources: speculative/dspark_model.py's
+    docstring; the release's DSparkBlock / DSparkAttention as ported in public code, TensorRT-LLM
+    modeling_dspark{,_v41}.py). One request, greedy rows, every loop in the open."""
+
+    def __init__(self, target: V41Reference):
+        self.t, c = target, target.c
+        self.c, self.num_stages, self.B = c, c["num_nextn_predict_layers"], c["dspark_block_size"]
+        self.noise = c.get("dspark_noise_token_id", c["vocab_size"] - 1)
+
+    def M(self, name):
+        w = self.t.w
+        return w["mtp." + name] if "mtp." + name in w else w["model.mtp." + name]
+
+    def attention(self, s, x, pos0, ctx_x, ctx_pos):
+        """Block rows x (B, D) at pos0 .. pos0+B-1 over context inputs ctx_x (L, D) at ctx_pos and the block."""
+        c, A, t = self.c, f"{s}.attn.", self.t
+        H, Dh, eps, inv = c["num_attention_heads"], c["head_dim"], c["rms_norm_eps"], t.main_inv
+        B = x.shape[0]
+        q = (rms(x @ self.M(A + "wq_a.weight").T, self.M(A + "q_norm.weight"), eps) @ self.M(A + "wq_b.weight").T)
+        q = torch.stack([rotate(q[j].view(H, Dh), pos0 + j, inv, 1.0) for j in range(B)])
+        def key(v, p):
+            return rotate(rms(v @ self.M(A + "wkv.weight").T, self.M(A + "kv_norm.weight"), eps), p, inv, 1.0)
+        keys = torch.stack([key(ctx_x[j], ctx_pos[j]) for j in range(len(ctx_pos))]
+                           + [key(x[j], pos0 + j) for j in range(B)])
+        logits = torch.einsum("bhd,kd->bhk", q, keys) * Dh ** -0.5  # no mask: context and the whole block
+        sink = self.M(A + "attn_sink")[None, :, None].expand(B, H, 1)
+        p = torch.softmax(torch.cat([logits, sink], dim=-1), dim=-1)[..., :-1]
+        mixed = torch.einsum("bhk,kd->bhd", p, keys)
+        out = torch.stack([rotate(mixed[j], pos0 + j, inv, 1.0, sign=-1.0) for j in range(B)])
+        g = c["o_groups"]
+        wo_a = self.M(A + "wo_a.weight").view(g, c["o_lora_rank"], -1)
+        return torch.einsum("bgi,gri->bgr", out.reshape(B, g, -1), wo_a).reshape(B, -1) @ self.M(A + "wo_b.weight").T
+
+    @torch.no_grad()
+    def draft(self, ids: list[int], bonus: int):
+        """Greedy block after `ids` (target features of every position) and the sampled `bonus`: (tokens (B,),
+        corrected logits (B, V), survival probabilities sigmoid(confidence) (B,))."""
+        c, t, eps, nh = self.c, self.t, self.c["rms_norm_eps"], self.c["hc_mult"]
+        features = t.forward(ids)[1]
+        last, W = len(ids) - 1, c["sliding_window"]
+        ctx_pos = list(range(max(0, last - W + 1), last + 1))
+        main_x = rms(features[ctx_pos] @ self.M("0.main_proj.weight").T, self.M("0.main_norm.weight"), eps)
+        block = [bonus] + [self.noise] * (self.B - 1)
+        streams = t.W("embed_tokens.weight")[torch.tensor(block)][:, None, :].repeat(1, nh, 1)
+        carried = torch.zeros(self.B, nh)
+        carried[:, 0] = 1.0
+        k = c.get("dspark_num_experts_per_tok") or c["num_experts_per_tok"]
+        for s in range(self.num_stages):
+            for kind in ("attn", "ffn"):
+                pre, post, comb = self.hc(streams, s, kind)
+                h = rms((carried[..., None] * streams).sum(1), self.M(f"{s}.{kind}_norm.weight"), eps)
+                y = self.attention(s, h, last + 1, main_x, ctx_pos) if kind == "attn" else self.moe(s, h, k)
+                streams = post[..., None] * y[:, None, :] + torch.einsum("tjk,tjd->tkd", comb, streams)
+                carried = pre
+        h = (carried[..., None] * streams).sum(1)
+        L = f"{self.num_stages - 1}."
+        base = rms(h, self.M(L + "norm.weight"), eps) @ t.w["head.weight"].T
+        tokens, corrected, survival, prev = [], [], [], bonus
+        for j in range(self.B):
+            e = self.M(L + "markov_head.embed.weight")[prev]
+            z = base[j] + self.M(L + "markov_head.head.weight") @ e
+            conf = torch.cat([h[j], e]) @ self.M(L + "confidence_head.proj.weight")[0]
+            prev = int(z.argmax())
+            tokens.append(prev)
+            corrected.append(z)
+            survival.append(torch.sigmoid(conf))
+        return tokens, torch.stack(corrected), torch.stack(survival)
+
+    def _as_draft(self):
+        """The target's sublayer helpers read names below self.t.p: point it at the draft stages for a call."""
+        return V41Reference.__new__(V41Reference), "mtp." if "mtp.0.main_norm.weight" in self.t.w else "model.mtp."
+
+    def hc(self, streams, s, kind):
+        view, prefix = self._as_draft()
+        view.c, view.w, view.p = self.c, self.t.w, prefix
+        return view.hc_mixes(streams, f"{s}.hc_{kind}")
+
+    def moe(self, s, x, k):
+        view, prefix = self._as_draft()
+        view.c, view.w, view.p = self.c, self.t.w, prefix
+        return view.moe(None, x, prefix=f"{s}.ffn.", top_k=k)

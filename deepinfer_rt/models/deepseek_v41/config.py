@@ -56,6 +56,9 @@ _RELEASE_NAMES = {
     "candidate_source_layer": "candidate_source_layer_id", "candidate_topk_blocks": "candidate_topk_blocks",
     "candidate_block_size": "candidate_block_size", "hc_shifted": "hc_shifted", "n_prefill_layer": "n_prefill_layer",
     "gate_temp": "gate_temp", "n_mtp_layers": "num_nextn_predict_layers",
+    "dspark_block_size": "dspark_block_size", "dspark_noise_token_id": "dspark_noise_token_id",
+    "dspark_target_layer_ids": "dspark_target_layer_ids", "dspark_markov_rank": "dspark_markov_rank",
+    "dspark_n_routed_experts": "dspark_n_routed_experts", "dspark_num_experts_per_tok": "dspark_num_experts_per_tok",
 }
 _RELEASE_ROPE = {"rope_factor": "factor", "original_seq_len": "original_max_position_embeddings",
                  "beta_fast": "beta_fast", "beta_slow": "beta_slow"}
@@ -140,7 +143,7 @@ class V41Config:
     """YOCO: layers [n_prefill_layer, num_layers) are consumers; == num_layers turns YOCO off. Absent from the
     config: the first ratio-1 layer."""
     num_nextn_predict_layers: int
-    """MTP / DSpark layers in the checkpoint (not run by this slice)."""
+    """DSpark draft stages in the checkpoint (`mtp.{s}.*`), run by speculative="dspark"."""
     max_position: int
     rope_main: dict
     rope_compress: dict
@@ -151,6 +154,17 @@ class V41Config:
     image_token_id: int | None
     """The composite config's image placeholder id: a prompt holding it is refused (text-only engine)."""
     layers: tuple[V41Layer, ...]
+    dspark_block_size: int = 0
+    """DSpark: positions of one draft block (the last sampled token + noise placeholders); 0 = no drafter."""
+    dspark_noise_token_id: int | None = None
+    """DSpark: the placeholder token of block positions after the first (None = vocab_size - 1)."""
+    dspark_target_layer_ids: tuple[int, ...] = ()
+    """DSpark: target layers whose input (mean of the mHC streams) the drafter reads, concatenated."""
+    dspark_markov_rank: int = 0
+    """DSpark: rank of the Markov (bigram) logit correction and width it adds to the confidence input."""
+    dspark_n_routed_experts: int | None = None
+    dspark_num_experts_per_tok: int | None = None
+    """DSpark: the draft stages' own (smaller) expert bank; None = the target's."""
 
     # ---- parsing ----
 
@@ -278,7 +292,8 @@ class V41Config:
             n_prefill_layer=n_prefill, num_nextn_predict_layers=num_mtp, max_position=max_pos, rope_main=rope_main,
             rope_compress=rope_compress, tie_word_embeddings=bool(t.get("tie_word_embeddings", False)),
             eos_token_ids=eos, bos_token_id=t.get("bos_token_id"), has_vision=has_vision,
-            image_token_id=None if image_token_id is None else int(image_token_id), layers=layers)
+            image_token_id=None if image_token_id is None else int(image_token_id), layers=layers,
+            **_dspark_fields(t, n))
         cfg._check_engram()
         return cfg
 
@@ -316,6 +331,19 @@ class V41Config:
                     n_shared_experts=1, scoring_func="sqrtsoftplus", topk_method="noaux_tc", norm_topk_prob=True,
                     routed_scaling_factor=self.routed_scaling_factor, qk_rope_head_dim=self.rope_dim,
                     q_lora_rank=self.q_lora_rank)
+
+
+def _dspark_fields(t: dict, num_layers: int) -> dict:
+    """The DSpark drafter's config fields, checked against the layer count."""
+    targets = tuple(int(i) for i in t.get("dspark_target_layer_ids") or ())
+    bad = [i for i in targets if not 0 <= i < num_layers]
+    if bad:
+        raise ValueError(f"dspark_target_layer_ids {bad} are outside the {num_layers} layers")
+    opt = lambda k: None if t.get(k) is None else int(t[k])  # noqa: E731
+    return dict(dspark_block_size=int(t.get("dspark_block_size") or 0), dspark_noise_token_id=opt("dspark_noise_token_id"),
+                dspark_target_layer_ids=targets, dspark_markov_rank=int(t.get("dspark_markov_rank") or 0),
+                dspark_n_routed_experts=opt("dspark_n_routed_experts"),
+                dspark_num_experts_per_tok=opt("dspark_num_experts_per_tok"))
 
 
 def _from_release(raw: dict) -> dict:

@@ -131,20 +131,46 @@ class EngramHashing:
 
 
 class Engram(nn.Module):
-    def __init__(self, hidden_size: int, hc_mult: int, num_rows: int, head_dim: int, num_cols: int, eps: float):
+    def __init__(self, hidden_size: int, hc_mult: int, num_rows: int, head_dim: int, num_cols: int, eps: float,
+                 is_host_table: bool = False):
         super().__init__()
         self.hc_mult, self.hidden_size, self.eps = hc_mult, hidden_size, eps
         self.embed = nn.Embedding(num_rows, head_dim)
+        self.is_host_table = is_host_table
+        """The table stays in host memory (env.py DEEPINFER_V41_ENGRAM_HOST): device moves skip it, and each step
+        gathers its rows on the host and copies them over (pinned when the device is a GPU)."""
+        self.gather = self._host_rows if is_host_table else self.embed
         self.wkv = Linear(num_cols * head_dim, (hc_mult + 1) * hidden_size)
         self.hidden_norm = nn.Module()
         self.hidden_norm.weight = nn.Parameter(torch.ones(hc_mult, hidden_size))
         self.embed_norm = nn.Module()
         self.embed_norm.weight = nn.Parameter(torch.ones(hc_mult, hidden_size))
 
+    def _host_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        table = self.embed.weight
+        fetched = table[rows.cpu()]
+        if rows.is_cuda:
+            fetched = fetched.pin_memory()
+        return fetched.to(rows.device, non_blocking=True)
+
+    @torch.no_grad()
+    def process_weights_after_loading(self) -> None:
+        if self.is_host_table:  # a model built on the device loads the table there first
+            self.embed.weight.data = self.embed.weight.data.cpu()
+
+    def _apply(self, fn, recurse=True):
+        if not self.is_host_table:
+            return super()._apply(fn, recurse)
+        table = self.embed.weight.data
+        super()._apply(fn, recurse)
+        # dtype casts apply to the host table too; device moves do not
+        self.embed.weight.data = self.embed.weight.data.to(device=table.device)
+        return self
+
     def forward(self, streams: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """streams (T, N, D), rows (T, cols) -> streams with the gated value added (gate in fp32)."""
         n, d = self.hc_mult, self.hidden_size
-        kv = self.wkv(self.embed(rows).flatten(1)).float()
+        kv = self.wkv(self.gather(rows).flatten(1).to(self.wkv.weight.dtype)).float()
         keys, value = kv[:, : n * d].view(-1, n, d), kv[:, n * d :]
         s = streams.float()
         s_rstd = torch.rsqrt(s.square().mean(-1) + self.eps)

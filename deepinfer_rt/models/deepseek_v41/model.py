@@ -7,8 +7,12 @@ Reused from DeepSeek-V4 where the math is the same: RMSNorm, RoPE tables (YaRN t
 hyper-connection mixes (Sinkhorn) and head, the router / experts / shared expert, the attention-group and
 compression-window indices (deepseek_v4/batch.py), weight renames and fp32 parameter handling.
 
-Not covered by this slice: FP8 / MXFP4 weights (refused at config parse), the DSpark drafter (mtp.* weights are
-skipped), Engram tables in host memory, the image-token router bias and the
+The DSpark drafter's mtp.* weights are skipped here: speculative="dspark" loads them (speculative/dspark.py) and
+hooks its feature capture onto the target layers (`V41DecoderLayer.capture`).
+
+Engram tables can stay in host memory (env.py DEEPINFER_V41_ENGRAM_HOST; engram.py Engram.is_host_table).
+
+Not covered by this slice: FP8 / MXFP4 weights (refused at config parse), the image-token router bias and the
 vision tower (prompts holding the image token are refused), the batch-invariant mode (refused), CUDA graphs.
 """
 from __future__ import annotations
@@ -75,11 +79,14 @@ class V41DecoderLayer(nn.Module):
         self.ffn_norm = V4RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.hc_attn = HyperConnection(cfg)
         self.hc_ffn = HyperConnection(cfg)
+        self.capture = None
+        """A DSpark drafter's feature hook (speculative/dspark.py FeatureCapture), set on its target layers: called
+        with this layer's input streams (after Engram, before the attention pre-mix)."""
         self.engram = None
         if spec.engram_slot is not None:
             num_cols = (cfg.engram_max_ngram_size - 1) * cfg.engram_n_heads
             self.engram = Engram(cfg.hidden_size, cfg.hc_mult, hashing.table_rows(spec.layer_id), cfg.engram_head_dim,
-                                 num_cols, cfg.rms_norm_eps)
+                                 num_cols, cfg.rms_norm_eps, is_host_table=get_env().v41_engram_host)
 
     def _sublayer(self, hc: HyperConnection, streams, carried, block):
         """One mHC sublayer; shifted: the input applies the previous sublayer's pre-mix (`carried`) and this one's
@@ -112,6 +119,8 @@ class V41DecoderLayer(nn.Module):
     def forward(self, streams, carried, step: V41Step, pool: KVPool, input_ids: torch.Tensor):
         if self.engram is not None:
             streams = self.engram(streams, step.engram_rows[self.spec.layer_id])
+        if self.capture is not None:
+            self.capture(self.spec.layer_id, streams)
         if self.is_yoco_capture and step.keep is not None:
             streams, carried = self._compacting_attention(streams, carried, step, pool)
             input_ids = input_ids[step.keep]
