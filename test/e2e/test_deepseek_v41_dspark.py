@@ -47,8 +47,9 @@ def reference(dspark_path):
 
     text = json.loads((dspark_path / "config.json").read_text())["text_config"]
     tok = AutoTokenizer.from_pretrained(dspark_path)
-    texts = tok.batch_decode([[i] for i in range(text["vocab_size"])])
-    return DSparkReference(V41Reference(text, load_file(dspark_path / "model.safetensors"), texts))
+    ids = list(range(text["vocab_size"]))
+    texts, raw = tok.batch_decode([[i] for i in ids]), tok.convert_ids_to_tokens(ids)
+    return DSparkReference(V41Reference(text, load_file(dspark_path / "model.safetensors"), texts, raw_tokens=raw))
 
 
 def _generate(path, prompts, params, **kwargs):
@@ -158,8 +159,9 @@ def test_sampling_distribution_is_exact(small_vocab_path):
     from transformers import AutoTokenizer
 
     text = json.loads((small_vocab_path / "config.json").read_text())["text_config"]
-    texts = AutoTokenizer.from_pretrained(small_vocab_path).batch_decode([[i] for i in range(VOCAB)])
-    ref = V41Reference(text, load_file(small_vocab_path / "model.safetensors"), texts)
+    tok = AutoTokenizer.from_pretrained(small_vocab_path)
+    texts, raw = tok.batch_decode([[i] for i in range(VOCAB)]), tok.convert_ids_to_tokens(list(range(VOCAB)))
+    ref = V41Reference(text, load_file(small_vocab_path / "model.safetensors"), texts, raw_tokens=raw)
     prompt, temperature, num = [3, 14, 15, 9, 26, 5], 0.8, 500
     p1 = (ref.logits(prompt)[-1] / temperature).softmax(-1)
     p2 = torch.stack([(ref.logits(prompt + [a])[-1] / temperature).softmax(-1) for a in range(VOCAB)])
