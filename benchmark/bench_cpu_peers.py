@@ -2,7 +2,7 @@
 
     python benchmark/bench_cpu_peers.py [--repeats 3] [--new-tokens 128] [--batch 32] [--prefill-tokens 1000]
 
-Systems: this engine in fp32, bf16 and weight-only int8 (bf16 activations); transformers `generate` in fp32 and
+Systems: this engine in fp32, bf16, weight-only int8 and Q4_1 (bf16 activations); transformers `generate` in fp32 and
 bf16; llama.cpp through llama-cpp-python on the shipped GGUF when that package is installed (skipped with a
 message otherwise). Workloads (greedy, EOS ignored so every system does the same work):
 
@@ -137,14 +137,14 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--prompt-tokens", type=int, default=100)
     ap.add_argument("--prefill-tokens", type=int, default=1000)
-    ap.add_argument("--systems", default="ours-fp32,ours-bf16,ours-int8,hf-fp32,hf-bf16,llama.cpp")
+    ap.add_argument("--systems", default="ours-fp32,ours-bf16,ours-int8,ours-q4_1,hf-fp32,hf-bf16,llama.cpp")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "cpu_peers.json"))
     args = ap.parse_args()
     wanted = args.systems.split(",")
     kv_tokens = args.batch * (args.prompt_tokens + args.new_tokens) + args.prefill_tokens + 256
     systems = []
     for name, dtype, quant in (("ours-fp32", "float32", None), ("ours-bf16", "bfloat16", None),
-                               ("ours-int8", "bfloat16", "int8")):
+                               ("ours-int8", "bfloat16", "int8"), ("ours-q4_1", "bfloat16", "q4_1")):
         if name in wanted:
             systems.append(Ours(name, dtype, quant, kv_tokens))
     tokenizer = (systems[0].engine.tokenizer if systems else None)
