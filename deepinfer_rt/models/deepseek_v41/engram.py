@@ -13,7 +13,10 @@
      sqrt(D))) * value, in fp32 (`Engram`).
 
 Checkpoint names: layers.i.engram.{embed, wkv, hidden_norm, embed_norm}.weight. The release stores the tables in
-FP8 with per-32 scales (host memory is their intended home); this slice reads bf16/fp32 tables on the device.
+FP8 e4m3 with an e8m0 scale per 32 columns (`embed.scale`, read as `embed.weight_scale_inv`) and `wkv` in the dense
+FP8 layout: an FP8 checkpoint's tables stay FP8 in memory (`Fp8EngramTable`, a quarter of fp32's bytes) and only the
+rows a step fetches are decoded; 16/32-bit tables load as an nn.Embedding. Both live on the model's device (host
+memory, their intended home at full size, is a later step).
 """
 from __future__ import annotations
 
@@ -27,7 +30,10 @@ import numpy as np
 import torch
 from torch import nn
 
+from deepinfer_rt.layers.fp8 import apply_keeping_quantized
+from deepinfer_rt.layers.kernel_config import current_kernel_config
 from deepinfer_rt.layers.linear import Linear
+from deepinfer_rt.layers.quant_formats import ENGRAM, MX_BLOCK, check_layout, decode_e8m0, role_layouts
 
 
 # Unicode White_Space (what the tokenizers library's Strip trims; Python's str.strip() would also trim \x1c-\x1f).
@@ -124,11 +130,65 @@ class EngramHashing:
         return np.concatenate(out, axis=1)
 
 
+class Fp8EngramTable(nn.Module):
+    """An Engram table as the release stores it: `weight` float8_e4m3fn (rows, D), `weight_scale_inv` the raw e8m0
+    bytes (rows, D / 32) -- each 2^(b - 127) for its 32 columns. Row r of the table = weight[r] x its scales,
+    exact in fp32; forward decodes only the rows asked for."""
+
+    _LAYOUT = role_layouts((1, MX_BLOCK), "fp8")[ENGRAM]
+
+    def __init__(self, num_rows: int, dim: int):
+        super().__init__()
+        if dim % MX_BLOCK:
+            raise ValueError(f"FP8 Engram tables need a width that is a multiple of {MX_BLOCK} (one e8m0 scale per "
+                             f"{MX_BLOCK} columns), the config's engram_head_dim is {dim}")
+        self.num_rows, self.dim = num_rows, dim
+        self.weight = nn.Parameter(torch.empty(num_rows, dim, dtype=torch.float8_e4m3fn), requires_grad=False)
+        self.weight_scale_inv = nn.Parameter(torch.empty(num_rows, dim // MX_BLOCK, dtype=torch.uint8),
+                                             requires_grad=False)
+        self.weight.weight_loader = self._load_weight
+        self.weight_scale_inv.weight_loader = self._load_scale
+
+    def _load_weight(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        check_layout("engram table", self._LAYOUT, loaded, (self.num_rows, self.dim // MX_BLOCK), (self.num_rows,
+                                                                                                self.dim))
+        if tuple(loaded.shape) != (self.num_rows, self.dim):
+            raise ValueError(f"engram table shape {tuple(loaded.shape)} != {(self.num_rows, self.dim)}")
+        param.data.copy_(loaded)
+
+    def _load_scale(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        check_layout("engram table", self._LAYOUT, None, tuple(loaded.shape), (self.num_rows, self.dim))
+        if loaded.dtype == torch.float8_e8m0fnu or loaded.dtype == torch.uint8:
+            decode_e8m0(loaded, "engram table scale")  # refuses the NaN byte
+            param.data.copy_(loaded.view(torch.uint8))
+        else:  # float32 powers of two (a V3.1-era writer): their e8m0 bytes
+            _, exp = torch.frexp(decode_e8m0(loaded, "engram table scale"))
+            param.data.copy_((exp - 1 + 127).to(torch.uint8))
+
+    def _apply(self, fn, recurse=True):
+        return apply_keeping_quantized(self, fn, lambda f: super(Fp8EngramTable, self)._apply(f, recurse))
+
+    def forward(self, rows: torch.Tensor) -> torch.Tensor:
+        """rows (...) row ids -> (..., D) fp32: value x 2^(b - 127), computed for the fetched rows only."""
+        flat = rows.reshape(-1)
+        exp = self.weight_scale_inv[flat].to(torch.int32) - 127
+        scale = torch.ldexp(torch.ones_like(exp, dtype=torch.float32), exp).repeat_interleave(MX_BLOCK, dim=-1)
+        return (self.weight[flat].float() * scale).view(*rows.shape, self.dim)
+
+
+def engram_table(num_rows: int, dim: int) -> nn.Module:
+    """The module holding an Engram table for the checkpoint being built: FP8 where the checkpoint is quantized."""
+    config = current_kernel_config()
+    if config.quantization == "fp8" and config.is_checkpoint_quantized:
+        return Fp8EngramTable(num_rows, dim)
+    return nn.Embedding(num_rows, dim)
+
+
 class Engram(nn.Module):
     def __init__(self, hidden_size: int, hc_mult: int, num_rows: int, head_dim: int, num_cols: int, eps: float):
         super().__init__()
         self.hc_mult, self.hidden_size, self.eps = hc_mult, hidden_size, eps
-        self.embed = nn.Embedding(num_rows, head_dim)
+        self.embed = engram_table(num_rows, head_dim)
         self.wkv = Linear(num_cols * head_dim, (hc_mult + 1) * hidden_size)
         self.hidden_norm = nn.Module()
         self.hidden_norm.weight = nn.Parameter(torch.ones(hc_mult, hidden_size))
@@ -138,7 +198,7 @@ class Engram(nn.Module):
     def forward(self, streams: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """streams (T, N, D), rows (T, cols) -> streams with the gated value added (gate in fp32)."""
         n, d = self.hc_mult, self.hidden_size
-        kv = self.wkv(self.embed(rows).flatten(1)).float()
+        kv = self.wkv(self.embed(rows).flatten(1).to(streams.dtype)).float()
         keys, value = kv[:, : n * d].view(-1, n, d), kv[:, n * d :]
         s = streams.float()
         s_rstd = torch.rsqrt(s.square().mean(-1) + self.eps)

@@ -7,7 +7,8 @@ Reused from DeepSeek-V4 where the math is the same: RMSNorm, RoPE tables (YaRN t
 hyper-connection mixes (Sinkhorn) and head, the router / experts / shared expert, the attention-group and
 compression-window indices (deepseek_v4/batch.py), weight renames and fp32 parameter handling.
 
-Not covered by this slice: FP8 / MXFP4 weights (refused at config parse), the DSpark drafter (mtp.* weights are
+Release-format weights (FP8 e4m3 with e8m0 32 x 32 blocks, MXFP4 routed experts, FP8 Engram tables) load
+through the layers' methods (layers/quant_formats.py). Not covered by this slice: the DSpark drafter (mtp.* weights are
 skipped), Engram tables in host memory, the image-token router bias and the
 vision tower (prompts holding the image token are refused), the batch-invariant mode (refused), CUDA graphs.
 """
@@ -32,6 +33,7 @@ from deepinfer_rt.models.deepseek_v4.moe import ClampedExperts, SharedExpert, V4
 from deepinfer_rt.models.deepseek_v41.attention import V41Attention, V41Step, pool_width
 from deepinfer_rt.models.deepseek_v41.config import V41Config, V41Layer
 from deepinfer_rt.models.deepseek_v41.engram import Engram, EngramHashing, tokenizer_vocabulary
+from deepinfer_rt.models.release_names import from_release_name
 
 _DIGITS = 3  # a compressed id kept as base-256 digits: exact in bf16 / fp16 / fp32 pools
 
@@ -238,8 +240,9 @@ class DeepseekV41ForCausalLM(DeepseekV4ForCausalLM):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         def hf_names() -> Iterator[tuple[str, torch.Tensor]]:
             for name, tensor in weights:
-                if not name.startswith(("model.", "head.", "mtp.")):  # the release's names
-                    name = "model." + ("embed_tokens.weight" if name == "embed.weight" else name)
+                name = from_release_name(name)  # embed / norm / hc_head_* / layers.* / `.scale`
+                if not name.startswith(("model.", "head.", "mtp.")):  # the rest of the release's names
+                    name = "model." + name
                 yield name, tensor
 
         super().load_weights(hf_names())
