@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from deepinfer_rt.cache.kv_pool import KVPool
+from deepinfer_rt.layers.fp8 import dense_linear_method
 from deepinfer_rt.layers.kernel_config import current_kernel_config
 from deepinfer_rt.layers.linear import Linear
 from deepinfer_rt.layers.methods import linear_method
@@ -123,7 +124,9 @@ class V41Attention(nn.Module):
         self.wq_b = Linear(cfg.q_lora_rank, q_out)
         self.wkv = Linear(cfg.hidden_size, d)
         self.norm = V4RMSNorm(d, cfg.rms_norm_eps)
-        self.wo_a = Linear(h * d // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank)
+        # read as a dense (groups, rank, in) matrix by the grouped output projection: FP8 dequantizes at load
+        self.wo_a = Linear(h * d // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank,
+                           method=dense_linear_method(current_kernel_config()))
         self.wo_b = Linear(cfg.o_groups * cfg.o_lora_rank, cfg.hidden_size)
         self.attn_sink = nn.Parameter(torch.empty(h))
         self.compressor = V41Compressor(cfg, spec.ratio, rotary) if spec.is_kv_source else None
