@@ -209,3 +209,19 @@ def test_engram_scale_grid_names_the_tensor(ckpts, v41_tensors):
 def test_wrong_dtype_names_the_tensor(ckpts, v41_tensors, name, dtype, message):
     with pytest.raises(ValueError, match=message):
         _load(ckpts, v41_tensors, **{name.replace(".", "__"): v41_tensors[name].view(torch.uint8).to(dtype)})
+
+
+def test_dummy_weights_of_a_release_config(ckpts):
+    """load_format='dummy' from the release config alone: FP8 Engram tables get e8m0 bytes of 2^-6 (not byte 0,
+    2^-127, which would zero every fetched row) and the model runs."""
+    v41, _ = ckpts["a"]
+    config, _ = load_model_config(v41)
+    model = build_model(config, None, "dummy", torch.float32, CPU, seed=0)
+    table = model.model.layers[1].engram.embed
+    assert isinstance(table, Fp8EngramTable) and bool((table.weight_scale_inv == 127 - 6).all())
+    rows = table(torch.arange(8))
+    assert rows.abs().max() > 0.01 and torch.isfinite(rows).all()
+    pool = new_pool(model, config)
+    p = prompt(5, 11)
+    (logits,) = step(model, pool, [(p, torch.tensor(pool.allocator.alloc(len(p))), 0, len(p))])
+    assert torch.isfinite(logits).all()
