@@ -14,7 +14,10 @@ smoke run, no timing worth reading) the peer is RoutedExperts' torch path, since
 `--only router`: the router GEMM as cast + cuBLAS, the FMA kernel and the bf16-pieces tensor-core kernel;
 `--only moe_sweep`: the fused MoE's grouped GEMMs at prefill size, one row per tile configuration;
 `--only decode_sweep`: GQA decode attention (SmolLM2 shape) over splits and tiles, then the fused MoE's grouped
-GEMMs at V2-Lite decode batches over tile configurations.
+GEMMs at V2-Lite decode batches over tile configurations;
+`--only mxfp4`: the fused MXFP4 MoE at V4-Flash's expert shapes (256 experts of 4096 x 2048, top-8) beside the
+bf16 fused MoE on the same weights dequantized, as bytes/s over the touched experts' bytes (0.53 per weight with
+the e8m0 scales, against 2).
 """
 from __future__ import annotations
 
@@ -95,6 +98,36 @@ def moe_rows() -> list[dict]:
         nbytes = touched * (gate_up[0].numel() + down[0].numel()) * 2
         rows.append({"kernel": "fused_moe", "batch": batch, "experts_touched": touched, "us": s * 1e6,
                      "bytes_per_s": nbytes / s})
+    return rows
+
+
+def mxfp4_moe_rows(copy_bw: float) -> list[dict]:
+    """V4-Flash's routed experts: fused_moe_mxfp4 (4-bit weights, clamped SwiGLU) and fused_moe on the same
+    weights in bf16, graph-timed, each against the bytes of the experts the batch touches."""
+    from deepinfer_kernels.fused_moe_mxfp4 import fused_moe_mxfp4
+    from deepinfer_rt.layers.quant_formats import dequantize_mxfp4, quantize_mxfp4
+
+    e, hidden, inter, topk = 256, 4096, 2048, 8
+    packed, dense = [], []
+    for shape in ((2 * inter, hidden), (hidden, inter)):
+        parts = [quantize_mxfp4(torch.randn(16, *shape, device="cuda") * 0.02) for _ in range(e // 16)]
+        packed += [torch.cat([q for q, _ in parts]), torch.cat([s for _, s in parts])]
+        dense.append(torch.cat([dequantize_mxfp4(q, s, torch.bfloat16) for q, s in parts]))
+    q_gu, s_gu, qd, sd = packed
+    rows = []
+    for batch in (1, 16, 64, 256, 2048):
+        x = torch.randn(batch, hidden, dtype=torch.bfloat16, device="cuda")
+        weights, ids = torch.rand(batch, e, device="cuda").topk(topk, dim=-1)
+        touched = int(ids.unique().numel())
+        per_expert = 3 * hidden * inter
+        mx = _graph_time(lambda: fused_moe_mxfp4(x, q_gu, s_gu, qd, sd, weights, ids, 10.0))
+        bf = _graph_time(lambda: fused_moe(x, *dense, weights, ids))
+        mx_bytes, bf_bytes = touched * per_expert * (0.5 + 1 / 32), touched * per_expert * 2
+        rows.append({"kernel": "fused_moe_mxfp4", "batch": batch, "experts_touched": touched, "us": mx * 1e6,
+                     "bytes_per_s": mx_bytes / mx, "fraction_of_copy_bw": mx_bytes / mx / copy_bw,
+                     "bf16_us": bf * 1e6, "bf16_fraction_of_copy_bw": bf_bytes / bf / copy_bw,
+                     "speedup_over_bf16": bf / mx})
+        print({k: round(v, 3) if isinstance(v, float) else v for k, v in rows[-1].items()}, flush=True)
     return rows
 
 
@@ -389,7 +422,7 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=2048)
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--only", choices=["kernels", "moe", "dense", "moe_invariant", "router", "moe_sweep",
-                                           "decode_sweep"],
+                                           "decode_sweep", "mxfp4"],
                         default="kernels",
                         help="kernels: the default fused MoE (decode and prefill sizes, shared experts joined or "
                              "apart) and the decode attention variants, the dense decode projections; moe / dense: only those")
@@ -405,8 +438,10 @@ def main() -> None:
                                               "matmul_flop_per_s": mm_rate, "rows": rows}, indent=1))
         return
     copy_bw, mm_rate = ceilings("cuda", 1 << 29)
-    if args.only in ("router", "moe_sweep", "decode_sweep"):
-        if args.only == "decode_sweep":
+    if args.only in ("router", "moe_sweep", "decode_sweep", "mxfp4"):
+        if args.only == "mxfp4":
+            rows = mxfp4_moe_rows(copy_bw)
+        elif args.only == "decode_sweep":
             rows = gqa_decode_sweep_rows(args.context, copy_bw) + moe_decode_sweep_rows(copy_bw)
         else:
             rows = router_rows() if args.only == "router" else moe_sweep_rows(mm_rate)

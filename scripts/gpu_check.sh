@@ -3,10 +3,11 @@
 # stages named in STAGES (default bench,tests,kernel_bench,ep): the GPU benchmark, test/gpu/, the kernel
 # micro-benchmark, and on a machine with two GPUs the expert-parallel check (scripts/gpu_ep_check.sh); the
 # `determinism` stage (batch-invariant mode on vs off, SmolLM2- and V2-Lite-shaped) and the `host` stage (host
-# time per decode step, overlap off and on, V2-Lite shape) and the `moe_invariant` stage (batch-invariant fused
-# MoE beside the default one, V2-Lite shapes) run when named.
+# time per decode step, overlap off and on, V2-Lite shape), the `moe_invariant` stage (batch-invariant fused
+# MoE beside the default one, V2-Lite shapes) and the `mxfp4` stage (the fused MXFP4 MoE beside the bf16 one at
+# V4-Flash expert shapes) run when named.
 # Logs and JSON land in $OUT. Stage time limits (seconds): BENCH_S, TEST_S, KERNEL_BENCH_S, EP_S, DET_S, HOST_S,
-# MOE_BI_S. TEST_ARGS: the pytest targets of the tests stage (default test/gpu); KERNEL_BENCH_ARGS: extra
+# MOE_BI_S, MXFP4_S. TEST_ARGS: the pytest targets of the tests stage (default test/gpu); KERNEL_BENCH_ARGS: extra
 # arguments of the kernel micro-benchmark (e.g. --only moe). TEST_JOBS>1: one pytest process per test file, that
 # many at once.
 #   device tool:  run(command="bash scripts/gpu_check.sh", carry=[".whl"])          (one H200)
@@ -63,6 +64,11 @@ if [[ $STAGES == *,moe_invariant,* ]]; then
   timeout "${MOE_BI_S:-180}" python3 benchmark/bench_kernels.py --device cuda --only moe_invariant \
     --out "$OUT/gpu_moe_invariant_h200.json" > "$OUT/moe_invariant.log" 2>&1
   tail -n 6 "$OUT/moe_invariant.log"
+fi
+if [[ $STAGES == *,mxfp4,* ]]; then
+  timeout "${MXFP4_S:-240}" python3 benchmark/bench_kernels.py --only mxfp4 --out "$OUT/gpu_mxfp4_moe_h200.json" \
+    > "$OUT/mxfp4.log" 2>&1
+  tail -n 6 "$OUT/mxfp4.log"
 fi
 if [[ $STAGES == *,ep,* ]] && [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
   OUT=$OUT timeout "${EP_S:-400}" bash scripts/gpu_ep_check.sh > "$OUT/ep.log" 2>&1

@@ -1,6 +1,6 @@
 """Write a 16/32-bit HF DeepSeek checkpoint in a quantized release format.
 
-    python scripts/quantize_checkpoint.py SRC DST --format v3-fp8|v4 [--dtype bfloat16]
+    python scripts/quantize_checkpoint.py SRC DST --format v3-fp8|v4|v41 [--dtype bfloat16]
 
 v3-fp8 is the DeepSeek-V3/R1/V3.1 release format: every linear weight of attention and MLP / experts (q_proj or
 q_a/q_b, kv_a_proj_with_mqa, kv_b, o_proj, dense, shared and routed experts' gate/up/down) becomes
@@ -18,9 +18,13 @@ embeddings, head and router weight 16-bit (--dtype); the router bias, hyper-conn
 position biases fp32. config.json: quantization_config {fp8, e4m3, dynamic, scale_fmt ue8m0, [128, 128]} and a
 top-level expert_dtype 'fp4', as the release has.
 
-v41 (DeepSeek-V4.1: 32 x 32 dense blocks, MXFP4 experts, FP8 Engram tables with per-32-column e8m0 scales) is
-written per tensor by `quantize_v41_tensor`; the whole-checkpoint writer follows the V4.1 model, whose tensor
-names it must produce.
+v41 is the DeepSeek-V4.1 release format for a deepseek_v41 checkpoint (HF or release names in, the release's
+out): attention wq_a/wq_b/wkv/wo_a/wo_b, the shared experts' w1/w2/w3 and the Engram wkv in float8_e4m3fn with
+e8m0 32 x 32 block scales; the routed experts MXFP4 as in v4; the Engram tables (layers.N.engram.embed) FP8 with
+one e8m0 scale per 32 columns; the compressors, the indexer's wk / weights_proj, embeddings, head, norms and
+router 16-bit (--dtype), the router bias, sinks and hyper-connection weights fp32. config.json gains the
+top-level quantization_config {fp8, e4m3, dynamic, ue8m0, [32, 32], expert_dtype fp4}; a release
+inference/config.json, where SRC has one, says dtype fp8, scale_fmt ue8m0, expert_dtype fp4.
 """
 from __future__ import annotations
 
@@ -45,7 +49,7 @@ from deepinfer_rt.layers.quant_formats import DENSE, ENGRAM, EXPERT, role_layout
 from deepinfer_rt.layers.quant_formats import dequantize_by_layout, quantize_by_layout  # noqa: E402
 from deepinfer_rt.models.release_names import from_release_name  # noqa: E402
 
-FORMATS = ("v3-fp8", "v4")
+FORMATS = ("v3-fp8", "v4", "v41")
 BLOCK = (128, 128)
 V3_FP8_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                  "weight_block_size": list(BLOCK)}
@@ -99,8 +103,8 @@ V4_BLOCK, V41_BLOCK = (128, 128), (32, 32)
 V4_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "scale_fmt": "ue8m0",
              "weight_block_size": list(V4_BLOCK)}
 V41_CONFIG = {**V4_CONFIG, "weight_block_size": list(V41_BLOCK), "expert_dtype": "fp4"}
-_V4_DENSE = re.compile(r"layers\.\d+\.(attn\.(wq_a|wq_b|wkv|wo_a|wo_b|indexer\.wq_b)|ffn\.shared_experts\.w[123])"
-                       r"\.weight")
+_V4_DENSE = re.compile(r"layers\.\d+\.(attn\.(wq_a|wq_b|wkv|wo_a|wo_b|indexer\.wq_b)|ffn\.shared_experts\.w[123]"
+                       r"|engram\.wkv)\.weight")  # engram: V4.1 only
 _V4_EXPERT = re.compile(r"layers\.\d+\.ffn\.experts\.\d+\.w[123]\.weight")
 _V41_ENGRAM = re.compile(r"layers\.\d+\.engram\.embed\.weight")
 _V4_FP32 = re.compile(r".*(gate\.bias|attn_sink|\.ape|hc_(attn|ffn)_(fn|base|scale)|hc_head_(fn|base|scale))")
@@ -109,6 +113,8 @@ _V4_FP32 = re.compile(r".*(gate\.bias|attn_sink|\.ape|hc_(attn|ffn)_(fn|base|sca
 def to_release_name(name: str) -> str:
     """Our (HF save_pretrained) name of a V4-family tensor -> the release's (the inverse of from_release_name)."""
     name = from_release_name(name)  # one spelling in, whichever came
+    if not name.startswith(("model.", "head.", "mtp.")):
+        name = "model." + name  # a release-style name from_release_name leaves alone (hc_head.hc_fn)
     top = {"model.embed_tokens.weight": "embed.weight", "model.norm.weight": "norm.weight"}
     if name in top:
         return top[name]
@@ -178,13 +184,15 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, fmt: str = "v3-fp8",
     config = json.loads((src / "config.json").read_text())
     if config.get("quantization_config"):
         raise ValueError(f"{src} is already quantized ({config['quantization_config'].get('quant_method')!r})")
-    is_v4 = config.get("model_type") == "deepseek_v4"
-    if (fmt == "v4") != is_v4:
+    want = {"deepseek_v4": "v4", "deepseek_v41": "v41", "deepseek_v41_text": "v41"}.get(config.get("model_type"),
+                                                                                          "v3-fp8")
+    if fmt != want:
         raise ValueError(f"--format {fmt} does not fit {src} (model_type {config.get('model_type')!r}): v4 is for "
-                         "deepseek_v4 checkpoints, v3-fp8 for DeepSeek-V2/V3")
+                         "deepseek_v4 checkpoints, v41 for deepseek_v41, v3-fp8 for DeepSeek-V2/V3")
     dst.mkdir(parents=True, exist_ok=True)
-    if fmt == "v4":
-        tensors = {n: q.contiguous() for name, t in iter_tensors(src) for n, q in quantize_v4_tensor(name, t, dtype)}
+    if fmt in ("v4", "v41"):
+        one = quantize_v4_tensor if fmt == "v4" else quantize_v41_tensor
+        tensors = {n: q.contiguous() for name, t in iter_tensors(src) for n, q in one(name, t, dtype)}
     else:
         tensors = {name: t.contiguous() for name, t in quantize_tensors(iter_tensors(src), dtype)}
     if not any(t.dtype == torch.float8_e4m3fn for t in tensors.values()):
@@ -193,6 +201,9 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, fmt: str = "v3-fp8",
     if fmt == "v4":
         config["quantization_config"] = dict(V4_CONFIG)
         config["expert_dtype"] = "fp4"
+    elif fmt == "v41":
+        config["quantization_config"] = dict(V41_CONFIG)
+        _write_v41_release_config(src, dst)
     else:
         config["quantization_config"] = dict(V3_FP8_CONFIG)
     if dtype is not None:
@@ -202,6 +213,16 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, fmt: str = "v3-fp8",
         if f.is_file() and f.suffix != ".safetensors" and f.name not in ("config.json", "model.safetensors.index.json"):
             shutil.copy(f, dst / f.name)
     return dst
+
+
+def _write_v41_release_config(src: Path, dst: Path) -> None:
+    """The release's inference/config.json (reference names), where SRC has one, saying FP8 weights."""
+    release = src / "inference" / "config.json"
+    if release.exists():
+        raw = json.loads(release.read_text())
+        raw.update(dtype="fp8", scale_fmt="ue8m0", expert_dtype="fp4")
+        (dst / "inference").mkdir(exist_ok=True)
+        (dst / "inference" / "config.json").write_text(json.dumps(raw, indent=1))
 
 
 def main() -> None:

@@ -8,8 +8,11 @@
 (fused by layers/moe.py fuse_expert_weights from the per-expert `experts.E.w{1,3,2}.{weight,scale}`). The
 weight loader unpacks the e2m1 codes into the layer's (E, N, K) parameter of the engine dtype -- every e2m1 value
 is exact in bf16 -- and `process_weights_after_loading` multiplies in the scales in fp32, rounded once to the
-engine dtype: the experts then run as 16/32-bit ones. A fused MXFP4 MoE kernel (dequantizing inside the GEMM, as
-Hopper has no FP4 tensor cores) is the later step that keeps them 4-bit in memory.
+engine dtype: the experts then run as 16/32-bit ones (CPU, batch-invariant mode: `Mxfp4DequantExperts`).
+
+On CUDA (not batch-invariant) `Mxfp4FusedExperts` keeps them as loaded -- int8 codes and e8m0 bytes, 0.53 bytes
+per element -- for the fused MXFP4 MoE (deepinfer_kernels.fused_moe_mxfp4), which dequantizes inside its GEMMs
+(Hopper has no FP4 tensor cores); the dequantize-at-load path is its reference.
 """
 from __future__ import annotations
 
@@ -64,3 +67,54 @@ class Mxfp4DequantExperts(ExpertWeights):
                                  "(MXFP4 checkpoints do not run expert-parallel yet)")
             w.data = (w.data.float() * scale.data.float().repeat_interleave(MX_BLOCK, dim=-1)).to(w.dtype)
             setattr(experts, name + SCALE_SUFFIX, None)
+
+
+class Mxfp4FusedExperts(ExpertWeights):
+    """CUDA: the packed experts and their e8m0 bytes stay on the device for deepinfer_kernels.fused_moe_mxfp4.
+
+        gate_up_proj int8 (E, 2I, H/2), gate_up_proj_scale_inv uint8 (E, 2I, H/32); down_proj likewise
+
+    `apply(experts, x, weights, ids)` is the experts' forward (clamped SwiGLU at `experts.limit`)."""
+
+    is_quantized = True
+
+    def create_weights(self, experts: nn.Module) -> None:
+        for name in ("gate_up_proj", "down_proj"):
+            e, n, k = getattr(experts, name).shape
+            if k % MX_BLOCK:
+                raise ValueError(f"experts.{name}: MXFP4 needs K a multiple of {MX_BLOCK}, the model has {k}")
+            packed = nn.Parameter(torch.empty(e, n, k // 2, dtype=torch.int8), requires_grad=False)
+            packed.weight_loader = functools.partial(self.load_weight, name, k)
+            setattr(experts, name, packed)
+            scale = nn.Parameter(torch.empty(e, n, k // MX_BLOCK, dtype=torch.uint8), requires_grad=False)
+            scale.weight_loader = functools.partial(self.load_scale, name, (e, n, k))
+            setattr(experts, name + SCALE_SUFFIX, scale)
+
+    @staticmethod
+    def load_weight(name: str, k: int, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        if loaded.dtype not in (torch.int8, torch.uint8):
+            raise ValueError(f"{loaded.dtype} expert weight where the checkpoint's quantization_config says "
+                             f"expert_dtype 'fp4' ({_LAYOUT.format})")
+        e, n, half = param.shape
+        if tuple(loaded.shape) != (e, n, half):
+            raise ValueError(f"experts.{name}: packed shape {tuple(loaded.shape)} != {(e, n, half)}, two e2m1 "
+                             f"per byte of a {e}x{n}x{k} weight")
+        param.data.copy_(loaded.view(torch.int8))
+
+    @staticmethod
+    def load_scale(name: str, logical: tuple[int, int, int], param: nn.Parameter, loaded: torch.Tensor) -> None:
+        check_layout(f"experts.{name}", _LAYOUT, None, tuple(loaded.shape), logical)
+        s = decode_e8m0(loaded, f"experts.{name} scale")  # refuses NaN bytes and non-powers of two
+        _, exp = torch.frexp(s)
+        param.data.copy_((exp - 1 + 127).to(torch.uint8))
+
+    def process_weights_after_loading(self, experts: nn.Module) -> None:
+        for name in ("gate_up_proj", "down_proj"):
+            if getattr(experts, name + SCALE_SUFFIX).shape[0] != getattr(experts, name).shape[0]:
+                raise ValueError(f"{name}: MXFP4 checkpoints do not run expert-parallel yet")
+
+    def apply(self, experts: nn.Module, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        from deepinfer_kernels.fused_moe_mxfp4 import fused_moe_mxfp4
+
+        return fused_moe_mxfp4(x.contiguous(), experts.gate_up_proj, experts.gate_up_proj_scale_inv,
+                               experts.down_proj, experts.down_proj_scale_inv, weights, ids, experts.limit)

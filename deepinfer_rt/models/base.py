@@ -102,7 +102,8 @@ class CausalLM(nn.Module):
     def init_dummy(self, seed: int) -> None:
         """Random weights from the config alone (load_format='dummy'): normal(0, 0.02), norms at 1. Drawn on
         the parameters' device (the values depend on the seed and the device type). FP8 weights (an FP8
-        checkpoint's config) draw normal(0, 1) with every block scale 0.02: the same spread once dequantized."""
+        checkpoint's config) draw normal(0, 1) with every block scale 0.02: the same spread once dequantized; e8m0
+        byte scales (MXFP4 experts kept packed, FP8 Engram tables) are 2^-6, their packed codes random bytes."""
         gen = None
         params = dict(self.named_parameters())
         for name, p in params.items():
@@ -110,8 +111,12 @@ class CausalLM(nn.Module):
                 gen = torch.Generator(device=p.device).manual_seed(seed)
             if "norm" in name and p.dim() == 1:
                 p.fill_(1.0)
+            elif name.endswith("_scale_inv") and p.dtype == torch.uint8:  # raw e8m0 bytes (MXFP4, Engram)
+                p.fill_(127 - 6)  # 2^-6, the power of two nearest 0.02
             elif name.endswith("_scale_inv"):
                 p.fill_(0.02)
+            elif name + "_scale_inv" in params and p.dtype == torch.int8:  # packed e2m1 pairs: any byte
+                p.copy_(torch.randint(-128, 128, p.shape, generator=gen, dtype=torch.int8, device=p.device))
             elif name + "_scale_inv" in params:  # FP8 values (or their exact copy) of a block-scaled weight
                 p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32, device=p.device))
             else:

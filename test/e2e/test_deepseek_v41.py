@@ -143,7 +143,10 @@ def _composite(path) -> dict:
     (lambda c: c["text_config"].update(engram_num_embeddings=[5]), "engram_num_embeddings"),
     (lambda c: c["text_config"].update(scoring_func="sigmoid"), "sqrtsoftplus"),
     (lambda c: c["text_config"].update(some_new_field=1), "unsupported fields"),
-    (lambda c: c.update(quantization_config={"quant_method": "fp8", "weight_block_size": [32, 32]}), "quantized"),
+    (lambda c: c.update(quantization_config={"quant_method": "fp8", "scale_fmt": "ue8m0",
+                                             "weight_block_size": [128, 128]}), r"dense blocks are \[32, 32\]"),
+    (lambda c: c.update(quantization_config={"quant_method": "fp8", "weight_block_size": [32, 32]}), "e8m0"),
+    (lambda c: c.update(quantization_config={"quant_method": "int4", "weight_block_size": [32, 32]}), "quant_method"),
 ])
 def test_config_errors_are_clear(tiny_v41_paths, change, message):
     raw = _composite(tiny_v41_paths["a"])

@@ -183,6 +183,7 @@ class V41Reference:
         self.comp_inv, self.comp_scale = yarn(rd, c["compress_rope_theta"], y["factor"],
                                               y["original_max_position_embeddings"], y["beta_fast"], y["beta_slow"])
         if self.engram_ids:
+            assert token_texts is not None and raw_tokens is not None, "Engram needs each token's text and raw string"
             self.lookup, self.num_compressed = compressed_vocabulary(token_texts, raw_tokens)
             self.primes = engram_primes(self.engram_ids, c["engram_max_ngram_size"], c["engram_n_heads"],
                                         c["engram_vocab_size"])

@@ -5,7 +5,8 @@
     ffn.gate.tid2eid (vocab, k)                          'hash_moe' layers: experts fixed by the token id
     ffn.experts.gate_up_proj (E, 2I, H), down_proj (E, H, I)  fused from the per-expert w1 (gate), w3 (up), w2;
                                                           quantized checkpoints add their scales (FP8 blocks
-                                                          or MXFP4, layers/expert_weights.py)
+                                                          or MXFP4, layers/expert_weights.py; MXFP4 stays
+                                                          4-bit on CUDA for the fused MXFP4 MoE)
     ffn.shared_experts.{w1, w2, w3}                      one always-on expert of width I
 
 Weights are the chosen experts' scores renormalised to sum 1, times routed_scaling_factor. SwiGLU clamps
@@ -16,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from deepinfer_rt.layers.expert_weights import expert_weights_method
+from deepinfer_rt.layers.expert_weights import clamped_expert_weights_method
 from deepinfer_rt.layers.fp8 import apply_keeping_quantized
 from deepinfer_rt.layers.kernel_config import current_kernel_config
 from deepinfer_rt.layers.linear import Linear
@@ -62,7 +63,7 @@ class ClampedExperts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h))
         self.down_proj = nn.Parameter(torch.empty(e, h, i))
         self.method = v4_method(current_kernel_config())
-        self.weights_method = expert_weights_method(current_kernel_config())
+        self.weights_method = clamped_expert_weights_method(current_kernel_config())
         self.weights_method.create_weights(self)
 
     @torch.no_grad()
@@ -73,7 +74,10 @@ class ClampedExperts(nn.Module):
         return apply_keeping_quantized(self, fn, lambda f: super(ClampedExperts, self)._apply(f, recurse))
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """(token, slot) pairs grouped by expert, one matmul per expert hit, slots summed per token."""
+        """(token, slot) pairs grouped by expert, one matmul per expert hit, slots summed per token; experts kept
+        quantized (MXFP4 on CUDA) run their method's fused kernel instead."""
+        if self.weights_method.is_quantized:
+            return self.weights_method.apply(self, x, weights, ids)
         m, linear = self.method, self.method.linear.linear
         t, k = ids.shape
         flat = ids.flatten()

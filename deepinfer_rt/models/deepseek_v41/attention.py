@@ -27,7 +27,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from deepinfer_rt.cache.kv_pool import KVPool
+from deepinfer_rt.layers.fp8 import dense_linear_method
+from deepinfer_rt.layers.kernel_config import current_kernel_config
 from deepinfer_rt.layers.linear import Linear
+from deepinfer_rt.layers.methods import linear_method
 from deepinfer_rt.models.deepseek_v4.batch import AttnGroup, V4Batch
 from deepinfer_rt.models.deepseek_v4.common import V4RMSNorm, V4Rotary, apply_rope
 from deepinfer_rt.models.deepseek_v41.config import V41Config, V41Layer
@@ -53,6 +56,12 @@ class V41Step:
     """Those rows' indices among the step's tokens."""
 
 
+def kept_linear_method():
+    """The compressor's wkv / wgate and the indexer's wk / weights_proj stay 16/32-bit in the release (no `.scale`
+    beside them, as in V4), so they keep the unquantized method under any quantization."""
+    return linear_method(current_kernel_config())
+
+
 def pool_width(cfg: V41Config, spec: V41Layer) -> int:
     d, di = cfg.head_dim, cfg.index_head_dim
     width = d
@@ -71,8 +80,9 @@ class V41Compressor(nn.Module):
         super().__init__()
         d, di = cfg.head_dim, cfg.index_head_dim
         self.ratio, self.rotary, self.d, self.di = ratio, rotary, d, di
-        self.wkv = Linear(cfg.hidden_size, d)
-        self.wgate = Linear(cfg.hidden_size, d) if ratio == 2 else None
+        kept = kept_linear_method()
+        self.wkv = Linear(cfg.hidden_size, d, method=kept)
+        self.wgate = Linear(cfg.hidden_size, d, method=kept) if ratio == 2 else None
         self.norm = V4RMSNorm(d, cfg.rms_norm_eps)
 
     def _write(self, pre: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, buf: torch.Tensor,
@@ -114,16 +124,18 @@ class V41Attention(nn.Module):
         self.wq_b = Linear(cfg.q_lora_rank, q_out)
         self.wkv = Linear(cfg.hidden_size, d)
         self.norm = V4RMSNorm(d, cfg.rms_norm_eps)
-        self.wo_a = Linear(h * d // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank)
+        # read as a dense (groups, rank, in) matrix by the grouped output projection: FP8 dequantizes at load
+        self.wo_a = Linear(h * d // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank,
+                           method=dense_linear_method(current_kernel_config()))
         self.wo_b = Linear(cfg.o_groups * cfg.o_lora_rank, cfg.hidden_size)
         self.attn_sink = nn.Parameter(torch.empty(h))
         self.compressor = V41Compressor(cfg, spec.ratio, rotary) if spec.is_kv_source else None
         self.indexer = nn.Module()
         if spec.is_kv_source:
-            self.indexer.wk = Linear(d, cfg.index_head_dim)
+            self.indexer.wk = Linear(d, cfg.index_head_dim, method=kept_linear_method())
             self.indexer.k_norm = V4RMSNorm(cfg.index_head_dim, cfg.rms_norm_eps)
         if spec.is_index_source:
-            self.indexer.weights_proj = Linear(cfg.hidden_size, cfg.index_n_heads)
+            self.indexer.weights_proj = Linear(cfg.hidden_size, cfg.index_n_heads, method=kept_linear_method())
 
     def forward(self, x: torch.Tensor, kv_x: torch.Tensor, step: V41Step, pool: KVPool) -> torch.Tensor:
         """x (Q, hidden) the queries' rows, kv_x (T, hidden) every token's KV input (Q < T only for YOCO consumers

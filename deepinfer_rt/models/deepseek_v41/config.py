@@ -173,9 +173,8 @@ class V41Config:
         """Parse any of the three spellings (module docstring); ValueError naming the field for what is wrong or
         not supported."""
         raw = dict(raw)
-        if raw.get("quantization_config") is not None:
-            raise ValueError("DeepSeek-V4.1 quantized weights (FP8 e4m3 / MXFP4 experts / FP8 Engram tables) are not "
-                             "supported yet: quantization_config must be absent (bf16/fp32 checkpoints only)")
+        v41_quantization(raw)  # refuses another layout than the release's, naming the field
+        raw.pop("quantization_config", None)
         model_type = raw.get("model_type")
         has_vision, image_token_id = False, None
         if model_type == "deepseek_v41":
@@ -346,13 +345,45 @@ def _dspark_fields(t: dict, num_layers: int) -> dict:
                 dspark_num_experts_per_tok=opt("dspark_num_experts_per_tok"))
 
 
+V41_BLOCK = (32, 32)
+"""Elements of a dense / attention weight per e8m0 scale in the V4.1 release (V4's were 128 x 128)."""
+
+
+def v41_quantization(raw: dict) -> dict | None:
+    """The checkpoint's weight quantization as an HF `quantization_config` (ModelConfig.quantization reads it),
+    None for 16/32-bit weights. The composite (or flat text) config carries `quantization_config`; the release's
+    inference/config.json says `dtype: fp8`, `scale_fmt`, `expert_dtype` (its dense block is V4.1's 32 x 32).
+    Only the release layout is read -- FP8 e4m3 with e8m0 (ue8m0) 32 x 32 dense blocks, MXFP4 ('fp4') or
+    dense-layout ('fp8') routed experts, FP8 Engram tables per 32 columns (layers/quant_formats.py): anything
+    else is a ValueError naming the field."""
+    from deepinfer_rt.config import QuantConfig
+
+    q = raw.get("quantization_config")
+    if q is None and "n_layers" in raw and raw.get("dtype", "bf16") not in ("bf16", "fp32"):
+        if raw["dtype"] != "fp8":
+            raise ValueError(f"release config: dtype {raw['dtype']!r} is not supported (bf16, fp32 or fp8)")
+        q = {"quant_method": "fp8", "fmt": "e4m3", "scale_fmt": raw.get("scale_fmt", "ue8m0"),
+             "weight_block_size": list(V41_BLOCK), "expert_dtype": raw.get("expert_dtype") or "fp4"}
+    elif q is None and raw.get("expert_dtype") not in (None, "bf16"):
+        raise ValueError(f"expert_dtype {raw['expert_dtype']!r} without quantized dense weights (dtype fp8 or a "
+                         "quantization_config) is not a V4.1 release layout")
+    if q is None:
+        return None
+    q = {"expert_dtype": "fp4", **q}  # the release's experts are MXFP4 unless the config says otherwise
+    parsed = QuantConfig.from_hf(q)
+    if parsed.scale_fmt != "ue8m0":
+        raise ValueError(f"quantization_config.scale_fmt {q.get('scale_fmt')!r}: DeepSeek-V4.1 weights carry e8m0 "
+                         "scales ('ue8m0')")
+    if parsed.weight_block_size != V41_BLOCK:
+        raise ValueError(f"quantization_config.weight_block_size {list(parsed.weight_block_size)}: the DeepSeek-V4.1 "
+                         f"release's dense blocks are {list(V41_BLOCK)}")
+    return q
+
+
 def _from_release(raw: dict) -> dict:
     unknown = sorted(set(raw) - set(_RELEASE_NAMES) - set(_RELEASE_ROPE) - {"dtype", "scale_fmt", "expert_dtype"})
     if unknown:
         raise ValueError(f"release config: unsupported fields {unknown}")
-    if raw.get("dtype", "bf16") not in ("bf16", "fp32") or raw.get("expert_dtype") not in (None, "bf16"):
-        raise ValueError(f"release config: quantized weights (dtype {raw.get('dtype')!r}, expert_dtype "
-                         f"{raw.get('expert_dtype')!r}) are not supported yet (bf16 checkpoints only)")
     text = {_RELEASE_NAMES[k]: v for k, v in raw.items() if k in _RELEASE_NAMES}
     rope = {_RELEASE_ROPE[k]: raw[k] for k in _RELEASE_ROPE if k in raw}
     if rope:
@@ -442,4 +473,4 @@ def v41_model_config(raw: dict, model_dir: Path | None = None):
 
     cfg = V41Config.from_raw(raw)
     kept = dict(raw, _tokenizer_dir=None if model_dir is None else str(model_dir))
-    return ModelConfig.from_hf(_HFView(cfg.hf_dict(), kept))
+    return ModelConfig.from_hf(_HFView(dict(cfg.hf_dict(), quantization_config=v41_quantization(raw)), kept))

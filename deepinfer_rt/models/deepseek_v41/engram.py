@@ -16,7 +16,10 @@
      sqrt(D))) * value, in fp32 (`Engram`).
 
 Checkpoint names: layers.i.engram.{embed, wkv, hidden_norm, embed_norm}.weight. The release stores the tables in
-FP8 with per-32 scales (host memory is their intended home); this slice reads bf16/fp32 tables on the device.
+FP8 e4m3 with an e8m0 scale per 32 columns (`embed.scale`, read as `embed.weight_scale_inv`) and `wkv` in the dense
+FP8 layout: an FP8 checkpoint's tables stay FP8 in memory (`Fp8EngramTable`, a quarter of fp32's bytes) and only the
+rows a step fetches are decoded; 16/32-bit tables load as an nn.Embedding. Both live on the model's device (host
+memory, their intended home at full size, is a later step).
 """
 from __future__ import annotations
 
@@ -30,7 +33,10 @@ import numpy as np
 import torch
 from torch import nn
 
+from deepinfer_rt.layers.fp8 import apply_keeping_quantized
+from deepinfer_rt.layers.kernel_config import current_kernel_config
 from deepinfer_rt.layers.linear import Linear
+from deepinfer_rt.layers.quant_formats import ENGRAM, MX_BLOCK, check_layout, decode_e8m0, role_layouts
 
 
 # Unicode White_Space (what the tokenizers library's Strip trims; Python's str.strip() would also trim \x1c-\x1f).
@@ -130,15 +136,70 @@ class EngramHashing:
         return np.concatenate(out, axis=1)
 
 
+class Fp8EngramTable(nn.Module):
+    """An Engram table as the release stores it: `weight` float8_e4m3fn (rows, D), `weight_scale_inv` the raw e8m0
+    bytes (rows, D / 32) -- each 2^(b - 127) for its 32 columns. Row r of the table = weight[r] x its scales,
+    exact in fp32; forward decodes only the rows asked for."""
+
+    _LAYOUT = role_layouts((1, MX_BLOCK), "fp8")[ENGRAM]
+
+    def __init__(self, num_rows: int, dim: int):
+        super().__init__()
+        if dim % MX_BLOCK:
+            raise ValueError(f"FP8 Engram tables need a width that is a multiple of {MX_BLOCK} (one e8m0 scale per "
+                             f"{MX_BLOCK} columns), the config's engram_head_dim is {dim}")
+        self.num_rows, self.dim = num_rows, dim
+        self.weight = nn.Parameter(torch.empty(num_rows, dim, dtype=torch.float8_e4m3fn), requires_grad=False)
+        self.weight_scale_inv = nn.Parameter(torch.empty(num_rows, dim // MX_BLOCK, dtype=torch.uint8),
+                                             requires_grad=False)
+        self.weight.weight_loader = self._load_weight
+        self.weight_scale_inv.weight_loader = self._load_scale
+
+    def _load_weight(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        check_layout("engram table", self._LAYOUT, loaded, (self.num_rows, self.dim // MX_BLOCK), (self.num_rows,
+                                                                                                self.dim))
+        if tuple(loaded.shape) != (self.num_rows, self.dim):
+            raise ValueError(f"engram table shape {tuple(loaded.shape)} != {(self.num_rows, self.dim)}")
+        param.data.copy_(loaded)
+
+    def _load_scale(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        check_layout("engram table", self._LAYOUT, None, tuple(loaded.shape), (self.num_rows, self.dim))
+        if loaded.dtype == torch.float8_e8m0fnu or loaded.dtype == torch.uint8:
+            decode_e8m0(loaded, "engram table scale")  # refuses the NaN byte
+            param.data.copy_(loaded.view(torch.uint8))
+        else:  # float32 powers of two (a V3.1-era writer): their e8m0 bytes
+            _, exp = torch.frexp(decode_e8m0(loaded, "engram table scale"))
+            param.data.copy_((exp - 1 + 127).to(torch.uint8))
+
+    def _apply(self, fn, recurse=True):
+        return apply_keeping_quantized(self, fn, lambda f: super(Fp8EngramTable, self)._apply(f, recurse))
+
+    def forward(self, rows: torch.Tensor) -> torch.Tensor:
+        """rows (...) row ids -> (..., D) fp32: value x 2^(b - 127), computed for the fetched rows only."""
+        flat = rows.reshape(-1)
+        exp = self.weight_scale_inv[flat].to(torch.int32) - 127
+        scale = torch.ldexp(torch.ones_like(exp, dtype=torch.float32), exp).repeat_interleave(MX_BLOCK, dim=-1)
+        return (self.weight[flat].float() * scale).view(*rows.shape, self.dim)
+
+
+def engram_table(num_rows: int, dim: int) -> nn.Module:
+    """The module holding an Engram table for the checkpoint being built: FP8 where the checkpoint is quantized."""
+    config = current_kernel_config()
+    if config.quantization == "fp8" and config.is_checkpoint_quantized:
+        return Fp8EngramTable(num_rows, dim)
+    return nn.Embedding(num_rows, dim)
+
+
 class Engram(nn.Module):
     def __init__(self, hidden_size: int, hc_mult: int, num_rows: int, head_dim: int, num_cols: int, eps: float,
                  is_host_table: bool = False):
         super().__init__()
         self.hc_mult, self.hidden_size, self.eps = hc_mult, hidden_size, eps
-        self.embed = nn.Embedding(num_rows, head_dim)
+        self.embed = engram_table(num_rows, head_dim)
         self.is_host_table = is_host_table
-        """The table stays in host memory (env.py DEEPINFER_V41_ENGRAM_HOST): device moves skip it, and each step
-        gathers its rows on the host and copies them over (pinned when the device is a GPU)."""
+        """The table (bf16/fp32, or FP8 + scales) stays in host memory (env.py DEEPINFER_V41_ENGRAM_HOST): device
+        moves skip it, and each step gathers (and decodes) its rows on the host and copies them over (pinned when
+        the device is a GPU)."""
         self.gather = self._host_rows if is_host_table else self.embed
         self.wkv = Linear(num_cols * head_dim, (hc_mult + 1) * hidden_size)
         self.hidden_norm = nn.Module()
@@ -147,8 +208,7 @@ class Engram(nn.Module):
         self.embed_norm.weight = nn.Parameter(torch.ones(hc_mult, hidden_size))
 
     def _host_rows(self, rows: torch.Tensor) -> torch.Tensor:
-        table = self.embed.weight
-        fetched = table[rows.cpu()]
+        fetched = self.embed(rows.cpu())
         if rows.is_cuda:
             fetched = fetched.pin_memory()
         return fetched.to(rows.device, non_blocking=True)
@@ -156,21 +216,23 @@ class Engram(nn.Module):
     @torch.no_grad()
     def process_weights_after_loading(self) -> None:
         if self.is_host_table:  # a model built on the device loads the table there first
-            self.embed.weight.data = self.embed.weight.data.cpu()
+            for p in self.embed.parameters():
+                p.data = p.data.cpu()
 
     def _apply(self, fn, recurse=True):
         if not self.is_host_table:
             return super()._apply(fn, recurse)
-        table = self.embed.weight.data
+        devices = [p.device for p in self.embed.parameters()]
         super()._apply(fn, recurse)
-        # dtype casts apply to the host table too; device moves do not
-        self.embed.weight.data = self.embed.weight.data.to(device=table.device)
+        # dtype casts apply to the host table too (an FP8 table keeps its dtype); device moves do not
+        for p, device in zip(self.embed.parameters(), devices):
+            p.data = p.data.to(device=device)
         return self
 
     def forward(self, streams: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """streams (T, N, D), rows (T, cols) -> streams with the gated value added (gate in fp32)."""
         n, d = self.hc_mult, self.hidden_size
-        kv = self.wkv(self.gather(rows).flatten(1).to(self.wkv.weight.dtype)).float()
+        kv = self.wkv(self.gather(rows).flatten(1).to(streams.dtype)).float()
         keys, value = kv[:, : n * d].view(-1, n, d), kv[:, n * d :]
         s = streams.float()
         s_rstd = torch.rsqrt(s.square().mean(-1) + self.eps)

@@ -10,9 +10,11 @@ compression-window indices (deepseek_v4/batch.py), weight renames and fp32 param
 The DSpark drafter's mtp.* weights are skipped here: speculative="dspark" loads them (speculative/dspark.py) and
 hooks its feature capture onto the target layers (`V41DecoderLayer.capture`).
 
-Engram tables can stay in host memory (env.py DEEPINFER_V41_ENGRAM_HOST; engram.py Engram.is_host_table).
+Release-format weights (FP8 e4m3 with e8m0 32 x 32 blocks, MXFP4 routed experts, FP8 Engram tables) load
+through the layers' methods (layers/quant_formats.py). Engram tables can stay in host memory (env.py
+DEEPINFER_V41_ENGRAM_HOST; engram.py Engram.is_host_table).
 
-Not covered by this slice: FP8 / MXFP4 weights (refused at config parse), the image-token router bias and the
+Not covered by this slice: the image-token router bias and the
 vision tower (prompts holding the image token are refused), the batch-invariant mode (refused), CUDA graphs.
 """
 from __future__ import annotations
@@ -36,6 +38,7 @@ from deepinfer_rt.models.deepseek_v4.moe import ClampedExperts, SharedExpert, V4
 from deepinfer_rt.models.deepseek_v41.attention import V41Attention, V41Step, pool_width
 from deepinfer_rt.models.deepseek_v41.config import V41Config, V41Layer
 from deepinfer_rt.models.deepseek_v41.engram import Engram, EngramHashing, tokenizer_vocabulary
+from deepinfer_rt.models.release_names import from_release_name
 
 _DIGITS = 3  # a compressed id kept as base-256 digits: exact in bf16 / fp16 / fp32 pools
 
@@ -247,8 +250,9 @@ class DeepseekV41ForCausalLM(DeepseekV4ForCausalLM):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         def hf_names() -> Iterator[tuple[str, torch.Tensor]]:
             for name, tensor in weights:
-                if not name.startswith(("model.", "head.", "mtp.")):  # the release's names
-                    name = "model." + ("embed_tokens.weight" if name == "embed.weight" else name)
+                name = from_release_name(name)  # embed / norm / hc_head_* / layers.* / `.scale`
+                if not name.startswith(("model.", "head.", "mtp.")):  # the rest of the release's names
+                    name = "model." + name
                 yield name, tensor
 
         super().load_weights(hf_names())

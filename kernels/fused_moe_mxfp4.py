@@ -1,0 +1,221 @@
+"""Fused mixture-of-experts over MXFP4 expert weights (DeepSeek-V4 / V4-Flash / V4.1 releases) in Triton, for
+Hopper, which has no FP4 tensor cores: the e2m1 codes are unpacked and scaled by their e8m0 exponent inside the
+grouped GEMMs, into operands of the activations' dtype (bf16 on the GPU), and multiplied on the 16-bit tensor
+cores with fp32 accumulation. The weights stay 4-bit in memory (0.53 bytes per element with the scales), which is
+what a memory-bound decode step reads.
+
+    gate_up        int8 (E, 2I, H/2)  two e2m1 codes per byte, element 2j in the low nibble; gate's rows, then up's
+    gate_up_scale  uint8 / float8_e8m0fnu (E, 2I, H/32)  one power of two 2^(b - 127) per 32 elements along K
+    down           int8 (E, H, I/2),  down_scale (E, H, I/32)
+
+e2m1 code c (sign bit 3, exponent bits 2-1, mantissa bit 0): magnitude 0, 0.5, 1, 1.5, 2, 3, 4, 6. Every
+dequantized weight (value x 2^e) is exact in bf16, so the products equal those of a dequantize-then-matmul in the
+same dtype; only the fp32 summation order differs.
+
+A K step of BLOCK_K elements reads BLOCK_K / 2 bytes per weight row. Rather than interleaving the two nibbles back
+into element order, the activations are read as their even and odd columns, and the tile is two dots:
+
+    acc[m, n] += dot(x[m, k0 + 2j], lo(w[n, k0/2 + j]) s) + dot(x[m, k0 + 2j + 1], hi(w[n, k0/2 + j]) s)
+
+with s = 2^(b - 127) of the scale column (k0 + 2j) / 32 (one per 16 bytes). gate_up writes h = clamped SwiGLU
+(V4's: silu(min(gate, limit)) * clamp(up, -limit, limit)) in x's dtype; down scales each (token, slot) pair's fp32
+result by its top-k weight, and a token's k slots are summed in slot order (fused_moe._combine). The torch form
+(and the CPU path) is the dequantize-at-load one: layers/mxfp4.py Mxfp4DequantExperts.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from deepinfer_kernels.fused_moe import PER_PAIR_MAX, _align, _block_m, _combine, _pair_rows
+
+MX_BLOCK = 32
+
+
+@triton.jit
+def _e2m1(code):
+    """e2m1 codes (int32, 0..15) -> fp32 values."""
+    mag = code & 7
+    exp = mag >> 1
+    man = (mag & 1).to(tl.float32)
+    val = tl.where(exp == 0, man * 0.5, (1.0 + man * 0.5) * tl.exp2((exp - 1).to(tl.float32)))
+    return tl.where((code & 8) != 0, -val, val)
+
+
+@triton.jit
+def _mx_tile(w_ptrs, s_ptrs, mask, DTYPE: tl.constexpr):
+    """A (BLOCK_K/2, BLOCK_N) tile of packed bytes and the e8m0 byte of each -> the even and the odd elements'
+    weights in DTYPE (exact: value x a power of two)."""
+    b = tl.load(w_ptrs, mask=mask, other=0).to(tl.int32) & 0xFF
+    s = tl.load(s_ptrs, mask=mask, other=127).to(tl.int32) & 0xFF
+    scale = tl.exp2((s - 127).to(tl.float32))
+    return (_e2m1(b & 15) * scale).to(DTYPE), (_e2m1(b >> 4) * scale).to(DTYPE)
+
+
+@triton.jit
+def _dot2(a_even, a_odd, w_even, w_odd, acc, IEEE: tl.constexpr):
+    if IEEE:  # fp32 activations: full fp32 products (TF32 would drift from the CPU reference)
+        acc = tl.dot(a_even, w_even, acc, input_precision="ieee")
+        return tl.dot(a_odd, w_odd, acc, input_precision="ieee")
+    acc = tl.dot(a_even, w_even, acc)
+    return tl.dot(a_odd, w_odd, acc)
+
+
+@triton.jit(do_not_specialize=["num_pairs"])
+def _gate_up_mxfp4(X, W, WS, H, SortedPairs, BlockExpert, NumPadded, num_pairs, top_k, N, K, limit,
+                   stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_hm,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PER_PAIR: tl.constexpr,
+                   IEEE: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pair, e, valid = _pair_rows(SortedPairs, BlockExpert, NumPadded, pid_m, num_pairs, BLOCK_M, PER_PAIR)
+    if valid:
+        HALF: tl.constexpr = BLOCK_K // 2
+        mmask = pair < num_pairs
+        tok = (pair // top_k).to(tl.int64)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        nmask = offs_n < N
+        offs_j = tl.arange(0, HALF)  # packed byte j holds elements 2j (low nibble) and 2j + 1
+        a_ptrs = X + tok[:, None] * stride_xm + 2 * offs_j[None, :]
+        rows = offs_n[None, :].to(tl.int64)
+        g_ptrs = W + e * stride_we + rows * stride_wn + offs_j[:, None]  # (K/2, N) view of W_gate^T
+        u_ptrs = g_ptrs + N * stride_wn
+        gs_ptrs = WS + e * stride_se + rows * stride_sn + (offs_j // 16)[:, None]
+        us_ptrs = gs_ptrs + N * stride_sn
+        acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        dtype = X.dtype.element_ty
+        for k0 in range(0, K, BLOCK_K):
+            jmask = offs_j < (K - k0) // 2
+            amask = mmask[:, None] & jmask[None, :]
+            a_even = tl.load(a_ptrs, mask=amask, other=0.0)
+            a_odd = tl.load(a_ptrs + 1, mask=amask, other=0.0)
+            wmask = jmask[:, None] & nmask[None, :]
+            g_even, g_odd = _mx_tile(g_ptrs, gs_ptrs, wmask, dtype)
+            u_even, u_odd = _mx_tile(u_ptrs, us_ptrs, wmask, dtype)
+            acc_g = _dot2(a_even, a_odd, g_even, g_odd, acc_g, IEEE)
+            acc_u = _dot2(a_even, a_odd, u_even, u_odd, acc_u, IEEE)
+            a_ptrs += BLOCK_K
+            g_ptrs += HALF
+            u_ptrs += HALF
+            gs_ptrs += BLOCK_K // 32
+            us_ptrs += BLOCK_K // 32
+        gate = tl.minimum(acc_g, limit)
+        up = tl.minimum(tl.maximum(acc_u, -limit), limit)
+        h = gate / (1.0 + tl.exp(-gate)) * up
+        tl.store(H + pair.to(tl.int64)[:, None] * stride_hm + offs_n[None, :], h.to(H.dtype.element_ty),
+                 mask=mmask[:, None] & nmask[None, :])
+
+
+@triton.jit(do_not_specialize=["num_pairs"])
+def _down_mxfp4(A, W, WS, Y, TopkWeights, SortedPairs, BlockExpert, NumPadded, num_pairs, N, K,
+                stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_ym,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PER_PAIR: tl.constexpr,
+                IEEE: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pair, e, valid = _pair_rows(SortedPairs, BlockExpert, NumPadded, pid_m, num_pairs, BLOCK_M, PER_PAIR)
+    if valid:
+        HALF: tl.constexpr = BLOCK_K // 2
+        mmask = pair < num_pairs
+        pair64 = pair.to(tl.int64)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        nmask = offs_n < N
+        offs_j = tl.arange(0, HALF)
+        a_ptrs = A + pair64[:, None] * stride_am + 2 * offs_j[None, :]
+        rows = offs_n[None, :].to(tl.int64)
+        w_ptrs = W + e * stride_we + rows * stride_wn + offs_j[:, None]
+        s_ptrs = WS + e * stride_se + rows * stride_sn + (offs_j // 16)[:, None]
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        dtype = A.dtype.element_ty
+        for k0 in range(0, K, BLOCK_K):
+            jmask = offs_j < (K - k0) // 2
+            amask = mmask[:, None] & jmask[None, :]
+            a_even = tl.load(a_ptrs, mask=amask, other=0.0)
+            a_odd = tl.load(a_ptrs + 1, mask=amask, other=0.0)
+            w_even, w_odd = _mx_tile(w_ptrs, s_ptrs, jmask[:, None] & nmask[None, :], dtype)
+            acc = _dot2(a_even, a_odd, w_even, w_odd, acc, IEEE)
+            a_ptrs += BLOCK_K
+            w_ptrs += HALF
+            s_ptrs += BLOCK_K // 32
+        acc *= tl.load(TopkWeights + pair64, mask=mmask, other=0.0)[:, None]
+        tl.store(Y + pair64[:, None] * stride_ym + offs_n[None, :], acc.to(Y.dtype.element_ty),
+                 mask=mmask[:, None] & nmask[None, :])
+
+
+def _tiles(num_pairs: int, dtype: torch.dtype) -> dict:
+    """Fixed tiles (no autotuning yet; the H200 sweep is a GPU check to run). fp32 (CUDA cores, and the
+    interpreter) takes narrow K tiles for its registers; few pairs stream each expert's weights once, so narrow N
+    tiles spread them over more programs."""
+    block_k = 32 if dtype == torch.float32 else 128
+    if num_pairs <= 64:
+        return dict(BLOCK_N=32, BLOCK_K=block_k, num_warps=4, num_stages=4)
+    return dict(BLOCK_N=64, BLOCK_K=block_k, num_warps=4, num_stages=3)
+
+
+def _as_bytes(scale: torch.Tensor, name: str) -> torch.Tensor:
+    if scale.dtype == torch.float8_e8m0fnu:
+        return scale.view(torch.uint8)
+    if scale.dtype != torch.uint8:
+        raise ValueError(f"fused_moe_mxfp4: {name} must be e8m0 (uint8 bytes or float8_e8m0fnu), got {scale.dtype}")
+    return scale
+
+
+def check_mxfp4_experts(gate_up: torch.Tensor, gate_up_scale: torch.Tensor, down: torch.Tensor,
+                        down_scale: torch.Tensor, hidden: int) -> int:
+    """ValueError unless the four tensors are one MXFP4 expert set over `hidden`; returns the expert width I."""
+    if gate_up.dtype != torch.int8 or down.dtype != torch.int8:
+        raise ValueError(f"fused_moe_mxfp4 takes int8-packed e2m1 experts, got {gate_up.dtype} / {down.dtype}")
+    e, two_i, half_h = gate_up.shape
+    inter = two_i // 2
+    want = {"gate_up": (e, 2 * inter, hidden // 2), "gate_up_scale": (e, 2 * inter, hidden // MX_BLOCK),
+            "down": (e, hidden, inter // 2), "down_scale": (e, hidden, inter // MX_BLOCK)}
+    got = {"gate_up": gate_up.shape, "gate_up_scale": gate_up_scale.shape, "down": down.shape,
+           "down_scale": down_scale.shape}
+    if hidden % MX_BLOCK or inter % MX_BLOCK or two_i % 2:
+        raise ValueError(f"fused_moe_mxfp4: hidden {hidden} and expert width {inter} must be multiples of {MX_BLOCK}")
+    for name, shape in got.items():
+        if tuple(shape) != want[name]:
+            raise ValueError(f"fused_moe_mxfp4: {name} shape {tuple(shape)} != {want[name]} (two e2m1 per byte, one "
+                             f"e8m0 per {MX_BLOCK} elements along K, hidden {hidden}, expert width {inter})")
+    return inter
+
+
+def fused_moe_mxfp4(x: torch.Tensor, gate_up: torch.Tensor, gate_up_scale: torch.Tensor, down: torch.Tensor,
+                    down_scale: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                    swiglu_limit: float | None = None, config: dict | None = None) -> torch.Tensor:
+    """x (T, H) 16/32-bit; MXFP4 experts (module docstring); weights (T, k) fp32; ids (T, k) -> sum_k weights *
+    down(swiglu(gate x, up x)), (T, H) in x's dtype; swiglu_limit clamps as V4's experts do (None: plain SwiGLU).
+    config: fixed BLOCK_N / BLOCK_K (a multiple of 32) / num_warps / num_stages (tests)."""
+    t, k = ids.shape
+    hidden = x.shape[1]
+    inter = check_mxfp4_experts(gate_up, gate_up_scale, down, down_scale, hidden)
+    gate_up_scale, down_scale = _as_bytes(gate_up_scale, "gate_up_scale"), _as_bytes(down_scale, "down_scale")
+    if not all(a.is_contiguous() for a in (x, gate_up, down, gate_up_scale, down_scale)):
+        raise ValueError("fused_moe_mxfp4 needs contiguous x, expert weights and scales")
+    e = gate_up.shape[0]
+    num_pairs = t * k
+    block_m, per_pair = _block_m(num_pairs, e), num_pairs <= PER_PAIR_MAX
+    if per_pair:
+        sorted_pairs, block_expert, num_padded = ids, ids.flatten(), ids
+        num_blocks = num_pairs
+    else:
+        sorted_pairs, block_expert, num_padded = _align(ids, e, block_m)
+        num_blocks = sorted_pairs.numel() // block_m
+    config = dict(config or _tiles(num_pairs, x.dtype))
+    if config["BLOCK_K"] % MX_BLOCK:
+        raise ValueError(f"fused_moe_mxfp4: BLOCK_K {config['BLOCK_K']} must be a multiple of {MX_BLOCK}")
+    common = dict(BLOCK_M=block_m, PER_PAIR=per_pair, IEEE=x.dtype == torch.float32, **config)
+    limit = float("inf") if swiglu_limit is None else float(swiglu_limit)
+    h = x.new_empty(num_pairs, inter)
+    y = x.new_empty(num_pairs, hidden)
+    _gate_up_mxfp4[(num_blocks, triton.cdiv(inter, config["BLOCK_N"]))](
+        x, gate_up, gate_up_scale, h, sorted_pairs, block_expert, num_padded, num_pairs, k, inter, hidden, limit,
+        x.stride(0), gate_up.stride(0), gate_up.stride(1), gate_up_scale.stride(0), gate_up_scale.stride(1),
+        h.stride(0), **common)
+    _down_mxfp4[(num_blocks, triton.cdiv(hidden, config["BLOCK_N"]))](
+        h, down, down_scale, y, weights.flatten().float().contiguous(), sorted_pairs, block_expert, num_padded,
+        num_pairs, hidden, inter, h.stride(0), down.stride(0), down.stride(1), down_scale.stride(0),
+        down_scale.stride(1), y.stride(0), **common)
+    return _combine(y, t, k, hidden)
