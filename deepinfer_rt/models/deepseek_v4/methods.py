@@ -1,9 +1,11 @@
 """DeepSeek-V4's layer methods: the model's own numerics, default or batch-invariant, chosen once from the
 KernelConfig when a layer is built (`self.method = v4_method(current_kernel_config())`).
 
-V4Method holds the default forms; V4InvariantMethod replaces each by its batch-invariant form
-(models/deepseek_v4/invariant.py): fixed-shape GEMMs, exp-built sigmoid/silu/softplus, sums over a middle dim
-as ordered adds, per-query key lists in attention and the indexer, one-row-safe row reductions.
+V4Method holds the default forms (the CPU path and the reference); V4TritonMethod (triton_method.py, CUDA)
+runs attention, the indexer and the compressor's pooling through Triton kernels; V4InvariantMethod replaces
+each by its batch-invariant form (models/deepseek_v4/invariant.py): fixed-shape GEMMs, exp-built
+sigmoid/silu/softplus, sums over a middle dim as ordered adds, per-query key lists in attention and the indexer,
+one-row-safe row reductions.
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import torch
 from torch import nn
 import torch.nn.functional as F
 
+from deepinfer_kernels.reference import stable_topk
 from deepinfer_rt.layers.kernel_config import KernelConfig
 from deepinfer_rt.layers.methods import (Activation, HeadMatmul, InvariantLinear, LinearMethod, activation_method,
                                          head_matmul_method, linear_method)
@@ -112,12 +115,12 @@ class V4Method:
                      visible: torch.Tensor) -> torch.Tensor:
         """q (G*Q, H, Di) rotated, keys (G, E, Di), weights (G*Q, H), visible (G, Q, E) -> (G, Q, E) True for the
         top index_topk visible entries by sum_h w_h * relu(q_h . k)."""
-        g, q_len, num_entries = visible.shape
+        g, q_len, _ = visible.shape
         q = q.view(g, q_len, indexer.num_heads, indexer.head_dim)
         scores = torch.einsum("gqhd,ged->gqhe", q.float(), keys.float()).relu() * indexer.head_dim ** -0.5
         weights = weights.view(g, q_len, indexer.num_heads, 1)
         scores = (scores * weights).sum(dim=2).masked_fill(~visible, float("-inf"))  # (G, Q, E)
-        picks = scores.topk(min(indexer.topk, num_entries), dim=-1).indices
+        picks = stable_topk(scores, indexer.topk)[1]  # ties to the earlier entry, as every method
         chosen = torch.zeros_like(visible).scatter_(-1, picks, True)
         return chosen & visible  # picks beyond the visible entries (too few of them) are dropped
 
@@ -185,5 +188,12 @@ class V4InvariantMethod(V4Method):
 
 @functools.cache
 def v4_method(config: KernelConfig) -> V4Method:
-    cls = V4InvariantMethod if config.is_batch_invariant else V4Method
+    if config.is_batch_invariant:
+        cls = V4InvariantMethod
+    elif config.is_triton:
+        from deepinfer_rt.models.deepseek_v4.triton_method import V4TritonMethod  # imports Triton
+
+        cls = V4TritonMethod
+    else:
+        cls = V4Method
     return cls(linear_method(config), activation_method(config), head_matmul_method(config))
