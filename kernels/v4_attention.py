@@ -98,24 +98,29 @@ def _split_kernel(Q, Buf, Rows, Mask, PartO, PartLse,
 
 
 @triton.jit
-def _combine_kernel(PartO, PartLse, Sink, O, total_splits, H: tl.constexpr, D: tl.constexpr,
-                    BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
-    """Row r = (g * Q + q) * H + h: its splits and the sink merged into O[r] (rows of H * D, contiguous)."""
-    r = tl.program_id(0).to(tl.int64)
-    sink = tl.load(Sink + r % H).to(tl.float32) * 1.4426950408889634
+def _combine_kernel(PartO, PartLse, Sink, O, total_splits, H: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                    BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr):
+    """Rows r = (g * Q + q) * H + h of one query's head block: their splits and the sink merged into O[r]
+    (rows of D, contiguous)."""
+    gq = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    hmask = h < H
+    r = gq * H + h
+    sink = tl.load(Sink + h, mask=hmask, other=0.0).to(tl.float32) * 1.4426950408889634
     offs_s = tl.arange(0, BLOCK_S)
-    lse = tl.load(PartLse + r * total_splits + offs_s, mask=offs_s < total_splits, other=float("-inf"))
-    m = tl.maximum(tl.max(lse, 0), sink)  # the sink is finite, so m is
+    lse = tl.load(PartLse + r[:, None] * total_splits + offs_s[None, :],
+                  mask=hmask[:, None] & (offs_s < total_splits)[None, :], other=float("-inf"))
+    m = tl.maximum(tl.max(lse, 1), sink)  # the sink is finite, so m is
     offs_d = tl.arange(0, BLOCK_D)
-    dmask = offs_d < D
-    acc = tl.zeros([BLOCK_D], tl.float32)
+    mask = hmask[:, None] & (offs_d < D)[None, :]
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
     total = tl.exp2(sink - m)
     for s in range(0, total_splits):
-        w = tl.exp2(tl.load(PartLse + r * total_splits + s) - m)  # 0 for an empty split
-        part = tl.load(PartO + (r * total_splits + s) * D + offs_d, mask=dmask, other=0.0)
-        acc += tl.where(w > 0.0, part, 0.0) * w
+        w = tl.exp2(tl.load(PartLse + r * total_splits + s, mask=hmask, other=float("-inf")) - m)  # 0: empty split
+        part = tl.load(PartO + (r * total_splits + s)[:, None] * D + offs_d[None, :], mask=mask, other=0.0)
+        acc += tl.where(w[:, None] > 0.0, part, 0.0) * w[:, None]
         total += w
-    tl.store(O + r * D + offs_d, (acc / total).to(O.dtype.element_ty), mask=dmask)
+    tl.store(O + r[:, None] * D + offs_d[None, :], (acc / total[:, None]).to(O.dtype.element_ty), mask=mask)
 
 
 BLOCK_N = 32
@@ -193,9 +198,10 @@ def sparse_mqa_attention(q: torch.Tensor, sources: Sequence[KeySource], sink: to
             num_stages=2)
         base += splits
     out = torch.empty(g, num_q, num_heads, d, dtype=q.dtype, device=q.device)
-    _combine_kernel[(g * num_q * num_heads,)](part_o, part_lse, sink.float().contiguous(), out, total,
-                                              H=num_heads, D=d, BLOCK_D=block_d,
-                                              BLOCK_S=max(2, triton.next_power_of_2(total)), num_warps=4)
+    combine_h = min(16, triton.next_power_of_2(num_heads))
+    _combine_kernel[(g * num_q, triton.cdiv(num_heads, combine_h))](
+        part_o, part_lse, sink.float().contiguous(), out, total, H=num_heads, D=d, BLOCK_D=block_d,
+        BLOCK_H=combine_h, BLOCK_S=max(2, triton.next_power_of_2(total)), num_warps=4)
     return out
 
 
