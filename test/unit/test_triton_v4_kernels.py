@@ -1,6 +1,6 @@
 """DeepSeek-V4's Triton kernels (deepinfer_kernels.v4_attention / v4_indexer / v4_pooling) run on CPU through
 Triton's interpreter (TRITON_INTERPRET=1, set before triton is imported, hence a subprocess), each against its
-torch reference, and the tiny V4 model's logits with V4TritonMethod swapped in against V4Method's (prefill
+torch reference (v4_sinkhorn too), and the tiny V4 model's logits with V4TritonMethod swapped in against V4Method's (prefill
 chunks and decode rows in one batch). Tolerances: fp32 1e-5 (kernels) / 1e-4 (logits); fp16 2e-3 (the
 interpreter multiplies bf16 tiles as raw integers, so 16-bit is checked in fp16). The GPU suite
 (test/gpu/test_gpu_v4_kernels.py) runs them compiled at V4-Flash shapes."""
@@ -87,6 +87,18 @@ _POOLING = textwrap.dedent("""
     print("ok")
 """)
 
+_SINKHORN = textwrap.dedent("""
+    import torch
+    from deepinfer_kernels.v4_sinkhorn import sinkhorn
+    from deepinfer_rt.models.deepseek_v4.methods import V4Method
+    g = torch.Generator().manual_seed(0)
+    for t, n, iters in [(5, 4, 20), (19, 2, 1), (3, 3, 7), (0, 4, 3)]:
+        logits = torch.randn(t, n, n, generator=g) * 3
+        ref = V4Method.sinkhorn(V4Method(None, None, None), logits, iters, 1e-6)
+        torch.testing.assert_close(sinkhorn(logits, iters, 1e-6), ref, rtol=1e-6, atol=1e-6)
+    print("ok")
+""")
+
 # The tiny V4 model (sliding, CSA with index_topk 3, HCA; window 6, ratios 4 / 8): two prompts, then a chunk that
 # does not align with the windows next to a decode row.
 _MODEL = textwrap.dedent("""
@@ -156,6 +168,10 @@ def test_index_scores_equal_reference():
 
 def test_pool_window_equals_torch_form():
     assert _interpret(_POOLING).strip().endswith("ok")
+
+
+def test_sinkhorn_equals_torch_form():
+    assert _interpret(_SINKHORN).strip().endswith("ok")
 
 
 def test_tiny_v4_logits_with_triton_method_equal_torch_method(tiny_v4_path):

@@ -70,6 +70,16 @@ class V4Method:
         """comb (T, N, N) summed over dim -2, kept: (T, 1, N) (the Sinkhorn column normalisation)."""
         return comb.sum(dim=-2, keepdim=True)
 
+    def sinkhorn(self, logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
+        """The mHC residual mix (T, N, N) from its logits: softmax over the last dim + eps, then Sinkhorn-Knopp
+        (column sums, then iters - 1 rounds of row and column sums, each + eps)."""
+        comb = torch.softmax(logits, dim=-1) + eps
+        comb = comb / (self.column_sum(comb) + eps)
+        for _ in range(iters - 1):
+            comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
+            comb = comb / (self.column_sum(comb) + eps)
+        return comb
+
     # ---- products ----
 
     def hc_matmul(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

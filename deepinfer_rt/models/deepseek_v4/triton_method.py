@@ -1,5 +1,6 @@
-"""DeepSeek-V4's Triton method (CUDA, not batch-invariant): attention, the indexer and the compressor's pooling
-through deepinfer_kernels (v4_attention, v4_indexer, v4_pooling); every other form is V4Method's.
+"""DeepSeek-V4's Triton method (CUDA, not batch-invariant): attention, the indexer, the compressor's pooling and
+the mHC Sinkhorn projection through deepinfer_kernels (v4_attention, v4_indexer, v4_pooling, v4_sinkhorn); every
+other form is V4Method's.
 
 Attention reads the keys where the pool keeps them: the sliding-window keys and the compressed entries are two
 key sources (buffer, rows, mask) of one sparse MQA kernel, so no (G, L, D) copy of the keys is made and the
@@ -18,6 +19,7 @@ from deepinfer_kernels.reference import stable_topk
 from deepinfer_kernels.v4_attention import KeySource, sparse_mqa_attention
 from deepinfer_kernels.v4_indexer import index_scores
 from deepinfer_kernels.v4_pooling import pool_window
+from deepinfer_kernels.v4_sinkhorn import sinkhorn
 from deepinfer_rt.models.deepseek_v4.methods import V4Method
 
 if TYPE_CHECKING:
@@ -25,6 +27,9 @@ if TYPE_CHECKING:
 
 
 class V4TritonMethod(V4Method):
+    def sinkhorn(self, logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
+        return sinkhorn(logits, iters, eps)
+
     def pool_window(self, kv: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         return pool_window(kv, gate)
 
