@@ -11,10 +11,10 @@ that differs, keeps its full width.
 Reports the full V4-Flash parameter count (built on the meta device, no memory), the reduced models' parameter
 count and bytes, KV-pool bytes stored per token of each (bf16), the KV bytes a decode token must read at
 `context` (the architecture's floor), and the decode step time per layer at `batch` sequences of `context`
-tokens through the model's default methods (torch on CPU; on CUDA V4's attention, indexer and pooling run the
-Triton kernels of models/deepseek_v4/triton_method.py, and each of them is also timed beside V4Method's torch form
-on the same step: `kernels` in the JSON). The pool is filled with random state instead of a prefill: decode cost does not
-depend on the values, and a CPU prefill of the context would dominate the run. Writes
+tokens through the model's default methods (torch on CPU; on CUDA V4's attention, indexer, pooling and Sinkhorn
+run the Triton kernels of V4TritonMethod in models/deepseek_v4/methods.py, and attention and pooling are also
+timed beside V4Method's torch forms on the same step: `kernels` in the JSON). The pool is filled with random
+state instead of a prefill: decode cost does not depend on the values, and a CPU prefill of the context would dominate the run. Writes
 benchmark/results/v4_<device>.json.
 
 V4.1 (deepinfer_rt/models/configs/deepseek-v41-flash, the released V4.1-Flash shape) is reported the same way from
@@ -220,11 +220,10 @@ def _cuda_ms(fn, repeats: int) -> float:
 
 @torch.no_grad()
 def kernel_timings(model, config: ModelConfig, args, device: torch.device) -> dict:
-    """Per-kernel decode times on CUDA, the Triton method (models/deepseek_v4/triton_method.py) beside the torch
+    """Per-kernel decode times on CUDA, V4TritonMethod (models/deepseek_v4/methods.py) beside the torch
     path (V4Method) on the same step: each layer type's attention (the indexer's selection included for CSA) and
     the compressor's pooling of one window per sequence."""
-    from deepinfer_rt.models.deepseek_v4.methods import V4Method
-    from deepinfer_rt.models.deepseek_v4.triton_method import V4TritonMethod
+    from deepinfer_rt.models.deepseek_v4.methods import V4Method, V4TritonMethod
 
     pool, slots = _random_pool(model, config, args, device)
     fb = _decode_batch(config, pool, slots, args.context, torch.Generator(device="cpu").manual_seed(1))

@@ -112,7 +112,7 @@ def test_gpu_v4_engine_with_triton_method_matches_cpu(tmp_path_factory):
     from make_tiny_checkpoint import _tokenizer_dir, make_tiny_checkpoint
 
     from deepinfer_rt import Engine, SamplingParams
-    from deepinfer_rt.models.deepseek_v4.triton_method import V4TritonMethod
+    from deepinfer_rt.models.deepseek_v4.methods import V4TritonMethod
 
     path = make_tiny_checkpoint("deepseek_v4", tmp_path_factory.mktemp("v4"), seed=0,
                                 tokenizer_dir=_tokenizer_dir("deepseek_v2"))

@@ -1,8 +1,8 @@
 """DeepSeek-V4's Triton kernels (deepinfer_kernels.v4_attention / v4_indexer / v4_pooling) run on CPU through
 Triton's interpreter (TRITON_INTERPRET=1, set before triton is imported, hence a subprocess), each against its
-torch reference (v4_sinkhorn too), and the tiny V4 model's logits with V4TritonMethod swapped in against V4Method's (prefill
-chunks and decode rows in one batch). Tolerances: fp32 1e-5 (kernels) / 1e-4 (logits); fp16 2e-3 (the
-interpreter multiplies bf16 tiles as raw integers, so 16-bit is checked in fp16). The GPU suite
+torch reference (v4_sinkhorn too), and the tiny V4 model's logits with V4TritonMethod swapped in against
+V4Method's (prefill chunks and decode rows in one batch). Tolerances: fp32 1e-5 (kernels) / 1e-4 (logits); fp16
+2e-3 (the interpreter multiplies bf16 tiles as raw integers, so 16-bit is checked in fp16). The GPU suite
 (test/gpu/test_gpu_v4_kernels.py) runs them compiled at V4-Flash shapes."""
 from __future__ import annotations
 
@@ -108,8 +108,7 @@ _MODEL = textwrap.dedent("""
     from deepinfer_rt.cache.kv_pool import KVPool
     from deepinfer_rt.forward_batch import ForwardBatch
     from deepinfer_rt.layers.attention.torch_ref import TorchRefBackend
-    from deepinfer_rt.models.deepseek_v4.methods import V4Method
-    from deepinfer_rt.models.deepseek_v4.triton_method import V4TritonMethod
+    from deepinfer_rt.models.deepseek_v4.methods import V4Method, V4TritonMethod
     from deepinfer_rt.models.loader import build_model, load_model_config
 
     path = Path(PATH)

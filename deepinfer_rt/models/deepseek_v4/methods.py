@@ -1,7 +1,7 @@
 """DeepSeek-V4's layer methods: the model's own numerics, default or batch-invariant, chosen once from the
 KernelConfig when a layer is built (`self.method = v4_method(current_kernel_config())`).
 
-V4Method holds the default forms (the CPU path and the reference); V4TritonMethod (triton_method.py, CUDA)
+V4Method holds the default forms (the CPU path and the reference); V4TritonMethod (CUDA)
 runs attention, the indexer and the compressor's pooling through Triton kernels; V4InvariantMethod replaces
 each by its batch-invariant form (models/deepseek_v4/invariant.py): fixed-shape GEMMs, exp-built
 sigmoid/silu/softplus, sums over a middle dim as ordered adds, per-query key lists in attention and the indexer,
@@ -10,6 +10,7 @@ one-row-safe row reductions.
 from __future__ import annotations
 
 import functools
+from types import SimpleNamespace
 from typing import TYPE_CHECKING, Callable
 
 import torch
@@ -196,13 +197,64 @@ class V4InvariantMethod(V4Method):
         return v4_invariant.top_k_mask(scores, visible.reshape(g * q_len, -1), indexer.topk).view(g, q_len, -1)
 
 
+class V4TritonMethod(V4Method):
+    """CUDA, not batch-invariant: attention, the indexer, the compressor's pooling and the mHC Sinkhorn projection
+    through deepinfer_kernels (v4_attention, v4_indexer, v4_pooling, v4_sinkhorn); every other form is V4Method's.
+
+    Attention reads the keys where the pool keeps them: the sliding-window keys and the compressed entries are two
+    key sources (buffer, rows, mask) of one sparse MQA kernel, so no (G, L, D) copy of the keys is made and the
+    softmax runs in fp32. For CSA the indexer's choice travels as entry indices, (G, Q, topk) with -1 for none,
+    instead of V4Method's (G, Q, E) mask: the kernel then reads topk entries per query, not all E. The top-k is
+    stable_topk, V4Method's rule (ties to the earlier entry)."""
+
+    def __init__(self, linear: LinearMethod, activation: Activation, head_matmul: HeadMatmul):
+        super().__init__(linear, activation, head_matmul)
+        from deepinfer_kernels import v4_attention, v4_indexer, v4_pooling, v4_sinkhorn  # Triton: CUDA builds only
+
+        self.kernels = SimpleNamespace(attention=v4_attention, indexer=v4_indexer, pooling=v4_pooling,
+                                       sinkhorn=v4_sinkhorn)
+
+    def sinkhorn(self, logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
+        return self.kernels.sinkhorn.sinkhorn(logits, iters, eps)
+
+    def pool_window(self, kv: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        return self.kernels.pooling.pool_window(kv, gate)
+
+    def attend(self, layer: nn.Module, g: AttnGroup, q: torch.Tensor, x: torch.Tensor, q_residual: torch.Tensor,
+               positions: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
+        cols, source = layer.cols, self.kernels.attention.KeySource
+        sources = [source(buf[:, cols.swa], g.swa_slots, g.swa_mask)]
+        if layer.ratio:
+            slots, visible = g.entry_slots[layer.ratio], g.entry_mask[layer.ratio]  # (G, E), (G, Q, E)
+            if layer.indexer is not None:
+                picks = layer.indexer.select(x[g.rows], q_residual[g.rows], positions[g.rows],
+                                             source(buf[:, cols.idx_entry], slots), visible)  # (G, Q, k)
+                rows = slots.gather(1, picks.clamp(min=0).flatten(1)).view(picks.shape)
+                sources.append(source(buf[:, cols.entry], rows.masked_fill(picks < 0, -1)))
+            else:
+                sources.append(source(buf[:, cols.entry], slots, visible))
+        qg = q[g.rows].view(g.num_seqs, g.q_len, layer.num_heads, layer.head_dim)
+        out = self.kernels.attention.sparse_mqa_attention(qg, sources, layer.attn_sink, layer.head_dim ** -0.5)
+        return out.view(-1, layer.num_heads, layer.head_dim)
+
+    def index_select(self, indexer: nn.Module, q: torch.Tensor, keys, weights: torch.Tensor,
+                     visible: torch.Tensor) -> torch.Tensor:
+        """q (G*Q, H, Di) rotated, keys the group's index keys as a KeySource (buffer, rows (G, E)), weights
+        (G*Q, H), visible (G, Q, E) -> (G, Q, min(topk, E)) indices into the group's entries of the best visible
+        ones by sum_h w_h * relu(q_h . k), -1 past the visible ones."""
+        g, q_len, _ = visible.shape
+        scores = self.kernels.indexer.index_scores(
+            q.view(g, q_len, indexer.num_heads, indexer.head_dim), weights.view(g, q_len, indexer.num_heads),
+            keys.buf, keys.rows, visible, indexer.head_dim ** -0.5)
+        values, picks = stable_topk(scores, indexer.topk)
+        return picks.masked_fill(values == float("-inf"), -1)
+
+
 @functools.cache
 def v4_method(config: KernelConfig) -> V4Method:
     if config.is_batch_invariant:
         cls = V4InvariantMethod
     elif config.is_triton:
-        from deepinfer_rt.models.deepseek_v4.triton_method import V4TritonMethod  # imports Triton
-
         cls = V4TritonMethod
     else:
         cls = V4Method
