@@ -11,8 +11,10 @@ that differs, keeps its full width.
 Reports the full V4-Flash parameter count (built on the meta device, no memory), the reduced models' parameter
 count and bytes, KV-pool bytes stored per token of each (bf16), the KV bytes a decode token must read at
 `context` (the architecture's floor), and the decode step time per layer at `batch` sequences of `context`
-tokens through the torch reference path. The pool is filled with random state instead of a prefill: decode cost does not
-depend on the values, and a CPU prefill of the context would dominate the run. Writes
+tokens through the model's default methods (torch on CPU; on CUDA V4's attention, indexer, pooling and Sinkhorn
+run the Triton kernels of V4TritonMethod in models/deepseek_v4/methods.py, and attention and pooling are also
+timed beside V4Method's torch forms on the same step: `kernels` in the JSON). The pool is filled with random
+state instead of a prefill: decode cost does not depend on the values, and a CPU prefill of the context would dominate the run. Writes
 benchmark/results/v4_<device>.json.
 
 V4.1 (deepinfer_rt/models/configs/deepseek-v41-flash, the released V4.1-Flash shape) is reported the same way from
@@ -163,23 +165,34 @@ def full_flash_params() -> int:
     return sum(p.numel() for p in model.parameters() if p.is_floating_point())
 
 
-@torch.no_grad()
-def decode_step_seconds(model, config: ModelConfig, args, device: torch.device) -> list[float]:
-    layout = model.kv_layout(config)
+def _decode_batch(config: ModelConfig, pool: KVPool, slots: torch.Tensor, ctx: int, gen) -> ForwardBatch:
+    batch, device = slots.shape[0], slots.device
+    backend = TorchRefBackend()
+    fb = ForwardBatch(
+        input_ids=torch.randint(0, config.vocab_size, (batch,), generator=gen).to(device),
+        positions=torch.full((batch,), ctx, device=device), out_slots=slots[:, ctx].contiguous(),
+        q_lens=[1] * batch, kv_lens=[ctx + 1] * batch, kv_slots=list(slots), pool=pool, backend=backend)
+    backend.prepare(fb)
+    return fb
+
+
+def _random_pool(model, config: ModelConfig, args, device: torch.device) -> tuple[KVPool, torch.Tensor]:
     ctx, batch = args.context, args.batch
-    pool = KVPool(layout, num_pages=batch * (ctx + 1), page_size=1, dtype=args.dtype, device=device)
+    pool = KVPool(model.kv_layout(config), num_pages=batch * (ctx + 1), page_size=1, dtype=args.dtype, device=device)
     gen = torch.Generator(device="cpu").manual_seed(0)
     for buf in pool.k:
         buf.copy_(torch.randn(buf.shape, generator=gen).to(buf.dtype))
-    slots = torch.arange(batch * (ctx + 1), device=device).view(batch, ctx + 1)
-    backend = TorchRefBackend()
+    return pool, torch.arange(batch * (ctx + 1), device=device).view(batch, ctx + 1)
+
+
+@torch.no_grad()
+def decode_step_seconds(model, config: ModelConfig, args, device: torch.device) -> list[float]:
+    ctx = args.context
+    pool, slots = _random_pool(model, config, args, device)
+    gen = torch.Generator(device="cpu").manual_seed(0)
     times = []
     for _ in range(args.repeats):
-        fb = ForwardBatch(
-            input_ids=torch.randint(0, config.vocab_size, (batch,), generator=gen).to(device),
-            positions=torch.full((batch,), ctx, device=device), out_slots=slots[:, ctx].contiguous(),
-            q_lens=[1] * batch, kv_lens=[ctx + 1] * batch, kv_slots=list(slots), pool=pool, backend=backend)
-        backend.prepare(fb)
+        fb = _decode_batch(config, pool, slots, ctx, gen)
         if device.type == "cuda":
             torch.cuda.synchronize()
         t = time.perf_counter()
@@ -191,6 +204,60 @@ def decode_step_seconds(model, config: ModelConfig, args, device: torch.device) 
     return times[1:]  # the first step warms up
 
 
+def _cuda_ms(fn, repeats: int) -> float:
+    """Median time of fn() in ms by CUDA events, after one warm-up call."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+@torch.no_grad()
+def kernel_timings(model, config: ModelConfig, args, device: torch.device) -> dict:
+    """Per-kernel decode times on CUDA, V4TritonMethod (models/deepseek_v4/methods.py) beside the torch
+    path (V4Method) on the same step: each layer type's attention (the indexer's selection included for CSA) and
+    the compressor's pooling of one window per sequence."""
+    from deepinfer_rt.models.deepseek_v4.methods import V4Method, V4TritonMethod
+
+    pool, slots = _random_pool(model, config, args, device)
+    fb = _decode_batch(config, pool, slots, args.context, torch.Generator(device="cpu").manual_seed(1))
+    vb = model.model.prepare_batch(fb)
+    cfg, rows = model.model.cfg, {}
+    layers = {t: model.model.layers[cfg.layer_types.index(t)].attn for t in dict.fromkeys(cfg.layer_types)}
+    base = layers[next(iter(layers))].method
+    methods = {"torch": V4Method(base.linear, base.activation, base.head_matmul),
+               "triton": V4TritonMethod(base.linear, base.activation, base.head_matmul)}
+    t = args.batch
+    x = torch.randn(t, cfg.hidden_size, device=device, dtype=args.dtype)
+    q_res = torch.randn(t, cfg.q_lora_rank, device=device, dtype=args.dtype)
+    q = torch.randn(t, cfg.num_heads, cfg.head_dim, device=device, dtype=args.dtype)
+    for layer_type, attn in layers.items():
+        buf = pool.k[attn.layer_id].view(pool.num_slots, -1)
+        for name, method in methods.items():
+            attn.method = method
+            if attn.indexer is not None:
+                attn.indexer.method = method
+            call = lambda: [method.attend(attn, g, q, x, q_res, fb.positions, buf) for g in vb.groups]
+            rows[f"attend_{layer_type}_{name}_ms"] = _cuda_ms(call, args.repeats)
+        attn.method = base
+        if attn.indexer is not None:
+            attn.indexer.method = base
+    for m, width in ((cfg.ratio("compressed_sparse_attention"), cfg.head_dim),):
+        kv = torch.randn(t, 2 * m, width, device=device, dtype=args.dtype)
+        gate = torch.randn(t, 2 * m, width, device=device)
+        for name, method in methods.items():
+            rows[f"pool_window_csa_{name}_ms"] = _cuda_ms(lambda: method.pool_window(kv, gate), args.repeats)
+    for key, value in rows.items():
+        print(f"  {key:55s} {value:8.3f}")
+    return rows
+
+
 def measure(name: str, config: ModelConfig, args, device: torch.device) -> dict:
     model = build_model(config, None, "dummy", args.dtype, device, seed=0)
     params = sum(p.numel() for p in model.parameters() if p.is_floating_point())
@@ -198,12 +265,15 @@ def measure(name: str, config: ModelConfig, args, device: torch.device) -> dict:
     kv_bytes = model.kv_layout(config).bytes_per_token(torch.bfloat16)
     attended = (attended_kv_bytes_v41 if name == "v41" else attended_kv_bytes)(config, args.context)
     times = decode_step_seconds(model, config, args, device)
+    kernels = kernel_timings(model, config, args, device) if name == "v4" and device.type == "cuda" else None
     del model
     step = statistics.median(times)
     row = dict(params=params, weight_bytes=weight_bytes, kv_bytes_per_token_bf16=kv_bytes,
                attended_kv_bytes_per_decode_token_bf16=attended,
                decode_step_s_median=step, decode_step_s_spread=[min(times), max(times)],
                decode_step_per_layer_ms=1e3 * step / config.num_layers)
+    if kernels is not None:
+        row["kernels"] = kernels
     print(f"{name:4s} params {params / 1e9:.2f}B ({weight_bytes / 2**30:.1f} GiB)  KV stored {kv_bytes} B/token, "
           f"read per decode token {attended / 2**10:.0f} KiB  "
           f"decode step {1e3 * step:.1f} ms ({row['decode_step_per_layer_ms']:.1f} ms/layer)")

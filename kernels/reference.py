@@ -124,3 +124,18 @@ def fused_moe_fp8(x: torch.Tensor, gate_up: torch.Tensor, gate_up_scale: torch.T
     for j in range(1, k):
         out = out + y[:, j]
     return out.to(x.dtype)
+
+
+def stable_topk(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k largest of fp32 `scores` along the last dim, ties to the lower index (the order of a stable
+    descending sort), as (values, indices), best first. One topk over int64 keys that cannot tie: the score's
+    order-preserving int32 bits above the complement of the index. -0.0 counts as +0.0 (as a sort compares them);
+    NaN is not expected (scores are sums of finite products or -inf)."""
+    k = min(k, scores.shape[-1])
+    scores = scores.float() + 0.0  # -0.0 + 0.0 == +0.0: the two zeros get one key
+    bits = scores.view(torch.int32)
+    ordered = (bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(torch.int64)  # signed order == float order
+    index = torch.arange(scores.shape[-1], device=scores.device, dtype=torch.int64)
+    keys = ordered * (1 << 32) + ((1 << 32) - 1 - index)
+    picks = keys.topk(k, dim=-1).indices
+    return scores.gather(-1, picks), picks

@@ -40,11 +40,7 @@ class HyperConnection(nn.Module):
         pre_s, post_s, comb_s = self.scale.float().unbind(0)
         pre = m.sigmoid(pre_w * pre_s + pre_b) + self.hc_eps
         post = 2 * m.sigmoid(post_w * post_s + post_b)
-        comb = torch.softmax(comb_w.view(-1, n, n) * comb_s + comb_b.view(n, n), dim=-1) + self.hc_eps
-        comb = comb / (m.column_sum(comb) + self.hc_eps)
-        for _ in range(self.iters - 1):
-            comb = comb / (comb.sum(dim=-1, keepdim=True) + self.hc_eps)
-            comb = comb / (m.column_sum(comb) + self.hc_eps)
+        comb = m.sinkhorn(comb_w.view(-1, n, n) * comb_s + comb_b.view(n, n), self.iters, self.hc_eps)
         return pre, post, comb
 
     def forward(self, streams: torch.Tensor, block) -> torch.Tensor:

@@ -1,19 +1,23 @@
 """DeepSeek-V4's layer methods: the model's own numerics, default or batch-invariant, chosen once from the
 KernelConfig when a layer is built (`self.method = v4_method(current_kernel_config())`).
 
-V4Method holds the default forms; V4InvariantMethod replaces each by its batch-invariant form
-(models/deepseek_v4/invariant.py): fixed-shape GEMMs, exp-built sigmoid/silu/softplus, sums over a middle dim
-as ordered adds, per-query key lists in attention and the indexer, one-row-safe row reductions.
+V4Method holds the default forms (the CPU path and the reference); V4TritonMethod (CUDA)
+runs attention, the indexer and the compressor's pooling through Triton kernels; V4InvariantMethod replaces
+each by its batch-invariant form (models/deepseek_v4/invariant.py): fixed-shape GEMMs, exp-built
+sigmoid/silu/softplus, sums over a middle dim as ordered adds, per-query key lists in attention and the indexer,
+one-row-safe row reductions.
 """
 from __future__ import annotations
 
 import functools
+from types import SimpleNamespace
 from typing import TYPE_CHECKING, Callable
 
 import torch
 from torch import nn
 import torch.nn.functional as F
 
+from deepinfer_kernels.reference import stable_topk
 from deepinfer_rt.layers.kernel_config import KernelConfig
 from deepinfer_rt.layers.methods import (Activation, HeadMatmul, InvariantLinear, LinearMethod, activation_method,
                                          head_matmul_method, linear_method)
@@ -67,6 +71,16 @@ class V4Method:
         """comb (T, N, N) summed over dim -2, kept: (T, 1, N) (the Sinkhorn column normalisation)."""
         return comb.sum(dim=-2, keepdim=True)
 
+    def sinkhorn(self, logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
+        """The mHC residual mix (T, N, N) from its logits: softmax over the last dim + eps, then Sinkhorn-Knopp
+        (column sums, then iters - 1 rounds of row and column sums, each + eps)."""
+        comb = torch.softmax(logits, dim=-1) + eps
+        comb = comb / (self.column_sum(comb) + eps)
+        for _ in range(iters - 1):
+            comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
+            comb = comb / (self.column_sum(comb) + eps)
+        return comb
+
     # ---- products ----
 
     def hc_matmul(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -112,12 +126,12 @@ class V4Method:
                      visible: torch.Tensor) -> torch.Tensor:
         """q (G*Q, H, Di) rotated, keys (G, E, Di), weights (G*Q, H), visible (G, Q, E) -> (G, Q, E) True for the
         top index_topk visible entries by sum_h w_h * relu(q_h . k)."""
-        g, q_len, num_entries = visible.shape
+        g, q_len, _ = visible.shape
         q = q.view(g, q_len, indexer.num_heads, indexer.head_dim)
         scores = torch.einsum("gqhd,ged->gqhe", q.float(), keys.float()).relu() * indexer.head_dim ** -0.5
         weights = weights.view(g, q_len, indexer.num_heads, 1)
         scores = (scores * weights).sum(dim=2).masked_fill(~visible, float("-inf"))  # (G, Q, E)
-        picks = scores.topk(min(indexer.topk, num_entries), dim=-1).indices
+        picks = stable_topk(scores, indexer.topk)[1]  # ties to the earlier entry, as every method
         chosen = torch.zeros_like(visible).scatter_(-1, picks, True)
         return chosen & visible  # picks beyond the visible entries (too few of them) are dropped
 
@@ -183,7 +197,65 @@ class V4InvariantMethod(V4Method):
         return v4_invariant.top_k_mask(scores, visible.reshape(g * q_len, -1), indexer.topk).view(g, q_len, -1)
 
 
+class V4TritonMethod(V4Method):
+    """CUDA, not batch-invariant: attention, the indexer, the compressor's pooling and the mHC Sinkhorn projection
+    through deepinfer_kernels (v4_attention, v4_indexer, v4_pooling, v4_sinkhorn); every other form is V4Method's.
+
+    Attention reads the keys where the pool keeps them: the sliding-window keys and the compressed entries are two
+    key sources (buffer, rows, mask) of one sparse MQA kernel, so no (G, L, D) copy of the keys is made and the
+    softmax runs in fp32. For CSA the indexer's choice travels as entry indices, (G, Q, topk) with -1 for none,
+    instead of V4Method's (G, Q, E) mask: the kernel then reads topk entries per query, not all E. The top-k is
+    stable_topk, V4Method's rule (ties to the earlier entry)."""
+
+    def __init__(self, linear: LinearMethod, activation: Activation, head_matmul: HeadMatmul):
+        super().__init__(linear, activation, head_matmul)
+        from deepinfer_kernels import v4_attention, v4_indexer, v4_pooling, v4_sinkhorn  # Triton: CUDA builds only
+
+        self.kernels = SimpleNamespace(attention=v4_attention, indexer=v4_indexer, pooling=v4_pooling,
+                                       sinkhorn=v4_sinkhorn)
+
+    def sinkhorn(self, logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
+        return self.kernels.sinkhorn.sinkhorn(logits, iters, eps)
+
+    def pool_window(self, kv: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        return self.kernels.pooling.pool_window(kv, gate)
+
+    def attend(self, layer: nn.Module, g: AttnGroup, q: torch.Tensor, x: torch.Tensor, q_residual: torch.Tensor,
+               positions: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
+        cols, source = layer.cols, self.kernels.attention.KeySource
+        sources = [source(buf[:, cols.swa], g.swa_slots, g.swa_mask)]
+        if layer.ratio:
+            slots, visible = g.entry_slots[layer.ratio], g.entry_mask[layer.ratio]  # (G, E), (G, Q, E)
+            if layer.indexer is not None:
+                picks = layer.indexer.select(x[g.rows], q_residual[g.rows], positions[g.rows],
+                                             source(buf[:, cols.idx_entry], slots), visible)  # (G, Q, k)
+                rows = slots.gather(1, picks.clamp(min=0).flatten(1)).view(picks.shape)
+                sources.append(source(buf[:, cols.entry], rows.masked_fill(picks < 0, -1)))
+            else:
+                sources.append(source(buf[:, cols.entry], slots, visible))
+        qg = q[g.rows].view(g.num_seqs, g.q_len, layer.num_heads, layer.head_dim)
+        out = self.kernels.attention.sparse_mqa_attention(qg, sources, layer.attn_sink, layer.head_dim ** -0.5)
+        return out.view(-1, layer.num_heads, layer.head_dim)
+
+    def index_select(self, indexer: nn.Module, q: torch.Tensor, keys, weights: torch.Tensor,
+                     visible: torch.Tensor) -> torch.Tensor:
+        """q (G*Q, H, Di) rotated, keys the group's index keys as a KeySource (buffer, rows (G, E)), weights
+        (G*Q, H), visible (G, Q, E) -> (G, Q, min(topk, E)) indices into the group's entries of the best visible
+        ones by sum_h w_h * relu(q_h . k), -1 past the visible ones."""
+        g, q_len, _ = visible.shape
+        scores = self.kernels.indexer.index_scores(
+            q.view(g, q_len, indexer.num_heads, indexer.head_dim), weights.view(g, q_len, indexer.num_heads),
+            keys.buf, keys.rows, visible, indexer.head_dim ** -0.5)
+        values, picks = stable_topk(scores, indexer.topk)
+        return picks.masked_fill(values == float("-inf"), -1)
+
+
 @functools.cache
 def v4_method(config: KernelConfig) -> V4Method:
-    cls = V4InvariantMethod if config.is_batch_invariant else V4Method
+    if config.is_batch_invariant:
+        cls = V4InvariantMethod
+    elif config.is_triton:
+        cls = V4TritonMethod
+    else:
+        cls = V4Method
     return cls(linear_method(config), activation_method(config), head_matmul_method(config))

@@ -1,0 +1,226 @@
+"""Sparse multi-query attention with sinks (DeepSeek-V4) in Triton: one KV head that is both key and value (K = V),
+H query heads, a learned per-head logit (the sink) in every softmax denominator, and keys gathered from several
+sources.
+
+A source is (buffer (N, D), rows, mask): the keys of group g are buffer rows `rows[g, l]`; rows of -1 are no key.
+`rows` is (G, L), shared by the group's Q queries, or (G, Q, L), one list per query (the indexer's top-k in a
+prefill block); `mask` (G, Q, L) bool (True = attend) is optional. V4 passes the sliding-window keys and the
+compressed entries (all of them for HCA, the top-k for CSA) as two sources; nothing here knows the cache layout.
+
+Each source's keys are cut into splits of whole BLOCK_N tiles. One program handles one (group, tile of
+query-head rows, split): rows are (query, head) pairs flattened query-major, so the queries of a prefill block
+and all heads of a decode query share each key tile they load. A program writes its split's normalised output
+and base-2 log-sum-exp in fp32; the combine kernel merges every split of every source with the sink. The split
+counts depend on the shapes only (never on values), so no host read happens and a CUDA graph can capture it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+
+
+@dataclass
+class KeySource:
+    buf: torch.Tensor
+    """(N, D) key rows (a column view of a wider pool row is fine: its last dim must be contiguous)."""
+    rows: torch.Tensor
+    """(G, L) or (G, Q, L) integer rows of `buf`; -1 = no key."""
+    mask: torch.Tensor | None = None
+    """(G, Q, L) bool, True = attend; None = every row >= 0."""
+
+
+@triton.jit
+def _split_kernel(Q, Buf, Rows, Mask, PartO, PartLse,
+                  stride_qg, stride_qq, stride_qh, stride_bn, stride_rg, stride_rq, stride_mg, stride_mq,
+                  num_q, num_keys, split_len, split_base, total_splits, qk_scale,
+                  H: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
+                  QPB: tl.constexpr, BLOCK_N: tl.constexpr, HAS_MASK: tl.constexpr, IEEE: tl.constexpr):
+    g = tl.program_id(0).to(tl.int64)
+    tile = tl.program_id(1)
+    split = tl.program_id(2)
+    num_hb = tl.cdiv(H, BLOCK_H)
+    qb, hb = tile // num_hb, tile % num_hb
+    offs_m = tl.arange(0, QPB * BLOCK_H)
+    qi = qb * QPB + offs_m // BLOCK_H
+    h = hb * BLOCK_H + offs_m % BLOCK_H
+    mvalid = (qi < num_q) & (h < H)
+    offs_d = tl.arange(0, BLOCK_D)
+    dmask = offs_d < D
+    q = tl.load(Q + g * stride_qg + qi[:, None] * stride_qq + h[:, None] * stride_qh + offs_d[None, :],
+                mask=mvalid[:, None] & dmask[None, :], other=0.0)
+    row_base = Rows + g * stride_rg + qb * QPB * stride_rq  # QPB == 1 whenever the rows are per query
+
+    m_i = tl.full([QPB * BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([QPB * BLOCK_H], tl.float32)
+    acc = tl.zeros([QPB * BLOCK_H, BLOCK_D], tl.float32)
+    start = split * split_len
+    end = tl.minimum(start + split_len, num_keys)
+    for n0 in range(start, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        nmask = offs_n < end
+        rows = tl.load(row_base + offs_n, mask=nmask, other=-1).to(tl.int64)
+        kvalid = rows >= 0
+        valid = mvalid[:, None] & kvalid[None, :]
+        if HAS_MASK:
+            seen = tl.load(Mask + g * stride_mg + qi[:, None] * stride_mq + offs_n[None, :],
+                           mask=mvalid[:, None] & nmask[None, :], other=0)
+            valid = valid & (seen != 0)
+        if tl.max(tl.max(valid.to(tl.int32), 1), 0) > 0:  # tiles no row of this program sees are skipped
+            k = tl.load(Buf + tl.where(kvalid, rows, 0)[:, None] * stride_bn + offs_d[None, :],
+                        mask=kvalid[:, None] & dmask[None, :], other=0.0)  # (N, D), also V
+            if IEEE:  # fp32 pools: full fp32 products (TF32 would drift from the torch path)
+                qk = tl.dot(q, tl.trans(k), input_precision="ieee")
+            else:
+                qk = tl.dot(q, tl.trans(k))
+            qk = tl.where(valid, qk * qk_scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_i - m_safe)
+            p = tl.exp2(qk - m_safe[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            if IEEE:
+                acc = acc * alpha[:, None] + tl.dot(p.to(k.dtype), k, input_precision="ieee")
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p.to(k.dtype), k)
+            m_i = m_new
+    empty = l_i == 0.0
+    out = acc / tl.where(empty, 1.0, l_i)[:, None]
+    lse = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
+    part = ((g * num_q + qi) * H + h) * total_splits + split_base + split
+    tl.store(PartO + part[:, None] * D + offs_d[None, :], out, mask=mvalid[:, None] & dmask[None, :])
+    tl.store(PartLse + part, lse, mask=mvalid)
+
+
+@triton.jit
+def _combine_kernel(PartO, PartLse, Sink, O, total_splits, H: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                    BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr):
+    """Rows r = (g * Q + q) * H + h of one query's head block: their splits and the sink merged into O[r]
+    (rows of D, contiguous)."""
+    gq = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    hmask = h < H
+    r = gq * H + h
+    sink = tl.load(Sink + h, mask=hmask, other=0.0).to(tl.float32) * 1.4426950408889634
+    offs_s = tl.arange(0, BLOCK_S)
+    lse = tl.load(PartLse + r[:, None] * total_splits + offs_s[None, :],
+                  mask=hmask[:, None] & (offs_s < total_splits)[None, :], other=float("-inf"))
+    m = tl.maximum(tl.max(lse, 1), sink)  # the sink is finite, so m is
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = hmask[:, None] & (offs_d < D)[None, :]
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    total = tl.exp2(sink - m)
+    for s in range(0, total_splits):
+        w = tl.exp2(tl.load(PartLse + r * total_splits + s, mask=hmask, other=float("-inf")) - m)  # 0: empty split
+        part = tl.load(PartO + (r * total_splits + s)[:, None] * D + offs_d[None, :], mask=mask, other=0.0)
+        acc += tl.where(w[:, None] > 0.0, part, 0.0) * w[:, None]
+        total += w
+    tl.store(O + r[:, None] * D + offs_d[None, :], (acc / total[:, None]).to(O.dtype.element_ty), mask=mask)
+
+
+BLOCK_N = 32
+"""Keys per tile (D = 512 keys: 32 KiB of bf16 per tile)."""
+TARGET_PROGRAMS = 528
+"""Split programs aimed at (4 per SM of an H200): decode batches small enough to leave SMs idle split their keys."""
+
+
+def _tiling(num_q: int, num_heads: int, d: int, per_query_rows: bool) -> tuple[int, int]:
+    """(queries per program, heads per program): at least 16 (query, head) rows for tl.dot, and at most what keeps
+    the fp32 accumulator (rows, D) in registers (16 rows at D = 512)."""
+    max_rows = min(64, max(16, 8192 // triton.next_power_of_2(d)))
+    block_h = min(triton.next_power_of_2(num_heads), max_rows)
+    qpb = 1 if per_query_rows else max(1, min(triton.next_power_of_2(num_q), max_rows // block_h))
+    while qpb * block_h < 16:
+        block_h *= 2
+    return qpb, block_h
+
+
+def _check(q: torch.Tensor, src: KeySource) -> None:
+    g, num_q, _, d = q.shape
+    if src.buf.dim() != 2 or src.buf.shape[1] != d or src.buf.stride(1) != 1:
+        raise ValueError(f"a key source's buffer must be (N, {d}) with contiguous rows, got {tuple(src.buf.shape)}")
+    if src.buf.dtype != q.dtype:
+        raise ValueError(f"key source dtype {src.buf.dtype} differs from the queries' {q.dtype}")
+    if src.rows.dim() not in (2, 3) or src.rows.shape[0] != g or (src.rows.dim() == 3 and src.rows.shape[1] != num_q):
+        raise ValueError(f"key rows must be (G, L) or (G, Q, L) with G={g}, Q={num_q}, got {tuple(src.rows.shape)}")
+    if src.mask is not None and src.mask.shape != (g, num_q, src.rows.shape[-1]):
+        raise ValueError(f"key mask must be (G, Q, L) = {(g, num_q, src.rows.shape[-1])}, got {tuple(src.mask.shape)}")
+
+
+def sparse_mqa_attention(q: torch.Tensor, sources: Sequence[KeySource], sink: torch.Tensor, sm_scale: float,
+                         split_len: int | None = None) -> torch.Tensor:
+    """q (G, Q, H, D) over the keys of `sources` with the per-head sink (H,) -> (G, Q, H, D) in q's dtype: for
+    each (query, head) softmax over [q.k * sm_scale for its visible keys, sink], applied to the keys (K = V).
+    A row that sees no key gives zeros. `split_len` (keys per split, a multiple of BLOCK_N) overrides the
+    choice from the shapes (tests)."""
+    g, num_q, num_heads, d = q.shape
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    plans = []
+    for src in sources:
+        _check(q, src)
+        per_query = src.rows.dim() == 3 and num_q > 1
+        qpb, block_h = _tiling(num_q, num_heads, d, per_query)
+        tiles = triton.cdiv(num_q, qpb) * triton.cdiv(num_heads, block_h)
+        num_keys = src.rows.shape[-1]
+        if split_len is None:
+            want = max(1, TARGET_PROGRAMS // max(1, g * tiles * len(sources)))
+            length = triton.cdiv(triton.cdiv(max(num_keys, 1), want), BLOCK_N) * BLOCK_N
+        else:
+            length = split_len
+        plans.append((src, per_query, qpb, block_h, tiles, num_keys, length, max(1, triton.cdiv(num_keys, length))))
+    total = sum(p[-1] for p in plans)
+    part_o = torch.empty(g * num_q * num_heads * total, d, dtype=torch.float32, device=q.device)
+    part_lse = torch.empty(g * num_q * num_heads * total, dtype=torch.float32, device=q.device)
+    base = 0
+    block_d = triton.next_power_of_2(d)
+    for src, per_query, qpb, block_h, tiles, num_keys, length, splits in plans:
+        rows = src.rows if src.rows.dim() == 3 else src.rows[:, None]
+        rows_q_stride = rows.stride(1) if per_query else 0
+        if rows.stride(-1) != 1:
+            rows = rows.contiguous()
+            rows_q_stride = rows.stride(1) if per_query else 0
+        mask = src.mask
+        if mask is not None:
+            mask = mask if mask.stride(-1) == 1 else mask.contiguous()
+            mask = mask.view(torch.uint8)
+        _split_kernel[(g, tiles, splits)](
+            q, src.buf, rows, mask if mask is not None else rows, part_o, part_lse,
+            q.stride(0), q.stride(1), q.stride(2), src.buf.stride(0), rows.stride(0), rows_q_stride,
+            mask.stride(0) if mask is not None else 0, mask.stride(1) if mask is not None else 0,
+            num_q, num_keys, length, base, total, sm_scale * LOG2E,
+            H=num_heads, D=d, BLOCK_D=block_d, BLOCK_H=block_h, QPB=qpb, BLOCK_N=BLOCK_N,
+            HAS_MASK=mask is not None, IEEE=q.dtype == torch.float32, num_warps=8 if block_d >= 256 else 4,
+            num_stages=2)
+        base += splits
+    out = torch.empty(g, num_q, num_heads, d, dtype=q.dtype, device=q.device)
+    combine_h = min(16, triton.next_power_of_2(num_heads))
+    _combine_kernel[(g * num_q, triton.cdiv(num_heads, combine_h))](
+        part_o, part_lse, sink.float().contiguous(), out, total, H=num_heads, D=d, BLOCK_D=block_d,
+        BLOCK_H=combine_h, BLOCK_S=max(2, triton.next_power_of_2(total)), num_warps=4)
+    return out
+
+
+def sparse_mqa_attention_ref(q: torch.Tensor, sources: Sequence[KeySource], sink: torch.Tensor,
+                             sm_scale: float) -> torch.Tensor:
+    """Torch reference of sparse_mqa_attention in fp32 (the layout of V4Method.attend: concatenated sources,
+    masked scores, the sink as one more logit)."""
+    g, num_q, num_heads, d = q.shape
+    keys, masks = [], []
+    for src in sources:
+        rows = src.rows if src.rows.dim() == 3 else src.rows[:, None].expand(g, num_q, src.rows.shape[-1])
+        seen = rows >= 0
+        if src.mask is not None:
+            seen = seen & src.mask
+        keys.append(src.buf[rows.clamp(min=0)].float())  # (G, Q, L, D)
+        masks.append(seen)
+    k, seen = torch.cat(keys, dim=2), torch.cat(masks, dim=2)
+    scores = torch.einsum("gqhd,gqld->gqhl", q.float(), k) * sm_scale
+    scores = scores.masked_fill(~seen[:, :, None, :], float("-inf"))
+    logits = torch.cat([scores, sink.float().view(1, 1, -1, 1).expand(g, num_q, num_heads, 1)], dim=-1)
+    probs = logits.softmax(dim=-1)[..., :-1]
+    return torch.einsum("gqhl,gqld->gqhd", probs, k).to(q.dtype)

@@ -1,0 +1,102 @@
+"""DeepSeek-V4's lightning indexer in Triton: logits sum_h w_h * relu(q_h . k_e) * scale of each query over its
+group's entries, -inf where an entry is absent or not visible; the top-k is `reference.stable_topk` (ties to the
+earlier entry), the rule of the torch path.
+
+One program scores one tile of entries for a tile of queries of one group: rows are (query, head) pairs, so one
+tl.dot gives every head's product and the head sum is a reduction over the reshaped tile; each key tile is read
+once per query tile.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK_E = 64
+"""Entries per program."""
+
+
+@triton.jit
+def _index_scores_kernel(Q, W, Buf, Rows, Mask, Out,
+                         stride_qg, stride_qq, stride_qh, stride_wg, stride_wq, stride_bn, stride_rg,
+                         stride_mg, stride_mq, stride_og, stride_oq,
+                         num_q, num_entries, scale,
+                         H: tl.constexpr, BLOCK_H: tl.constexpr, DI: tl.constexpr, BLOCK_DI: tl.constexpr,
+                         QPB: tl.constexpr, BLOCK_E: tl.constexpr, HAS_MASK: tl.constexpr, IEEE: tl.constexpr):
+    g = tl.program_id(0).to(tl.int64)
+    qb = tl.program_id(1)
+    eb = tl.program_id(2)
+    offs_m = tl.arange(0, QPB * BLOCK_H)
+    qi = qb * QPB + offs_m // BLOCK_H
+    h = offs_m % BLOCK_H
+    mvalid = (qi < num_q) & (h < H)
+    offs_d = tl.arange(0, BLOCK_DI)
+    dmask = offs_d < DI
+    q = tl.load(Q + g * stride_qg + qi[:, None] * stride_qq + h[:, None] * stride_qh + offs_d[None, :],
+                mask=mvalid[:, None] & dmask[None, :], other=0.0)
+    w = tl.load(W + g * stride_wg + qi * stride_wq + h, mask=mvalid, other=0.0)
+    offs_e = eb * BLOCK_E + tl.arange(0, BLOCK_E)
+    emask = offs_e < num_entries
+    rows = tl.load(Rows + g * stride_rg + offs_e, mask=emask, other=-1).to(tl.int64)
+    kvalid = rows >= 0
+    k = tl.load(Buf + tl.where(kvalid, rows, 0)[:, None] * stride_bn + offs_d[None, :],
+                mask=kvalid[:, None] & dmask[None, :], other=0.0)
+    if IEEE:
+        s = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k))
+    s = (tl.maximum(s, 0.0) * scale) * w[:, None]  # (QPB * BLOCK_H, BLOCK_E), padded heads weigh 0
+    total = tl.sum(tl.reshape(s, (QPB, BLOCK_H, BLOCK_E)), 1)  # (QPB, BLOCK_E)
+    offs_q = qb * QPB + tl.arange(0, QPB)
+    qvalid = offs_q < num_q
+    valid = qvalid[:, None] & kvalid[None, :]
+    if HAS_MASK:
+        seen = tl.load(Mask + g * stride_mg + offs_q[:, None] * stride_mq + offs_e[None, :],
+                       mask=qvalid[:, None] & emask[None, :], other=0)
+        valid = valid & (seen != 0)
+    tl.store(Out + g * stride_og + offs_q[:, None] * stride_oq + offs_e[None, :],
+             tl.where(valid, total, float("-inf")), mask=qvalid[:, None] & emask[None, :])
+
+
+def index_scores(q: torch.Tensor, weights: torch.Tensor, buf: torch.Tensor, rows: torch.Tensor,
+                 visible: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """q (G, Q, H, Di), weights (G, Q, H) fp32, key rows `buf[rows]` (buf (N, Di), rows (G, E), -1 = none),
+    visible (G, Q, E) bool or None -> (G, Q, E) fp32 scores, -inf where absent or not visible."""
+    g, num_q, num_heads, di = q.shape
+    if buf.dim() != 2 or buf.shape[1] != di or buf.stride(1) != 1:
+        raise ValueError(f"indexer keys must be (N, {di}) with contiguous rows, got {tuple(buf.shape)}")
+    if rows.shape[0] != g or rows.dim() != 2:
+        raise ValueError(f"indexer rows must be (G, E) with G={g}, got {tuple(rows.shape)}")
+    num_entries = rows.shape[1]
+    if visible is not None and visible.shape != (g, num_q, num_entries):
+        raise ValueError(f"indexer visibility must be {(g, num_q, num_entries)}, got {tuple(visible.shape)}")
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    weights = weights.float().contiguous()
+    rows = rows.contiguous()
+    block_h = triton.next_power_of_2(num_heads)
+    qpb = max(max(1, 16 // block_h), min(triton.next_power_of_2(num_q), max(1, 64 // block_h)))
+    out = torch.empty(g, num_q, num_entries, dtype=torch.float32, device=q.device)
+    mask = visible.contiguous().view(torch.uint8) if visible is not None else None
+    if buf.dtype != q.dtype:
+        buf = buf.to(q.dtype)
+    grid = (g, triton.cdiv(num_q, qpb), triton.cdiv(max(num_entries, 1), BLOCK_E))
+    _index_scores_kernel[grid](
+        q, weights, buf, rows, mask if mask is not None else rows, out,
+        q.stride(0), q.stride(1), q.stride(2), weights.stride(0), weights.stride(1), buf.stride(0), rows.stride(0),
+        mask.stride(0) if mask is not None else 0, mask.stride(1) if mask is not None else 0,
+        out.stride(0), out.stride(1), num_q, num_entries, scale,
+        H=num_heads, BLOCK_H=block_h, DI=di, BLOCK_DI=triton.next_power_of_2(di), QPB=qpb, BLOCK_E=BLOCK_E,
+        HAS_MASK=mask is not None, IEEE=q.dtype == torch.float32, num_warps=4)
+    return out
+
+
+def index_scores_ref(q: torch.Tensor, weights: torch.Tensor, buf: torch.Tensor, rows: torch.Tensor,
+                     visible: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """Torch reference of index_scores, in the order of V4Method.index_select."""
+    keys = buf[rows.clamp(min=0)].float()
+    scores = torch.einsum("gqhd,ged->gqhe", q.float(), keys).relu() * scale
+    scores = (scores * weights.float()[..., None]).sum(dim=2)
+    seen = (rows >= 0)[:, None, :].expand_as(scores)
+    if visible is not None:
+        seen = seen & visible
+    return scores.masked_fill(~seen, float("-inf"))

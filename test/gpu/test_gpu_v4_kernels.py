@@ -1,0 +1,131 @@
+"""DeepSeek-V4's Triton kernels at V4-Flash shapes against their torch references (CUDA only), and the V4 engine
+on CUDA (where V4TritonMethod is the default) against the CPU engine.
+
+Shapes: D = 512, H = 64 query heads, a sliding window of 128, top-k 512 / 2048 compressed entries, batch 1 and 64;
+the indexer at 64 heads of 128 over 8192 entries (32K context at ratio 4); the compressor's pooling at ratio 4
+(CSA, 2 x 4 tokens) and 128 (HCA).
+Tolerances: fp32 pools take IEEE fp32 products, so outputs match the fp32 reference to 2e-5; bf16 pools multiply
+bf16 tiles with fp32 accumulation and round p to bf16 for p.V (as the torch path rounds its probabilities), so
+outputs are within 1.5e-2 relative (Frobenius) of the fp32 reference, under the bf16 torch path's own error.
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+DEV = "cuda"
+D, H, WINDOW = 512, 64, 128
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    assert not out.isnan().any()
+    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+def _sources(batch: int, q_len: int, topk: int, dtype: torch.dtype, gen: torch.Generator):
+    from deepinfer_kernels.v4_attention import KeySource
+
+    pool = torch.randn(batch * (WINDOW + q_len) + 7, 3 * D, device=DEV, generator=gen).to(dtype)
+    entries = torch.randn(batch * topk * 2, D, device=DEV, generator=gen).to(dtype)
+    swa_len = WINDOW + q_len - 1
+    swa_rows = torch.randperm(pool.shape[0], device=DEV, generator=gen)[: batch * swa_len].view(batch, swa_len)
+    q_pos = torch.arange(WINDOW - 1, swa_len, device=DEV)[:, None]
+    k_pos = torch.arange(swa_len, device=DEV)[None, :]
+    swa_mask = ((k_pos <= q_pos) & (k_pos > q_pos - WINDOW))[None].expand(batch, q_len, swa_len).clone()
+    swa_mask[0, :, : swa_len // 2] = False  # a short sequence
+    picks = torch.randint(0, entries.shape[0], (batch, q_len, topk), device=DEV, generator=gen)
+    picks[-1, :, topk - topk // 3 :] = -1  # fewer visible entries than topk
+    return [KeySource(pool[:, D : 2 * D], swa_rows, swa_mask), KeySource(entries, picks)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("batch,q_len,topk", [(1, 1, 512), (64, 1, 512), (1, 1, 2048), (64, 1, 2048), (1, 64, 512)],
+                         ids=["decode1-512", "decode64-512", "decode1-2048", "decode64-2048", "prefill64-512"])
+def test_sparse_mqa_attention_v4_flash(dtype, batch, q_len, topk):
+    from deepinfer_kernels.v4_attention import sparse_mqa_attention, sparse_mqa_attention_ref
+
+    gen = torch.Generator(device=DEV).manual_seed(batch * 7 + topk + q_len)
+    sources = _sources(batch, q_len, topk, dtype, gen)
+    q = torch.randn(batch, q_len, H, D, device=DEV, generator=gen).to(dtype)
+    sink = torch.randn(H, device=DEV, generator=gen)
+    out = sparse_mqa_attention(q, sources, sink, D ** -0.5)
+    ref = sparse_mqa_attention_ref(q.float(), [type(s)(s.buf.float(), s.rows, s.mask) for s in sources], sink,
+                                   D ** -0.5)
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, ref, rtol=2e-5, atol=2e-5)
+    else:
+        assert rel_err(out, ref) < 1.5e-2
+    # the split choice does not matter beyond rounding: one split per source gives the same within tolerance
+    whole = sparse_mqa_attention(q, sources, sink, D ** -0.5, split_len=max(WINDOW + q_len, topk) + 32)
+    assert rel_err(whole, ref) < (2e-5 if dtype == torch.float32 else 1.5e-2)
+
+
+@pytest.mark.parametrize("batch,q_len", [(1, 1), (64, 1), (1, 64)])
+def test_index_scores_and_topk_v4_flash(batch, q_len):
+    from deepinfer_kernels.reference import stable_topk
+    from deepinfer_kernels.v4_indexer import index_scores, index_scores_ref
+
+    gen = torch.Generator(device=DEV).manual_seed(batch + q_len)
+    hi, di, entries, topk = 64, 128, 8192, 512
+    q = torch.randn(batch, q_len, hi, di, device=DEV, generator=gen).to(torch.bfloat16)
+    w = torch.randn(batch, q_len, hi, device=DEV, generator=gen) * hi ** -0.5
+    buf = torch.randn(batch * entries, 2 * di, device=DEV, generator=gen).to(torch.bfloat16)[:, :di]
+    rows = torch.randperm(buf.shape[0], device=DEV, generator=gen).view(batch, entries)
+    visible = (torch.arange(entries, device=DEV) < entries - 3 * torch.arange(q_len, device=DEV)[:, None])
+    visible = visible[None].expand(batch, q_len, entries).clone()
+    visible[0, :, entries // 2 :] = False
+    out = index_scores(q, w, buf, rows, visible, di ** -0.5)
+    ref = index_scores_ref(q, w, buf, rows, visible, di ** -0.5)
+    assert torch.equal(out.isinf(), ref.isinf())
+    # bf16 products are exact in fp32; only the order of the fp32 sums differs
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+    values, picks = stable_topk(out, topk)
+    ref_values = stable_topk(ref, topk)[0]
+    # the same set up to near-ties: every pick's reference score reaches the reference k-th score
+    chosen = ref.gather(-1, picks)
+    assert (chosen >= ref_values[..., -1:] - 1e-4).all()
+    assert torch.equal(stable_topk(out, topk)[1], picks)  # deterministic
+
+
+@pytest.mark.parametrize("m,c", [(8, 512), (128, 512), (8, 128)], ids=["csa", "hca", "csa-index"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_pool_window_v4_flash(m, c, dtype):
+    from deepinfer_kernels.v4_pooling import pool_window
+
+    gen = torch.Generator(device=DEV).manual_seed(m + c)
+    kv = torch.randn(64, m, c, device=DEV, generator=gen).to(dtype)
+    gate = torch.randn(64, m, c, device=DEV, generator=gen) * 4
+    gate[0, : m // 2] = float("-inf")
+    ref = (kv.float() * gate.softmax(dim=1)).sum(dim=1)
+    out = pool_window(kv, gate)
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    else:
+        assert rel_err(out, ref) < 1e-2
+
+
+def test_gpu_v4_engine_with_triton_method_matches_cpu(tmp_path_factory):
+    from make_tiny_checkpoint import _tokenizer_dir, make_tiny_checkpoint
+
+    from deepinfer_rt import Engine, SamplingParams
+    from deepinfer_rt.models.deepseek_v4.methods import V4TritonMethod
+
+    path = make_tiny_checkpoint("deepseek_v4", tmp_path_factory.mktemp("v4"), seed=0,
+                                tokenizer_dir=_tokenizer_dir("deepseek_v2"))
+    greedy = SamplingParams(max_new_tokens=16, temperature=0.0, logprobs=True, ignore_eos=True)
+    kw = dict(dtype="float32", kv_cache_tokens=4096, max_num_seqs=8, chunked_prefill_tokens=11)
+    rng = random.Random(3)
+    with Engine(str(path), device="cpu", **kw) as cpu:
+        prompts = [[rng.randrange(cpu.model_config.vocab_size) for _ in range(n)] for n in (3, 29, 61)]
+        ref = cpu.generate(input_ids=prompts, sampling_params=greedy)
+    with Engine(str(path), device="cuda", **kw) as gpu:
+        attn = gpu.model.model.layers[1].attn
+        assert isinstance(attn.method, V4TritonMethod) and attn.indexer is not None
+        out = gpu.generate(input_ids=prompts, sampling_params=greedy)
+    for o, r in zip(out, ref):
+        assert o.token_ids == r.token_ids
+        assert max(abs(a - b) for a, b in zip(o.logprobs, r.logprobs)) < 2e-2

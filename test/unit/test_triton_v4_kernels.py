@@ -1,0 +1,190 @@
+"""DeepSeek-V4's Triton kernels (deepinfer_kernels.v4_attention / v4_indexer / v4_pooling) run on CPU through
+Triton's interpreter (TRITON_INTERPRET=1, set before triton is imported, hence a subprocess), each against its
+torch reference (v4_sinkhorn too), and the tiny V4 model's logits with V4TritonMethod swapped in against
+V4Method's (prefill chunks and decode rows in one batch). Tolerances: fp32 1e-5 (kernels) / 1e-4 (logits); fp16
+2e-3 (the interpreter multiplies bf16 tiles as raw integers, so 16-bit is checked in fp16). The GPU suite
+(test/gpu/test_gpu_v4_kernels.py) runs them compiled at V4-Flash shapes."""
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+import torch
+
+from deepinfer_kernels.reference import stable_topk
+from test_triton_interpreted import _interpret
+
+pytest.importorskip("triton")
+
+# Two sources (a strided column view with a per-query mask and -1 rows; per-group or per-query rows without a
+# mask), split and unsplit, a group that sees no key of one source, and a row that sees no key at all (zeros).
+_ATTENTION = textwrap.dedent("""
+    import torch
+    from deepinfer_kernels.v4_attention import KeySource, sparse_mqa_attention, sparse_mqa_attention_ref
+    g = torch.Generator().manual_seed(0)
+    for dtype, tol in ((torch.float32, 1e-5), (torch.float16, 2e-3)):
+        for G, Q, H, D, L1, L2, per_query, split in [(3, 1, 4, 32, 40, 20, False, None),
+                                                     (1, 5, 4, 48, 37, 9, True, 32), (2, 1, 16, 32, 70, 3, False, 32),
+                                                     (2, 7, 2, 32, 12, 5, False, None)]:
+            buf1 = torch.randn(100, D + 8, generator=g)[:, 4 : 4 + D].to(dtype)
+            buf2 = torch.randn(60, D, generator=g).to(dtype)
+            q = torch.randn(G, Q, H, D, generator=g).to(dtype)
+            rows1 = torch.randint(0, 100, (G, L1), generator=g)
+            rows1[0, -3:] = -1
+            mask1 = torch.rand(G, Q, L1, generator=g) < 0.7
+            mask1[-1] = False
+            rows2 = torch.randint(-1, 60, (G, Q, L2) if per_query else (G, L2), generator=g)
+            rows2[-1, ..., :] = -1 if G > 2 else rows2[-1]  # with G = 3 the last group sees nothing: zeros
+            sink = torch.randn(H, generator=g)
+            srcs = [KeySource(buf1, rows1, mask1), KeySource(buf2, rows2)]
+            out = sparse_mqa_attention(q, srcs, sink, D ** -0.5, split_len=split)
+            ref = sparse_mqa_attention_ref(q, srcs, sink, D ** -0.5)
+            torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol)
+            if G > 2:
+                assert (out[-1] == 0).all()
+            one = sparse_mqa_attention(q, srcs[:1], sink, D ** -0.5, split_len=split)
+            torch.testing.assert_close(one.float(), sparse_mqa_attention_ref(q, srcs[:1], sink, D ** -0.5).float(),
+                                       rtol=tol, atol=tol)
+    try:
+        sparse_mqa_attention(q, [KeySource(buf2[:, :16], rows1, mask1)], sink, D ** -0.5)
+        raise AssertionError("a key width other than the queries' accepted")
+    except ValueError:
+        pass
+    print("ok")
+""")
+
+_INDEXER = textwrap.dedent("""
+    import torch
+    from deepinfer_kernels.v4_indexer import index_scores, index_scores_ref
+    g = torch.Generator().manual_seed(0)
+    for dtype, tol in ((torch.float32, 1e-5), (torch.float16, 1e-3)):
+        for G, Q, H, Di, E, vis in [(3, 1, 4, 32, 70, True), (1, 6, 2, 48, 33, True), (2, 3, 16, 32, 64, False),
+                                    (1, 2, 8, 16, 0, True)]:
+            q = torch.randn(G, Q, H, Di, generator=g).to(dtype)
+            w = torch.randn(G, Q, H, generator=g)
+            buf = torch.randn(90, Di + 4, generator=g)[:, :Di].to(dtype)
+            rows = torch.randint(-1, 90, (G, E), generator=g)
+            visible = torch.rand(G, Q, E, generator=g) < 0.8 if vis else None
+            out = index_scores(q, w, buf, rows, visible, Di ** -0.5)
+            ref = index_scores_ref(q, w, buf, rows, visible, Di ** -0.5)
+            assert torch.equal(out.isinf(), ref.isinf())
+            torch.testing.assert_close(out, ref, rtol=tol, atol=tol)
+    print("ok")
+""")
+
+_POOLING = textwrap.dedent("""
+    import torch
+    from deepinfer_kernels.v4_pooling import pool_window
+    g = torch.Generator().manual_seed(0)
+    for dtype, tol in ((torch.float32, 1e-6), (torch.float16, 1e-3)):
+        for n, m, c in [(3, 4, 40), (2, 8, 200), (0, 4, 8)]:
+            kv = torch.randn(n, m, c, generator=g).to(dtype)
+            gate = torch.randn(n, m, c, generator=g) * 3
+            if n:
+                gate[0, : m // 2] = float("-inf")  # CSA's window 0: no previous window
+            ref = (kv * gate.softmax(dim=1).to(kv.dtype)).sum(dim=1)
+            torch.testing.assert_close(pool_window(kv, gate).float(), ref.float(), rtol=tol, atol=tol)
+    print("ok")
+""")
+
+_SINKHORN = textwrap.dedent("""
+    import torch
+    from deepinfer_kernels.v4_sinkhorn import sinkhorn
+    from deepinfer_rt.models.deepseek_v4.methods import V4Method
+    g = torch.Generator().manual_seed(0)
+    for t, n, iters in [(5, 4, 20), (19, 2, 1), (3, 3, 7), (0, 4, 3)]:
+        logits = torch.randn(t, n, n, generator=g) * 3
+        ref = V4Method.sinkhorn(V4Method(None, None, None), logits, iters, 1e-6)
+        torch.testing.assert_close(sinkhorn(logits, iters, 1e-6), ref, rtol=1e-6, atol=1e-6)
+    print("ok")
+""")
+
+# The tiny V4 model (sliding, CSA with index_topk 3, HCA; window 6, ratios 4 / 8): two prompts, then a chunk that
+# does not align with the windows next to a decode row.
+_MODEL = textwrap.dedent("""
+    from pathlib import Path
+
+    import torch
+    from deepinfer_rt.cache.kv_pool import KVPool
+    from deepinfer_rt.forward_batch import ForwardBatch
+    from deepinfer_rt.layers.attention.torch_ref import TorchRefBackend
+    from deepinfer_rt.models.deepseek_v4.methods import V4Method, V4TritonMethod
+    from deepinfer_rt.models.loader import build_model, load_model_config
+
+    path = Path(PATH)
+    config, _ = load_model_config(path)
+    model = build_model(config, path, "auto", torch.float32, torch.device("cpu"), seed=0)
+    tokens = [torch.randint(100, 20000, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (29, 20)]
+    calls = {"attend": 0, "select": 0}
+
+    class Counting(V4TritonMethod):
+        def attend(self, *a):
+            calls["attend"] += 1
+            return super().attend(*a)
+
+        def index_select(self, *a):
+            calls["select"] += 1
+            return super().index_select(*a)
+
+    def run():
+        pool = KVPool(model.kv_layout(config), 200, 1, torch.float32, torch.device("cpu"))
+        slots = [torch.arange(64 * i, 64 * i + len(t)) for i, t in enumerate(tokens)]
+        outs = []
+        for chunks in ([(0, 0, 13), (1, 0, 19)], [(0, 13, 29), (1, 19, 20)]):
+            backend = TorchRefBackend()
+            batch = ForwardBatch(
+                input_ids=torch.cat([torch.tensor(tokens[i][s:e]) for i, s, e in chunks]),
+                positions=torch.cat([torch.arange(s, e) for _, s, e in chunks]),
+                out_slots=torch.cat([slots[i][s:e] for i, s, e in chunks]),
+                q_lens=[e - s for _, s, e in chunks], kv_lens=[e for *_, e in chunks],
+                kv_slots=[slots[i][:e] for i, _, e in chunks], pool=pool, backend=backend)
+            backend.prepare(batch)
+            model.prepare_batch(batch)
+            with torch.no_grad():
+                outs.append(model.compute_logits(model(batch)))
+        return outs
+
+    ref = run()
+    for mod in model.modules():
+        if type(getattr(mod, "method", None)) is V4Method:
+            m = mod.method
+            mod.method = Counting(m.linear, m.activation, m.head_matmul)
+    out = run()
+    assert calls["attend"] > 0 and calls["select"] > 0, calls
+    for a, b in zip(out, ref):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    print("ok")
+""")
+
+
+def test_sparse_mqa_attention_equals_reference():
+    assert _interpret(_ATTENTION).strip().endswith("ok")
+
+
+def test_index_scores_equal_reference():
+    assert _interpret(_INDEXER).strip().endswith("ok")
+
+
+def test_pool_window_equals_torch_form():
+    assert _interpret(_POOLING).strip().endswith("ok")
+
+
+def test_sinkhorn_equals_torch_form():
+    assert _interpret(_SINKHORN).strip().endswith("ok")
+
+
+def test_tiny_v4_logits_with_triton_method_equal_torch_method(tiny_v4_path):
+    assert _interpret(_MODEL.replace("PATH", repr(str(tiny_v4_path)))).strip().endswith("ok")
+
+
+def test_stable_topk_ties_to_the_earlier_entry():
+    g = torch.Generator().manual_seed(0)
+    for _ in range(30):
+        x = torch.randint(-3, 3, (4, 50), generator=g).float() * 0.5
+        x[x == -1.5] = float("-inf")
+        x[x == 0.5] = -0.0  # -0.0 ties with +0.0, as a sort compares them
+        values, picks = stable_topk(x, 17)
+        ref = x.sort(dim=-1, descending=True, stable=True)
+        assert torch.equal(picks, ref.indices[:, :17])
+        assert torch.equal(values, ref.values[:, :17] + 0.0)
+    assert stable_topk(x, 80)[1].shape == (4, 50)  # k past the row: the whole row, ordered
