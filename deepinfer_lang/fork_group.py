@@ -1,12 +1,11 @@
 """ProgramStateGroup: the branches of s.fork(n), appended to together and joined back into their parent."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterator
+from typing import Iterator
 
 from deepinfer_lang.ir import Expr
 
-if TYPE_CHECKING:
-    from deepinfer_lang.interpreter import ProgramState
+# Branches are interpreter.ProgramState objects (not imported: the interpreter imports this module).
 
 
 class ProgramStateGroup:
