@@ -47,24 +47,30 @@ def _hf_greedy(model, ids: list[int], n: int) -> list[int]:
 
 
 GREEDY = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
+PROMPT = _prompt(LONG, 0)
+SHARED = PROMPT[:3072] + _prompt(LONG - 3072, 1)
+"""Shares the first 3K tokens of PROMPT: a cache hit at a long offset, then a fresh tail."""
+
+
+@pytest.fixture(scope="module")
+def references(long_hf) -> dict[str, list[int]]:
+    return {"prompt": _hf_greedy(long_hf, PROMPT, 6), "shared": _hf_greedy(long_hf, SHARED, 6)}
 
 
 @pytest.mark.parametrize("page_size,chunk", [(1, 8192), (1, 1000), (16, 1000)])
-def test_long_context_decode_equals_transformers(long_llama, long_hf, page_size, chunk):
+def test_long_context_decode_equals_transformers(long_llama, references, page_size, chunk):
     """A 4K-token prompt, prefilled whole or in chunks at long offsets; then a second request sharing its
-    first 3K tokens (a cache hit at a long offset, a fresh tail) and the same prompt again (a full hit)."""
-    prompt = _prompt(LONG, 0)
-    shared = prompt[:3072] + _prompt(LONG - 3072, 1)
+    first 3K tokens and the same prompt again (a full hit)."""
+    prompt, shared = PROMPT, SHARED
     with Engine(str(long_llama), dtype="float32", kv_cache_tokens=3 * LONG, page_size=page_size,
                 chunked_prefill_tokens=chunk, max_num_seqs=4) as engine:
         first = engine.generate(input_ids=[prompt], sampling_params=GREEDY)[0]
         hit = engine.generate(input_ids=[shared, prompt], sampling_params=GREEDY)
     assert first.cached_tokens == 0
     assert hit[0].cached_tokens >= 3072 - page_size and hit[1].cached_tokens >= LONG - page_size
-    want = _hf_greedy(long_hf, prompt, 6)
-    assert first.token_ids == want
-    assert hit[1].token_ids == want
-    assert hit[0].token_ids == _hf_greedy(long_hf, shared, 6)
+    assert first.token_ids == references["prompt"]
+    assert hit[1].token_ids == references["prompt"]
+    assert hit[0].token_ids == references["shared"]
 
 
 def _decode_step_work(engine: Engine, context: int) -> tuple[int, int, int]:
@@ -113,7 +119,6 @@ def test_decode_step_host_work_does_not_grow_with_context(long_llama, single_thr
         long = _decode_step_work(engine, 8192)
     lines_short, peak_short, up_short = short
     lines_long, peak_long, up_long = long
-    print("WORK", short, long)
     assert up_short == up_long == 2, (short, long)
     assert lines_long <= lines_short * 1.05 + 20, (short, long)
     assert peak_long <= peak_short + 16 * 1024, (short, long)
