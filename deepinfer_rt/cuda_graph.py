@@ -170,16 +170,17 @@ class CudaGraphRunner:
         self.num_replays += 1
         return self._outputs[bs][:n]
 
-    def check_covers(self, reqs: list[Req]) -> None:
-        """Raise unless the inputs of the last replay attend to each request's whole context through rows that
-        hold its whole page list (benchmarks replay those inputs: the replay must read the real step's KV)."""
+    def check_covers(self, reqs: list[Req], lengths: list[int] | None = None) -> None:
+        """Raise unless the inputs of the last replay attend to each request's whole context (`lengths`, by
+        default the computed tokens) through rows that hold its page list (benchmarks replay those inputs: the
+        replay must read the real step's KV)."""
         n = len(reqs)
         io = self._io[:, :n].cpu()
         for i, r in enumerate(reqs):
             row, length = int(io[_ROW, i]), int(io[_LEN, i])
-            if length != r.num_computed_tokens:
-                raise AssertionError(f"request {r.rid}: the last replay attended {length} of "
-                                     f"{r.num_computed_tokens} tokens")
+            want = r.num_computed_tokens if lengths is None else lengths[i]
+            if length != want:
+                raise AssertionError(f"request {r.rid}: the last replay attended {length} of {want} tokens")
             need = -(-length // self.page_size)
             held = self.pages.table[row, :need].tolist()
             if held != r.pages[:need]:
