@@ -3,15 +3,17 @@ chunked or not, from the prefix cache or computed, at page sizes 1 and 16; and t
 does not grow with the context.
 
 Host work is counted without clocks (two CPU cores are shared, times are noise): the Python lines the engine
-runs in one decode step (sys.settrace over deepinfer_rt's files) and the most memory Python objects take during
-it (tracemalloc: a list or array of the context's tokens, pages or slots would show as its size). On CPU the
-torch computation runs on the host too, but it is the device's work and torch's memory is not traced.
+runs in one decode step (sys.settrace over deepinfer_rt's files), the most memory Python objects take during
+it (tracemalloc: a list or array of the context's tokens, pages or slots would show as its size) and the host
+values turned into tensors (torch.tensor / numpy.fromiter, the ways a host list reaches the device). On CPU
+the torch computation runs on the host too, but it is the device's work and torch's memory is not traced.
 """
 from __future__ import annotations
 
 import sys
 import tracemalloc
 
+import numpy as np
 import pytest
 import torch
 
@@ -73,9 +75,33 @@ def test_long_context_decode_equals_transformers(long_llama, references, page_si
     assert hit[0].token_ids == references["shared"]
 
 
-def _decode_step_work(engine: Engine, context: int) -> tuple[int, int, int]:
-    """(Python lines of deepinfer_rt run, peak bytes of Python allocations, pages uploaded) in one decode step
-    of a batch of two requests at `context` tokens, once both are decoding."""
+class _Conversions:
+    """Counts the host values turned into tensors while active."""
+
+    def __init__(self):
+        self.num_values = 0
+        self._tensor, self._fromiter = torch.tensor, np.fromiter
+
+    def __enter__(self):
+        def tensor(data, *args, **kwargs):
+            if isinstance(data, (list, tuple)):
+                self.num_values += sum(len(x) if isinstance(x, (list, tuple)) else 1 for x in data)
+            return self._tensor(data, *args, **kwargs)
+
+        def fromiter(values, dtype, count=-1, **kwargs):
+            self.num_values += count if count >= 0 else 0
+            return self._fromiter(values, dtype, count, **kwargs)
+
+        torch.tensor, np.fromiter = tensor, fromiter
+        return self
+
+    def __exit__(self, *exc):
+        torch.tensor, np.fromiter = self._tensor, self._fromiter
+
+
+def _decode_step_work(engine: Engine, context: int) -> tuple[int, int, int, int]:
+    """(Python lines of deepinfer_rt run, peak bytes of Python allocations, pages uploaded, host values made
+    tensors) in one decode step of a batch of two requests at `context` tokens, once both are decoding."""
     params = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True, stop=["never here"],
                             repetition_penalty=1.1, logprobs=True)
     with engine.hold_loop():
@@ -98,7 +124,8 @@ def _decode_step_work(engine: Engine, context: int) -> tuple[int, int, int]:
         base = tracemalloc.get_traced_memory()[0]
         sys.settrace(tracer)
         try:
-            engine.step()
+            with _Conversions() as conversions:
+                engine.step()
         finally:
             sys.settrace(None)
             peak = tracemalloc.get_traced_memory()[1] - base
@@ -107,18 +134,20 @@ def _decode_step_work(engine: Engine, context: int) -> tuple[int, int, int]:
         assert [r.num_output_tokens for r in reqs] == [n + 1 for n in before] and not any(r.is_finished for r in reqs)
         while not all(r.is_finished for r in reqs):
             engine.step()
-    return lines[0], peak, uploaded
+    return lines[0], peak, uploaded, conversions.num_values
 
 
 def test_decode_step_host_work_does_not_grow_with_context(long_llama, single_thread):
-    """256 vs 8K tokens of context (32x): the same lines run, the same page uploads (the one new page each),
-    and no allocation the size of a context (8K entries are >= 64 KB as a list, 32 KB as int32)."""
+    """256 vs 8K tokens of context (32x), with penalties, logprobs and a stop string: the same lines run, the
+    same page uploads (the one new page each), the same host values made tensors, and no allocation the size of
+    a context (8K entries are >= 64 KB as a list, 32 KB as int32)."""
     with Engine(str(long_llama), dtype="float32", kv_cache_tokens=2 * 8192 + 64, max_num_seqs=2,
                 chunked_prefill_tokens=8192, enable_prefix_cache=True) as engine:
         short = _decode_step_work(engine, 256)
         long = _decode_step_work(engine, 8192)
-    lines_short, peak_short, up_short = short
-    lines_long, peak_long, up_long = long
+    lines_short, peak_short, up_short, values_short = short
+    lines_long, peak_long, up_long, values_long = long
     assert up_short == up_long == 2, (short, long)
+    assert values_long == values_short, (short, long)
     assert lines_long <= lines_short * 1.05 + 20, (short, long)
     assert peak_long <= peak_short + 16 * 1024, (short, long)
