@@ -90,9 +90,14 @@ def apply_penalties(logits: torch.Tensor, reqs: list[Req]) -> None:
         wants_counts = (p.frequency_penalty != 0.0 or p.presence_penalty != 0.0) and req.num_output_tokens
         if p.repetition_penalty == 1.0 and not wants_counts:
             continue
-        state = req.penalty_state
+        # A request keeps its counts; a transient view of one (speculative verification's row with drafts
+        # appended) counts its tokens afresh.
+        is_req = isinstance(req, Req)
+        state = req.penalty_state if is_req else None
         if state is None or state.seen.device != logits.device or state.seen.shape[0] != logits.shape[1]:
-            state = req.penalty_state = PenaltyState(logits.shape[1], logits.device)
+            state = PenaltyState(logits.shape[1], logits.device)
+            if is_req:
+                req.penalty_state = state
         state.catch_up(req)
         if p.repetition_penalty != 1.0:
             row = logits[i]
