@@ -1,6 +1,7 @@
 """GPU benchmark: decode and prefill of random-weight models beside the memory-bandwidth floor and transformers.
 
-For each model shape (DeepSeek-V2-Lite: MLA + MoE; SmolLM2-135M: GQA), in one process on one GPU:
+For each model shape (DeepSeek-V2-Lite: MLA + MoE; SmolLM2-135M: GQA) and context length, in one process on
+one GPU:
   ceilings   device copy bandwidth (bytes read + written) and the bf16 matmul rate, measured first;
   decode     B requests with `context`-token prompts; once all are prefilled, `steps` engine steps with the whole
              batch decoding (requests run long enough not to finish inside them): engine tok/s over those
@@ -10,7 +11,15 @@ For each model shape (DeepSeek-V2-Lite: MLA + MoE; SmolLM2-135M: GQA), in one pr
   prefill    4 x `context`-token prompts, tokens/s and FLOP/s over the measured matmul rate;
   peer       transformers `generate` on the same architecture (random weights), decode tok/s at batch 1, 32.
 
+Every decode row gives wall ms per step beside kernel ms per step (the profiled real steps) and the fraction of
+the floor. Measurement is checked, never trusted: the replayed graph must be the one the timed steps ran, its
+page table rows must hold every request's pages and it must attend to each whole context (check_covers), and
+a figure above the floor fails the run (a bug in the benchmark or in the floor). Batches whose KV does not fit
+the pool at a context are reported as skipped. `--plot` draws the fraction of the floor against context.
+
     python benchmark/bench_gpu.py --out benchmark/results/gpu_h200.json
+    python benchmark/bench_gpu.py --models deepseek-v2-lite --contexts 2048 32768 131072 --batches 1 16 64 \
+        --hf-batches --steps 16 --profile-steps 1 --out benchmark/results/gpu_h200_longctx_v2.json --plot
 """
 from __future__ import annotations
 
@@ -153,6 +162,10 @@ def _decode_tokens(batch: int, context: int, steps: int) -> int:
     return steps + -(-batch * context // PREFILL_CHUNK) + 2
 
 
+class MeasurementError(AssertionError):
+    """A figure the benchmark cannot stand behind (above the floor, or a replay that is not the real step)."""
+
+
 def bench_decode(engine: Engine, batch: int, context: int, steps: int, copy_bw: float, vocab: int,
                  profile_steps: int = 0) -> dict:
     g = torch.Generator().manual_seed(batch)
@@ -169,20 +182,31 @@ def _bench_decode_held(engine: Engine, prompts, params, batch: int, context: int
     while not all(r.num_output_tokens >= 1 for r in reqs):
         engine.step()
     _sync()
+    graphs = engine.executor.graphs
+    replays0 = graphs.num_replays if graphs is not None else 0
     n0, t0 = sum(r.num_output_tokens for r in reqs), time.perf_counter()
     for _ in range(steps):  # full-batch decode steps only
         engine.step()
+    _sync()
     seconds = time.perf_counter() - t0
+    num_replayed = (graphs.num_replays - replays0) if graphs is not None else 0
     tok_s = (sum(r.num_output_tokens for r in reqs) - n0) / seconds
     full_batch = not any(r.is_finished for r in reqs)
     floor = decode_floor(engine, batch, context, copy_bw)
     row = {"batch": batch, "context": context, "full_batch_throughout": full_batch, "engine_tok_s": tok_s,
-           "floor_tok_s": floor["tok_s"],
+           "wall_ms_per_step": seconds / steps * 1e3, "graph_steps": num_replayed, "floor_tok_s": floor["tok_s"],
+           "floor_ms_per_step": floor["step_s"] * 1e3,
            "floor_bytes": floor["bytes"], "fraction_of_floor": tok_s / floor["tok_s"]}
     if profile_steps:
         row["step_profile"] = _step_profile(engine, profile_steps)
-    graphs = engine.executor.graphs
-    if graphs is not None and batch in graphs._graphs:
+        if "kernel_ms_per_step" in row["step_profile"]:
+            row["kernel_ms_per_step"] = row["step_profile"]["kernel_ms_per_step"]
+            row["profiled_wall_ms_per_step"] = row["step_profile"]["wall_ms_per_step"]
+    live = [r for r in reqs if not r.is_finished]
+    if graphs is not None and batch in graphs._graphs and num_replayed == steps and len(live) == batch:
+        # The replay below must read the bytes the real step read: the last real step ran this graph, and its
+        # inputs attend to every request's whole context through rows that hold all its pages.
+        graphs.check_covers(live)
         # The step that just ran, every row still decoding: replay it (inputs kept). Replaying rewrites the same
         # KV slots with the same values.
         out = graphs._outputs[batch]
@@ -195,6 +219,9 @@ def _bench_decode_held(engine: Engine, prompts, params, batch: int, context: int
         row.update(gpu_step_ms=step_s * 1e3, gpu_tok_s=batch / step_s,
                    gpu_fraction_of_floor=(batch / step_s) / floor["tok_s"])
         row["profile"] = _profile(replay)
+    for key in ("fraction_of_floor", "gpu_fraction_of_floor"):
+        if row.get(key, 0.0) > 1.0:
+            raise MeasurementError(f"batch {batch}, context {context}: {key} {row[key]:.2f} is above the floor")
     while not all(r.is_finished for r in reqs):
         engine.step()
     return row
@@ -297,37 +324,66 @@ def bench_hf(path: Path, batches: list[int], context: int, steps: int, vocab: in
     return rows
 
 
+def _kv_bytes_per_token(spec: dict) -> int:
+    """bf16 KV bytes one token takes in the pool (MLA: the latent and rope key; GQA: K and V)."""
+    if "kv_lora_rank" in spec:
+        return spec["num_hidden_layers"] * (spec["kv_lora_rank"] + spec["qk_rope_head_dim"]) * 2
+    head_dim = spec["hidden_size"] // spec["num_attention_heads"]
+    return spec["num_hidden_layers"] * 2 * spec["num_key_value_heads"] * head_dim * 2
+
+
+def _fitting(spec: dict, batches: list[int], context: int, args) -> tuple[list[int], list[dict]]:
+    """The batches whose KV fits the device beside the weights at `context` tokens, and a row per skipped one."""
+    if DEVICE != "cuda":
+        return batches, []
+    budget = 0.8 * torch.cuda.mem_get_info()[0] - 40 * 2**30  # weights, activations and graphs kept aside
+    keep, skipped = [], []
+    for b in batches:
+        need = b * (context + _decode_tokens(b, context, args.steps + args.profile_steps) + 8) * _kv_bytes_per_token(spec)
+        if need <= budget:
+            keep.append(b)
+        else:
+            skipped.append({"batch": b, "context": context, "skipped": f"KV of {need / 2**30:.0f} GiB does not fit"})
+    return keep, skipped
+
+
 def run_model(name: str, spec: dict, args, ceil: dict, result: dict, save) -> None:
     work = Path(tempfile.mkdtemp(prefix=f"bench-{name}-"))
+    spec = dict(spec, max_position_embeddings=max(spec["max_position_embeddings"], max(args.contexts) + 4096))
     path = model_dir(spec, work)
     vocab = spec["vocab_size"]
     section = result.setdefault(name, {})
-    max_bs = max(args.batches)
-    engine = Engine(str(path), dtype=DTYPE, device=DEVICE, load_format="dummy", max_num_seqs=max_bs,
-                    kv_cache_tokens=max(max_bs, 4) * (args.context + 8
-                                                    + _decode_tokens(max_bs, args.context, args.steps + args.profile_steps)),
-                    chunked_prefill_tokens=PREFILL_CHUNK,
-                    enable_prefix_cache=False)
-    try:
-        section["decode"] = []
-        for batch in args.batches:
-            section["decode"].append(bench_decode(engine, batch, args.context, args.steps,
-                                                  ceil["copy_bytes_per_s"], vocab, args.profile_steps))
-            save()
-            print(name, section["decode"][-1], flush=True)
-        section["prefill"] = bench_prefill(engine, args.context, 4, ceil["bf16_matmul_flop_per_s"], vocab)
-        print(name, section["prefill"], flush=True)
-    finally:
-        engine.shutdown()
-        del engine
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-    save()
+    section["decode"], section["prefill"] = [], []
+    for context in args.contexts:
+        batches, skipped = _fitting(spec, args.batches, context, args)
+        section["decode"].extend(skipped)
+        if not batches:
+            continue
+        max_bs = max(batches)
+        engine = Engine(str(path), dtype=DTYPE, device=DEVICE, load_format="dummy", max_num_seqs=max_bs,
+                        kv_cache_tokens=max(max_bs, 4) * (context + 8 + _decode_tokens(
+                            max_bs, context, args.steps + args.profile_steps)),
+                        chunked_prefill_tokens=PREFILL_CHUNK, enable_prefix_cache=False)
+        try:
+            for batch in batches:
+                section["decode"].append(bench_decode(engine, batch, context, args.steps,
+                                                      ceil["copy_bytes_per_s"], vocab, args.profile_steps))
+                save()
+                print(name, {k: v for k, v in section["decode"][-1].items() if "profile" not in k}, flush=True)
+            if context in args.prefill_contexts:
+                section["prefill"].append(bench_prefill(engine, context, 4, ceil["bf16_matmul_flop_per_s"], vocab))
+                print(name, {k: v for k, v in section["prefill"][-1].items() if k != "profile"}, flush=True)
+        finally:
+            engine.shutdown()
+            del engine
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+        save()
     if not args.hf_batches:
         return
     try:  # after ours: one model on the GPU at a time
-        section["transformers"] = bench_hf(path, args.hf_batches, args.context, args.hf_steps, vocab)
+        section["transformers"] = bench_hf(path, args.hf_batches, min(args.contexts), args.hf_steps, vocab)
     except Exception:  # a peer failure must not lose our own figures
         section["transformers_error"] = traceback.format_exc()[-2000:]
     save()
@@ -340,10 +396,16 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64, 256])
     parser.add_argument("--hf-batches", type=int, nargs="*", default=[1, 32], help="none: skip the peer")
     parser.add_argument("--profile-steps", type=int, default=4, help="real engine steps profiled per batch")
-    parser.add_argument("--context", type=int, default=2048)
+    parser.add_argument("--contexts", type=int, nargs="+", default=[2048], help="prompt tokens per request")
+    parser.add_argument("--context", type=int, help="one context (same as --contexts N)")
+    parser.add_argument("--prefill-contexts", type=int, nargs="*", default=[2048, 32768],
+                        help="contexts whose 4-prompt prefill is measured too")
+    parser.add_argument("--plot", action="store_true", help="draw the fraction of the floor against context")
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--hf-steps", type=int, default=8)
     args = parser.parse_args()
+    if args.context is not None:
+        args.contexts = [args.context]
     specs = {"deepseek-v2-lite": V2_LITE, "smollm2-135m": SMOLLM2, "tiny": TINY}
     ceil = ceilings() if DEVICE == "cuda" else {"copy_bytes_per_s": 1e10, "bf16_matmul_flop_per_s": 1e12}
     result = {"device": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu (smoke run)",
@@ -365,14 +427,27 @@ def main() -> None:
         save()
     for name in args.models:
         for row in result.get(name, {}).get("decode", []):
-            print(f"{name:18s} B={row['batch']:4d} engine {row['engine_tok_s']:9.1f} tok/s  "
+            if "skipped" in row:
+                print(f"{name:18s} ctx={row['context']:6d} B={row['batch']:4d} skipped: {row['skipped']}")
+                continue
+            print(f"{name:18s} ctx={row['context']:6d} B={row['batch']:4d} engine {row['engine_tok_s']:9.1f} tok/s  "
                   f"gpu {row.get('gpu_tok_s', math.nan):9.1f}  floor {row['floor_tok_s']:9.1f}  "
-                  f"frac {row['fraction_of_floor']:.2f} / gpu {row.get('gpu_fraction_of_floor', math.nan):.2f}")
+                  f"frac {row['fraction_of_floor']:.2f} / gpu {row.get('gpu_fraction_of_floor', math.nan):.2f}  "
+                  f"wall {row['wall_ms_per_step']:.2f} ms  kernels {row.get('kernel_ms_per_step', math.nan):.2f} ms"
+                  f"  floor {row['floor_ms_per_step']:.2f} ms")
         for row in result.get(name, {}).get("transformers", []):
             print(f"{name:18s} B={row['batch']:4d} transformers {row['hf_tok_s']:9.1f} tok/s")
-        if "prefill" in result.get(name, {}):
-            p = result[name]["prefill"]
-            print(f"{name:18s} prefill {p['tok_s']:9.0f} tok/s  {p['fraction_of_matmul_rate']:.2f} of matmul rate")
+        for p in result.get(name, {}).get("prefill", []):
+            print(f"{name:18s} ctx={p['context']:6d} prefill {p['tok_s']:9.0f} tok/s  "
+                  f"{p['fraction_of_matmul_rate']:.2f} of matmul rate")
+    if args.plot:
+        from plot_context import plot
+
+        plot(result, str(out.with_suffix(".png")))
+    failures = [f"{name}: {result[name]['error'].splitlines()[-1]}" for name in args.models
+                if "MeasurementError" in result.get(name, {}).get("error", "")]
+    if failures:
+        raise SystemExit("measurement check failed: " + "; ".join(failures))
 
 
 if __name__ == "__main__":

@@ -114,10 +114,12 @@ class Engine:
             if dev.type == "cuda" and env.cuda_graph_max_bs > 0 and self.model.supports_cuda_graphs:
                 from deepinfer_rt.cuda_graph import CudaGraphRunner
 
+                # One page table row per running request (the graphs' and the eager steps' alike).
                 graphs = CudaGraphRunner(self.model, self.pool, backend, min(max_num_seqs, env.cuda_graph_max_bs),
-                                         min(mc.max_position, env.cuda_graph_max_context))
+                                         min(mc.max_position, env.cuda_graph_max_context), num_rows=max_num_seqs + 8)
             runner = ModelRunner(self.model, self.pool, backend, self.sampler, dev, self.eos_ids,
-                                 is_overlap_enabled=overlap, graphs=graphs, spec=self.spec)
+                                 is_overlap_enabled=overlap, graphs=graphs, spec=self.spec, max_num_seqs=max_num_seqs,
+                                 max_context=mc.max_position)
             self.executor = runner
         if getattr(self.executor, "rank_pools", None):  # data-parallel attention: a scheduler per EP rank
             from deepinfer_rt.distributed.dp_scheduler import DPScheduler

@@ -84,7 +84,8 @@ class Env:
     cuda_graph_max_bs: int
     """DEEPINFER_CUDA_GRAPH_MAX_BS: largest decode batch replayed from a CUDA graph (0 = no graphs)."""
     cuda_graph_max_context: int
-    """DEEPINFER_CUDA_GRAPH_MAX_CONTEXT: longest context a graph decodes (sizes its page table)."""
+    """DEEPINFER_CUDA_GRAPH_MAX_CONTEXT: longest context a graph decodes (default: every context the model and
+    the KV pool allow; the page table's rows are as wide as the pool lets one request grow)."""
     spec_max_draft: int
     """DEEPINFER_SPEC_MAX_DRAFT: most draft tokens a request verifies per step under speculation (default 5)."""
     overlap: bool | None
@@ -165,7 +166,7 @@ def get_env() -> Env:
         eplb_redundant_per_rank=_int("DEEPINFER_EPLB_REDUNDANT", 2),
         moe_router_skew=_float("DEEPINFER_MOE_ROUTER_SKEW", 0.0),
         cuda_graph_max_bs=_int("DEEPINFER_CUDA_GRAPH_MAX_BS", 256),
-        cuda_graph_max_context=_int("DEEPINFER_CUDA_GRAPH_MAX_CONTEXT", 16384),
+        cuda_graph_max_context=_int("DEEPINFER_CUDA_GRAPH_MAX_CONTEXT", 1 << 30),
         spec_max_draft=_int("DEEPINFER_SPEC_MAX_DRAFT", 5),
         overlap=_optional_bool("DEEPINFER_OVERLAP"),
         skinny_gemm=_bool("DEEPINFER_SKINNY_GEMM", True),

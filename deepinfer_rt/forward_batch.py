@@ -4,10 +4,16 @@ Tokens of all sequences are flattened with no padding. Sequence i contributes q_
 positions are kv_lens[i] - q_lens[i] ... kv_lens[i] - 1; its KV for positions 0 .. kv_lens[i] - 1 lives in the
 pool at kv_slots[i] (the new tokens' KV is written there by the attention layer before it attends).
 
+Steps built by the runner carry `pages`, each sequence's row of the persistent device page table
+(deepinfer_rt.cache.page_table): the host then builds nothing of a sequence's context, only its new tokens'
+rows. Their `kv_slots` are derived from the table on the device when a layer first asks (`TableSlots`);
+backends that read the page table directly (Triton's decode) never derive them.
+
     input_ids   (T,)   positions (T,)   out_slots (T,)    T = sum(q_lens)
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -15,6 +21,27 @@ import torch
 
 if TYPE_CHECKING:
     from deepinfer_rt.cache.kv_pool import KVPool
+    from deepinfer_rt.cache.page_table import DevicePages
+
+
+class TableSlots(Sequence):
+    """kv_slots of a batch whose sequences have page table rows: sequence i's slots are derived on the device
+    on first access (a view of its row at page size 1) and kept."""
+
+    def __init__(self, pages: "DevicePages", rows: list[int], kv_lens: list[int]):
+        self._pages, self._rows, self._kv_lens = pages, rows, kv_lens
+        self._slots: list[torch.Tensor | None] = [None] * len(rows)
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        s = self._slots[i]
+        if s is None:
+            s = self._slots[i] = self._pages.slots(self._rows[i], self._kv_lens[i])
+        return s
 
 
 @dataclass
@@ -24,10 +51,12 @@ class ForwardBatch:
     out_slots: torch.Tensor
     q_lens: list[int]
     kv_lens: list[int]
-    kv_slots: list[torch.Tensor]
+    kv_slots: "list[torch.Tensor] | TableSlots"
     pool: "KVPool"
     backend: Any
     """The step's attention backend (layers/attention/base.py's contract, which takes ForwardBatch in turn)."""
+    pages: "DevicePages | None" = None
+    """Each sequence's page table row, when the runner built the step from its device page table."""
     attn_meta: Any = None
     """Backend-specific metadata, built once per batch by `backend.prepare(batch)` and shared by all layers."""
     mla_plan: Any = None

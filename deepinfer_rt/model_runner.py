@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 import torch
 
 from deepinfer_rt.cache.kv_pool import KVPool, slots_of
-from deepinfer_rt.forward_batch import ForwardBatch, resolve_placeholders
+from deepinfer_rt.cache.page_table import DevicePages, PageTable, pages_per_request
+from deepinfer_rt.forward_batch import ForwardBatch, TableSlots, resolve_placeholders
 from deepinfer_rt.layers.attention.base import AttentionBackend
 from deepinfer_rt.models.base import CausalLM
 from deepinfer_rt.sampler import Sampler, SampleResult, to_device
@@ -76,7 +77,7 @@ def is_overlappable(batch: ScheduledBatch) -> bool:
 class ModelRunner:
     def __init__(self, model: CausalLM, pool: KVPool, backend: AttentionBackend, sampler: Sampler,
                  device: torch.device, eos_ids: tuple[int, ...], is_overlap_enabled: bool = False,
-                 graphs=None, spec=None):
+                 graphs=None, spec=None, max_num_seqs: int = 256, max_context: int | None = None):
         self.model = model
         self.pool = pool
         self.backend = backend
@@ -87,6 +88,11 @@ class ModelRunner:
         """Overlap scheduling (DEEPINFER_OVERLAP; on by default on CUDA): decode steps launched ahead."""
         self.graphs = graphs
         """CUDA-graph runner for decode batches (deepinfer_rt.cuda_graph), on GPU."""
+        num_pages = pool.num_slots // pool.page_size
+        self.pages = graphs.pages if graphs is not None else PageTable(
+            max_num_seqs + 8, pages_per_request(max_context or pool.num_slots, num_pages, pool.page_size), device)
+        """Each running request's page list on the device, kept up to date step by step (shared with the
+        graphs): a step uploads only new pages, never a request's whole context."""
         self.spec = spec
         """SpecDecoder when speculation is on: verifies items carrying drafts, updates the drafter."""
         self.grammar = None
@@ -132,9 +138,6 @@ class ModelRunner:
     def run(self, batch: ScheduledBatch) -> RunResult:
         return self.collect(self.launch(batch))
 
-    def stats(self) -> dict:
-        return {}
-
     def shutdown(self) -> None:
         pass
 
@@ -159,6 +162,37 @@ class ModelRunner:
         return ids
 
     def build(self, batch: ScheduledBatch, prev: Launched | None = None) -> ForwardBatch:
+        """The step's tensors. Host work is O(new tokens + new pages): each request's context is read through
+        its page table row on the device. (Without a free row, or under speculation, the slot lists are built on
+        the host.)"""
+        # Speculation rolls page lists back and regrows them between steps in ways the table's append-only
+        # bookkeeping does not yet follow (greedy drifted from the reference): its steps keep the host lists.
+        rows = None if self.spec is not None else self.pages.rows([it.req for it in batch.items])
+        if rows is None:
+            return self._build_listed(batch, prev)
+        positions, out_slots, q_lens, kv_lens = [], [], [], []
+        ps = self.pool.page_size
+        for item in batch.items:
+            req, start, n = item.req, item.start, item.num_new_tokens
+            positions.extend(range(start, start + n))
+            out_slots.extend(_new_slots(req.pages, start, n, ps))
+            q_lens.append(n)
+            kv_lens.append(start + n)
+        ids = self.input_ids(batch, prev)
+        t = len(ids)
+        flat = to_device(list(itertools.chain(ids, positions, out_slots, rows)), torch.long, self.device)
+        pages = DevicePages(self.pages.table, flat[3 * t :].to(torch.int32), ps)
+        fb = ForwardBatch(input_ids=flat[:t], positions=flat[t : 2 * t], out_slots=flat[2 * t : 3 * t],
+                          q_lens=q_lens, kv_lens=kv_lens, kv_slots=TableSlots(pages, rows, kv_lens), pool=self.pool,
+                          backend=self.backend, pages=pages)
+        if prev is not None and prev.tokens is not None:
+            fb.input_ids = resolve_placeholders(fb.input_ids, prev.tokens)
+        self.backend.prepare(fb)
+        self.model.prepare_batch(fb)
+        return fb
+
+    def _build_listed(self, batch: ScheduledBatch, prev: Launched | None) -> ForwardBatch:
+        """`build` with every sequence's slot list built on the host and uploaded (O(context) per step)."""
         positions, out_slots, q_lens, kv_lens, kv_slots = [], [], [], [], []
         ps = self.pool.page_size
         for item in batch.items:
@@ -187,6 +221,9 @@ class ModelRunner:
         self.backend.prepare(fb)
         self.model.prepare_batch(fb)
         return fb
+
+    def stats(self) -> dict:
+        return {"num_uploaded_pages": self.pages.num_uploaded_pages}
 
     def _hidden(self, batch: ScheduledBatch, prev: Launched | None) -> torch.Tensor:
         hidden = None
@@ -265,3 +302,10 @@ class ModelRunner:
             return first + 1, chosen, None
         vals, ids = logprobs.topk(k, dim=-1)
         return first + 1, chosen, [list(zip(i, v)) for i, v in zip(ids.tolist(), vals.tolist())]
+
+
+def _new_slots(pages: list[int], start: int, n: int, page_size: int) -> list[int]:
+    """Slots of positions start .. start + n - 1 (what a step writes), read from the request's pages."""
+    if page_size == 1:
+        return pages[start : start + n]
+    return [pages[p // page_size] * page_size + p % page_size for p in range(start, start + n)]

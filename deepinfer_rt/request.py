@@ -53,6 +53,9 @@ class Req:
     prompt_top_logprobs: list[list[tuple[int, float]] | None] = field(default_factory=list)
     """With a prompt_logprobs count k: the k most likely (token, logprob) at each prompt position, parallel to
     prompt_logprobs (None where that is None)."""
+    penalty_state: Any = None
+    """Device-side token counts for repetition / frequency / presence penalties (sampler.PenaltyState), grown
+    step by step."""
     num_inflight_tokens: int = 0
     """Tokens sampled by a launched step whose ids are still on the device (overlap scheduling): counted in
     num_tokens, appended to token_ids when that step is completed."""

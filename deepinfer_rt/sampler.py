@@ -56,16 +56,55 @@ def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.T
     return host.pin_memory().to(device, non_blocking=True)
 
 
+class PenaltyState:
+    """A request's token counts on the device, for its penalties: `seen` marks prompt and output tokens
+    (repetition penalty), `counts` counts output tokens (frequency / presence). Built from the request's tokens
+    once, then grown by the tokens added since (`catch_up`): a step touches its new tokens, never the whole
+    context (a 32K-token prompt uploaded every step was O(context) host work per step)."""
+
+    def __init__(self, vocab: int, device: torch.device):
+        self.seen = torch.zeros(vocab, dtype=torch.bool, device=device)
+        self.counts = torch.zeros(vocab, dtype=torch.float32, device=device)
+        self.num_tokens = 0
+        """Tokens of token_ids counted so far."""
+
+    def catch_up(self, req: Req) -> None:
+        tokens = req.token_ids
+        if len(tokens) < self.num_tokens:  # the list was replaced (never happens today): count it again
+            self.seen.zero_()
+            self.counts.zero_()
+            self.num_tokens = 0
+        if len(tokens) == self.num_tokens:
+            return
+        new = to_device(tokens[self.num_tokens :], torch.long, self.seen.device)
+        self.seen[new] = True
+        first_output = max(0, req.prompt_len - self.num_tokens)
+        if first_output < len(new):
+            self.counts.index_add_(0, new[first_output:], torch.ones(len(new) - first_output, device=new.device))
+        self.num_tokens = len(tokens)
+
+
 def apply_penalties(logits: torch.Tensor, reqs: list[Req]) -> None:
     for i, req in enumerate(reqs):
         p = req.params
+        wants_counts = (p.frequency_penalty != 0.0 or p.presence_penalty != 0.0) and req.num_output_tokens
+        if p.repetition_penalty == 1.0 and not wants_counts:
+            continue
+        # A request keeps its counts; a transient view of one (speculative verification's row with drafts
+        # appended) counts its tokens afresh.
+        is_req = isinstance(req, Req)
+        state = req.penalty_state if is_req else None
+        if state is None or state.seen.device != logits.device or state.seen.shape[0] != logits.shape[1]:
+            state = PenaltyState(logits.shape[1], logits.device)
+            if is_req:
+                req.penalty_state = state
+        state.catch_up(req)
         if p.repetition_penalty != 1.0:
-            seen = torch.tensor(req.token_ids, device=logits.device).unique()
-            row = logits[i, seen]
-            logits[i, seen] = torch.where(row < 0, row * p.repetition_penalty, row / p.repetition_penalty)
-        if (p.frequency_penalty != 0.0 or p.presence_penalty != 0.0) and req.num_output_tokens:
-            out = torch.tensor(req.output_ids, device=logits.device)
-            counts = torch.bincount(out, minlength=logits.shape[1]).to(logits.dtype)
+            row = logits[i]
+            penalised = torch.where(row < 0, row * p.repetition_penalty, row / p.repetition_penalty)
+            logits[i] = torch.where(state.seen, penalised, row)
+        if wants_counts:
+            counts = state.counts.to(logits.dtype)
             logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
 
 

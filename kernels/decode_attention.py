@@ -171,7 +171,9 @@ def _merge_splits_kernel(PartO, PartLse, O, stride_ob, stride_oh, NUM_HEADS: tl.
     m = tl.where(m == float("-inf"), 0.0, m)
     w = tl.exp2(lse - m)  # 0 for empty splits
     offs_d = tl.arange(0, DV)
-    parts = tl.load(PartO + (base + offs_s)[:, None] * DV + offs_d[None, :], mask=smask[:, None], other=0.0)
+    # Empty splits (past a short row's end: the grid is sized for long ones) are never read.
+    full = smask & (lse > float("-inf"))
+    parts = tl.load(PartO + (base + offs_s)[:, None] * DV + offs_d[None, :], mask=full[:, None], other=0.0)
     total = tl.sum(w, 0)
     out = tl.sum(parts * w[:, None], 0) / tl.where(total == 0.0, 1.0, total)
     tl.store(O + b * stride_ob + h * stride_oh + offs_d, out.to(O.dtype.element_ty))
@@ -223,10 +225,14 @@ def num_splits_for(batch: int, kv_heads: int, num_sms: int, head_dim: int = 0) -
       * GQA programs are light (a few heads of 64-128 dims): about four programs per multiprocessor, rounded
         up, up to 32 (bench_kernels.py --only decode_sweep, SmolLM2's shape, 3-stage pipeline): 16 / 4 / 1
         splits at batch 16 / 64 / 256, 9.7 / 31.4 / 100.3 us against 10.0 / 43.7 / 107.2 us for the earlier
-        two-per-multiprocessor rule with a 2-stage pipeline."""
+        two-per-multiprocessor rule with a 2-stage pipeline.
+    Up to 128 MLA splits at batch 1, so that one long request fills the GPU (64 programs left half of an H200's
+    132 multiprocessors idle at 32K tokens). A split is never shorter than a tile (`_decode_split_kernel` rounds
+    its chunk up to one): a short row uses fewer splits than the grid holds, the rest end at once and the merge
+    skips them, so at 2K tokens batch 1 still runs 64 splits of 32 tokens."""
     if head_dim > 256:
         want = 2 * num_sms / max(1, batch * kv_heads)
-        return min(64, 1 << (max(1, int(want)).bit_length() - 1))
+        return min(128, 1 << (max(1, int(want)).bit_length() - 1))
     want = 4 * num_sms / max(1, batch * kv_heads)
     return max(1, min(32, triton.next_power_of_2(math.ceil(want))))
 

@@ -3,11 +3,13 @@ request's pages, only new pages are uploaded, replaced page lists are re-uploade
 page lists of requests leaving prefill are uploaded ahead of their first graph step, into free rows only."""
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from deepinfer_rt.cuda_graph import CudaGraphRunner, PageTable
+from deepinfer_rt.cache.page_table import PageTable, pages_per_request
+from deepinfer_rt.cuda_graph import CudaGraphRunner
 from deepinfer_rt.request import Req
 from deepinfer_rt.sampling_params import SamplingParams
 
@@ -108,17 +110,31 @@ def test_prefetch_uploads_whole_lists_into_free_rows_only():
     assert _row(runner.pages, row_a, 4) == [-1, 6, 7, 11]
 
 
-def test_page_lists_longer_than_a_row_never_spill_into_the_next():
-    """Pages past a row's width (allocated ahead of decode) are not uploaded, and a prompt past the graphs'
-    context gets no row from prefetch: the neighbouring row keeps its pages."""
+def test_page_lists_longer_than_a_row_are_refused_never_cut():
+    """Rows are as wide as the pool lets one request grow, so a longer list is a bookkeeping error: refused
+    loudly (a cut row would make a step attend to part of its context), and the neighbouring row is intact."""
     table = PageTable(num_rows=2, width=4, device=torch.device("cpu"))
-    a, b = _req(0, [1, 2, 3, 4, 5, 6]), _req(1, [7, 8])
+    a, b = _req(0, [1, 2, 3, 4]), _req(1, [7, 8])
     row_a, row_b = table.rows([a, b])
-    assert _row(table, row_a, 4) == [1, 2, 3, 4] and _row(table, row_b, 2) == [7, 8]
-    a.pages.append(9)
-    table.rows([a, b])
-    assert _row(table, row_b, 2) == [7, 8]
-    runner = _runner(num_rows=2, width=4)
-    long = _req(2, list(range(10, 15)))
-    runner.prefetch_pages([long])
-    assert not runner.pages.has_row(long)
+    a.pages.append(5)
+    with pytest.raises(ValueError, match="past the page table"):
+        table.rows([a, b])
+    assert _row(table, row_b, 2) == [7, 8] and _row(table, row_a, 4) == [1, 2, 3, 4]
+
+
+def test_rows_cover_every_context_the_pool_holds():
+    """The width is the most pages one request can hold: its context limit, or every page of the pool."""
+    assert pages_per_request(max_context=163840, num_pages=40000, page_size=1) == 40000
+    assert pages_per_request(max_context=4096, num_pages=40000, page_size=16) == 256
+    assert pages_per_request(max_context=4097, num_pages=40000, page_size=16) == 257
+
+
+def test_a_list_cut_and_regrown_to_the_same_length_is_uploaded_again():
+    """Drafts rolled back (the list cut in place) and regrown with other pages: same object, same length."""
+    table = PageTable(num_rows=1, width=8, device=torch.device("cpu"))
+    a = _req(0, [1, 2, 3])
+    (row,) = table.rows([a])
+    del a.pages[1:]
+    a.pages.extend([8, 9])
+    table.rows([a])
+    assert _row(table, row, 3) == [1, 8, 9]

@@ -185,6 +185,52 @@ _MLA_ROPE_STORE = textwrap.dedent("""
 """)
 
 
+# Split-K decode over long rows: a grid of many splits, rows shorter than the grid (their extra splits empty,
+# skipped by the merge) and a row of many tiles per split, against the torch reference; then the Triton
+# backend decoding eagerly through the runner's device page table (page size 16) equals it through slot lists.
+_LONG_DECODE = textwrap.dedent("""
+    import torch
+    import deepinfer_kernels.decode_attention as da
+    from deepinfer_rt.cache.page_table import DevicePages
+    from deepinfer_rt.forward_batch import ForwardBatch, TableSlots
+    from deepinfer_rt.layers.attention.triton import TritonBackend
+    g = torch.Generator().manual_seed(0)
+    ps, hq, hkv, d = 16, 4, 2, 32
+    lens = [0, 5, 40, 1500]
+    width = -(-max(lens) // ps)
+    k = torch.randn(width * len(lens) * ps, hkv, d, generator=g)
+    v = torch.randn_like(k)
+    table = torch.randperm(width * len(lens), generator=g).view(len(lens), width).to(torch.int32)
+    rows = torch.tensor([2, 0, 3, 1], dtype=torch.int32)  # rows in another order than the batch
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    q = torch.randn(len(lens), hq, d, generator=g)
+    ref = da.paged_decode_attention_ref(q, k, v, table, rows, seq_lens, ps, d**-0.5)
+    for splits in (1, 4, 32):
+        out = da.paged_decode_attention(q, k, v, table, rows, seq_lens, ps, d**-0.5, splits, block_n=16)
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    assert da.num_splits_for(1, 1, 132, 576) == 128 and da.num_splits_for(16, 1, 132, 576) == 16
+    backend = object.__new__(TritonBackend)
+    backend.num_sms = 4
+
+    class Pool:
+        pass
+
+    pool = Pool()
+    pool.k, pool.v = [k], [v]
+    ids = torch.zeros(len(lens), dtype=torch.long)
+    pages = DevicePages(table, rows, ps)
+    listed = [pages.slots(int(r), n) for r, n in zip(rows, lens)]
+    outs = []
+    for kv_slots, p in ((TableSlots(pages, rows.tolist(), lens), pages), (listed, None)):
+        fb = ForwardBatch(ids, ids, ids, [1] * len(lens), lens, kv_slots, pool, backend, pages=p)
+        backend.prepare(fb)
+        assert (fb.attn_meta.decode.page_table is table) == (p is not None)
+        outs.append(backend.forward(q, 0, d**-0.5, fb))
+    torch.testing.assert_close(outs[0], ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(outs[1], ref, rtol=1e-5, atol=1e-5)
+    print("ok")
+""")
+
 def _interpret(code: str) -> str:
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
@@ -210,3 +256,7 @@ def test_invariant_backend_prefill_chunks_and_decode_agree():
 
 def test_mla_rope_store_equals_separate_kernels():
     assert _interpret(_MLA_ROPE_STORE).strip().endswith("ok")
+
+
+def test_split_decode_long_rows_and_device_page_table():
+    assert _interpret(_LONG_DECODE).strip().endswith("ok")

@@ -4,7 +4,8 @@ Decode rows (one query per sequence) run the paged decode kernel (deepinfer_kern
 page table; eager batches use a slot table (page size 1) built from the batch's slot lists, CUDA graphs
 (deepinfer_rt.cuda_graph) hand in their own persistent page table through `DecodeMeta`. Prefill chunks run
 torch SDPA per sequence: with no cached prefix it is the causal kernel (flash / memory-efficient), otherwise
-an explicit mask offset by the prefix. New K/V are stored by a scatter kernel that skips negative slots, so
+the lower-right causal bias (memory-efficient kernel, no mask built). Steps built from the runner's device
+page table (ForwardBatch.pages) decode through that table as it is. New K/V are stored by a scatter kernel that skips negative slots, so
 graph padding rows write nothing.
 """
 from __future__ import annotations
@@ -13,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 from torch.nn.utils.rnn import pad_sequence
 
 from deepinfer_kernels.decode_attention import num_splits_for, paged_decode_attention
@@ -26,6 +28,15 @@ def _to_query_heads(x: torch.Tensor, hq: int) -> torch.Tensor:
     """(Hkv, L, D) -> (Hq, L, D): the fused SDPA kernels take no GQA broadcast. One KV head (MLA) is
     expanded without a copy."""
     return x.expand(hq, -1, -1) if x.shape[0] == 1 else x.repeat_interleave(hq // x.shape[0], dim=0)
+
+
+def _causal(q_len: int, kv_len: int, device: torch.device):
+    """A chunk's causal mask over its prefix and itself (None without a prefix: SDPA's own causal form). On
+    CUDA the lower-right causal bias keeps a chunk at a long offset in the fused kernels, with no (q, kv) mask
+    materialised (an 8K chunk over a 32K prefix: 320 MB); elsewhere it would only be materialised."""
+    if q_len == kv_len:
+        return None
+    return causal_lower_right(q_len, kv_len) if device.type == "cuda" else causal_mask(q_len, kv_len, device)
 
 
 @dataclass
@@ -63,24 +74,28 @@ class TritonBackend(AttentionBackend):
 
     def prepare(self, batch: ForwardBatch) -> None:
         dev = batch.input_ids.device
-        rows, slots, lens, extends = [], [], [], []
+        rows, seqs, lens, extends = [], [], [], []
         start = 0
-        for q_len, kv_len, kv_slots in zip(batch.q_lens, batch.kv_lens, batch.kv_slots):
+        for i, (q_len, kv_len) in enumerate(zip(batch.q_lens, batch.kv_lens)):
             if q_len == 1:
                 rows.append(start)
-                slots.append(kv_slots)
+                seqs.append(i)
                 lens.append(kv_len)
             else:
-                mask = None if q_len == kv_len else causal_mask(q_len, kv_len, dev)
-                extends.append((start, q_len, kv_slots, mask))
+                extends.append((start, q_len, batch.kv_slots[i], _causal(q_len, kv_len, dev)))
             start += q_len
         decode = None
         if rows:
-            table = pad_sequence(slots, batch_first=True).to(torch.int32)
-            n = len(rows)
-            decode = self.decode_meta(table, torch.arange(n, dtype=torch.int32, device=dev),
-                                      torch.tensor(lens, dtype=torch.int32, device=dev), 1,
-                                      *batch.pool.k[0].shape[1:])
+            seq_lens = torch.tensor(lens, dtype=torch.int32, device=dev)
+            if batch.pages is not None:  # the runner's device page table: nothing of the context is built
+                table_rows = batch.pages.rows if len(seqs) == batch.num_seqs else batch.pages.rows[
+                    torch.tensor(seqs, device=dev)]
+                decode = self.decode_meta(batch.pages.table, table_rows, seq_lens, batch.pages.page_size,
+                                          *batch.pool.k[0].shape[1:])
+            else:
+                table = pad_sequence([batch.kv_slots[i] for i in seqs], batch_first=True).to(torch.int32)
+                decode = self.decode_meta(table, torch.arange(len(rows), dtype=torch.int32, device=dev), seq_lens,
+                                          1, *batch.pool.k[0].shape[1:])
         all_decode = len(rows) == batch.num_tokens
         batch.attn_meta = TritonMeta(decode, None if all_decode or not rows else torch.tensor(rows, device=dev),
                                      extends)

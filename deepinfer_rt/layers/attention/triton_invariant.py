@@ -39,8 +39,13 @@ class TritonInvariantBackend(AttentionBackend):
             rows.extend([i] * q_len)
             lens.extend(range(kv_len - q_len + 1, kv_len + 1))  # query at position p sees p + 1 keys
         rows_lens = torch.tensor([rows, lens], dtype=torch.int32, device=dev)
-        table = pad_sequence(batch.kv_slots, batch_first=True).to(torch.int32)  # page size 1: slots are pages
-        batch.attn_meta = TritonMeta(self.decode_meta(table, rows_lens[0], rows_lens[1], 1,
+        if batch.pages is not None:  # the runner's device page table: each query row reads its sequence's row
+            table, page_size = batch.pages.table, batch.pages.page_size
+            table_rows = batch.pages.rows[rows_lens[0]]
+        else:
+            table = pad_sequence(list(batch.kv_slots), batch_first=True).to(torch.int32)  # page size 1
+            table_rows, page_size = rows_lens[0], 1
+        batch.attn_meta = TritonMeta(self.decode_meta(table, table_rows, rows_lens[1], page_size,
                                                       batch.pool.k[0].shape[1]), None)
 
     def forward(self, q: torch.Tensor, layer_id: int, scale: float, batch: ForwardBatch,
