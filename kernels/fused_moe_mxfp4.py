@@ -144,14 +144,169 @@ def _down_mxfp4(A, W, WS, Y, TopkWeights, SortedPairs, BlockExpert, NumPadded, n
                  mask=mmask[:, None] & nmask[None, :])
 
 
-def _tiles(num_pairs: int, dtype: torch.dtype) -> dict:
-    """Fixed tiles (no autotuning yet; the H200 sweep is a GPU check to run). fp32 (CUDA cores, and the
-    interpreter) takes narrow K tiles for its registers; few pairs stream each expert's weights once, so narrow N
-    tiles spread them over more programs."""
+@triton.jit
+def _dot1(a, w, acc, IEEE: tl.constexpr):
+    if IEEE:
+        return tl.dot(a, w, acc, input_precision="ieee")
+    return tl.dot(a, w, acc)
+
+
+@triton.jit
+def _mx_group_tile(w_ptrs, s_ptrs, gmask, nmask, DTYPE: tl.constexpr):
+    """The group-tiled decode: w_ptrs a (G, 16, BLOCK_N) tile of packed bytes (one e8m0 group of 32 elements per
+    16 contiguous bytes), s_ptrs the (G, BLOCK_N) tile of their scale bytes -> the even and the odd elements'
+    weights in DTYPE, (G, 16, BLOCK_N) each. No exp2 per element: a code's sign and 3 magnitude bits are placed
+    as fp16 bits (sign -> 15, exponent -> 11..10, mantissa -> 9), which reads the code's value x 2^-14 (code 1,
+    0.5, is the subnormal 2^-15); widened to fp32 (exact) and multiplied by the group's 2^(b - 113), built from
+    its bits. Exact for e8m0 exponents b <= 240 (2^113); larger ones read as inf."""
+    mask = gmask[:, None, None] & nmask[None, None, :]
+    b = tl.load(w_ptrs, mask=mask, other=0).to(tl.int16)  # sign-extended: bit 7 stays bit 7
+    lo = ((b & 7) << 9) | ((b & 8) << 12)
+    hi = ((b & 0x70) << 5) | ((b & 0x80) << 8)
+    s = tl.load(s_ptrs, mask=gmask[:, None] & nmask[None, :], other=127).to(tl.int32) & 0xFF
+    scale = ((tl.minimum(s, 241) + 14) << 23).to(tl.float32, bitcast=True)[:, None, :]
+    w_lo = (lo.to(tl.float16, bitcast=True).to(tl.float32) * scale).to(DTYPE)
+    w_hi = (hi.to(tl.float16, bitcast=True).to(tl.float32) * scale).to(DTYPE)
+    return w_lo, w_hi
+
+
+@triton.jit
+def _mx_operands(w_ptrs, s_ptrs, gmask, nmask, DTYPE: tl.constexpr, G: tl.constexpr, BLOCK_N: tl.constexpr,
+                 JOIN: tl.constexpr):
+    """JOIN: one (2 * 16 G, BLOCK_N) operand in element order (the nibbles interleaved back); else the (16 G,
+    BLOCK_N) even and odd operands of the two-dot form."""
+    w_lo, w_hi = _mx_group_tile(w_ptrs, s_ptrs, gmask, nmask, DTYPE)
+    if JOIN:
+        w = tl.permute(tl.join(w_lo, w_hi), (0, 1, 3, 2))  # (G, 16, 2, N): element 2j then 2j + 1
+        return tl.reshape(w, (G * 32, BLOCK_N)), w_hi
+    return tl.reshape(w_lo, (G * 16, BLOCK_N)), tl.reshape(w_hi, (G * 16, BLOCK_N))
+
+
+@triton.jit
+def _mx_acc(a_ptrs, amask, w_ptrs, s_ptrs, gmask, nmask, acc, DTYPE: tl.constexpr, G: tl.constexpr,
+            BLOCK_N: tl.constexpr, JOIN: tl.constexpr, IEEE: tl.constexpr):
+    """acc += the activations' K tile (a_ptrs: (BLOCK_M, 32 G) in element order) x one weight K tile."""
+    w0, w1 = _mx_operands(w_ptrs, s_ptrs, gmask, nmask, DTYPE, G, BLOCK_N, JOIN)
+    if JOIN:
+        return _dot1(tl.load(a_ptrs, mask=amask, other=0.0), w0, acc, IEEE)
+    a = tl.reshape(tl.load(a_ptrs, mask=amask, other=0.0), (a_ptrs.shape[0], G * 16, 2))
+    a_even, a_odd = tl.split(a)
+    return _dot2(a_even, a_odd, w0, w1, acc, IEEE)
+
+
+@triton.jit(do_not_specialize=["num_pairs"])
+def _gate_up_mxfp4_g(X, W, WS, H, SortedPairs, BlockExpert, NumPadded, num_pairs, top_k, N, K, limit,
+                     stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_hm,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PER_PAIR: tl.constexpr,
+                     IEEE: tl.constexpr, JOIN: tl.constexpr):
+    """_gate_up_mxfp4 with the group-tiled decode (_mx_group_tile)."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pair, e, valid = _pair_rows(SortedPairs, BlockExpert, NumPadded, pid_m, num_pairs, BLOCK_M, PER_PAIR)
+    if valid:
+        G: tl.constexpr = BLOCK_K // 32
+        mmask = pair < num_pairs
+        tok = (pair // top_k).to(tl.int64)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        nmask = offs_n < N
+        offs_g = tl.arange(0, G)
+        offs_k = tl.arange(0, BLOCK_K)
+        a_ptrs = X + tok[:, None] * stride_xm + offs_k[None, :]
+        rows = offs_n.to(tl.int64)
+        byte = (offs_g[:, None] * 16 + tl.arange(0, 16)[None, :])[:, :, None]
+        g_ptrs = W + e * stride_we + rows[None, None, :] * stride_wn + byte  # (G, 16, N) view of W_gate^T
+        u_ptrs = g_ptrs + N * stride_wn
+        gs_ptrs = WS + e * stride_se + rows[None, :] * stride_sn + offs_g[:, None]
+        us_ptrs = gs_ptrs + N * stride_sn
+        acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        dtype = X.dtype.element_ty
+        for k0 in range(0, K, BLOCK_K):
+            gmask = offs_g < (K - k0) // 32
+            amask = mmask[:, None] & (offs_k < K - k0)[None, :]
+            acc_g = _mx_acc(a_ptrs, amask, g_ptrs, gs_ptrs, gmask, nmask, acc_g, dtype, G, BLOCK_N, JOIN, IEEE)
+            acc_u = _mx_acc(a_ptrs, amask, u_ptrs, us_ptrs, gmask, nmask, acc_u, dtype, G, BLOCK_N, JOIN, IEEE)
+            a_ptrs += BLOCK_K
+            g_ptrs += BLOCK_K // 2
+            u_ptrs += BLOCK_K // 2
+            gs_ptrs += G
+            us_ptrs += G
+        gate = tl.minimum(acc_g, limit)
+        up = tl.minimum(tl.maximum(acc_u, -limit), limit)
+        h = gate / (1.0 + tl.exp(-gate)) * up
+        tl.store(H + pair.to(tl.int64)[:, None] * stride_hm + offs_n[None, :], h.to(H.dtype.element_ty),
+                 mask=mmask[:, None] & nmask[None, :])
+
+
+@triton.jit(do_not_specialize=["num_pairs"])
+def _down_mxfp4_g(A, W, WS, Y, TopkWeights, SortedPairs, BlockExpert, NumPadded, num_pairs, N, K,
+                  stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_ym,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PER_PAIR: tl.constexpr,
+                  IEEE: tl.constexpr, JOIN: tl.constexpr):
+    """_down_mxfp4 with the group-tiled decode (_mx_group_tile)."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pair, e, valid = _pair_rows(SortedPairs, BlockExpert, NumPadded, pid_m, num_pairs, BLOCK_M, PER_PAIR)
+    if valid:
+        G: tl.constexpr = BLOCK_K // 32
+        mmask = pair < num_pairs
+        pair64 = pair.to(tl.int64)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        nmask = offs_n < N
+        offs_g = tl.arange(0, G)
+        offs_k = tl.arange(0, BLOCK_K)
+        a_ptrs = A + pair64[:, None] * stride_am + offs_k[None, :]
+        rows = offs_n.to(tl.int64)
+        byte = (offs_g[:, None] * 16 + tl.arange(0, 16)[None, :])[:, :, None]
+        w_ptrs = W + e * stride_we + rows[None, None, :] * stride_wn + byte
+        s_ptrs = WS + e * stride_se + rows[None, :] * stride_sn + offs_g[:, None]
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        dtype = A.dtype.element_ty
+        for k0 in range(0, K, BLOCK_K):
+            gmask = offs_g < (K - k0) // 32
+            amask = mmask[:, None] & (offs_k < K - k0)[None, :]
+            acc = _mx_acc(a_ptrs, amask, w_ptrs, s_ptrs, gmask, nmask, acc, dtype, G, BLOCK_N, JOIN, IEEE)
+            a_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K // 2
+            s_ptrs += G
+        acc *= tl.load(TopkWeights + pair64, mask=mmask, other=0.0)[:, None]
+        tl.store(Y + pair64[:, None] * stride_ym + offs_n[None, :], acc.to(Y.dtype.element_ty),
+                 mask=mmask[:, None] & nmask[None, :])
+
+
+# (most pairs, tiles) rows for 16-bit activations, first match wins: the group-tiled decode (_mx_group_tile) at
+# every size. Chosen from the code, not yet from a measurement: benchmark/bench_kernels.py --only mxfp4 times
+# these beside MXFP4_CANDIDATES and the legacy tiles on an H200; replace the rows with its fastest per batch.
+TILE_TABLE = (
+    (64, dict(BLOCK_N=64, BLOCK_K=256, num_warps=4, num_stages=3, decode="group", JOIN=False)),
+    (None, dict(BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=3, decode="group", JOIN=False)),
+)
+# fp32 (CUDA cores, and the interpreter): narrow K tiles for the registers.
+FP32_TILES = dict(BLOCK_N=32, BLOCK_K=32, num_warps=4, num_stages=2, decode="group", JOIN=False)
+# Configurations a benchmark compares with the table's (the H200 sweep), by name.
+MXFP4_CANDIDATES = {
+    "group_n32_k128": dict(BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=4, decode="group", JOIN=False),
+    "group_n64_k256": dict(BLOCK_N=64, BLOCK_K=256, num_warps=4, num_stages=3, decode="group", JOIN=False),
+    "group_n64_k256_join": dict(BLOCK_N=64, BLOCK_K=256, num_warps=4, num_stages=3, decode="group", JOIN=True),
+    "group_n128_k128_w8": dict(BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=3, decode="group", JOIN=False),
+    "group_n128_k256_w8": dict(BLOCK_N=128, BLOCK_K=256, num_warps=8, num_stages=2, decode="group", JOIN=False),
+    "group_n64_k128_w4_s5": dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=5, decode="group", JOIN=False),
+}
+
+
+def legacy_tiles(num_pairs: int, dtype: torch.dtype) -> dict:
+    """The first release's tiles and per-element exp2 decode (_mx_tile), kept selectable for comparison."""
     block_k = 32 if dtype == torch.float32 else 128
     if num_pairs <= 64:
-        return dict(BLOCK_N=32, BLOCK_K=block_k, num_warps=4, num_stages=4)
-    return dict(BLOCK_N=64, BLOCK_K=block_k, num_warps=4, num_stages=3)
+        return dict(BLOCK_N=32, BLOCK_K=block_k, num_warps=4, num_stages=4, decode="exp2")
+    return dict(BLOCK_N=64, BLOCK_K=block_k, num_warps=4, num_stages=3, decode="exp2")
+
+
+def _tiles(num_pairs: int, dtype: torch.dtype) -> dict:
+    """The tiles for a launch: FP32_TILES for fp32, else TILE_TABLE's first row whose bound covers num_pairs."""
+    if dtype == torch.float32:
+        return dict(FP32_TILES)
+    return dict(next(tiles for most, tiles in TILE_TABLE if most is None or num_pairs <= most))
 
 
 def _as_bytes(scale: torch.Tensor, name: str) -> torch.Tensor:
@@ -187,7 +342,9 @@ def fused_moe_mxfp4(x: torch.Tensor, gate_up: torch.Tensor, gate_up_scale: torch
                     swiglu_limit: float | None = None, config: dict | None = None) -> torch.Tensor:
     """x (T, H) 16/32-bit; MXFP4 experts (module docstring); weights (T, k) fp32; ids (T, k) -> sum_k weights *
     down(swiglu(gate x, up x)), (T, H) in x's dtype; swiglu_limit clamps as V4's experts do (None: plain SwiGLU).
-    config: fixed BLOCK_N / BLOCK_K (a multiple of 32) / num_warps / num_stages (tests)."""
+    config: fixed BLOCK_N / BLOCK_K (a power of two >= 32) / num_warps / num_stages, decode "group" (default:
+    _mx_group_tile) or "exp2" (the legacy per-element decode, _mx_tile), JOIN (group decode: one dot over the
+    re-interleaved tile instead of two over the even and odd columns); None: _tiles."""
     t, k = ids.shape
     hidden = x.shape[1]
     inter = check_mxfp4_experts(gate_up, gate_up_scale, down, down_scale, hidden)
@@ -204,17 +361,27 @@ def fused_moe_mxfp4(x: torch.Tensor, gate_up: torch.Tensor, gate_up_scale: torch
         sorted_pairs, block_expert, num_padded = _align(ids, e, block_m)
         num_blocks = sorted_pairs.numel() // block_m
     config = dict(config or _tiles(num_pairs, x.dtype))
-    if config["BLOCK_K"] % MX_BLOCK:
-        raise ValueError(f"fused_moe_mxfp4: BLOCK_K {config['BLOCK_K']} must be a multiple of {MX_BLOCK}")
+    decode = config.pop("decode", "group")
+    if decode not in ("group", "exp2"):
+        raise ValueError(f"fused_moe_mxfp4: decode must be 'group' or 'exp2', got {decode!r}")
+    if config["BLOCK_K"] % MX_BLOCK or config["BLOCK_K"] & (config["BLOCK_K"] - 1):
+        raise ValueError(f"fused_moe_mxfp4: BLOCK_K {config['BLOCK_K']} must be a power of two >= {MX_BLOCK}")
+    if decode == "exp2":
+        if config.pop("JOIN", False):
+            raise ValueError("fused_moe_mxfp4: JOIN needs the group decode")
+        gate_up_kernel, down_kernel = _gate_up_mxfp4, _down_mxfp4
+    else:
+        config.setdefault("JOIN", False)
+        gate_up_kernel, down_kernel = _gate_up_mxfp4_g, _down_mxfp4_g
     common = dict(BLOCK_M=block_m, PER_PAIR=per_pair, IEEE=x.dtype == torch.float32, **config)
     limit = float("inf") if swiglu_limit is None else float(swiglu_limit)
     h = x.new_empty(num_pairs, inter)
     y = x.new_empty(num_pairs, hidden)
-    _gate_up_mxfp4[(num_blocks, triton.cdiv(inter, config["BLOCK_N"]))](
+    gate_up_kernel[(num_blocks, triton.cdiv(inter, config["BLOCK_N"]))](
         x, gate_up, gate_up_scale, h, sorted_pairs, block_expert, num_padded, num_pairs, k, inter, hidden, limit,
         x.stride(0), gate_up.stride(0), gate_up.stride(1), gate_up_scale.stride(0), gate_up_scale.stride(1),
         h.stride(0), **common)
-    _down_mxfp4[(num_blocks, triton.cdiv(hidden, config["BLOCK_N"]))](
+    down_kernel[(num_blocks, triton.cdiv(hidden, config["BLOCK_N"]))](
         h, down, down_scale, y, weights.flatten().float().contiguous(), sorted_pairs, block_expert, num_padded,
         num_pairs, hidden, inter, h.stride(0), down.stride(0), down.stride(1), down_scale.stride(0),
         down_scale.stride(1), y.stride(0), **common)
