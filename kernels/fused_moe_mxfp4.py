@@ -17,7 +17,11 @@ into element order, the activations are read as their even and odd columns, and 
 
     acc[m, n] += dot(x[m, k0 + 2j], lo(w[n, k0/2 + j]) s) + dot(x[m, k0 + 2j + 1], hi(w[n, k0/2 + j]) s)
 
-with s = 2^(b - 127) of the scale column (k0 + 2j) / 32 (one per 16 bytes). gate_up writes h = clamped SwiGLU
+with s = 2^(b - 127) of the scale column (k0 + 2j) / 32 (one per 16 bytes). The default ("group") decode,
+_mx_group_tile, views a K tile as (BLOCK_K / 32 groups, 16 bytes, BLOCK_N): 16-byte loads, one scale byte per
+group broadcast over its 16 bytes, and each code turned into its value by integer bit placement into fp16 and one
+fp32 multiply (no exp2 per element); JOIN interleaves the even and odd operands back into element order for one
+dot. The first release's decode ("exp2": _mx_tile, a scale load and two exp2 per element) stays selectable. gate_up writes h = clamped SwiGLU
 (V4's: silu(min(gate, limit)) * clamp(up, -limit, limit)) in x's dtype; down scales each (token, slot) pair's fp32
 result by its top-k weight, and a token's k slots are summed in slot order (fused_moe._combine). The torch form
 (and the CPU path) is the dequantize-at-load one: layers/mxfp4.py Mxfp4DequantExperts.
