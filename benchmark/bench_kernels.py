@@ -113,7 +113,7 @@ MXFP4_ROTATIONS = 4
 """Routings cycled within one timed call, so that no expert's weights stay in L2 from the previous launch."""
 
 
-def mxfp4_moe_rows(copy_bw: float) -> list[dict]:
+def mxfp4_moe_rows(copy_bw: float, batches: tuple[int, ...] = (1, 16, 64, 256, 2048)) -> list[dict]:
     """V4-Flash's routed experts: fused_moe_mxfp4 (4-bit weights, clamped SwiGLU) under the legacy tiles, each
     of MXFP4_CANDIDATES and the default table (_tiles), beside fused_moe on the same weights in bf16, per batch.
     Each timed call runs MXFP4_ROTATIONS launches over different random routings (the same for both kernels); the
@@ -132,7 +132,7 @@ def mxfp4_moe_rows(copy_bw: float) -> list[dict]:
     q_gu, s_gu, qd, sd = packed
     per_expert = 3 * hidden * inter
     rows = []
-    for batch in (1, 16, 64, 256, 2048):
+    for batch in batches:
         inputs = []
         for _ in range(MXFP4_ROTATIONS):
             weights, ids = torch.rand(batch, e, device="cuda").topk(topk, dim=-1)
@@ -458,6 +458,7 @@ def main() -> None:
     parser.add_argument("--out", default="benchmark/results/gpu_kernels_h200.json")
     parser.add_argument("--context", type=int, default=2048)
     parser.add_argument("--device", default="cuda")
+    parser.add_argument("--batches", default="1,16,64,256,2048", help="--only mxfp4: token counts, comma-separated")
     parser.add_argument("--only", choices=["kernels", "moe", "dense", "moe_invariant", "router", "moe_sweep",
                                            "decode_sweep", "mxfp4"],
                         default="kernels",
@@ -477,7 +478,7 @@ def main() -> None:
     copy_bw, mm_rate = ceilings("cuda", 1 << 29)
     if args.only in ("router", "moe_sweep", "decode_sweep", "mxfp4"):
         if args.only == "mxfp4":
-            rows = mxfp4_moe_rows(copy_bw)
+            rows = mxfp4_moe_rows(copy_bw, tuple(int(b) for b in args.batches.split(",")))
         elif args.only == "decode_sweep":
             rows = gqa_decode_sweep_rows(args.context, copy_bw) + moe_decode_sweep_rows(copy_bw)
         else:
