@@ -30,7 +30,9 @@ import numpy as np
 import torch
 from torch import nn
 
+from deepinfer_rt.layers.kernel_config import current_kernel_config
 from deepinfer_rt.layers.linear import Linear
+from deepinfer_rt.models.deepseek_v4.methods import v4_method
 
 
 # Unicode White_Space (what the tokenizers library's Strip trims; Python's str.strip() would also trim \x1c-\x1f).
@@ -145,6 +147,8 @@ class Engram(nn.Module):
         self.hidden_norm.weight = nn.Parameter(torch.ones(hc_mult, hidden_size))
         self.embed_norm = nn.Module()
         self.embed_norm.weight = nn.Parameter(torch.ones(hc_mult, hidden_size))
+        self.method = v4_method(current_kernel_config())
+        """Default or batch-invariant sigmoid (deepseek_v4/methods.py)."""
 
     def _host_rows(self, rows: torch.Tensor) -> torch.Tensor:
         table = self.embed.weight
@@ -177,5 +181,5 @@ class Engram(nn.Module):
         k_rstd = torch.rsqrt(keys.square().mean(-1) + self.eps)
         w = self.hidden_norm.weight.float() * self.embed_norm.weight.float()
         dot = (s * w * keys).sum(-1) * s_rstd * k_rstd * d ** -0.5
-        gate = torch.sigmoid(torch.copysign(dot.abs().clamp(min=1e-6).sqrt(), dot))
+        gate = self.method.sigmoid(torch.copysign(dot.abs().clamp(min=1e-6).sqrt(), dot))
         return (s + gate.unsqueeze(-1) * value.unsqueeze(1)).to(streams.dtype)

@@ -13,7 +13,10 @@ hooks its feature capture onto the target layers (`V41DecoderLayer.capture`).
 Engram tables can stay in host memory (env.py DEEPINFER_V41_ENGRAM_HOST; engram.py Engram.is_host_table).
 
 Not covered by this slice: FP8 / MXFP4 weights (refused at config parse), the image-token router bias and the
-vision tower (prompts holding the image token are refused), the batch-invariant mode (refused), CUDA graphs.
+vision tower (prompts holding the image token are refused), CUDA graphs.
+
+Batch-invariant mode: every layer's numerics come from its method object (deepseek_v41/methods.py, V4's
+deepseek_v4/methods.py), chosen at build; the forward here holds no mode test.
 """
 from __future__ import annotations
 
@@ -28,9 +31,11 @@ from deepinfer_rt.cache.kv_pool import KVLayout, KVPool
 from deepinfer_rt.env import get_env
 from deepinfer_rt.config import ModelConfig
 from deepinfer_rt.forward_batch import ForwardBatch
+from deepinfer_rt.layers.kernel_config import current_kernel_config
 from deepinfer_rt.models.deepseek_v4.batch import build_v4_batch
 from deepinfer_rt.models.deepseek_v4.common import V4RMSNorm, V4Rotary
 from deepinfer_rt.models.deepseek_v4.hyper_connections import HyperConnection, HyperHead
+from deepinfer_rt.models.deepseek_v4.methods import v4_method
 from deepinfer_rt.models.deepseek_v4.model import DeepseekV4ForCausalLM
 from deepinfer_rt.models.deepseek_v4.moe import ClampedExperts, SharedExpert, V4Router
 from deepinfer_rt.models.deepseek_v41.attention import V41Attention, V41Step, pool_width
@@ -151,6 +156,7 @@ class V41Model(nn.Module):
         self.layers = nn.ModuleList(V41DecoderLayer(cfg, s, rotary[s.rope], self.hashing) for s in cfg.layers)
         self.norm = V4RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.hc_head = None if cfg.hc_shifted else HyperHead(cfg)
+        self.method = v4_method(current_kernel_config())
         self.ratios = tuple(sorted({s.ratio for s in cfg.layers} - {0}))
         self.query_block = 256
         """Most prefill queries of one sequence attended together (bounds the (Q, H, keys) score tensor)."""
@@ -217,7 +223,8 @@ class V41Model(nn.Module):
         if self.hc_head is not None:
             hidden = self.norm(self.hc_head(streams))
         else:
-            hidden = self.norm((carried.unsqueeze(-1) * streams.float()).sum(dim=1).to(streams.dtype))
+            collapsed = self.method.middle_sum(carried.unsqueeze(-1) * streams.float(), dim=1)
+            hidden = self.norm(collapsed.to(streams.dtype))
         if step.keep is None:
             return hidden
         # Rows the consumer layers skipped have no output: NaN, so that no reader mistakes them for values.
@@ -231,8 +238,6 @@ class DeepseekV41ForCausalLM(DeepseekV4ForCausalLM):
 
     def __init__(self, config: ModelConfig):
         super(DeepseekV4ForCausalLM, self).__init__(config)
-        if self.kernel_config.is_batch_invariant:
-            raise ValueError("DeepSeek-V4.1 does not run in batch-invariant mode yet")
         self.v41 = V41Config.from_raw(_config_dict(config))
         self.model = V41Model(config, self.v41)
         self.supports_overlap = self.model.hashing is None  # Engram hashes the step's token ids on the host
