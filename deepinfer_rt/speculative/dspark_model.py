@@ -53,6 +53,7 @@ from deepinfer_rt.layers.moe import fuse_expert_weights
 from deepinfer_rt.models.base import CausalLM
 from deepinfer_rt.models.deepseek_v4.common import V4RMSNorm, V4Rotary, apply_rope
 from deepinfer_rt.models.deepseek_v4.hyper_connections import HyperConnection
+from deepinfer_rt.models.deepseek_v4.model import _FP32 as TARGET_FP32
 from deepinfer_rt.models.deepseek_v41.config import V41Config
 from deepinfer_rt.models.deepseek_v41.methods import v41_method
 from deepinfer_rt.models.deepseek_v41.model import V41MoE
@@ -164,6 +165,16 @@ class DSparkModel(CausalLM):
         rotary = V4Rotary(cfg, cfg.rope_main)  # the draft's attention is ratio 0: plain rope_theta
         self.stages = nn.ModuleList(DSparkStage(cfg, rotary, s, self.num_stages) for s in range(self.num_stages))
         self.method = v41_method(current_kernel_config())
+
+    def _apply(self, fn, recurse=True):
+        # Follow device moves but not dtype casts where the target keeps fp32 (deepseek_v4/model.py _FP32: norm
+        # gains, attention sinks, the router's correction bias, the mHC weights), as the reference drafter does.
+        fp32 = {n: p.data for n, p in self.named_parameters() if TARGET_FP32.search(n) and p.dtype == torch.float32}
+        super()._apply(fn, recurse)
+        params = dict(self.named_parameters())
+        for name, data in fp32.items():
+            params[name].data = data.to(params[name].device)
+        return self
 
     @property
     def key_width(self) -> int:
