@@ -21,6 +21,7 @@ from safetensors.torch import load_file
 from deepinfer_rt import Engine, SamplingParams
 from deepinfer_rt.speculative import SpeculativeConfig
 from deepinfer_rt.speculative.dspark import DSparkDrafter, survival_to_confidences
+from deepinfer_rt.speculative.stats import spec_stats
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "test" / "reference"))
@@ -112,9 +113,22 @@ def test_block_forward_matches_reference(small_vocab_path, small_reference):
                 survival_to_confidences(survival.tolist())), atol=1e-5, rtol=1e-5)
 
 
-def test_greedy_identical_with_drafter(dspark_path, plain):
-    got, stats = _generate(dspark_path, PROMPTS, GREEDY, speculative="dspark")
-    assert got == plain
+@pytest.fixture(scope="module")
+def dspark_engine(dspark_path):
+    """The drafter on config 'a' (confidence-scheduled verification), shared by the greedy and forced runs."""
+    with Engine(str(dspark_path), dtype="float32", kv_cache_tokens=2048, speculative="dspark") as engine:
+        yield engine
+
+
+def _spec_counts(engine: Engine) -> tuple[int, int, int]:
+    return engine.spec.num_drafted, engine.spec.num_accepted, engine.spec.num_verify_steps
+
+
+def test_greedy_identical_with_drafter(dspark_path, dspark_engine, plain):
+    before = _spec_counts(dspark_engine)
+    outs = dspark_engine.generate(input_ids=PROMPTS, sampling_params=GREEDY)
+    stats = spec_stats(*(n - m for n, m in zip(_spec_counts(dspark_engine), before)))
+    assert [o.token_ids for o in outs] == plain
     assert stats["drafted"] > 0 and 0.0 <= stats["acceptance_rate"] <= 1.0, stats  # a random drafter accepts little
     print("DSpark, random tiny drafter:", stats)
     got, _ = _generate(dspark_path, PROMPTS, GREEDY, speculative="dspark", chunked_prefill_tokens=7, page_size=4)
@@ -138,18 +152,23 @@ class OracleHead(DSparkDrafter):
         return DSparkDrafter._pick(forced, reqs, row)
 
 
-def test_forced_acceptance(dspark_path, plain):
+def test_forced_acceptance(dspark_engine, plain):
+    """Every draft verified (fixed length) and accepted; the module's drafter engine, its class swapped for the run
+    (the prompts may hit the prefix cache of the greedy run: the drafter's context keys come back with it)."""
     cont = {}
     for prompt, out in zip(PROMPTS, plain):
         full = prompt + out + [0] * 8
         for n in range(len(prompt) + 1, len(prompt) + len(out) + 1):
             cont[tuple(full[:n])] = full[n : n + 8]
     OracleHead.continuations = cont
-    with Engine(str(dspark_path), dtype="float32", kv_cache_tokens=2048,
-                speculative=SpeculativeConfig(method="dspark", fixed_length=True)) as engine:
-        engine.spec.drafter.__class__ = OracleHead
-        outs = engine.generate(input_ids=PROMPTS, sampling_params=GREEDY)
-        stats = engine.stats["spec"]
+    spec = dspark_engine.spec
+    before, was_fixed = _spec_counts(dspark_engine), spec.fixed_length
+    spec.fixed_length, spec.drafter.__class__ = True, OracleHead
+    try:
+        outs = dspark_engine.generate(input_ids=PROMPTS, sampling_params=GREEDY)
+    finally:
+        spec.fixed_length, spec.drafter.__class__ = was_fixed, DSparkDrafter
+    stats = spec_stats(*(n - m for n, m in zip(_spec_counts(dspark_engine), before)))
     assert [o.token_ids for o in outs] == plain
     print("DSpark, oracle head:", stats)
     assert stats["drafted"] > 0 and stats["acceptance_rate"] == 1.0, stats

@@ -20,7 +20,6 @@ FP8 with per-32 scales (host memory is their intended home); this slice reads bf
 """
 from __future__ import annotations
 
-import functools
 import hashlib
 import re
 import unicodedata
@@ -61,16 +60,23 @@ def compressed_vocabulary(token_texts: list[str], raw_tokens: list[str]) -> tupl
 
 def tokenizer_vocabulary(path: str, vocab_size: int) -> tuple[np.ndarray, int]:
     """The compressed vocabulary of the tokenizer in a model folder (each id decoded on its own); computed once per
-    tokenizer content in a process."""
+    tokenizer content and vocabulary size in a process, whichever folder holds that tokenizer."""
     files = sorted(Path(path).glob("tokenizer*.json"))
     if not files:
         raise ValueError(f"Engram needs the tokenizer of {path} (no tokenizer*.json there)")
-    digest = hashlib.sha256(b"".join(f.read_bytes() for f in files)).hexdigest()
-    return _vocabulary(digest, path, vocab_size)
+    key = (hashlib.sha256(b"".join(f.read_bytes() for f in files)).hexdigest(), vocab_size)
+    if key not in _VOCABULARIES:
+        if len(_VOCABULARIES) >= 4:
+            _VOCABULARIES.pop(next(iter(_VOCABULARIES)))
+        _VOCABULARIES[key] = _vocabulary(path, vocab_size)
+    return _VOCABULARIES[key]
 
 
-@functools.lru_cache(maxsize=4)
-def _vocabulary(digest: str, path: str, vocab_size: int) -> tuple[np.ndarray, int]:
+_VOCABULARIES: dict[tuple[str, int], tuple[np.ndarray, int]] = {}
+"""(tokenizer files' digest, vocab_size) -> compressed vocabulary: the four most recent."""
+
+
+def _vocabulary(path: str, vocab_size: int) -> tuple[np.ndarray, int]:
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(Path(path))
