@@ -12,8 +12,14 @@ hooks its feature capture onto the target layers (`V41DecoderLayer.capture`).
 
 Engram tables can stay in host memory (env.py DEEPINFER_V41_ENGRAM_HOST; engram.py Engram.is_host_table).
 
-Not covered by this slice: FP8 / MXFP4 weights (refused at config parse), the image-token router bias and the
-vision tower (prompts holding the image token are refused), CUDA graphs.
+The image-token router correction bias (`layers.N.ffn.gate.bias_vl`, fp32 (n_routed_experts,), in multimodal release
+checkpoints) is loaded when present and kept in fp32 (`V41MoE`), but it never acts here: it replaces `gate.bias` in
+the expert choice of image-span rows only (vLLM's V4.1 MoE: rows whose input id is the image token; TensorRT-LLM's
+router: an image mask), and this text-only engine refuses prompts holding the image token. The drafter's stages do
+not use it (vLLM passes none to them): a drafter checkpoint carrying one is refused by name.
+
+Not covered by this slice: FP8 / MXFP4 weights (refused at config parse), the vision tower (prompts holding the
+image token are refused), CUDA graphs.
 
 Batch-invariant mode: every layer's numerics come from its method object (deepseek_v41/methods.py, V4's
 deepseek_v4/methods.py), chosen at build; the forward here holds no mode test.
@@ -21,6 +27,7 @@ deepseek_v4/methods.py), chosen at build; the forward here holds no mode test.
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Iterable, Iterator
 
 import numpy as np
@@ -43,6 +50,7 @@ from deepinfer_rt.models.deepseek_v41.config import V41Config, V41Layer
 from deepinfer_rt.models.deepseek_v41.engram import Engram, EngramHashing, tokenizer_vocabulary
 
 _DIGITS = 3  # a compressed id kept as base-256 digits: exact in bf16 / fp16 / fp32 pools
+_IMAGE_BIAS = re.compile(r"^model\.layers\.(\d+)\.ffn\.gate\.bias_vl$")
 
 
 def check_truncation(cfg: V41Config) -> None:
@@ -57,6 +65,9 @@ def check_truncation(cfg: V41Config) -> None:
 
 
 class V41MoE(nn.Module):
+    """Router (`gate`: weight, text correction bias `bias`, and once loaded the image-token bias `bias_vl`, unused by
+    a text-only engine: see the module docstring), routed experts, shared expert."""
+
     def __init__(self, cfg: V41Config):
         super().__init__()
         self.gate_temp = cfg.gate_temp
@@ -254,9 +265,32 @@ class DeepseekV41ForCausalLM(DeepseekV4ForCausalLM):
             for name, tensor in weights:
                 if not name.startswith(("model.", "head.", "mtp.")):  # the release's names
                     name = "model." + ("embed_tokens.weight" if name == "embed.weight" else name)
+                m = _IMAGE_BIAS.match(name)
+                if m is not None and int(m[1]) < len(self.model.layers):
+                    self._load_image_bias(int(m[1]), name, tensor)
+                    continue
                 yield name, tensor
 
         super().load_weights(hf_names())
+
+    @torch.no_grad()
+    def _load_image_bias(self, layer: int, name: str, tensor: torch.Tensor) -> None:
+        """The optional image-token correction bias, registered on the layer's router as it is read."""
+        gate = self.model.layers[layer].ffn.gate
+        want = (self.v41.n_routed_experts,)
+        if tuple(tensor.shape) != want:
+            raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != {want}")
+        device = gate.weight.device
+        gate.bias_vl = nn.Parameter(tensor.to(device=device, dtype=torch.float32), requires_grad=False)
+
+    def _apply(self, fn, recurse=True):
+        # The image-token bias stays fp32 like the text one (deepseek_v4/model.py _FP32 names `gate.bias` only).
+        kept = {n: p.data for n, p in self.named_parameters() if n.endswith(".gate.bias_vl")}
+        super()._apply(fn, recurse)
+        params = dict(self.named_parameters())
+        for name, data in kept.items():
+            params[name].data = data.to(params[name].device)
+        return self
 
 
 def _config_dict(config: ModelConfig) -> dict:
