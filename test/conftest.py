@@ -114,3 +114,12 @@ def single_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="session")
+def dspark_v41_path(tmp_path_factory) -> Path:
+    """Tiny DeepSeek-V4.1 config 'a' with DSpark drafter weights (scripts/tiny_deepseek_v41.py DSPARK)."""
+    from make_tiny_checkpoint import make_tiny_checkpoint
+
+    return make_tiny_checkpoint("deepseek_v41", tmp_path_factory.mktemp("tiny-v41-dspark"), seed=0, variant="a",
+                                dspark=True)

@@ -50,14 +50,15 @@ class _End:
 
 
 class FeatureCapture:
-    """Called by each target layer with its input streams (T, N, H); `take` returns (T, targets * H)."""
+    """Called by each target layer with its input streams (T, N, H); `take` returns (T, targets * H).
+    `mean_streams`: the drafter's (default or batch-invariant) mean over the streams."""
 
-    def __init__(self, layer_ids: tuple[int, ...]):
-        self.layer_ids = layer_ids
+    def __init__(self, layer_ids: tuple[int, ...], mean_streams):
+        self.layer_ids, self.mean_streams = layer_ids, mean_streams
         self._features: dict[int, torch.Tensor] = {}
 
     def __call__(self, layer_id: int, streams: torch.Tensor) -> None:
-        self._features[layer_id] = streams.mean(dim=1)
+        self._features[layer_id] = self.mean_streams(streams)
 
     def take(self) -> torch.Tensor | None:
         if len(self._features) != len(self.layer_ids):
@@ -94,7 +95,7 @@ class DSparkDrafter(Drafter):
         self.net, self.max_draft = net, max_draft
         self.window = net.cfg.sliding_window
         self.layer = net.cfg.num_layers  # the pool layer after the target's
-        self.capture = FeatureCapture(net.cfg.dspark_target_layer_ids)
+        self.capture = FeatureCapture(net.cfg.dspark_target_layer_ids, net.method.mean_streams)
         for layer in target.model.layers:
             if layer.spec.layer_id in net.cfg.dspark_target_layer_ids:
                 layer.capture = self.capture

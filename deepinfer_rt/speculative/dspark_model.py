@@ -47,12 +47,15 @@ import torch
 from torch import nn
 
 from deepinfer_rt.config import ModelConfig
+from deepinfer_rt.layers.kernel_config import current_kernel_config
 from deepinfer_rt.layers.linear import Linear
 from deepinfer_rt.layers.moe import fuse_expert_weights
 from deepinfer_rt.models.base import CausalLM
 from deepinfer_rt.models.deepseek_v4.common import V4RMSNorm, V4Rotary, apply_rope
 from deepinfer_rt.models.deepseek_v4.hyper_connections import HyperConnection
+from deepinfer_rt.models.deepseek_v4.model import _FP32 as TARGET_FP32
 from deepinfer_rt.models.deepseek_v41.config import V41Config
+from deepinfer_rt.models.deepseek_v41.methods import v41_method
 from deepinfer_rt.models.deepseek_v41.model import V41MoE
 
 _RENAMES = ((re.compile(r"\.hc_(attn|ffn)_(fn|base|scale)$"), r".hc_\1.\2"),
@@ -89,6 +92,8 @@ class DSparkAttention(nn.Module):
         self.wo_a = Linear(h * d // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank)
         self.wo_b = Linear(cfg.o_groups * cfg.o_lora_rank, cfg.hidden_size)
         self.attn_sink = nn.Parameter(torch.empty(h))
+        self.method = v41_method(current_kernel_config())
+        """Default or batch-invariant block attention and products (models/deepseek_v41/methods.py)."""
 
     def keys(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """(N, hidden) inputs at `positions` -> (N, head_dim) rotated keys (= values)."""
@@ -103,17 +108,12 @@ class DSparkAttention(nn.Module):
         b = t // r
         cos, sin = self.rotary.cos_sin(positions)
         q = apply_rope(self.wq_b(self.q_norm(self.wq_a(x))).view(t, h, d), cos, sin)  # V4.1: no per-head q norm
-        keys = torch.cat([ctx.to(x.dtype), apply_rope(self.kv_norm(self.wkv(x)), cos, sin).view(r, b, d)], dim=1)
-        mask = torch.cat([ctx_mask, ctx_mask.new_ones(r, b)], dim=1)  # the block sees all of itself
-        scores = torch.einsum("rqhd,rld->rqhl", q.view(r, b, h, d), keys) * d ** -0.5
-        scores = scores.masked_fill(~mask[:, None, None, :], float("-inf"))
-        sink = self.attn_sink.to(scores.dtype).view(1, 1, -1, 1).expand(*scores.shape[:3], 1)
-        probs = torch.cat([scores, sink], dim=-1).softmax(dim=-1)[..., :-1]
-        out = torch.einsum("rqhl,rld->rqhd", probs.to(keys.dtype), keys).reshape(t, h, d)
+        block = apply_rope(self.kv_norm(self.wkv(x)), cos, sin).view(r, b, d)
+        out = self.method.draft_attend(q.view(r, b, h, d), ctx.to(x.dtype), ctx_mask, block, self.attn_sink)
         out = apply_rope(out, cos, -sin)
         grouped = out.reshape(t, self.cfg.o_groups, -1)
         w = self.wo_a.weight.view(self.cfg.o_groups, -1, grouped.shape[-1])
-        return self.wo_b(torch.einsum("tgi,gri->tgr", grouped, w.to(grouped.dtype)).reshape(t, -1))
+        return self.wo_b(self.method.v4.grouped_projection(grouped, w.to(grouped.dtype)).reshape(t, -1))
 
 
 class DSparkStage(nn.Module):
@@ -164,6 +164,17 @@ class DSparkModel(CausalLM):
         self.noise_token_id = cfg.vocab_size - 1 if cfg.dspark_noise_token_id is None else cfg.dspark_noise_token_id
         rotary = V4Rotary(cfg, cfg.rope_main)  # the draft's attention is ratio 0: plain rope_theta
         self.stages = nn.ModuleList(DSparkStage(cfg, rotary, s, self.num_stages) for s in range(self.num_stages))
+        self.method = v41_method(current_kernel_config())
+
+    def _apply(self, fn, recurse=True):
+        # Follow device moves but not dtype casts where the target keeps fp32 (deepseek_v4/model.py _FP32: norm
+        # gains, attention sinks, the router's correction bias, the mHC weights), as the reference drafter does.
+        fp32 = {n: p.data for n, p in self.named_parameters() if TARGET_FP32.search(n) and p.dtype == torch.float32}
+        super()._apply(fn, recurse)
+        params = dict(self.named_parameters())
+        for name, data in fp32.items():
+            params[name].data = data.to(params[name].device)
+        return self
 
     @property
     def key_width(self) -> int:
@@ -192,7 +203,7 @@ class DSparkModel(CausalLM):
         d = self.cfg.head_dim
         for s, stage in enumerate(self.stages):
             streams, carried = stage(streams, carried, positions, ctx[..., s * d : (s + 1) * d], ctx_mask, ids)
-        hidden = (carried.unsqueeze(-1) * streams.float()).sum(dim=1).to(streams.dtype)
+        hidden = self.method.v4.middle_sum(carried.unsqueeze(-1) * streams.float(), dim=1).to(streams.dtype)
         return hidden.view(r, b, -1)
 
     def base_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -207,7 +218,8 @@ class DSparkModel(CausalLM):
     def confidence(self, hidden: torch.Tensor, markov_embed: torch.Tensor) -> torch.Tensor:
         """(R, hidden), (R, rank) -> (R,) fp32 confidence logits."""
         proj = self.stages[-1].confidence_head.proj
-        return (torch.cat([hidden, markov_embed.to(hidden.dtype)], dim=-1).float() @ proj.weight.float().T)[:, 0]
+        features = torch.cat([hidden, markov_embed.to(hidden.dtype)], dim=-1).float()
+        return self.method.matmul(features, proj.weight.float())[:, 0]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         def renamed() -> Iterator[tuple[str, torch.Tensor]]:

@@ -23,7 +23,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from deepinfer_rt.cache.kv_pool import KVPool
@@ -34,6 +33,7 @@ from deepinfer_rt.layers.methods import linear_method
 from deepinfer_rt.models.deepseek_v4.batch import AttnGroup, V4Batch
 from deepinfer_rt.models.deepseek_v4.common import V4RMSNorm, V4Rotary, apply_rope
 from deepinfer_rt.models.deepseek_v41.config import V41Config, V41Layer
+from deepinfer_rt.models.deepseek_v41.methods import v41_method
 
 
 @dataclass
@@ -84,6 +84,7 @@ class V41Compressor(nn.Module):
         self.wkv = Linear(cfg.hidden_size, d, method=kept)
         self.wgate = Linear(cfg.hidden_size, d, method=kept) if ratio == 2 else None
         self.norm = V4RMSNorm(d, cfg.rms_norm_eps)
+        self.method = v41_method(current_kernel_config()).v4
 
     def _write(self, pre: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, buf: torch.Tensor,
                index_wk: Linear, index_norm: V4RMSNorm) -> None:
@@ -101,13 +102,14 @@ class V41Compressor(nn.Module):
         kv_cols, gate_cols = slice(2 * d + di, 3 * d + di), slice(3 * d + di, 4 * d + di)
         # The pooling compressor runs in fp32 (its projections and the softmax over the window).
         xf = kv_x.float()
-        buf[vb.out_slots, kv_cols] = F.linear(xf, self.wkv.weight.float()).to(buf.dtype)
-        buf[vb.out_slots, gate_cols] = F.linear(xf, self.wgate.weight.float()).to(buf.dtype)
+        linear = self.method.linear.linear
+        buf[vb.out_slots, kv_cols] = linear(xf, self.wkv.weight.float()).to(buf.dtype)
+        buf[vb.out_slots, gate_cols] = linear(xf, self.wgate.weight.float()).to(buf.dtype)
         win = vb.windows[2]
         if win.num == 0:
             return
         kv, gate = buf[:, kv_cols][win.cur].float(), buf[:, gate_cols][win.cur].float()  # (N, 2, D)
-        pooled = (kv * gate.softmax(dim=1)).sum(dim=1)
+        pooled = self.method.pool_window(kv, gate)
         # the pooled entry leaves the fp32 compressor in the model's dtype, as the per-token ratio-1 entries are
         self._write(self.norm(pooled).to(kv_x.dtype), win.positions, win.end, buf, index_wk, index_norm)
 
@@ -136,6 +138,8 @@ class V41Attention(nn.Module):
             self.indexer.k_norm = V4RMSNorm(cfg.index_head_dim, cfg.rms_norm_eps)
         if spec.is_index_source:
             self.indexer.weights_proj = Linear(cfg.hidden_size, cfg.index_n_heads, method=kept_linear_method())
+        self.method = v41_method(current_kernel_config())
+        """Default or batch-invariant attention, indexer scores and products (deepseek_v41/methods.py)."""
 
     def forward(self, x: torch.Tensor, kv_x: torch.Tensor, step: V41Step, pool: KVPool) -> torch.Tensor:
         """x (Q, hidden) the queries' rows, kv_x (T, hidden) every token's KV input (Q < T only for YOCO consumers
@@ -158,27 +162,17 @@ class V41Attention(nn.Module):
             iq = apply_rope(q_all[:, h * d :].view(t, cfg.index_n_heads, cfg.index_head_dim), cos, sin)
             weights = self.indexer.weights_proj(x).float() * cfg.index_n_heads ** -0.5
         out = torch.empty_like(q)
+        entry_keys = None if src_buf is None else src_buf[:, d : 2 * d]
         for gi, group in enumerate(qvb.groups):
-            keys, mask = buf[:, :d][group.swa_slots], group.swa_mask  # (G, L, D), (G, Q, L)
+            sel = None
             if spec.has_long_range:
-                slots = group.entry_slots[spec.ratio]
-                sel = self._select(gi, group, iq, weights, src_buf, slots, step)
-                keys = torch.cat([keys, src_buf[:, d : 2 * d][slots]], dim=1)
-                mask = torch.cat([mask, sel], dim=2)
-            out[group.rows] = self._attend(q[group.rows], keys.to(q.dtype), mask, group)
+                sel = self._select(gi, group, iq, weights, src_buf, group.entry_slots[spec.ratio], step)
+            out[group.rows] = self.method.attend(q[group.rows], group, spec.ratio, buf[:, :d], entry_keys, sel,
+                                                 self.attn_sink)
         out = apply_rope(out, cos, -sin)  # undo the rotation V carried into the output
         grouped = out.reshape(t, self.cfg.o_groups, -1)
         w = self.wo_a.weight.view(self.cfg.o_groups, -1, grouped.shape[-1])
-        return self.wo_b(torch.einsum("tgi,gri->tgr", grouped, w.to(grouped.dtype)).reshape(t, -1))
-
-    def _attend(self, q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor, g: AttnGroup) -> torch.Tensor:
-        h, d = self.num_heads, self.head_dim
-        qg = q.view(g.num_seqs, g.q_len, h, d)
-        scores = torch.einsum("gqhd,gld->gqhl", qg, keys) * d ** -0.5
-        scores = scores.masked_fill(~mask[:, :, None, :], float("-inf"))
-        sink = self.attn_sink.to(scores.dtype).view(1, 1, -1, 1).expand(*scores.shape[:3], 1)
-        probs = torch.cat([scores, sink], dim=-1).softmax(dim=-1)[..., :-1]
-        return torch.einsum("gqhl,gld->gqhd", probs.to(keys.dtype), keys).reshape(-1, h, d)
+        return self.wo_b(self.method.v4.grouped_projection(grouped, w.to(grouped.dtype)).reshape(t, -1))
 
     def _select(self, gi: int, g: AttnGroup, iq, weights, src_buf, slots, step: V41Step) -> torch.Tensor:
         """(G, Q, E) entries this layer's queries attend to: its own indexer top-k on an index source (inside the
@@ -191,8 +185,8 @@ class V41Attention(nn.Module):
         d, di = cfg.head_dim, cfg.index_head_dim
         keys = src_buf[:, 2 * d : 2 * d + di][slots].float()  # (G, E, Di)
         q = iq[g.rows].float().view(n, q_len, cfg.index_n_heads, di)
-        scores = torch.einsum("gqhd,ged->gqhe", q, keys).relu() * di ** -0.5
-        scores = (scores * weights[g.rows].view(n, q_len, -1, 1)).sum(dim=2).masked_fill(~visible, float("-inf"))
+        scores = self.method.index_scores(q, keys, weights[g.rows].view(n, q_len, -1))
+        scores = scores.masked_fill(~visible, float("-inf"))
         if spec.is_candidate_source:
             step.candidates[gi] = self._candidate_blocks(scores, visible)
         if spec.candidate_source is not None:

@@ -23,7 +23,6 @@ memory, their intended home at full size, is a later step).
 """
 from __future__ import annotations
 
-import functools
 import hashlib
 import re
 import unicodedata
@@ -37,6 +36,7 @@ from deepinfer_rt.layers.fp8 import apply_keeping_quantized
 from deepinfer_rt.layers.kernel_config import current_kernel_config
 from deepinfer_rt.layers.linear import Linear
 from deepinfer_rt.layers.quant_formats import ENGRAM, MX_BLOCK, check_layout, decode_e8m0, role_layouts
+from deepinfer_rt.models.deepseek_v4.methods import v4_method
 
 
 # Unicode White_Space (what the tokenizers library's Strip trims; Python's str.strip() would also trim \x1c-\x1f).
@@ -65,16 +65,23 @@ def compressed_vocabulary(token_texts: list[str], raw_tokens: list[str]) -> tupl
 
 def tokenizer_vocabulary(path: str, vocab_size: int) -> tuple[np.ndarray, int]:
     """The compressed vocabulary of the tokenizer in a model folder (each id decoded on its own); computed once per
-    tokenizer content in a process."""
+    tokenizer content and vocabulary size in a process, whichever folder holds that tokenizer."""
     files = sorted(Path(path).glob("tokenizer*.json"))
     if not files:
         raise ValueError(f"Engram needs the tokenizer of {path} (no tokenizer*.json there)")
-    digest = hashlib.sha256(b"".join(f.read_bytes() for f in files)).hexdigest()
-    return _vocabulary(digest, path, vocab_size)
+    key = (hashlib.sha256(b"".join(f.read_bytes() for f in files)).hexdigest(), vocab_size)
+    if key not in _VOCABULARIES:
+        if len(_VOCABULARIES) >= 4:
+            _VOCABULARIES.pop(next(iter(_VOCABULARIES)))
+        _VOCABULARIES[key] = _vocabulary(path, vocab_size)
+    return _VOCABULARIES[key]
 
 
-@functools.lru_cache(maxsize=4)
-def _vocabulary(digest: str, path: str, vocab_size: int) -> tuple[np.ndarray, int]:
+_VOCABULARIES: dict[tuple[str, int], tuple[np.ndarray, int]] = {}
+"""(tokenizer files' digest, vocab_size) -> compressed vocabulary: the four most recent."""
+
+
+def _vocabulary(path: str, vocab_size: int) -> tuple[np.ndarray, int]:
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(Path(path))
@@ -206,6 +213,8 @@ class Engram(nn.Module):
         self.hidden_norm.weight = nn.Parameter(torch.ones(hc_mult, hidden_size))
         self.embed_norm = nn.Module()
         self.embed_norm.weight = nn.Parameter(torch.ones(hc_mult, hidden_size))
+        self.method = v4_method(current_kernel_config())
+        """Default or batch-invariant sigmoid (deepseek_v4/methods.py)."""
 
     def _host_rows(self, rows: torch.Tensor) -> torch.Tensor:
         fetched = self.embed(rows.cpu())
@@ -239,5 +248,5 @@ class Engram(nn.Module):
         k_rstd = torch.rsqrt(keys.square().mean(-1) + self.eps)
         w = self.hidden_norm.weight.float() * self.embed_norm.weight.float()
         dot = (s * w * keys).sum(-1) * s_rstd * k_rstd * d ** -0.5
-        gate = torch.sigmoid(torch.copysign(dot.abs().clamp(min=1e-6).sqrt(), dot))
+        gate = self.method.sigmoid(torch.copysign(dot.abs().clamp(min=1e-6).sqrt(), dot))
         return (s + gate.unsqueeze(-1) * value.unsqueeze(1)).to(streams.dtype)

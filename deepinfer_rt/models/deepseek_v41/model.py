@@ -14,12 +14,22 @@ Release-format weights (FP8 e4m3 with e8m0 32 x 32 blocks, MXFP4 routed experts,
 through the layers' methods (layers/quant_formats.py). Engram tables can stay in host memory (env.py
 DEEPINFER_V41_ENGRAM_HOST; engram.py Engram.is_host_table).
 
-Not covered by this slice: the image-token router bias and the
-vision tower (prompts holding the image token are refused), the batch-invariant mode (refused), CUDA graphs.
+The image-token router correction bias (`layers.N.ffn.gate.bias_vl`, fp32 (n_routed_experts,), in multimodal release
+checkpoints) is loaded when present and kept in fp32 (`V41MoE`), but it never acts here: it replaces `gate.bias` in
+the expert choice of image-span rows only (vLLM's V4.1 MoE: rows whose input id is the image token; TensorRT-LLM's
+router: an image mask), and this text-only engine refuses prompts holding the image token. The drafter's stages do
+not use it (vLLM passes none to them): a drafter checkpoint carrying one is refused by name.
+
+Not covered by this slice: the vision tower (prompts holding the
+image token are refused), CUDA graphs.
+
+Batch-invariant mode: every layer's numerics come from its method object (deepseek_v41/methods.py, V4's
+deepseek_v4/methods.py), chosen at build; the forward here holds no mode test.
 """
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Iterable, Iterator
 
 import numpy as np
@@ -30,9 +40,11 @@ from deepinfer_rt.cache.kv_pool import KVLayout, KVPool
 from deepinfer_rt.env import get_env
 from deepinfer_rt.config import ModelConfig
 from deepinfer_rt.forward_batch import ForwardBatch
+from deepinfer_rt.layers.kernel_config import current_kernel_config
 from deepinfer_rt.models.deepseek_v4.batch import build_v4_batch
 from deepinfer_rt.models.deepseek_v4.common import V4RMSNorm, V4Rotary
 from deepinfer_rt.models.deepseek_v4.hyper_connections import HyperConnection, HyperHead
+from deepinfer_rt.models.deepseek_v4.methods import v4_method
 from deepinfer_rt.models.deepseek_v4.model import DeepseekV4ForCausalLM
 from deepinfer_rt.models.deepseek_v4.moe import ClampedExperts, SharedExpert, V4Router
 from deepinfer_rt.models.deepseek_v41.attention import V41Attention, V41Step, pool_width
@@ -41,6 +53,7 @@ from deepinfer_rt.models.deepseek_v41.engram import Engram, EngramHashing, token
 from deepinfer_rt.models.release_names import from_release_name
 
 _DIGITS = 3  # a compressed id kept as base-256 digits: exact in bf16 / fp16 / fp32 pools
+_IMAGE_BIAS = re.compile(r"^model\.layers\.(\d+)\.ffn\.gate\.bias_vl$")
 
 
 def check_truncation(cfg: V41Config) -> None:
@@ -55,6 +68,9 @@ def check_truncation(cfg: V41Config) -> None:
 
 
 class V41MoE(nn.Module):
+    """Router (`gate`: weight, text correction bias `bias`, and once loaded the image-token bias `bias_vl`, unused by
+    a text-only engine: see the module docstring), routed experts, shared expert."""
+
     def __init__(self, cfg: V41Config):
         super().__init__()
         self.gate_temp = cfg.gate_temp
@@ -154,6 +170,7 @@ class V41Model(nn.Module):
         self.layers = nn.ModuleList(V41DecoderLayer(cfg, s, rotary[s.rope], self.hashing) for s in cfg.layers)
         self.norm = V4RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.hc_head = None if cfg.hc_shifted else HyperHead(cfg)
+        self.method = v4_method(current_kernel_config())
         self.ratios = tuple(sorted({s.ratio for s in cfg.layers} - {0}))
         self.query_block = 256
         """Most prefill queries of one sequence attended together (bounds the (Q, H, keys) score tensor)."""
@@ -220,7 +237,8 @@ class V41Model(nn.Module):
         if self.hc_head is not None:
             hidden = self.norm(self.hc_head(streams))
         else:
-            hidden = self.norm((carried.unsqueeze(-1) * streams.float()).sum(dim=1).to(streams.dtype))
+            collapsed = self.method.middle_sum(carried.unsqueeze(-1) * streams.float(), dim=1)
+            hidden = self.norm(collapsed.to(streams.dtype))
         if step.keep is None:
             return hidden
         # Rows the consumer layers skipped have no output: NaN, so that no reader mistakes them for values.
@@ -234,8 +252,6 @@ class DeepseekV41ForCausalLM(DeepseekV4ForCausalLM):
 
     def __init__(self, config: ModelConfig):
         super(DeepseekV4ForCausalLM, self).__init__(config)
-        if self.kernel_config.is_batch_invariant:
-            raise ValueError("DeepSeek-V4.1 does not run in batch-invariant mode yet")
         self.v41 = V41Config.from_raw(_config_dict(config))
         self.model = V41Model(config, self.v41)
         self.supports_overlap = self.model.hashing is None  # Engram hashes the step's token ids on the host
@@ -253,9 +269,32 @@ class DeepseekV41ForCausalLM(DeepseekV4ForCausalLM):
                 name = from_release_name(name)  # embed / norm / hc_head_* / layers.* / `.scale`
                 if not name.startswith(("model.", "head.", "mtp.")):  # the rest of the release's names
                     name = "model." + name
+                m = _IMAGE_BIAS.match(name)
+                if m is not None and int(m[1]) < len(self.model.layers):
+                    self._load_image_bias(int(m[1]), name, tensor)
+                    continue
                 yield name, tensor
 
         super().load_weights(hf_names())
+
+    @torch.no_grad()
+    def _load_image_bias(self, layer: int, name: str, tensor: torch.Tensor) -> None:
+        """The optional image-token correction bias, registered on the layer's router as it is read."""
+        gate = self.model.layers[layer].ffn.gate
+        want = (self.v41.n_routed_experts,)
+        if tuple(tensor.shape) != want:
+            raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != {want}")
+        device = gate.weight.device
+        gate.bias_vl = nn.Parameter(tensor.to(device=device, dtype=torch.float32), requires_grad=False)
+
+    def _apply(self, fn, recurse=True):
+        # The image-token bias stays fp32 like the text one (deepseek_v4/model.py _FP32 names `gate.bias` only).
+        kept = {n: p.data for n, p in self.named_parameters() if n.endswith(".gate.bias_vl")}
+        super()._apply(fn, recurse)
+        params = dict(self.named_parameters())
+        for name, data in kept.items():
+            params[name].data = data.to(params[name].device)
+        return self
 
 
 def _config_dict(config: ModelConfig) -> dict:

@@ -1,0 +1,126 @@
+"""DeepSeek-V4.1's layer methods: default or batch-invariant, chosen once from the KernelConfig when a layer is built
+(`self.method = v41_method(current_kernel_config())`).
+
+What V4.1 shares with V4 (norms, hyper-connection mixes, router, experts, GEMMs, the compressor's window softmax, the
+grouped output projection) is V4's method object (models/deepseek_v4/methods.py), held as `v4`. What differs is the
+attention's key set (sliding-window keys of the layer, long-range entries of the KV source's layer, the selection
+made by the index source), the indexer scores over those entries, and the DSpark block attention; their
+batch-invariant forms reuse V4's per-query key lists and fixed-block online softmax (models/deepseek_v4/invariant.py).
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from deepinfer_rt.layers.kernel_config import KernelConfig
+from deepinfer_rt.models.deepseek_v4 import invariant as v4_invariant
+from deepinfer_rt.models.deepseek_v4.batch import AttnGroup
+from deepinfer_rt.models.deepseek_v4.methods import V4Method, v4_method
+
+
+def _softmax_with_sink(scores: torch.Tensor, sink: torch.Tensor) -> torch.Tensor:
+    """scores (..., H, L) -> softmax over [scores, sink_h] without the sink's column."""
+    sink = sink.to(scores.dtype).view(*(1,) * (scores.dim() - 2), -1, 1).expand(*scores.shape[:-1], 1)
+    return torch.cat([scores, sink], dim=-1).softmax(dim=-1)[..., :-1]
+
+
+class V41Method:
+    """The default forms."""
+
+    def __init__(self, v4: V4Method):
+        self.v4 = v4
+
+    def attend(self, q: torch.Tensor, g: AttnGroup, ratio: int, swa_keys: torch.Tensor,
+               entry_keys: torch.Tensor | None, selected: torch.Tensor | None, sink: torch.Tensor) -> torch.Tensor:
+        """q (G*Q, H, D) the group's queries; swa_keys (N, D) / entry_keys (N, D) column views of the pool (this
+        layer's sliding-window keys, the KV source's entries of `ratio`); selected (G, Q, E) the entries each query
+        attends to (None: no long-range branch) -> (G*Q, H, D)."""
+        h, d = q.shape[1:]
+        keys, mask = swa_keys[g.swa_slots], g.swa_mask  # (G, L, D), (G, Q, L)
+        if selected is not None:
+            keys = torch.cat([keys, entry_keys[g.entry_slots[ratio]]], dim=1)
+            mask = torch.cat([mask, selected], dim=2)
+        keys = keys.to(q.dtype)
+        qg = q.view(g.num_seqs, g.q_len, h, d)
+        scores = torch.einsum("gqhd,gld->gqhl", qg, keys) * d ** -0.5
+        probs = _softmax_with_sink(scores.masked_fill(~mask[:, :, None, :], float("-inf")), sink)
+        return torch.einsum("gqhl,gld->gqhd", probs.to(keys.dtype), keys).reshape(-1, h, d)
+
+    def index_scores(self, q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """q (G, Q, H, Di) fp32, keys (G, E, Di) fp32, weights (G, Q, H) -> (G, Q, E) sum_h w_h relu(q_h . k_e) * scale."""
+        scores = torch.einsum("gqhd,ged->gqhe", q, keys).relu() * q.shape[-1] ** -0.5
+        return (scores * weights[..., None]).sum(dim=2)
+
+    def draft_attend(self, q: torch.Tensor, ctx: torch.Tensor, ctx_mask: torch.Tensor, block: torch.Tensor,
+                     sink: torch.Tensor) -> torch.Tensor:
+        """The DSpark block attention. q (R, B, H, D), ctx (R, L, D) context keys (valid ones first), ctx_mask (R, L),
+        block (R, B, D) the block's own keys, seen by every block row -> (R*B, H, D)."""
+        r, b, h, d = q.shape
+        keys = torch.cat([ctx, block], dim=1)
+        mask = torch.cat([ctx_mask, ctx_mask.new_ones(r, b)], dim=1)
+        scores = torch.einsum("rqhd,rld->rqhl", q, keys) * d ** -0.5
+        probs = _softmax_with_sink(scores.masked_fill(~mask[:, None, None, :], float("-inf")), sink)
+        return torch.einsum("rqhl,rld->rqhd", probs.to(keys.dtype), keys).reshape(r * b, h, d)
+
+    def mean_streams(self, streams: torch.Tensor) -> torch.Tensor:
+        """(T, N, D) -> (T, D) the mean over the streams (the DSpark feature capture)."""
+        return streams.mean(dim=1)
+
+    def matmul(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """x (T, K) @ w.T, w (N, K)."""
+        return x @ w.T
+
+    def softmax(self, x: torch.Tensor) -> torch.Tensor:
+        """Row softmax over the last dim."""
+        return x.softmax(dim=-1)
+
+
+class V41InvariantMethod(V41Method):
+    """The batch-invariant forms: each query's own key list in fixed blocks, heads and streams added in order."""
+
+    def attend(self, q, g, ratio, swa_keys, entry_keys, selected, sink):
+        entry_slots = None if selected is None else g.entry_slots[ratio]
+        slots, valid, is_entry = v4_invariant.key_lists(g.swa_slots, g.swa_mask, entry_slots, selected)
+        keys = swa_keys[slots]
+        if selected is not None:
+            keys = torch.where(is_entry[..., None], entry_keys[slots], keys)
+        return v4_invariant.attend(q, keys.to(q.dtype), valid, q.shape[-1] ** -0.5, sink)
+
+    def index_scores(self, q, keys, weights):
+        g, q_len, h, di = q.shape
+        e = keys.shape[1]
+        per_query = keys[:, None].expand(g, q_len, e, di).reshape(g * q_len, e, di)
+        scores = v4_invariant.index_scores(q.reshape(g * q_len, h, di), per_query, weights.reshape(g * q_len, h),
+                                           di ** -0.5)
+        return scores.view(g, q_len, e)
+
+    def draft_attend(self, q, ctx, ctx_mask, block, sink):
+        """Per block row: its valid context keys in order, then the block's keys, in whole KEY_BLOCKs."""
+        r, b, h, d = q.shape
+        num_ctx = ctx.shape[1]
+        width = -(-(num_ctx + b) // v4_invariant.KEY_BLOCK) * v4_invariant.KEY_BLOCK
+        count = ctx_mask.sum(-1, keepdim=True)  # (R, 1)
+        keys = ctx.new_zeros(r, width, d)
+        keys[:, :num_ctx] = ctx.masked_fill(~ctx_mask[..., None], 0)
+        pos = count + torch.arange(b, device=q.device)  # (R, B)
+        keys = keys.to(q.dtype).scatter(1, pos[..., None].expand(r, b, d), block.to(q.dtype))
+        valid = torch.arange(width, device=q.device) < count + b  # (R, W)
+        keys = keys[:, None].expand(r, b, width, d).reshape(r * b, width, d)
+        valid = valid[:, None].expand(r, b, width).reshape(r * b, width)
+        return v4_invariant.attend(q.reshape(r * b, h, d), keys, valid, d ** -0.5, sink)
+
+    def mean_streams(self, streams):
+        return v4_invariant.ordered_sum(streams, dim=1) / streams.shape[1]
+
+    def matmul(self, x, w):
+        return self.v4.linear.mm(x, w.t())
+
+    def softmax(self, x):
+        return v4_invariant.one_row_safe(lambda r: r.softmax(dim=-1), x)
+
+
+@functools.cache
+def v41_method(config: KernelConfig) -> V41Method:
+    cls = V41InvariantMethod if config.is_batch_invariant else V41Method
+    return cls(v4_method(config))
