@@ -5,9 +5,10 @@
 # `determinism` stage (batch-invariant mode on vs off, SmolLM2- and V2-Lite-shaped) and the `host` stage (host
 # time per decode step, overlap off and on, V2-Lite shape), the `moe_invariant` stage (batch-invariant fused
 # MoE beside the default one, V2-Lite shapes) and the `mxfp4` stage (the fused MXFP4 MoE beside the bf16 one at
-# V4-Flash expert shapes) run when named.
+# V4-Flash expert shapes), `v4` (bench_v4 at V4-Flash width), `fp8` (bench_fp8: FP8 beside bf16), `longctx`
+# (bench_gpu at long contexts) and `ep1` (the EP worker pool at one rank beside the in-process engine) run when named.
 # Logs and JSON land in $OUT. Stage time limits (seconds): BENCH_S, TEST_S, KERNEL_BENCH_S, EP_S, DET_S, HOST_S,
-# MOE_BI_S, MXFP4_S. TEST_ARGS: the pytest targets of the tests stage (default test/gpu); KERNEL_BENCH_ARGS: extra
+# MOE_BI_S, MXFP4_S, V4_S, FP8_S, LONGCTX_S, EP1_S. TEST_ARGS: the pytest targets of the tests stage (default test/gpu); KERNEL_BENCH_ARGS: extra
 # arguments of the kernel micro-benchmark (e.g. --only moe). TEST_JOBS>1: one pytest process per test file, that
 # many at once.
 #   device tool:  run(command="bash scripts/gpu_check.sh", carry=[".whl"])          (one H200)
@@ -67,8 +68,31 @@ if [[ $STAGES == *,moe_invariant,* ]]; then
 fi
 if [[ $STAGES == *,mxfp4,* ]]; then
   timeout "${MXFP4_S:-240}" python3 benchmark/bench_kernels.py --only mxfp4 --out "$OUT/gpu_mxfp4_moe_h200.json" \
-    > "$OUT/mxfp4.log" 2>&1
+    ${MXFP4_ARGS:-} > "$OUT/mxfp4.log" 2>&1
   tail -n 6 "$OUT/mxfp4.log"
+fi
+if [[ $STAGES == *,v4,* ]]; then  # V4 / V4.1 / MLA shapes at V4-Flash width, decode at batch 1 and 64
+  for b in ${V4_BATCHES:-1 64}; do
+    timeout "${V4_S:-150}" python3 benchmark/bench_v4.py --device cuda --dtype bfloat16 --layers 3 --experts 64 \
+      --vocab 129280 --batch "$b" --context 2048 --repeats 3 > "$OUT/v4_b$b.log" 2>&1
+    cp benchmark/results/v4_cuda.json "$OUT/v4_cuda_b$b.json" 2>/dev/null
+    tail -n 14 "$OUT/v4_b$b.log"
+  done
+fi
+if [[ $STAGES == *,fp8,* ]]; then  # FP8 beside bf16 (V2-Lite), a full-width V3 in FP8, weight bytes per GPU
+  timeout "${FP8_S:-300}" python3 benchmark/bench_fp8.py --out "$OUT/fp8_h200.json" ${FP8_ARGS:-} > "$OUT/fp8.log" 2>&1
+  tail -n 12 "$OUT/fp8.log"
+fi
+if [[ $STAGES == *,longctx,* ]]; then  # decode at long contexts beside the floor (bench_gpu.py --contexts)
+  timeout "${LONGCTX_S:-300}" python3 benchmark/bench_gpu.py --out "$OUT/gpu_h200_longctx.json" \
+    ${LONGCTX_ARGS:---models deepseek-v2-lite smollm2-135m --contexts 2048 32768 --batches 1 16 64 --hf-batches --steps 16 --profile-steps 0} \
+    > "$OUT/longctx.log" 2>&1
+  tail -n 16 "$OUT/longctx.log"
+fi
+if [[ $STAGES == *,ep1,* ]]; then  # the EP worker pool at one rank beside the in-process engine (one GPU)
+  timeout "${EP1_S:-300}" python3 benchmark/bench_ep.py --shape v2-lite --device cuda --dtype bfloat16 \
+    --batch 16,64,256 --ep 1 --skew 0 --out "$OUT/ep_h200.json" ${EP1_ARGS:-} > "$OUT/ep1.log" 2>&1
+  tail -n 12 "$OUT/ep1.log"
 fi
 if [[ $STAGES == *,ep,* ]] && [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
   OUT=$OUT timeout "${EP_S:-400}" bash scripts/gpu_ep_check.sh > "$OUT/ep.log" 2>&1
