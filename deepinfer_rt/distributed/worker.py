@@ -32,15 +32,15 @@ from deepinfer_rt.distributed.eplb import (
     window_objective,
 )
 from deepinfer_rt.distributed.messages import StepMsg, StepReply, WorkerArgs
+from deepinfer_rt.distributed.mirrors import Mirrors
 from deepinfer_rt.distributed.spec import set_step_drafts, worker_spec_decoder
 from deepinfer_rt.env import get_env
 from deepinfer_rt.layers.attention.select import select_backend
 from deepinfer_rt.layers.kernel_config import KernelConfig
 from deepinfer_rt.model_runner import Launched, ModelRunner, RunResult
 from deepinfer_rt.models.loader import build_model
-from deepinfer_rt.request import Req
 from deepinfer_rt.sampler import Sampler
-from deepinfer_rt.scheduler.batch import ScheduledBatch, ScheduledReq
+from deepinfer_rt.scheduler.batch import ScheduledBatch
 
 
 class ShippedBitmasks:
@@ -89,7 +89,7 @@ class Worker:
         self.runner = ModelRunner(self.model, self.pool, backend, Sampler(mc.vocab_size), self.device, args.eos_ids,
                                   is_overlap_enabled=True, graphs=self._cuda_graphs(backend), spec=spec)
         self.runner.grammar = ShippedBitmasks(mc.vocab_size)
-        self.mirrors: dict[int, Req] = {}
+        self.mirrors = Mirrors()
         self.held: Launched | None = None
         """The overlapped step launched and not yet answered."""
         self.window = LoadWindow(self.eplb.window_steps) if self.eplb else None
@@ -187,32 +187,11 @@ class Worker:
                 "num_rearrangements": self.num_rearrangements}
 
     def _batch(self, msg: StepMsg) -> ScheduledBatch:
-        """Mirror requests of this step: new ones whole, returning ones advanced by the message's deltas."""
-        mirrors = {}
-        for new in msg.new_reqs:
-            req = Req(new.rid, new.prompt_ids, new.params, new.seed)
-            req.token_ids = list(new.token_ids)
-            mirrors[new.rid] = req
-        batch = ScheduledBatch()  # the engine's plan, item for item (its flags too: the mirrors lack in-flight tokens)
-        for item in msg.items:
-            req = mirrors.get(item.rid) or self.mirrors[item.rid]
-            req.token_ids.extend(item.new_token_ids)
-            if item.pages_from == 0:
-                req.pages = list(item.new_pages)
-            else:
-                assert len(req.pages) == item.pages_from, f"request {item.rid}: KV pages out of step with the engine"
-                req.pages.extend(item.new_pages)
-            req.num_computed_tokens = item.num_computed_tokens
-            req.prompt_logprobs = [None] * item.num_prompt_logprobs
-            req.grammar = item.bitmask
-            req.num_inflight_tokens = item.num_inflight_tokens
-            mirrors[item.rid] = req
-            batch.items.append(ScheduledReq(req, item.num_computed_tokens, item.num_new_tokens, item.is_sampling,
-                                            item.draft_tokens, item.wants_prompt_logprobs))
+        """The step's batch over this rank's mirror requests (distributed/mirrors.py)."""
+        batch = self.mirrors.apply(msg.new_reqs, msg.items)
         if self.runner.spec is not None:
             set_step_drafts(self.runner.spec, {it.rid: (it.draft_tokens, it.req.num_tokens)
                                                for it in batch.items if it.draft_tokens})
-        self.mirrors = mirrors
         return batch
 
     # ---- EPLB ----
