@@ -191,6 +191,8 @@ def measure(engine: Engine, batch: int, prompt_len: int, decode_steps: int, warm
     out = {"decode_tok_s": median, "runs": runs, "spread": (max(runs) - min(runs)) / median,
            "step_ms": statistics.median(step_ms), "decode_steps": decode_steps, "warmup_steps": warmup_steps,
            "floor_tok_s": floor, "fraction_of_floor": median / floor, "above_floor": max(runs) > floor}
+    if "ep_decode_steps" in stats:  # the worker's own count (rank 0): on CUDA at EP=1 every one should replay
+        out.update(worker_decode_steps=stats["ep_decode_steps"], worker_graph_steps=stats["ep_graph_decode_steps"])
     if "moe_balance" in stats:
         out.update(moe_balance=stats["moe_balance"], max_over_mean=1 / stats["moe_balance"],
                    tokens_per_rank=stats["ep_tokens_per_rank"], eplb_moved_experts=stats["eplb_moved_experts"],
@@ -229,6 +231,8 @@ def report(name: str, batch: int, run: dict) -> None:
     balance = (f" balance mean/max {run['moe_balance']:.3f} moved {run['eplb_moved_experts']}"
                if "moe_balance" in run else "")
     flag = "  ABOVE THE FLOOR" if run["above_floor"] else ""
+    if "worker_decode_steps" in run:
+        flag += f" worker graph steps {run['worker_graph_steps']}/{run['worker_decode_steps']}"
     print(f"{name} batch {batch}: {run['decode_tok_s']:.1f} tok/s (spread {run['spread']:.1%}, step "
           f"{run['step_ms']:.2f} ms; floor {run['floor_tok_s']:.0f}, {run['fraction_of_floor']:.2%}{over})"
           f"{balance}{flag}")

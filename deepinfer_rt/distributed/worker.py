@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from deepinfer_rt.cache.kv_pool import KVPool, num_kv_pages
+from deepinfer_rt.cuda_graph import CudaGraphRunner
 from deepinfer_rt.distributed.ep import ExpertShard, moe_layers, run_empty
 from deepinfer_rt.distributed.eplb import (
     LoadWindow,
@@ -63,6 +64,18 @@ class ShippedBitmasks:
             logits[rows, self.vocab_size:] = float("-inf")
 
 
+class CountedGraphs(CudaGraphRunner):
+    """The decode CUDA graphs, counting the steps that replayed one (engine stats: a worker that fell back to
+    eager decode steps shows)."""
+
+    num_replays = 0
+
+    def run(self, *args, **kwargs):
+        hidden = super().run(*args, **kwargs)
+        self.num_replays += hidden is not None
+        return hidden
+
+
 class Worker:
     def __init__(self, args: WorkerArgs):
         self.args = args
@@ -94,6 +107,7 @@ class Worker:
         """The overlapped step launched and not yet answered."""
         self.window = LoadWindow(self.eplb.window_steps) if self.eplb else None
         self.num_steps = 0
+        self.num_decode_steps = 0
         self.num_moved_experts = 0
         self.num_rearrangements = 0
 
@@ -105,9 +119,7 @@ class Worker:
         if (self.device.type != "cuda" or env.cuda_graph_max_bs <= 0 or not self.model.supports_cuda_graphs
                 or self.recorder is not None):
             return None
-        from deepinfer_rt.cuda_graph import CudaGraphRunner
-
-        return CudaGraphRunner(self.model, self.pool, backend, min(self.args.max_num_seqs, env.cuda_graph_max_bs),
+        return CountedGraphs(self.model, self.pool, backend, min(self.args.max_num_seqs, env.cuda_graph_max_bs),
                                min(self.config.max_position, env.cuda_graph_max_context))
 
     # ---- start ----
@@ -157,6 +169,7 @@ class Worker:
             run_empty(self.model, self.config.hidden_size, self.args.dtype, self.device)
             handle = Launched(result=RunResult([], None, {}))
         else:
+            self.num_decode_steps += all(it.num_new_tokens == 1 for it in batch.items)
             batch.is_overlappable = msg.is_overlapped
             handle = self.runner.launch(batch, self.held if msg.is_overlapped else None)
         if self.recorder is not None:
@@ -180,10 +193,12 @@ class Worker:
 
     def stats(self) -> dict:
         """Counters since the start, read back from the device only when the engine asks."""
+        graphs = self.runner.graphs
+        out = {"decode_steps": self.num_decode_steps, "graph_decode_steps": graphs.num_replays if graphs else 0}
         if self.recorder is None:
-            return {}
+            return out
         rank_tokens, sum_max = self.recorder.totals()
-        return {"rank_tokens": rank_tokens, "sum_max": sum_max, "num_moved_experts": self.num_moved_experts,
+        return {**out, "rank_tokens": rank_tokens, "sum_max": sum_max, "num_moved_experts": self.num_moved_experts,
                 "num_rearrangements": self.num_rearrangements}
 
     def _batch(self, msg: StepMsg) -> ScheduledBatch:
@@ -299,7 +314,7 @@ def _serve(args: WorkerArgs, ctx, sock) -> None:
     code = 0
     try:
         worker = Worker(args)
-        sock.send(pickle.dumps(("ready", args.rank, worker.num_pages)))
+        sock.send(pickle.dumps(("ready", args.rank, worker.num_pages, worker.model.supports_overlap)))
         while True:
             kind, msg = pickle.loads(sock.recv())
             if kind == "stop":

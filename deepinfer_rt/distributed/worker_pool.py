@@ -179,7 +179,7 @@ class WorkerPool:
         self._refused: list[str] = []
         """Why workers that asked to join were turned away (named when the start times out)."""
         ready = self._collect("ready", env.ep_start_timeout_s)
-        num_pages = min(num_pages for (num_pages,) in ready.values())
+        num_pages = min(num_pages for num_pages, _ in ready.values())
         self.page_size = config.cache.page_size
         self.rank_pools = [RankPool(PageAllocator(num_pages), self.page_size) for _ in range(n)] if n > 1 else []
         """Data-parallel attention (EP > 1): each rank's KV pages, handed out by that rank's scheduler and prefix
@@ -199,7 +199,10 @@ class WorkerPool:
         self._held: int | None = None
         """The overlapped step the workers hold unanswered until the next step (or a flush) arrives."""
         self._num_overlapped = 0
-        self.is_overlap_enabled = env.overlap if env.overlap is not None else config.device.type == "cuda"
+        self.is_overlap_enabled = ((env.overlap if env.overlap is not None else config.device.type == "cuda")
+                                   and all(supports_overlap for _, supports_overlap in ready.values()))
+        """As the in-process engine: off where the model needs each step's token ids on the host (V4.1's Engram
+        hashing), which every worker reports when ready."""
         self._lock = threading.Lock()
         """Held while the socket is used: stats may be asked from another thread than the engine loop's."""
         self._last_stats: dict = {}
@@ -359,12 +362,16 @@ class WorkerPool:
     def stats(self) -> dict:
         """MoE balance over the steps and layers since reset_stats: moe_balance = sum of mean / sum of max
         (token, expert) pairs per rank (1.0 = even); per-rank totals; EPLB rearrangements and expert copies
-        moved. One rank has no balance to report."""
+        moved; rank 0's decode steps and those of them that replayed a CUDA graph (ep_decode_steps,
+        ep_graph_decode_steps). One rank has no balance to report."""
         now, base = self._read_stats(), self._stats_base
-        if not now:
-            return {"ep_size": self.size, "ep_overlapped_steps": self._num_overlapped}
+        graphs = {f"ep_{key}": now[key] - base.get(key, 0) for key in ("decode_steps", "graph_decode_steps")
+                  if key in now}
+        if "rank_tokens" not in now:
+            return {"ep_size": self.size, "ep_overlapped_steps": self._num_overlapped, **graphs}
         rank_tokens = [a - b for a, b in zip(now["rank_tokens"], base.get("rank_tokens", [0] * self.size))]
         sum_max = now["sum_max"] - base.get("sum_max", 0)
-        return {"ep_size": self.size, "ep_overlapped_steps": self._num_overlapped, "ep_tokens_per_rank": rank_tokens,
+        return {"ep_size": self.size, "ep_overlapped_steps": self._num_overlapped, **graphs,
+                "ep_tokens_per_rank": rank_tokens,
                 "moe_balance": sum(rank_tokens) / self.size / sum_max if sum_max else 1.0,
                 "eplb_rearrangements": now["num_rearrangements"], "eplb_moved_experts": now["num_moved_experts"]}

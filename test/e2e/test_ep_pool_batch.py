@@ -31,3 +31,4 @@ def test_batch_256_pool_equals_in_process(tiny_v3_path, monkeypatch):
         stats = engine.stats
     assert got == expected
     assert stats["ep_overlapped_steps"] >= 2 * 3  # the decode steps of both rounds ran overlapped
+    assert stats["ep_decode_steps"] >= 2 * 3 and stats["ep_graph_decode_steps"] == 0  # the worker's count (CPU)
