@@ -10,7 +10,7 @@ Configurations, in one process run: EP=1 (the same worker-pool code path, one wo
 each with the routers unbiased and biased toward low expert ids (DEEPINFER_MOE_ROUTER_SKEW, a Zipf exponent),
 except EPLB, which runs under skew only. Dummy weights are drawn per expert, so every EP size serves the same model.
 Beside each figure: the decode floor of PERF.md (bytes a step must read / copy bandwidth measured in this run;
-with EP each rank reads the replicated weights, the KV and its share of the touched experts), and the
+with EP each rank reads the replicated weights and its shares of the KV and of the touched experts), and the
 single-process engine (no worker pool) at EP=1, which prices the pool's own overhead
 (`over_in_process`: pool tok/s / in-process tok/s, the goal >= 0.9). `--shape tiny` has next to no compute, so
 its step times are the host path alone.
@@ -126,8 +126,9 @@ def param_counts(path: Path) -> tuple[int, int, int]:
 
 
 def decode_floor(path: Path, dtype: torch.dtype, batch: int, context: int, ep: int, bandwidth: float) -> float:
-    """PERF.md decode floor in tok/s for one EP rank: replicated weights (embedding rows excluded) + its share of
-    the routed experts uniform routing touches + the KV the step attends to."""
+    """PERF.md decode floor in tok/s of the whole batch: each EP rank reads per step the replicated weights
+    (embedding rows excluded), its share of the routed experts uniform routing touches, and the KV of its share of
+    the requests (attention is data-parallel); the ranks read in parallel."""
     mc, _ = load_model_config(path)
     size = torch.empty((), dtype=dtype).element_size()
     routed, always, num_moe = param_counts(path)
@@ -135,7 +136,7 @@ def decode_floor(path: Path, dtype: torch.dtype, batch: int, context: int, ep: i
     touched = e * (1 - (1 - k / e) ** batch)
     expert_bytes = routed / (num_moe * e) * size
     kv = get_model_class(mc.architecture).kv_layout(mc).bytes_per_token(dtype) * batch * context
-    step_bytes = always * size + num_moe * touched * expert_bytes / ep + kv
+    step_bytes = always * size + num_moe * touched * expert_bytes / ep + kv / ep
     return batch / (step_bytes / bandwidth)
 
 
