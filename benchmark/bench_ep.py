@@ -219,6 +219,44 @@ def check_tiny(device: str) -> dict:
     return {"tokens_identical": same, "max_logprob_diff": diff, "num_prompts": len(prompts), "max_new_tokens": 16}
 
 
+def message_cost(batch: int, prompt_len: int, steps: int = 200) -> dict:
+    """Host cost of one rank's decode-step message, without a model: the engine's encoding, pickle, unpickle and
+    the worker's mirror update (CPU time of this thread, ms), and its size, for `batch` requests at page size 1
+    (each step: a new token and a new page per request)."""
+    import pickle
+
+    from deepinfer_rt.distributed.mirrors import Mirrors, StepEncoder
+    from deepinfer_rt.request import Req
+    from deepinfer_rt.scheduler.batch import ScheduledBatch, ScheduledReq
+
+    params = SamplingParams(max_new_tokens=steps + 2, temperature=0, ignore_eos=True)
+    reqs = [Req(i, list(range(prompt_len + i % 7)), params, 0) for i in range(batch)]
+    for r in reqs:
+        r.pages = list(range(10_000 * r.rid, 10_000 * r.rid + len(r.token_ids)))
+    encoder, mirrors = StepEncoder(bitmask=None), Mirrors()
+    totals, size = [0.0] * 4, 0
+    for step in range(steps + 1):
+        batch_plan = ScheduledBatch([ScheduledReq.of(r, len(r.token_ids) - r.num_computed_tokens) for r in reqs])
+        marks = [time.thread_time()]
+        (msg,) = encoder.encode([batch_plan], is_overlapped=False, has_spec=False)
+        marks.append(time.thread_time())
+        payload = pickle.dumps(("step", msg), protocol=pickle.HIGHEST_PROTOCOL)
+        marks.append(time.thread_time())
+        msg = pickle.loads(payload)[1]
+        marks.append(time.thread_time())
+        mirrors.apply(msg.new_reqs, msg.items)
+        marks.append(time.thread_time())
+        if step:  # the first message carries the prompts
+            totals = [t + b - a for t, a, b in zip(totals, marks, marks[1:])]
+            size = len(payload)
+        for r in reqs:
+            r.num_computed_tokens = len(r.token_ids)
+            r.token_ids.append(step)
+            r.pages.append(r.pages[-1] + 1)
+    ms = dict(zip(("encode_ms", "pickle_ms", "unpickle_ms", "mirror_ms"), (1e3 * t / steps for t in totals)))
+    return {"batch": batch, "bytes": size, **ms, "total_ms": sum(ms.values())}
+
+
 def configs(eps: list[int], skews: list[float]):
     for skew in skews:
         for ep in eps:
@@ -256,6 +294,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1,
                     help="CPU: torch threads per process (EP=N uses N processes, i.e. N cores)")
     ap.add_argument("--check-tiny", action="store_true", help="also compare tiny DeepSeek-V3 tokens, EP=2 vs EP=1")
+    ap.add_argument("--message-cost", action="store_true",
+                    help="also time one rank's decode-step message at each batch size (host only, no model)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if args.device == "cpu":
@@ -281,6 +321,13 @@ def main() -> None:
 
     if args.check_tiny:
         result["tiny_v3_ep2_vs_ep1"] = check_tiny(args.device)
+        save()
+    if args.message_cost:
+        result["step_message"] = [message_cost(b, args.prompt_len) for b in batches]
+        for m in result["step_message"]:
+            print(f"decode-step message, batch {m['batch']}: {m['bytes']} B, host {m['total_ms']:.3f} ms (encode "
+                  f"{m['encode_ms']:.3f}, pickle {m['pickle_ms']:.3f}, unpickle {m['unpickle_ms']:.3f}, mirrors "
+                  f"{m['mirror_ms']:.3f})")
         save()
     print(f"copy bandwidth {bandwidth / 1e9:.1f} GB/s")
     rng = random.Random(0)
