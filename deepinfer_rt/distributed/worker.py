@@ -120,7 +120,7 @@ class Worker:
                 or self.recorder is not None):
             return None
         return CountedGraphs(self.model, self.pool, backend, min(self.args.max_num_seqs, env.cuda_graph_max_bs),
-                               min(self.config.max_position, env.cuda_graph_max_context))
+                             min(self.config.max_position, env.cuda_graph_max_context))
 
     # ---- start ----
     @staticmethod
