@@ -10,11 +10,15 @@ Configurations, in one process run: EP=1 (the same worker-pool code path, one wo
 each with the routers unbiased and biased toward low expert ids (DEEPINFER_MOE_ROUTER_SKEW, a Zipf exponent),
 except EPLB, which runs under skew only. Dummy weights are drawn per expert, so every EP size serves the same model.
 Beside each figure: the decode floor of PERF.md (bytes a step must read / copy bandwidth measured in this run;
-with EP each rank reads the replicated weights, the KV and its share of the touched experts), and the
+with EP each rank reads the replicated weights and its shares of the KV and of the touched experts), and the
 single-process engine (no worker pool) at EP=1, which prices the pool's own overhead
 (`over_in_process`: pool tok/s / in-process tok/s, the goal >= 0.9). `--shape tiny` has next to no compute, so
 its step times are the host path alone.
-Decode tok/s = batch * (new tokens - 1) / (time of the full generate - time of a 1-token generate).
+Decode tok/s: tokens / seconds of a window of --decode-steps engine steps in which every request of the batch
+decodes (prefill and --warmup-steps decode steps before the clock, the requests' last tokens after it), the loop
+driven on this thread; one untimed round per configuration first (graph warm-up, autotuning), then the median of
+--repeats windows with their spread ((max - min) / median). A figure above the decode floor is physically
+impossible and marks the measurement wrong: `above_floor` in the JSON, and on CUDA the run exits non-zero.
 """
 from __future__ import annotations
 
@@ -122,8 +126,9 @@ def param_counts(path: Path) -> tuple[int, int, int]:
 
 
 def decode_floor(path: Path, dtype: torch.dtype, batch: int, context: int, ep: int, bandwidth: float) -> float:
-    """PERF.md decode floor in tok/s for one EP rank: replicated weights (embedding rows excluded) + its share of
-    the routed experts uniform routing touches + the KV the step attends to."""
+    """PERF.md decode floor in tok/s of the whole batch: each EP rank reads per step the replicated weights
+    (embedding rows excluded), its share of the routed experts uniform routing touches, and the KV of its share of
+    the requests (attention is data-parallel); the ranks read in parallel."""
     mc, _ = load_model_config(path)
     size = torch.empty((), dtype=dtype).element_size()
     routed, always, num_moe = param_counts(path)
@@ -131,31 +136,64 @@ def decode_floor(path: Path, dtype: torch.dtype, batch: int, context: int, ep: i
     touched = e * (1 - (1 - k / e) ** batch)
     expert_bytes = routed / (num_moe * e) * size
     kv = get_model_class(mc.architecture).kv_layout(mc).bytes_per_token(dtype) * batch * context
-    step_bytes = always * size + num_moe * touched * expert_bytes / ep + kv
+    step_bytes = always * size + num_moe * touched * expert_bytes / ep + kv / ep
     return batch / (step_bytes / bandwidth)
 
 
-def timed(engine: Engine, prompts: list[list[int]], max_new: int) -> float:
-    t = time.perf_counter()
-    engine.generate(input_ids=prompts, sampling_params=SamplingParams(max_new_tokens=max_new, temperature=0,
-                                                                      ignore_eos=True))
-    return time.perf_counter() - t
+def decode_window(engine: Engine, prompts: list[list[int]], warmup_steps: int, decode_steps: int
+                  ) -> tuple[float, int]:
+    """(seconds, tokens) of `decode_steps` engine steps in which every request decodes, timed on the thread
+    that drives the loop: the prefill and `warmup_steps` decode steps run before the clock starts, and every
+    request still has tokens to go when it stops (ignore_eos), so the window holds decode steps of the whole
+    batch and nothing else. Tokens are counted from the requests (in-flight ones included, as the scheduler
+    counts them), the same way for the in-process engine and the worker pool."""
+    params = SamplingParams(max_new_tokens=warmup_steps + decode_steps + 2, temperature=0, ignore_eos=True)
+    with engine.hold_loop():
+        reqs = [r for p in prompts for r in engine.add_request(p, params)]
+        while not all(r.num_output_tokens >= 1 for r in reqs):  # prefill (chunks), not timed
+            engine.step()
+        for _ in range(warmup_steps):
+            engine.step()
+        before = sum(r.num_output_tokens for r in reqs)
+        start = time.perf_counter()
+        for _ in range(decode_steps):
+            engine.step()
+        seconds = time.perf_counter() - start
+        tokens = sum(r.num_output_tokens for r in reqs) - before
+        if any(r.is_finished for r in reqs):
+            raise RuntimeError("a request finished inside the timed window: the window is not decode-only")
+        while not all(r.is_finished for r in reqs):  # the last tokens, not timed
+            engine.step()
+    if tokens != len(reqs) * decode_steps:
+        raise RuntimeError(f"{tokens} tokens in {decode_steps} decode steps of {len(reqs)} requests: some step "
+                           "did not decode the whole batch")
+    return seconds, tokens
 
 
-def measure(engine: Engine, batch: int, prompt_len: int, max_new: int, repeats: int, vocab: int, rng,
-            warmup_steps: int) -> dict:
+def measure(engine: Engine, batch: int, prompt_len: int, decode_steps: int, warmup_steps: int, repeats: int,
+            vocab: int, rng, floor: float, settle_steps: int = 0) -> dict:
+    """Median decode tok/s of `repeats` windows (decode_window) and their spread, after one untimed round (CUDA
+    graph warm-up, Triton autotuning of this batch's shapes; `settle_steps` more for EPLB's first
+    rearrangements). A figure above
+    the decode floor is physically impossible: `above_floor` marks it (main fails the run on CUDA)."""
     def prompts():  # fresh ids every call: nothing comes from the prefix cache
         return [[rng.randrange(vocab) for _ in range(prompt_len)] for _ in range(batch)]
 
-    timed(engine, prompts(), max(max_new, warmup_steps))  # warm-up (with EPLB: the first rearrangements)
+    decode_window(engine, prompts(), warmup_steps + settle_steps, decode_steps)
     if hasattr(engine.executor, "reset_stats"):
         engine.executor.reset_stats()
-    runs = []
+    runs, step_ms = [], []
     for _ in range(repeats):
-        full, prefill = timed(engine, prompts(), max_new), timed(engine, prompts(), 1)
-        runs.append(batch * (max_new - 1) / max(full - prefill, 1e-9))
+        seconds, tokens = decode_window(engine, prompts(), warmup_steps, decode_steps)
+        runs.append(tokens / seconds)
+        step_ms.append(1e3 * seconds / decode_steps)
+    median = statistics.median(runs)
     stats = engine.stats
-    out = {"decode_tok_s": statistics.median(runs), "runs": runs}
+    out = {"decode_tok_s": median, "runs": runs, "spread": (max(runs) - min(runs)) / median,
+           "step_ms": statistics.median(step_ms), "decode_steps": decode_steps, "warmup_steps": warmup_steps,
+           "floor_tok_s": floor, "fraction_of_floor": median / floor, "above_floor": max(runs) > floor}
+    if "ep_decode_steps" in stats:  # the worker's own count (rank 0): on CUDA at EP=1 every one should replay
+        out.update(worker_decode_steps=stats["ep_decode_steps"], worker_graph_steps=stats["ep_graph_decode_steps"])
     if "moe_balance" in stats:
         out.update(moe_balance=stats["moe_balance"], max_over_mean=1 / stats["moe_balance"],
                    tokens_per_rank=stats["ep_tokens_per_rank"], eplb_moved_experts=stats["eplb_moved_experts"],
@@ -181,12 +219,62 @@ def check_tiny(device: str) -> dict:
     return {"tokens_identical": same, "max_logprob_diff": diff, "num_prompts": len(prompts), "max_new_tokens": 16}
 
 
+def message_cost(batch: int, prompt_len: int, steps: int = 200) -> dict:
+    """Host cost of one rank's decode-step message, without a model: the engine's encoding, pickle, unpickle and
+    the worker's mirror update (CPU time of this thread, ms), and its size, for `batch` requests at page size 1
+    (each step: a new token and a new page per request)."""
+    import pickle
+
+    from deepinfer_rt.distributed.mirrors import Mirrors, StepEncoder
+    from deepinfer_rt.request import Req
+    from deepinfer_rt.scheduler.batch import ScheduledBatch, ScheduledReq
+
+    params = SamplingParams(max_new_tokens=steps + 2, temperature=0, ignore_eos=True)
+    reqs = [Req(i, list(range(prompt_len + i % 7)), params, 0) for i in range(batch)]
+    for r in reqs:
+        r.pages = list(range(10_000 * r.rid, 10_000 * r.rid + len(r.token_ids)))
+    encoder, mirrors = StepEncoder(bitmask=None), Mirrors()
+    totals, size = [0.0] * 4, 0
+    for step in range(steps + 1):
+        batch_plan = ScheduledBatch([ScheduledReq.of(r, len(r.token_ids) - r.num_computed_tokens) for r in reqs])
+        marks = [time.thread_time()]
+        (msg,) = encoder.encode([batch_plan], is_overlapped=False, has_spec=False)
+        marks.append(time.thread_time())
+        payload = pickle.dumps(("step", msg), protocol=pickle.HIGHEST_PROTOCOL)
+        marks.append(time.thread_time())
+        msg = pickle.loads(payload)[1]
+        marks.append(time.thread_time())
+        mirrors.apply(msg.new_reqs, msg.items)
+        marks.append(time.thread_time())
+        if step:  # the first message carries the prompts
+            totals = [t + b - a for t, a, b in zip(totals, marks, marks[1:])]
+            size = len(payload)
+        for r in reqs:
+            r.num_computed_tokens = len(r.token_ids)
+            r.token_ids.append(step)
+            r.pages.append(r.pages[-1] + 1)
+    ms = dict(zip(("encode_ms", "pickle_ms", "unpickle_ms", "mirror_ms"), (1e3 * t / steps for t in totals)))
+    return {"batch": batch, "bytes": size, **ms, "total_ms": sum(ms.values())}
+
+
 def configs(eps: list[int], skews: list[float]):
     for skew in skews:
         for ep in eps:
             yield ep, skew, False
         if skew and max(eps) > 1:
             yield max(eps), skew, True
+
+
+def report(name: str, batch: int, run: dict) -> None:
+    over = f", {run['over_in_process']:.2f}x in-process" if "over_in_process" in run else ""
+    balance = (f" balance mean/max {run['moe_balance']:.3f} moved {run['eplb_moved_experts']}"
+               if "moe_balance" in run else "")
+    flag = "  ABOVE THE FLOOR" if run["above_floor"] else ""
+    if "worker_decode_steps" in run:
+        flag += f" worker graph steps {run['worker_graph_steps']}/{run['worker_decode_steps']}"
+    print(f"{name} batch {batch}: {run['decode_tok_s']:.1f} tok/s (spread {run['spread']:.1%}, step "
+          f"{run['step_ms']:.2f} ms; floor {run['floor_tok_s']:.0f}, {run['fraction_of_floor']:.2%}{over})"
+          f"{balance}{flag}")
 
 
 def main() -> None:
@@ -198,13 +286,16 @@ def main() -> None:
     ap.add_argument("--ep", default="1,2", help="comma-separated EP sizes")
     ap.add_argument("--skew", default="0,1.2", help="comma-separated router skews (0 = unbiased)")
     ap.add_argument("--prompt-len", type=int, default=32)
-    ap.add_argument("--max-new-tokens", type=int, default=32)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--decode-steps", type=int, default=64, help="decode steps in each timed window")
+    ap.add_argument("--warmup-steps", type=int, default=8, help="decode steps before each window's clock starts")
+    ap.add_argument("--repeats", type=int, default=5, help="timed windows per configuration (median, spread)")
     ap.add_argument("--eplb-interval", type=int, default=16,
-                    help="steps between rearrangements; the warm-up runs two intervals so EPLB is settled")
+                    help="steps between rearrangements; the warm-up round runs two intervals more so EPLB is settled")
     ap.add_argument("--threads", type=int, default=1,
                     help="CPU: torch threads per process (EP=N uses N processes, i.e. N cores)")
     ap.add_argument("--check-tiny", action="store_true", help="also compare tiny DeepSeek-V3 tokens, EP=2 vs EP=1")
+    ap.add_argument("--message-cost", action="store_true",
+                    help="also time one rank's decode-step message at each batch size (host only, no model)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if args.device == "cpu":
@@ -214,10 +305,11 @@ def main() -> None:
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
     path = write_shape(args.shape, Path(tempfile.mkdtemp()) / args.shape)
     vocab = SHAPES[args.shape]["vocab_size"]
-    context = args.prompt_len + args.max_new_tokens // 2
+    context = args.prompt_len + args.warmup_steps + args.decode_steps // 2  # mean context of a timed step
     bandwidth = copy_bandwidth(args.device)
     result = {"benchmark": "expert_parallel", "shape": args.shape, "device": args.device, "dtype": args.dtype,
-              "prompt_len": args.prompt_len, "max_new_tokens": args.max_new_tokens, "repeats": args.repeats,
+              "prompt_len": args.prompt_len, "decode_steps": args.decode_steps,
+              "warmup_steps": args.warmup_steps, "repeats": args.repeats,
               "eplb_interval_steps": args.eplb_interval, "copy_bandwidth_B_s": bandwidth, "torch": torch.__version__,
               "cpu_threads_per_process": args.threads, "machine": platform.processor() or platform.machine(),
               "command": "python benchmark/bench_ep.py " + " ".join(sys.argv[1:]), "runs": []}
@@ -230,19 +322,28 @@ def main() -> None:
     if args.check_tiny:
         result["tiny_v3_ep2_vs_ep1"] = check_tiny(args.device)
         save()
+    if args.message_cost:
+        result["step_message"] = [message_cost(b, args.prompt_len) for b in batches]
+        for m in result["step_message"]:
+            print(f"decode-step message, batch {m['batch']}: {m['bytes']} B, host {m['total_ms']:.3f} ms (encode "
+                  f"{m['encode_ms']:.3f}, pickle {m['pickle_ms']:.3f}, unpickle {m['unpickle_ms']:.3f}, mirrors "
+                  f"{m['mirror_ms']:.3f})")
+        save()
     print(f"copy bandwidth {bandwidth / 1e9:.1f} GB/s")
     rng = random.Random(0)
-    kv_tokens = max(batches) * (args.prompt_len + args.max_new_tokens + 16)
+    kv_tokens = max(batches) * (args.prompt_len + args.warmup_steps + args.decode_steps + 16)
     common = dict(dtype=args.dtype, device=args.device, load_format="dummy", enable_prefix_cache=False,
                   kv_cache_tokens=kv_tokens, max_num_seqs=max(batches), chunked_prefill_tokens=8192)
     in_process = {}
     if 1 in eps:
         with Engine(str(path), **common) as engine:  # the single-process engine: no worker pool
             for b in batches:
-                run = measure(engine, b, args.prompt_len, args.max_new_tokens, args.repeats, vocab, rng, 0)
+                floor = decode_floor(path, dtype, b, context, 1, bandwidth)
+                run = measure(engine, b, args.prompt_len, args.decode_steps, args.warmup_steps, args.repeats,
+                              vocab, rng, floor)
                 in_process[b] = run["decode_tok_s"]
                 result["runs"].append({"mode": "in_process", "ep": 1, "skew": 0.0, "eplb": False, "batch": b, **run})
-                print(f"in-process EP=1 batch {b}: {run['decode_tok_s']:.1f} tok/s")
+                report("in-process EP=1", b, run)
                 save()
         del engine  # its model and KV pool leave the GPU before the EP workers load theirs
         gc.collect()
@@ -253,20 +354,19 @@ def main() -> None:
                  DEEPINFER_EPLB_INTERVAL=args.eplb_interval, DEEPINFER_EPLB_WINDOW=4 * args.eplb_interval):
             with Engine(str(path), ep_size=ep, **common) as engine:
                 for b in batches:
-                    run = measure(engine, b, args.prompt_len, args.max_new_tokens, args.repeats, vocab, rng,
-                                  2 * args.eplb_interval + 2 if eplb else 0)
                     floor = decode_floor(path, dtype, b, context, ep, bandwidth)
-                    run.update(floor_tok_s=floor, fraction_of_floor=run["decode_tok_s"] / floor)
+                    run = measure(engine, b, args.prompt_len, args.decode_steps, args.warmup_steps, args.repeats,
+                                  vocab, rng, floor, 2 * args.eplb_interval + 2 if eplb else 0)
                     if ep == 1 and b in in_process:  # the goal: >= 0.9 of the in-process engine
                         run["over_in_process"] = run["decode_tok_s"] / in_process[b]
                     result["runs"].append({"mode": "worker_pool", "ep": ep, "skew": skew, "eplb": eplb, "batch": b,
                                            **run})
-                    print(f"EP={ep} skew={skew} eplb={'on' if eplb else 'off'} batch {b}: "
-                          f"{run['decode_tok_s']:.1f} tok/s (floor {floor:.0f}, {run['fraction_of_floor']:.2%}) "
-                          f"balance mean/max {run.get('moe_balance', 1.0):.3f} "
-                          f"moved {run.get('eplb_moved_experts', 0)}")
+                    report(f"EP={ep} skew={skew} eplb={'on' if eplb else 'off'}", b, run)
                     save()
     print(f"wrote {out}")
+    above = [r for r in result["runs"] if r["above_floor"]]
+    if above and args.device == "cuda":  # on a CPU a tiny model runs from cache, above a DRAM-bandwidth floor
+        raise SystemExit(f"{len(above)} figure(s) above the decode floor: the measurement is wrong, not fast")
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 python3 -c "import torch; assert torch.cuda.device_count() >= 2, 'needs two GPUs'; print('torch', torch.__version__)"
 
 python3 benchmark/bench_ep.py --check-tiny --shape v2-lite --device cuda --dtype bfloat16 --batch 64,256 \
-  --ep 1,2 --skew 0,1.2 --prompt-len 256 --max-new-tokens "${EP_NEW_TOKENS:-32}" --repeats "${EP_REPEATS:-2}" --eplb-interval 16 \
+  --ep 1,2 --skew 0,1.2 --prompt-len 256 --decode-steps "${EP_DECODE_STEPS:-64}" --repeats "${EP_REPEATS:-3}" --eplb-interval 16 \
   --out "$OUT/ep_h200x2.json"
 python3 - "$OUT/ep_h200x2.json" <<'EOF'
 import json, sys

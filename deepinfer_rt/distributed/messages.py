@@ -1,13 +1,16 @@
 """Plain data exchanged between the engine and its EP workers (pickled over zmq).
 
-Workers keep a mirror `Req` of each request in the previous step's batch; a step message carries only what
-changed since then. A request absent from a step is forgotten by the workers and sent whole if it returns
-(after a retraction, or a step that had no budget for it), so the mirrors never drift from the engine.
+Workers keep a mirror `Req` of each request in the previous step's batch (distributed/mirrors.py); a step
+message carries only what changed since then, column by column (StepItems). A request absent from a step is
+forgotten by the workers and sent whole if it returns (after a retraction, or a step that had no budget for it),
+so the mirrors never drift from the engine.
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from deepinfer_rt.config import ModelConfig
@@ -57,31 +60,83 @@ class NewReq:
     seed: int
 
 
+COLUMNS = ("rid", "num_computed_tokens", "num_new_tokens", "pages_from", "num_prompt_logprobs",
+           "num_inflight_tokens", "is_sampling", "wants_prompt_logprobs", "num_new_token_ids", "num_new_pages")
+"""Per-item fields of a step, one column each:
+    rid, num_computed_tokens, num_new_tokens, is_sampling, wants_prompt_logprobs   the engine's ScheduledReq
+    num_prompt_logprobs     prompt logprobs the request holds (the mirror's count)
+    num_inflight_tokens     overlap: the engine's token of the step before, still on the workers' device
+    pages_from              the new pages extend the mirror's from this index (0: replace them)
+    num_new_token_ids       tokens appended since the previous step (the whole list of a NewReq is its own)
+    num_new_pages           pages taken since then (or all of them when pages_from is 0)"""
+
+
+def _column(values: list[int]) -> int | np.ndarray:
+    """One value for the whole column when every item has it (most columns of a decode step), else the array,
+    int32 where the values fit."""
+    if not values or values.count(values[0]) == len(values):
+        return values[0] if values else 0
+    return _ints(values)
+
+
+def _ints(values) -> np.ndarray:
+    array = np.asarray(values, dtype=np.int64)
+    if array.size and (array.min() < np.iinfo(np.int32).min or array.max() > np.iinfo(np.int32).max):
+        return array
+    return array.astype(np.int32)
+
+
 @dataclass
-class StepItem:
-    rid: int
-    num_computed_tokens: int
-    num_new_tokens: int
-    new_token_ids: list[int]
-    """Tokens appended since the previous step (the whole list for a NewReq is in NewReq.token_ids)."""
-    pages_from: int
-    """new_pages extend the mirror's pages from this index (0: replace them)."""
-    new_pages: list[int]
-    num_prompt_logprobs: int
-    is_sampling: bool
-    wants_prompt_logprobs: bool
-    num_inflight_tokens: int
-    """Overlap: the engine's token of the step before, still on the workers' device (see model_runner)."""
-    bitmask: torch.Tensor | None = None
-    draft_tokens: tuple[int, ...] = ()
-    """Speculation: the drafts the step verifies after the item's tokens (counted in num_new_tokens)."""
-    """Grammar bitmask row (int32, ceil(V / 32)) filled by the engine when the item samples constrained."""
+class StepItems:
+    """The items of one rank's step, column by column (COLUMNS): each column one int when every item has the
+    same value, else an int32 array with an entry per item; the new token ids and pages flat, cut by their
+    per-item counts. So a message is what changed since the previous step, a few raw buffers to pickle: a decode
+    step of 256 requests at page size 1 is ~3.7 KB (the ids, computed counts, page offsets, new tokens and new
+    pages; the rest are single values), where a pickled object per item took ~16 KB and ~1 ms to pickle and
+    unpickle."""
+    num_items: int
+    columns: dict[str, int | np.ndarray]
+    new_token_ids: np.ndarray
+    new_pages: np.ndarray
+    bitmasks: dict[int, torch.Tensor] = field(default_factory=dict)
+    """Item index -> grammar bitmask row (int32, ceil(V / 32)) filled by the engine for a constrained sampler."""
+    draft_tokens: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    """Speculation: item index -> the drafts the step verifies after its tokens (counted in num_new_tokens)."""
+
+    @classmethod
+    def pack(cls, columns: dict[str, list[int]], new_token_ids: list[list[int]], new_pages: list[list[int]],
+             bitmasks: dict[int, torch.Tensor] | None = None,
+             draft_tokens: dict[int, tuple[int, ...]] | None = None) -> "StepItems":
+        if set(columns) != set(COLUMNS) - {"num_new_token_ids", "num_new_pages"}:
+            raise ValueError(f"step columns {sorted(columns)} are not {COLUMNS}")
+        num_items = len(columns["rid"])
+        packed = {name: _column(values) for name, values in columns.items()}
+        packed["num_new_token_ids"] = _column([len(t) for t in new_token_ids])
+        packed["num_new_pages"] = _column([len(p) for p in new_pages])
+        return cls(num_items, packed, _ints(list(itertools.chain.from_iterable(new_token_ids))),
+                   _ints(list(itertools.chain.from_iterable(new_pages))), bitmasks or {}, draft_tokens or {})
+
+    def column(self, name: str) -> list[int]:
+        value = self.columns[name]
+        return [value] * self.num_items if isinstance(value, int) else value.tolist()
+
+    def ragged(self, name: str) -> list[list[int]]:
+        """Each item's new token ids ("new_token_ids") or new pages ("new_pages")."""
+        flat = getattr(self, name).tolist()
+        counts = self.columns[f"num_{name}"]
+        if isinstance(counts, int):
+            if counts == 1:
+                return [[v] for v in flat]
+            return [flat[i * counts : (i + 1) * counts] for i in range(self.num_items)]
+        ends = list(itertools.accumulate(counts.tolist()))
+        return [flat[end - n : end] for end, n in zip(ends, counts.tolist())]
 
 
 @dataclass
 class StepMsg:
     new_reqs: list[NewReq] = field(default_factory=list)
-    items: list[StepItem] = field(default_factory=list)
+    items: StepItems | None = None
+    """None: an empty step (no requests on this rank)."""
     kv_copies: list[tuple[list[int], list[int]]] = field(default_factory=list)
     """(src slots, dst slots) copies the scheduler asked for since the previous step, done before the forward."""
     is_overlapped: bool = False

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from deepinfer_rt.cache.kv_pool import KVPool, num_kv_pages
+from deepinfer_rt.cuda_graph import CudaGraphRunner
 from deepinfer_rt.distributed.ep import ExpertShard, moe_layers, run_empty
 from deepinfer_rt.distributed.eplb import (
     LoadWindow,
@@ -32,15 +33,15 @@ from deepinfer_rt.distributed.eplb import (
     window_objective,
 )
 from deepinfer_rt.distributed.messages import StepMsg, StepReply, WorkerArgs
+from deepinfer_rt.distributed.mirrors import Mirrors
 from deepinfer_rt.distributed.spec import set_step_drafts, worker_spec_decoder
 from deepinfer_rt.env import get_env
 from deepinfer_rt.layers.attention.select import select_backend
 from deepinfer_rt.layers.kernel_config import KernelConfig
 from deepinfer_rt.model_runner import Launched, ModelRunner, RunResult
 from deepinfer_rt.models.loader import build_model
-from deepinfer_rt.request import Req
 from deepinfer_rt.sampler import Sampler
-from deepinfer_rt.scheduler.batch import ScheduledBatch, ScheduledReq
+from deepinfer_rt.scheduler.batch import ScheduledBatch
 
 
 class ShippedBitmasks:
@@ -61,6 +62,18 @@ class ShippedBitmasks:
                                              indices=rows)
         if width > self.vocab_size:
             logits[rows, self.vocab_size:] = float("-inf")
+
+
+class CountedGraphs(CudaGraphRunner):
+    """The decode CUDA graphs, counting the steps that replayed one (engine stats: a worker that fell back to
+    eager decode steps shows)."""
+
+    num_replays = 0
+
+    def run(self, *args, **kwargs):
+        hidden = super().run(*args, **kwargs)
+        self.num_replays += hidden is not None
+        return hidden
 
 
 class Worker:
@@ -89,11 +102,12 @@ class Worker:
         self.runner = ModelRunner(self.model, self.pool, backend, Sampler(mc.vocab_size), self.device, args.eos_ids,
                                   is_overlap_enabled=True, graphs=self._cuda_graphs(backend), spec=spec)
         self.runner.grammar = ShippedBitmasks(mc.vocab_size)
-        self.mirrors: dict[int, Req] = {}
+        self.mirrors = Mirrors()
         self.held: Launched | None = None
         """The overlapped step launched and not yet answered."""
         self.window = LoadWindow(self.eplb.window_steps) if self.eplb else None
         self.num_steps = 0
+        self.num_decode_steps = 0
         self.num_moved_experts = 0
         self.num_rearrangements = 0
 
@@ -105,10 +119,8 @@ class Worker:
         if (self.device.type != "cuda" or env.cuda_graph_max_bs <= 0 or not self.model.supports_cuda_graphs
                 or self.recorder is not None):
             return None
-        from deepinfer_rt.cuda_graph import CudaGraphRunner
-
-        return CudaGraphRunner(self.model, self.pool, backend, min(self.args.max_num_seqs, env.cuda_graph_max_bs),
-                               min(self.config.max_position, env.cuda_graph_max_context))
+        return CountedGraphs(self.model, self.pool, backend, min(self.args.max_num_seqs, env.cuda_graph_max_bs),
+                             min(self.config.max_position, env.cuda_graph_max_context))
 
     # ---- start ----
     @staticmethod
@@ -157,6 +169,7 @@ class Worker:
             run_empty(self.model, self.config.hidden_size, self.args.dtype, self.device)
             handle = Launched(result=RunResult([], None, {}))
         else:
+            self.num_decode_steps += all(it.num_new_tokens == 1 for it in batch.items)
             batch.is_overlappable = msg.is_overlapped
             handle = self.runner.launch(batch, self.held if msg.is_overlapped else None)
         if self.recorder is not None:
@@ -180,39 +193,20 @@ class Worker:
 
     def stats(self) -> dict:
         """Counters since the start, read back from the device only when the engine asks."""
+        graphs = self.runner.graphs
+        out = {"decode_steps": self.num_decode_steps, "graph_decode_steps": graphs.num_replays if graphs else 0}
         if self.recorder is None:
-            return {}
+            return out
         rank_tokens, sum_max = self.recorder.totals()
-        return {"rank_tokens": rank_tokens, "sum_max": sum_max, "num_moved_experts": self.num_moved_experts,
+        return {**out, "rank_tokens": rank_tokens, "sum_max": sum_max, "num_moved_experts": self.num_moved_experts,
                 "num_rearrangements": self.num_rearrangements}
 
     def _batch(self, msg: StepMsg) -> ScheduledBatch:
-        """Mirror requests of this step: new ones whole, returning ones advanced by the message's deltas."""
-        mirrors = {}
-        for new in msg.new_reqs:
-            req = Req(new.rid, new.prompt_ids, new.params, new.seed)
-            req.token_ids = list(new.token_ids)
-            mirrors[new.rid] = req
-        batch = ScheduledBatch()  # the engine's plan, item for item (its flags too: the mirrors lack in-flight tokens)
-        for item in msg.items:
-            req = mirrors.get(item.rid) or self.mirrors[item.rid]
-            req.token_ids.extend(item.new_token_ids)
-            if item.pages_from == 0:
-                req.pages = list(item.new_pages)
-            else:
-                assert len(req.pages) == item.pages_from, f"request {item.rid}: KV pages out of step with the engine"
-                req.pages.extend(item.new_pages)
-            req.num_computed_tokens = item.num_computed_tokens
-            req.prompt_logprobs = [None] * item.num_prompt_logprobs
-            req.grammar = item.bitmask
-            req.num_inflight_tokens = item.num_inflight_tokens
-            mirrors[item.rid] = req
-            batch.items.append(ScheduledReq(req, item.num_computed_tokens, item.num_new_tokens, item.is_sampling,
-                                            item.draft_tokens, item.wants_prompt_logprobs))
+        """The step's batch over this rank's mirror requests (distributed/mirrors.py)."""
+        batch = self.mirrors.apply(msg.new_reqs, msg.items)
         if self.runner.spec is not None:
             set_step_drafts(self.runner.spec, {it.rid: (it.draft_tokens, it.req.num_tokens)
                                                for it in batch.items if it.draft_tokens})
-        self.mirrors = mirrors
         return batch
 
     # ---- EPLB ----
@@ -320,7 +314,7 @@ def _serve(args: WorkerArgs, ctx, sock) -> None:
     code = 0
     try:
         worker = Worker(args)
-        sock.send(pickle.dumps(("ready", args.rank, worker.num_pages)))
+        sock.send(pickle.dumps(("ready", args.rank, worker.num_pages, worker.model.supports_overlap)))
         while True:
             kind, msg = pickle.loads(sock.recv())
             if kind == "stop":

@@ -37,12 +37,8 @@ from deepinfer_rt.cache.kv_pool import PageAllocator
 from deepinfer_rt.config import EngineConfig, ModelConfig
 from deepinfer_rt.distributed.dp_scheduler import DPBatch, RankPool
 from deepinfer_rt.distributed.eplb import EPLBConfig
-from deepinfer_rt.distributed.messages import (
-    NewReq,
-    StepItem,
-    StepMsg,
-    WorkerArgs,
-)
+from deepinfer_rt.distributed.messages import WorkerArgs
+from deepinfer_rt.distributed.mirrors import StepEncoder
 from deepinfer_rt.distributed.spec import EngineSpecDecoder
 from deepinfer_rt.env import get_env
 from deepinfer_rt.model_runner import RunResult, is_overlappable
@@ -183,7 +179,7 @@ class WorkerPool:
         self._refused: list[str] = []
         """Why workers that asked to join were turned away (named when the start times out)."""
         ready = self._collect("ready", env.ep_start_timeout_s)
-        num_pages = min(num_pages for (num_pages,) in ready.values())
+        num_pages = min(num_pages for num_pages, _ in ready.values())
         self.page_size = config.cache.page_size
         self.rank_pools = [RankPool(PageAllocator(num_pages), self.page_size) for _ in range(n)] if n > 1 else []
         """Data-parallel attention (EP > 1): each rank's KV pages, handed out by that rank's scheduler and prefix
@@ -195,17 +191,18 @@ class WorkerPool:
         """Set by the engine with speculation: plans the drafts the workers verify, books what they accepted."""
         self.grammar = None
         """Set by the engine; the matchers stay here and the workers receive filled bitmask rows."""
-        self._sent: dict[int, tuple[int, int, int]] = {}
-        self._last_page: dict[int, int] = {}
-        """Speculation: rid -> the last page sent (a rollback of draft pages changes it)."""
-        """rid -> (tokens, retractions, pages) the workers' mirror holds after the previous step."""
+        self._encoder = StepEncoder(self._bitmask)
+        """What the workers' mirrors hold; turns each step's parts into the messages of what changed."""
         self._num_launched = self._num_collected = 0
         self._launched: dict[int, tuple[list[int], ScheduledBatch, float]] = {}
         """Launched, not yet collected step -> (its parts' item counts, its batch, its launch time)."""
         self._held: int | None = None
         """The overlapped step the workers hold unanswered until the next step (or a flush) arrives."""
         self._num_overlapped = 0
-        self.is_overlap_enabled = env.overlap if env.overlap is not None else config.device.type == "cuda"
+        self.is_overlap_enabled = ((env.overlap if env.overlap is not None else config.device.type == "cuda")
+                                   and all(supports_overlap for _, supports_overlap in ready.values()))
+        """As the in-process engine: off where the model needs each step's token ids on the host (V4.1's Engram
+        hashing), which every worker reports when ready."""
         self._lock = threading.Lock()
         """Held while the socket is used: stats may be asked from another thread than the engine loop's."""
         self._last_stats: dict = {}
@@ -295,10 +292,8 @@ class WorkerPool:
         if len(parts) != self.size:
             raise ValueError(f"an EP={self.size} step needs one part per rank (a DPBatch), got {len(parts)}")
         is_overlapped = self.can_overlap(batch)
-        sent: dict[int, tuple[int, int, int]] = {}
-        payloads = [pickle.dumps(("step", self._step_msg(part, sent, is_overlapped)),
-                                 protocol=pickle.HIGHEST_PROTOCOL) for part in parts]
-        self._sent = sent
+        msgs = self._encoder.encode(parts, is_overlapped, self.spec is not None)
+        payloads = [pickle.dumps(("step", msg), protocol=pickle.HIGHEST_PROTOCOL) for msg in msgs]
         with self._lock:
             for rank, payload in enumerate(payloads):
                 self._sock.send_multipart([f"w{rank}".encode(), payload])
@@ -342,33 +337,6 @@ class WorkerPool:
             batch.is_overlappable = is_overlappable(batch)
         return batch.is_overlappable
 
-    def _step_msg(self, batch: ScheduledBatch, sent: dict[int, tuple[int, int, int]], is_overlapped: bool
-                  ) -> StepMsg:
-        """One rank's step: what changed in its requests since the previous step (recorded in `sent`). The slot
-        copies are done before the step's forward."""
-        msg = StepMsg(kv_copies=list(batch.kv_copies), is_overlapped=is_overlapped)
-        for item in batch.items:
-            req = item.req
-            prev = self._sent.get(req.rid)
-            if prev is None:
-                msg.new_reqs.append(NewReq(req.rid, req.prompt_ids, list(req.token_ids), req.params, req.seed))
-                prev = (len(req.token_ids), -1, 0)
-            num_known, retractions, num_pages = prev
-            if retractions != req.num_retractions or (self.spec is not None and num_pages and (
-                    num_pages > len(req.pages) or req.pages[num_pages - 1] != self._last_page[req.rid])):
-                # Pages were given back and taken anew (a retraction; rejected drafts' pages rolled back,
-                # perhaps regrown): send them all.
-                num_pages = 0
-            msg.items.append(StepItem(
-                req.rid, item.start, item.num_new_tokens, req.token_ids[num_known:], num_pages,
-                req.pages[num_pages:], len(req.prompt_logprobs), item.is_sampling, item.wants_prompt_logprobs,
-                req.num_inflight_tokens, self._bitmask(req) if item.is_sampling and req.grammar is not None else None,
-                item.draft_tokens))
-            sent[req.rid] = (len(req.token_ids), req.num_retractions, len(req.pages))
-            if self.spec is not None and req.pages:
-                self._last_page[req.rid] = req.pages[-1]
-        return msg
-
     def _bitmask(self, req) -> torch.Tensor:
         import xgrammar
 
@@ -394,12 +362,16 @@ class WorkerPool:
     def stats(self) -> dict:
         """MoE balance over the steps and layers since reset_stats: moe_balance = sum of mean / sum of max
         (token, expert) pairs per rank (1.0 = even); per-rank totals; EPLB rearrangements and expert copies
-        moved. One rank has no balance to report."""
+        moved; rank 0's decode steps and those of them that replayed a CUDA graph (ep_decode_steps,
+        ep_graph_decode_steps). One rank has no balance to report."""
         now, base = self._read_stats(), self._stats_base
-        if not now:
-            return {"ep_size": self.size, "ep_overlapped_steps": self._num_overlapped}
+        graphs = {f"ep_{key}": now[key] - base.get(key, 0) for key in ("decode_steps", "graph_decode_steps")
+                  if key in now}
+        if "rank_tokens" not in now:
+            return {"ep_size": self.size, "ep_overlapped_steps": self._num_overlapped, **graphs}
         rank_tokens = [a - b for a, b in zip(now["rank_tokens"], base.get("rank_tokens", [0] * self.size))]
         sum_max = now["sum_max"] - base.get("sum_max", 0)
-        return {"ep_size": self.size, "ep_overlapped_steps": self._num_overlapped, "ep_tokens_per_rank": rank_tokens,
+        return {"ep_size": self.size, "ep_overlapped_steps": self._num_overlapped, **graphs,
+                "ep_tokens_per_rank": rank_tokens,
                 "moe_balance": sum(rank_tokens) / self.size / sum_max if sum_max else 1.0,
                 "eplb_rearrangements": now["num_rearrangements"], "eplb_moved_experts": now["num_moved_experts"]}

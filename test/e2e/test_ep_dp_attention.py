@@ -43,6 +43,24 @@ def test_ep4_greedy_matches_ep1_and_every_rank_serves(ep4, reference):
     assert stats["ep_size"] == 4 and min(stats["ep_tokens_per_rank"]) > 0
 
 
+def test_prompt_logprobs_under_ep4_match_ep1(tiny_v3_path, ep4):
+    """Each rank scores the prompts it serves (its own KV and rows); a prompt longer than the chunk budget is
+    scored across chunks. Values and the top-3 alternatives equal the single process's."""
+    params = SamplingParams(max_new_tokens=2, temperature=0, ignore_eos=True, prompt_logprobs=3)
+    rng = random.Random(9)
+    prompts = [[rng.randrange(3, 1000) for _ in range(n)] for n in (5, 23, 2, 40, 11, 17)]
+    with _engine(tiny_v3_path, chunked_prefill_tokens=16) as engine:
+        expected = engine.generate(input_ids=prompts, sampling_params=params)
+    outs = ep4.generate(input_ids=prompts, sampling_params=params)
+    for out, ref in zip(outs, expected):
+        assert out.token_ids == ref.token_ids
+        assert len(out.prompt_logprobs) == len(ref.prompt_logprobs) and out.prompt_logprobs[0] is None
+        assert max(abs(a - b) for a, b in zip(out.prompt_logprobs[1:], ref.prompt_logprobs[1:])) < 1e-4
+        for got, want in zip(out.prompt_top_logprobs[1:], ref.prompt_top_logprobs[1:]):
+            assert [t for t, _ in got] == [t for t, _ in want]
+            assert max(abs(a - b) for (_, a), (_, b) in zip(got, want)) < 1e-4
+
+
 def test_lone_request_runs_while_three_ranks_step_empty(ep4, reference):
     (out,) = ep4.generate(PROMPTS[2:3], sampling_params=GREEDY)
     assert out.token_ids == reference[2].token_ids

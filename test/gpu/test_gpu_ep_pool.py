@@ -1,5 +1,6 @@
 """The expert-parallel worker pool at one rank on CUDA (CUDA only): its decode CUDA graphs and overlap scheduling in
-the worker give the in-process engine's greedy tokens on a tiny DeepSeek-V3 (fp32)."""
+the worker give the in-process engine's greedy tokens on a tiny DeepSeek-V3 (fp32), and keep replaying round after
+round of requests."""
 from __future__ import annotations
 
 import random
@@ -34,3 +35,17 @@ def test_pool_at_one_rank_equals_in_process(v3_path, monkeypatch, overlap):
     expected = _tokens(v3_path)
     monkeypatch.setenv("DEEPINFER_EP_WORKER_POOL", "1")
     assert _tokens(v3_path) == expected
+
+
+def test_pool_worker_replays_graphs_round_after_round(v3_path, monkeypatch):
+    """Graphs of at most 4 rows (a page table of 8): round after round of 4 requests, every decode step of the
+    worker replays a graph (forgotten mirror requests give their table rows back)."""
+    monkeypatch.setenv("DEEPINFER_CUDA_GRAPH_MAX_BS", "4")
+    monkeypatch.setenv("DEEPINFER_EP_WORKER_POOL", "1")
+    params = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
+    with Engine(str(v3_path), device="cuda", dtype="float32", max_num_seqs=4) as engine:
+        for round_ in range(5):
+            engine.generate(input_ids=[[round_ * 10 + i + 1] * (i + 2) for i in range(4)], sampling_params=params)
+        stats = engine.stats
+    assert stats["ep_decode_steps"] >= 5 * 5
+    assert stats["ep_graph_decode_steps"] == stats["ep_decode_steps"], stats
