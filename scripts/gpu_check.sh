@@ -91,7 +91,7 @@ if [[ $STAGES == *,longctx,* ]]; then  # decode at long contexts beside the floo
 fi
 if [[ $STAGES == *,ep1,* ]]; then  # the EP worker pool at one rank beside the in-process engine (one GPU)
   timeout "${EP1_S:-300}" python3 benchmark/bench_ep.py --shape v2-lite --device cuda --dtype bfloat16 \
-    --batch 16,64,256 --ep 1 --skew 0 --out "$OUT/ep_h200.json" ${EP1_ARGS:-} > "$OUT/ep1.log" 2>&1
+    --batch 16,64,256 --ep 1 --skew 0 --message-cost --out "$OUT/ep_h200.json" ${EP1_ARGS:-} > "$OUT/ep1.log" 2>&1
   tail -n 12 "$OUT/ep1.log"
 fi
 if [[ $STAGES == *,ep,* ]] && [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
