@@ -216,7 +216,7 @@ _LONG_DECODE = textwrap.dedent("""
         pass
 
     pool = Pool()
-    pool.k, pool.v = [k], [v]
+    pool.k, pool.v, pool.is_fp8 = [k], [v], False
     ids = torch.zeros(len(lens), dtype=torch.long)
     pages = DevicePages(table, rows, ps)
     listed = [pages.slots(int(r), n) for r, n in zip(rows, lens)]
