@@ -40,6 +40,9 @@ ENGINE_OPTIONS = (
     EngineOption("max_num_seqs", 256, "most sequences running at once", int),
     EngineOption("kv_cache_tokens", None, "KV pool size in tokens (default: from --kv-cache-memory-fraction)",
                  int),
+    EngineOption("kv_cache_dtype", "auto", "KV cache storage: auto (the model dtype) or fp8_e4m3 (float8 rows with "
+                 "a float32 scale per token and KV head: about twice the tokens per byte)", str,
+                 ("auto", "fp8_e4m3")),
     EngineOption("page_size", 1, "tokens per KV page", int),
     EngineOption("chunked_prefill_tokens", 2048, "token budget of one step (prompts are prefilled in chunks of "
                  "at most this many tokens)", int),

@@ -200,6 +200,9 @@ class CacheConfig:
     kv_cache_tokens: int | None = None
     """Pool size in tokens; None sizes it from the memory budget."""
     enable_prefix_cache: bool = True
+    kv_cache_dtype: str = "auto"
+    """'auto': KV rows in the model dtype; 'fp8_e4m3': float8_e4m3fn rows with one float32 scale per (token, KV
+    head), about half the bytes per token (cache/kv_pool.py)."""
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ from typing import AsyncIterator, Iterator, Sequence
 import torch
 
 from deepinfer_rt.cache.base import NoPrefixCache, PrefixCache
-from deepinfer_rt.cache.kv_pool import KVPool, num_kv_pages
+from deepinfer_rt.cache.kv_pool import KVPool, check_kv_cache_dtype, num_kv_pages
 from deepinfer_rt.cache.radix_cache import RadixCache
 from deepinfer_rt.config import CacheConfig, EngineConfig, SchedulerConfig
 from deepinfer_rt.engine_loop import EngineLoop
@@ -55,7 +55,8 @@ class Engine:
                  load_format: str = "auto", max_num_seqs: int = 256, kv_cache_tokens: int | None = None,
                  page_size: int = 1, chunked_prefill_tokens: int = 2048, enable_prefix_cache: bool = True,
                  schedule_policy: str = "lpm", batch_invariant: bool = False, ep_size: int = 1, seed: int = 0,
-                 speculative: "str | SpeculativeConfig | None" = None, quantization: str | None = None):
+                 speculative: "str | SpeculativeConfig | None" = None, quantization: str | None = None,
+                 kv_cache_dtype: str = "auto"):
         env = get_env()
         logging.getLogger("deepinfer_rt").setLevel(env.log_level.upper())
         if env.num_threads:
@@ -67,10 +68,11 @@ class Engine:
             raise ValueError("page_size, chunked_prefill_tokens and max_num_seqs must be >= 1")
         if ep_size < 1:
             raise ValueError(f"ep_size must be >= 1, got {ep_size}")
+        check_kv_cache_dtype(kv_cache_dtype)
         self.config = EngineConfig(
             model=model, dtype=_resolve_dtype(dtype, dev), device=dev, load_format=load_format, seed=seed,
             batch_invariant=batch_invariant or env.batch_invariant, ep_size=ep_size,
-            cache=CacheConfig(page_size, kv_cache_tokens, enable_prefix_cache),
+            cache=CacheConfig(page_size, kv_cache_tokens, enable_prefix_cache, kv_cache_dtype),
             scheduler=SchedulerConfig(max_num_seqs, chunked_prefill_tokens, schedule_policy),
             quantization=quantization)
         path = resolve_model_path(model)
@@ -88,6 +90,8 @@ class Engine:
 
             if quantization is not None:
                 raise ValueError("quantization= does not reach the expert-parallel workers yet")
+            if kv_cache_dtype != "auto":
+                raise ValueError("kv_cache_dtype= does not reach the expert-parallel workers yet")
             spec_config = None if speculative is None else SpeculativeConfig.parse(speculative)
             if spec_config is not None:  # planned here, verified in the workers (distributed/spec.py)
                 from deepinfer_rt.distributed.spec import engine_spec_decoder
@@ -107,8 +111,9 @@ class Engine:
             self.spec = None if speculative is None else build_spec_decoder(
                 SpeculativeConfig.parse(speculative), self.model, self.model_config, path, load_format,
                 self.config.batch_invariant, seed)
-            self.pool = KVPool(self._kv_layout(), self._num_pages(), page_size, self.config.dtype, dev)
-            backend = select_backend(dev, self.config.batch_invariant)
+            self.pool = KVPool(self._kv_layout(), self._num_pages(), page_size, self.config.dtype, dev,
+                               kv_cache_dtype)
+            backend = select_backend(dev, self.config.batch_invariant, self.pool.is_fp8)
             overlap = (env.overlap if env.overlap is not None else dev.type == "cuda") and self.model.supports_overlap
             graphs = None
             if dev.type == "cuda" and env.cuda_graph_max_bs > 0 and self.model.supports_cuda_graphs:
@@ -144,7 +149,7 @@ class Engine:
     def _num_pages(self) -> int:
         cfg, mc = self.config, self.model_config
         return num_kv_pages(self._kv_layout(), cfg.dtype, cfg.device, cfg.cache.page_size, cfg.cache.kv_cache_tokens,
-                            cfg.scheduler.max_num_seqs, mc.max_position)
+                            cfg.scheduler.max_num_seqs, mc.max_position, kv_cache_dtype=cfg.cache.kv_cache_dtype)
 
     def _kv_layout(self):
         layout = self.model.kv_layout(self.model_config)

@@ -17,6 +17,11 @@ of every row covers absolute positions [s * FIXED_SPLIT_SIZE, (s + 1) * FIXED_SP
 depend on the head dims only, and a second kernel merges the row's own splits one after another in ascending
 order. The grid's split count only has to cover the longest row (programs past a row's end do nothing), so a
 CUDA graph captures the count of its longest context.
+
+FP8 KV (the pool's kv_cache_dtype 'fp8_e4m3'): K/V come as float8_e4m3fn rows with one float32 scale per (slot,
+KV head) in `k_scale` / `v_scale` (slots, Hkv). The kernels read them as they are: a tile is converted to the
+query's dtype exactly (every e4m3 value is a bf16/fp16/fp32 value), K's scales multiply the tile's scores and
+V's scales the probabilities before p.V, with fp32 accumulation; the dequantized rows are never built.
 """
 from __future__ import annotations
 
@@ -28,11 +33,11 @@ import triton.language as tl
 
 
 @triton.jit
-def _attend_range(Q, QT, K, V, PageTable, b, kvh, row, start, end, stride_qb, stride_qh, stride_qtb, stride_qth,
-                  stride_kn, stride_kh, stride_vn, stride_vh, stride_pt, sm_scale, page_size, GROUP: tl.constexpr,
-                  BLOCK_H: tl.constexpr,
+def _attend_range(Q, QT, K, V, KS, VS, PageTable, b, kvh, row, start, end, stride_qb, stride_qh, stride_qtb,
+                  stride_qth, stride_kn, stride_kh, stride_vn, stride_vh, stride_ks, stride_vs, stride_pt, sm_scale,
+                  page_size, GROUP: tl.constexpr, BLOCK_H: tl.constexpr,
                   DK: tl.constexpr, DT: tl.constexpr, DV: tl.constexpr, BLOCK_N: tl.constexpr,
-                  V_IS_K: tl.constexpr, IEEE: tl.constexpr):
+                  V_IS_K: tl.constexpr, IEEE: tl.constexpr, KV_FP8: tl.constexpr):
     """The query heads of KV head `kvh` of row b over positions [start, end), in BLOCK_N-token tiles from
     `start`: (normalised output (BLOCK_H, DV) fp32, base-2 log-sum-exp (BLOCK_H,), -inf when empty)."""
     offs_h = tl.arange(0, BLOCK_H)
@@ -57,12 +62,16 @@ def _attend_range(Q, QT, K, V, PageTable, b, kvh, row, start, end, stride_qb, st
         slot = page * page_size + offs_n % page_size
         k_base = K + slot[:, None] * stride_kn + kvh * stride_kh
         k = tl.load(k_base + offs_dk[None, :], mask=nmask[:, None], other=0.0)  # (N, DK)
+        if KV_FP8:  # exact conversion; the row scales apply to the scores below
+            k = k.to(q.dtype)
         if IEEE:  # fp32 caches: full fp32 products (TF32 would drift from the CPU reference)
             qk = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
             qk = tl.dot(q, tl.trans(k))
         if DT > 0:
             k_t = tl.load(k_base + DK + offs_dt[None, :], mask=nmask[:, None], other=0.0)
+            if KV_FP8:
+                k_t = k_t.to(q_t.dtype)
             if DT >= 16:
                 if IEEE:
                     qk += tl.dot(q_t, tl.trans(k_t), input_precision="ieee")
@@ -70,6 +79,8 @@ def _attend_range(Q, QT, K, V, PageTable, b, kvh, row, start, end, stride_qb, st
                     qk += tl.dot(q_t, tl.trans(k_t))
             else:  # tl.dot needs K >= 16
                 qk += tl.sum(q_t.to(tl.float32)[:, None, :] * k_t.to(tl.float32)[None, :, :], 2)
+        if KV_FP8:
+            qk = qk * tl.load(KS + slot * stride_ks + kvh, mask=nmask, other=0.0)[None, :]
         qk = tl.where(nmask[None, :], qk * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         alpha = tl.exp2(m_i - m_new)
@@ -80,6 +91,10 @@ def _attend_range(Q, QT, K, V, PageTable, b, kvh, row, start, end, stride_qb, st
         else:
             v = tl.load(V + slot[:, None] * stride_vn + kvh * stride_vh + offs_dv[None, :], mask=nmask[:, None],
                         other=0.0)
+            if KV_FP8:
+                v = v.to(q.dtype)
+        if KV_FP8:  # V's row scales weight the probabilities (l_i keeps the unscaled ones)
+            p = p * tl.load(VS + slot * stride_vs + kvh, mask=nmask, other=0.0)[None, :]
         if IEEE:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
         else:
@@ -106,13 +121,13 @@ def _store_split(PartO, PartLse, out, lse, b, kvh, split, num_splits, GROUP: tl.
 
 
 @triton.jit
-def _decode_split_kernel(Q, QT, K, V, PageTable, TableRows, SeqLens, PartO, PartLse, O,
+def _decode_split_kernel(Q, QT, K, V, KS, VS, PageTable, TableRows, SeqLens, PartO, PartLse, O,
                          stride_qb, stride_qh, stride_qtb, stride_qth, stride_kn, stride_kh, stride_vn, stride_vh,
-                         stride_pt, stride_ob, stride_oh,
+                         stride_ks, stride_vs, stride_pt, stride_ob, stride_oh,
                          sm_scale, page_size,
                          GROUP: tl.constexpr, BLOCK_H: tl.constexpr, DK: tl.constexpr, DT: tl.constexpr,
                          DV: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                         V_IS_K: tl.constexpr, IEEE: tl.constexpr):
+                         V_IS_K: tl.constexpr, IEEE: tl.constexpr, KV_FP8: tl.constexpr):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -121,9 +136,9 @@ def _decode_split_kernel(Q, QT, K, V, PageTable, TableRows, SeqLens, PartO, Part
     start = split * chunk
     end = tl.minimum(start + chunk, seq_len)
     row = tl.load(TableRows + b).to(tl.int64)
-    out, lse = _attend_range(Q, QT, K, V, PageTable, b, kvh, row, start, end, stride_qb, stride_qh, stride_qtb,
-                             stride_qth, stride_kn, stride_kh, stride_vn, stride_vh, stride_pt, sm_scale, page_size,
-                             GROUP, BLOCK_H, DK, DT, DV, BLOCK_N, V_IS_K, IEEE)
+    out, lse = _attend_range(Q, QT, K, V, KS, VS, PageTable, b, kvh, row, start, end, stride_qb, stride_qh,
+                             stride_qtb, stride_qth, stride_kn, stride_kh, stride_vn, stride_vh, stride_ks, stride_vs,
+                             stride_pt, sm_scale, page_size, GROUP, BLOCK_H, DK, DT, DV, BLOCK_N, V_IS_K, IEEE, KV_FP8)
     if NUM_SPLITS == 1:  # the output itself (what the merge of one split would store, bit for bit)
         offs_h = tl.arange(0, BLOCK_H)
         heads = kvh * GROUP + offs_h
@@ -135,13 +150,13 @@ def _decode_split_kernel(Q, QT, K, V, PageTable, TableRows, SeqLens, PartO, Part
 
 
 @triton.jit
-def _fixed_split_kernel(Q, QT, K, V, PageTable, TableRows, SeqLens, PartO, PartLse,
+def _fixed_split_kernel(Q, QT, K, V, KS, VS, PageTable, TableRows, SeqLens, PartO, PartLse,
                         stride_qb, stride_qh, stride_qtb, stride_qth, stride_kn, stride_kh, stride_vn, stride_vh,
-                        stride_pt,
+                        stride_ks, stride_vs, stride_pt,
                         sm_scale, page_size, num_splits,
                         GROUP: tl.constexpr, BLOCK_H: tl.constexpr, DK: tl.constexpr, DT: tl.constexpr,
                         DV: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_SIZE: tl.constexpr,
-                        V_IS_K: tl.constexpr, IEEE: tl.constexpr):
+                        V_IS_K: tl.constexpr, IEEE: tl.constexpr, KV_FP8: tl.constexpr):
     """Split s covers absolute positions [s * SPLIT_SIZE, (s + 1) * SPLIT_SIZE); splits past the row's KV
     write nothing (the merge reads only the row's own splits)."""
     b = tl.program_id(0)
@@ -152,9 +167,10 @@ def _fixed_split_kernel(Q, QT, K, V, PageTable, TableRows, SeqLens, PartO, PartL
     if start < seq_len:
         end = tl.minimum(start + SPLIT_SIZE, seq_len)
         row = tl.load(TableRows + b).to(tl.int64)
-        out, lse = _attend_range(Q, QT, K, V, PageTable, b, kvh, row, start, end, stride_qb, stride_qh,
-                                 stride_qtb, stride_qth, stride_kn, stride_kh, stride_vn, stride_vh, stride_pt,
-                                 sm_scale, page_size, GROUP, BLOCK_H, DK, DT, DV, BLOCK_N, V_IS_K, IEEE)
+        out, lse = _attend_range(Q, QT, K, V, KS, VS, PageTable, b, kvh, row, start, end, stride_qb, stride_qh,
+                                 stride_qtb, stride_qth, stride_kn, stride_kh, stride_vn, stride_vh, stride_ks,
+                                 stride_vs, stride_pt, sm_scale, page_size, GROUP, BLOCK_H, DK, DT, DV, BLOCK_N,
+                                 V_IS_K, IEEE, KV_FP8)
         _store_split(PartO, PartLse, out, lse, b, kvh, split, num_splits, GROUP, BLOCK_H, DV)
 
 
@@ -252,24 +268,42 @@ def _layout(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor) -> dict:
     hq, dk = q.shape[1], k_buf.shape[-1]
     hkv, dv = k_buf.shape[1], v_buf.shape[-1]
     head, tail = _split_head_dim(dk, dv)
+    fp8 = k_buf.dtype == torch.float8_e4m3fn
     return dict(GROUP=hq // hkv, BLOCK_H=max(16, triton.next_power_of_2(hq // hkv)), DK=head, DT=tail, DV=dv,
                 V_IS_K=v_buf.data_ptr() == k_buf.data_ptr() and v_buf.stride() == k_buf.stride(),
-                IEEE=k_buf.dtype == torch.float32)
+                IEEE=(q if fp8 else k_buf).dtype == torch.float32, KV_FP8=fp8)
+
+
+def _scales(k_buf: torch.Tensor, v_buf: torch.Tensor, k_scale: torch.Tensor | None,
+            v_scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The row scales the kernels read with fp8 buffers (unused pointers, K's buffer, otherwise)."""
+    fp8 = k_buf.dtype == torch.float8_e4m3fn
+    if fp8 != (k_scale is not None) or (v_scale is None) != (k_scale is None) or v_buf.dtype != k_buf.dtype:
+        raise ValueError("decode attention: float8_e4m3fn K/V buffers come with both k_scale and v_scale, "
+                         "other buffers with neither")
+    if not fp8:
+        return k_buf, k_buf
+    for name, s, buf in (("k_scale", k_scale, k_buf), ("v_scale", v_scale, v_buf)):
+        if s.dtype != torch.float32 or s.shape != buf.shape[:2] or s.stride(1) != 1:
+            raise ValueError(f"decode attention: {name} must be float32 (slots, heads) with unit head stride, got "
+                             f"{tuple(s.shape)} {s.dtype}")
+    return k_scale, v_scale
 
 
 def paged_decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, page_table: torch.Tensor,
                            table_rows: torch.Tensor, seq_lens: torch.Tensor, page_size: int, scale: float,
                            num_splits: int, out: torch.Tensor | None = None, block_n: int | None = None,
-                           num_warps: int = 4, num_stages: int | None = None, q_tail: torch.Tensor | None = None
-                           ) -> torch.Tensor:
+                           num_warps: int = 4, num_stages: int | None = None, q_tail: torch.Tensor | None = None,
+                           k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """q (B, Hq, Dqk); k_buf (slots, Hkv, Dqk); v_buf (slots, Hkv, Dv), for MLA a column view of k_buf;
     page_table (R, W) int32 page ids; table_rows (B,) int32 row of each sequence; seq_lens (B,) int32.
-    q_tail: the query's last columns apart (MLA's rope part), q then (B, Hq, Dv). Returns (B, Hq, Dv) in q's
-    dtype."""
+    q_tail: the query's last columns apart (MLA's rope part), q then (B, Hq, Dv). k_scale / v_scale (slots, Hkv)
+    float32: the row scales of float8_e4m3fn buffers (MLA: the same tensor). Returns (B, Hq, Dv) in q's dtype."""
     bsz, hq, _ = q.shape
     hkv, dk, dv = k_buf.shape[1], k_buf.shape[-1], v_buf.shape[-1]
     q_tail = _query_tail(q, q_tail, dk, dv)
     layout = _layout(q, k_buf, v_buf)
+    ks, vs = _scales(k_buf, v_buf, k_scale, v_scale)
     if out is None:
         out = q.new_empty(bsz, hq, dv)
     # One split writes the output itself: no partials, no merge launch.
@@ -281,9 +315,9 @@ def paged_decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Te
     # sweep) and for fp32 caches (shared memory).
     num_stages = num_stages or (3 if dk <= 256 and not layout["IEEE"] else 2)
     _decode_split_kernel[(bsz, hkv, num_splits)](
-        q, q_tail, k_buf, v_buf, page_table, table_rows, seq_lens, part_o, part_lse, out,
+        q, q_tail, k_buf, v_buf, ks, vs, page_table, table_rows, seq_lens, part_o, part_lse, out,
         q.stride(0), q.stride(1), q_tail.stride(0), q_tail.stride(1), k_buf.stride(0), k_buf.stride(1),
-        v_buf.stride(0), v_buf.stride(1),
+        v_buf.stride(0), v_buf.stride(1), ks.stride(0), vs.stride(0),
         page_table.stride(0), out.stride(0), out.stride(1), scale, page_size, BLOCK_N=block_n,
         NUM_SPLITS=num_splits, **layout, num_warps=num_warps, num_stages=num_stages)
     if num_splits == 1:
@@ -311,13 +345,15 @@ def fixed_num_splits(max_len: int) -> int:
 def paged_decode_attention_fixed(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
                                  page_table: torch.Tensor, table_rows: torch.Tensor, seq_lens: torch.Tensor,
                                  page_size: int, scale: float, num_splits: int,
-                                 out: torch.Tensor | None = None, q_tail: torch.Tensor | None = None
+                                 out: torch.Tensor | None = None, q_tail: torch.Tensor | None = None,
+                                 k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None
                                  ) -> torch.Tensor:
     """paged_decode_attention with every numerical choice fixed by the model, never by the batch: split s of a
     row covers absolute positions [s * FIXED_SPLIT_SIZE, (s + 1) * FIXED_SPLIT_SIZE), the tile size and warps
     depend on the head dims only, and the row's splits merge in ascending order. A row's result is therefore
     bitwise the same in any batch and for any grid split count `num_splits` that covers the page table
-    (>= fixed_num_splits of its capacity; CUDA graphs capture the count of their longest context)."""
+    (>= fixed_num_splits of its capacity; CUDA graphs capture the count of their longest context). With FP8 KV
+    the dequantization is per key (scores x K's row scale, probabilities x V's), the same in any batch."""
     bsz, hq, _ = q.shape
     hkv, dk, dv = k_buf.shape[1], k_buf.shape[-1], v_buf.shape[-1]
     q_tail = _query_tail(q, q_tail, dk, dv)
@@ -325,6 +361,7 @@ def paged_decode_attention_fixed(q: torch.Tensor, k_buf: torch.Tensor, v_buf: to
         raise ValueError(f"fixed-split attention: {num_splits} splits do not cover the page table's "
                          f"{page_table.shape[1] * page_size} positions")
     layout = _layout(q, k_buf, v_buf)
+    ks, vs = _scales(k_buf, v_buf, k_scale, v_scale)
     if out is None:
         out = q.new_empty(bsz, hq, dv)
     rows = max(1, min(bsz, _FIXED_PART_BYTES // (hq * num_splits * dv * 4)))
@@ -334,9 +371,9 @@ def paged_decode_attention_fixed(q: torch.Tensor, k_buf: torch.Tensor, v_buf: to
         r1 = min(bsz, r0 + rows)
         lens = seq_lens[r0:r1]
         _fixed_split_kernel[(r1 - r0, hkv, num_splits)](
-            q[r0:r1], q_tail[r0:r1], k_buf, v_buf, page_table, table_rows[r0:r1], lens, part_o, part_lse,
+            q[r0:r1], q_tail[r0:r1], k_buf, v_buf, ks, vs, page_table, table_rows[r0:r1], lens, part_o, part_lse,
             q.stride(0), q.stride(1), q_tail.stride(0), q_tail.stride(1), k_buf.stride(0), k_buf.stride(1),
-            v_buf.stride(0), v_buf.stride(1),
+            v_buf.stride(0), v_buf.stride(1), ks.stride(0), vs.stride(0),
             page_table.stride(0), scale, page_size, num_splits,
             BLOCK_N=FIXED_BLOCK_N if dk <= 256 else FIXED_BLOCK_N // 2,
             SPLIT_SIZE=FIXED_SPLIT_SIZE, **layout, num_warps=4, num_stages=2)
@@ -346,8 +383,10 @@ def paged_decode_attention_fixed(q: torch.Tensor, k_buf: torch.Tensor, v_buf: to
     return out
 
 
-def paged_decode_attention_ref(q, k_buf, v_buf, page_table, table_rows, seq_lens, page_size, scale):
-    """Torch reference of paged_decode_attention (fp32 softmax), one sequence at a time."""
+def paged_decode_attention_ref(q, k_buf, v_buf, page_table, table_rows, seq_lens, page_size, scale, k_scale=None,
+                               v_scale=None):
+    """Torch reference of paged_decode_attention (fp32 softmax), one sequence at a time; float8 buffers are
+    dequantized by their row scales first."""
     bsz, hq, _ = q.shape
     out = q.new_zeros(bsz, hq, v_buf.shape[-1])
     for b in range(bsz):
@@ -356,8 +395,11 @@ def paged_decode_attention_ref(q, k_buf, v_buf, page_table, table_rows, seq_lens
             continue
         pos = torch.arange(n, device=q.device)
         slots = page_table[int(table_rows[b])][pos // page_size].long() * page_size + pos % page_size
-        k = k_buf[slots].float().repeat_interleave(hq // k_buf.shape[1], dim=1)  # (n, Hq, D)
-        v = v_buf[slots].float().repeat_interleave(hq // v_buf.shape[1], dim=1)
+        k, v = k_buf[slots].float(), v_buf[slots].float()
+        if k_scale is not None:
+            k, v = k * k_scale[slots][..., None], v * v_scale[slots][..., None]
+        k = k.repeat_interleave(hq // k_buf.shape[1], dim=1)  # (n, Hq, D)
+        v = v.repeat_interleave(hq // v_buf.shape[1], dim=1)
         p = (torch.einsum("hd,nhd->hn", q[b].float(), k) * scale).softmax(-1)
         out[b] = torch.einsum("hn,nhd->hd", p, v).to(q.dtype)
     return out

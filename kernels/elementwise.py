@@ -140,6 +140,37 @@ def store_kv(buf: torch.Tensor, slots: torch.Tensor, src: torch.Tensor) -> None:
 
 
 @triton.jit
+def _store_kv_fp8_kernel(Src, Dst, Scale, Slots, stride_st, stride_sh, stride_dt, stride_dh, stride_ct, d,
+                         FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr, BLOCK: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    slot = tl.load(Slots + t).to(tl.int64)
+    if slot >= 0:  # negative slots are padding rows (CUDA graphs): nothing to store
+        offs = tl.arange(0, BLOCK)
+        mask = offs < d
+        x = tl.load(Src + t * stride_st + h * stride_sh + offs, mask=mask, other=0.0).to(tl.float32)
+        # IEEE divisions, as torch's: the stored bits equal KVPool.write's (quantize_fp8_rows)
+        scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(x), 0), FP8_MAX), MIN_SCALE)
+        y = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -FP8_MAX), FP8_MAX)
+        tl.store(Dst + slot * stride_dt + h * stride_dh + offs, y.to(Dst.dtype.element_ty), mask=mask)
+        tl.store(Scale + slot * stride_ct + h, scale)
+
+
+def store_kv_fp8(buf: torch.Tensor, scale: torch.Tensor, slots: torch.Tensor, src: torch.Tensor) -> None:
+    """buf[slots[t]], scale[slots[t]] = quantize_fp8_rows(src[t]) for slots >= 0 (deepinfer_rt.cache.kv_pool):
+    buf (slots, H, D) float8_e4m3fn with unit column stride, scale (slots, H) float32, src (T, H, D)."""
+    from deepinfer_rt.cache.kv_pool import _MIN_SCALE, FP8_MAX
+
+    t, h, d = src.shape
+    if src.stride(-1) != 1 or buf.stride(-1) != 1 or scale.stride(1) != 1 or buf.shape[1:] != src.shape[1:]:
+        raise ValueError("store_kv_fp8 needs unit column strides and rows of the buffer's (heads, dim)")
+    if t:
+        _store_kv_fp8_kernel[(t, h)](src, buf, scale, slots, src.stride(0), src.stride(1), buf.stride(0),
+                                     buf.stride(1), scale.stride(0), d, FP8_MAX=FP8_MAX, MIN_SCALE=_MIN_SCALE,
+                                     BLOCK=triton.next_power_of_2(d))
+
+
+@triton.jit
 def _mla_rope_store_kernel(KVA, NormW, QPe, Positions, Cos, Sin, Pool, Slots, stride_kva, stride_qt, stride_qh,
                            stride_pool, num_heads, kv_rank, eps, BLOCK_C: tl.constexpr, HALF: tl.constexpr,
                            BLOCK_H: tl.constexpr, INTERLEAVE: tl.constexpr):

@@ -10,6 +10,12 @@ Layouts:
        v[layer] is a view of its first kv_lora_rank columns (the absorbed form reads the latent as V).
   Per-layer widths (`layer_dims`): k[layer] (num_slots, 1, layer_dims[layer]) for models whose layers keep
        different per-token state (DeepSeek-V4: sliding-window key, compressor inputs, compressed entries).
+
+KV cache dtype (CacheConfig.kv_cache_dtype): 'auto' stores rows in the model dtype; 'fp8_e4m3' stores each
+(token, KV head) row in float8_e4m3fn with one float32 scale, amax / 448 at write time, in parallel tensors
+k_scale[layer] (num_slots, heads) and v_scale[layer] (for MLA the same tensor as k_scale: V is K's prefix, so
+the latent and the rope key share the row's scale). Dequantized row = fp8 value x scale. Quantization is per
+row, so a row's stored bits depend only on its own values: not on the batch, the chunk or the prefix cache.
 """
 from __future__ import annotations
 
@@ -32,15 +38,52 @@ class KVLayout:
     v_dim: int
     layer_dims: tuple[int, ...] | None = None
     """Per-layer K width replacing k_shape[1] (one head, V a prefix of K), or None when all layers are alike."""
+    is_fp8_supported: bool = False
+    """Whether every row is a K/V head the attention backends read through the pool (kv_cache_dtype='fp8_e4m3'
+    may store it); layouts whose rows hold other state (DeepSeek-V4's compact pool) say so themselves."""
 
     def layer_k_shape(self, layer: int) -> tuple[int, int]:
         return self.k_shape if self.layer_dims is None else (1, self.layer_dims[layer])
 
-    def bytes_per_token(self, dtype: torch.dtype) -> int:
-        elems = sum(h * d for h, d in map(self.layer_k_shape, range(self.num_layers)))
+    def bytes_per_token(self, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> int:
+        """Pool bytes of one token over all layers; with fp8_e4m3, one byte per value plus the rows' scales."""
+        shapes = [self.layer_k_shape(layer) for layer in range(self.num_layers)]
         if self.v_shape is not None:
-            elems += self.v_shape[0] * self.v_shape[1] * self.num_layers
-        return elems * torch.empty((), dtype=dtype).element_size()
+            shapes += [self.v_shape] * self.num_layers
+        elems = sum(h * d for h, d in shapes)
+        if kv_cache_dtype == "auto":
+            return elems * torch.empty((), dtype=dtype).element_size()
+        check_kv_cache_dtype(kv_cache_dtype, self)
+        return elems + 4 * sum(h for h, _ in shapes)
+
+
+KV_CACHE_DTYPES = ("auto", "fp8_e4m3")
+FP8_MAX = 448.0
+"""Largest finite float8_e4m3fn value: a row's amax maps to it."""
+_MIN_SCALE = 1e-12
+"""Scale floor, so an all-zero row divides by a positive number (and stays zero)."""
+
+
+def check_kv_cache_dtype(kv_cache_dtype: str, layout: KVLayout | None = None) -> None:
+    """ValueError for an unknown kv_cache_dtype, or fp8 for a layout that does not take it."""
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")
+    if kv_cache_dtype != "auto" and layout is not None and not layout.is_fp8_supported:
+        raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} is not supported by this model's KV layout "
+                         "(its pool rows are not plain K/V heads); use 'auto'")
+
+
+def quantize_fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (..., D) -> (float8_e4m3fn (..., D), float32 scale (...)): each row over its last dim scaled so that
+    its amax is FP8_MAX (the division and clamp in fp32, then round to nearest)."""
+    xf = x.float()
+    scale = (xf.abs().amax(dim=-1) / FP8_MAX).clamp_min(_MIN_SCALE)
+    return (xf / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
+
+
+def dequantize_fp8_rows(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The inverse of quantize_fp8_rows up to FP8 rounding: q (..., D) x scale (...), in fp32, then `dtype`."""
+    return (q.float() * scale[..., None]).to(dtype)
 
 
 class PageAllocator:
@@ -94,29 +137,67 @@ class PageAllocator:
 
 class KVPool:
     def __init__(self, layout: KVLayout, num_pages: int, page_size: int, dtype: torch.dtype,
-                 device: torch.device):
+                 device: torch.device, kv_cache_dtype: str = "auto"):
+        check_kv_cache_dtype(kv_cache_dtype, layout)
         self.layout = layout
         self.page_size = page_size
         self.num_slots = num_pages * page_size
+        self.dtype = dtype
+        """The model dtype: what readers get back (dequantized rows with fp8_e4m3)."""
+        self.kv_cache_dtype = kv_cache_dtype
+        self.is_fp8 = kv_cache_dtype == "fp8_e4m3"
         self.allocator = PageAllocator(num_pages)
-        self.k = [torch.zeros(self.num_slots, *layout.layer_k_shape(layer), dtype=dtype, device=device)
+        store = torch.float8_e4m3fn if self.is_fp8 else dtype
+        self.k = [torch.zeros(self.num_slots, *layout.layer_k_shape(layer), dtype=store, device=device)
                   for layer in range(layout.num_layers)]
         if layout.v_shape is None:
             self.v = [k[..., : layout.v_dim] for k in self.k]
         else:
-            self.v = [torch.zeros(self.num_slots, *layout.v_shape, dtype=dtype, device=device)
+            self.v = [torch.zeros(self.num_slots, *layout.v_shape, dtype=store, device=device)
                       for _ in range(layout.num_layers)]
+        self.k_scale: list[torch.Tensor] | None = None
+        """fp8_e4m3: (num_slots, heads) float32 per layer, the scale of each stored K row; else None."""
+        self.v_scale: list[torch.Tensor] | None = None
+        """fp8_e4m3: V's row scales (MLA: k_scale's tensors, V being a prefix of K); else None."""
+        if self.is_fp8:
+            self.k_scale = [torch.zeros(k.shape[:2], dtype=torch.float32, device=device) for k in self.k]
+            self.v_scale = self.k_scale if layout.v_shape is None else [
+                torch.zeros(v.shape[:2], dtype=torch.float32, device=device) for v in self.v]
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None) -> None:
         """The slots of one step are distinct: index_copy_, several times faster than index_put_ on CPU (which
         stays for rows given in another shape, broadcast into the pool's)."""
-        for buf, x in ((self.k[layer], k), (self.v[layer], v)):
+        for buf, scales, x in ((self.k[layer], self.k_scale and self.k_scale[layer], k),
+                               (self.v[layer], self.v_scale and self.v_scale[layer], v)):
             if x is None:
                 continue
-            if x.shape[1:] == buf.shape[1:]:
+            if x.shape[1:] != buf.shape[1:]:
+                x = x.expand(x.shape[0], *buf.shape[1:])
+            if scales is None:
                 buf.index_copy_(0, slots, x.to(buf.dtype))
             else:
-                buf[slots] = x
+                q, s = quantize_fp8_rows(x)
+                _bytes(buf).index_copy_(0, slots, _bytes(q))
+                scales.index_copy_(0, slots, s)
+
+    def rows(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of `slots` (n, heads, dim) in the model dtype (dequantized with fp8_e4m3; for MLA V is a
+        column view of the K rows)."""
+        if not self.is_fp8:
+            k = self.k[layer].index_select(0, slots)
+            return k, (k[..., : self.layout.v_dim] if self.layout.v_shape is None
+                       else self.v[layer].index_select(0, slots))
+        k = _gather_fp8(self.k[layer], self.k_scale[layer], slots, self.dtype)
+        if self.layout.v_shape is None:
+            return k, k[..., : self.layout.v_dim]
+        return k, _gather_fp8(self.v[layer], self.v_scale[layer], slots, self.dtype)
+
+    def span(self, layer: int, first: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of the consecutive slots first .. first + n - 1: views of the pool in the model dtype, or
+        dequantized copies with fp8_e4m3."""
+        if not self.is_fp8:
+            return self.k[layer].narrow(0, first, n), self.v[layer].narrow(0, first, n)
+        return self.rows(layer, torch.arange(first, first + n, device=self.k[layer].device))
 
     def copy_slots(self, src: list[int], dst: list[int]) -> None:
         """Copy KV of `src` slots into `dst` slots in every layer (forking a partly filled page)."""
@@ -125,13 +206,30 @@ class KVPool:
         s = torch.tensor(src, device=self.k[0].device)
         d = torch.tensor(dst, device=self.k[0].device)
         for layer in range(self.layout.num_layers):
-            self.k[layer][d] = self.k[layer][s]
+            k = _bytes(self.k[layer])
+            k[d] = k[s]
             if self.layout.v_shape is not None:
-                self.v[layer][d] = self.v[layer][s]
+                v = _bytes(self.v[layer])
+                v[d] = v[s]
+            if self.is_fp8:
+                self.k_scale[layer][d] = self.k_scale[layer][s]
+                if self.layout.v_shape is not None:
+                    self.v_scale[layer][d] = self.v_scale[layer][s]
+
+
+def _bytes(x: torch.Tensor) -> torch.Tensor:
+    """float8 tensors as their bytes (CPU index_copy_ / indexing take no float8); others as they are."""
+    return x.view(torch.uint8) if x.dtype == torch.float8_e4m3fn else x
+
+
+def _gather_fp8(buf: torch.Tensor, scales: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    rows = buf.view(torch.uint8).index_select(0, slots).view(torch.float8_e4m3fn)
+    return dequantize_fp8_rows(rows, scales.index_select(0, slots), dtype)
 
 
 def num_kv_pages(layout: KVLayout, dtype: torch.dtype, device: torch.device, page_size: int,
-                 kv_cache_tokens: int | None, max_num_seqs: int, max_position: int, num_sharing_ranks: int = 1) -> int:
+                 kv_cache_tokens: int | None, max_num_seqs: int, max_position: int, num_sharing_ranks: int = 1,
+                 kv_cache_dtype: str = "auto") -> int:
     """Pages of the KV pool, measured once the weights are in place: `kv_cache_tokens` when given, else a share
     of the free memory (CUDA: DEEPINFER_KV_CACHE_MEMORY_FRACTION of what the device has free; CPU: the smaller
     of DEEPINFER_KV_CACHE_MAX_CPU_GIB and a quarter of the available RAM, split between the
@@ -147,7 +245,7 @@ def num_kv_pages(layout: KVLayout, dtype: torch.dtype, device: torch.device, pag
     else:
         avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
         budget = min(env.kv_cache_max_cpu_gib * 2**30, 0.25 * avail) / num_sharing_ranks
-    tokens = min(int(budget // layout.bytes_per_token(dtype)), max_num_seqs * max_position)
+    tokens = min(int(budget // layout.bytes_per_token(dtype, kv_cache_dtype)), max_num_seqs * max_position)
     return max(tokens // page_size, 1)
 
 

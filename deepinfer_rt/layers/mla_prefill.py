@@ -114,10 +114,10 @@ def prefill_attention(layer: nn.Module, plan: MLAPrefillPlan, q: torch.Tensor, b
     """q (T, H, nope + rope), rotated -> attention output (T, H, v) of every row, before o_proj; the new tokens'
     KV is already in the pool."""
     out = q.new_empty(q.shape[0], layer.num_heads, layer.v_dim)
-    kv_buf = batch.pool.k[layer.layer_id]
     for seg in plan.segments:
         rows = slice(seg.q_start, seg.q_start + seg.q_len)
-        out[rows] = standard_attention(layer, q[rows], kv_buf.index_select(0, seg.slots)[:, 0], seg.mask)
+        kv_rows = batch.pool.rows(layer.layer_id, seg.slots)[0]  # dequantized from an fp8_e4m3 pool
+        out[rows] = standard_attention(layer, q[rows], kv_rows[:, 0], seg.mask)
     if plan.absorbed is not None:
         rows = plan.absorbed_rows
         out[rows] = layer.absorbed_attention(q[rows], plan.absorbed)

@@ -46,7 +46,7 @@ class DeepseekV3ForCausalLM(CausalLM):
     @staticmethod
     def kv_layout(config: ModelConfig) -> KVLayout:
         return KVLayout(config.num_layers, (1, config.kv_lora_rank + config.qk_rope_head_dim), None,
-                        config.kv_lora_rank)
+                        config.kv_lora_rank, is_fp8_supported=True)
 
     def prepare_batch(self, batch: ForwardBatch) -> None:
         batch.mla_plan = plan_for(batch, self.kernel_config)  # which rows take MLA's standard-form prefill

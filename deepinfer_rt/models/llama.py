@@ -55,7 +55,7 @@ class LlamaForCausalLM(CausalLM):
     @staticmethod
     def kv_layout(config: ModelConfig) -> KVLayout:
         shape = (config.num_kv_heads, config.head_dim)
-        return KVLayout(config.num_layers, shape, shape, config.head_dim)
+        return KVLayout(config.num_layers, shape, shape, config.head_dim, is_fp8_supported=True)
 
     def prepare_batch(self, batch: ForwardBatch) -> None:
         self.step_method.prepare(self, batch)

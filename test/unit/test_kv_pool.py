@@ -283,3 +283,60 @@ def test_num_kv_pages_cpu_budget_split_between_ranks_and_capped(monkeypatch):
     # At least one page, however small the budget.
     monkeypatch.setenv("DEEPINFER_KV_CACHE_MAX_CPU_GIB", "0")
     assert num_kv_pages(_LAYOUT, torch.float32, CPU, 4, None, 64, 512) == 1
+
+
+# ---- FP8 KV (kv_cache_dtype='fp8_e4m3') ----
+from deepinfer_rt.cache.kv_pool import FP8_MAX, quantize_fp8_rows  # noqa: E402
+
+GQA = KVLayout(2, (2, 8), (2, 8), 8, is_fp8_supported=True)
+MLA = KVLayout(3, (1, 40), None, 32, is_fp8_supported=True)
+
+
+def test_fp8_bytes_per_token_count_the_scales():
+    assert GQA.bytes_per_token(torch.bfloat16) == 2 * 2 * 2 * 8 * 2
+    assert GQA.bytes_per_token(torch.bfloat16, "fp8_e4m3") == 2 * 2 * 2 * (8 + 4)  # K and V rows, one scale each
+    assert MLA.bytes_per_token(torch.bfloat16, "fp8_e4m3") == 3 * (40 + 4)  # V is K's prefix: no scale of its own
+    mla_576 = KVLayout(61, (1, 576), None, 512, is_fp8_supported=True)
+    ratio = mla_576.bytes_per_token(torch.bfloat16) / mla_576.bytes_per_token(torch.bfloat16, "fp8_e4m3")
+    assert 1.98 < ratio < 2.0
+    tokens = {d: num_kv_pages(mla_576, torch.bfloat16, CPU, 1, None, 1 << 20, 1 << 20, kv_cache_dtype=d)
+              for d in ("auto", "fp8_e4m3")}
+    assert 1.97 < tokens["fp8_e4m3"] / tokens["auto"] < 2.0  # the same memory holds about twice the tokens
+
+
+def test_fp8_kv_cache_dtype_refused_where_unsupported():
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
+        KVPool(GQA, 4, 1, torch.float32, CPU, "fp8")
+    with pytest.raises(ValueError, match="not supported by this model's KV layout"):
+        KVPool(KVLayout(2, (1, 40), None, 32, layer_dims=(40, 24)), 4, 1, torch.float32, CPU, "fp8_e4m3")
+
+
+@pytest.mark.parametrize("layout", [GQA, MLA], ids=["gqa", "mla"])
+def test_fp8_pool_write_read_copy(layout):
+    g = torch.Generator().manual_seed(0)
+    pool = KVPool(layout, 6, 2, torch.float32, CPU, "fp8_e4m3")
+    assert pool.k[0].dtype == torch.float8_e4m3fn and pool.k_scale[0].shape == (12, layout.k_shape[0])
+    assert (pool.v_scale is pool.k_scale) == (layout.v_shape is None)
+    slots = torch.tensor([7, 2, 11, 4])
+    k = torch.randn(4, *layout.k_shape, generator=g) * torch.tensor([1e-3, 1.0, 50.0, 0.0])[:, None, None]
+    v = None if layout.v_shape is None else torch.randn(4, *layout.v_shape, generator=g)
+    pool.write(1, slots, k, v)
+    rk, rv = pool.rows(1, slots)
+    assert rk.dtype == torch.float32 and (rk[3] == 0).all()  # an all-zero row stays zero
+    # e4m3 keeps 3 mantissa bits: each value within half a step (2^-4 relative) of its own magnitude's grid,
+    # and the row's amax exactly (it maps to FP8_MAX)
+    amax = k.abs().amax(-1, keepdim=True)
+    assert ((rk - k).abs() <= k.abs() / 16 + amax / FP8_MAX * 2**-6 + 1e-30).all()
+    torch.testing.assert_close(rk.abs().amax(-1), amax[..., 0], rtol=1e-6, atol=0)
+    if v is None:
+        assert torch.equal(rv, rk[..., : layout.v_dim])
+    else:
+        torch.testing.assert_close(rv, v, rtol=1 / 16, atol=v.abs().max().item() / FP8_MAX)
+    q, s = quantize_fp8_rows(k)
+    assert torch.equal(pool.k_scale[1][slots], s) and torch.equal(pool.k[1][slots].view(torch.uint8), q.view(torch.uint8))
+    span_k, _ = pool.span(1, 2, 3)  # slots 2..4: a dequantized copy
+    assert torch.equal(span_k[0], rk[1]) and torch.equal(span_k[2], rk[3])
+    pool.copy_slots([7, 2], [0, 1])
+    ck, cv = pool.rows(1, torch.tensor([0, 1]))
+    assert torch.equal(ck, rk[:2]) and torch.equal(cv, rv[:2])
+    assert (pool.k_scale[0] == 0).all()  # other layers untouched

@@ -112,7 +112,7 @@ class BatchInvariantBackend(AttentionBackend):
 
     def prepare(self, batch: ForwardBatch) -> None:
         meta = _plan(batch.q_lens, batch.kv_lens, batch.kv_slots)
-        dev, dtype = batch.input_ids.device, batch.pool.k[0].dtype
+        dev, dtype = batch.input_ids.device, batch.pool.dtype
         batch.attn_meta = _Meta(
             meta.num_tiles, meta.item_rows.to(dev), meta.key_slots.to(dev), meta.key_bias.to(dev, dtype),
             meta.key_weight.to(dev, dtype), meta.item_tile.to(dev), meta.item_block.to(dev),
@@ -131,11 +131,16 @@ class BatchInvariantBackend(AttentionBackend):
         qs = torch.mul(q.view(t, num_kv, group, head_dim).transpose(0, 1), scale,
                        out=q.new_empty(num_kv, t, group, head_dim))
         qi = qs.index_select(1, meta.item_rows).view(num_kv * num_items, rows, head_dim)
-        ki = _gather_head_major(k_buf, meta.key_slots)
-        if v_buf.data_ptr() == k_buf.data_ptr() and v_buf.stride() == k_buf.stride():  # values lead the keys (MLA)
-            vi = ki[..., :v_dim]
+        if batch.pool.is_fp8:  # dequantized rows: a function of each stored row alone, so still invariant
+            kr, vr = batch.pool.rows(layer_id, meta.key_slots)
+            ki = _head_major(kr)
+            vi = ki[..., :v_dim] if batch.pool.layout.v_shape is None else _head_major(vr)
         else:
-            vi = _gather_head_major(v_buf, meta.key_slots)
+            ki = _gather_head_major(k_buf, meta.key_slots)
+            if v_buf.data_ptr() == k_buf.data_ptr() and v_buf.stride() == k_buf.stride():  # values lead the keys
+                vi = ki[..., :v_dim]
+            else:
+                vi = _gather_head_major(v_buf, meta.key_slots)
         scores = fixed_bmm(qi, ki.transpose(1, 2))
         scores = scores.view(num_kv, num_items, QUERY_TILE, group, KEY_BLOCK)
         scores.add_(meta.key_bias[None, :, :, None, :])
@@ -161,9 +166,13 @@ def _gather_head_major(buf: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     """Pool rows (slots, Hkv, D) at `slots` (items * KEY_BLOCK,) -> (Hkv * items, KEY_BLOCK, D): one gather
     along the pool's leading dim, then one copy into head-major order (gathering along a transposed pool's
     middle dim instead walks the whole pool)."""
-    num_kv, dim = buf.shape[1:]
-    rows = buf.index_select(0, slots).view(-1, KEY_BLOCK, num_kv, dim)
-    return rows.permute(2, 0, 1, 3).reshape(-1, KEY_BLOCK, dim)
+    return _head_major(buf.index_select(0, slots))
+
+
+def _head_major(rows: torch.Tensor) -> torch.Tensor:
+    """Gathered rows (items * KEY_BLOCK, Hkv, D) -> (Hkv * items, KEY_BLOCK, D)."""
+    num_kv, dim = rows.shape[1:]
+    return rows.view(-1, KEY_BLOCK, num_kv, dim).permute(2, 0, 1, 3).reshape(-1, KEY_BLOCK, dim)
 
 
 def _finite(m: torch.Tensor) -> torch.Tensor:

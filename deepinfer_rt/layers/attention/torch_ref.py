@@ -8,6 +8,9 @@ Host work per layer is kept small, since on CPU the step is mostly such overhead
 decode rows only (every row one sequence, in order) attends without gathering its queries or scattering its
 outputs; a sequence whose KV occupies consecutive slots (a lone stream, a prefill chunk) reads the pool through a
 view instead of a gather; the padded decode gather writes into buffers allocated once per step.
+
+A pool in fp8_e4m3 is read through its dequantizing gathers (KVPool.rows / span): the gathered rows come back in
+the model dtype and attention runs on them as on any other (the reference form of FP8 KV).
 """
 from __future__ import annotations
 
@@ -106,7 +109,7 @@ class TorchRefBackend(AttentionBackend):
             meta.decode_slots = padded
             meta.decode_mask = (torch.arange(max_len, device=device)[None, :] < lens[:, None])[:, None, None, :]
             k0, v0 = batch.pool.k[0], batch.pool.v[0]
-            if all(k.shape == k0.shape for k in batch.pool.k) and all(v.shape == v0.shape for v in batch.pool.v):
+            if not batch.pool.is_fp8 and all(k.shape == k0.shape for k in batch.pool.k) and all(v.shape == v0.shape for v in batch.pool.v):
                 # One pair for all layers: each layer's gather is read by its SDPA before the next layer's.
                 meta.decode_kv = (k0.new_empty(padded.numel(), *k0.shape[1:]),
                                   v0.new_empty(padded.numel(), *v0.shape[1:]))
@@ -116,21 +119,25 @@ class TorchRefBackend(AttentionBackend):
                 q_tail: torch.Tensor | None = None) -> torch.Tensor:
         q = joined(q, q_tail)
         meta: _Meta = batch.attn_meta
-        k_buf, v_buf = batch.pool.k[layer_id], batch.pool.v[layer_id]
+        pool = batch.pool
+        k_buf, v_buf = pool.k[layer_id], pool.v[layer_id]
         gqa = q.shape[1] != k_buf.shape[1]
         if meta.decode_first_slot is not None:  # one stream on consecutive slots: the pool rows as they are
-            n = batch.kv_lens[0]
-            kd = k_buf.narrow(0, meta.decode_first_slot, n).transpose(0, 1)[None]  # (1, Hkv, L, D)
-            vd = v_buf.narrow(0, meta.decode_first_slot, n).transpose(0, 1)[None]
+            kd, vd = pool.span(layer_id, meta.decode_first_slot, batch.kv_lens[0])
+            kd, vd = kd.transpose(0, 1)[None], vd.transpose(0, 1)[None]  # (1, Hkv, L, D)
             od = F.scaled_dot_product_attention(q.unsqueeze(2), kd, vd, scale=scale, enable_gqa=gqa)
             return od.squeeze(2)
         if meta.decode_rows is not None:
             qd = (q if meta.is_all_decode else q[meta.decode_rows]).unsqueeze(2)  # (Bd, Hq, 1, D)
             bd, max_len = meta.decode_slots.shape
             flat = meta.decode_slots.view(-1)  # index_select is much faster than advanced indexing on CPU
-            kd_flat, vd_flat = meta.decode_kv or (None, None)
-            kd = torch.index_select(k_buf, 0, flat, out=kd_flat).view(bd, max_len, *k_buf.shape[1:]).transpose(1, 2)
-            vd = torch.index_select(v_buf, 0, flat, out=vd_flat).view(bd, max_len, *v_buf.shape[1:]).transpose(1, 2)
+            if pool.is_fp8:
+                kd, vd = pool.rows(layer_id, flat)
+            else:
+                kd_flat, vd_flat = meta.decode_kv or (None, None)
+                kd, vd = torch.index_select(k_buf, 0, flat, out=kd_flat), torch.index_select(v_buf, 0, flat, out=vd_flat)
+            kd = kd.view(bd, max_len, *k_buf.shape[1:]).transpose(1, 2)
+            vd = vd.view(bd, max_len, *v_buf.shape[1:]).transpose(1, 2)
             od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=scale,
                                                 enable_gqa=gqa)
             if meta.is_all_decode:
@@ -143,18 +150,16 @@ class TorchRefBackend(AttentionBackend):
             bs, q_max = s.rows.shape
             qs = q[s.rows.view(-1)].view(bs, q_max, *q.shape[1:]).transpose(1, 2)  # (Bs, Hq, Qmax, D)
             flat = s.slots.view(-1)
-            ks = k_buf.index_select(0, flat).view(bs, s.slots.shape[1], *k_buf.shape[1:]).transpose(1, 2)
-            vs = v_buf.index_select(0, flat).view(bs, s.slots.shape[1], *v_buf.shape[1:]).transpose(1, 2)
+            ks, vs = pool.rows(layer_id, flat)
+            ks = ks.view(bs, s.slots.shape[1], *k_buf.shape[1:]).transpose(1, 2)
+            vs = vs.view(bs, s.slots.shape[1], *v_buf.shape[1:]).transpose(1, 2)
             os_ = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=s.mask, scale=scale, enable_gqa=gqa)
             out[s.rows[s.valid]] = os_.transpose(1, 2)[s.valid]
         for e in meta.extends:
             qe = q[e.q_start : e.q_start + e.q_len].transpose(0, 1)  # (Hq, q_len, D)
-            if e.first_slot is not None:
-                ke = k_buf.narrow(0, e.first_slot, len(e.slots)).transpose(0, 1)  # (Hkv, kv_len, D)
-                ve = v_buf.narrow(0, e.first_slot, len(e.slots)).transpose(0, 1)
-            else:
-                ke = k_buf.index_select(0, e.slots).transpose(0, 1)
-                ve = v_buf.index_select(0, e.slots).transpose(0, 1)
+            ke, ve = (pool.rows(layer_id, e.slots) if e.first_slot is None
+                      else pool.span(layer_id, e.first_slot, len(e.slots)))
+            ke, ve = ke.transpose(0, 1), ve.transpose(0, 1)  # (Hkv, kv_len, D)
             # 4-D operands: unbatched (3-D) ones send CPU SDPA to its math path, 5-9x slower at 1K tokens
             oe = F.scaled_dot_product_attention(qe[None], ke[None], ve[None], attn_mask=e.mask, scale=scale,
                                                 is_causal=e.mask is None, enable_gqa=gqa)

@@ -7,6 +7,10 @@ torch SDPA per sequence: with no cached prefix it is the causal kernel (flash / 
 the lower-right causal bias (memory-efficient kernel, no mask built). Steps built from the runner's device
 page table (ForwardBatch.pages) decode through that table as it is. New K/V are stored by a scatter kernel that skips negative slots, so
 graph padding rows write nothing.
+
+FP8 KV (pool.is_fp8): the store kernel quantizes each (token, head) row as it writes it (elementwise.store_kv_fp8),
+decode reads the float8 rows and their scales in the kernel, prefill chunks dequantize the rows they gather.
+MLA's fused norm-rope-store kernel writes rows in the model dtype only, so it is off for such pools.
 """
 from __future__ import annotations
 
@@ -18,7 +22,7 @@ from torch.nn.attention.bias import causal_lower_right
 from torch.nn.utils.rnn import pad_sequence
 
 from deepinfer_kernels.decode_attention import num_splits_for, paged_decode_attention
-from deepinfer_kernels.elementwise import store_kv
+from deepinfer_kernels.elementwise import store_kv, store_kv_fp8
 from deepinfer_rt.forward_batch import ForwardBatch
 from deepinfer_rt.layers.attention.base import AttentionBackend, joined
 from deepinfer_rt.layers.attention.torch_ref import causal_mask
@@ -65,8 +69,9 @@ class TritonBackend(AttentionBackend):
     is_mla_rope_store_supported = True
     is_mla_standard_prefill_preferred = True
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, is_kv_fp8: bool = False):
         self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+        self.is_mla_rope_store_supported = not is_kv_fp8
 
     def decode_meta(self, page_table, table_rows, seq_lens, page_size, kv_heads, head_dim=0) -> DecodeMeta:
         splits = num_splits_for(int(table_rows.shape[0]), kv_heads, self.num_sms, head_dim)
@@ -101,29 +106,37 @@ class TritonBackend(AttentionBackend):
                                      extends)
 
     def store_kv(self, batch: ForwardBatch, layer_id: int, k: torch.Tensor, v: torch.Tensor | None) -> None:
-        store_kv(batch.pool.k[layer_id], batch.out_slots, k)
+        pool = batch.pool
+        if pool.is_fp8:
+            store_kv_fp8(pool.k[layer_id], pool.k_scale[layer_id], batch.out_slots, k)
+            if v is not None:
+                store_kv_fp8(pool.v[layer_id], pool.v_scale[layer_id], batch.out_slots, v)
+            return
+        store_kv(pool.k[layer_id], batch.out_slots, k)
         if v is not None:
-            store_kv(batch.pool.v[layer_id], batch.out_slots, v)
+            store_kv(pool.v[layer_id], batch.out_slots, v)
 
     def forward(self, q: torch.Tensor, layer_id: int, scale: float, batch: ForwardBatch,
                 q_tail: torch.Tensor | None = None) -> torch.Tensor:
         meta: TritonMeta = batch.attn_meta
-        k_buf, v_buf = batch.pool.k[layer_id], batch.pool.v[layer_id]
+        pool = batch.pool
+        k_buf, v_buf = pool.k[layer_id], pool.v[layer_id]
+        scales = dict(k_scale=pool.k_scale[layer_id], v_scale=pool.v_scale[layer_id]) if pool.is_fp8 else {}
         d = meta.decode
         if d is not None and meta.decode_rows is None:
             return paged_decode_attention(q, k_buf, v_buf, d.page_table, d.table_rows, d.seq_lens, d.page_size,
-                                          scale, d.num_splits, q_tail=q_tail)
+                                          scale, d.num_splits, q_tail=q_tail, **scales)
         q = joined(q, q_tail)
         out = q.new_empty(q.shape[0], q.shape[1], v_buf.shape[-1])
         if d is not None:
             out[meta.decode_rows] = paged_decode_attention(q[meta.decode_rows], k_buf, v_buf, d.page_table,
                                                            d.table_rows, d.seq_lens, d.page_size, scale,
-                                                           d.num_splits)
+                                                           d.num_splits, **scales)
         hq = q.shape[1]
         for q_start, q_len, slots, mask in meta.extends:
             qe = q[q_start : q_start + q_len].transpose(0, 1)  # (Hq, L, D)
-            ke = _to_query_heads(k_buf.index_select(0, slots).transpose(0, 1), hq)
-            ve = _to_query_heads(v_buf.index_select(0, slots).transpose(0, 1), hq)
+            ke, ve = pool.rows(layer_id, slots)  # dequantized from an fp8 pool
+            ke, ve = _to_query_heads(ke.transpose(0, 1), hq), _to_query_heads(ve.transpose(0, 1), hq)
             # 4-D: the fused SDPA kernels (flash, memory-efficient) take only batched inputs.
             oe = F.scaled_dot_product_attention(qe[None], ke[None], ve[None], attn_mask=mask, is_causal=mask is None,
                                                 scale=scale)

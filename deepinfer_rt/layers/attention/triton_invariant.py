@@ -5,7 +5,8 @@ Query j of sequence i (absolute position p) becomes an independent decode row: i
 row and seq_len = p + 1 (causal). The kernel cuts each row's keys at fixed absolute positions and merges the
 pieces in ascending order, with tiles and warps fixed by the head dims, so a token's result is bitwise the same
 in prefill, in a chunk of any size, in decode (eager or CUDA graph), from prefix-cache keys or freshly stored
-ones, and whatever else shares the batch. Each query row reads its keys on its own: prefill reads a chunk's
+ones, and whatever else shares the batch. FP8 KV keeps this: rows are quantized one by one when stored
+and dequantized per key in the kernel, so no value depends on the batch. Each query row reads its keys on its own: prefill reads a chunk's
 KV once per query instead of once per chunk, decode reads it once, as the default kernel does.
 
 The KV store, the metadata types and the CUDA-graph hook (`decode_meta`, called by deepinfer_rt.cuda_graph) are
@@ -51,6 +52,8 @@ class TritonInvariantBackend(AttentionBackend):
     def forward(self, q: torch.Tensor, layer_id: int, scale: float, batch: ForwardBatch,
                 q_tail: torch.Tensor | None = None) -> torch.Tensor:
         d: DecodeMeta = batch.attn_meta.decode
-        return paged_decode_attention_fixed(q, batch.pool.k[layer_id], batch.pool.v[layer_id], d.page_table,
+        pool = batch.pool
+        scales = dict(k_scale=pool.k_scale[layer_id], v_scale=pool.v_scale[layer_id]) if pool.is_fp8 else {}
+        return paged_decode_attention_fixed(q, pool.k[layer_id], pool.v[layer_id], d.page_table,
                                             d.table_rows, d.seq_lens, d.page_size, scale, d.num_splits,
-                                            q_tail=q_tail)
+                                            q_tail=q_tail, **scales)
