@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Callable, Protocol
 
 import numpy as np
 import torch
@@ -36,6 +37,11 @@ class KVLayout:
     def layer_k_shape(self, layer: int) -> tuple[int, int]:
         return self.k_shape if self.layer_dims is None else (1, self.layer_dims[layer])
 
+    @property
+    def pool_class(self) -> type["KVPool"]:
+        """The pool that stores this layout (a model with its own cache structure returns its own)."""
+        return KVPool
+
     def bytes_per_token(self, dtype: torch.dtype) -> int:
         elems = sum(h * d for h, d in map(self.layer_k_shape, range(self.num_layers)))
         if self.v_shape is not None:
@@ -53,6 +59,10 @@ class PageAllocator:
         self._refs = np.zeros(num_pages, dtype=np.int64)
         # Pop from the end; start with low page ids first so small workloads touch little memory.
         self._free = list(range(num_pages - 1, -1, -1))
+        self.on_free: Callable[[list[int]], None] | None = None
+        """Called with the pages a decref has just freed (a pool that keeps more state per page drops it)."""
+        self.prefix_guard: PrefixGuard | None = None
+        """Set by a pool whose pages cannot resume at every position (cache/radix_cache.py asks it)."""
 
     @property
     def num_free(self) -> int:
@@ -86,13 +96,29 @@ class PageAllocator:
         assert held.all(), f"double free of page {idx[~held][0]}"
         refs -= 1
         self._refs[idx] = refs
-        self._free.extend(idx[refs == 0].tolist())
+        freed = idx[refs == 0].tolist()
+        self._free.extend(freed)
+        if self.on_free is not None and freed:
+            self.on_free(freed)
 
     def refcount(self, page: int) -> int:
         return int(self._refs[page])
 
 
+class PrefixGuard(Protocol):
+    def restorable(self, pages: list[int], num_tokens: int) -> int:
+        """Longest page-aligned length <= num_tokens at which a sequence holding `pages` can resume exactly."""
+
+    def keep(self, pages: list[int], num_tokens: int) -> None:
+        """A sequence resumes at num_tokens over `pages`: keep what that needs while the pages live."""
+
+
 class KVPool:
+    def __new__(cls, layout: KVLayout, *args, **kwargs):
+        # KVPool(layout, ...) builds the pool the layout asks for, wherever pools are made.
+        target = layout.pool_class
+        return super().__new__(target if cls is KVPool and issubclass(target, KVPool) else cls)
+
     def __init__(self, layout: KVLayout, num_pages: int, page_size: int, dtype: torch.dtype,
                  device: torch.device):
         self.layout = layout

@@ -141,6 +141,47 @@ class PoolColumns:
         return cls(*bounds)
 
 
+    @classmethod
+    def compact(cls, cfg: V4Config, layer_type: str) -> "PoolColumns":
+        """Columns of the compact pool (models/deepseek_v4/cache.py): swa, kv, gate, idx_kv, idx_gate in the
+        layer's recent row, entry and idx_entry in its entry row."""
+        full = cls.for_layer(cfg, layer_type)
+        widths = [s.stop - s.start for s in (full.swa, full.kv, full.gate, full.idx_kv, full.idx_gate)]
+        cuts = [0]
+        for w in widths:
+            cuts.append(cuts[-1] + w)
+        swa, kv, gate, idx_kv, idx_gate = (slice(a, b) for a, b in zip(cuts, cuts[1:]))
+        d_entry, d_idx = full.entry.stop - full.entry.start, full.idx_entry.stop - full.idx_entry.start
+        return cls(swa, kv, gate, slice(0, d_entry), idx_kv, idx_gate, slice(d_entry, d_entry + d_idx))
+
+    @property
+    def recent_width(self) -> int:
+        return max(s.stop for s in (self.swa, self.kv, self.gate, self.idx_kv, self.idx_gate))
+
+    @property
+    def entry_width(self) -> int:
+        return max(self.entry.stop, self.idx_entry.stop)
+
+
+@dataclass(frozen=True)
+class LayerKV:
+    """One layer's KV buffers and their columns: `recent` holds per-token state (sliding key, compressor
+    inputs), `entries` the compressed entries. In the per-token layout both are the same pool rows."""
+
+    recent: torch.Tensor
+    entries: torch.Tensor
+    cols: PoolColumns
+
+
+def recent_tokens(cfg: V4Config) -> int:
+    """Positions before a step's first new token whose per-token state the step reads: the sliding window's
+    W - 1, and the windows its compressors complete (CSA pools the previous window too: 2m - 1)."""
+    need = [cfg.sliding_window - 1]
+    for t in set(cfg.layer_types) - {SLIDING}:
+        need.append((2 if t == CSA else 1) * cfg.ratio(t) - 1)
+    return max(need)
+
+
 def inv_freq(cfg: V4Config, params: dict) -> tuple[torch.Tensor, float]:
     """Inverse frequencies (rope_dim / 2,) and cos/sin scale of one rope-parameter set, from transformers'
     own definitions (YaRN included) so they cannot drift. Always computed on the CPU (also while a model is
