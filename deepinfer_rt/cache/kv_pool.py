@@ -112,6 +112,10 @@ class PrefixGuard(Protocol):
     def keep(self, pages: list[int], num_tokens: int) -> None:
         """A sequence resumes at num_tokens over `pages`: keep what that needs while the pages live."""
 
+    def adopt(self, cached: list[int], own: list[int]) -> None:
+        """A request's pages `own` hold the same tokens as the cache's `cached` (which stay in the cache):
+        give the cached pages the resumable state only the request's copies have."""
+
 
 class KVPool:
     def __new__(cls, layout: KVLayout, *args, **kwargs):

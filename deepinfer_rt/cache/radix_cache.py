@@ -93,7 +93,9 @@ class RadixCache(PrefixCache):
         if end <= start:
             return
         assert len(req.pages) * self.page_size >= end, "insert: req.pages do not cover the inserted tokens"
-        node, pos, _ = self._walk(req.token_ids, end, start_node, start, split=True)
+        node, pos, cached = self._walk(req.token_ids, end, start_node, start, split=True)
+        if self.allocator.prefix_guard is not None:
+            self.allocator.prefix_guard.adopt(cached, req.pages[start // self.page_size : pos // self.page_size])
         if pos < end:
             # Tokens already in the tree keep the tree's pages; the request's duplicates stay its own.
             leaf = TreeNode(next(self._ids), node, tuple(req.token_ids[pos:end]),

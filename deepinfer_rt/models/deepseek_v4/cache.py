@@ -133,6 +133,25 @@ class V4Pool(KVPool):
         ps = self.page_size
         self._pin(pages[max(0, num_tokens - self.layout.recent_tokens) // ps : math.ceil(num_tokens / ps)])
 
+    def adopt(self, cached: list[int], own: list[int]) -> None:
+        # The cache keeps the first copy of a prefix; a later request that computed the same tokens may be the
+        # one that kept (pinned) recent state there. Copy it so hits can resume there.
+        moves = [(c, o) for c, o in zip(cached, own) if c != o and self._pinned[o] and self._recent_of[c] < 0]
+        moves = moves[: len(self._recent_free)]  # never reclaims: a running sequence may need every pinned page
+        if not moves:
+            return
+        for c, _ in moves:
+            self._attach(c, set(own))
+            self._pinned[c] = True
+        self._sync()
+        device = self.recent_of_t.device
+        src = self.recent_of_t[torch.tensor([o for _, o in moves], device=device)]
+        dst = self.recent_of_t[torch.tensor([c for c, _ in moves], device=device)]
+        offsets = torch.arange(self.page_size, device=device)
+        src, dst = (src[:, None] * self.page_size + offsets).flatten(), (dst[:, None] * self.page_size + offsets).flatten()
+        for buf in self.recent:
+            buf[dst] = buf[src]
+
     # ---- per step ----
 
     def prepare(self, batch: ForwardBatch) -> list[torch.Tensor]:
