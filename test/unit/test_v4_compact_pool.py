@@ -1,0 +1,95 @@
+"""The compact DeepSeek-V4 pool on its own (models/deepseek_v4/cache.py): recent pages follow a sequence and
+stay at checkpoints, prefix hits are cut back to where recent state exists, freed pages take their state along."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deepinfer_rt.cache.kv_pool import KVPool, slots_of
+from deepinfer_rt.forward_batch import ForwardBatch
+from deepinfer_rt.models.deepseek_v4.cache import V4KVLayout, V4Pool
+
+PS, R, K = 4, 7, 16
+LAYOUT = V4KVLayout(3, (1, 8), None, 8, layer_dims=(8, 24, 40), ratios=(0, 8, 4), entry_dims=(0, 8, 12),
+                    recent_tokens=R, checkpoint_tokens=K, recent_fraction=1.0)
+
+
+def _step(pool: V4Pool, seqs: list[tuple[list[int], int, int]]) -> list[torch.Tensor]:
+    """seqs: (pages, start, kv_len) per sequence -> the recent slots prepare gives."""
+    kv_slots = [torch.tensor(slots_of(p, n, PS)) for p, _, n in seqs]
+    q_lens = [n - s for _, s, n in seqs]
+    ids = torch.zeros(sum(q_lens), dtype=torch.long)
+    batch = ForwardBatch(ids, ids, ids, q_lens, [n for _, _, n in seqs], kv_slots, pool, None)
+    return pool.prepare(batch)
+
+
+def _run(pool: V4Pool, pages: list[int], prompt: int, total: int) -> None:
+    _step(pool, [(pages, 0, prompt)])
+    for n in range(prompt + 1, total + 1):
+        _step(pool, [(pages, n - 1, n)])
+
+
+def test_kv_pool_builds_the_compact_pool_and_checks_page_size():
+    pool = KVPool(LAYOUT, 32, PS, torch.float32, torch.device("cpu"))
+    assert isinstance(pool, V4Pool)
+    assert [e.shape[0] for e in pool.entries] == [0, 32 * PS // 4, 32 * PS // 4]  # min(m, page_size) = 4
+    with pytest.raises(ValueError, match="page_size"):
+        V4Pool(LAYOUT, 32, 3, torch.float32, torch.device("cpu"))
+
+
+def test_recent_pages_follow_the_sequence_and_stay_at_checkpoints():
+    pool = V4Pool(LAYOUT, 32, PS, torch.float32, torch.device("cpu"))
+    pages = pool.allocator.alloc(12)  # 48 positions
+    _run(pool, pages, prompt=10, total=45)
+    has = [pool.has_recent(p) for p in pages]
+    # Kept: the prompt's end (positions 2..9 -> pages 0-2), before the checkpoints 16 and 32 (pages 2-3, 6-7),
+    # and the last R positions before the last step's start (44 - 7 = 37.. -> pages 9-11).
+    assert has == [True, True, True, True, False, False, True, True, False, True, True, True]
+    assert [pool.is_pinned(p) for p in pages[:8]] == [True] * 4 + [False] * 2 + [True] * 2
+    # Hits resume only where the R positions before them have recent state.
+    assert pool.restorable(pages, 44) == 44
+    assert pool.restorable(pages, 36) == 32
+    assert pool.restorable(pages, 28) == 16
+    assert pool.restorable(pages, 3 * PS) == 3 * PS and pool.restorable(pages, 0) == 0
+    # Freeing the main pages frees their recent pages.
+    used = pool.num_recent_in_use
+    pool.allocator.decref(pages)
+    assert used == sum(has) and pool.num_recent_in_use == 0
+
+
+def test_a_hit_pins_its_resume_point_and_a_later_sequence_cannot_release_it():
+    pool = V4Pool(LAYOUT, 64, PS, torch.float32, torch.device("cpu"))
+    pages = pool.allocator.alloc(12)
+    _run(pool, pages, prompt=10, total=45)
+    # A second sequence resumes at 44 over the first's pages and runs on: 40..43 stay for another hit.
+    pool.allocator.incref(pages[:11])
+    pool.keep(pages[:11], 44)
+    mine = pages[:11] + pool.allocator.alloc(6)
+    _step(pool, [(mine, 44, 48)])
+    for n in range(49, 68):
+        _step(pool, [(mine, n - 1, n)])
+    assert pool.restorable(pages, 44) == 44
+    assert not pool.has_recent(mine[12])  # its own page, passed and never pinned
+
+
+def test_resuming_where_state_is_gone_is_an_error():
+    pool = V4Pool(LAYOUT, 32, PS, torch.float32, torch.device("cpu"))
+    pages = pool.allocator.alloc(12)
+    _run(pool, pages, prompt=10, total=45)
+    with pytest.raises(RuntimeError, match="recent KV state"):
+        _step(pool, [(pages, 24, 25)])
+
+
+def test_recent_slots_map_through_the_page_indirection():
+    pool = V4Pool(LAYOUT, 32, PS, torch.float32, torch.device("cpu"))
+    pages = pool.allocator.alloc(3)
+    (recent,) = _step(pool, [(pages, 0, 10)])
+    want = [pool._recent_of[pages[i // PS]] * PS + i % PS for i in range(10)]
+    assert recent.tolist() == want and len(set(want)) == 10
+
+
+def test_bytes_per_token_split():
+    d = torch.float32
+    assert LAYOUT.long_lived_bytes_per_token(d) == pytest.approx(4 * (8 / 8 + 12 / 4))
+    assert LAYOUT.recent_bytes_per_token(d) == 4 * (8 + 24 + 40)
+    assert LAYOUT.window_bytes_per_sequence(d) == R * 4 * 72
