@@ -1,0 +1,55 @@
+"""The compact DeepSeek-V4 pool against the per-token layout it replaces, through the Engine: the same greedy
+tokens with pages and unaligned chunks, under retraction, and with prefix-cache hits that resume mid-window
+(resumable at checkpoints and prompt ends only); cache on == off."""
+from __future__ import annotations
+
+import pytest
+
+from deepinfer_rt import Engine, SamplingParams
+from deepinfer_rt.models.deepseek_v4.cache import V4Pool
+from test_deepseek_v4_engine import GREEDY, MAX_NEW, PROMPTS
+
+
+def _run(path, layout: str, monkeypatch, rounds=1, checkpoint_tokens=8, **kwargs):
+    monkeypatch.setenv("DEEPINFER_V4_KV_LAYOUT", layout)
+    monkeypatch.setenv("DEEPINFER_V4_CHECKPOINT_TOKENS", str(checkpoint_tokens))
+    with Engine(str(path), dtype="float32", **{"kv_cache_tokens": 2048, "page_size": 4, **kwargs}) as engine:
+        assert isinstance(engine.pool, V4Pool) == (layout == "compact")
+        first = engine.generate(input_ids=PROMPTS, sampling_params=GREEDY)
+        outs = [first]
+        if rounds == 2:
+            extended = [p + o.token_ids[:3] for p, o in zip(PROMPTS, first)]
+            outs.append(engine.generate(input_ids=extended,
+                                        sampling_params=SamplingParams(max_new_tokens=MAX_NEW - 3, temperature=0)))
+        stats = dict(retractions=engine.scheduler.num_retractions)
+        if isinstance(engine.pool, V4Pool):
+            stats.update(recent_pages=engine.pool.num_recent_in_use, main_pages=engine.pool.allocator.num_pages
+                         - engine.pool.allocator.num_free)
+        return [[o.token_ids for o in r] for r in outs], [[o.cached_tokens for o in r] for r in outs], stats
+
+
+def test_compact_equals_per_token_with_pages_and_chunks(tiny_v4_path, monkeypatch):
+    want, _, _ = _run(tiny_v4_path, "per_token", monkeypatch, chunked_prefill_tokens=7, enable_prefix_cache=False)
+    got, _, stats = _run(tiny_v4_path, "compact", monkeypatch, chunked_prefill_tokens=7, enable_prefix_cache=False)
+    assert got == want
+    assert stats["recent_pages"] == 0  # cache off: every page went back with its request
+
+
+def test_compact_under_retraction(tiny_v4_path, monkeypatch):
+    want, _, _ = _run(tiny_v4_path, "per_token", monkeypatch, enable_prefix_cache=False)
+    got, _, stats = _run(tiny_v4_path, "compact", monkeypatch, kv_cache_tokens=100, chunked_prefill_tokens=32)
+    assert stats["retractions"] > 0
+    assert got == want
+
+
+def test_compact_prefix_hits_mid_window_cache_on_equals_off(tiny_v4_path, monkeypatch):
+    off, _, _ = _run(tiny_v4_path, "compact", monkeypatch, rounds=2, enable_prefix_cache=False)
+    on, cached, stats = _run(tiny_v4_path, "compact", monkeypatch, rounds=2, chunked_prefill_tokens=20,
+                             checkpoint_tokens=32)
+    assert on == off
+    # Second round: every prompt resumes at its last whole page (the first round's prompt end kept the recent
+    # state there), often mid-window of the ratio-8 layers.
+    assert cached[1] == [(len(p) + 2) // 4 * 4 for p in PROMPTS], cached
+    assert any(c % 8 for c in cached[1])
+    # The tree holds every sequence; recent state is kept only near checkpoints and ends.
+    assert stats["recent_pages"] < stats["main_pages"]
