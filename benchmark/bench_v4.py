@@ -46,6 +46,8 @@ from deepinfer_rt.models.loader import build_model, load_model_config
 FLASH = Path(__file__).resolve().parents[1] / "deepinfer_rt" / "models" / "configs" / "deepseek-v4-flash"
 FLASH41 = FLASH.parent / "deepseek-v41-flash"
 TRTLLM_V41_GLOBAL_BYTES, TRTLLM_V41_SWA_ROW_BYTES = 890, 528
+SGLANG_V4_BYTES = 7705
+"""SGLang's FP8 DeepSeek-V4 pool, bytes per token."""
 _SCHEDULE = ["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"]
 
 
@@ -154,6 +156,43 @@ def full_flash41() -> dict:
                 trtllm_swa_bytes_total_per_request=TRTLLM_V41_SWA_ROW_BYTES * window * config.num_layers)
 
 
+def flash_v4_kv(context: int) -> dict:
+    """V4-Flash KV bytes per token (bf16) of the per-token layout and of the compact pool: the long-lived
+    entries, the recent row of one token, the recent rows one sequence holds (R positions), and the amortized
+    figure of a sequence of `context` tokens that keeps its checkpoints (R positions every K)."""
+    import os
+
+    from deepinfer_rt.models.deepseek_v4.model import DeepseekV4ForCausalLM
+
+    config, _ = load_model_config(FLASH)
+    saved = os.environ.get("DEEPINFER_V4_KV_LAYOUT")
+    try:
+        os.environ["DEEPINFER_V4_KV_LAYOUT"] = "per_token"
+        per_token = DeepseekV4ForCausalLM.kv_layout(config).bytes_per_token(torch.bfloat16)
+        os.environ["DEEPINFER_V4_KV_LAYOUT"] = "compact"
+        compact = DeepseekV4ForCausalLM.kv_layout(config)
+    finally:
+        if saved is None:
+            os.environ.pop("DEEPINFER_V4_KV_LAYOUT")
+        else:
+            os.environ["DEEPINFER_V4_KV_LAYOUT"] = saved
+    bf16 = torch.bfloat16
+    long_lived, recent = compact.long_lived_bytes_per_token(bf16), compact.recent_bytes_per_token(bf16)
+    kept = compact.recent_tokens * (1 + context // compact.checkpoint_tokens)
+    row = dict(per_token_bytes_per_token=per_token, long_lived_bytes_per_token=round(long_lived, 1),
+               recent_bytes_per_token=recent, recent_tokens=compact.recent_tokens,
+               window_bytes_per_sequence=compact.window_bytes_per_sequence(bf16),
+               checkpoint_tokens=compact.checkpoint_tokens, context=context,
+               amortized_bytes_per_token=round(long_lived + recent * kept / context, 1),
+               sglang_bytes_per_token=SGLANG_V4_BYTES)
+    print(f"V4-Flash KV (bf16): per-token layout {per_token} B/token; compact pool {long_lived:.0f} B/token "
+          f"long-lived + {recent} B per recent token ({compact.recent_tokens} recent tokens = "
+          f"{row['window_bytes_per_sequence'] / 2**20:.1f} MiB per sequence), amortized at {context} tokens with "
+          f"checkpoints every {compact.checkpoint_tokens}: {row['amortized_bytes_per_token']:.0f} B/token; "
+          f"SGLang {SGLANG_V4_BYTES} B/token (FP8)")
+    return row
+
+
 def full_flash_params() -> int:
     from deepinfer_rt.models.deepseek_v4.model import DeepseekV4ForCausalLM
 
@@ -225,6 +264,7 @@ def main() -> None:
     device = torch.device(args.device)
     flash = full_flash_params()
     print(f"V4-Flash (43 layers, 256 experts) parameters: {flash / 1e9:.2f}B")
+    flash_kv = {ctx: flash_v4_kv(ctx) for ctx in (8192, 131072, 1048576)}
     v4 = v4_config(args)
     flash41 = full_flash41()
     print(f"V4.1-Flash (40 layers, 384 experts; DSpark layers not built) parameters: {flash41['params'] / 1e9:.2f}B, "
@@ -240,7 +280,7 @@ def main() -> None:
     print("ratios v4 / mla:", {k: round(v, 2) for k, v in ratios.items()})
     out = Path(__file__).resolve().parent / "results" / f"v4_{device.type}.json"
     out.write_text(json.dumps(dict(
-        full_v4_flash_params=flash, full_v41_flash=flash41, machine=platform.processor() or platform.machine(),
+        full_v4_flash_params=flash, v4_flash_kv=flash_kv, full_v41_flash=flash41, machine=platform.processor() or platform.machine(),
         torch_threads=torch.get_num_threads(), args={k: str(v) for k, v in vars(args).items()},
         results=rows, ratios=ratios), indent=1))
     print("wrote", out)

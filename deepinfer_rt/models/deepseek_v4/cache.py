@@ -49,7 +49,7 @@ class V4KVLayout(KVLayout):
     """Per layer: width of an entry row (0 for sliding-window layers)."""
     recent_tokens: int = 0
     """R: positions before a step's first new token whose recent state the step reads."""
-    checkpoint_tokens: int = 1024
+    checkpoint_tokens: int = 16384
     recent_fraction: float = 0.25
 
     @property
