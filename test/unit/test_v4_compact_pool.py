@@ -93,3 +93,12 @@ def test_bytes_per_token_split():
     assert LAYOUT.long_lived_bytes_per_token(d) == pytest.approx(4 * (8 / 8 + 12 / 4))
     assert LAYOUT.recent_bytes_per_token(d) == 4 * (8 + 24 + 40)
     assert LAYOUT.window_bytes_per_sequence(d) == R * 4 * 72
+
+
+def test_a_long_prompt_releases_its_recent_pages_once_decoding_passes_them():
+    layout = V4KVLayout(**{**LAYOUT.__dict__, "checkpoint_tokens": 1024})
+    pool = V4Pool(layout, 64, PS, torch.float32, torch.device("cpu"))
+    pages = pool.allocator.alloc(60)
+    _run(pool, pages, prompt=200, total=230)  # one 200-token step, far more than the fallback lookback
+    # Kept: the prompt's end (192..199 -> pages 48-49) and the last R positions (222.. -> pages 55-57).
+    assert [p for p, page in enumerate(pages) if pool.has_recent(page)] == [48, 49, 55, 56, 57]

@@ -34,9 +34,8 @@ from deepinfer_rt.forward_batch import ForwardBatch
 _MIN_RECENT_TOKENS = 16384
 """The recent pool holds at least this many tokens (or as many as the main pool): a step's new tokens all need
 recent rows at once, and a small pool cannot lend a fraction."""
-_MAX_STEP_TOKENS = 65536
-"""Bound on how far one sequence advances between two of its steps (a prefill chunk); the released-range scan
-looks this far back."""
+_FALLBACK_LOOKBACK = 64
+"""Tokens a release scan looks back when the sequence's previous step is not known (more than any draft)."""
 
 
 @dataclass(frozen=True)
@@ -100,6 +99,8 @@ class V4Pool(KVPool):
         self.recent_of_t = torch.full((num_pages,), -1, dtype=torch.long, device=device)
         """Device copy of the indirection, brought up to date in `prepare`."""
         self._dirty: set[int] = set()
+        self._last_start: dict[int, int] = {}
+        """Main page of a sequence's last computed position -> the start of the step that computed it."""
         self.num_recent_reclaimed = 0
         """Pinned recent pages given up because the recent pool ran short."""
 
@@ -158,10 +159,18 @@ class V4Pool(KVPool):
         """Give the step's new tokens recent rows, pin checkpoints, release what no step needs any more;
         returns each sequence's recent slot of every position (valid from start - recent_tokens on)."""
         ps, r = self.page_size, self.layout.recent_tokens
-        spans, probes = [], []
+        # Release scans start where this sequence's previous step stood (looked up by the page of its last
+        # computed position; a miss scans a short way back and at worst keeps a page until the request ends).
+        lasts = [slots[n - q - 1 : n - q] for q, n, slots in zip(batch.q_lens, batch.kv_lens, batch.kv_slots)]
+        last_pages = (torch.cat(lasts) // ps).tolist() if lasts else []
+        spans, probes, at = [], [], 0
         for q_len, kv_len, slots in zip(batch.q_lens, batch.kv_lens, batch.kv_slots):
             start = kv_len - q_len
-            lo = max(0, start - r - _MAX_STEP_TOKENS) // ps
+            prev = start - _FALLBACK_LOOKBACK
+            if start > 0:
+                prev = min(prev, self._last_start.pop(last_pages[at], prev))
+                at += 1
+            lo = max(0, prev - r) // ps
             spans.append((lo, start, kv_len))
             probes.append(slots[lo * ps : kv_len : ps])
         ids = (torch.cat(probes) // ps).tolist() if probes else []
@@ -187,6 +196,7 @@ class V4Pool(KVPool):
                 if self._recent_of[page] < 0:
                     self._attach(page, needed)
             self._pin_checkpoints(lo, start, kv_len, pages)
+            self._last_start[pages[-1]] = start
         self._sync()
         return [self.recent_of_t[s // ps] * ps + s % ps for s in batch.kv_slots]
 
@@ -236,6 +246,7 @@ class V4Pool(KVPool):
 
     def _drop_main(self, pages: list[int]) -> None:
         for page in pages:
+            self._last_start.pop(page, None)
             if self._recent_of[page] >= 0:
                 self._free_recent(page)
             self._pinned[page] = False
