@@ -173,6 +173,10 @@ class Scheduler:
                 if req.wants_prompt_logprobs:
                     # Rows from the first wanted position - 1 on must be computed to score the prompt.
                     limit = (len(req.prompt_logprobs) - 1) // self.page_size * self.page_size
+                    if num_cached > limit and self.allocator.prefix_guard is not None:
+                        # A pool that resumes only where its state was kept (compact DeepSeek-V4) cuts further.
+                        limit = self.allocator.prefix_guard.restorable(pages, limit)
+                        self.allocator.prefix_guard.keep(pages[: limit // self.page_size], limit)
                     if num_cached > limit:
                         self.allocator.decref(pages[limit // self.page_size :])
                         pages, num_cached = pages[: limit // self.page_size], limit

@@ -53,3 +53,21 @@ def test_compact_prefix_hits_mid_window_cache_on_equals_off(tiny_v4_path, monkey
     assert any(c % 8 for c in cached[1])
     # The tree holds every sequence; recent state is kept only near checkpoints and ends.
     assert stats["recent_pages"] < stats["main_pages"]
+
+
+def test_compact_prompt_logprobs_cut_a_hit_back_to_kept_state(tiny_v4_path, monkeypatch):
+    """Prompt logprobs from position 30 on cut a 44-token hit back below 30: to where recent state was kept."""
+    monkeypatch.setenv("DEEPINFER_V4_CHECKPOINT_TOKENS", "16")
+    prompt = PROMPTS[-1]
+    scored = SamplingParams(max_new_tokens=2, temperature=0, prompt_logprobs=True, logprob_start_len=30)
+    results = []
+    for cache in (True, False):
+        with Engine(str(tiny_v4_path), dtype="float32", kv_cache_tokens=2048, page_size=4,
+                    enable_prefix_cache=cache) as engine:
+            engine.generate(input_ids=[prompt], sampling_params=GREEDY)
+            (out,) = engine.generate(input_ids=[prompt], sampling_params=scored)
+            results.append((out.token_ids, out.prompt_logprobs[30:], out.cached_tokens))
+    (tokens_on, lp_on, cached), (tokens_off, lp_off, _) = results
+    assert cached == 16  # 28 (the page below 30) has no recent state kept: back to the checkpoint at 16
+    assert tokens_on == tokens_off
+    assert lp_on == pytest.approx(lp_off, abs=1e-5)
