@@ -71,3 +71,16 @@ def test_compact_prompt_logprobs_cut_a_hit_back_to_kept_state(tiny_v4_path, monk
     assert cached == 16  # 28 (the page below 30) has no recent state kept: back to the checkpoint at 16
     assert tokens_on == tokens_off
     assert lp_on == pytest.approx(lp_off, abs=1e-5)
+
+
+def test_compact_n_siblings_fork_a_partly_filled_page(tiny_v4_path, monkeypatch):
+    """n > 1 siblings share the leader's prompt pages and copy its partly filled last page (copy_slots)."""
+    params = SamplingParams(max_new_tokens=6, temperature=0.8, seed=5, n=3)
+    prompts = [PROMPTS[5], PROMPTS[2]]  # 40 and 17 tokens: last pages partly filled at page_size 4
+    results = []
+    for layout in ("per_token", "compact"):
+        monkeypatch.setenv("DEEPINFER_V4_KV_LAYOUT", layout)
+        with Engine(str(tiny_v4_path), dtype="float32", kv_cache_tokens=2048, page_size=4) as engine:
+            results.append([o.token_ids for o in engine.generate(input_ids=prompts, sampling_params=params)])
+    assert results[0] == results[1]
+    assert len(results[1]) == 6

@@ -13,6 +13,11 @@ token, kept so a window can be compressed whenever its last token arrives, whate
 came in. `entry` is meaningful only in the slot of the last token of a compression window: the compressed entry
 of that window, written when that token is computed. Everything is a function of the token's prefix, so a
 prefix-cache hit at any position restores the exact state, and freeing a request's slots frees all of it.
+
+That is the per-token layout (DEEPINFER_V4_KV_LAYOUT=per_token), kept as the reference. The default compact pool
+(models/deepseek_v4/cache.py, PoolColumns.compact) splits each row: [entry | idx_entry] once per window in the
+main pages, [swa_k | kv | gate | idx_kv | idx_gate] in recent pages held only near a sequence's end, at
+checkpoints and at resume points.
 """
 from __future__ import annotations
 
