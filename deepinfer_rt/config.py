@@ -200,6 +200,8 @@ class CacheConfig:
     kv_cache_tokens: int | None = None
     """Pool size in tokens; None sizes it from the memory budget."""
     enable_prefix_cache: bool = True
+    kv_cache_dtype: str = "auto"
+    """'auto' = the model dtype; 'fp8_e4m3' (compact DeepSeek-V4 pool only): sliding keys and entries in FP8."""
 
 
 @dataclass(frozen=True)

@@ -55,7 +55,8 @@ class Engine:
                  load_format: str = "auto", max_num_seqs: int = 256, kv_cache_tokens: int | None = None,
                  page_size: int = 1, chunked_prefill_tokens: int = 2048, enable_prefix_cache: bool = True,
                  schedule_policy: str = "lpm", batch_invariant: bool = False, ep_size: int = 1, seed: int = 0,
-                 speculative: "str | SpeculativeConfig | None" = None, quantization: str | None = None):
+                 speculative: "str | SpeculativeConfig | None" = None, quantization: str | None = None,
+                 kv_cache_dtype: str = "auto"):
         env = get_env()
         logging.getLogger("deepinfer_rt").setLevel(env.log_level.upper())
         if env.num_threads:
@@ -70,7 +71,7 @@ class Engine:
         self.config = EngineConfig(
             model=model, dtype=_resolve_dtype(dtype, dev), device=dev, load_format=load_format, seed=seed,
             batch_invariant=batch_invariant or env.batch_invariant, ep_size=ep_size,
-            cache=CacheConfig(page_size, kv_cache_tokens, enable_prefix_cache),
+            cache=CacheConfig(page_size, kv_cache_tokens, enable_prefix_cache, kv_cache_dtype),
             scheduler=SchedulerConfig(max_num_seqs, chunked_prefill_tokens, schedule_policy),
             quantization=quantization)
         path = resolve_model_path(model)
@@ -88,6 +89,8 @@ class Engine:
 
             if quantization is not None:
                 raise ValueError("quantization= does not reach the expert-parallel workers yet")
+            if kv_cache_dtype != "auto":
+                raise ValueError("kv_cache_dtype= does not reach the expert-parallel workers yet")
             spec_config = None if speculative is None else SpeculativeConfig.parse(speculative)
             if spec_config is not None:  # planned here, verified in the workers (distributed/spec.py)
                 from deepinfer_rt.distributed.spec import engine_spec_decoder
@@ -145,7 +148,7 @@ class Engine:
                             cfg.scheduler.max_num_seqs, mc.max_position)
 
     def _kv_layout(self):
-        layout = self.model.kv_layout(self.model_config)
+        layout = self.model.kv_layout(self.model_config).with_kv_dtype(self.config.cache.kv_cache_dtype)
         return layout if self.spec is None else self.spec.kv_layout(layout)
 
     # ---- the loop ----

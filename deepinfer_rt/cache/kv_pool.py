@@ -37,6 +37,12 @@ class KVLayout:
     def layer_k_shape(self, layer: int) -> tuple[int, int]:
         return self.k_shape if self.layer_dims is None else (1, self.layer_dims[layer])
 
+    def with_kv_dtype(self, kv_dtype: str) -> "KVLayout":
+        """This layout storing KV as `kv_dtype` ('auto' = the model dtype)."""
+        if kv_dtype != "auto":
+            raise ValueError(f"kv_cache_dtype={kv_dtype!r} is supported by the compact DeepSeek-V4 pool only")
+        return self
+
     @property
     def pool_class(self) -> type["KVPool"]:
         """The pool that stores this layout (a model with its own cache structure returns its own)."""

@@ -84,3 +84,25 @@ def test_compact_n_siblings_fork_a_partly_filled_page(tiny_v4_path, monkeypatch)
             results.append([o.token_ids for o in engine.generate(input_ids=prompts, sampling_params=params)])
     assert results[0] == results[1]
     assert len(results[1]) == 6
+
+
+def test_fp8_storage_accuracy_cost_vs_16_bit(tiny_v4_path):
+    """kv_cache_dtype='fp8_e4m3': sliding keys and entries in FP8 (a scale per row). Its cost against bf16
+    storage, on the tiny random model: prompt logprobs and greedy tokens (figures printed with -s)."""
+    params = SamplingParams(max_new_tokens=MAX_NEW, temperature=0, prompt_logprobs=True)
+    runs = {}
+    for kv_dtype in ("auto", "fp8_e4m3"):
+        with Engine(str(tiny_v4_path), dtype="bfloat16", kv_cache_tokens=2048, page_size=4,
+                    kv_cache_dtype=kv_dtype) as engine:
+            runs[kv_dtype] = engine.generate(input_ids=PROMPTS, sampling_params=params)
+            if kv_dtype == "fp8_e4m3":
+                assert engine.pool.fp8_swa[0] is not None and engine.pool.recent[0].shape[1] == 0
+    diffs = [abs(a - b) for x, y in zip(runs["auto"], runs["fp8_e4m3"])
+             for a, b in zip(x.prompt_logprobs[1:], y.prompt_logprobs[1:])]
+    same = sum(x.token_ids == y.token_ids for x, y in zip(runs["auto"], runs["fp8_e4m3"]))
+    mean, worst = sum(diffs) / len(diffs), max(diffs)
+    print(f"fp8 vs bf16 storage: prompt logprob |diff| mean {mean:.4f} max {worst:.4f} nats; "
+          f"greedy continuations equal {same}/{len(PROMPTS)}")
+    assert 0 < mean < 0.1 and worst < 1.0
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        Engine(str(tiny_v4_path), dtype="float32", kv_cache_tokens=256, kv_cache_dtype="fp8_e5m2")

@@ -31,7 +31,7 @@ class V4Attention(nn.Module):
         layer_type = cfg.layer_types[layer_id]
         self.cols = PoolColumns.for_layer(cfg, layer_type)
         """Columns in the per-token layout; compact_cols those of the compact pool (cache.py)."""
-        self.compact_cols = PoolColumns.compact(cfg, layer_type)
+        self.compact_cols = {fp8: PoolColumns.compact(cfg, layer_type, fp8) for fp8 in (False, True)}
         self.ratio = cfg.ratio(layer_type)
         self.num_heads, self.head_dim, self.o_groups = cfg.num_heads, cfg.head_dim, cfg.o_groups
         self.eps = cfg.rms_norm_eps
@@ -54,7 +54,7 @@ class V4Attention(nn.Module):
 
     def layer_kv(self, pool: KVPool) -> LayerKV:
         if isinstance(pool, V4Pool):
-            return LayerKV(pool.recent[self.layer_id], pool.entries[self.layer_id], self.compact_cols)
+            return pool.layer_kv(self.layer_id, self.compact_cols)
         buf = pool.k[self.layer_id].view(pool.num_slots, -1)
         return LayerKV(buf, buf, self.cols)
 
@@ -66,13 +66,13 @@ class V4Attention(nn.Module):
         cos, sin = self.rotary.cos_sin(vb.positions)
         q = self.method.unweighted_rms_norm(self.wq_b(q_residual).view(t, self.num_heads, self.head_dim), self.eps)
         q = apply_rope(q, cos, sin)
-        buf[vb.out_slots, c.swa] = apply_rope(self.norm(self.wkv(x)), cos, sin).to(buf.dtype)
+        kv.store_swa(vb.out_slots, apply_rope(self.norm(self.wkv(x)), cos, sin))
         if self.compressor is not None:
             self.compressor.store(x, buf, vb.out_slots, c.kv, c.gate)
-            self.compressor.compress(kv, vb.windows[self.ratio], c.kv, c.gate, c.entry)
+            self.compressor.compress(kv, vb.windows[self.ratio], c.kv, c.gate, kv.store_entry)
         if self.indexer is not None:
             self.indexer.compressor.store(x, buf, vb.out_slots, c.idx_kv, c.idx_gate)
-            self.indexer.compressor.compress(kv, vb.windows[self.ratio], c.idx_kv, c.idx_gate, c.idx_entry)
+            self.indexer.compressor.compress(kv, vb.windows[self.ratio], c.idx_kv, c.idx_gate, kv.store_idx_entry)
         out = torch.empty_like(q)
         for group in vb.groups:
             out[group.rows] = self.method.attend(self, group, q, x, q_residual, vb.positions, kv)

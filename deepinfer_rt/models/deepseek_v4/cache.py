@@ -22,6 +22,7 @@ short, when no sequence of the step needs them (the cache then cuts later hits b
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -30,6 +31,7 @@ import torch
 
 from deepinfer_rt.cache.kv_pool import KVLayout, KVPool, PageAllocator
 from deepinfer_rt.forward_batch import ForwardBatch
+from deepinfer_rt.models.deepseek_v4.common import Fp8Rows, LayerKV, PoolColumns
 
 _MIN_RECENT_TOKENS = 16384
 """The recent pool holds at least this many tokens (or as many as the main pool): a step's new tokens all need
@@ -50,19 +52,46 @@ class V4KVLayout(KVLayout):
     """R: positions before a step's first new token whose recent state the step reads."""
     checkpoint_tokens: int = 16384
     recent_fraction: float = 0.25
+    kv_dtype: str = "auto"
+    """'auto' (the model dtype) or 'fp8_e4m3': sliding keys, entries and indexer entries as float8 e4m3 with
+    an fp32 scale per row; the compressor inputs stay in the model dtype."""
+    swa_dim: int = 0
+    """Width of the sliding key (the first columns of every recent row in 'auto')."""
+    idx_entry_dims: tuple[int, ...] = ()
+    """Per layer: the indexer entry's share of entry_dims."""
 
     @property
     def pool_class(self) -> type[KVPool]:
         return V4Pool
 
+    @property
+    def is_fp8(self) -> bool:
+        return self.kv_dtype == "fp8_e4m3"
+
+    def with_kv_dtype(self, kv_dtype: str) -> "V4KVLayout":
+        if kv_dtype not in ("auto", "fp8_e4m3"):
+            raise ValueError(f"kv_cache_dtype must be 'auto' or 'fp8_e4m3' for DeepSeek-V4, got {kv_dtype!r}")
+        return dataclasses.replace(self, kv_dtype=kv_dtype)
+
+    @property
+    def recent_row_dims(self) -> tuple[int, ...]:
+        """Per layer: width of the `recent` tensor's rows (without the sliding key when it is FP8)."""
+        return tuple(w - self.swa_dim for w in self.layer_dims) if self.is_fp8 else self.layer_dims
+
     def long_lived_bytes_per_token(self, dtype: torch.dtype) -> float:
-        """Entries per token of context: D (+ Di) per m tokens on each compressed layer."""
+        """Entries per token of context: D (+ Di) per m tokens on each compressed layer (FP8: a byte per value
+        and a 4-byte scale per entry and per indexer entry)."""
+        if self.is_fp8:
+            return sum((w + 4 * (1 + (di > 0))) / m
+                       for w, di, m in zip(self.entry_dims, self.idx_entry_dims, self.ratios) if m)
         size = torch.empty((), dtype=dtype).element_size()
         return sum(w / m for w, m in zip(self.entry_dims, self.ratios) if m) * size
 
     def recent_bytes_per_token(self, dtype: torch.dtype) -> int:
         """One token's recent row over all layers (held for ~recent_tokens tokens per sequence, plus pins)."""
-        return sum(self.layer_dims) * torch.empty((), dtype=dtype).element_size()
+        size = torch.empty((), dtype=dtype).element_size()
+        fp8_swa = (self.swa_dim + 4) * self.num_layers if self.is_fp8 else 0
+        return sum(self.recent_row_dims) * size + fp8_swa
 
     def window_bytes_per_sequence(self, dtype: torch.dtype) -> int:
         return self.recent_tokens * self.recent_bytes_per_token(dtype)
@@ -88,10 +117,17 @@ class V4Pool(KVPool):
         frac_pages = math.ceil(layout.recent_fraction * num_pages)
         self.num_recent_pages = min(num_pages, max(frac_pages, math.ceil(_MIN_RECENT_TOKENS / page_size)))
         rows = self.num_recent_pages * page_size
-        self.recent = [torch.zeros(rows, w, dtype=dtype, device=device) for w in layout.layer_dims]
-        self.k = self.v = [r.view(rows, 1, -1) for r in self.recent]  # what generic code reads (device, dtype)
-        self.entries = [torch.zeros(self.num_slots // self.entry_divisor(m) if m else 0, w, dtype=dtype,
-                                    device=device) for m, w in zip(layout.ratios, layout.entry_dims)]
+        self.recent = [torch.zeros(rows, w, dtype=dtype, device=device) for w in layout.recent_row_dims]
+        self.k = self.v = [r.view(rows, 1, r.shape[1]) for r in self.recent]  # what generic code reads
+        entry_rows = [self.num_slots // self.entry_divisor(m) if m else 0 for m in layout.ratios]
+        fp8 = layout.is_fp8
+        self.entries = [torch.zeros(n, 0 if fp8 else w, dtype=dtype, device=device)
+                        for n, w in zip(entry_rows, layout.entry_dims)]
+        self.fp8_swa = [Fp8Rows.zeros(rows, layout.swa_dim, device) if fp8 else None for _ in layout.ratios]
+        self.fp8_entry = [Fp8Rows.zeros(n, w - di, device) if fp8 and m else None
+                          for n, w, di, m in zip(entry_rows, layout.entry_dims, layout.idx_entry_dims, layout.ratios)]
+        self.fp8_idx_entry = [Fp8Rows.zeros(n, di, device) if fp8 and di else None
+                              for n, di in zip(entry_rows, layout.idx_entry_dims)]
         self._recent_of = np.full(num_pages, -1, dtype=np.int64)
         self._pinned = np.zeros(num_pages, dtype=bool)
         self._recent_free = list(range(self.num_recent_pages - 1, -1, -1))
@@ -103,6 +139,17 @@ class V4Pool(KVPool):
         """Main page of a sequence's last computed position -> the start of the step that computed it."""
         self.num_recent_reclaimed = 0
         """Pinned recent pages given up because the recent pool ran short."""
+
+    def layer_kv(self, layer: int, cols: dict[bool, PoolColumns]) -> LayerKV:
+        """The layer's buffers; `cols` its compact columns without (False) and with (True) FP8 storage."""
+        return LayerKV(self.recent[layer], self.entries[layer], cols[self.layout.is_fp8], self.fp8_swa[layer],
+                       self.fp8_entry[layer], self.fp8_idx_entry[layer])
+
+    def _copy_recent_rows(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        for buf, fp8 in zip(self.recent, self.fp8_swa):
+            buf[dst] = buf[src]
+            if fp8 is not None:
+                fp8.values[dst], fp8.scales[dst] = fp8.values[src], fp8.scales[src]
 
     # ---- geometry ----
 
@@ -150,8 +197,7 @@ class V4Pool(KVPool):
         dst = self.recent_of_t[torch.tensor([c for c, _ in moves], device=device)]
         offsets = torch.arange(self.page_size, device=device)
         src, dst = (src[:, None] * self.page_size + offsets).flatten(), (dst[:, None] * self.page_size + offsets).flatten()
-        for buf in self.recent:
-            buf[dst] = buf[src]
+        self._copy_recent_rows(src, dst)
 
     # ---- per step ----
 
@@ -271,8 +317,11 @@ class V4Pool(KVPool):
         device = self.recent[0].device
         s, d = torch.tensor(src, device=device), torch.tensor(dst, device=device)
         rs, rd = (self.recent_of_t[t // ps] * ps + t % ps for t in (s, d))
+        self._copy_recent_rows(rs, rd)
         for layer, m in enumerate(self.layout.ratios):
-            self.recent[layer][rd] = self.recent[layer][rs]
             if m:
-                div = self.entry_divisor(m)
-                self.entries[layer][d // div] = self.entries[layer][s // div]
+                es, ed = s // self.entry_divisor(m), d // self.entry_divisor(m)
+                self.entries[layer][ed] = self.entries[layer][es]
+                for fp8 in (self.fp8_entry[layer], self.fp8_idx_entry[layer]):
+                    if fp8 is not None:
+                        fp8.values[ed], fp8.scales[ed] = fp8.values[es], fp8.scales[es]

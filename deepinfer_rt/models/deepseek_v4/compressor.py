@@ -12,6 +12,8 @@ Checkpoint names: compressor.{wkv, wgate, ape, norm}, indexer.{wq_b, weights_pro
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from torch import nn
 
@@ -43,7 +45,7 @@ class Compressor(nn.Module):
         buf[slots, gate_cols] = self.wgate(x)
 
     def compress(self, kv_state: LayerKV, win: Windows, kv_cols: slice, gate_cols: slice,
-                 entry_cols: slice) -> None:
+                 store: Callable[[torch.Tensor, torch.Tensor], None]) -> None:
         """Write the entry of every window completed in this step into its entry row."""
         if win.num == 0:
             return
@@ -57,8 +59,7 @@ class Compressor(nn.Module):
             gate = torch.cat([prev_gate, gate[..., d:]], dim=1)
         pooled = self.method.pool_window(kv, gate)
         cos, sin = self.rotary.cos_sin(win.positions)
-        entries = kv_state.entries
-        entries[win.end, entry_cols] = apply_rope(self.norm(pooled), cos, sin).to(entries.dtype)
+        store(win.end, apply_rope(self.norm(pooled), cos, sin))
 
 
 class Indexer(nn.Module):

@@ -91,15 +91,14 @@ class V4Method:
                positions: torch.Tensor, kv: LayerKV) -> torch.Tensor:
         """Attention of one group's queries -> (G*Q, H, D), over the group's padded key set (sliding keys at
         kv.recent[swa_slots], entries at kv.entries[entry_slots])."""
-        cols = kv.cols
         # Column views first, so the gathers read only the columns used, not whole pool rows.
-        keys, mask = kv.recent[:, cols.swa][g.swa_slots], g.swa_mask  # (G, L, D), (G, Q, L)
+        keys, mask = kv.swa(g.swa_slots), g.swa_mask  # (G, L, D), (G, Q, L)
         if layer.ratio:
             slots, visible = g.entry_slots[layer.ratio], g.entry_mask[layer.ratio]  # (G, E), (G, Q, E)
             if layer.indexer is not None:
                 visible = layer.indexer.select(x[g.rows], q_residual[g.rows], positions[g.rows],
-                                               kv.entries[:, cols.idx_entry][slots], visible)
-            keys = torch.cat([keys, kv.entries[:, cols.entry][slots]], dim=1)
+                                               kv.idx_entry(slots), visible)
+            keys = torch.cat([keys, kv.entry(slots)], dim=1)
             mask = torch.cat([mask, visible], dim=2)
         qg = q[g.rows].view(g.num_seqs, g.q_len, layer.num_heads, layer.head_dim)
         scores = torch.einsum("gqhd,gld->gqhl", qg, keys) * layer.head_dim ** -0.5
@@ -163,18 +162,17 @@ class V4InvariantMethod(V4Method):
     def attend(self, layer: nn.Module, g: AttnGroup, q: torch.Tensor, x: torch.Tensor, q_residual: torch.Tensor,
                positions: torch.Tensor, kv: LayerKV) -> torch.Tensor:
         """Each query's keys in its own fixed blocks (v4_invariant.key_lists / attend)."""
-        cols = kv.cols
         entry_slots = entry_mask = None
         if layer.ratio:
             entry_slots, entry_mask = g.entry_slots[layer.ratio], g.entry_mask[layer.ratio]
             if layer.indexer is not None:
                 entry_mask = layer.indexer.select(x[g.rows], q_residual[g.rows], positions[g.rows],
-                                                  kv.entries[:, cols.idx_entry][entry_slots], entry_mask)
+                                                  kv.idx_entry(entry_slots), entry_mask)
         slots, valid, is_entry = v4_invariant.key_lists(g.swa_slots, g.swa_mask, entry_slots, entry_mask)
         # One list mixes sliding-key slots and entry rows (is_entry says which): clamp each gather to its buffer.
-        keys = kv.recent[:, cols.swa][slots.clamp(max=kv.recent.shape[0] - 1)]
+        keys = kv.swa(slots.clamp(max=kv.num_recent_rows - 1))
         if entry_slots is not None:
-            entry_keys = kv.entries[:, cols.entry][slots.clamp(max=kv.entries.shape[0] - 1)]
+            entry_keys = kv.entry(slots.clamp(max=kv.num_entry_rows - 1))
             keys = torch.where(is_entry[..., None], entry_keys, keys)
         return v4_invariant.attend(q[g.rows], keys.to(q.dtype), valid, layer.head_dim ** -0.5, layer.attn_sink)
 

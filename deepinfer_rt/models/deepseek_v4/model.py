@@ -113,7 +113,9 @@ class DeepseekV4ForCausalLM(CausalLM):
         return V4KVLayout(config.num_layers, (1, max(recent)), None, cfg.head_dim, layer_dims=recent,
                           ratios=tuple(cfg.ratio(t) for t in cfg.layer_types),
                           entry_dims=tuple(c.entry_width for c in cols), recent_tokens=recent_tokens(cfg),
-                          checkpoint_tokens=env.v4_checkpoint_tokens, recent_fraction=env.v4_recent_fraction)
+                          checkpoint_tokens=env.v4_checkpoint_tokens, recent_fraction=env.v4_recent_fraction,
+                          swa_dim=cfg.head_dim,
+                          idx_entry_dims=tuple(c.idx_entry.stop - c.idx_entry.start for c in cols))
 
     def prepare_batch(self, batch: ForwardBatch) -> None:
         batch.model_meta = self.model.prepare_batch(batch)
