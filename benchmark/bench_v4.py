@@ -179,7 +179,11 @@ def flash_v4_kv(context: int) -> dict:
     bf16 = torch.bfloat16
     long_lived, recent = compact.long_lived_bytes_per_token(bf16), compact.recent_bytes_per_token(bf16)
     kept = compact.recent_tokens * (1 + context // compact.checkpoint_tokens)
+    fp8 = compact.with_kv_dtype("fp8_e4m3")
+    fp8_long, fp8_recent = fp8.long_lived_bytes_per_token(bf16), fp8.recent_bytes_per_token(bf16)
     row = dict(per_token_bytes_per_token=per_token, long_lived_bytes_per_token=round(long_lived, 1),
+               fp8_long_lived_bytes_per_token=round(fp8_long, 1), fp8_recent_bytes_per_token=fp8_recent,
+               fp8_amortized_bytes_per_token=round(fp8_long + fp8_recent * kept / context, 1),
                recent_bytes_per_token=recent, recent_tokens=compact.recent_tokens,
                window_bytes_per_sequence=compact.window_bytes_per_sequence(bf16),
                checkpoint_tokens=compact.checkpoint_tokens, context=context,
@@ -188,8 +192,9 @@ def flash_v4_kv(context: int) -> dict:
     print(f"V4-Flash KV (bf16): per-token layout {per_token} B/token; compact pool {long_lived:.0f} B/token "
           f"long-lived + {recent} B per recent token ({compact.recent_tokens} recent tokens = "
           f"{row['window_bytes_per_sequence'] / 2**20:.1f} MiB per sequence), amortized at {context} tokens with "
-          f"checkpoints every {compact.checkpoint_tokens}: {row['amortized_bytes_per_token']:.0f} B/token; "
-          f"SGLang {SGLANG_V4_BYTES} B/token (FP8)")
+          f"checkpoints every {compact.checkpoint_tokens}: {row['amortized_bytes_per_token']:.0f} B/token; with "
+          f"kv_cache_dtype=fp8_e4m3 {fp8_long:.0f} + {fp8_recent} per recent token, amortized "
+          f"{row['fp8_amortized_bytes_per_token']:.0f} B/token; SGLang {SGLANG_V4_BYTES} B/token (FP8)")
     return row
 
 

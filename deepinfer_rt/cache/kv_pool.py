@@ -118,6 +118,9 @@ class PrefixGuard(Protocol):
     def keep(self, pages: list[int], num_tokens: int) -> None:
         """A sequence resumes at num_tokens over `pages`: keep what that needs while the pages live."""
 
+    def keep_prompt(self, pages: list[int], prompt_len: int) -> None:
+        """A request's prompt is computed: keep what resuming at its end (or its last whole page) needs."""
+
     def adopt(self, cached: list[int], own: list[int]) -> None:
         """A request's pages `own` hold the same tokens as the cache's `cached` (which stay in the cache):
         give the cached pages the resumable state only the request's copies have."""

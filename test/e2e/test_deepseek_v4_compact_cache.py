@@ -1,6 +1,6 @@
 """The compact DeepSeek-V4 pool against the per-token layout it replaces, through the Engine: the same greedy
 tokens with pages and unaligned chunks, under retraction, and with prefix-cache hits that resume mid-window
-(resumable at checkpoints and prompt ends only); cache on == off."""
+(resumable at checkpoints and where a sequence ended); cache on == off."""
 from __future__ import annotations
 
 import pytest
@@ -45,12 +45,13 @@ def test_compact_under_retraction(tiny_v4_path, monkeypatch):
 def test_compact_prefix_hits_mid_window_cache_on_equals_off(tiny_v4_path, monkeypatch):
     off, _, _ = _run(tiny_v4_path, "compact", monkeypatch, rounds=2, enable_prefix_cache=False)
     on, cached, stats = _run(tiny_v4_path, "compact", monkeypatch, rounds=2, chunked_prefill_tokens=20,
-                             checkpoint_tokens=32)
+                             checkpoint_tokens=12)
     assert on == off
-    # Second round: every prompt resumes at its last whole page (the first round's prompt end kept the recent
-    # state there), often mid-window of the ratio-8 layers.
-    assert cached[1] == [(len(p) + 2) // 4 * 4 for p in PROMPTS], cached
-    assert any(c % 8 for c in cached[1])
+    # Second round: a hit resumes at a checkpoint (a multiple of 12: mid-window of the ratio-8 layers) or
+    # near the end of the first round's sequence, whose last R positions were kept.
+    limits = [(len(p) + 2) // 4 * 4 for p in PROMPTS]
+    assert all(c <= n and (c % 12 == 0 or c >= len(p) - 4) for c, n, p in zip(cached[1], limits, PROMPTS)), cached
+    assert sum(c % 8 != 0 for c in cached[1]) >= 3 and sum(cached[1]) > 100, cached
     # The tree holds every sequence; recent state is kept only near checkpoints and ends.
     assert stats["recent_pages"] < stats["main_pages"]
 

@@ -42,15 +42,17 @@ def test_recent_pages_follow_the_sequence_and_stay_at_checkpoints():
     pages = pool.allocator.alloc(12)  # 48 positions
     _run(pool, pages, prompt=10, total=45)
     has = [pool.has_recent(p) for p in pages]
-    # Kept: the prompt's end (positions 2..9 -> pages 0-2), before the checkpoints 16 and 32 (pages 2-3, 6-7),
-    # and the last R positions before the last step's start (44 - 7 = 37.. -> pages 9-11).
-    assert has == [True, True, True, True, False, False, True, True, False, True, True, True]
-    assert [pool.is_pinned(p) for p in pages[:8]] == [True] * 4 + [False] * 2 + [True] * 2
+    # Kept: before the checkpoints 16 and 32 (positions 9..15, 25..31 -> pages 2-3, 6-7), and the last R
+    # positions before the last step's start (44 - 7 = 37.. -> pages 9-11).
+    assert has == [False, False, True, True, False, False, True, True, False, True, True, True]
+    assert [pool.is_pinned(p) for p in pages[:8]] == [False, False, True, True, False, False, True, True]
     # Hits resume only where the R positions before them have recent state.
     assert pool.restorable(pages, 44) == 44
     assert pool.restorable(pages, 36) == 32
     assert pool.restorable(pages, 28) == 16
-    assert pool.restorable(pages, 3 * PS) == 3 * PS and pool.restorable(pages, 0) == 0
+    assert pool.restorable(pages, 43) == 43  # not page-aligned (n > 1 siblings): [36, 43) is there
+    assert pool.restorable(pages, 42) == 32  # [35, 42) is not (page 8 went)
+    assert pool.restorable(pages, 3 * PS) == 0 and pool.restorable(pages, 0) == 0
     # Freeing the main pages frees their recent pages.
     used = pool.num_recent_in_use
     pool.allocator.decref(pages)
@@ -100,5 +102,5 @@ def test_a_long_prompt_releases_its_recent_pages_once_decoding_passes_them():
     pool = V4Pool(layout, 64, PS, torch.float32, torch.device("cpu"))
     pages = pool.allocator.alloc(60)
     _run(pool, pages, prompt=200, total=230)  # one 200-token step, far more than the fallback lookback
-    # Kept: the prompt's end (192..199 -> pages 48-49) and the last R positions (222.. -> pages 55-57).
-    assert [p for p, page in enumerate(pages) if pool.has_recent(page)] == [48, 49, 55, 56, 57]
+    # Kept: the last R positions (222.. -> pages 55-57) only.
+    assert [p for p, page in enumerate(pages) if pool.has_recent(page)] == [55, 56, 57]

@@ -169,17 +169,26 @@ class V4Pool(KVPool):
     # ---- prefix guard (cache/radix_cache.py) ----
 
     def restorable(self, pages: list[int], num_tokens: int) -> int:
+        """num_tokens itself when the recent state of the R positions before it exists, else the longest
+        page-aligned length below it where it does."""
         ps, r = self.page_size, self.layout.recent_tokens
-        k = np.arange(num_tokens // ps + 1)
-        has = self._recent_of[np.asarray(pages[: num_tokens // ps], dtype=np.int64)] >= 0
+        has = self._recent_of[np.asarray(pages[: math.ceil(num_tokens / ps)], dtype=np.int64)] >= 0
         bad = np.concatenate([[0], np.cumsum(~has)])
-        lo = np.maximum(0, k * ps - r) // ps
-        ok = bad[k] - bad[lo] == 0
+        if bad[len(has)] - bad[max(0, num_tokens - r) // ps] == 0:
+            return num_tokens
+        k = np.arange(num_tokens // ps + 1)
+        ok = bad[k] - bad[np.maximum(0, k * ps - r) // ps] == 0
         return int(k[ok].max()) * ps
 
     def keep(self, pages: list[int], num_tokens: int) -> None:
         ps = self.page_size
         self._pin(pages[max(0, num_tokens - self.layout.recent_tokens) // ps : math.ceil(num_tokens / ps)])
+
+    def keep_prompt(self, pages: list[int], prompt_len: int) -> None:
+        # Siblings resume at prompt_len - 1, a resubmitted prompt at its last whole page before that.
+        ps, r = self.page_size, self.layout.recent_tokens
+        first = max(0, (prompt_len - 1) // ps * ps - r) // ps
+        self._pin(pages[first : math.ceil(prompt_len / ps)])
 
     def adopt(self, cached: list[int], own: list[int]) -> None:
         # The cache keeps the first copy of a prefix; a later request that computed the same tokens may be the
@@ -249,9 +258,6 @@ class V4Pool(KVPool):
     def _pin_checkpoints(self, lo: int, start: int, kv_len: int, pages: list[int]) -> None:
         ps, r, every = self.page_size, self.layout.recent_tokens, self.layout.checkpoint_tokens
         spans = [(end - r, end) for end in range((start // every + 1) * every, kv_len + 1, every)]
-        if kv_len - start > 1:
-            # A prefill step's end (a chunk boundary, a prompt's end); n > 1 siblings resume one token earlier.
-            spans.append((kv_len - 1 - r, kv_len))
         for a, b in spans:
             self._pin(pages[max(0, max(0, a) // ps - lo) : math.ceil(b / ps) - lo])
 
