@@ -27,6 +27,7 @@ plus 528 B per layer for the sliding window's rows only).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import platform
 import statistics
@@ -156,6 +157,30 @@ def full_flash41() -> dict:
                 trtllm_swa_bytes_total_per_request=TRTLLM_V41_SWA_ROW_BYTES * window * config.num_layers)
 
 
+def recent_rows_held(layout, context: int, chunk: int, page_size: int = 64, decode: int = 100) -> int:
+    """Recent rows the compact pool holds for one sequence of `context` tokens, prefilled in `chunk`-token steps
+    then decoded `decode` tokens, run through the pool itself (its state only: 1-wide buffers)."""
+    from deepinfer_rt.cache.kv_pool import slots_of
+    from deepinfer_rt.forward_batch import ForwardBatch
+    from deepinfer_rt.models.deepseek_v4.cache import V4Pool
+
+    ones = dataclasses.replace(layout, layer_dims=(1,) * layout.num_layers, entry_dims=tuple(map(bool, layout.entry_dims)),
+                               idx_entry_dims=(0,) * layout.num_layers, kv_dtype="auto", swa_dim=0, recent_fraction=1.0)
+    pool = V4Pool(ones, context // page_size + 2, page_size, torch.float32, torch.device("cpu"))
+    pages = pool.allocator.alloc(context // page_size + 1)
+    slots = torch.tensor(slots_of(pages, context, page_size))
+
+    def step(start: int, end: int) -> None:
+        ids = torch.zeros(end - start, dtype=torch.long)
+        pool.prepare(ForwardBatch(ids, ids, ids, [end - start], [end], [slots[:end]], pool, None))
+
+    for start in range(0, context - decode, chunk):
+        step(start, min(start + chunk, context - decode))
+    for end in range(context - decode + 1, context + 1):
+        step(end - 1, end)
+    return pool.num_recent_in_use * page_size
+
+
 def flash_v4_kv(context: int) -> dict:
     """V4-Flash KV bytes per token (bf16) of the per-token layout and of the compact pool: the long-lived
     entries, the recent row of one token, the recent rows one sequence holds (R positions), and the amortized
@@ -178,7 +203,7 @@ def flash_v4_kv(context: int) -> dict:
             os.environ["DEEPINFER_V4_KV_LAYOUT"] = saved
     bf16 = torch.bfloat16
     long_lived, recent = compact.long_lived_bytes_per_token(bf16), compact.recent_bytes_per_token(bf16)
-    kept = compact.recent_tokens * (1 + context // compact.checkpoint_tokens)
+    kept = recent_rows_held(compact, context, chunk=2048)
     fp8 = compact.with_kv_dtype("fp8_e4m3")
     fp8_long, fp8_recent = fp8.long_lived_bytes_per_token(bf16), fp8.recent_bytes_per_token(bf16)
     row = dict(per_token_bytes_per_token=per_token, long_lived_bytes_per_token=round(long_lived, 1),
@@ -186,13 +211,14 @@ def flash_v4_kv(context: int) -> dict:
                fp8_amortized_bytes_per_token=round(fp8_long + fp8_recent * kept / context, 1),
                recent_bytes_per_token=recent, recent_tokens=compact.recent_tokens,
                window_bytes_per_sequence=compact.window_bytes_per_sequence(bf16),
-               checkpoint_tokens=compact.checkpoint_tokens, context=context,
+               checkpoint_tokens=compact.checkpoint_tokens, context=context, recent_rows_held=kept,
                amortized_bytes_per_token=round(long_lived + recent * kept / context, 1),
                sglang_bytes_per_token=SGLANG_V4_BYTES)
     print(f"V4-Flash KV (bf16): per-token layout {per_token} B/token; compact pool {long_lived:.0f} B/token "
           f"long-lived + {recent} B per recent token ({compact.recent_tokens} recent tokens = "
-          f"{row['window_bytes_per_sequence'] / 2**20:.1f} MiB per sequence), amortized at {context} tokens with "
-          f"checkpoints every {compact.checkpoint_tokens}: {row['amortized_bytes_per_token']:.0f} B/token; with "
+          f"{row['window_bytes_per_sequence'] / 2**20:.1f} MiB per sequence), amortized at {context} tokens "
+          f"(2048-token prefill chunks, page 64: {kept} recent rows held) with checkpoints every "
+          f"{compact.checkpoint_tokens}: {row['amortized_bytes_per_token']:.0f} B/token; with "
           f"kv_cache_dtype=fp8_e4m3 {fp8_long:.0f} + {fp8_recent} per recent token, amortized "
           f"{row['fp8_amortized_bytes_per_token']:.0f} B/token; SGLang {SGLANG_V4_BYTES} B/token (FP8)")
     return row

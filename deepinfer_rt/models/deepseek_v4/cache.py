@@ -51,7 +51,7 @@ class V4KVLayout(KVLayout):
     recent_tokens: int = 0
     """R: positions before a step's first new token whose recent state the step reads."""
     checkpoint_tokens: int = 16384
-    recent_fraction: float = 0.25
+    recent_fraction: float = 0.05
     kv_dtype: str = "auto"
     """'auto' (the model dtype) or 'fp8_e4m3': sliding keys, entries and indexer entries as float8 e4m3 with
     an fp32 scale per row; the compressor inputs stay in the model dtype."""
