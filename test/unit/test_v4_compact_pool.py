@@ -104,3 +104,22 @@ def test_a_long_prompt_releases_its_recent_pages_once_decoding_passes_them():
     _run(pool, pages, prompt=200, total=230)  # one 200-token step, far more than the fallback lookback
     # Kept: the last R positions (222.. -> pages 55-57) only.
     assert [p for p, page in enumerate(pages) if pool.has_recent(page)] == [55, 56, 57]
+
+
+def test_a_short_recent_pool_reclaims_pins_then_refuses(monkeypatch):
+    import deepinfer_rt.models.deepseek_v4.cache as cache
+
+    monkeypatch.setattr(cache, "_MIN_RECENT_TOKENS", 0)
+    layout = V4KVLayout(**{**LAYOUT.__dict__, "checkpoint_tokens": 8, "recent_fraction": 0.25})
+    pool = V4Pool(layout, 48, PS, torch.float32, torch.device("cpu"))
+    assert pool.num_recent_pages == 12
+    a = pool.allocator.alloc(10)
+    _run(pool, a, prompt=8, total=40)  # pins before 8, 16, 24, 32, 40 (the main pages stay held, as by the cache)
+    assert pool.restorable(a, 32) == 32 and pool.num_recent_in_use == 10
+    b = pool.allocator.alloc(3)
+    _step(pool, [(b, 0, 12)])  # three pages, two free: a's pins go, oldest first, two at a time
+    assert pool.num_recent_reclaimed == 2 and all(pool.has_recent(p) for p in b)
+    assert pool.restorable(a, 8) == 0 and pool.restorable(a, 16) == 16
+    c = pool.allocator.alloc(13)
+    with pytest.raises(RuntimeError, match="DEEPINFER_V4_RECENT_FRACTION"):
+        _step(pool, [(c, 0, 52)])  # 13 pages in one step: more than the whole recent pool

@@ -282,7 +282,7 @@ class V4Pool(KVPool):
             if self._pinned[page] and page not in needed:
                 self._free_recent(page)
                 self.num_recent_reclaimed += 1
-                if len(self._recent_free) >= 64:
+                if len(self._recent_free) >= min(64, self.num_recent_pages // 8 + 1):
                     break
         if not self._recent_free:
             raise RuntimeError(f"the recent-state pool ({self.num_recent_pages} pages) is too small for this "
