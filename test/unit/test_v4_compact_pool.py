@@ -11,7 +11,7 @@ from deepinfer_rt.models.deepseek_v4.cache import V4KVLayout, V4Pool
 
 PS, R, K = 4, 7, 16
 LAYOUT = V4KVLayout(3, (1, 8), None, 8, layer_dims=(8, 24, 40), ratios=(0, 8, 4), entry_dims=(0, 8, 12),
-                    recent_tokens=R, checkpoint_tokens=K, recent_fraction=1.0)
+                    recent_tokens=R, checkpoint_tokens=K, recent_fraction=1.0, release_margin=0)
 
 
 def _step(pool: V4Pool, seqs: list[tuple[list[int], int, int]]) -> list[torch.Tensor]:
@@ -123,3 +123,12 @@ def test_a_short_recent_pool_reclaims_pins_then_refuses(monkeypatch):
     c = pool.allocator.alloc(13)
     with pytest.raises(RuntimeError, match="DEEPINFER_V4_RECENT_FRACTION"):
         _step(pool, [(c, 0, 52)])  # 13 pages in one step: more than the whole recent pool
+
+
+def test_release_margin_keeps_more_than_r():
+    layout = V4KVLayout(**{**LAYOUT.__dict__, "release_margin": 8})
+    pool = V4Pool(layout, 32, PS, torch.float32, torch.device("cpu"))
+    pages = pool.allocator.alloc(12)
+    _run(pool, pages, prompt=10, total=45)
+    # Released: pages wholly before 44 - 7 - 8 = 29 (unpinned ones: 0, 1, 4, 5); 6.. stay.
+    assert [pool.has_recent(p) for p in pages] == [False, False, True, True, False, False] + [True] * 6

@@ -59,6 +59,11 @@ class V4KVLayout(KVLayout):
     """Width of the sliding key (the first columns of every recent row in 'auto')."""
     idx_entry_dims: tuple[int, ...] = ()
     """Per layer: the indexer entry's share of entry_dims."""
+    release_margin: int = 64
+    """Tokens a sequence keeps beyond R before releasing (a speculative rewind, and hits a little before the end
+    of a finished sequence resume exactly)."""
+    supports_fp8: bool = True
+    """False where the model's layers read the buffers directly (DeepSeek-V4.1, for now)."""
 
     @property
     def pool_class(self) -> type[KVPool]:
@@ -71,6 +76,8 @@ class V4KVLayout(KVLayout):
     def with_kv_dtype(self, kv_dtype: str) -> "V4KVLayout":
         if kv_dtype not in ("auto", "fp8_e4m3"):
             raise ValueError(f"kv_cache_dtype must be 'auto' or 'fp8_e4m3' for DeepSeek-V4, got {kv_dtype!r}")
+        if kv_dtype != "auto" and not self.supports_fp8:
+            raise ValueError(f"kv_cache_dtype={kv_dtype!r} is not supported for this model's KV pool yet")
         return dataclasses.replace(self, kv_dtype=kv_dtype)
 
     @property
@@ -225,7 +232,7 @@ class V4Pool(KVPool):
             if start > 0:
                 prev = min(prev, self._last_start.pop(last_pages[at], prev))
                 at += 1
-            lo = max(0, prev - r) // ps
+            lo = max(0, prev - r - self.layout.release_margin) // ps
             spans.append((lo, start, kv_len))
             probes.append(slots[lo * ps : kv_len : ps])
         ids = (torch.cat(probes) // ps).tolist() if probes else []
@@ -243,7 +250,7 @@ class V4Pool(KVPool):
                                        f"DeepSeek-V4 pool resumes a sequence only where it was kept)")
             needed.update(pages[first:])
         for lo, start, kv_len, pages in seqs:
-            for page in pages[: max(0, (start - r) // ps - lo)]:
+            for page in pages[: max(0, (start - r - self.layout.release_margin) // ps - lo)]:
                 if page not in needed and not self._pinned[page] and self._recent_of[page] >= 0:
                     self._free_recent(page)
         for lo, start, kv_len, pages in seqs:

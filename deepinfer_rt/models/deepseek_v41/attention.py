@@ -15,6 +15,10 @@ the slot of a window's second token, written when that token is computed. The in
 (linear + RMSNorm) of the entry *before* its RoPE, then rotated like the entry. Everything is a function of the
 token's prefix, so a prefix-cache hit at any position restores the state exactly and freeing slots frees it all.
 
+That is the per-token layout (DEEPINFER_V4_KV_LAYOUT=per_token). The compact pool (models/deepseek_v4/cache.py)
+keeps [ entry D | index_key Di ] of KV sources in entry rows (one per token at ratio 1, per window at ratio 2)
+and [ swa D | kv D | gate D | ids 3 ] in recent rows, held only near sequence ends and checkpoints (V41Cols).
+
 Per step, index sources keep their top-k selection per attention group on the step state (`V41Step.picks`) for the
 layers that reuse it; the candidate source keeps its block set there (`V41Step.candidates`).
 """
@@ -29,6 +33,7 @@ from torch import nn
 from deepinfer_rt.cache.kv_pool import KVPool
 from deepinfer_rt.layers.linear import Linear
 from deepinfer_rt.models.deepseek_v4.batch import AttnGroup, V4Batch
+from deepinfer_rt.models.deepseek_v4.cache import V4Pool
 from deepinfer_rt.models.deepseek_v4.common import V4RMSNorm, V4Rotary, apply_rope
 from deepinfer_rt.models.deepseek_v41.config import V41Config, V41Layer
 
@@ -53,6 +58,36 @@ class V41Step:
     """Those rows' indices among the step's tokens."""
 
 
+@dataclass(frozen=True)
+class V41Cols:
+    """Where a layer's state lives: `recent` buffer columns (swa, kv, gate) and `entries` buffer columns (entry,
+    index key); the two buffers are the same pool rows in the per-token layout."""
+
+    recent: torch.Tensor
+    entries: torch.Tensor
+    swa: slice
+    entry: slice
+    index: slice
+    kv: slice
+    gate: slice
+
+    @classmethod
+    def of(cls, pool: KVPool, cfg: V41Config, layer_id: int) -> "V41Cols":
+        d, di = cfg.head_dim, cfg.index_head_dim
+        if isinstance(pool, V4Pool):
+            return cls(pool.recent[layer_id], pool.entries[layer_id], slice(0, d), slice(0, d), slice(d, d + di),
+                       slice(d, 2 * d), slice(2 * d, 3 * d))
+        buf = pool.k[layer_id].view(pool.num_slots, -1)
+        return cls(buf, buf, slice(0, d), slice(d, 2 * d), slice(2 * d, 2 * d + di), slice(2 * d + di, 3 * d + di),
+                   slice(3 * d + di, 4 * d + di))
+
+
+def recent_width(cfg: V41Config, spec: V41Layer) -> int:
+    """Compact pool: a layer's recent row (the sliding key, a ratio-2 source's compressor inputs, the ids)."""
+    d = cfg.head_dim
+    return d + (2 * d if spec.is_kv_source and spec.ratio == 2 else 0) + (3 if spec.engram_slot == 0 else 0)
+
+
 def pool_width(cfg: V41Config, spec: V41Layer) -> int:
     d, di = cfg.head_dim, cfg.index_head_dim
     width = d
@@ -75,31 +110,29 @@ class V41Compressor(nn.Module):
         self.wgate = Linear(cfg.hidden_size, d) if ratio == 2 else None
         self.norm = V4RMSNorm(d, cfg.rms_norm_eps)
 
-    def _write(self, pre: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, buf: torch.Tensor,
+    def _write(self, pre: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor, c: V41Cols,
                index_wk: Linear, index_norm: V4RMSNorm) -> None:
-        d, di = self.d, self.di
         cos, sin = self.rotary.cos_sin(positions)
-        buf[slots, d : 2 * d] = apply_rope(pre, cos, sin).to(buf.dtype)
-        buf[slots, 2 * d : 2 * d + di] = apply_rope(index_norm(index_wk(pre)), cos, sin).to(buf.dtype)
+        buf = c.entries
+        buf[rows, c.entry] = apply_rope(pre, cos, sin).to(buf.dtype)
+        buf[rows, c.index] = apply_rope(index_norm(index_wk(pre)), cos, sin).to(buf.dtype)
 
-    def forward(self, kv_x: torch.Tensor, vb: V4Batch, buf: torch.Tensor, index_wk: Linear,
+    def forward(self, kv_x: torch.Tensor, vb: V4Batch, c: V41Cols, index_wk: Linear,
                 index_norm: V4RMSNorm) -> None:
-        if self.ratio == 1:
-            self._write(self.norm(self.wkv(kv_x)), vb.positions, vb.out_slots, buf, index_wk, index_norm)
+        if self.ratio == 1:  # every token is a window of one: its entry row is windows[1].end
+            self._write(self.norm(self.wkv(kv_x)), vb.positions, vb.windows[1].end, c, index_wk, index_norm)
             return
-        d, di = self.d, self.di
-        kv_cols, gate_cols = slice(2 * d + di, 3 * d + di), slice(3 * d + di, 4 * d + di)
         # The pooling compressor runs in fp32 (its projections and the softmax over the window).
-        xf = kv_x.float()
-        buf[vb.out_slots, kv_cols] = F.linear(xf, self.wkv.weight.float()).to(buf.dtype)
-        buf[vb.out_slots, gate_cols] = F.linear(xf, self.wgate.weight.float()).to(buf.dtype)
+        xf, buf = kv_x.float(), c.recent
+        buf[vb.out_slots, c.kv] = F.linear(xf, self.wkv.weight.float()).to(buf.dtype)
+        buf[vb.out_slots, c.gate] = F.linear(xf, self.wgate.weight.float()).to(buf.dtype)
         win = vb.windows[2]
         if win.num == 0:
             return
-        kv, gate = buf[:, kv_cols][win.cur].float(), buf[:, gate_cols][win.cur].float()  # (N, 2, D)
+        kv, gate = buf[:, c.kv][win.cur].float(), buf[:, c.gate][win.cur].float()  # (N, 2, D)
         pooled = (kv * gate.softmax(dim=1)).sum(dim=1)
         # the pooled entry leaves the fp32 compressor in the model's dtype, as the per-token ratio-1 entries are
-        self._write(self.norm(pooled).to(kv_x.dtype), win.positions, win.end, buf, index_wk, index_norm)
+        self._write(self.norm(pooled).to(kv_x.dtype), win.positions, win.end, c, index_wk, index_norm)
 
 
 class V41Attention(nn.Module):
@@ -131,15 +164,16 @@ class V41Attention(nn.Module):
         spec, vb, t = self.spec, step.vb, x.shape[0]
         qvb = step.query_vb if spec.is_yoco_consumer and step.query_vb is not None else vb
         h, d = self.num_heads, self.head_dim
-        buf = pool.k[spec.layer_id].view(pool.num_slots, -1)
+        c = V41Cols.of(pool, self.cfg, spec.layer_id)
+        buf = c.recent
         kv_cos, kv_sin = self.rotary.cos_sin(vb.positions)
         cos, sin = (kv_cos, kv_sin) if qvb is vb else self.rotary.cos_sin(qvb.positions)
         q_all = self.wq_b(self.q_norm(self.wq_a(x)))
         q = apply_rope(q_all[:, : h * d].view(t, h, d), cos, sin)  # V4.1: no per-head q norm
-        buf[vb.out_slots, :d] = apply_rope(self.norm(self.wkv(kv_x)), kv_cos, kv_sin).to(buf.dtype)
+        buf[vb.out_slots, c.swa] = apply_rope(self.norm(self.wkv(kv_x)), kv_cos, kv_sin).to(buf.dtype)
         if self.compressor is not None:
-            self.compressor(kv_x, vb, buf, self.indexer.wk, self.indexer.k_norm)
-        src_buf = None if spec.kv_source is None else pool.k[spec.kv_source].view(pool.num_slots, -1)
+            self.compressor(kv_x, vb, c, self.indexer.wk, self.indexer.k_norm)
+        src = None if spec.kv_source is None else V41Cols.of(pool, self.cfg, spec.kv_source)
         iq = weights = None
         if spec.is_index_source:
             cfg = self.cfg
@@ -147,11 +181,11 @@ class V41Attention(nn.Module):
             weights = self.indexer.weights_proj(x).float() * cfg.index_n_heads ** -0.5
         out = torch.empty_like(q)
         for gi, group in enumerate(qvb.groups):
-            keys, mask = buf[:, :d][group.swa_slots], group.swa_mask  # (G, L, D), (G, Q, L)
+            keys, mask = buf[:, c.swa][group.swa_slots], group.swa_mask  # (G, L, D), (G, Q, L)
             if spec.has_long_range:
                 slots = group.entry_slots[spec.ratio]
-                sel = self._select(gi, group, iq, weights, src_buf, slots, step)
-                keys = torch.cat([keys, src_buf[:, d : 2 * d][slots]], dim=1)
+                sel = self._select(gi, group, iq, weights, src, slots, step)
+                keys = torch.cat([keys, src.entries[:, src.entry][slots]], dim=1)
                 mask = torch.cat([mask, sel], dim=2)
             out[group.rows] = self._attend(q[group.rows], keys.to(q.dtype), mask, group)
         out = apply_rope(out, cos, -sin)  # undo the rotation V carried into the output
@@ -168,7 +202,7 @@ class V41Attention(nn.Module):
         probs = torch.cat([scores, sink], dim=-1).softmax(dim=-1)[..., :-1]
         return torch.einsum("gqhl,gld->gqhd", probs.to(keys.dtype), keys).reshape(-1, h, d)
 
-    def _select(self, gi: int, g: AttnGroup, iq, weights, src_buf, slots, step: V41Step) -> torch.Tensor:
+    def _select(self, gi: int, g: AttnGroup, iq, weights, src: V41Cols, slots, step: V41Step) -> torch.Tensor:
         """(G, Q, E) entries this layer's queries attend to: its own indexer top-k on an index source (inside the
         candidate blocks when it follows the candidate source), the index source's otherwise."""
         spec, cfg = self.spec, self.cfg
@@ -177,7 +211,7 @@ class V41Attention(nn.Module):
         visible = g.entry_mask[spec.ratio]
         n, q_len, num_entries = visible.shape
         d, di = cfg.head_dim, cfg.index_head_dim
-        keys = src_buf[:, 2 * d : 2 * d + di][slots].float()  # (G, E, Di)
+        keys = src.entries[:, src.index][slots].float()  # (G, E, Di)
         q = iq[g.rows].float().view(n, q_len, cfg.index_n_heads, di)
         scores = torch.einsum("gqhd,ged->gqhe", q, keys).relu() * di ** -0.5
         scores = (scores * weights[g.rows].view(n, q_len, -1, 1)).sum(dim=2).masked_fill(~visible, float("-inf"))
