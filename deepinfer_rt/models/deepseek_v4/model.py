@@ -114,6 +114,7 @@ class DeepseekV4ForCausalLM(CausalLM):
                           ratios=tuple(cfg.ratio(t) for t in cfg.layer_types),
                           entry_dims=tuple(c.entry_width for c in cols), recent_tokens=recent_tokens(cfg),
                           checkpoint_tokens=env.v4_checkpoint_tokens, recent_fraction=env.v4_recent_fraction,
+                          release_margin=env.v4_release_margin,
                           swa_dim=cfg.head_dim,
                           idx_entry_dims=tuple(c.idx_entry.stop - c.idx_entry.start for c in cols))
 

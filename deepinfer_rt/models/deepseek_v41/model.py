@@ -249,7 +249,8 @@ class DeepseekV41ForCausalLM(DeepseekV4ForCausalLM):
         return V4KVLayout(config.num_layers, (1, max(recent)), None, cfg.head_dim, layer_dims=recent,
                           ratios=tuple(s.ratio if s.is_kv_source else 0 for s in cfg.layers), entry_dims=entries,
                           recent_tokens=need, checkpoint_tokens=env.v4_checkpoint_tokens,
-                          recent_fraction=env.v4_recent_fraction, swa_dim=cfg.head_dim,
+                          recent_fraction=env.v4_recent_fraction,
+                          release_margin=env.v4_release_margin, swa_dim=cfg.head_dim,
                           idx_entry_dims=tuple(cfg.index_head_dim if e else 0 for e in entries), supports_fp8=False)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
