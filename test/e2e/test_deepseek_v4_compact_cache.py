@@ -107,3 +107,30 @@ def test_fp8_storage_accuracy_cost_vs_16_bit(tiny_v4_path):
     assert 0 < mean < 0.1 and worst < 1.0
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         Engine(str(tiny_v4_path), dtype="float32", kv_cache_tokens=256, kv_cache_dtype="fp8_e5m2")
+
+
+def test_v41_compact_equals_per_token_with_cut_back_hits(tiny_v41_paths, monkeypatch):
+    """DeepSeek-V4.1 (ratios 0 / 1 / 2, shared KV sources, Engram ids) on the compact pool: the per-token layout's
+    tokens, and cache on == off when hits are cut back to checkpoints; entries only on KV sources."""
+    from test_deepseek_v41_engine import GREEDY as V41_GREEDY, PROMPTS as V41_PROMPTS
+
+    path = tiny_v41_paths["a"]
+    outs = {}
+    for layout, cache in (("per_token", False), ("compact", False), ("compact", True)):
+        monkeypatch.setenv("DEEPINFER_V4_KV_LAYOUT", layout)
+        monkeypatch.setenv("DEEPINFER_V4_CHECKPOINT_TOKENS", "12")
+        monkeypatch.setenv("DEEPINFER_V4_RELEASE_MARGIN", "0")
+        with Engine(str(path), dtype="float32", kv_cache_tokens=2048, page_size=2, chunked_prefill_tokens=9,
+                    enable_prefix_cache=cache) as engine:
+            first = engine.generate(input_ids=V41_PROMPTS, sampling_params=V41_GREEDY)
+            again = engine.generate(input_ids=[p + o.token_ids[:2] for p, o in zip(V41_PROMPTS, first)],
+                                    sampling_params=V41_GREEDY)
+            outs[layout, cache] = [o.token_ids for o in first + again]
+            if layout == "compact":
+                v41 = engine.model.v41
+                assert engine.pool.layout.ratios == tuple(s.ratio if s.is_kv_source else 0 for s in v41.layers)
+                if cache:
+                    assert sum(o.cached_tokens for o in again) > 0
+    assert outs["compact", False] == outs["per_token", False] == outs["compact", True]
+    with pytest.raises(ValueError, match="not supported"):
+        Engine(str(path), dtype="float32", kv_cache_tokens=256, kv_cache_dtype="fp8_e4m3")
