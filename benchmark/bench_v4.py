@@ -149,9 +149,14 @@ def full_flash41() -> dict:
     with torch.device("meta"):
         model = DeepseekV41ForCausalLM(config)
     params = sum(p.numel() for p in model.parameters())
-    ours = model.kv_layout(config).bytes_per_token(torch.bfloat16)
+    layout = model.kv_layout(config)
+    ours = layout.bytes_per_token(torch.bfloat16)
     window = model.v41.sliding_window
+    compact = dict(long_lived_bytes_per_token=layout.long_lived_bytes_per_token(torch.bfloat16),
+                   recent_bytes_per_token=layout.recent_bytes_per_token(torch.bfloat16),
+                   recent_tokens=layout.recent_tokens) if hasattr(layout, "recent_tokens") else {}
     return dict(params=params, release_weight_bytes=release_weight_bytes(model), kv_bytes_per_token_bf16=ours,
+                **compact,
                 trtllm_global_bytes_per_token=TRTLLM_V41_GLOBAL_BYTES,
                 trtllm_swa_bytes_per_layer_row=TRTLLM_V41_SWA_ROW_BYTES,
                 trtllm_swa_bytes_total_per_request=TRTLLM_V41_SWA_ROW_BYTES * window * config.num_layers)
@@ -300,7 +305,9 @@ def main() -> None:
     flash41 = full_flash41()
     print(f"V4.1-Flash (40 layers, 384 experts; DSpark layers not built) parameters: {flash41['params'] / 1e9:.2f}B, "
           f"release-format weights {flash41['release_weight_bytes'] / 2**30:.1f} GiB; KV stored here "
-          f"{flash41['kv_bytes_per_token_bf16']} B/token (bf16) vs TensorRT-LLM {TRTLLM_V41_GLOBAL_BYTES} B/token "
+          f"{flash41['kv_bytes_per_token_bf16']} B/token (bf16; long-lived "
+          f"{flash41.get('long_lived_bytes_per_token', 0):.0f} + {flash41.get('recent_bytes_per_token', 0)} per recent "
+          f"token for {flash41.get('recent_tokens', 0)} tokens) vs TensorRT-LLM {TRTLLM_V41_GLOBAL_BYTES} B/token "
           f"+ {TRTLLM_V41_SWA_ROW_BYTES} B per layer for the {flash41['trtllm_swa_bytes_total_per_request'] // (TRTLLM_V41_SWA_ROW_BYTES * 40)}-row windows")
     rows = {"v4": measure("v4", v4, args, device), "v41": measure("v41", v41_config(args), args, device),
             "mla": measure("mla", mla_config(v4), args, device)}
