@@ -29,6 +29,7 @@ plus 528 B per layer for the sliding window's rows only).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import platform
 import statistics
@@ -48,6 +49,8 @@ from deepinfer_rt.models.loader import build_model, load_model_config
 FLASH = Path(__file__).resolve().parents[1] / "deepinfer_rt" / "models" / "configs" / "deepseek-v4-flash"
 FLASH41 = FLASH.parent / "deepseek-v41-flash"
 TRTLLM_V41_GLOBAL_BYTES, TRTLLM_V41_SWA_ROW_BYTES = 890, 528
+SGLANG_V4_BYTES = 7705
+"""SGLang's FP8 DeepSeek-V4 pool, bytes per token."""
 _SCHEDULE = ["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"]
 
 
@@ -148,12 +151,84 @@ def full_flash41() -> dict:
     with torch.device("meta"):
         model = DeepseekV41ForCausalLM(config)
     params = sum(p.numel() for p in model.parameters())
-    ours = model.kv_layout(config).bytes_per_token(torch.bfloat16)
+    layout = model.kv_layout(config)
+    ours = layout.bytes_per_token(torch.bfloat16)
     window = model.v41.sliding_window
+    compact = dict(long_lived_bytes_per_token=layout.long_lived_bytes_per_token(torch.bfloat16),
+                   recent_bytes_per_token=layout.recent_bytes_per_token(torch.bfloat16),
+                   recent_tokens=layout.recent_tokens) if hasattr(layout, "recent_tokens") else {}
     return dict(params=params, release_weight_bytes=release_weight_bytes(model), kv_bytes_per_token_bf16=ours,
+                **compact,
                 trtllm_global_bytes_per_token=TRTLLM_V41_GLOBAL_BYTES,
                 trtllm_swa_bytes_per_layer_row=TRTLLM_V41_SWA_ROW_BYTES,
                 trtllm_swa_bytes_total_per_request=TRTLLM_V41_SWA_ROW_BYTES * window * config.num_layers)
+
+
+def recent_rows_held(layout, context: int, chunk: int, page_size: int = 64, decode: int = 100) -> int:
+    """Recent rows the compact pool holds for one sequence of `context` tokens, prefilled in `chunk`-token steps
+    then decoded `decode` tokens, run through the pool itself (its state only: 1-wide buffers)."""
+    from deepinfer_rt.cache.kv_pool import slots_of
+    from deepinfer_rt.forward_batch import ForwardBatch
+    from deepinfer_rt.models.deepseek_v4.cache import V4Pool
+
+    ones = dataclasses.replace(layout, layer_dims=(1,) * layout.num_layers, entry_dims=tuple(map(bool, layout.entry_dims)),
+                               idx_entry_dims=(0,) * layout.num_layers, kv_dtype="auto", swa_dim=0, recent_fraction=1.0)
+    pool = V4Pool(ones, context // page_size + 2, page_size, torch.float32, torch.device("cpu"))
+    pages = pool.allocator.alloc(context // page_size + 1)
+    slots = torch.tensor(slots_of(pages, context, page_size))
+
+    def step(start: int, end: int) -> None:
+        ids = torch.zeros(end - start, dtype=torch.long)
+        pool.prepare(ForwardBatch(ids, ids, ids, [end - start], [end], [slots[:end]], pool, None))
+
+    for start in range(0, context - decode, chunk):
+        step(start, min(start + chunk, context - decode))
+    for end in range(context - decode + 1, context + 1):
+        step(end - 1, end)
+    return pool.num_recent_in_use * page_size
+
+
+def flash_v4_kv(context: int) -> dict:
+    """V4-Flash KV bytes per token (bf16) of the per-token layout and of the compact pool: the long-lived
+    entries, the recent row of one token, the recent rows one sequence holds (R positions), and the amortized
+    figure of a sequence of `context` tokens that keeps its checkpoints (R positions every K)."""
+    import os
+
+    from deepinfer_rt.models.deepseek_v4.model import DeepseekV4ForCausalLM
+
+    config, _ = load_model_config(FLASH)
+    saved = os.environ.get("DEEPINFER_V4_KV_LAYOUT")
+    try:
+        os.environ["DEEPINFER_V4_KV_LAYOUT"] = "per_token"
+        per_token = DeepseekV4ForCausalLM.kv_layout(config).bytes_per_token(torch.bfloat16)
+        os.environ["DEEPINFER_V4_KV_LAYOUT"] = "compact"
+        compact = DeepseekV4ForCausalLM.kv_layout(config)
+    finally:
+        if saved is None:
+            os.environ.pop("DEEPINFER_V4_KV_LAYOUT")
+        else:
+            os.environ["DEEPINFER_V4_KV_LAYOUT"] = saved
+    bf16 = torch.bfloat16
+    long_lived, recent = compact.long_lived_bytes_per_token(bf16), compact.recent_bytes_per_token(bf16)
+    kept = recent_rows_held(compact, context, chunk=2048)
+    fp8 = compact.with_kv_dtype("fp8_e4m3")
+    fp8_long, fp8_recent = fp8.long_lived_bytes_per_token(bf16), fp8.recent_bytes_per_token(bf16)
+    row = dict(per_token_bytes_per_token=per_token, long_lived_bytes_per_token=round(long_lived, 1),
+               fp8_long_lived_bytes_per_token=round(fp8_long, 1), fp8_recent_bytes_per_token=fp8_recent,
+               fp8_amortized_bytes_per_token=round(fp8_long + fp8_recent * kept / context, 1),
+               recent_bytes_per_token=recent, recent_tokens=compact.recent_tokens,
+               window_bytes_per_sequence=compact.window_bytes_per_sequence(bf16),
+               checkpoint_tokens=compact.checkpoint_tokens, context=context, recent_rows_held=kept,
+               amortized_bytes_per_token=round(long_lived + recent * kept / context, 1),
+               sglang_bytes_per_token=SGLANG_V4_BYTES)
+    print(f"V4-Flash KV (bf16): per-token layout {per_token} B/token; compact pool {long_lived:.0f} B/token "
+          f"long-lived + {recent} B per recent token ({compact.recent_tokens} recent tokens = "
+          f"{row['window_bytes_per_sequence'] / 2**20:.1f} MiB per sequence), amortized at {context} tokens "
+          f"(2048-token prefill chunks, page 64: {kept} recent rows held) with checkpoints every "
+          f"{compact.checkpoint_tokens}: {row['amortized_bytes_per_token']:.0f} B/token; with "
+          f"kv_cache_dtype=fp8_e4m3 {fp8_long:.0f} + {fp8_recent} per recent token, amortized "
+          f"{row['fp8_amortized_bytes_per_token']:.0f} B/token; SGLang {SGLANG_V4_BYTES} B/token (FP8)")
+    return row
 
 
 def full_flash_params() -> int:
@@ -295,11 +370,14 @@ def main() -> None:
     device = torch.device(args.device)
     flash = full_flash_params()
     print(f"V4-Flash (43 layers, 256 experts) parameters: {flash / 1e9:.2f}B")
+    flash_kv = {ctx: flash_v4_kv(ctx) for ctx in (8192, 131072, 1048576)}
     v4 = v4_config(args)
     flash41 = full_flash41()
     print(f"V4.1-Flash (40 layers, 384 experts; DSpark layers not built) parameters: {flash41['params'] / 1e9:.2f}B, "
           f"release-format weights {flash41['release_weight_bytes'] / 2**30:.1f} GiB; KV stored here "
-          f"{flash41['kv_bytes_per_token_bf16']} B/token (bf16) vs TensorRT-LLM {TRTLLM_V41_GLOBAL_BYTES} B/token "
+          f"{flash41['kv_bytes_per_token_bf16']} B/token (bf16; long-lived "
+          f"{flash41.get('long_lived_bytes_per_token', 0):.0f} + {flash41.get('recent_bytes_per_token', 0)} per recent "
+          f"token for {flash41.get('recent_tokens', 0)} tokens) vs TensorRT-LLM {TRTLLM_V41_GLOBAL_BYTES} B/token "
           f"+ {TRTLLM_V41_SWA_ROW_BYTES} B per layer for the {flash41['trtllm_swa_bytes_total_per_request'] // (TRTLLM_V41_SWA_ROW_BYTES * 40)}-row windows")
     rows = {"v4": measure("v4", v4, args, device), "v41": measure("v41", v41_config(args), args, device),
             "mla": measure("mla", mla_config(v4), args, device)}
@@ -310,7 +388,7 @@ def main() -> None:
     print("ratios v4 / mla:", {k: round(v, 2) for k, v in ratios.items()})
     out = Path(__file__).resolve().parent / "results" / f"v4_{device.type}.json"
     out.write_text(json.dumps(dict(
-        full_v4_flash_params=flash, full_v41_flash=flash41, machine=platform.processor() or platform.machine(),
+        full_v4_flash_params=flash, v4_flash_kv=flash_kv, full_v41_flash=flash41, machine=platform.processor() or platform.machine(),
         torch_threads=torch.get_num_threads(), args={k: str(v) for k, v in vars(args).items()},
         results=rows, ratios=ratios), indent=1))
     print("wrote", out)

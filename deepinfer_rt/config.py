@@ -202,7 +202,8 @@ class CacheConfig:
     enable_prefix_cache: bool = True
     kv_cache_dtype: str = "auto"
     """'auto': KV rows in the model dtype; 'fp8_e4m3': float8_e4m3fn rows with one float32 scale per (token, KV
-    head), about half the bytes per token (cache/kv_pool.py)."""
+    head), about half the bytes per token (cache/kv_pool.py); the compact DeepSeek-V4 pool keeps its sliding keys
+    and entries in FP8 with a scale per row (models/deepseek_v4/cache.py)."""
 
 
 @dataclass(frozen=True)

@@ -152,7 +152,7 @@ class Engine:
                             cfg.scheduler.max_num_seqs, mc.max_position, kv_cache_dtype=cfg.cache.kv_cache_dtype)
 
     def _kv_layout(self):
-        layout = self.model.kv_layout(self.model_config)
+        layout = self.model.kv_layout(self.model_config).with_kv_dtype(self.config.cache.kv_cache_dtype)
         return layout if self.spec is None else self.spec.kv_layout(layout)
 
     # ---- the loop ----

@@ -48,6 +48,20 @@ class Env:
     """DEEPINFER_KV_CACHE_MEMORY_FRACTION: share of free memory given to the KV pool when its size is not set."""
     kv_cache_max_cpu_gib: float
     """DEEPINFER_KV_CACHE_MAX_CPU_GIB: upper bound of the KV pool on CPU when sized from memory (GiB)."""
+    v4_kv_layout: str
+    """DEEPINFER_V4_KV_LAYOUT: DeepSeek-V4's KV pool, 'compact' (default: entries once per compression window,
+    sliding keys and compressor inputs only for recent tokens and checkpoints) or 'per_token' (every state of
+    every token, the earlier layout, kept as the reference)."""
+    v4_checkpoint_tokens: int
+    """DEEPINFER_V4_CHECKPOINT_TOKENS: compact V4 pool: every this many tokens a sequence keeps its recent
+    state (sliding keys, compressor inputs) so a prefix-cache hit can resume there (default 16384; prompt ends and hit points are kept too)."""
+    v4_release_margin: int
+    """DEEPINFER_V4_RELEASE_MARGIN: compact V4 pool: tokens a sequence keeps beyond what its next step reads
+    (default 64: a speculative rewind, and prefix hits a little before a finished sequence's end)."""
+    v4_recent_fraction: float
+    """DEEPINFER_V4_RECENT_FRACTION: compact V4 pool: pages of recent state per page of the main pool
+    (default 0.05: a running sequence holds ~R + a page of rows, checkpoints R per K tokens; 1.0 can never
+    run short)."""
     grammar_compile_timeout_s: float
     """DEEPINFER_GRAMMAR_COMPILE_TIMEOUT: seconds a grammar may take to compile before its request errors."""
     num_threads: int
@@ -150,6 +164,10 @@ def get_env() -> Env:
         log_level=_str("DEEPINFER_LOG_LEVEL", "WARNING"),
         kv_cache_memory_fraction=_float("DEEPINFER_KV_CACHE_MEMORY_FRACTION", 0.85),
         kv_cache_max_cpu_gib=_float("DEEPINFER_KV_CACHE_MAX_CPU_GIB", 2.0),
+        v4_kv_layout=_str("DEEPINFER_V4_KV_LAYOUT", "compact"),
+        v4_checkpoint_tokens=_int("DEEPINFER_V4_CHECKPOINT_TOKENS", 16384),
+        v4_release_margin=_int("DEEPINFER_V4_RELEASE_MARGIN", 64),
+        v4_recent_fraction=_float("DEEPINFER_V4_RECENT_FRACTION", 0.05),
         grammar_compile_timeout_s=_float("DEEPINFER_GRAMMAR_COMPILE_TIMEOUT", 30.0),
         num_threads=_int("DEEPINFER_NUM_THREADS", 0),
         ep_worker_pool=_bool("DEEPINFER_EP_WORKER_POOL", False),

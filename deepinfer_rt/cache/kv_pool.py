@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Callable, Protocol
 
 import numpy as np
 import torch
@@ -44,6 +45,17 @@ class KVLayout:
 
     def layer_k_shape(self, layer: int) -> tuple[int, int]:
         return self.k_shape if self.layer_dims is None else (1, self.layer_dims[layer])
+
+    def with_kv_dtype(self, kv_dtype: str) -> "KVLayout":
+        """This layout storing KV as `kv_dtype` ('auto' = the model dtype; 'fp8_e4m3' where is_fp8_supported: the
+        pool then holds float8 rows and their scales). Layouts with their own cache structure override it."""
+        check_kv_cache_dtype(kv_dtype, self)
+        return self
+
+    @property
+    def pool_class(self) -> type["KVPool"]:
+        """The pool that stores this layout (a model with its own cache structure returns its own)."""
+        return KVPool
 
     def bytes_per_token(self, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> int:
         """Pool bytes of one token over all layers; with fp8_e4m3, one byte per value plus the rows' scales."""
@@ -96,6 +108,10 @@ class PageAllocator:
         self._refs = np.zeros(num_pages, dtype=np.int64)
         # Pop from the end; start with low page ids first so small workloads touch little memory.
         self._free = list(range(num_pages - 1, -1, -1))
+        self.on_free: Callable[[list[int]], None] | None = None
+        """Called with the pages a decref has just freed (a pool that keeps more state per page drops it)."""
+        self.prefix_guard: PrefixGuard | None = None
+        """Set by a pool whose pages cannot resume at every position (cache/radix_cache.py asks it)."""
 
     @property
     def num_free(self) -> int:
@@ -129,13 +145,36 @@ class PageAllocator:
         assert held.all(), f"double free of page {idx[~held][0]}"
         refs -= 1
         self._refs[idx] = refs
-        self._free.extend(idx[refs == 0].tolist())
+        freed = idx[refs == 0].tolist()
+        self._free.extend(freed)
+        if self.on_free is not None and freed:
+            self.on_free(freed)
 
     def refcount(self, page: int) -> int:
         return int(self._refs[page])
 
 
+class PrefixGuard(Protocol):
+    def restorable(self, pages: list[int], num_tokens: int) -> int:
+        """Longest page-aligned length <= num_tokens at which a sequence holding `pages` can resume exactly."""
+
+    def keep(self, pages: list[int], num_tokens: int) -> None:
+        """A sequence resumes at num_tokens over `pages`: keep what that needs while the pages live."""
+
+    def keep_prompt(self, pages: list[int], prompt_len: int) -> None:
+        """A request's prompt is computed: keep what resuming at its end (or its last whole page) needs."""
+
+    def adopt(self, cached: list[int], own: list[int]) -> None:
+        """A request's pages `own` hold the same tokens as the cache's `cached` (which stay in the cache):
+        give the cached pages the resumable state only the request's copies have."""
+
+
 class KVPool:
+    def __new__(cls, layout: KVLayout, *args, **kwargs):
+        # KVPool(layout, ...) builds the pool the layout asks for, wherever pools are made.
+        target = layout.pool_class
+        return super().__new__(target if cls is KVPool and issubclass(target, KVPool) else cls)
+
     def __init__(self, layout: KVLayout, num_pages: int, page_size: int, dtype: torch.dtype,
                  device: torch.device, kv_cache_dtype: str = "auto"):
         check_kv_cache_dtype(kv_cache_dtype, layout)

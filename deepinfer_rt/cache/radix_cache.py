@@ -55,21 +55,32 @@ class RadixCache(PrefixCache):
         # A stale lock from an earlier admission would pin its path forever; start from a clean slate.
         self.release(req)
         # The last token is always computed: its logits give the next token.
-        limit = (req.num_tokens - 1) // self.page_size * self.page_size
+        limit = self._restorable_limit(req)
         node, num_matched, pages = self._walk(req.token_ids, limit, self.root, 0, split=True)
         self.num_query_tokens += req.num_tokens
         self.num_hit_tokens += num_matched
         if node is self.root:
             return [], 0
         self.allocator.incref(pages)
+        if self.allocator.prefix_guard is not None:
+            self.allocator.prefix_guard.keep(pages, num_matched)
         self._touch(node)
         self._lock(node)
         req.cache_node, req.num_locked_tokens = node, num_matched
         return pages, num_matched
 
     def peek(self, req: Req) -> int:
+        return self._walk(req.token_ids, self._restorable_limit(req), self.root, 0, split=False)[1]
+
+    def _restorable_limit(self, req: Req) -> int:
+        """Page-aligned bound of a match: the last token is always computed (its logits give the next token),
+        and a pool with a prefix guard cuts the match back to where its state lets a sequence resume."""
         limit = (req.num_tokens - 1) // self.page_size * self.page_size
-        return self._walk(req.token_ids, limit, self.root, 0, split=False)[1]
+        guard = self.allocator.prefix_guard
+        if guard is None:
+            return limit
+        _, num_matched, pages = self._walk(req.token_ids, limit, self.root, 0, split=False)
+        return guard.restorable(pages, num_matched)
 
     def insert(self, req: Req, num_tokens: int) -> None:
         end = num_tokens // self.page_size * self.page_size
@@ -82,7 +93,9 @@ class RadixCache(PrefixCache):
         if end <= start:
             return
         assert len(req.pages) * self.page_size >= end, "insert: req.pages do not cover the inserted tokens"
-        node, pos, _ = self._walk(req.token_ids, end, start_node, start, split=True)
+        node, pos, cached = self._walk(req.token_ids, end, start_node, start, split=True)
+        if self.allocator.prefix_guard is not None:
+            self.allocator.prefix_guard.adopt(cached, req.pages[start // self.page_size : pos // self.page_size])
         if pos < end:
             # Tokens already in the tree keep the tree's pages; the request's duplicates stay its own.
             leaf = TreeNode(next(self._ids), node, tuple(req.token_ids[pos:end]),

@@ -173,6 +173,10 @@ class Scheduler:
                 if req.wants_prompt_logprobs:
                     # Rows from the first wanted position - 1 on must be computed to score the prompt.
                     limit = (len(req.prompt_logprobs) - 1) // self.page_size * self.page_size
+                    if num_cached > limit and self.allocator.prefix_guard is not None:
+                        # A pool that resumes only where its state was kept (compact DeepSeek-V4) cuts further.
+                        limit = self.allocator.prefix_guard.restorable(pages, limit)
+                        self.allocator.prefix_guard.keep(pages[: limit // self.page_size], limit)
                     if num_cached > limit:
                         self.allocator.decref(pages[limit // self.page_size :])
                         pages, num_cached = pages[: limit // self.page_size], limit
@@ -221,6 +225,9 @@ class Scheduler:
         """n > 1: start req from its leader's computed prompt, all but the last token (which req computes to
         get its own logits). Whole pages are shared; a partly filled last page is copied."""
         num_shared = req.prompt_len - 1
+        if self.allocator.prefix_guard is not None:  # the compact DeepSeek-V4 pool: only where state was kept
+            num_shared = self.allocator.prefix_guard.restorable(leader.pages, num_shared)
+            self.allocator.prefix_guard.keep(leader.pages, num_shared)
         num_full, rem = divmod(num_shared, self.page_size)
         pages = leader.pages[:num_full]
         self.allocator.incref(pages)
@@ -244,6 +251,8 @@ class Scheduler:
         for i, item in enumerate(batch.items):
             req = item.req
             req.num_computed_tokens = item.start + item.num_input_tokens + (num_accepted or {}).get(i, 0)
+            if self.allocator.prefix_guard is not None and item.start < req.prompt_len <= req.num_computed_tokens:
+                self.allocator.prefix_guard.keep_prompt(req.pages, req.prompt_len)  # resumable at its end
             if item.draft_tokens:
                 # Roll back rejected drafts: their KV is garbage, and pages past the verified tokens go back.
                 keep = _cdiv(req.num_computed_tokens, self.page_size)

@@ -106,9 +106,10 @@ def test_unaligned_chunks_and_decode_match_hf(models, query_block, monkeypatch):
     assert pos_b == 6 + 2 + (len(a) - 27)
 
 
-def test_kv_layout_per_layer_widths(models):
+def test_kv_layout_per_layer_widths(models, monkeypatch):
     config, model, _ = models
     cfg = V4Config.from_model_config(config)
+    monkeypatch.setenv("DEEPINFER_V4_KV_LAYOUT", "per_token")
     layout = model.kv_layout(config)
     d, di = cfg.head_dim, cfg.index_head_dim
     widths = {"sliding_attention": d, "heavily_compressed_attention": 4 * d,
@@ -116,6 +117,16 @@ def test_kv_layout_per_layer_widths(models):
     assert layout.layer_dims == tuple(widths[t] for t in cfg.layer_types)
     assert layout.bytes_per_token(torch.float32) == 4 * sum(layout.layer_dims)
     assert all(PoolColumns.for_layer(cfg, t).width == w for t, w in widths.items())
+    # Compact: per-token rows keep the sliding key and the compressor inputs, entries are rows of their own.
+    monkeypatch.setenv("DEEPINFER_V4_KV_LAYOUT", "compact")
+    compact = model.kv_layout(config)
+    recent = {"sliding_attention": d, "heavily_compressed_attention": 3 * d,
+              "compressed_sparse_attention": 5 * d + 4 * di}
+    entry = {"sliding_attention": 0, "heavily_compressed_attention": d, "compressed_sparse_attention": d + di}
+    assert compact.layer_dims == tuple(recent[t] for t in cfg.layer_types)
+    assert compact.entry_dims == tuple(entry[t] for t in cfg.layer_types)
+    want = sum(entry[t] / cfg.ratio(t) for t in cfg.layer_types if cfg.ratio(t)) * 4
+    assert compact.long_lived_bytes_per_token(torch.float32) == pytest.approx(want)
 
 
 @pytest.mark.parametrize("change, message", [

@@ -17,7 +17,9 @@ from deepinfer_rt.layers.fp8 import dense_linear_method
 from deepinfer_rt.layers.kernel_config import current_kernel_config
 from deepinfer_rt.layers.linear import Linear
 from deepinfer_rt.models.deepseek_v4.batch import V4Batch
-from deepinfer_rt.models.deepseek_v4.common import CSA, SLIDING, PoolColumns, V4Config, V4RMSNorm, V4Rotary, apply_rope
+from deepinfer_rt.models.deepseek_v4.cache import V4Pool
+from deepinfer_rt.models.deepseek_v4.common import (CSA, SLIDING, LayerKV, PoolColumns, V4Config, V4RMSNorm, V4Rotary,
+                                                   apply_rope)
 from deepinfer_rt.models.deepseek_v4.compressor import Compressor, Indexer
 from deepinfer_rt.models.deepseek_v4.methods import v4_method
 
@@ -28,6 +30,8 @@ class V4Attention(nn.Module):
         self.layer_id = layer_id
         layer_type = cfg.layer_types[layer_id]
         self.cols = PoolColumns.for_layer(cfg, layer_type)
+        """Columns in the per-token layout; compact_cols those of the compact pool (cache.py)."""
+        self.compact_cols = {fp8: PoolColumns.compact(cfg, layer_type, fp8) for fp8 in (False, True)}
         self.ratio = cfg.ratio(layer_type)
         self.num_heads, self.head_dim, self.o_groups = cfg.num_heads, cfg.head_dim, cfg.o_groups
         self.eps = cfg.rms_norm_eps
@@ -48,23 +52,30 @@ class V4Attention(nn.Module):
         self.method = v4_method(current_kernel_config())
         """Default or batch-invariant attention and products (models/deepseek_v4/methods.py)."""
 
-    def forward(self, x: torch.Tensor, vb: V4Batch, pool: KVPool) -> torch.Tensor:
-        t, c = x.shape[0], self.cols
+    def layer_kv(self, pool: KVPool) -> LayerKV:
+        if isinstance(pool, V4Pool):
+            return pool.layer_kv(self.layer_id, self.compact_cols)
         buf = pool.k[self.layer_id].view(pool.num_slots, -1)
+        return LayerKV(buf, buf, self.cols)
+
+    def forward(self, x: torch.Tensor, vb: V4Batch, pool: KVPool) -> torch.Tensor:
+        t = x.shape[0]
+        kv = self.layer_kv(pool)
+        c, buf = kv.cols, kv.recent
         q_residual = self.q_norm(self.wq_a(x))
         cos, sin = self.rotary.cos_sin(vb.positions)
         q = self.method.unweighted_rms_norm(self.wq_b(q_residual).view(t, self.num_heads, self.head_dim), self.eps)
         q = apply_rope(q, cos, sin)
-        buf[vb.out_slots, c.swa] = apply_rope(self.norm(self.wkv(x)), cos, sin).to(buf.dtype)
+        kv.store_swa(vb.out_slots, apply_rope(self.norm(self.wkv(x)), cos, sin))
         if self.compressor is not None:
             self.compressor.store(x, buf, vb.out_slots, c.kv, c.gate)
-            self.compressor.compress(buf, vb.windows[self.ratio], c.kv, c.gate, c.entry)
+            self.compressor.compress(kv, vb.windows[self.ratio], c.kv, c.gate, kv.store_entry)
         if self.indexer is not None:
             self.indexer.compressor.store(x, buf, vb.out_slots, c.idx_kv, c.idx_gate)
-            self.indexer.compressor.compress(buf, vb.windows[self.ratio], c.idx_kv, c.idx_gate, c.idx_entry)
+            self.indexer.compressor.compress(kv, vb.windows[self.ratio], c.idx_kv, c.idx_gate, kv.store_idx_entry)
         out = torch.empty_like(q)
         for group in vb.groups:
-            out[group.rows] = self.method.attend(self, group, q, x, q_residual, vb.positions, buf)
+            out[group.rows] = self.method.attend(self, group, q, x, q_residual, vb.positions, kv)
         out = apply_rope(out, cos, -sin)  # undo the rotation V carried into the output
         grouped = out.reshape(t, self.o_groups, -1)
         w = self.wo_a.weight.view(self.o_groups, -1, grouped.shape[-1])  # (g, o_lora_rank, H*D/g)

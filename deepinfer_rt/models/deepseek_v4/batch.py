@@ -9,6 +9,10 @@ Queries are processed in groups that share one padded key set: each block of up 
 queries of an extend (prefill chunk) sequence is a group, which bounds the score tensor of a long chunk; all decode
 sequences form one group of single queries. Windows whose last token is in
 this step are compressed first, for every sequence at once.
+
+Two slot spaces: per-token state (sliding keys, compressor inputs) is read at `recent` slots, entries at entry
+rows (a main slot divided by the ratio's divisor). In the per-token layout both are the main slots; the compact
+pool (models/deepseek_v4/cache.py) gives each its own buffer.
 """
 from __future__ import annotations
 
@@ -48,7 +52,7 @@ class Windows:
     positions: torch.Tensor
     """(N,) position of the window's first token (its entry's RoPE position)."""
     end: torch.Tensor
-    """(N,) slot of the window's last token, where its entry is written."""
+    """(N,) entry row of the window (from the slot of its last token), where its entry is written."""
 
     @property
     def num(self) -> int:
@@ -59,13 +63,14 @@ class Windows:
 class V4Batch:
     positions: torch.Tensor
     out_slots: torch.Tensor
+    """(T,) recent slots of the new tokens (their sliding keys and compressor inputs)."""
     input_ids: torch.Tensor
     groups: list[AttnGroup]
     windows: dict[int, Windows]
 
 
-def _entries(slots: torch.Tensor, kv_len: int, ratio: int) -> torch.Tensor:
-    return slots[ratio - 1 : (kv_len // ratio) * ratio : ratio]
+def _entries(slots: torch.Tensor, kv_len: int, ratio: int, divisor: int) -> torch.Tensor:
+    return slots[ratio - 1 : (kv_len // ratio) * ratio : ratio] // divisor
 
 
 def _pad(rows: list[torch.Tensor], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -79,63 +84,73 @@ def _pad(rows: list[torch.Tensor], device: torch.device) -> tuple[torch.Tensor, 
     return out, valid
 
 
-def _extend_group(row: int, start: int, kv_len: int, slots: torch.Tensor, window: int,
-                  ratios: tuple[int, ...]) -> AttnGroup:
+def _extend_group(row: int, start: int, kv_len: int, slots: torch.Tensor, recent: torch.Tensor, window: int,
+                  divisors: dict[int, int]) -> AttnGroup:
     device = slots.device
     q_pos = torch.arange(start, kv_len, device=device)[:, None]
     k0 = max(0, start - window + 1)
     k_pos = torch.arange(k0, kv_len, device=device)[None, :]
     swa_mask = (k_pos <= q_pos) & (k_pos > q_pos - window)
     entry_slots, entry_mask = {}, {}
-    for m in ratios:
-        entry_slots[m] = _entries(slots, kv_len, m)[None]
+    for m, div in divisors.items():
+        entry_slots[m] = _entries(slots, kv_len, m, div)[None]
         e = torch.arange(entry_slots[m].shape[1], device=device)[None, :]
         entry_mask[m] = (e < (q_pos + 1) // m)[None]
     q_len = kv_len - start
-    return AttnGroup(torch.arange(row, row + q_len, device=device), 1, q_len, slots[k0:kv_len][None],
+    return AttnGroup(torch.arange(row, row + q_len, device=device), 1, q_len, recent[k0:kv_len][None],
                      swa_mask[None], entry_slots, entry_mask)
 
 
-def _decode_group(rows: list[int], kv_lens: list[int], slots: list[torch.Tensor], window: int,
-                  ratios: tuple[int, ...], device: torch.device) -> AttnGroup:
-    swa_slots, swa_valid = _pad([s[max(0, n - window) : n] for s, n in zip(slots, kv_lens)], device)
+def _decode_group(rows: list[int], kv_lens: list[int], slots: list[torch.Tensor], recent: list[torch.Tensor],
+                  window: int, divisors: dict[int, int], device: torch.device) -> AttnGroup:
+    swa_slots, swa_valid = _pad([s[max(0, n - window) : n] for s, n in zip(recent, kv_lens)], device)
     entry_slots, entry_mask = {}, {}
-    for m in ratios:
-        entry_slots[m], valid = _pad([_entries(s, n, m) for s, n in zip(slots, kv_lens)], device)
+    for m, div in divisors.items():
+        entry_slots[m], valid = _pad([_entries(s, n, m, div) for s, n in zip(slots, kv_lens)], device)
         entry_mask[m] = valid[:, None, :]
     return AttnGroup(torch.tensor(rows, device=device), len(rows), 1, swa_slots, swa_valid[:, None, :],
                      entry_slots, entry_mask)
 
 
-def _windows(batch: ForwardBatch, ratio: int) -> Windows:
+def _windows(batch: ForwardBatch, recent: list[torch.Tensor], ratio: int, divisor: int) -> Windows:
     device = batch.input_ids.device
     offsets = torch.arange(ratio, device=device)
-    cur, prev, first = [], [], []
-    for q_len, kv_len, slots in zip(batch.q_lens, batch.kv_lens, batch.kv_slots):
+    cur, prev, first, end = [], [], [], []
+    for q_len, kv_len, slots, rslots in zip(batch.q_lens, batch.kv_lens, batch.kv_slots, recent):
         w = torch.arange((kv_len - q_len) // ratio, kv_len // ratio, device=device)
         idx = w[:, None] * ratio + offsets
-        cur.append(slots[idx])
-        prev.append(slots[(idx - ratio).clamp(min=0)])
+        cur.append(rslots[idx])
+        prev.append(rslots[(idx - ratio).clamp(min=0)])
         first.append(w * ratio)
+        end.append(slots[idx[:, -1]] // divisor)
     cur_t, prev_t, first_t = torch.cat(cur), torch.cat(prev), torch.cat(first)
-    return Windows(cur_t, prev_t, first_t > 0, first_t, cur_t[:, -1])
+    return Windows(cur_t, prev_t, first_t > 0, first_t, torch.cat(end))
 
 
-def build_v4_batch(batch: ForwardBatch, window: int, ratios: tuple[int, ...], query_block: int) -> V4Batch:
+def build_v4_batch(batch: ForwardBatch, window: int, ratios: tuple[int, ...], query_block: int,
+                   recent: list[torch.Tensor] | None = None, divisors: dict[int, int] | None = None) -> V4Batch:
+    """`recent`: each sequence's recent slot of every position (default: its main slots); `divisors`: ratio ->
+    main slot // divisor = entry row (default 1)."""
     device = batch.input_ids.device
-    groups, decode = [], ([], [], [])
+    recent = batch.kv_slots if recent is None else recent
+    divisors = {m: 1 for m in ratios} if divisors is None else {m: divisors[m] for m in ratios}
+    groups, decode = [], ([], [], [], [])
     row = 0
-    for q_len, kv_len, slots in zip(batch.q_lens, batch.kv_lens, batch.kv_slots):
+    out_slots = []
+    for q_len, kv_len, slots, rslots in zip(batch.q_lens, batch.kv_lens, batch.kv_slots, recent):
+        out_slots.append(rslots[kv_len - q_len : kv_len])
         if q_len == 1:
-            for acc, value in zip(decode, (row, kv_len, slots)):
+            for acc, value in zip(decode, (row, kv_len, slots, rslots)):
                 acc.append(value)
         else:
             start = kv_len - q_len
             for block_start in range(start, kv_len, query_block):
                 block_end = min(block_start + query_block, kv_len)
-                groups.append(_extend_group(row + block_start - start, block_start, block_end, slots, window, ratios))
+                groups.append(_extend_group(row + block_start - start, block_start, block_end, slots, rslots,
+                                            window, divisors))
         row += q_len
     if decode[0]:
-        groups.append(_decode_group(*decode, window, ratios, device))
-    return V4Batch(batch.positions, batch.out_slots, batch.input_ids, groups,
-                   {m: _windows(batch, m) for m in ratios})
+        groups.append(_decode_group(*decode, window, divisors, device))
+    out = batch.out_slots if recent is batch.kv_slots else torch.cat(out_slots)
+    return V4Batch(batch.positions, out, batch.input_ids, groups,
+                   {m: _windows(batch, recent, m, divisors[m]) for m in ratios})

@@ -13,6 +13,11 @@ token, kept so a window can be compressed whenever its last token arrives, whate
 came in. `entry` is meaningful only in the slot of the last token of a compression window: the compressed entry
 of that window, written when that token is computed. Everything is a function of the token's prefix, so a
 prefix-cache hit at any position restores the exact state, and freeing a request's slots frees all of it.
+
+That is the per-token layout (DEEPINFER_V4_KV_LAYOUT=per_token), kept as the reference. The default compact pool
+(models/deepseek_v4/cache.py, PoolColumns.compact) splits each row: [entry | idx_entry] once per window in the
+main pages, [swa_k | kv | gate | idx_kv | idx_gate] in recent pages held only near a sequence's end, at
+checkpoints and at resume points.
 """
 from __future__ import annotations
 
@@ -139,6 +144,125 @@ class PoolColumns:
             bounds.append(slice(start, start + w))
             start += w
         return cls(*bounds)
+
+
+    @classmethod
+    def compact(cls, cfg: V4Config, layer_type: str, fp8: bool = False) -> "PoolColumns":
+        """Columns of the compact pool (models/deepseek_v4/cache.py): swa, kv, gate, idx_kv, idx_gate in the
+        layer's recent row, entry and idx_entry in its entry row; with `fp8` the sliding key and the entries
+        are stored apart (LayerKV's Fp8Rows) and their columns here are empty."""
+        full = cls.for_layer(cfg, layer_type)
+        if fp8:
+            empty = slice(0, 0)
+            full = cls(empty, full.kv, full.gate, empty, full.idx_kv, full.idx_gate, empty)
+        widths = [s.stop - s.start for s in (full.swa, full.kv, full.gate, full.idx_kv, full.idx_gate)]
+        cuts = [0]
+        for w in widths:
+            cuts.append(cuts[-1] + w)
+        swa, kv, gate, idx_kv, idx_gate = (slice(a, b) for a, b in zip(cuts, cuts[1:]))
+        d_entry, d_idx = full.entry.stop - full.entry.start, full.idx_entry.stop - full.idx_entry.start
+        return cls(swa, kv, gate, slice(0, d_entry), idx_kv, idx_gate, slice(d_entry, d_entry + d_idx))
+
+    @property
+    def recent_width(self) -> int:
+        return max(s.stop for s in (self.swa, self.kv, self.gate, self.idx_kv, self.idx_gate))
+
+    @property
+    def entry_width(self) -> int:
+        return max(self.entry.stop, self.idx_entry.stop)
+
+
+FP8_MAX = 448.0
+"""Largest finite float8 e4m3 value."""
+
+
+@dataclass(frozen=True)
+class Fp8Rows:
+    """Rows stored as float8 e4m3 with one fp32 scale per row (amax / 448)."""
+
+    values: torch.Tensor
+    scales: torch.Tensor
+    """(rows, 1) fp32."""
+
+    @classmethod
+    def zeros(cls, rows: int, width: int, device: torch.device) -> "Fp8Rows":
+        return cls(torch.zeros(rows, width, dtype=torch.float8_e4m3fn, device=device),
+                   torch.zeros(rows, 1, dtype=torch.float32, device=device))
+
+    def read(self, idx: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return (self.values[idx].float() * self.scales[idx]).to(dtype)
+
+    def write(self, idx: torch.Tensor, x: torch.Tensor) -> None:
+        xf = x.float()
+        scale = (xf.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp(min=1e-12)
+        self.values[idx] = (xf / scale).to(torch.float8_e4m3fn)
+        self.scales[idx] = scale
+
+
+@dataclass(frozen=True)
+class LayerKV:
+    """One layer's KV state and where each part lives: `recent` rows hold per-token state (sliding key,
+    compressor inputs), `entries` rows the compressed entries; in the per-token layout both are the same pool
+    rows. With FP8 storage the sliding keys, entries and indexer entries are Fp8Rows of their own (their
+    columns in `cols` are then empty)."""
+
+    recent: torch.Tensor
+    entries: torch.Tensor
+    cols: PoolColumns
+    fp8_swa: Fp8Rows | None = None
+    fp8_entry: Fp8Rows | None = None
+    fp8_idx_entry: Fp8Rows | None = None
+
+    @property
+    def num_recent_rows(self) -> int:
+        return self.recent.shape[0]
+
+    @property
+    def num_entry_rows(self) -> int:
+        return self.entries.shape[0] if self.fp8_entry is None else self.fp8_entry.values.shape[0]
+
+    def swa(self, idx: torch.Tensor) -> torch.Tensor:
+        """Sliding keys at recent slots idx (any shape) -> (*idx.shape, D)."""
+        if self.fp8_swa is not None:
+            return self.fp8_swa.read(idx, self.recent.dtype)
+        return self.recent[:, self.cols.swa][idx]
+
+    def entry(self, idx: torch.Tensor) -> torch.Tensor:
+        if self.fp8_entry is not None:
+            return self.fp8_entry.read(idx, self.recent.dtype)
+        return self.entries[:, self.cols.entry][idx]
+
+    def idx_entry(self, idx: torch.Tensor) -> torch.Tensor:
+        if self.fp8_idx_entry is not None:
+            return self.fp8_idx_entry.read(idx, self.recent.dtype)
+        return self.entries[:, self.cols.idx_entry][idx]
+
+    def store_swa(self, slots: torch.Tensor, x: torch.Tensor) -> None:
+        if self.fp8_swa is not None:
+            self.fp8_swa.write(slots, x)
+        else:
+            self.recent[slots, self.cols.swa] = x.to(self.recent.dtype)
+
+    def store_entry(self, rows: torch.Tensor, x: torch.Tensor) -> None:
+        if self.fp8_entry is not None:
+            self.fp8_entry.write(rows, x)
+        else:
+            self.entries[rows, self.cols.entry] = x.to(self.entries.dtype)
+
+    def store_idx_entry(self, rows: torch.Tensor, x: torch.Tensor) -> None:
+        if self.fp8_idx_entry is not None:
+            self.fp8_idx_entry.write(rows, x)
+        else:
+            self.entries[rows, self.cols.idx_entry] = x.to(self.entries.dtype)
+
+
+def recent_tokens(cfg: V4Config) -> int:
+    """Positions before a step's first new token whose per-token state the step reads: the sliding window's
+    W - 1, and the windows its compressors complete (CSA pools the previous window too: 2m - 1)."""
+    need = [cfg.sliding_window - 1]
+    for t in set(cfg.layer_types) - {SLIDING}:
+        need.append((2 if t == CSA else 1) * cfg.ratio(t) - 1)
+    return max(need)
 
 
 def inv_freq(cfg: V4Config, params: dict) -> tuple[torch.Tensor, float]:

@@ -12,6 +12,8 @@ Checkpoint names: compressor.{wkv, wgate, ape, norm}, indexer.{wq_b, weights_pro
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from torch import nn
 
@@ -19,7 +21,7 @@ from deepinfer_rt.layers.kernel_config import current_kernel_config
 from deepinfer_rt.layers.linear import Linear
 from deepinfer_rt.layers.methods import linear_method
 from deepinfer_rt.models.deepseek_v4.batch import Windows
-from deepinfer_rt.models.deepseek_v4.common import V4Config, V4RMSNorm, V4Rotary, apply_rope
+from deepinfer_rt.models.deepseek_v4.common import LayerKV, V4Config, V4RMSNorm, V4Rotary, apply_rope
 from deepinfer_rt.models.deepseek_v4.methods import v4_method
 
 
@@ -42,12 +44,12 @@ class Compressor(nn.Module):
         buf[slots, kv_cols] = self.wkv(x)
         buf[slots, gate_cols] = self.wgate(x)
 
-    def compress(self, buf: torch.Tensor, win: Windows, kv_cols: slice, gate_cols: slice,
-                 entry_cols: slice) -> None:
-        """Write the entry of every window completed in this step into its last token's pool row."""
+    def compress(self, kv_state: LayerKV, win: Windows, kv_cols: slice, gate_cols: slice,
+                 store: Callable[[torch.Tensor, torch.Tensor], None]) -> None:
+        """Write the entry of every window completed in this step into its entry row."""
         if win.num == 0:
             return
-        kv_buf, gate_buf = buf[:, kv_cols], buf[:, gate_cols]
+        kv_buf, gate_buf = kv_state.recent[:, kv_cols], kv_state.recent[:, gate_cols]
         kv, gate = kv_buf[win.cur], gate_buf[win.cur].float() + self.ape.float()  # (N, m, width)
         if self.overlap:
             d = self.head_dim
@@ -57,7 +59,7 @@ class Compressor(nn.Module):
             gate = torch.cat([prev_gate, gate[..., d:]], dim=1)
         pooled = self.method.pool_window(kv, gate)
         cos, sin = self.rotary.cos_sin(win.positions)
-        buf[win.end, entry_cols] = apply_rope(self.norm(pooled), cos, sin).to(buf.dtype)
+        store(win.end, apply_rope(self.norm(pooled), cos, sin))
 
 
 class Indexer(nn.Module):

@@ -25,6 +25,7 @@ from deepinfer_rt.models.deepseek_v4 import invariant as v4_invariant
 
 if TYPE_CHECKING:
     from deepinfer_rt.models.deepseek_v4.batch import AttnGroup
+    from deepinfer_rt.models.deepseek_v4.common import LayerKV
 
 
 def _unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -101,17 +102,17 @@ class V4Method:
     # ---- attention and indexer ----
 
     def attend(self, layer: nn.Module, g: AttnGroup, q: torch.Tensor, x: torch.Tensor, q_residual: torch.Tensor,
-               positions: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
-        """Attention of one group's queries -> (G*Q, H, D), over the group's padded key set."""
-        cols = layer.cols
+               positions: torch.Tensor, kv: LayerKV) -> torch.Tensor:
+        """Attention of one group's queries -> (G*Q, H, D), over the group's padded key set (sliding keys at
+        kv.recent[swa_slots], entries at kv.entries[entry_slots])."""
         # Column views first, so the gathers read only the columns used, not whole pool rows.
-        keys, mask = buf[:, cols.swa][g.swa_slots], g.swa_mask  # (G, L, D), (G, Q, L)
+        keys, mask = kv.swa(g.swa_slots), g.swa_mask  # (G, L, D), (G, Q, L)
         if layer.ratio:
             slots, visible = g.entry_slots[layer.ratio], g.entry_mask[layer.ratio]  # (G, E), (G, Q, E)
             if layer.indexer is not None:
                 visible = layer.indexer.select(x[g.rows], q_residual[g.rows], positions[g.rows],
-                                               buf[:, cols.idx_entry][slots], visible)
-            keys = torch.cat([keys, buf[:, cols.entry][slots]], dim=1)
+                                               kv.idx_entry(slots), visible)
+            keys = torch.cat([keys, kv.entry(slots)], dim=1)
             mask = torch.cat([mask, visible], dim=2)
         qg = q[g.rows].view(g.num_seqs, g.q_len, layer.num_heads, layer.head_dim)
         scores = torch.einsum("gqhd,gld->gqhl", qg, keys) * layer.head_dim ** -0.5
@@ -173,19 +174,20 @@ class V4InvariantMethod(V4Method):
         return v4_invariant.pool_window(kv, gate)
 
     def attend(self, layer: nn.Module, g: AttnGroup, q: torch.Tensor, x: torch.Tensor, q_residual: torch.Tensor,
-               positions: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
+               positions: torch.Tensor, kv: LayerKV) -> torch.Tensor:
         """Each query's keys in its own fixed blocks (v4_invariant.key_lists / attend)."""
-        cols = layer.cols
         entry_slots = entry_mask = None
         if layer.ratio:
             entry_slots, entry_mask = g.entry_slots[layer.ratio], g.entry_mask[layer.ratio]
             if layer.indexer is not None:
                 entry_mask = layer.indexer.select(x[g.rows], q_residual[g.rows], positions[g.rows],
-                                                  buf[:, cols.idx_entry][entry_slots], entry_mask)
+                                                  kv.idx_entry(entry_slots), entry_mask)
         slots, valid, is_entry = v4_invariant.key_lists(g.swa_slots, g.swa_mask, entry_slots, entry_mask)
-        keys = buf[:, cols.swa][slots]
+        # One list mixes sliding-key slots and entry rows (is_entry says which): clamp each gather to its buffer.
+        keys = kv.swa(slots.clamp(max=kv.num_recent_rows - 1))
         if entry_slots is not None:
-            keys = torch.where(is_entry[..., None], buf[:, cols.entry][slots], keys)
+            entry_keys = kv.entry(slots.clamp(max=kv.num_entry_rows - 1))
+            keys = torch.where(is_entry[..., None], entry_keys, keys)
         return v4_invariant.attend(q[g.rows], keys.to(q.dtype), valid, layer.head_dim ** -0.5, layer.attn_sink)
 
     def index_select(self, indexer: nn.Module, q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor,

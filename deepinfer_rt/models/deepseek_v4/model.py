@@ -20,12 +20,14 @@ from torch import nn
 
 from deepinfer_rt.cache.kv_pool import KVLayout, KVPool
 from deepinfer_rt.config import ModelConfig
+from deepinfer_rt.env import get_env
 from deepinfer_rt.forward_batch import ForwardBatch
 from deepinfer_rt.models.deepseek_v4.hyper_connections import HyperConnection, HyperHead
 from deepinfer_rt.layers.moe import fuse_expert_weights
 from deepinfer_rt.models.deepseek_v4.attention import V4Attention
 from deepinfer_rt.models.deepseek_v4.batch import V4Batch, build_v4_batch
-from deepinfer_rt.models.deepseek_v4.common import SLIDING, PoolColumns, V4Config, V4RMSNorm, V4Rotary
+from deepinfer_rt.models.deepseek_v4.cache import V4KVLayout, V4Pool
+from deepinfer_rt.models.deepseek_v4.common import SLIDING, PoolColumns, V4Config, V4RMSNorm, V4Rotary, recent_tokens
 from deepinfer_rt.models.deepseek_v4.moe import V4MoE
 from deepinfer_rt.models.base import CausalLM
 from deepinfer_rt.models.release_names import from_release_name
@@ -70,8 +72,13 @@ class V4Model(nn.Module):
         """Most prefill queries of one sequence attended together (bounds the (Q, H, keys) score tensor)."""
 
     def prepare_batch(self, batch: ForwardBatch) -> V4Batch:
-        """The step's window, compressor and attention-group indices, shared by every layer."""
-        return build_v4_batch(batch, self.cfg.sliding_window, self.cfg.ratios(), self.query_block)
+        """The step's window, compressor and attention-group indices, shared by every layer (in the compact
+        pool, after the pool has given the step's tokens their recent rows)."""
+        pool, ratios = batch.pool, self.cfg.ratios()
+        if not isinstance(pool, V4Pool):
+            return build_v4_batch(batch, self.cfg.sliding_window, ratios, self.query_block)
+        return build_v4_batch(batch, self.cfg.sliding_window, ratios, self.query_block, pool.prepare(batch),
+                              {m: pool.entry_divisor(m) for m in ratios})
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         vb: V4Batch = batch.model_meta  # DeepseekV4ForCausalLM.prepare_batch
@@ -92,9 +99,24 @@ class DeepseekV4ForCausalLM(CausalLM):
 
     @staticmethod
     def kv_layout(config: ModelConfig) -> KVLayout:
-        cfg = V4Config.from_model_config(config)
-        dims = tuple(PoolColumns.for_layer(cfg, t).width for t in cfg.layer_types)
-        return KVLayout(config.num_layers, (1, max(dims)), None, cfg.head_dim, layer_dims=dims)
+        """The compact pool (models/deepseek_v4/cache.py) unless DEEPINFER_V4_KV_LAYOUT=per_token."""
+        cfg, env = V4Config.from_model_config(config), get_env()
+        if env.v4_kv_layout == "per_token":
+            dims = tuple(PoolColumns.for_layer(cfg, t).width for t in cfg.layer_types)
+            return KVLayout(config.num_layers, (1, max(dims)), None, cfg.head_dim, layer_dims=dims)
+        if env.v4_kv_layout != "compact":
+            raise ValueError(f"DEEPINFER_V4_KV_LAYOUT must be 'compact' or 'per_token', got {env.v4_kv_layout!r}")
+        if env.v4_checkpoint_tokens < 1 or not 0 < env.v4_recent_fraction <= 1:
+            raise ValueError("DEEPINFER_V4_CHECKPOINT_TOKENS must be >= 1 and DEEPINFER_V4_RECENT_FRACTION in (0, 1]")
+        cols = [PoolColumns.compact(cfg, t) for t in cfg.layer_types]
+        recent = tuple(c.recent_width for c in cols)
+        return V4KVLayout(config.num_layers, (1, max(recent)), None, cfg.head_dim, layer_dims=recent,
+                          ratios=tuple(cfg.ratio(t) for t in cfg.layer_types),
+                          entry_dims=tuple(c.entry_width for c in cols), recent_tokens=recent_tokens(cfg),
+                          checkpoint_tokens=env.v4_checkpoint_tokens, recent_fraction=env.v4_recent_fraction,
+                          release_margin=env.v4_release_margin,
+                          swa_dim=cfg.head_dim,
+                          idx_entry_dims=tuple(c.idx_entry.stop - c.idx_entry.start for c in cols))
 
     def prepare_batch(self, batch: ForwardBatch) -> None:
         batch.model_meta = self.model.prepare_batch(batch)

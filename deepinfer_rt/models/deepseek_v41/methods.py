@@ -82,9 +82,12 @@ class V41InvariantMethod(V41Method):
     def attend(self, q, g, ratio, swa_keys, entry_keys, selected, sink):
         entry_slots = None if selected is None else g.entry_slots[ratio]
         slots, valid, is_entry = v4_invariant.key_lists(g.swa_slots, g.swa_mask, entry_slots, selected)
-        keys = swa_keys[slots]
-        if selected is not None:
-            keys = torch.where(is_entry[..., None], entry_keys[slots], keys)
+        if selected is None:
+            keys = swa_keys[slots]
+        else:  # the two lists index different buffers (the compact pool's recent rows and entry rows)
+            zero = torch.zeros_like(slots)
+            keys = torch.where(is_entry[..., None], entry_keys[torch.where(is_entry, slots, zero)],
+                               swa_keys[torch.where(is_entry, zero, slots)])
         return v4_invariant.attend(q, keys.to(q.dtype), valid, q.shape[-1] ** -0.5, sink)
 
     def index_scores(self, q, keys, weights):

@@ -42,12 +42,13 @@ from deepinfer_rt.config import ModelConfig
 from deepinfer_rt.forward_batch import ForwardBatch
 from deepinfer_rt.layers.kernel_config import current_kernel_config
 from deepinfer_rt.models.deepseek_v4.batch import build_v4_batch
+from deepinfer_rt.models.deepseek_v4.cache import V4KVLayout, V4Pool
 from deepinfer_rt.models.deepseek_v4.common import V4RMSNorm, V4Rotary
 from deepinfer_rt.models.deepseek_v4.hyper_connections import HyperConnection, HyperHead
 from deepinfer_rt.models.deepseek_v4.methods import v4_method
 from deepinfer_rt.models.deepseek_v4.model import DeepseekV4ForCausalLM
 from deepinfer_rt.models.deepseek_v4.moe import ClampedExperts, SharedExpert, V4Router
-from deepinfer_rt.models.deepseek_v41.attention import V41Attention, V41Step, pool_width
+from deepinfer_rt.models.deepseek_v41.attention import V41Attention, V41Cols, V41Step, pool_width, recent_width
 from deepinfer_rt.models.deepseek_v41.config import V41Config, V41Layer
 from deepinfer_rt.models.deepseek_v41.engram import Engram, EngramHashing, tokenizer_vocabulary
 from deepinfer_rt.models.release_names import from_release_name
@@ -182,8 +183,11 @@ class V41Model(nn.Module):
             check_truncation(cfg)
 
     def prepare_batch(self, batch: ForwardBatch) -> V41Step:
-        vb = build_v4_batch(batch, self.cfg.sliding_window, self.ratios, self.query_block)
-        step = self._engram_step(batch, vb)
+        pool, recent, divisors = batch.pool, None, None
+        if isinstance(pool, V4Pool):  # the compact pool gives the step's tokens their recent rows first
+            recent, divisors = pool.prepare(batch), {m: pool.entry_divisor(m) for m in self.ratios}
+        vb = build_v4_batch(batch, self.cfg.sliding_window, self.ratios, self.query_block, recent, divisors)
+        step = self._engram_step(batch, vb, batch.kv_slots if recent is None else recent)
         window = self.cfg.sliding_window
         if self.truncate_prefill and any(q > window for q in batch.q_lens):
             kept = [min(q, window) for q in batch.q_lens]
@@ -192,19 +196,19 @@ class V41Model(nn.Module):
             queries = dataclasses.replace(batch, input_ids=batch.input_ids[step.keep],
                                           positions=batch.positions[step.keep], out_slots=batch.out_slots[step.keep],
                                           q_lens=kept)
-            step.query_vb = build_v4_batch(queries, window, self.ratios, self.query_block)
+            step.query_vb = build_v4_batch(queries, window, self.ratios, self.query_block, recent, divisors)
         return step
 
-    def _engram_step(self, batch: ForwardBatch, vb) -> V41Step:
+    def _engram_step(self, batch: ForwardBatch, vb, recent: list[torch.Tensor]) -> V41Step:
         if self.hashing is None:
             return V41Step(vb, {}, batch.input_ids)
         device = batch.input_ids.device
         compressed = self.hashing.lookup[batch.input_ids.cpu().numpy()]
         back = self.cfg.engram_max_ngram_size - 1
         id_layer = self.cfg.engram_layer_ids[0]
-        buf = batch.pool.k[id_layer].view(batch.pool.num_slots, -1)
+        buf = V41Cols.of(batch.pool, self.cfg, id_layer).recent
         history, row = [], 0
-        for q_len, kv_len, slots in zip(batch.q_lens, batch.kv_lens, batch.kv_slots):
+        for q_len, kv_len, slots in zip(batch.q_lens, batch.kv_lens, recent):
             start = kv_len - q_len
             lo = max(0, start - back)
             digits = buf[slots[lo:start], -_DIGITS:].float().round().long().cpu().numpy()
@@ -222,10 +226,10 @@ class V41Model(nn.Module):
         step: V41Step = batch.model_meta
         pool = batch.pool
         if self.hashing is not None:  # keep the tokens' compressed ids for later steps' n-gram histories
-            buf = pool.k[self.cfg.engram_layer_ids[0]].view(pool.num_slots, -1)
+            buf = V41Cols.of(pool, self.cfg, self.cfg.engram_layer_ids[0]).recent
             ids = step.compressed_ids
             digits = torch.stack([(ids // 256 ** k) % 256 for k in range(_DIGITS)], dim=1)
-            buf[batch.out_slots, -_DIGITS:] = digits.to(buf.dtype)
+            buf[step.vb.out_slots, -_DIGITS:] = digits.to(buf.dtype)
         x = self.embed_tokens(batch.input_ids)
         n = self.cfg.hc_mult
         streams = x.unsqueeze(1).expand(-1, n, -1).contiguous()  # (T, N, D)
@@ -259,9 +263,23 @@ class DeepseekV41ForCausalLM(DeepseekV4ForCausalLM):
 
     @staticmethod
     def kv_layout(config: ModelConfig) -> KVLayout:
-        cfg = V41Config.from_raw(_config_dict(config))
-        dims = tuple(pool_width(cfg, s) for s in cfg.layers)
-        return KVLayout(config.num_layers, (1, max(dims)), None, cfg.head_dim, layer_dims=dims)
+        """The compact pool (entries only on KV sources) unless DEEPINFER_V4_KV_LAYOUT=per_token."""
+        cfg, env = V41Config.from_raw(_config_dict(config)), get_env()
+        if env.v4_kv_layout == "per_token":
+            dims = tuple(pool_width(cfg, s) for s in cfg.layers)
+            return KVLayout(config.num_layers, (1, max(dims)), None, cfg.head_dim, layer_dims=dims)
+        if env.v4_kv_layout != "compact":
+            raise ValueError(f"DEEPINFER_V4_KV_LAYOUT must be 'compact' or 'per_token', got {env.v4_kv_layout!r}")
+        recent = tuple(recent_width(cfg, s) for s in cfg.layers)
+        entries = tuple(cfg.head_dim + cfg.index_head_dim if s.is_kv_source else 0 for s in cfg.layers)
+        # The window's W - 1, a ratio-2 window's other token, an Engram n-gram's earlier tokens.
+        need = max(cfg.sliding_window - 1, 1, cfg.engram_max_ngram_size - 1 if cfg.engram_layer_ids else 0)
+        return V4KVLayout(config.num_layers, (1, max(recent)), None, cfg.head_dim, layer_dims=recent,
+                          ratios=tuple(s.ratio if s.is_kv_source else 0 for s in cfg.layers), entry_dims=entries,
+                          recent_tokens=need, checkpoint_tokens=env.v4_checkpoint_tokens,
+                          recent_fraction=env.v4_recent_fraction,
+                          release_margin=env.v4_release_margin, swa_dim=cfg.head_dim,
+                          idx_entry_dims=tuple(cfg.index_head_dim if e else 0 for e in entries), supports_fp8=False)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         def hf_names() -> Iterator[tuple[str, torch.Tensor]]:
