@@ -119,6 +119,10 @@ class V4Pool(KVPool):
             if page_size % m and m % page_size:
                 raise ValueError(f"the compact DeepSeek-V4 pool needs page_size ({page_size}) to divide or be a "
                                  f"multiple of every compression ratio (got ratio {m})")
+        # The generic pool's FP8 attributes describe plain K/V rows read by the attention backends; this pool's
+        # FP8 rows (layout.is_fp8) are read by the V4 layers through LayerKV only.
+        self.kv_cache_dtype, self.is_fp8, self.k_scale, self.v_scale = layout.kv_dtype, False, None, None
+        self.dtype = dtype
         self.layout = layout
         self.page_size = page_size
         self.num_slots = num_pages * page_size
