@@ -25,7 +25,7 @@ from deepinfer_rt.models.deepseek_v4 import invariant as v4_invariant
 
 if TYPE_CHECKING:
     from deepinfer_rt.models.deepseek_v4.batch import AttnGroup
-    from deepinfer_rt.models.deepseek_v4.common import LayerKV
+    # LayerKV (models/deepseek_v4/common.py) is named, not imported: common imports this module.
 
 
 def _unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
