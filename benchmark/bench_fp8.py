@@ -140,7 +140,7 @@ def run_shape(name: str, spec: dict, quantization: str | None, args, ceil: dict,
     path = model_dir(spec, work)
     max_bs = max(args.batches)
     tokens = max(max_bs, 4) * (args.context + 8 + bench_gpu._decode_tokens(max_bs, args.context, args.steps))
-    engine = Engine(str(path), dtype="bfloat16", device="cuda", load_format="dummy", max_num_seqs=max_bs,
+    engine = Engine(str(path), dtype=bench_gpu.DTYPE, device=bench_gpu.DEVICE, load_format="dummy", max_num_seqs=max_bs,
                     kv_cache_tokens=tokens, chunked_prefill_tokens=bench_gpu.PREFILL_CHUNK,
                     enable_prefix_cache=False, quantization=quantization)
     try:
