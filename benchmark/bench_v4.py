@@ -43,6 +43,7 @@ from deepinfer_rt.cache.kv_pool import KVPool
 from deepinfer_rt.config import ModelConfig
 from deepinfer_rt.forward_batch import ForwardBatch
 from deepinfer_rt.layers.attention.torch_ref import TorchRefBackend
+from deepinfer_rt.models.deepseek_v4.cache import V4Pool
 from deepinfer_rt.models.deepseek_v4.common import CSA, V4Config
 from deepinfer_rt.models.loader import build_model, load_model_config
 
@@ -255,9 +256,19 @@ def _random_pool(model, config: ModelConfig, args, device: torch.device) -> tupl
     ctx, batch = args.context, args.batch
     pool = KVPool(model.kv_layout(config), num_pages=batch * (ctx + 1), page_size=1, dtype=args.dtype, device=device)
     gen = torch.Generator(device="cpu").manual_seed(0)
-    for buf in pool.k:
-        buf.copy_(torch.randn(buf.shape, generator=gen).to(buf.dtype))
-    return pool, torch.arange(batch * (ctx + 1), device=device).view(batch, ctx + 1)
+    slots = torch.arange(batch * (ctx + 1), device=device).view(batch, ctx + 1)
+    if isinstance(pool, V4Pool):
+        # The compact pool holds recent state only for the positions a step reads (the last R before it): give
+        # every sequence's last R positions their recent rows, as its prefill would have left them.
+        r = pool.layout.recent_tokens
+        for page in slots[:, max(0, ctx - r) : ctx].flatten().tolist():
+            pool._attach(page, set())
+        pool._sync()
+    buffers = list(pool.k) + (list(pool.entries) if isinstance(pool, V4Pool) else [])
+    for buf in buffers:
+        if buf.numel():
+            buf.copy_(torch.randn(buf.shape, generator=gen).to(buf.dtype))
+    return pool, slots
 
 
 @torch.no_grad()
