@@ -175,27 +175,21 @@ def _mx_group_tile(w_ptrs, s_ptrs, gmask, nmask, DTYPE: tl.constexpr):
 
 
 @triton.jit
-def _mx_operands(w_ptrs, s_ptrs, gmask, nmask, DTYPE: tl.constexpr, G: tl.constexpr, BLOCK_N: tl.constexpr,
-                 JOIN: tl.constexpr):
-    """JOIN: one (2 * 16 G, BLOCK_N) operand in element order (the nibbles interleaved back); else the (16 G,
-    BLOCK_N) even and odd operands of the two-dot form."""
-    w_lo, w_hi = _mx_group_tile(w_ptrs, s_ptrs, gmask, nmask, DTYPE)
-    if JOIN:
-        w = tl.permute(tl.join(w_lo, w_hi), (0, 1, 3, 2))  # (G, 16, 2, N): element 2j then 2j + 1
-        return tl.reshape(w, (G * 32, BLOCK_N)), w_hi
-    return tl.reshape(w_lo, (G * 16, BLOCK_N)), tl.reshape(w_hi, (G * 16, BLOCK_N))
-
-
-@triton.jit
 def _mx_acc(a_ptrs, amask, w_ptrs, s_ptrs, gmask, nmask, acc, DTYPE: tl.constexpr, G: tl.constexpr,
             BLOCK_N: tl.constexpr, JOIN: tl.constexpr, IEEE: tl.constexpr):
-    """acc += the activations' K tile (a_ptrs: (BLOCK_M, 32 G) in element order) x one weight K tile."""
-    w0, w1 = _mx_operands(w_ptrs, s_ptrs, gmask, nmask, DTYPE, G, BLOCK_N, JOIN)
+    """acc += the activations' K tile (a_ptrs: (BLOCK_M, 32 G) in element order) x one weight K tile. JOIN: one
+    (32 G, BLOCK_N) operand in element order (the nibbles interleaved back), one dot; else the (16 G, BLOCK_N) even
+    and odd operands of the two-dot form. (Each branch returns only acc: Triton needs one return type.)"""
+    w_lo, w_hi = _mx_group_tile(w_ptrs, s_ptrs, gmask, nmask, DTYPE)
     if JOIN:
-        return _dot1(tl.load(a_ptrs, mask=amask, other=0.0), w0, acc, IEEE)
-    a = tl.reshape(tl.load(a_ptrs, mask=amask, other=0.0), (a_ptrs.shape[0], G * 16, 2))
-    a_even, a_odd = tl.split(a)
-    return _dot2(a_even, a_odd, w0, w1, acc, IEEE)
+        w = tl.reshape(tl.permute(tl.join(w_lo, w_hi), (0, 1, 3, 2)), (G * 32, BLOCK_N))  # element 2j, then 2j + 1
+        acc = _dot1(tl.load(a_ptrs, mask=amask, other=0.0), w, acc, IEEE)
+    else:
+        a = tl.reshape(tl.load(a_ptrs, mask=amask, other=0.0), (a_ptrs.shape[0], G * 16, 2))
+        a_even, a_odd = tl.split(a)
+        acc = _dot2(a_even, a_odd, tl.reshape(w_lo, (G * 16, BLOCK_N)), tl.reshape(w_hi, (G * 16, BLOCK_N)), acc,
+                    IEEE)
+    return acc
 
 
 @triton.jit(do_not_specialize=["num_pairs"])

@@ -64,18 +64,6 @@ class ShippedBitmasks:
             logits[rows, self.vocab_size:] = float("-inf")
 
 
-class CountedGraphs(CudaGraphRunner):
-    """The decode CUDA graphs, counting the steps that replayed one (engine stats: a worker that fell back to
-    eager decode steps shows)."""
-
-    num_replays = 0
-
-    def run(self, *args, **kwargs):
-        hidden = super().run(*args, **kwargs)
-        self.num_replays += hidden is not None
-        return hidden
-
-
 class Worker:
     def __init__(self, args: WorkerArgs):
         self.args = args
@@ -119,8 +107,8 @@ class Worker:
         if (self.device.type != "cuda" or env.cuda_graph_max_bs <= 0 or not self.model.supports_cuda_graphs
                 or self.recorder is not None):
             return None
-        return CountedGraphs(self.model, self.pool, backend, min(self.args.max_num_seqs, env.cuda_graph_max_bs),
-                             min(self.config.max_position, env.cuda_graph_max_context))
+        return CudaGraphRunner(self.model, self.pool, backend, min(self.args.max_num_seqs, env.cuda_graph_max_bs),
+                               min(self.config.max_position, env.cuda_graph_max_context))
 
     # ---- start ----
     @staticmethod

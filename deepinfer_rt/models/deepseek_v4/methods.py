@@ -223,18 +223,22 @@ class V4TritonMethod(V4Method):
         return self.kernels.pooling.pool_window(kv, gate)
 
     def attend(self, layer: nn.Module, g: AttnGroup, q: torch.Tensor, x: torch.Tensor, q_residual: torch.Tensor,
-               positions: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
-        cols, source = layer.cols, self.kernels.attention.KeySource
-        sources = [source(buf[:, cols.swa], g.swa_slots, g.swa_mask)]
+               positions: torch.Tensor, kv: LayerKV) -> torch.Tensor:
+        if kv.fp8_swa is not None or kv.fp8_entry is not None:
+            # FP8 rows (the compact pool's kv_cache_dtype='fp8_e4m3'): the kernels read 16-bit keys; the torch
+            # form dequantizes the rows it gathers.
+            return super().attend(layer, g, q, x, q_residual, positions, kv)
+        cols, source = kv.cols, self.kernels.attention.KeySource
+        sources = [source(kv.recent[:, cols.swa], g.swa_slots, g.swa_mask)]
         if layer.ratio:
             slots, visible = g.entry_slots[layer.ratio], g.entry_mask[layer.ratio]  # (G, E), (G, Q, E)
             if layer.indexer is not None:
                 picks = layer.indexer.select(x[g.rows], q_residual[g.rows], positions[g.rows],
-                                             source(buf[:, cols.idx_entry], slots), visible)  # (G, Q, k)
+                                             source(kv.entries[:, cols.idx_entry], slots), visible)  # (G, Q, k)
                 rows = slots.gather(1, picks.clamp(min=0).flatten(1)).view(picks.shape)
-                sources.append(source(buf[:, cols.entry], rows.masked_fill(picks < 0, -1)))
+                sources.append(source(kv.entries[:, cols.entry], rows.masked_fill(picks < 0, -1)))
             else:
-                sources.append(source(buf[:, cols.entry], slots, visible))
+                sources.append(source(kv.entries[:, cols.entry], slots, visible))
         qg = q[g.rows].view(g.num_seqs, g.q_len, layer.num_heads, layer.head_dim)
         out = self.kernels.attention.sparse_mqa_attention(qg, sources, layer.attn_sink, layer.head_dim ** -0.5)
         return out.view(-1, layer.num_heads, layer.head_dim)
@@ -243,7 +247,10 @@ class V4TritonMethod(V4Method):
                      visible: torch.Tensor) -> torch.Tensor:
         """q (G*Q, H, Di) rotated, keys the group's index keys as a KeySource (buffer, rows (G, E)), weights
         (G*Q, H), visible (G, Q, E) -> (G, Q, min(topk, E)) indices into the group's entries of the best visible
-        ones by sum_h w_h * relu(q_h . k), -1 past the visible ones."""
+        ones by sum_h w_h * relu(q_h . k), -1 past the visible ones. Gathered keys (a tensor: the torch form's
+        call, on FP8 rows) get the torch form's mask."""
+        if isinstance(keys, torch.Tensor):
+            return super().index_select(indexer, q, keys, weights, visible)
         g, q_len, _ = visible.shape
         scores = self.kernels.indexer.index_scores(
             q.view(g, q_len, indexer.num_heads, indexer.head_dim), weights.view(g, q_len, indexer.num_heads),
