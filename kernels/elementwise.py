@@ -152,7 +152,9 @@ def _store_kv_fp8_kernel(Src, Dst, Scale, Slots, stride_st, stride_sh, stride_dt
         # IEEE divisions, as torch's: the stored bits equal KVPool.write's (quantize_fp8_rows)
         scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(x), 0), FP8_MAX), MIN_SCALE)
         y = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -FP8_MAX), FP8_MAX)
-        tl.store(Dst + slot * stride_dt + h * stride_dh + offs, y.to(Dst.dtype.element_ty), mask=mask)
+        # Round to nearest even straight from fp32, as torch's conversion does (not through an fp16 step).
+        tl.store(Dst + slot * stride_dt + h * stride_dh + offs, y.to(Dst.dtype.element_ty, fp_downcast_rounding="rtne"),
+                 mask=mask)
         tl.store(Scale + slot * stride_ct + h, scale)
 
 

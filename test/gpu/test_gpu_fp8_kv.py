@@ -71,11 +71,12 @@ def test_fp8_store_kernel_bitwise_equals_pool_quantization():
 
 @pytest.fixture(scope="module", params=("llama", "deepseek_v3"))
 def dense_path(request, tmp_path_factory):
-    from make_tiny_checkpoint import make_tiny_checkpoint
+    from make_tiny_checkpoint import _tokenizer_dir, make_tiny_checkpoint
 
     extra = dict(first_k_dense_replace=4) if request.param == "deepseek_v3" else {}
+    # The DeepSeek tokenizer for both (the prompts are token ids): the GPU machine has no embedded default.
     return make_tiny_checkpoint(request.param, tmp_path_factory.mktemp(request.param), seed=0,
-                                max_position_embeddings=4096, **extra)
+                                tokenizer_dir=_tokenizer_dir("deepseek_v2"), max_position_embeddings=4096, **extra)
 
 
 def _prompts(vocab: int, n: int = 6) -> list[list[int]]:
