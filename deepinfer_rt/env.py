@@ -135,6 +135,9 @@ class Env:
     cpu_fast_step: bool
     """DEEPINFER_CPU_FAST_STEP=0: Llama-family models on CPU run their trunk through the modules (the reference
     path) instead of the flat CPU step (models/llama_step.py). Default on."""
+    cpu_compile: bool
+    """DEEPINFER_CPU_COMPILE=1: the flat CPU step compiled with torch.compile (inductor's C++ backend) between its
+    attention calls (models/llama_compiled.py; dense weights; cached under DEEPINFER_CACHE/inductor). Default off."""
     engine_max_restarts: int
     """DEEPINFER_ENGINE_MAX_RESTARTS: times the server restarts a dead engine process before it exits non-zero
     (default 3)."""
@@ -181,4 +184,5 @@ def get_env() -> Env:
         heartbeat_timeout_s=_float("DEEPINFER_HEARTBEAT_TIMEOUT", 60.0),
         engine_max_restarts=_int("DEEPINFER_ENGINE_MAX_RESTARTS", 3),
         cpu_fast_step=_bool("DEEPINFER_CPU_FAST_STEP", True),
+        cpu_compile=_bool("DEEPINFER_CPU_COMPILE", False),
     )

@@ -1,0 +1,130 @@
+"""The CPU step compiled: torch.compile (inductor's C++ backend) over the work between attention calls.
+
+A Llama step on CPU is 30 layers of small GEMMs with elementwise glue between them (residual adds, RMSNorm in fp32,
+rotary, SiLU * up); run eagerly each glue op is a dispatch and a pass over memory. Compiled, the glue between two
+attention calls becomes a few fused C++ loops around the GEMMs:
+
+    embed (eager) -> enter(layer 0) -> attention 0 -> between(0, 1) -> attention 1 -> ... -> leave(last)
+
+    enter     residual (+ x) -> RMSNorm -> QKV -> rotary                        -> q, k, v, residual
+    between   o_proj + residual -> RMSNorm -> gate_up -> SiLU * up -> down, then `enter` of the next layer
+    leave     o_proj + residual -> ... -> down, then the final norm             -> hidden
+
+Attention stays eager (batch.attention: the KV pool and its metadata are Python). The weights are arguments, not
+closures, so the 30 layers share one graph per piece; the token count is dynamic (one graph for T >= 2, one
+specialised for T = 1, the lone decode stream). Inductor's caches live under DEEPINFER_CACHE/inductor unless
+TORCHINDUCTOR_CACHE_DIR says otherwise, so a second start loads the compiled pieces instead of compiling them.
+
+Numerics: the same operations as the eager CPU step, but inductor reorders the RMSNorm reduction and may contract
+multiply-adds, so fp32 values differ in the last bits (tokens equal: test/e2e/test_cpu_compile.py). Dense weights
+only (quantization=None); when compilation fails (no C++ toolchain) the step warns once and runs eagerly.
+"""
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+import torch._inductor.exc
+import torch.nn.functional as F
+
+from deepinfer_kernels import reference
+from deepinfer_rt.env import get_env
+from deepinfer_rt.forward_batch import ForwardBatch
+from deepinfer_rt.models.llama_step import CpuStep, _Rope
+
+logger = logging.getLogger("deepinfer_rt")
+
+_COMPILER_ERRORS = (torch._dynamo.exc.BackendCompilerFailed, torch._inductor.exc.InductorError,
+                    torch._inductor.exc.CppCompileError)
+"""What a missing or broken toolchain raises; other errors (a bad input) propagate as in the eager step."""
+
+
+def _enter(x, residual, norm, qkv_w, qkv_b, cos, sin, eps: float, num_q: int, num_kv: int, head_dim: int):
+    residual = x if residual is None else x + residual
+    h = reference.rms_norm(residual, norm, eps)
+    qkv = F.linear(h, qkv_w, qkv_b)
+    t, half, qk_width = qkv.shape[0], head_dim // 2, (num_q + num_kv) * head_dim
+    qk = qkv[:, :qk_width].view(t, num_q + num_kv, head_dim)
+    x1, x2 = qk[..., :half], qk[..., half:]
+    rot = torch.cat([x1 * cos[..., :half] - x2 * sin, x2 * cos[..., half:] + x1 * sin], dim=-1)
+    v = qkv[:, qk_width:].view(t, num_kv, head_dim)
+    return rot[:, :num_q], rot[:, num_q:], v, residual
+
+
+def _mlp(o, residual, o_w, o_b, post_norm, gate_up_w, down_w, eps: float, inter: int):
+    residual = F.linear(o.reshape(o.shape[0], -1), o_w, o_b) + residual
+    h = reference.rms_norm(residual, post_norm, eps)
+    gate_up = F.linear(h, gate_up_w)
+    return F.linear(F.silu(gate_up[:, :inter]) * gate_up[:, inter:], down_w), residual
+
+
+def _between(o, residual, mlp_args: tuple, enter_args: tuple, cos, sin, eps: float, inter: int, num_q: int,
+             num_kv: int, head_dim: int):
+    x, residual = _mlp(o, residual, *mlp_args, eps, inter)
+    return _enter(x, residual, *enter_args, cos, sin, eps, num_q, num_kv, head_dim)
+
+
+def _leave(o, residual, mlp_args: tuple, final_norm, eps: float, inter: int):
+    x, residual = _mlp(o, residual, *mlp_args, eps, inter)
+    return reference.rms_norm(x + residual, final_norm, eps)
+
+
+def _dense_weights(model) -> list[tuple[tuple, tuple]]:
+    """Per layer: (input norm, qkv weight, qkv bias) and (o weight, o bias, post norm, gate_up, down)."""
+    out = []
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        out.append(((layer.input_layernorm.weight, attn.qkv_proj.weight, attn.qkv_proj.bias),
+                    (attn.o_proj.weight, attn.o_proj.bias, layer.post_attention_layernorm.weight,
+                     mlp.gate_up_proj.weight, mlp.down_proj.weight)))
+    return out
+
+
+def inductor_cache_dir() -> str:
+    """Where inductor keeps its compiled code: TORCHINDUCTOR_CACHE_DIR when set, else DEEPINFER_CACHE/inductor."""
+    return os.environ.get("TORCHINDUCTOR_CACHE_DIR") or str(get_env().cache_dir / "inductor")
+
+
+class CompiledCpuStep(CpuStep):
+    def __init__(self):
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = inductor_cache_dir()  # inductor reads it when it compiles
+        compile_ = lambda fn: torch.compile(fn, backend="inductor", dynamic=False, fullgraph=True)  # noqa: E731
+        self.enter, self.between, self.leave = compile_(_enter), compile_(_between), compile_(_leave)
+        self.is_compiled = True
+        """False once compiling failed: the step runs the eager CPU step from then on."""
+
+    def forward(self, model, batch: ForwardBatch) -> torch.Tensor:
+        if self.is_compiled:
+            try:
+                return self._compiled_forward(model, batch)
+            except _COMPILER_ERRORS as e:  # the eager step computes the same values (KV slots are rewritten)
+                logger.warning("the compiled CPU step is unavailable (%s: %s); running the eager step",
+                               type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+                self.is_compiled = False
+        return super().forward(model, batch)
+
+    def _compiled_forward(self, model, batch: ForwardBatch) -> torch.Tensor:
+        trunk, config = model.model, model.config
+        weights = model.fast_weights
+        if not weights or weights[0][0][1] is not trunk.layers[0].self_attn.qkv_proj.weight:
+            weights = model.fast_weights = _dense_weights(model)
+        rope: _Rope = batch.model_meta
+        eps, scale, inter = config.rms_norm_eps, config.head_dim**-0.5, config.intermediate_size
+        heads = (config.num_heads, config.num_kv_heads, config.head_dim)
+        x = trunk.embed_tokens(batch.input_ids)
+        cos, sin = rope.cos, rope.sin
+        if x.shape[0] > 1:  # one graph for every T >= 2 (T = 1 gets its own, specialised)
+            for t in (x, cos, sin):
+                torch._dynamo.mark_dynamic(t, 0)
+        q, k, v, residual = self.enter(x, None, *weights[0][0], cos, sin, eps, *heads)
+        for i in range(len(weights)):
+            o = batch.attention(q, k, v, i, scale)
+            if o.shape[0] > 1:
+                torch._dynamo.mark_dynamic(o, 0)
+                torch._dynamo.mark_dynamic(residual, 0)
+            if i + 1 == len(weights):
+                return self.leave(o, residual, weights[i][1], trunk.norm.weight, eps, inter)
+            q, k, v, residual = self.between(o, residual, weights[i][1], weights[i + 1][0], cos, sin, eps, inter,
+                                             *heads)
+        raise ValueError("a Llama model has at least one layer")
