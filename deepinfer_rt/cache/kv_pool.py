@@ -13,6 +13,8 @@ Layouts:
 """
 from __future__ import annotations
 
+import math
+import mmap
 import os
 from dataclasses import dataclass
 
@@ -92,6 +94,19 @@ class PageAllocator:
         return int(self._refs[page])
 
 
+def _zeros(*shape: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero tensor. On CPU an anonymous memory map, which the OS zeroes page by page when first touched: a pool
+    sized from memory (2 GiB by default) costs nothing to create and occupies only the pages written (torch.zeros
+    wrote all of it, ~2 s of an engine's start on a small machine)."""
+    if torch.device(device).type != "cpu":
+        return torch.zeros(*shape, dtype=dtype, device=device)
+    numel = math.prod(shape)
+    if numel == 0:
+        return torch.zeros(*shape, dtype=dtype)
+    buffer = mmap.mmap(-1, numel * dtype.itemsize)  # the tensor keeps the mapping alive
+    return torch.frombuffer(buffer, dtype=dtype).view(*shape)
+
+
 class KVPool:
     def __init__(self, layout: KVLayout, num_pages: int, page_size: int, dtype: torch.dtype,
                  device: torch.device):
@@ -99,12 +114,12 @@ class KVPool:
         self.page_size = page_size
         self.num_slots = num_pages * page_size
         self.allocator = PageAllocator(num_pages)
-        self.k = [torch.zeros(self.num_slots, *layout.layer_k_shape(layer), dtype=dtype, device=device)
+        self.k = [_zeros(self.num_slots, *layout.layer_k_shape(layer), dtype=dtype, device=device)
                   for layer in range(layout.num_layers)]
         if layout.v_shape is None:
             self.v = [k[..., : layout.v_dim] for k in self.k]
         else:
-            self.v = [torch.zeros(self.num_slots, *layout.v_shape, dtype=dtype, device=device)
+            self.v = [_zeros(self.num_slots, *layout.v_shape, dtype=dtype, device=device)
                       for _ in range(layout.num_layers)]
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None) -> None:
