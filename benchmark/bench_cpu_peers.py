@@ -2,7 +2,8 @@
 
     python benchmark/bench_cpu_peers.py [--repeats 3] [--new-tokens 128] [--batch 32] [--prefill-tokens 1000]
 
-Systems: this engine in fp32, bf16, weight-only int8 and Q4_1 (bf16 activations); transformers `generate` in fp32 and
+Systems: this engine in fp32, bf16 (eager, and compiled: DEEPINFER_CPU_COMPILE, models/llama_compiled.py; also
+ours-fp32-compiled on request), weight-only int8 and Q4_1 (bf16 activations); transformers `generate` in fp32 and
 bf16; llama.cpp through llama-cpp-python on the shipped GGUF when that package is installed (skipped with a
 message otherwise). Workloads (greedy, EOS ignored so every system does the same work):
 
@@ -46,10 +47,18 @@ def make_prompts(tokenizer, n: int, num_tokens: int) -> list[list[int]]:
 
 
 class Ours:
-    def __init__(self, name: str, dtype: str, quantization: str | None, kv_tokens: int):
+    def __init__(self, name: str, dtype: str, quantization: str | None, kv_tokens: int, compiled: bool = False):
         self.name = name
-        self.engine = Engine("smollm2-135m-instruct", dtype=dtype, quantization=quantization,
-                             kv_cache_tokens=kv_tokens, enable_prefix_cache=False)
+        previous = os.environ.get("DEEPINFER_CPU_COMPILE")
+        os.environ["DEEPINFER_CPU_COMPILE"] = "1" if compiled else "0"  # read once, when the engine is built
+        try:
+            self.engine = Engine("smollm2-135m-instruct", dtype=dtype, quantization=quantization,
+                                 kv_cache_tokens=kv_tokens, enable_prefix_cache=False)
+        finally:
+            if previous is None:
+                del os.environ["DEEPINFER_CPU_COMPILE"]
+            else:
+                os.environ["DEEPINFER_CPU_COMPILE"] = previous
 
     def generate(self, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
         sp = SamplingParams(max_new_tokens=new_tokens, temperature=0, ignore_eos=True)
@@ -137,16 +146,18 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--prompt-tokens", type=int, default=100)
     ap.add_argument("--prefill-tokens", type=int, default=1000)
-    ap.add_argument("--systems", default="ours-fp32,ours-bf16,ours-int8,ours-q4_1,hf-fp32,hf-bf16,llama.cpp")
+    ap.add_argument("--systems", default="ours-fp32,ours-bf16,ours-bf16-compiled,ours-int8,ours-q4_1,hf-fp32,hf-bf16,"
+                                          "llama.cpp")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "cpu_peers.json"))
     args = ap.parse_args()
     wanted = args.systems.split(",")
     kv_tokens = args.batch * (args.prompt_tokens + args.new_tokens) + args.prefill_tokens + 256
     systems = []
     for name, dtype, quant in (("ours-fp32", "float32", None), ("ours-bf16", "bfloat16", None),
+                               ("ours-fp32-compiled", "float32", None), ("ours-bf16-compiled", "bfloat16", None),
                                ("ours-int8", "bfloat16", "int8"), ("ours-q4_1", "bfloat16", "q4_1")):
         if name in wanted:
-            systems.append(Ours(name, dtype, quant, kv_tokens))
+            systems.append(Ours(name, dtype, quant, kv_tokens, compiled=name.endswith("-compiled")))
     tokenizer = (systems[0].engine.tokenizer if systems else None)
     path = resolve_model_path("smollm2-135m-instruct")
     if tokenizer is None:
