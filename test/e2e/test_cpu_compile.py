@@ -37,3 +37,26 @@ def test_compiled_step_tokens_equal_eager(tiny_llama_path, monkeypatch):
         assert [o.token_ids for o in outs_got] == [o.token_ids for o in outs_want]
         for a, b in zip(outs_got, outs_want):
             assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-4
+
+
+def test_compiler_failure_falls_back_to_eager(tiny_llama_path, monkeypatch, caplog):
+    """Without a working C++ toolchain the step warns once and computes eagerly (no compile runs here)."""
+    import torch._inductor.exc
+
+    sp = SamplingParams(max_new_tokens=6, temperature=0, ignore_eos=True)
+    with Engine(str(tiny_llama_path), dtype="float32", kv_cache_tokens=1024) as eager:
+        want = [o.token_ids for o in eager.generate(PROMPTS, sampling_params=sp)]
+    monkeypatch.setenv("DEEPINFER_CPU_COMPILE", "1")
+    with Engine(str(tiny_llama_path), dtype="float32", kv_cache_tokens=1024) as e:
+        step = e.model.step_method
+        broken = CompiledCpuStep()  # its own flag: the shared step of other engines stays as it is
+
+        def no_compiler(*args, **kwargs):
+            raise torch._inductor.exc.CppCompileError(["g++"], "g++: not found")
+
+        monkeypatch.setattr(broken, "enter", no_compiler)
+        monkeypatch.setattr(e.model, "step_method", broken)
+        got = [o.token_ids for o in e.generate(PROMPTS, sampling_params=sp)]
+        assert not broken.is_compiled and step is not broken
+    assert got == want
+    assert sum("running the eager step" in r.message for r in caplog.records) == 1
