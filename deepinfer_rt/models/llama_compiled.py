@@ -12,8 +12,8 @@ attention calls becomes a few fused C++ loops around the GEMMs:
 
 Attention stays eager (batch.attention: the KV pool and its metadata are Python). The weights are arguments, not
 closures, so the 30 layers share one graph per piece; the token count is dynamic (one graph for T >= 2, one
-specialised for T = 1, the lone decode stream). Inductor's caches live under DEEPINFER_CACHE/inductor unless
-TORCHINDUCTOR_CACHE_DIR says otherwise, so a second start loads the compiled pieces instead of compiling them.
+specialised for T = 1, the lone decode stream). Inductor's caches live under DEEPINFER_CACHE/inductor (unless
+the user set TORCHINDUCTOR_CACHE_DIR), so a second start loads the compiled pieces instead of compiling them.
 
 Numerics: the same operations as the eager CPU step, but inductor reorders the RMSNorm reduction and may contract
 multiply-adds, so fp32 values differ in the last bits (tokens equal: test/e2e/test_cpu_compile.py). Dense weights
@@ -26,6 +26,7 @@ import os
 
 import torch
 import torch._inductor.exc
+from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 import torch.nn.functional as F
 
 from deepinfer_kernels import reference
@@ -81,14 +82,18 @@ def _dense_weights(model) -> list[tuple[tuple, tuple]]:
     return out
 
 
-def inductor_cache_dir() -> str:
-    """Where inductor keeps its compiled code: TORCHINDUCTOR_CACHE_DIR when set, else DEEPINFER_CACHE/inductor."""
-    return os.environ.get("TORCHINDUCTOR_CACHE_DIR") or str(get_env().cache_dir / "inductor")
+def _use_our_inductor_cache() -> None:
+    """Point inductor's cache (torch's TORCHINDUCTOR_CACHE_DIR, read whenever it compiles or loads) at
+    DEEPINFER_CACHE/inductor, unless the user chose another directory. Importing inductor writes torch's default
+    into the variable, so that value counts as unset."""
+    current = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if current is None or os.path.abspath(current) == os.path.abspath(default_cache_dir()):
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(get_env().inductor_cache_dir)
 
 
 class CompiledCpuStep(CpuStep):
     def __init__(self):
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = inductor_cache_dir()  # inductor reads it when it compiles
+        _use_our_inductor_cache()
         compile_ = lambda fn: torch.compile(fn, backend="inductor", dynamic=False, fullgraph=True)  # noqa: E731
         self.enter, self.between, self.leave = compile_(_enter), compile_(_between), compile_(_leave)
         self.is_compiled = True

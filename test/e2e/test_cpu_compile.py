@@ -4,6 +4,8 @@ The one test here that compiles is the CI's only torch.compile run (a cold compi
 cache under DEEPINFER_CACHE/inductor makes later runs fast)."""
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from deepinfer_rt import Engine, SamplingParams
@@ -60,3 +62,17 @@ def test_compiler_failure_falls_back_to_eager(tiny_llama_path, monkeypatch, capl
         assert not broken.is_compiled and step is not broken
     assert got == want
     assert sum("running the eager step" in r.message for r in caplog.records) == 1
+
+
+def test_inductor_cache_under_deepinfer_cache(monkeypatch, tmp_path):
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    from deepinfer_rt.models.llama_compiled import _use_our_inductor_cache
+
+    monkeypatch.setenv("DEEPINFER_CACHE", str(tmp_path))
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", default_cache_dir())  # what importing inductor writes there
+    _use_our_inductor_cache()
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "inductor")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))  # the user's choice stays
+    _use_our_inductor_cache()
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "mine")
