@@ -94,8 +94,15 @@ def _use_our_inductor_cache() -> None:
 class CompiledCpuStep(CpuStep):
     def __init__(self):
         _use_our_inductor_cache()
-        compile_ = lambda fn: torch.compile(fn, backend="inductor", dynamic=False, fullgraph=True)  # noqa: E731
+        def compile_(fn, options=None):
+            return torch.compile(fn, backend="inductor", dynamic=False, fullgraph=True, options=options)
+
         self.enter, self.between, self.leave = compile_(_enter), compile_(_between), compile_(_leave)
+        # A lone decode row's glue is a few hundred elements per loop: forking threads for it costs more than it
+        # saves (and stalls when the cores are shared), so the T = 1 pieces run their loops on one thread.
+        one = {"cpp.threads": 1}
+        self.enter1, self.between1, self.leave1 = (compile_(_enter, one), compile_(_between, one),
+                                                   compile_(_leave, one))
         self.is_compiled = True
         """False once compiling failed: the step runs the eager CPU step from then on."""
 
@@ -122,14 +129,17 @@ class CompiledCpuStep(CpuStep):
         if x.shape[0] > 1:  # one graph for every T >= 2 (T = 1 gets its own, specialised)
             for t in (x, cos, sin):
                 torch._dynamo.mark_dynamic(t, 0)
-        q, k, v, residual = self.enter(x, None, *weights[0][0], cos, sin, eps, *heads)
+            enter, between, leave = self.enter, self.between, self.leave
+        else:
+            enter, between, leave = self.enter1, self.between1, self.leave1
+        q, k, v, residual = enter(x, None, *weights[0][0], cos, sin, eps, *heads)
         for i in range(len(weights)):
             o = batch.attention(q, k, v, i, scale)
             if o.shape[0] > 1:
                 torch._dynamo.mark_dynamic(o, 0)
                 torch._dynamo.mark_dynamic(residual, 0)
             if i + 1 == len(weights):
-                return self.leave(o, residual, weights[i][1], trunk.norm.weight, eps, inter)
-            q, k, v, residual = self.between(o, residual, weights[i][1], weights[i + 1][0], cos, sin, eps, inter,
+                return leave(o, residual, weights[i][1], trunk.norm.weight, eps, inter)
+            q, k, v, residual = between(o, residual, weights[i][1], weights[i + 1][0], cos, sin, eps, inter,
                                              *heads)
         raise ValueError("a Llama model has at least one layer")
