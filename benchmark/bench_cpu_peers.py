@@ -18,6 +18,7 @@ fp32 ones before the first that differs (greedy agreement), and ratios to transf
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import importlib.util
 import json
 import os
@@ -84,11 +85,25 @@ class Transformers:
 
 
 class LlamaCpp:
-    def __init__(self, name: str, gguf: Path, n_ctx: int):
-        from llama_cpp import Llama
+    def __init__(self, name: str, gguf: Path, n_ctx: int, extra_buffer_types: bool = False):
+        import llama_cpp
+        import llama_cpp.llama
 
         self.name = name
-        self.llm = Llama(str(gguf), n_ctx=n_ctx, n_threads=torch.get_num_threads(), verbose=False)
+        # llama.cpp's extra buffer types (weights repacked for AMX / wider SIMD) die with SIGILL on a machine whose
+        # kernel does not grant AMX tile use (this one): off by default, its plain CPU kernels run instead.
+        default_params = llama_cpp.llama_model_default_params
+
+        def model_params():
+            params = default_params()
+            params.use_extra_bufts = extra_buffer_types
+            return params
+
+        llama_cpp.llama.llama_cpp.llama_model_default_params = model_params
+        try:
+            self.llm = llama_cpp.Llama(str(gguf), n_ctx=n_ctx, n_threads=torch.get_num_threads(), verbose=False)
+        finally:
+            llama_cpp.llama.llama_cpp.llama_model_default_params = default_params
 
     def generate(self, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
         outs = []
@@ -178,6 +193,8 @@ def main() -> None:
             from deepinfer_rt.models.smollm2 import gguf_path
 
             systems.append(LlamaCpp("llama.cpp-q4_1", gguf_path(), kv_tokens))
+            notes.append("llama.cpp: llama-cpp-python " + importlib.metadata.version("llama_cpp_python")
+                         + ", the shipped Q4_1 GGUF, extra buffer types (AMX repacking) off")
     prompts = make_prompts(tokenizer, args.batch, args.prompt_tokens)
     long_prompt = make_prompts(tokenizer, 1, args.prefill_tokens)
     workloads = {"single": (prompts[:1], args.new_tokens), "batch": (prompts, args.new_tokens),
