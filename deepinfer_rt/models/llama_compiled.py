@@ -32,7 +32,6 @@ import torch.nn.functional as F
 from deepinfer_kernels import reference
 from deepinfer_rt.env import get_env
 from deepinfer_rt.forward_batch import ForwardBatch
-from deepinfer_rt.models.llama_step import CpuStep, _Rope
 
 logger = logging.getLogger("deepinfer_rt")
 
@@ -91,8 +90,12 @@ def _use_our_inductor_cache() -> None:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(get_env().inductor_cache_dir)
 
 
-class CompiledCpuStep(CpuStep):
-    def __init__(self):
+class CompiledCpuStep:
+    """The CPU step compiled; `eager` (models/llama_step.CpuStep) prepares each batch (its rotary tables) and runs
+    the step where compiling failed."""
+
+    def __init__(self, eager):
+        self.eager = eager
         _use_our_inductor_cache()
         def compile_(fn, options=None):
             return torch.compile(fn, backend="inductor", dynamic=False, fullgraph=True, options=options)
@@ -106,6 +109,9 @@ class CompiledCpuStep(CpuStep):
         self.is_compiled = True
         """False once compiling failed: the step runs the eager CPU step from then on."""
 
+    def prepare(self, model, batch: ForwardBatch) -> None:
+        self.eager.prepare(model, batch)
+
     def forward(self, model, batch: ForwardBatch) -> torch.Tensor:
         if self.is_compiled:
             try:
@@ -114,14 +120,14 @@ class CompiledCpuStep(CpuStep):
                 logger.warning("the compiled CPU step is unavailable (%s: %s); running the eager step",
                                type(e).__name__, str(e).splitlines()[0] if str(e) else "")
                 self.is_compiled = False
-        return super().forward(model, batch)
+        return self.eager.forward(model, batch)
 
     def _compiled_forward(self, model, batch: ForwardBatch) -> torch.Tensor:
         trunk, config = model.model, model.config
         weights = model.fast_weights
         if not weights or weights[0][0][1] is not trunk.layers[0].self_attn.qkv_proj.weight:
             weights = model.fast_weights = _dense_weights(model)
-        rope: _Rope = batch.model_meta
+        rope = batch.model_meta  # llama_step._Rope, built by the eager step's prepare
         eps, scale, inter = config.rms_norm_eps, config.head_dim**-0.5, config.intermediate_size
         heads = (config.num_heads, config.num_kv_heads, config.head_dim)
         x = trunk.embed_tokens(batch.input_ids)

@@ -125,6 +125,6 @@ def llama_step_method(config: KernelConfig) -> ModuleStep:
         if config.is_cpu_compile and config.quantization is None:
             from deepinfer_rt.models.llama_compiled import CompiledCpuStep
 
-            return CompiledCpuStep()
+            return CompiledCpuStep(CpuStep())
         return CpuStep()
     return ModuleStep()

@@ -51,7 +51,7 @@ def test_compiler_failure_falls_back_to_eager(tiny_llama_path, monkeypatch, capl
     monkeypatch.setenv("DEEPINFER_CPU_COMPILE", "1")
     with Engine(str(tiny_llama_path), dtype="float32", kv_cache_tokens=1024) as e:
         step = e.model.step_method
-        broken = CompiledCpuStep()  # its own flag: the shared step of other engines stays as it is
+        broken = CompiledCpuStep(CpuStep())  # its own flag: the shared step of other engines stays as it is
 
         def no_compiler(*args, **kwargs):
             raise torch._inductor.exc.CppCompileError(["g++"], "g++: not found")
