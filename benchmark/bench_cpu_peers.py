@@ -2,7 +2,8 @@
 
     python benchmark/bench_cpu_peers.py [--repeats 3] [--new-tokens 128] [--batch 32] [--prefill-tokens 1000]
 
-Systems: this engine in fp32, bf16, weight-only int8 and Q4_1 (bf16 activations); transformers `generate` in fp32 and
+Systems: this engine in fp32, bf16 (eager, and compiled: DEEPINFER_CPU_COMPILE, models/llama_compiled.py; also
+ours-fp32-compiled on request), weight-only int8 and Q4_1 (bf16 activations); transformers `generate` in fp32 and
 bf16; llama.cpp through llama-cpp-python on the shipped GGUF when that package is installed (skipped with a
 message otherwise). Workloads (greedy, EOS ignored so every system does the same work):
 
@@ -17,6 +18,7 @@ fp32 ones before the first that differs (greedy agreement), and ratios to transf
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import importlib.util
 import json
 import os
@@ -46,10 +48,18 @@ def make_prompts(tokenizer, n: int, num_tokens: int) -> list[list[int]]:
 
 
 class Ours:
-    def __init__(self, name: str, dtype: str, quantization: str | None, kv_tokens: int):
+    def __init__(self, name: str, dtype: str, quantization: str | None, kv_tokens: int, compiled: bool = False):
         self.name = name
-        self.engine = Engine("smollm2-135m-instruct", dtype=dtype, quantization=quantization,
-                             kv_cache_tokens=kv_tokens, enable_prefix_cache=False)
+        previous = os.environ.get("DEEPINFER_CPU_COMPILE")
+        os.environ["DEEPINFER_CPU_COMPILE"] = "1" if compiled else "0"  # read once, when the engine is built
+        try:
+            self.engine = Engine("smollm2-135m-instruct", dtype=dtype, quantization=quantization,
+                                 kv_cache_tokens=kv_tokens, enable_prefix_cache=False)
+        finally:
+            if previous is None:
+                del os.environ["DEEPINFER_CPU_COMPILE"]
+            else:
+                os.environ["DEEPINFER_CPU_COMPILE"] = previous
 
     def generate(self, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
         sp = SamplingParams(max_new_tokens=new_tokens, temperature=0, ignore_eos=True)
@@ -75,11 +85,25 @@ class Transformers:
 
 
 class LlamaCpp:
-    def __init__(self, name: str, gguf: Path, n_ctx: int):
-        from llama_cpp import Llama
+    def __init__(self, name: str, gguf: Path, n_ctx: int, extra_buffer_types: bool = False):
+        import llama_cpp
+        import llama_cpp.llama
 
         self.name = name
-        self.llm = Llama(str(gguf), n_ctx=n_ctx, n_threads=torch.get_num_threads(), verbose=False)
+        # llama.cpp's extra buffer types (weights repacked for AMX / wider SIMD) die with SIGILL on a machine whose
+        # kernel does not grant AMX tile use (this one): off by default, its plain CPU kernels run instead.
+        default_params = llama_cpp.llama_model_default_params
+
+        def model_params():
+            params = default_params()
+            params.use_extra_bufts = extra_buffer_types
+            return params
+
+        llama_cpp.llama.llama_cpp.llama_model_default_params = model_params
+        try:
+            self.llm = llama_cpp.Llama(str(gguf), n_ctx=n_ctx, n_threads=torch.get_num_threads(), verbose=False)
+        finally:
+            llama_cpp.llama.llama_cpp.llama_model_default_params = default_params
 
     def generate(self, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
         outs = []
@@ -137,16 +161,18 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--prompt-tokens", type=int, default=100)
     ap.add_argument("--prefill-tokens", type=int, default=1000)
-    ap.add_argument("--systems", default="ours-fp32,ours-bf16,ours-int8,ours-q4_1,hf-fp32,hf-bf16,llama.cpp")
+    ap.add_argument("--systems", default="ours-fp32,ours-bf16,ours-bf16-compiled,ours-int8,ours-q4_1,hf-fp32,hf-bf16,"
+                                          "llama.cpp")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "cpu_peers.json"))
     args = ap.parse_args()
     wanted = args.systems.split(",")
     kv_tokens = args.batch * (args.prompt_tokens + args.new_tokens) + args.prefill_tokens + 256
     systems = []
     for name, dtype, quant in (("ours-fp32", "float32", None), ("ours-bf16", "bfloat16", None),
+                               ("ours-fp32-compiled", "float32", None), ("ours-bf16-compiled", "bfloat16", None),
                                ("ours-int8", "bfloat16", "int8"), ("ours-q4_1", "bfloat16", "q4_1")):
         if name in wanted:
-            systems.append(Ours(name, dtype, quant, kv_tokens))
+            systems.append(Ours(name, dtype, quant, kv_tokens, compiled=name.endswith("-compiled")))
     tokenizer = (systems[0].engine.tokenizer if systems else None)
     path = resolve_model_path("smollm2-135m-instruct")
     if tokenizer is None:
@@ -167,6 +193,8 @@ def main() -> None:
             from deepinfer_rt.models.smollm2 import gguf_path
 
             systems.append(LlamaCpp("llama.cpp-q4_1", gguf_path(), kv_tokens))
+            notes.append("llama.cpp: llama-cpp-python " + importlib.metadata.version("llama_cpp_python")
+                         + ", the shipped Q4_1 GGUF, extra buffer types (AMX repacking) off")
     prompts = make_prompts(tokenizer, args.batch, args.prompt_tokens)
     long_prompt = make_prompts(tokenizer, 1, args.prefill_tokens)
     workloads = {"single": (prompts[:1], args.new_tokens), "batch": (prompts, args.new_tokens),

@@ -6,6 +6,7 @@ import dataclasses
 import itertools
 import logging
 import random
+import threading
 import weakref
 from dataclasses import dataclass
 from typing import AsyncIterator, Iterator, Sequence
@@ -140,6 +141,9 @@ class Engine:
         self._rng = random.Random(seed)
         self._rids = itertools.count()
         self._grammar = None
+        self._grammar_lock = threading.Lock()
+        """Callers' threads build the grammar backend on first use and submit to it: one at a time (without
+        it, a batch of constrained programs started together built one backend per thread)."""
         self._inflight: _Inflight | None = None
         self._loop = EngineLoop(self.step, self._fail_step, self._is_busy)
         self._cond = self._loop.cond
@@ -222,11 +226,14 @@ class Engine:
     def grammar(self):
         """The structured-output backend (xgrammar), built on first use."""
         if self._grammar is None:
-            from deepinfer_rt.constrained.grammar import GrammarBackend
+            with self._grammar_lock:
+                if self._grammar is None:
+                    from deepinfer_rt.constrained.grammar import GrammarBackend
 
-            self._grammar = GrammarBackend(self.tokenizer, self.model_config.vocab_size, self.eos_ids,
-                                           get_env().grammar_compile_timeout_s)
-            self.executor.grammar = self._grammar
+                    grammar = GrammarBackend(self.tokenizer, self.model_config.vocab_size, self.eos_ids,
+                                             get_env().grammar_compile_timeout_s)
+                    self.executor.grammar = grammar
+                    self._grammar = grammar
         return self._grammar
 
     def _process(self, batch: ScheduledBatch, result) -> list[Req]:
@@ -299,7 +306,9 @@ class Engine:
                 req.leader = leader
                 leader = leader or req
                 if p.constraint is not None:
-                    req.grammar_handle = self.grammar.submit(*p.constraint)
+                    grammar = self.grammar
+                    with self._grammar_lock:
+                        req.grammar_handle = grammar.submit(*p.constraint)
                 self.outputs.start(req)
                 group.append(req)
             groups.append(group)

@@ -150,6 +150,13 @@ class Env:
     cpu_fast_step: bool
     """DEEPINFER_CPU_FAST_STEP=0: Llama-family models on CPU run their trunk through the modules (the reference
     path) instead of the flat CPU step (models/llama_step.py). Default on."""
+    cpu_compile: bool
+    """DEEPINFER_CPU_COMPILE=1: the flat CPU step compiled with torch.compile (inductor's C++ backend) between its
+    attention calls (models/llama_compiled.py; dense weights). Default off: a first start compiles for about a
+    minute on a small CPU."""
+    inductor_cache_dir: Path
+    """DEEPINFER_CACHE/inductor: where the compiled CPU step's code is kept, so a second start loads it instead of
+    compiling (a TORCHINDUCTOR_CACHE_DIR of the user's, other than torch's default, wins)."""
     engine_max_restarts: int
     """DEEPINFER_ENGINE_MAX_RESTARTS: times the server restarts a dead engine process before it exits non-zero
     (default 3)."""
@@ -200,4 +207,6 @@ def get_env() -> Env:
         heartbeat_timeout_s=_float("DEEPINFER_HEARTBEAT_TIMEOUT", 60.0),
         engine_max_restarts=_int("DEEPINFER_ENGINE_MAX_RESTARTS", 3),
         cpu_fast_step=_bool("DEEPINFER_CPU_FAST_STEP", True),
+        cpu_compile=_bool("DEEPINFER_CPU_COMPILE", False),
+        inductor_cache_dir=Path(_str("DEEPINFER_CACHE", str(Path.home() / ".cache" / "deepinfer"))) / "inductor",
     )

@@ -19,6 +19,8 @@ row, so a row's stored bits depend only on its own values: not on the batch, the
 """
 from __future__ import annotations
 
+import math
+import mmap
 import os
 from dataclasses import dataclass
 from typing import Callable, Protocol
@@ -169,6 +171,19 @@ class PrefixGuard(Protocol):
         give the cached pages the resumable state only the request's copies have."""
 
 
+def _zeros(*shape: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero tensor. On CPU an anonymous memory map, which the OS zeroes page by page when first touched: a pool
+    sized from memory (2 GiB by default) costs nothing to create and occupies only the pages written (torch.zeros
+    wrote all of it, ~2 s of an engine's start on a small machine)."""
+    if torch.device(device).type != "cpu":
+        return torch.zeros(*shape, dtype=dtype, device=device)
+    numel = math.prod(shape)
+    if numel == 0:
+        return torch.zeros(*shape, dtype=dtype)
+    buffer = mmap.mmap(-1, numel * dtype.itemsize)  # the tensor keeps the mapping alive
+    return torch.frombuffer(buffer, dtype=torch.uint8).view(dtype).view(*shape)
+
+
 class KVPool:
     def __new__(cls, layout: KVLayout, *args, **kwargs):
         # KVPool(layout, ...) builds the pool the layout asks for, wherever pools are made.
@@ -187,12 +202,12 @@ class KVPool:
         self.is_fp8 = kv_cache_dtype == "fp8_e4m3"
         self.allocator = PageAllocator(num_pages)
         store = torch.float8_e4m3fn if self.is_fp8 else dtype
-        self.k = [torch.zeros(self.num_slots, *layout.layer_k_shape(layer), dtype=store, device=device)
+        self.k = [_zeros(self.num_slots, *layout.layer_k_shape(layer), dtype=store, device=device)
                   for layer in range(layout.num_layers)]
         if layout.v_shape is None:
             self.v = [k[..., : layout.v_dim] for k in self.k]
         else:
-            self.v = [torch.zeros(self.num_slots, *layout.v_shape, dtype=store, device=device)
+            self.v = [_zeros(self.num_slots, *layout.v_shape, dtype=store, device=device)
                       for _ in range(layout.num_layers)]
         self.k_scale: list[torch.Tensor] | None = None
         """fp8_e4m3: (num_slots, heads) float32 per layer, the scale of each stored K row; else None."""

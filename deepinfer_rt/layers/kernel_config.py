@@ -43,6 +43,9 @@ class KernelConfig:
     is_cpu_fast_step: bool = True
     """DEEPINFER_CPU_FAST_STEP: Llama-family trunks on CPU run the flat step (models/llama_step.py) rather than
     the modules (never in batch-invariant mode)."""
+    is_cpu_compile: bool = False
+    """DEEPINFER_CPU_COMPILE: the CPU step (dense weights) compiled between its attention calls
+    (models/llama_compiled.py)."""
     moe_router_skew: float = 0.0
     """DEEPINFER_MOE_ROUTER_SKEW: benchmarks only; biases MoE routers toward low expert ids (Zipf exponent)."""
     quantization: str | None = None
@@ -83,7 +86,7 @@ class KernelConfig:
         return cls(device_type=torch.device(device).type, is_batch_invariant=batch_invariant,
                    is_skinny_gemm=env.skinny_gemm, mla_mha_prefill=env.mla_mha_prefill,
                    moe_router_skew=env.moe_router_skew, quantization=quantization,
-                   is_cpu_fast_step=env.cpu_fast_step)
+                   is_cpu_fast_step=env.cpu_fast_step, is_cpu_compile=env.cpu_compile)
 
     def for_checkpoint(self, quant: QuantConfig | None) -> "KernelConfig":
         """This config for a model whose checkpoint stores its weights as `quant` (ModelConfig.quantization): an

@@ -51,6 +51,8 @@ class LlamaForCausalLM(CausalLM):
         """The modules, or the flat CPU step (models/llama_step.py)."""
         self.fast_layers: list = []
         """The CPU step's flat list of the layers' weights (built on its first step)."""
+        self.fast_weights: list = []
+        """The compiled CPU step's per-layer weight tuples (built on its first step)."""
 
     @staticmethod
     def kv_layout(config: ModelConfig) -> KVLayout:

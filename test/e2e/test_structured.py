@@ -200,3 +200,21 @@ def test_deepseek_tokenizer(tiny_v3_path):
                           + sampled(256, range(10), json_schema=SCHEMA))
         assert all(o.finish_reason == "stop" and re.fullmatch(DATE, o.text) for o in outs[:10])
         assert_json_valid(outs[10:], SCHEMA, min_finished=0.5)
+
+
+def test_grammar_backend_built_once_by_concurrent_callers(tiny_llama_path):
+    """Constrained requests submitted from many threads at once (run_batch) share one grammar backend."""
+    with Engine(str(tiny_llama_path), dtype="float32", kv_cache_tokens=1024) as e:
+        start = threading.Barrier(6)
+        seen = []
+
+        def first_use():
+            start.wait()
+            seen.append(e.grammar)
+
+        threads = [threading.Thread(target=first_use) for _ in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert len(seen) == 6 and all(g is seen[0] for g in seen) and e.executor.grammar is seen[0]

@@ -340,3 +340,15 @@ def test_fp8_pool_write_read_copy(layout):
     ck, cv = pool.rows(1, torch.tensor([0, 1]))
     assert torch.equal(ck, rk[:2]) and torch.equal(cv, rv[:2])
     assert (pool.k_scale[0] == 0).all()  # other layers untouched
+
+
+def test_cpu_pool_starts_zero_and_layers_are_separate_memory():
+    """The CPU pool's buffers are memory maps zeroed by the OS on first touch: zero, writable, one per layer."""
+    pool = KVPool(KVLayout(3, (2, 4), (2, 4), 4), num_pages=64, page_size=16, dtype=torch.bfloat16, device=CPU)
+    buffers = pool.k + pool.v
+    assert all(b.shape == (1024, 2, 4) and b.dtype == torch.bfloat16 and b.is_contiguous() for b in buffers)
+    assert all(not b.any() for b in buffers)
+    pool.write(1, torch.tensor([0, 1023]), torch.ones(2, 2, 4), torch.full((2, 2, 4), 2.0))
+    assert pool.k[1][[0, 1023]].eq(1).all() and pool.v[1][[0, 1023]].eq(2).all()
+    assert int(pool.k[1].ne(0).sum()) == 16 and int(pool.v[1].ne(0).sum()) == 16
+    assert all(not b.any() for i, b in enumerate(buffers) if i not in (1, 4))
