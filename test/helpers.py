@@ -10,3 +10,30 @@ def hf_greedy(model, ids: list[int], max_new_tokens: int, eos_ids) -> list[int]:
                          eos_token_id=list(eos_ids), pad_token_id=eos_ids[0])[0, len(ids):].tolist()
     # HF pads nothing for a single sequence; the EOS token itself is part of both outputs.
     return out
+
+
+def check_weight_only_matches_dense(path, dtype: str, quantization: str, method_cls, dequantized) -> None:
+    """A weight-only quantized engine (its linears `method_cls`, the dense copies dropped) against the dense engine
+    whose linears hold those weights dequantized: the same matrices, so only the GEMM's rounding differs. Prompt and
+    first-token logprobs within 2e-3 (fp32) / 0.1 (bf16); the first two tokens equal (a later near-tie may flip)."""
+    from deepinfer_rt import Engine, SamplingParams
+
+    prompts = ["The capital of France is", "Hello", "1, 2, 3, 4, 5, 6, 7, 8,"]
+    sp = SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True, logprobs=True, prompt_logprobs=True)
+    with Engine(str(path), dtype=dtype, kv_cache_tokens=1024, quantization=quantization) as quantized:
+        linears = {n: m for n, m in quantized.model.named_modules()
+                   if isinstance(getattr(m, "method", None), method_cls)}
+        assert linears and all(m.weight.numel() == 0 for m in linears.values())
+        got = quantized.generate(prompts, sampling_params=sp)
+        with Engine(str(path), dtype=dtype, kv_cache_tokens=1024) as ref:
+            with torch.no_grad():
+                for name, module in ref.model.named_modules():
+                    if name in linears:
+                        module.weight.copy_(dequantized(linears[name]))
+            want = ref.generate(prompts, sampling_params=sp)
+    tol = 2e-3 if dtype == "float32" else 0.1
+    for a, b in zip(got, want):
+        errors = [abs(x - y) for x, y in zip(a.prompt_logprobs[1:] + a.logprobs[:1],
+                                             b.prompt_logprobs[1:] + b.logprobs[:1])]
+        assert max(errors) < tol, (dtype, max(errors))
+        assert a.token_ids[:2] == b.token_ids[:2]

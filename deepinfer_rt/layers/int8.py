@@ -27,27 +27,46 @@ def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale
 
 
-class Int8WeightOnlyLinear(LinearMethod):
-    is_quantized = True
+class WeightOnlyLinear(LinearMethod):
+    """A linear whose weight is kept quantized (int8 here, Q4_1 in layers/q4.py) and multiplied by torch's CPU
+    weight-pack matmul for inputs of at most `max_rows` rows; larger inputs multiply by the weight dequantized for
+    the call. Subclasses quantize in process_weights_after_loading and give `packed_mm` and `dense`."""
 
+    is_quantized = True
+    max_rows = INT8_MM_MAX_ROWS
+
+    def packed_mm(self, layer: nn.Module, x2: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def dense(self, layer: nn.Module) -> torch.Tensor:
+        """The (N, K) fp32 matrix the layer multiplies by."""
+        raise NotImplementedError
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        raise TypeError("a weight-only quantized linear computes through its own layer (apply), not a dense weight")
+
+    def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, x.shape[-1])
+        if x2.shape[0] > self.max_rows:
+            return torch.nn.functional.linear(x, self.dense(layer).to(x.dtype), layer.bias)
+        y = self.packed_mm(layer, x2)
+        if layer.bias is not None:
+            y = y + layer.bias
+        return y.view(*x.shape[:-1], y.shape[-1])
+
+
+class Int8WeightOnlyLinear(WeightOnlyLinear):
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         dtype = layer.weight.dtype
         layer.int8_weight, scale = quantize_rows(layer.weight.data)
         layer.int8_scale = scale.to(dtype)
         layer.weight.data = layer.weight.data.new_empty(0)  # the dense copy is not kept
 
-    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        raise TypeError("an int8 linear computes through its own layer (apply), not a dense weight")
+    def packed_mm(self, layer: nn.Module, x2: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int8pack_mm(x2, layer.int8_weight, layer.int8_scale.to(x2.dtype))
 
-    def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        x2 = x.reshape(-1, x.shape[-1])
-        if x2.shape[0] > INT8_MM_MAX_ROWS:
-            weight = layer.int8_weight.to(x.dtype) * layer.int8_scale.to(x.dtype)[:, None]
-            return torch.nn.functional.linear(x, weight, layer.bias)
-        y = torch.ops.aten._weight_int8pack_mm(x2, layer.int8_weight, layer.int8_scale.to(x.dtype))
-        if layer.bias is not None:
-            y = y + layer.bias
-        return y.view(*x.shape[:-1], y.shape[-1])
+    def dense(self, layer: nn.Module) -> torch.Tensor:
+        return dequantized(layer)
 
 
 def dequantized(layer: nn.Module) -> torch.Tensor:

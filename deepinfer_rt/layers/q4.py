@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from deepinfer_rt.layers.methods import LinearMethod
+from deepinfer_rt.layers.int8 import WeightOnlyLinear
 
 GROUP = 32
 Q4_MM_MAX_ROWS = 16
@@ -44,8 +44,8 @@ def dequantize_q4_1(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> to
     return w.view(n, k)
 
 
-class Q4WeightOnlyLinear(LinearMethod):
-    is_quantized = True
+class Q4WeightOnlyLinear(WeightOnlyLinear):
+    max_rows = Q4_MM_MAX_ROWS
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         codes, d, m = quantize_q4_1(layer.weight.data)
@@ -55,18 +55,11 @@ class Q4WeightOnlyLinear(LinearMethod):
         layer.q4_scales_zeros = torch.stack([d.float(), m.float() + 8 * d.float()], dim=-1).transpose(0, 1).contiguous()
         layer.weight.data = layer.weight.data.new_empty(0)  # the dense copy is not kept
 
-    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        raise TypeError("a Q4_1 linear computes through its own layer (apply), not a dense weight")
+    def packed_mm(self, layer: nn.Module, x2: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x2, layer.q4_packed, GROUP, layer.q4_scales_zeros.to(x2.dtype))
 
-    def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        x2 = x.reshape(-1, x.shape[-1])
-        if x2.shape[0] > Q4_MM_MAX_ROWS:
-            return torch.nn.functional.linear(x, dequantized(layer).to(x.dtype), layer.bias)
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, layer.q4_packed, GROUP,
-                                                        layer.q4_scales_zeros.to(x.dtype))
-        if layer.bias is not None:
-            y = y + layer.bias
-        return y.view(*x.shape[:-1], y.shape[-1])
+    def dense(self, layer: nn.Module) -> torch.Tensor:
+        return dequantized(layer)
 
 
 def dequantized(layer: nn.Module) -> torch.Tensor:
