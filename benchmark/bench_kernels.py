@@ -15,7 +15,7 @@ smoke run, no timing worth reading) the peer is RoutedExperts' torch path, since
 `--only moe_sweep`: the fused MoE's grouped GEMMs at prefill size, one row per tile configuration;
 `--only decode_sweep`: GQA decode attention (SmolLM2 shape) over splits and tiles, then the fused MoE's grouped
 GEMMs at V2-Lite decode batches over tile configurations;
-`--only mxfp4`: the fused MXFP4 MoE at V4-Flash's expert shapes (256 experts of 4096 x 2048, top-8), legacy
+`--only mxfp4` (rows in bench_mxfp4.py): the fused MXFP4 MoE at V4-Flash's expert shapes (256 experts of 4096 x 2048, top-8), legacy
 tiles and each candidate configuration side by side, beside the bf16 fused MoE on the same weights dequantized,
 as fractions of the read-only bandwidth over the touched experts' bytes (0.53 per weight with the e8m0 scales,
 against 2), routings rotated between launches so that L2 holds no previous launch's experts.
@@ -99,72 +99,6 @@ def moe_rows() -> list[dict]:
         nbytes = touched * (gate_up[0].numel() + down[0].numel()) * 2
         rows.append({"kernel": "fused_moe", "batch": batch, "experts_touched": touched, "us": s * 1e6,
                      "bytes_per_s": nbytes / s})
-    return rows
-
-
-def read_bandwidth(numel: int = 1 << 30) -> float:
-    """Bytes/s of a read-only pass (a sum over 2 GB of bf16): a weight-streaming kernel's ceiling, which a copy's
-    mixed reads and writes (copy_bw) sit below."""
-    src = torch.randn(numel, dtype=torch.bfloat16, device="cuda")
-    return src.numel() * 2 / _time(lambda: src.sum(dtype=torch.float32))
-
-
-MXFP4_ROTATIONS = 4
-"""Routings cycled within one timed call, so that no expert's weights stay in L2 from the previous launch."""
-
-
-def mxfp4_moe_rows(copy_bw: float, batches: tuple[int, ...] = (1, 16, 64, 256, 2048)) -> list[dict]:
-    """V4-Flash's routed experts: fused_moe_mxfp4 (4-bit weights, clamped SwiGLU) under the legacy tiles, each
-    of MXFP4_CANDIDATES and the default table (_tiles), beside fused_moe on the same weights in bf16, per batch.
-    Each timed call runs MXFP4_ROTATIONS launches over different random routings (the same for both kernels); the
-    bytes are those of the experts each launch touches, at 0.5 + 1/32 bytes per weight (e2m1 + e8m0) for MXFP4 and
-    2 for bf16, plus the activations in and out, over the copy and the read-only bandwidth of this run."""
-    from deepinfer_kernels import fused_moe_mxfp4 as mx
-    from deepinfer_rt.layers.quant_formats import dequantize_mxfp4, quantize_mxfp4
-
-    read_bw = read_bandwidth()
-    e, hidden, inter, topk = 256, 4096, 2048, 8
-    packed, dense = [], []
-    for shape in ((2 * inter, hidden), (hidden, inter)):
-        parts = [quantize_mxfp4(torch.randn(16, *shape, device="cuda") * 0.02) for _ in range(e // 16)]
-        packed += [torch.cat([q for q, _ in parts]), torch.cat([s for _, s in parts])]
-        dense.append(torch.cat([dequantize_mxfp4(q, s, torch.bfloat16) for q, s in parts]))
-    q_gu, s_gu, qd, sd = packed
-    per_expert = 3 * hidden * inter
-    rows = []
-    for batch in batches:
-        inputs = []
-        for _ in range(MXFP4_ROTATIONS):
-            weights, ids = torch.rand(batch, e, device="cuda").topk(topk, dim=-1)
-            inputs.append((torch.randn(batch, hidden, dtype=torch.bfloat16, device="cuda"), weights, ids))
-        touched = statistics.mean(int(ids.unique().numel()) for _, _, ids in inputs)
-        act_bytes = 2 * batch * hidden * 2
-        mx_bytes, bf_bytes = touched * per_expert * (0.5 + 1 / 32) + act_bytes, touched * per_expert * 2 + act_bytes
-
-        def rotated(run):
-            def fn():
-                for x, weights, ids in inputs:
-                    run(x, weights, ids)
-            return _graph_time(fn) / MXFP4_ROTATIONS
-
-        bf = rotated(lambda x, w, i: fused_moe(x, *dense, w, i))
-        row = {"kernel": "fused_moe_mxfp4", "batch": batch, "experts_touched": touched, "bf16_us": bf * 1e6,
-               "bf16_fraction_of_copy_bw": bf_bytes / bf / copy_bw,
-               "bf16_fraction_of_read_bw": bf_bytes / bf / read_bw, "read_bytes_per_s": read_bw,
-               "default_tiles": mx._tiles(batch * topk, torch.bfloat16)}
-        configs = {"legacy": mx.legacy_tiles(batch * topk, torch.bfloat16), **mx.MXFP4_CANDIDATES, "default": None}
-        for name, config in configs.items():
-            try:
-                t = rotated(lambda x, w, i: mx.fused_moe_mxfp4(x, q_gu, s_gu, qd, sd, w, i, 10.0, config=config))
-            except triton.runtime.errors.OutOfResources:
-                continue  # the tile does not fit shared memory at this depth
-            row[f"{name}_us"] = t * 1e6
-            row[f"{name}_fraction_of_read_bw"] = mx_bytes / t / read_bw
-            row[f"{name}_speedup_over_bf16"] = bf / t
-        best = min((k for k in row if k.endswith("_us") and k != "bf16_us"), key=row.get)
-        row["fastest"] = best[:-3]
-        rows.append(row)
-        print({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}, flush=True)
     return rows
 
 
@@ -478,6 +412,8 @@ def main() -> None:
     copy_bw, mm_rate = ceilings("cuda", 1 << 29)
     if args.only in ("router", "moe_sweep", "decode_sweep", "mxfp4"):
         if args.only == "mxfp4":
+            from bench_mxfp4 import mxfp4_moe_rows
+
             rows = mxfp4_moe_rows(copy_bw, tuple(int(b) for b in args.batches.split(",")))
         elif args.only == "decode_sweep":
             rows = gqa_decode_sweep_rows(args.context, copy_bw) + moe_decode_sweep_rows(copy_bw)

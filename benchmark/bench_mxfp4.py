@@ -1,0 +1,78 @@
+"""The fused MXFP4 MoE rows of bench_kernels.py (--only mxfp4): V4-Flash's routed experts in 4-bit beside the bf16
+fused MoE on the same weights, per batch size and tile configuration, over the read-only bandwidth of the run."""
+from __future__ import annotations
+
+import statistics
+
+import torch
+import triton
+
+from deepinfer_kernels.fused_moe import fused_moe
+
+from bench_kernels import _graph_time, _time
+
+
+def read_bandwidth(numel: int = 1 << 30) -> float:
+    """Bytes/s of a read-only pass (a sum over 2 GB of bf16): a weight-streaming kernel's ceiling, which a copy's
+    mixed reads and writes (copy_bw) sit below."""
+    src = torch.randn(numel, dtype=torch.bfloat16, device="cuda")
+    return src.numel() * 2 / _time(lambda: src.sum(dtype=torch.float32))
+
+
+MXFP4_ROTATIONS = 4
+"""Routings cycled within one timed call, so that no expert's weights stay in L2 from the previous launch."""
+
+
+def mxfp4_moe_rows(copy_bw: float, batches: tuple[int, ...] = (1, 16, 64, 256, 2048)) -> list[dict]:
+    """V4-Flash's routed experts: fused_moe_mxfp4 (4-bit weights, clamped SwiGLU) under the legacy tiles, each
+    of MXFP4_CANDIDATES and the default table (_tiles), beside fused_moe on the same weights in bf16, per batch.
+    Each timed call runs MXFP4_ROTATIONS launches over different random routings (the same for both kernels); the
+    bytes are those of the experts each launch touches, at 0.5 + 1/32 bytes per weight (e2m1 + e8m0) for MXFP4 and
+    2 for bf16, plus the activations in and out, over the copy and the read-only bandwidth of this run."""
+    from deepinfer_kernels import fused_moe_mxfp4 as mx
+    from deepinfer_rt.layers.quant_formats import dequantize_mxfp4, quantize_mxfp4
+
+    read_bw = read_bandwidth()
+    e, hidden, inter, topk = 256, 4096, 2048, 8
+    packed, dense = [], []
+    for shape in ((2 * inter, hidden), (hidden, inter)):
+        parts = [quantize_mxfp4(torch.randn(16, *shape, device="cuda") * 0.02) for _ in range(e // 16)]
+        packed += [torch.cat([q for q, _ in parts]), torch.cat([s for _, s in parts])]
+        dense.append(torch.cat([dequantize_mxfp4(q, s, torch.bfloat16) for q, s in parts]))
+    q_gu, s_gu, qd, sd = packed
+    per_expert = 3 * hidden * inter
+    rows = []
+    for batch in batches:
+        inputs = []
+        for _ in range(MXFP4_ROTATIONS):
+            weights, ids = torch.rand(batch, e, device="cuda").topk(topk, dim=-1)
+            inputs.append((torch.randn(batch, hidden, dtype=torch.bfloat16, device="cuda"), weights, ids))
+        touched = statistics.mean(int(ids.unique().numel()) for _, _, ids in inputs)
+        act_bytes = 2 * batch * hidden * 2
+        mx_bytes, bf_bytes = touched * per_expert * (0.5 + 1 / 32) + act_bytes, touched * per_expert * 2 + act_bytes
+
+        def rotated(run):
+            def fn():
+                for x, weights, ids in inputs:
+                    run(x, weights, ids)
+            return _graph_time(fn) / MXFP4_ROTATIONS
+
+        bf = rotated(lambda x, w, i: fused_moe(x, *dense, w, i))
+        row = {"kernel": "fused_moe_mxfp4", "batch": batch, "experts_touched": touched, "bf16_us": bf * 1e6,
+               "bf16_fraction_of_copy_bw": bf_bytes / bf / copy_bw,
+               "bf16_fraction_of_read_bw": bf_bytes / bf / read_bw, "read_bytes_per_s": read_bw,
+               "default_tiles": mx._tiles(batch * topk, torch.bfloat16)}
+        configs = {"legacy": mx.legacy_tiles(batch * topk, torch.bfloat16), **mx.MXFP4_CANDIDATES, "default": None}
+        for name, config in configs.items():
+            try:
+                t = rotated(lambda x, w, i: mx.fused_moe_mxfp4(x, q_gu, s_gu, qd, sd, w, i, 10.0, config=config))
+            except triton.runtime.errors.OutOfResources:
+                continue  # the tile does not fit shared memory at this depth
+            row[f"{name}_us"] = t * 1e6
+            row[f"{name}_fraction_of_read_bw"] = mx_bytes / t / read_bw
+            row[f"{name}_speedup_over_bf16"] = bf / t
+        best = min((k for k in row if k.endswith("_us") and k != "bf16_us"), key=row.get)
+        row["fastest"] = best[:-3]
+        rows.append(row)
+        print({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}, flush=True)
+    return rows
