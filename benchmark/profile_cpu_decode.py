@@ -1,6 +1,6 @@
 """Where a CPU decode step goes: torch.profiler over decode steps of the embedded default model.
 
-    python benchmark/profile_cpu_decode.py [--dtype float32] [--batch 1] [--steps 16] [--ops 15]
+    python benchmark/profile_cpu_decode.py [--dtype float32] [--batch 1] [--steps 16] [--ops 15] [--quantization q4_1]
 
 Prompts are prefilled first (one token generated), then `steps` decode steps are profiled. Every module of the
 model is wrapped in a profiler scope named by its role (qkv_proj, attention, mlp, ...); the report gives the
@@ -45,8 +45,10 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--ops", type=int, default=15)
+    ap.add_argument("--quantization", default=None, choices=[None, "int8", "q4_1"])
     args = ap.parse_args()
-    engine = Engine(dtype=args.dtype, kv_cache_tokens=64 * 1024, enable_prefix_cache=False)
+    engine = Engine(dtype=args.dtype, kv_cache_tokens=64 * 1024, enable_prefix_cache=False,
+                    quantization=args.quantization)
     prompts = [PROMPT.format(i) for i in range(args.batch)]
     runner = engine.executor
     runner.build = _scoped("host:build_batch", runner.build)

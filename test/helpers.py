@@ -14,9 +14,12 @@ def hf_greedy(model, ids: list[int], max_new_tokens: int, eos_ids) -> list[int]:
 
 def check_weight_only_matches_dense(path, dtype: str, quantization: str, method_cls, dequantized) -> None:
     """A weight-only quantized engine (its linears `method_cls`, the dense copies dropped) against the dense engine
-    whose linears hold those weights dequantized: the same matrices, so only the GEMM's rounding differs. Prompt and
-    first-token logprobs within 2e-3 (fp32) / 0.1 (bf16); the first two tokens equal (a later near-tie may flip)."""
+    whose linears hold those weights dequantized: the same matrices, so only the GEMM's rounding differs. The head is
+    per-row int8 in both quantizations (layers/int8.py Int8Head): the dense engine's head (untied from its embedding,
+    which stays dense on both sides) holds it dequantized. Prompt and first-token logprobs within 2e-3 (fp32) / 0.1
+    (bf16); the first two tokens equal (a later near-tie may flip)."""
     from deepinfer_rt import Engine, SamplingParams
+    from deepinfer_rt.layers import int8
 
     prompts = ["The capital of France is", "Hello", "1, 2, 3, 4, 5, 6, 7, 8,"]
     sp = SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True, logprobs=True, prompt_logprobs=True)
@@ -24,12 +27,16 @@ def check_weight_only_matches_dense(path, dtype: str, quantization: str, method_
         linears = {n: m for n, m in quantized.model.named_modules()
                    if isinstance(getattr(m, "method", None), method_cls)}
         assert linears and all(m.weight.numel() == 0 for m in linears.values())
+        head = quantized.model.lm_head
+        assert isinstance(quantized.model.logits_method, int8.Int8Head) and head.int8_weight.dtype == torch.int8
         got = quantized.generate(prompts, sampling_params=sp)
         with Engine(str(path), dtype=dtype, kv_cache_tokens=1024) as ref:
             with torch.no_grad():
                 for name, module in ref.model.named_modules():
                     if name in linears:
                         module.weight.copy_(dequantized(linears[name]))
+                ref.model.lm_head.weight = torch.nn.Parameter(int8.dequantized(head).to(ref.model.lm_head.weight.dtype),
+                                                              requires_grad=False)
             want = ref.generate(prompts, sampling_params=sp)
     tol = 2e-3 if dtype == "float32" else 0.1
     for a, b in zip(got, want):

@@ -72,3 +72,31 @@ class Int8WeightOnlyLinear(WeightOnlyLinear):
 def dequantized(layer: nn.Module) -> torch.Tensor:
     """The (N, K) fp32 matrix an int8 layer multiplies by."""
     return layer.int8_weight.float() * layer.int8_scale.float()[:, None]
+
+
+HEAD_MAX_ROWS = 4
+"""Rows up to which the int8 head multiplies by its packed weight; beyond, the int8 matmul turns compute-bound on CPU
+while the 16-bit GEMM over the dequantized head does not (benchmark/bench_cpu_peers.py)."""
+
+
+class Int8Head(Int8WeightOnlyLinear):
+    """The LM head of a weight-only quantized model (quantization="int8" or "q4_1"): per-row int8 as above. At batch
+    1 the head is the largest matrix a step reads (a fifth of the embedded default's weights); the shipped GGUF keeps
+    it in 8 bits too (Q8_0, the table its embedding lookups read).
+
+    The dense weight stays: a tied head is the embedding table. Inputs of more than HEAD_MAX_ROWS rows multiply by the
+    int8 weight dequantized in the model dtype (made on first use and kept), so every row's logits come from the same
+    matrix whatever the batch."""
+
+    max_rows = HEAD_MAX_ROWS
+
+    def prepare_head(self, layer: nn.Module) -> None:
+        layer.int8_weight, scale = quantize_rows(layer.weight.data)
+        layer.int8_scale = scale.to(layer.weight.dtype)
+        layer.int8_dense = None
+
+    def dense(self, layer: nn.Module) -> torch.Tensor:
+        if layer.int8_dense is None:
+            layer.int8_dense = dequantized(layer).to(layer.weight.dtype)
+        return layer.int8_dense
+

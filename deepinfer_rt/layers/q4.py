@@ -51,8 +51,10 @@ class Q4WeightOnlyLinear(WeightOnlyLinear):
         codes, d, m = quantize_q4_1(layer.weight.data)
         layer.q4_codes, layer.q4_d, layer.q4_m = codes, d, m
         layer.q4_packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)
-        # (K/32, N, 2): per group and output row, [scale, zero] of (q - 8) * scale + zero.
-        layer.q4_scales_zeros = torch.stack([d.float(), m.float() + 8 * d.float()], dim=-1).transpose(0, 1).contiguous()
+        # (K/32, N, 2): per group and output row, [scale, zero] of (q - 8) * scale + zero, in the model dtype (the
+        # activations' dtype: converting them at each call cost as much as the 4-bit matmul itself).
+        scales_zeros = torch.stack([d.float(), m.float() + 8 * d.float()], dim=-1).transpose(0, 1).contiguous()
+        layer.q4_scales_zeros = scales_zeros.to(layer.weight.dtype)
         layer.weight.data = layer.weight.data.new_empty(0)  # the dense copy is not kept
 
     def packed_mm(self, layer: nn.Module, x2: torch.Tensor) -> torch.Tensor:

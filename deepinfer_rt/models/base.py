@@ -25,7 +25,7 @@ from deepinfer_rt.cache.kv_pool import KVLayout
 from deepinfer_rt.config import ModelConfig
 from deepinfer_rt.forward_batch import ForwardBatch
 from deepinfer_rt.layers.kernel_config import current_kernel_config
-from deepinfer_rt.layers.methods import linear_method
+from deepinfer_rt.layers.methods import head_method
 
 
 class CausalLM(nn.Module):
@@ -44,7 +44,7 @@ class CausalLM(nn.Module):
         self.config = config
         self.kernel_config = current_kernel_config()
         """The modes the layers were built for (layers/kernel_config.py)."""
-        self.logits_method = linear_method(self.kernel_config)
+        self.logits_method = head_method(self.kernel_config)
 
     @staticmethod
     def kv_layout(config: ModelConfig) -> KVLayout:
@@ -58,6 +58,13 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.logits_method.apply(self.lm_head, hidden).float()
+
+    def process_weights_after_loading(self) -> None:
+        """The head's layout for its method (an int8 head of a weight-only quantized model), once the weights are
+        final: called by the loader's finalize after every module inside."""
+        prepare = getattr(self.logits_method, "prepare_head", None)
+        if prepare is not None:
+            prepare(self.lm_head if hasattr(self, "lm_head") else self.head)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         params = dict(self.named_parameters())
