@@ -347,8 +347,13 @@ class V4Pool(KVPool):
     def _sync(self) -> None:
         if self._dirty:
             idx = np.fromiter(self._dirty, dtype=np.int64, count=len(self._dirty))
-            device = self.recent_of_t.device
-            self.recent_of_t[torch.from_numpy(idx).to(device)] = torch.from_numpy(self._recent_of[idx]).to(device)
+            stage = torch.from_numpy(np.stack([idx, self._recent_of[idx]]))
+            # On a GPU from pinned memory, without waiting: a pageable copy would wait for the queued steps (the
+            # host would stall under overlap, and a CUDA-graph step's host part must not sync). The caching host
+            # allocator keeps the pinned block until the copy has read it.
+            is_cuda = self.recent_of_t.is_cuda
+            dev = (stage.pin_memory() if is_cuda else stage).to(self.recent_of_t.device, non_blocking=is_cuda)
+            self.recent_of_t[dev[0]] = dev[1]
             self._dirty.clear()
 
     # ---- copies (n > 1 siblings fork a partly filled page) ----
