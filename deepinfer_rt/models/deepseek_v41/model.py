@@ -20,8 +20,10 @@ the expert choice of image-span rows only (vLLM's V4.1 MoE: rows whose input id 
 router: an image mask), and this text-only engine refuses prompts holding the image token. The drafter's stages do
 not use it (vLLM passes none to them): a drafter checkpoint carrying one is refused by name.
 
-Not covered by this slice: the vision tower (prompts holding the
-image token are refused), CUDA graphs.
+CUDA graphs: decode steps of fixed shape (V41StaticDecode over deepseek_v4/graph_batch.py, Engram rows hashed on the
+device), with the compact pool, device-resident Engram tables and no DSpark drafter attached.
+
+Not covered by this slice: the vision tower (prompts holding the image token are refused).
 
 Batch-invariant mode: every layer's numerics come from its method object (deepseek_v41/methods.py, V4's
 deepseek_v4/methods.py), chosen at build; the forward here holds no mode test.
