@@ -16,6 +16,12 @@ In batch-invariant mode the graphs are captured with the invariant layers and th
 attention (its split count covers the page table's width), so a replayed step is bitwise an eager one. A model whose
 decode step reads values back to the host in that mode (the torch expert loop of MoE layers) cannot be
 captured; such a runner captures nothing and every step runs eagerly.
+
+A model whose decode metadata depends on the inputs' values (DeepSeek-V4's window and entry indices) builds it over
+these static tensors in `prepare_graph_batch` and computes it inside its forward, which is what a graph records;
+the host's part of such a step (V4's recent-page bookkeeping) runs in `prepare_graph_step` before the replay.
+With `is_captured=False` the runner runs the same fixed-shape steps without capturing them (and on a CPU pool):
+the graph path's numerics and host work, checked against the eager steps where there is no GPU.
 """
 from __future__ import annotations
 
@@ -25,7 +31,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from deepinfer_rt.cache.kv_pool import KVPool
-from deepinfer_rt.cache.page_table import PageTable, pages_per_request
+from deepinfer_rt.cache.page_table import DevicePages, PageTable, pages_per_request
 from deepinfer_rt.forward_batch import ForwardBatch, resolve_placeholders
 from deepinfer_rt.models.base import CausalLM
 from deepinfer_rt.request import Req
@@ -40,9 +46,12 @@ _TOKEN, _POS, _SLOT, _ROW, _LEN = range(5)
 
 
 class CudaGraphRunner:
-    def __init__(self, model: CausalLM, pool: KVPool, backend: "TritonBackend", max_batch_size: int,
-                 max_context: int, batch_sizes: tuple[int, ...] = DEFAULT_BATCH_SIZES, num_rows: int | None = None):
+    def __init__(self, model: CausalLM, pool: KVPool, backend: "TritonBackend | None", max_batch_size: int,
+                 max_context: int, batch_sizes: tuple[int, ...] = DEFAULT_BATCH_SIZES, num_rows: int | None = None,
+                 is_captured: bool = True):
         self.model = model
+        self.is_captured = is_captured
+        """False: the fixed-shape steps run as they are, uncaptured (see the module docstring)."""
         self.pool = pool
         self.backend = backend
         self.page_size = pool.page_size
@@ -55,11 +64,12 @@ class CudaGraphRunner:
         self.pages = PageTable(num_rows or self.max_bs * 2, width, dev)
         """Shared with the eager steps (model_runner), which keep the same rows up to date."""
         self._io = torch.zeros(5, self.max_bs, dtype=torch.int64, device=dev)
-        self._stage = torch.zeros(5, self.max_bs, dtype=torch.int64).pin_memory()
-        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._stage = torch.zeros(5, self.max_bs, dtype=torch.int64, pin_memory=dev.type == "cuda")
+        self._graphs: dict[int, torch.cuda.CUDAGraph | ForwardBatch] = {}
+        """Batch size -> its graph (uncaptured: its static ForwardBatch)."""
         self._outputs: dict[int, torch.Tensor] = {}
         self.num_replays = 0
-        self._staged = torch.cuda.Event()
+        self._staged = torch.cuda.Event() if dev.type == "cuda" else _HostEvent()
         """Recorded after the uploads from the pinned staging buffers (page table and per-row inputs)."""
         self._capture_all()
 
@@ -68,15 +78,17 @@ class CudaGraphRunner:
         self._stage[_SLOT, start:] = -1
 
     def _forward_batch(self, bs: int) -> ForwardBatch:
-        from deepinfer_rt.layers.attention.triton import TritonMeta
-
         io = self._io[:, :bs]
         fb = ForwardBatch(input_ids=io[_TOKEN], positions=io[_POS], out_slots=io[_SLOT], q_lens=[1] * bs,
-                          kv_lens=[1] * bs, kv_slots=[], pool=self.pool, backend=self.backend)
-        decode = self.backend.decode_meta(self.pages.table, io[_ROW], io[_LEN], self.page_size,
-                                          *self.pool.k[0].shape[1:])
-        fb.attn_meta = TritonMeta(decode, None)
-        self.model.prepare_batch(fb)
+                          kv_lens=[1] * bs, kv_slots=[], pool=self.pool, backend=self.backend,
+                          pages=DevicePages(self.pages.table, io[_ROW], self.page_size))
+        if self.backend is not None:  # None: a model that reads no backend metadata (uncaptured CPU runs)
+            from deepinfer_rt.layers.attention.triton import TritonMeta
+
+            decode = self.backend.decode_meta(self.pages.table, io[_ROW], io[_LEN], self.page_size,
+                                              *self.pool.k[0].shape[1:])
+            fb.attn_meta = TritonMeta(decode, None)
+        self.model.prepare_graph_batch(fb, io[_LEN])
         return fb
 
     @torch.no_grad()
@@ -87,6 +99,9 @@ class CudaGraphRunner:
         vocab = self.model.config.vocab_size
         self._stage[_TOKEN] = torch.randint(0, vocab, (self.max_bs,), generator=torch.Generator().manual_seed(0))
         self._io.copy_(self._stage)
+        if not self.is_captured:
+            self._graphs = {bs: self._forward_batch(bs) for bs in self.batch_sizes}
+            return
         mempool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
@@ -155,6 +170,7 @@ class CudaGraphRunner:
             # The replayed step must read all the KV the real one would: the row covers the whole context.
             assert p // ps < len(r.pages) <= self.pages.width, \
                 f"request {r.rid}: page table row of {len(r.pages)} pages does not cover position {p}"
+        self.model.prepare_graph_step(self.pool, reqs, positions)
         self._stage[_TOKEN, :n] = torch.tensor(input_ids if input_ids is not None
                                                else [r.token_ids[p] for r, p in zip(reqs, positions)])
         self._stage[_POS, :n] = torch.tensor(positions)
@@ -166,7 +182,10 @@ class CudaGraphRunner:
         self._staged.record()
         if future is not None:
             self._io[_TOKEN, :n] = resolve_placeholders(self._io[_TOKEN, :n], future)
-        self._graphs[bs].replay()
+        if self.is_captured:
+            self._graphs[bs].replay()
+        else:
+            self._outputs[bs] = self.model(self._graphs[bs])
         self.num_replays += 1
         return self._outputs[bs][:n]
 
@@ -185,3 +204,16 @@ class CudaGraphRunner:
             held = self.pages.table[row, :need].tolist()
             if held != r.pages[:need]:
                 raise AssertionError(f"request {r.rid}: its page table row does not hold its {need} pages")
+
+
+class _HostEvent:
+    """The staging event of a runner on a CPU pool, whose copies are done when they return."""
+
+    def record(self) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True

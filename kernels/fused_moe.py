@@ -1,6 +1,7 @@
 """Fused mixture-of-experts in Triton: (token, slot) pairs sorted by expert, then two grouped GEMMs.
 
-    gate_up: h[pair] = silu(x[tok] @ W_gate[e]^T) * (x[tok] @ W_up[e]^T)     (one kernel, both halves)
+    gate_up: h[pair] = silu(x[tok] @ W_gate[e]^T) * (x[tok] @ W_up[e]^T)     (one kernel, both halves;
+             with swiglu_limit, DeepSeek-V4's clamp: silu(min(gate, limit)) * clamp(up, -limit, limit))
     down:    y[pair] = weight[pair] * (h[pair] @ W_down[e]^T)
     out[tok] = sum over the token's k slots of y, in slot order               (fp32 sum, one kernel)
 
@@ -70,7 +71,7 @@ def _even_k(kernel):
 
 # num_pairs is never specialised (to 1 or to multiples of 16): one compiled kernel for every batch.
 @triton.jit(do_not_specialize=["num_pairs"])
-def _gate_up(X, W, H, SortedPairs, BlockExpert, NumPadded, num_pairs, pairs_bucket, top_k, N, K,
+def _gate_up(X, W, H, SortedPairs, BlockExpert, NumPadded, num_pairs, pairs_bucket, top_k, N, K, limit,
              stride_xm, stride_we, stride_wn, stride_hm,
              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
              PER_PAIR: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr):
@@ -107,6 +108,8 @@ def _gate_up(X, W, H, SortedPairs, BlockExpert, NumPadded, num_pairs, pairs_buck
             a_ptrs += BLOCK_K
             g_ptrs += BLOCK_K
             u_ptrs += BLOCK_K
+        acc_g = tl.minimum(acc_g, limit)  # limit = +inf without a clamp: exact identity
+        acc_u = tl.minimum(tl.maximum(acc_u, -limit), limit)
         h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
         tl.store(H + pair.to(tl.int64)[:, None] * stride_hm + offs_n[None, :], h.to(H.dtype.element_ty),
                  mask=mmask[:, None] & nmask[None, :])
@@ -192,10 +195,11 @@ def _block_m(num_pairs: int, num_experts: int) -> int:
 
 
 def fused_moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,
-              ids: torch.Tensor, batch_invariant: bool = False) -> torch.Tensor:
+              ids: torch.Tensor, batch_invariant: bool = False, swiglu_limit: float | None = None) -> torch.Tensor:
     """x (T, H); gate_up (E, 2I, H) = per expert [gate; up]; down (E, H, I); weights (T, k) fp32; ids (T, k).
     Returns sum_k weights * down(silu(gate x) * up x), (T, H) in x's dtype. batch_invariant: each token's
-    result is bitwise the same for any batch (see the module docstring)."""
+    result is bitwise the same for any batch (see the module docstring). swiglu_limit clamps gate and up first
+    (DeepSeek-V4's experts)."""
     t, k = ids.shape
     e, two_i, hidden = gate_up.shape
     inter = two_i // 2
@@ -221,7 +225,7 @@ def fused_moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weight
     ieee = x.dtype == torch.float32
     gate_up_kernel[lambda meta: (num_blocks, triton.cdiv(inter, meta["BLOCK_N"]))](
         x, gate_up, h, sorted_pairs, block_expert, num_padded, num_pairs, bucket, k, inter, hidden,
-        x.stride(0), gate_up.stride(0), gate_up.stride(1), h.stride(0), BLOCK_M=block_m, PER_PAIR=per_pair,
+        float("inf") if swiglu_limit is None else float(swiglu_limit), x.stride(0), gate_up.stride(0), gate_up.stride(1), h.stride(0), BLOCK_M=block_m, PER_PAIR=per_pair,
         IEEE=ieee, **config)
     down_kernel[lambda meta: (num_blocks, triton.cdiv(hidden, meta["BLOCK_N"]))](
         h, down, y, weights.flatten().float(), sorted_pairs, block_expert, num_padded, num_pairs, bucket, hidden,

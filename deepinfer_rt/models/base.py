@@ -8,6 +8,10 @@ loading is mostly name identity. Fused parameters list their HF sources in `pack
                                                 per-step metadata the model's layers share (kept on the batch;
                                                 layers never build or cache per-batch state themselves)
     forward(batch) -> hidden (T, hidden)        over a flattened varlen batch (ForwardBatch)
+    prepare_graph_batch(batch, seq_lens)        a CUDA-graph decode step's metadata over its static inputs
+                                                (cuda_graph.py), once at capture; prepare_graph_step(pool,
+                                                reqs, positions): the host's part of each such step, before
+                                                its replay
     compute_logits(hidden) -> (N, vocab) fp32   only for the rows the sampler needs
     kv_layout(config) -> KVLayout               what the pool stores per token and layer
 
@@ -52,6 +56,18 @@ class CausalLM(nn.Module):
 
     def prepare_batch(self, batch: ForwardBatch) -> None:
         """Build the step's model metadata on `batch` (called by the runner after backend.prepare)."""
+
+    def prepare_graph_batch(self, batch: ForwardBatch, seq_lens: torch.Tensor) -> None:
+        """The metadata of a captured decode step (deepinfer_rt/cuda_graph.py), built once at capture over the
+        graph's static device inputs: batch.input_ids / positions / out_slots, batch.pages (the page table and
+        each row's table row) and seq_lens (B,) (0 for padding rows); q_lens / kv_lens are placeholders. Only the
+        forward is captured, so a model whose indices depend on those inputs' values computes them in forward.
+        By default the eager prepare_batch, for models whose metadata is the backend's (graph-static)."""
+        self.prepare_batch(batch)
+
+    def prepare_graph_step(self, pool, reqs: list, positions: list[int]) -> None:
+        """Host work of one captured decode step before its replay (request i computes position positions[i]
+        over reqs[i].pages): none by default; it may not read device values back."""
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         raise NotImplementedError

@@ -326,3 +326,41 @@ def test_split_decode_long_rows_and_device_page_table():
 
 def test_fp8_kv_decode_and_store_kernels():
     assert _interpret(_FP8_KV).strip().endswith("ok")
+
+
+# DeepSeek-V4's clamped SwiGLU in the fused MoE (swiglu_limit): against the experts' torch loop, with a limit that
+# clamps most gate and up values; without a limit the kernel's result is unchanged. Through the invariant tiles (the
+# same gate/up kernel, without the autotuner, which cannot time kernels in the interpreter).
+_FUSED_MOE_CLAMPED = textwrap.dedent("""
+    import torch
+    from deepinfer_kernels.fused_moe import fused_moe
+    from deepinfer_rt.models.deepseek_v4.moe import clamped_swiglu
+    from deepinfer_rt.models.deepseek_v4.methods import v4_method
+    from deepinfer_rt.layers.kernel_config import KernelConfig
+    e, hidden, inter, k, limit = 8, 64, 48, 2, 0.05
+    g = torch.Generator().manual_seed(0)
+    gate_up, down = torch.randn(e, 2 * inter, hidden, generator=g) * 0.1, torch.randn(e, hidden, inter, generator=g) * 0.1
+    method = v4_method(KernelConfig.from_env(torch.device("cpu"), False, None))
+
+    def loop(x, w, ids):
+        out = torch.zeros_like(x)
+        for t in range(x.shape[0]):
+            for j in range(k):
+                gate, up = (gate_up[ids[t, j]] @ x[t]).chunk(2)
+                out[t] += w[t, j] * (down[ids[t, j]] @ clamped_swiglu(gate, up, limit, method))
+        return out
+
+    moe = lambda *args, **kw: fused_moe(*args, batch_invariant=True, **kw)
+    for t in (3, 20):
+        x = torch.randn(t, hidden, generator=g)
+        w, ids = torch.rand(t, k, generator=g), torch.rand(t, e, generator=g).topk(k, dim=-1).indices
+        got = moe(x, gate_up, down, w, ids, swiglu_limit=limit)
+        torch.testing.assert_close(got, loop(x, w, ids), rtol=1e-4, atol=1e-5)
+        assert torch.equal(moe(x, gate_up, down, w, ids, swiglu_limit=None), moe(x, gate_up, down, w, ids))
+        assert not torch.allclose(moe(x, gate_up, down, w, ids), got, atol=1e-6)  # the limit clamped
+    print("ok")
+""")
+
+
+def test_fused_moe_clamped_swiglu_equals_torch_loop():
+    assert _interpret(_FUSED_MOE_CLAMPED).strip().endswith("ok")

@@ -68,6 +68,10 @@ class V4Batch:
     groups: list[AttnGroup]
     windows: dict[int, Windows]
 
+    def for_step(self) -> "V4Batch":
+        """The step's indices: built already (a CUDA-graph step's StaticDecode computes them here instead)."""
+        return self
+
 
 def _entries(slots: torch.Tensor, kv_len: int, ratio: int, divisor: int) -> torch.Tensor:
     return slots[ratio - 1 : (kv_len // ratio) * ratio : ratio] // divisor

@@ -131,14 +131,17 @@ class V4Pool(KVPool):
         self.allocator.prefix_guard = self
         frac_pages = math.ceil(layout.recent_fraction * num_pages)
         self.num_recent_pages = min(num_pages, max(frac_pages, math.ceil(_MIN_RECENT_TOKENS / page_size)))
+        # One more row than the pages hold in every buffer: the padding row, where the padding rows of a
+        # fixed-size (CUDA-graph) decode step write (deepseek_v4/graph_batch.py); no step reads it.
         rows = self.num_recent_pages * page_size
-        self.recent = [torch.zeros(rows, w, dtype=dtype, device=device) for w in layout.recent_row_dims]
-        self.k = self.v = [r.view(rows, 1, r.shape[1]) for r in self.recent]  # what generic code reads
-        entry_rows = [self.num_slots // self.entry_divisor(m) if m else 0 for m in layout.ratios]
+        self.pad_recent_slot = rows
+        self.recent = [torch.zeros(rows + 1, w, dtype=dtype, device=device) for w in layout.recent_row_dims]
+        self.k = self.v = [r.view(rows + 1, 1, r.shape[1]) for r in self.recent]  # what generic code reads
+        entry_rows = [self.num_slots // self.entry_divisor(m) + 1 if m else 0 for m in layout.ratios]
         fp8 = layout.is_fp8
         self.entries = [torch.zeros(n, 0 if fp8 else w, dtype=dtype, device=device)
                         for n, w in zip(entry_rows, layout.entry_dims)]
-        self.fp8_swa = [Fp8Rows.zeros(rows, layout.swa_dim, device) if fp8 else None for _ in layout.ratios]
+        self.fp8_swa = [Fp8Rows.zeros(rows + 1, layout.swa_dim, device) if fp8 else None for _ in layout.ratios]
         self.fp8_entry = [Fp8Rows.zeros(n, w - di, device) if fp8 and m else None
                           for n, w, di, m in zip(entry_rows, layout.entry_dims, layout.idx_entry_dims, layout.ratios)]
         self.fp8_idx_entry = [Fp8Rows.zeros(n, di, device) if fp8 and di else None
@@ -170,6 +173,10 @@ class V4Pool(KVPool):
 
     def entry_divisor(self, ratio: int) -> int:
         return min(ratio, self.page_size)
+
+    def pad_entry_row(self, ratio: int) -> int:
+        """The padding row of the entry buffers of layers of this ratio (see __init__)."""
+        return self.num_slots // self.entry_divisor(ratio)
 
     @property
     def num_recent_in_use(self) -> int:
@@ -228,7 +235,7 @@ class V4Pool(KVPool):
     def prepare(self, batch: ForwardBatch) -> list[torch.Tensor]:
         """Give the step's new tokens recent rows, pin checkpoints, release what no step needs any more;
         returns each sequence's recent slot of every position (valid from start - recent_tokens on)."""
-        ps, r = self.page_size, self.layout.recent_tokens
+        ps = self.page_size
         # Release scans start where this sequence's previous step stood (looked up by the page of its last
         # computed position; a miss scans a short way back and at worst keeps a page until the request ends).
         lasts = [slots[n - q - 1 : n - q] for q, n, slots in zip(batch.q_lens, batch.kv_lens, batch.kv_slots)]
@@ -236,11 +243,8 @@ class V4Pool(KVPool):
         spans, probes, at = [], [], 0
         for q_len, kv_len, slots in zip(batch.q_lens, batch.kv_lens, batch.kv_slots):
             start = kv_len - q_len
-            prev = start - _FALLBACK_LOOKBACK
-            if start > 0:
-                prev = min(prev, self._last_start.pop(last_pages[at], prev))
-                at += 1
-            lo = max(0, prev - r - self.layout.release_margin) // ps
+            lo = self._scan_start(start, last_pages[at] if start > 0 else None)
+            at += start > 0
             spans.append((lo, start, kv_len))
             probes.append(slots[lo * ps : kv_len : ps])
         ids = (torch.cat(probes) // ps).tolist() if probes else []
@@ -249,6 +253,29 @@ class V4Pool(KVPool):
             n = math.ceil(kv_len / ps) - lo
             seqs.append((lo, start, kv_len, ids[at : at + n]))
             at += n
+        self._track(seqs)
+        return [self.recent_of_t[s // ps] * ps + s % ps for s in batch.kv_slots]
+
+    def prepare_decode(self, page_lists: list[list[int]], positions: list[int]) -> None:
+        """`prepare`'s bookkeeping for a decode step (sequence i computes position positions[i] over its pages
+        page_lists[i]) from the host's page lists, reading nothing back from the device: what a CUDA-graph step
+        runs before its replay, whose indices come from `recent_of_t` and the page table on the device."""
+        ps, seqs = self.page_size, []
+        for pages, start in zip(page_lists, positions):
+            lo = self._scan_start(start, pages[(start - 1) // ps] if start > 0 else None)
+            seqs.append((lo, start, start + 1, pages[lo : start // ps + 1]))
+        self._track(seqs)
+
+    def _scan_start(self, start: int, last_page: int | None) -> int:
+        """First main page (index in the sequence's list) a step from `start` scans for release."""
+        prev = start - _FALLBACK_LOOKBACK
+        if last_page is not None:
+            prev = min(prev, self._last_start.pop(last_page, prev))
+        return max(0, prev - self.layout.recent_tokens - self.layout.release_margin) // self.page_size
+
+    def _track(self, seqs: list[tuple[int, int, int, list[int]]]) -> None:
+        """seqs: (lo, start, kv_len, pages lo .. of the sequence) per sequence of the step."""
+        ps, r = self.page_size, self.layout.recent_tokens
         needed: set[int] = set()
         for lo, start, kv_len, pages in seqs:
             first = max(0, start - r) // ps - lo
@@ -268,7 +295,6 @@ class V4Pool(KVPool):
             self._pin_checkpoints(lo, start, kv_len, pages)
             self._last_start[pages[-1]] = start
         self._sync()
-        return [self.recent_of_t[s // ps] * ps + s % ps for s in batch.kv_slots]
 
     def _pin_checkpoints(self, lo: int, start: int, kv_len: int, pages: list[int]) -> None:
         ps, r, every = self.page_size, self.layout.recent_tokens, self.layout.checkpoint_tokens
@@ -321,8 +347,13 @@ class V4Pool(KVPool):
     def _sync(self) -> None:
         if self._dirty:
             idx = np.fromiter(self._dirty, dtype=np.int64, count=len(self._dirty))
-            device = self.recent_of_t.device
-            self.recent_of_t[torch.from_numpy(idx).to(device)] = torch.from_numpy(self._recent_of[idx]).to(device)
+            stage = torch.from_numpy(np.stack([idx, self._recent_of[idx]]))
+            # On a GPU from pinned memory, without waiting: a pageable copy would wait for the queued steps (the
+            # host would stall under overlap, and a CUDA-graph step's host part must not sync). The caching host
+            # allocator keeps the pinned block until the copy has read it.
+            is_cuda = self.recent_of_t.is_cuda
+            dev = (stage.pin_memory() if is_cuda else stage).to(self.recent_of_t.device, non_blocking=is_cuda)
+            self.recent_of_t[dev[0]] = dev[1]
             self._dirty.clear()
 
     # ---- copies (n > 1 siblings fork a partly filled page) ----

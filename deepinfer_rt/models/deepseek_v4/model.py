@@ -28,6 +28,7 @@ from deepinfer_rt.models.deepseek_v4.attention import V4Attention
 from deepinfer_rt.models.deepseek_v4.batch import V4Batch, build_v4_batch
 from deepinfer_rt.models.deepseek_v4.cache import V4KVLayout, V4Pool
 from deepinfer_rt.models.deepseek_v4.common import SLIDING, PoolColumns, V4Config, V4RMSNorm, V4Rotary, recent_tokens
+from deepinfer_rt.models.deepseek_v4.graph_batch import StaticDecode
 from deepinfer_rt.models.deepseek_v4.moe import V4MoE
 from deepinfer_rt.models.base import CausalLM
 from deepinfer_rt.models.release_names import from_release_name
@@ -70,6 +71,7 @@ class V4Model(nn.Module):
         self.hc_head = HyperHead(cfg)
         self.query_block = 256
         """Most prefill queries of one sequence attended together (bounds the (Q, H, keys) score tensor)."""
+        self.ratios = cfg.ratios()
 
     def prepare_batch(self, batch: ForwardBatch) -> V4Batch:
         """The step's window, compressor and attention-group indices, shared by every layer (in the compact
@@ -81,7 +83,7 @@ class V4Model(nn.Module):
                               {m: pool.entry_divisor(m) for m in ratios})
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        vb: V4Batch = batch.model_meta  # DeepseekV4ForCausalLM.prepare_batch
+        vb: V4Batch = batch.model_meta.for_step()  # DeepseekV4ForCausalLM.prepare_batch / prepare_graph_batch
         x = self.embed_tokens(batch.input_ids)
         streams = x.unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()  # (T, N, D)
         for layer in self.layers:
@@ -90,12 +92,16 @@ class V4Model(nn.Module):
 
 
 class DeepseekV4ForCausalLM(CausalLM):
-    supports_cuda_graphs = False  # per-step window/compressor indices are built on the host each step
-
     def __init__(self, config: ModelConfig):
         super().__init__(config)
         self.model = V4Model(config, V4Config.from_model_config(config))
         self.head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.is_compact_pool = get_env().v4_kv_layout == "compact"
+
+    @property
+    def supports_cuda_graphs(self) -> bool:
+        """Decode steps of fixed shape (graph_batch.py) need the compact pool's padding rows."""
+        return self.is_compact_pool
 
     @staticmethod
     def kv_layout(config: ModelConfig) -> KVLayout:
@@ -120,6 +126,18 @@ class DeepseekV4ForCausalLM(CausalLM):
 
     def prepare_batch(self, batch: ForwardBatch) -> None:
         batch.model_meta = self.model.prepare_batch(batch)
+
+    def prepare_graph_batch(self, batch: ForwardBatch, seq_lens: torch.Tensor) -> None:
+        batch.model_meta = self.static_decode(batch, seq_lens)
+
+    def static_decode(self, batch: ForwardBatch, seq_lens: torch.Tensor) -> StaticDecode:
+        if not isinstance(batch.pool, V4Pool):
+            raise ValueError("fixed-shape DeepSeek-V4 decode steps need the compact KV pool")
+        return StaticDecode(batch.input_ids, batch.positions, seq_lens, batch.pages.table, batch.pages.rows,
+                            batch.pool, self.model.cfg.sliding_window, self.model.ratios)
+
+    def prepare_graph_step(self, pool, reqs: list, positions: list[int]) -> None:
+        pool.prepare_decode([r.pages for r in reqs], positions)
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         return self.model(batch)

@@ -62,9 +62,17 @@ class ClampedExperts(nn.Module):
         self.num_experts, self.limit = e, cfg.swiglu_limit
         self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h))
         self.down_proj = nn.Parameter(torch.empty(e, h, i))
-        self.method = v4_method(current_kernel_config())
-        self.weights_method = clamped_expert_weights_method(current_kernel_config())
+        config = current_kernel_config()
+        self.method = v4_method(config)
+        self.weights_method = clamped_expert_weights_method(config)
         self.weights_method.create_weights(self)
+        self.fused_moe = None
+        """CUDA (Triton, not batch-invariant), 16/32-bit experts: deepinfer_kernels.fused_moe with the clamp, which
+        sorts the pairs on the device (no expert counts read back: CUDA graphs capture it)."""
+        if config.is_triton and not config.is_batch_invariant and not self.weights_method.is_quantized:
+            from deepinfer_kernels.fused_moe import fused_moe  # Triton: CUDA builds only
+
+            self.fused_moe = fused_moe
 
     @torch.no_grad()
     def process_weights_after_loading(self) -> None:
@@ -78,6 +86,9 @@ class ClampedExperts(nn.Module):
         quantized (MXFP4 on CUDA) run their method's fused kernel instead."""
         if self.weights_method.is_quantized:
             return self.weights_method.apply(self, x, weights, ids)
+        if self.fused_moe is not None:
+            return self.fused_moe(x.contiguous(), self.gate_up_proj, self.down_proj, weights, ids,
+                                  swiglu_limit=self.limit)
         m, linear = self.method, self.method.linear.linear
         t, k = ids.shape
         flat = ids.flatten()

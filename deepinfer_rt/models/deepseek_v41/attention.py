@@ -60,6 +60,10 @@ class V41Step:
     keep: torch.Tensor | None = None
     """Those rows' indices among the step's tokens."""
 
+    def for_step(self) -> "V41Step":
+        """The step's metadata: built already (a CUDA-graph step's V41StaticDecode computes it here instead)."""
+        return self
+
 
 def kept_linear_method():
     """The compressor's wkv / wgate and the indexer's wk / weights_proj stay 16/32-bit in the release (no `.scale`

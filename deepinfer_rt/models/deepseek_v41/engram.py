@@ -113,6 +113,7 @@ class EngramHashing:
         self.lookup, self.pad = lookup, int(lookup[pad_token_id])
         half = max(1, (np.iinfo(np.int64).max // max(1, num_compressed)) // 2)
         used: set[int] = set()
+        self._device_copies: dict[torch.device, DeviceEngramHashing] = {}
         self.sizes, self.offsets, self.multipliers = {}, {}, {}
         for layer in layer_ids:
             sizes = []
@@ -141,6 +142,35 @@ class EngramHashing:
             j = slice((n - 2) * self.num_heads, (n - 1) * self.num_heads)
             out.append(self.offsets[layer][j] + mix[:, None] % self.sizes[layer][j])
         return np.concatenate(out, axis=1)
+
+    def on_device(self, device: torch.device) -> "DeviceEngramHashing":
+        """The same hashing as device tensors (fixed-shape decode steps: no host round trip), made once per device."""
+        cached = self._device_copies.get(device)
+        if cached is None:
+            cached = self._device_copies[device] = DeviceEngramHashing(self, device)
+        return cached
+
+
+class DeviceEngramHashing:
+    """EngramHashing.rows in torch int64 on one device (products stay below 2^63, as on the host: each multiplier
+    is below int64 max / the number of compressed ids)."""
+
+    def __init__(self, hashing: EngramHashing, device: torch.device):
+        self.max_ngram, self.num_heads, self.pad = hashing.max_ngram, hashing.num_heads, hashing.pad
+        self.lookup = torch.from_numpy(hashing.lookup).to(device)
+        tables = {layer: (hashing.multipliers[layer], hashing.offsets[layer], hashing.sizes[layer])
+                  for layer in hashing.sizes}
+        self.tables = {layer: tuple(torch.from_numpy(a).to(device) for a in t) for layer, t in tables.items()}
+
+    def rows(self, layer: int, history: torch.Tensor) -> torch.Tensor:
+        """history (T, max_ngram) int64 compressed ids, column k = k positions back -> (T, cols) table rows."""
+        m, offsets, sizes = self.tables[layer]
+        out, mix = [], history[:, 0] * m[0]
+        for n in range(2, self.max_ngram + 1):
+            mix = torch.bitwise_xor(mix, history[:, n - 1] * m[n - 1])
+            j = slice((n - 2) * self.num_heads, (n - 1) * self.num_heads)
+            out.append(offsets[j] + torch.remainder(mix[:, None], sizes[j]))
+        return torch.cat(out, dim=1)
 
 
 class Fp8EngramTable(nn.Module):

@@ -20,8 +20,10 @@ the expert choice of image-span rows only (vLLM's V4.1 MoE: rows whose input id 
 router: an image mask), and this text-only engine refuses prompts holding the image token. The drafter's stages do
 not use it (vLLM passes none to them): a drafter checkpoint carrying one is refused by name.
 
-Not covered by this slice: the vision tower (prompts holding the
-image token are refused), CUDA graphs.
+CUDA graphs: decode steps of fixed shape (V41StaticDecode over deepseek_v4/graph_batch.py, Engram rows hashed on the
+device), with the compact pool, device-resident Engram tables and no DSpark drafter attached.
+
+Not covered by this slice: the vision tower (prompts holding the image token are refused).
 
 Batch-invariant mode: every layer's numerics come from its method object (deepseek_v41/methods.py, V4's
 deepseek_v4/methods.py), chosen at build; the forward here holds no mode test.
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from dataclasses import dataclass
 from typing import Iterable, Iterator
 
 import numpy as np
@@ -44,13 +47,14 @@ from deepinfer_rt.layers.kernel_config import current_kernel_config
 from deepinfer_rt.models.deepseek_v4.batch import build_v4_batch
 from deepinfer_rt.models.deepseek_v4.cache import V4KVLayout, V4Pool
 from deepinfer_rt.models.deepseek_v4.common import V4RMSNorm, V4Rotary
+from deepinfer_rt.models.deepseek_v4.graph_batch import StaticDecode
 from deepinfer_rt.models.deepseek_v4.hyper_connections import HyperConnection, HyperHead
 from deepinfer_rt.models.deepseek_v4.methods import v4_method
 from deepinfer_rt.models.deepseek_v4.model import DeepseekV4ForCausalLM
 from deepinfer_rt.models.deepseek_v4.moe import ClampedExperts, SharedExpert, V4Router
 from deepinfer_rt.models.deepseek_v41.attention import V41Attention, V41Cols, V41Step, pool_width, recent_width
 from deepinfer_rt.models.deepseek_v41.config import V41Config, V41Layer
-from deepinfer_rt.models.deepseek_v41.engram import Engram, EngramHashing, tokenizer_vocabulary
+from deepinfer_rt.models.deepseek_v41.engram import DeviceEngramHashing, Engram, EngramHashing, tokenizer_vocabulary
 from deepinfer_rt.models.release_names import from_release_name
 
 _DIGITS = 3  # a compressed id kept as base-256 digits: exact in bf16 / fp16 / fp32 pools
@@ -66,6 +70,33 @@ def check_truncation(cfg: V41Config) -> None:
             if source is not None and source < cfg.n_prefill_layer:
                 raise ValueError(f"YOCO prefill truncation: consumer layer {spec.layer_id} reuses the {name} "
                                  f"selection of layer {source}, before the consumers")
+
+
+@dataclass
+class V41StaticDecode:
+    """A fixed-size decode step (deepseek_v4/graph_batch.py) plus V4.1's Engram rows, computed on the device: each
+    row's n-gram history from the compressed ids kept in the recent rows (pad before position 0)."""
+
+    v4: StaticDecode
+    hashing: DeviceEngramHashing | None
+    layer_ids: tuple[int, ...]
+    id_buf: torch.Tensor | None
+    """The first Engram layer's recent rows (their last _DIGITS columns hold the tokens' compressed ids)."""
+
+    def for_step(self) -> V41Step:
+        vb, ids = self.v4.for_step(), self.v4.input_ids
+        if self.hashing is None:
+            return V41Step(vb, {}, ids)
+        h, p = self.hashing, self.v4.positions
+        compressed = h.lookup[ids]
+        back = torch.arange(1, h.max_ngram, device=p.device)
+        earlier = p[:, None] - back  # (B, n - 1): column k - 1 = k positions back
+        ok = earlier >= 0
+        slots = self.v4.recent_slots(earlier.clamp(min=0), ok, 0)
+        digits = self.id_buf[slots, -_DIGITS:].float().round().long()
+        place = 256 ** torch.arange(_DIGITS, device=p.device)
+        history = torch.cat([compressed[:, None], torch.where(ok, (digits * place).sum(-1), h.pad)], dim=1)
+        return V41Step(vb, {layer: h.rows(layer, history) for layer in self.layer_ids}, compressed)
 
 
 class V41MoE(nn.Module):
@@ -222,8 +253,14 @@ class V41Model(nn.Module):
         rows = {layer: torch.from_numpy(self.hashing.rows(layer, hist)).to(device) for layer in self.cfg.engram_layer_ids}
         return V41Step(vb, rows, torch.from_numpy(compressed).to(device))
 
+    def static_decode(self, v4: StaticDecode) -> V41StaticDecode:
+        if self.hashing is None:
+            return V41StaticDecode(v4, None, (), None)
+        buf = V41Cols.of(v4.pool, self.cfg, self.cfg.engram_layer_ids[0]).recent
+        return V41StaticDecode(v4, self.hashing.on_device(buf.device), self.cfg.engram_layer_ids, buf)
+
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        step: V41Step = batch.model_meta
+        step: V41Step = batch.model_meta.for_step()  # prepare_batch / prepare_graph_batch
         pool = batch.pool
         if self.hashing is not None:  # keep the tokens' compressed ids for later steps' n-gram histories
             buf = V41Cols.of(pool, self.cfg, self.cfg.engram_layer_ids[0]).recent
@@ -260,6 +297,18 @@ class DeepseekV41ForCausalLM(DeepseekV4ForCausalLM):
         self.model = V41Model(config, self.v41)
         self.supports_overlap = self.model.hashing is None  # Engram hashes the step's token ids on the host
         self.head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.is_compact_pool = get_env().v4_kv_layout == "compact"
+
+    @property
+    def supports_cuda_graphs(self) -> bool:
+        """Fixed-shape decode steps (V41StaticDecode) need the compact pool; Engram tables in host memory gather
+        on the host, and a DSpark drafter's feature hook runs in Python, neither of which a graph replays."""
+        layers = self.model.layers
+        return (self.is_compact_pool and not any(l.engram is not None and l.engram.is_host_table for l in layers)
+                and all(l.capture is None for l in layers))
+
+    def prepare_graph_batch(self, batch: ForwardBatch, seq_lens: torch.Tensor) -> None:
+        batch.model_meta = self.model.static_decode(self.static_decode(batch, seq_lens))
 
     @staticmethod
     def kv_layout(config: ModelConfig) -> KVLayout:

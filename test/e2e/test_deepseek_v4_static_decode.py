@@ -1,0 +1,138 @@
+"""DeepSeek-V4 and V4.1 decode steps of fixed shape (models/deepseek_v4/graph_batch.py), run through the CUDA-graph
+runner uncaptured on the CPU (cuda_graph.py is_captured=False): the same greedy tokens and logprobs (fp32) as the
+eager steps over prompts of different lengths crossing sliding and compression windows, with pages, prefix-cache
+hits mid-window and retraction; and a fixed-shape step reads nothing back to the host (outside the CPU expert loop,
+which CUDA replaces by the fused MoE kernel)."""
+from __future__ import annotations
+
+import traceback
+
+import pytest
+import torch
+
+from deepinfer_rt import Engine, SamplingParams
+from deepinfer_rt.cuda_graph import CudaGraphRunner
+
+MAX_NEW = 9
+GREEDY = SamplingParams(max_new_tokens=MAX_NEW, temperature=0, logprobs=True, ignore_eos=True)
+
+
+def _ids(seed: int, n: int) -> list[int]:
+    return torch.randint(100, 20000, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+SHARED = _ids(100, 34)
+PROMPTS = [_ids(i, n) for i, n in enumerate((1, 3, 7, 12, 17))] + [
+    SHARED + _ids(10 + i, n - len(SHARED)) for i, n in enumerate((36, 43, 47))]
+
+
+def use_static_decode(engine: Engine, batch_sizes=(1, 2, 4, 8)) -> CudaGraphRunner:
+    """Give the engine's runner an uncaptured graph runner (before its first step): every decode batch that fits
+    then runs as a fixed-shape step."""
+    runner = engine.executor
+    graphs = CudaGraphRunner(engine.model, engine.pool, None, max(batch_sizes), engine.model_config.max_position,
+                             batch_sizes=batch_sizes, num_rows=runner.pages.table.shape[0], is_captured=False)
+    runner.graphs, runner.pages = graphs, graphs.pages
+    return graphs
+
+
+def _run(path, static: bool, rounds: int = 1, **kwargs):
+    kw = {"dtype": "float32", "kv_cache_tokens": 2048, "max_num_seqs": 8, **kwargs}
+    with Engine(str(path), **kw) as engine:
+        graphs = use_static_decode(engine) if static else None
+        outs = [engine.generate(input_ids=PROMPTS, sampling_params=GREEDY)]
+        if rounds == 2:  # prompts extended by 3 of their tokens: prefix hits that end mid-window
+            extended = [p + o.token_ids[:3] for p, o in zip(PROMPTS, outs[0])]
+            outs.append(engine.generate(input_ids=extended, sampling_params=GREEDY))
+        stats = {"retractions": engine.scheduler.num_retractions,
+                 "replays": graphs.num_replays if graphs else 0,
+                 "cached": sum(o.cached_tokens for r in outs for o in r)}
+    return outs, stats
+
+
+def _check_same(path, **kwargs):
+    want, _ = _run(path, static=False, **kwargs)
+    got, stats = _run(path, static=True, **kwargs)
+    assert stats["replays"] > 0
+    for w_round, g_round in zip(want, got):
+        for w, g in zip(w_round, g_round):
+            assert g.token_ids == w.token_ids
+            assert max(abs(a - b) for a, b in zip(g.logprobs, w.logprobs)) < 1e-4
+    return stats
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_v4_static_decode_equals_eager(tiny_v4_path, page_size):
+    _check_same(tiny_v4_path, page_size=page_size, chunked_prefill_tokens=13)
+
+
+def test_v4_static_decode_with_prefix_hits_and_retraction(tiny_v4_path, monkeypatch):
+    monkeypatch.setenv("DEEPINFER_V4_CHECKPOINT_TOKENS", "12")
+    stats = _check_same(tiny_v4_path, rounds=2, page_size=4, chunked_prefill_tokens=20)
+    assert stats["cached"] > 100
+    stats = _check_same(tiny_v4_path, kv_cache_tokens=120, chunked_prefill_tokens=32)
+    assert stats["retractions"] > 0
+
+
+@pytest.mark.parametrize("variant", ["a", "b"])
+def test_v41_static_decode_equals_eager(tiny_v41_paths, variant):
+    _check_same(tiny_v41_paths[variant], page_size=4 if variant == "a" else 1, chunked_prefill_tokens=11)
+
+
+def test_v41_static_decode_with_prefix_hits_and_retraction(tiny_v41_paths):
+    stats = _check_same(tiny_v41_paths["a"], rounds=2, chunked_prefill_tokens=20)
+    assert stats["cached"] > 100
+    stats = _check_same(tiny_v41_paths["a"], kv_cache_tokens=120, chunked_prefill_tokens=32)
+    assert stats["retractions"] > 0
+
+
+_HOST_READS = ("tolist", "item", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__")
+
+
+class _HostReadLog:
+    """Patches the Tensor methods that read a value back to the host: each call inside the block is logged with
+    the innermost deepinfer frame that made it."""
+
+    def __init__(self):
+        self.calls: list[str] = []
+        self.monkeypatch = pytest.MonkeyPatch()
+
+    def install(self):
+        for name in _HOST_READS:
+            inner = getattr(torch.Tensor, name)
+
+            def read(t, *args, _inner=inner, _name=name, **kwargs):
+                frames = [f for f in traceback.extract_stack()[:-1] if "deepinfer" in f.filename]
+                self.calls.append(f"{_name} at {frames[-1].filename}:{frames[-1].lineno}" if frames else _name)
+                return _inner(t, *args, **kwargs)
+
+            self.monkeypatch.setattr(torch.Tensor, name, read)
+
+    def uninstall(self):
+        self.monkeypatch.undo()
+
+
+@pytest.mark.parametrize("kind", ["v4", "v41"])
+def test_static_decode_step_reads_nothing_back(kind, tiny_v4_path, tiny_v41_paths):
+    path = tiny_v4_path if kind == "v4" else tiny_v41_paths["a"]
+    with Engine(str(path), dtype="float32", kv_cache_tokens=2048, max_num_seqs=8, page_size=4) as engine:
+        graphs = use_static_decode(engine)
+        log, model, steps = _HostReadLog(), engine.model, [0]
+        forward = model.forward
+
+        def guarded(batch):
+            if not any(batch is fb for fb in graphs._graphs.values()):
+                return forward(batch)  # an eager step
+            steps[0] += 1
+            log.install()
+            try:
+                return forward(batch)
+            finally:
+                log.uninstall()
+
+        model.forward = guarded
+        engine.generate(input_ids=PROMPTS, sampling_params=GREEDY)
+    assert steps[0] > 0
+    assert any("moe.py" in c for c in log.calls)  # the guard is live: it sees the CPU expert loop's counts
+    outside_moe = [c for c in log.calls if "moe.py" not in c]
+    assert outside_moe == [], outside_moe[:5]
