@@ -12,7 +12,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from deepinfer_rt.layers.methods import LinearMethod
+from deepinfer_rt.layers.kernel_config import KernelConfig
+from deepinfer_rt.layers.methods import LinearMethod, linear_method
 
 INT8_MM_MAX_ROWS = 16
 """Inputs of more rows (prefill chunks, large decode batches) multiply by the weight dequantized for the call:
@@ -100,3 +101,7 @@ class Int8Head(Int8WeightOnlyLinear):
             layer.int8_dense = dequantized(layer).to(layer.weight.dtype)
         return layer.int8_dense
 
+
+def head_method(config: KernelConfig) -> LinearMethod:
+    """The LM head's method: int8 under the weight-only quantizations (Int8Head), else the config's."""
+    return Int8Head() if config.quantization in ("int8", "q4_1") else linear_method(config)

@@ -102,15 +102,6 @@ def linear_method(config: KernelConfig) -> LinearMethod:
     return UnquantizedLinear()
 
 
-def head_method(config: KernelConfig) -> LinearMethod:
-    """The LM head's method: int8 under the weight-only quantizations (layers/int8.py Int8Head), else the config's."""
-    if config.quantization in ("int8", "q4_1"):
-        from deepinfer_rt.layers.int8 import Int8Head
-
-        return Int8Head()
-    return linear_method(config)
-
-
 # ---- per-head matmul (MLA's absorbed projections) ----
 
 class HeadMatmul:

@@ -29,7 +29,7 @@ from deepinfer_rt.cache.kv_pool import KVLayout
 from deepinfer_rt.config import ModelConfig
 from deepinfer_rt.forward_batch import ForwardBatch
 from deepinfer_rt.layers.kernel_config import current_kernel_config
-from deepinfer_rt.layers.methods import head_method
+from deepinfer_rt.layers.int8 import head_method
 
 
 class CausalLM(nn.Module):

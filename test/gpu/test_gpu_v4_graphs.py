@@ -65,6 +65,7 @@ def _generate(path, device: str, monkeypatch=None, **kwargs):
 
 
 def _check(path, monkeypatch):
+    monkeypatch.setenv("DEEPINFER_V4_CUDA_GRAPHS", "1")
     ref, _ = _generate(path, "cpu")
     graphed, runs = _generate(path, "cuda", monkeypatch)
     assert runs[0] > 0

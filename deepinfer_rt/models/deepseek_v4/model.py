@@ -96,12 +96,15 @@ class DeepseekV4ForCausalLM(CausalLM):
         super().__init__(config)
         self.model = V4Model(config, V4Config.from_model_config(config))
         self.head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.is_compact_pool = get_env().v4_kv_layout == "compact"
+        env = get_env()
+        self.is_compact_pool = env.v4_kv_layout == "compact"
+        self.is_graph_enabled = env.v4_cuda_graphs
 
     @property
     def supports_cuda_graphs(self) -> bool:
-        """Decode steps of fixed shape (graph_batch.py) need the compact pool's padding rows."""
-        return self.is_compact_pool
+        """Decode steps of fixed shape (graph_batch.py) need the compact pool's padding rows; captured only under
+        DEEPINFER_V4_CUDA_GRAPHS=1 until the GPU test has passed (env.py)."""
+        return self.is_compact_pool and self.is_graph_enabled
 
     @staticmethod
     def kv_layout(config: ModelConfig) -> KVLayout:

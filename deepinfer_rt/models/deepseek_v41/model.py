@@ -297,14 +297,17 @@ class DeepseekV41ForCausalLM(DeepseekV4ForCausalLM):
         self.model = V41Model(config, self.v41)
         self.supports_overlap = self.model.hashing is None  # Engram hashes the step's token ids on the host
         self.head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.is_compact_pool = get_env().v4_kv_layout == "compact"
+        env = get_env()
+        self.is_compact_pool = env.v4_kv_layout == "compact"
+        self.is_graph_enabled = env.v4_cuda_graphs
 
     @property
     def supports_cuda_graphs(self) -> bool:
         """Fixed-shape decode steps (V41StaticDecode) need the compact pool; Engram tables in host memory gather
-        on the host, and a DSpark drafter's feature hook runs in Python, neither of which a graph replays."""
+        on the host, and a DSpark drafter's feature hook runs in Python, neither of which a graph replays. Opt-in
+        (DEEPINFER_V4_CUDA_GRAPHS=1) as for V4."""
         layers = self.model.layers
-        return (self.is_compact_pool and not any(l.engram is not None and l.engram.is_host_table for l in layers)
+        return (self.is_compact_pool and self.is_graph_enabled and not any(l.engram is not None and l.engram.is_host_table for l in layers)
                 and all(l.capture is None for l in layers))
 
     def prepare_graph_batch(self, batch: ForwardBatch, seq_lens: torch.Tensor) -> None:
