@@ -60,6 +60,9 @@ class Req:
     penalty_state: Any = None
     """Device-side token counts for repetition / frequency / presence penalties (sampler.PenaltyState), grown
     step by step."""
+    draft_index: Any = None
+    """Speculation by prompt lookup: this request's n-grams, indexed as its tokens arrive
+    (speculative.drafter.NgramIndex)."""
     num_inflight_tokens: int = 0
     """Tokens sampled by a launched step whose ids are still on the device (overlap scheduling): counted in
     num_tokens, appended to token_ids when that step is completed."""
