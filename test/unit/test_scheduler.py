@@ -246,3 +246,41 @@ def test_prompt_larger_than_pool_and_budget_larger_than_pool_does_not_hang(page_
 
 
 # ---------------------------------------------------------------- n > 1: followers share the leader's prompt
+
+
+def test_waiting_prompts_are_not_matched_again_while_the_tree_is_unchanged():
+    """lpm orders the waiting queue by cached prefix every step. With the running slots full and 40 waiting
+    2K-token prompts (half share a cached 1.5K prefix), steady decode steps compare no prompt tokens against the
+    tree: each peek is remembered until the tree changes. The order stays the cached-prefix order."""
+    from deepinfer_rt.cache.radix_cache import RadixCache
+    from deepinfer_rt.scheduler.policy import order_waiting
+
+    eng = FakeEngine(num_pages=8192, max_num_seqs=2, policy="lpm", budget=4096)
+    eng.cache = eng.sched.cache = RadixCache(eng.pool.allocator, eng.page_size)
+    eng.check_ownership = lambda: None  # the tree holds page references too
+    shared = [(i * 7 + 3) % 997 for i in range(1536)]
+    warm = make_req(0, 1, prompt=shared + [5])
+    eng.add(warm)
+    while eng.sched.has_work:
+        eng.step()
+    running = [make_req(8, 60) for _ in range(2)]
+    eng.add(*running)
+    eng.step()  # both admitted: the slots are full from here on
+    waiting = [make_req(0, 4, prompt=(shared if i % 3 == 0 else []) + [(i * 13 + j) % 991 for j in range(512)])
+               for i in range(40)]
+    eng.add(*waiting)
+    per_step = []
+    for _ in range(6):
+        before = eng.cache.num_compared_tokens
+        eng.step()
+        per_step.append(eng.cache.num_compared_tokens - before)
+        assert all(r in eng.sched.waiting for r in waiting)
+    assert per_step[0] >= 14 * 1536 and per_step[1:] == [0] * 5, per_step
+
+    def fresh(r):
+        return eng.cache._walk(r.token_ids, (r.num_tokens - 1) // eng.page_size * eng.page_size, eng.cache.root, 0,
+                               split=False)[1]
+
+    ordered = order_waiting(list(eng.sched.waiting), "lpm", eng.cache, 10**6)
+    assert ordered == sorted(eng.sched.waiting, key=lambda r: -fresh(r))
+    assert [fresh(r) for r in ordered[:14]] == [1536] * 14
