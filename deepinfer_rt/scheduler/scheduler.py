@@ -33,10 +33,6 @@ class Scheduler:
         self.num_retractions = 0
         self.spec = spec
         """SpecDecoder when speculation is on: decoding requests then also verify drafts it plans."""
-        self._shared_prefixes: dict[tuple[int, int, int], bool] = {}
-        """(waiting rid, prefilling rid, cached length) -> whether the prompts agree past the cached prefix: a
-        waiting request is checked every step while the other prefills (its prompt is fixed meanwhile).
-        Cleared whenever a prefill completes (its entries are dead)."""
 
     def add(self, req: Req) -> None:
         self.waiting.append(req)
@@ -221,12 +217,7 @@ class Scheduler:
             n = min(len(tokens), other.prompt_len)
             if n - cached < threshold or tokens[cached + threshold - 1] != other.token_ids[cached + threshold - 1]:
                 continue
-            key = (req.rid, other.rid, cached)
-            shared = self._shared_prefixes.get(key)
-            if shared is None:
-                end = cached + threshold
-                shared = self._shared_prefixes[key] = tokens[:end] == other.token_ids[:end]
-            if shared:
+            if tokens[: cached + threshold] == other.token_ids[: cached + threshold]:
                 return True
         return False
 
@@ -260,10 +251,8 @@ class Scheduler:
         for i, item in enumerate(batch.items):
             req = item.req
             req.num_computed_tokens = item.start + item.num_input_tokens + (num_accepted or {}).get(i, 0)
-            if item.start < req.prompt_len <= req.num_computed_tokens:
-                self._shared_prefixes.clear()
-                if self.allocator.prefix_guard is not None:
-                    self.allocator.prefix_guard.keep_prompt(req.pages, req.prompt_len)  # resumable at its end
+            if self.allocator.prefix_guard is not None and item.start < req.prompt_len <= req.num_computed_tokens:
+                self.allocator.prefix_guard.keep_prompt(req.pages, req.prompt_len)  # resumable at its end
             if item.draft_tokens:
                 # Roll back rejected drafts: their KV is garbage, and pages past the verified tokens go back.
                 self.allocator.decref(req.cut_pages(_cdiv(req.num_computed_tokens, self.page_size)))

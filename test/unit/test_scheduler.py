@@ -284,3 +284,24 @@ def test_waiting_prompts_are_not_matched_again_while_the_tree_is_unchanged():
     ordered = order_waiting(list(eng.sched.waiting), "lpm", eng.cache, 10**6)
     assert ordered == sorted(eng.sched.waiting, key=lambda r: -fresh(r))
     assert [fresh(r) for r in ordered[:14]] == [1536] * 14
+
+
+def test_a_prompt_sharing_an_inflight_prefill_waits_for_it_and_hits_the_cache():
+    """Two prompts sharing 200 tokens, prefilled in 128-token chunks: the second, checked where the first's last
+    chunk leaves budget, waits for it, then starts from the cache (its remembered peek gave way to the first's
+    chunk inserts). The last prompt chunk is offered to the cache only at finish, so the hit is the first chunk."""
+    from deepinfer_rt.cache.radix_cache import RadixCache
+
+    eng = FakeEngine(num_pages=1024, policy="lpm", budget=128)
+    eng.cache = eng.sched.cache = RadixCache(eng.pool.allocator, eng.page_size)
+    eng.check_ownership = lambda: None  # the tree holds page references too
+    shared = [(i * 7 + 3) % 997 for i in range(200)]
+    first, second = make_req(0, 2, prompt=shared + [1, 2]), make_req(0, 2, prompt=shared + [3, 4, 5])
+    eng.add(first, second)
+    eng.step()
+    assert eng.sched.cache.peek(second) == 128
+    eng.step()  # the first's last chunk; 54 tokens of budget left, but the second waits for the shared part
+    assert second in eng.sched.waiting and first.num_computed_tokens == first.prompt_len
+    while eng.sched.has_work:
+        eng.step()
+    assert second.num_cached_tokens == 128 and second.output_ids == expected_output(second, 2)
