@@ -163,11 +163,10 @@ class ModelRunner:
 
     def build(self, batch: ScheduledBatch, prev: Launched | None = None) -> ForwardBatch:
         """The step's tensors. Host work is O(new tokens + new pages): each request's context is read through
-        its page table row on the device. (Without a free row, or under speculation, the slot lists are built on
-        the host.)"""
-        # Speculation rolls page lists back and regrows them between steps in ways the table's append-only
-        # bookkeeping does not yet follow (greedy drifted from the reference): its steps keep the host lists.
-        rows = None if self.spec is not None else self.pages.rows([it.req for it in batch.items])
+        its page table row on the device, speculative steps' too (drafts are new tokens; their pages, given back
+        when rejected, are cut in place and only the pages from the cut on are uploaded again). Without a free
+        row the slot lists are built on the host."""
+        rows = self.pages.rows([it.req for it in batch.items])
         if rows is None:
             return self._build_listed(batch, prev)
         positions, out_slots, q_lens, kv_lens = [], [], [], []

@@ -33,6 +33,10 @@ class Req:
     pages: list[int] = field(default_factory=list)
     spare_pages: list[int] = field(default_factory=list)
     """Pages taken ahead of need for decode locality (held, not yet covering tokens)."""
+    num_page_cuts: int = 0
+    """Times `pages` was cut short in place (`cut_pages`); with `num_pages_at_last_cut`, what lets a mirror of
+    the list (the device page table) keep its unchanged head instead of reading the whole list again."""
+    num_pages_at_last_cut: int = 0
     num_cached_tokens: int = 0
     """Prompt tokens whose KV came from the prefix cache or a sibling instead of being computed."""
     cache_node: Any = None
@@ -56,6 +60,9 @@ class Req:
     penalty_state: Any = None
     """Device-side token counts for repetition / frequency / presence penalties (sampler.PenaltyState), grown
     step by step."""
+    draft_index: Any = None
+    """Speculation by prompt lookup: this request's n-grams, indexed as its tokens arrive
+    (speculative.drafter.NgramIndex)."""
     num_inflight_tokens: int = 0
     """Tokens sampled by a launched step whose ids are still on the device (overlap scheduling): counted in
     num_tokens, appended to token_ids when that step is completed."""
@@ -95,6 +102,15 @@ class Req:
     @property
     def wants_prompt_logprobs(self) -> bool:
         return bool(self.params.prompt_logprobs) and len(self.prompt_logprobs) < self.prompt_len
+
+    def cut_pages(self, num_pages: int) -> list[int]:
+        """Cut `pages` to its first num_pages in place (speculation's rejected drafts); returns the pages cut."""
+        cut = self.pages[num_pages:]
+        if cut:
+            del self.pages[num_pages:]
+            self.num_page_cuts += 1
+            self.num_pages_at_last_cut = num_pages
+        return cut
 
     def finish(self, reason: str, error: str | None = None) -> None:
         self.status = ReqStatus.FINISHED

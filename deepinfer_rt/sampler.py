@@ -83,6 +83,28 @@ class PenaltyState:
             self.counts.index_add_(0, new[first_output:], torch.ones(len(new) - first_output, device=new.device))
         self.num_tokens = len(tokens)
 
+    def plus_outputs(self, tokens: tuple[int, ...]) -> "PenaltyState":
+        """A copy with `tokens` appended as outputs (a speculative verification row: its request's counts plus
+        the drafts before it), built on the device from this state and the few tokens."""
+        if not tokens:
+            return self
+        state = PenaltyState.__new__(PenaltyState)
+        new = to_device(list(tokens), torch.long, self.seen.device)
+        state.seen, state.counts = self.seen.clone(), self.counts.clone()
+        state.seen[new] = True
+        state.counts.index_add_(0, new, torch.ones(len(new), device=new.device))
+        state.num_tokens = self.num_tokens + len(tokens)
+        return state
+
+
+def _penalty_state(req: Req, logits: torch.Tensor) -> PenaltyState:
+    """req's counts, kept on req and caught up with its new tokens."""
+    state = req.penalty_state
+    if state is None or state.seen.device != logits.device or state.seen.shape[0] != logits.shape[1]:
+        state = req.penalty_state = PenaltyState(logits.shape[1], logits.device)
+    state.catch_up(req)
+    return state
+
 
 def apply_penalties(logits: torch.Tensor, reqs: list[Req]) -> None:
     for i, req in enumerate(reqs):
@@ -90,15 +112,12 @@ def apply_penalties(logits: torch.Tensor, reqs: list[Req]) -> None:
         wants_counts = (p.frequency_penalty != 0.0 or p.presence_penalty != 0.0) and req.num_output_tokens
         if p.repetition_penalty == 1.0 and not wants_counts:
             continue
-        # A request keeps its counts; a transient view of one (speculative verification's row with drafts
-        # appended) counts its tokens afresh.
-        is_req = isinstance(req, Req)
-        state = req.penalty_state if is_req else None
-        if state is None or state.seen.device != logits.device or state.seen.shape[0] != logits.shape[1]:
-            state = PenaltyState(logits.shape[1], logits.device)
-            if is_req:
-                req.penalty_state = state
-        state.catch_up(req)
+        # A request keeps its counts; a speculative verification row (speculative.verify.DraftRow) is its
+        # request's counts plus the drafts before it.
+        if isinstance(req, Req):
+            state = _penalty_state(req, logits)
+        else:
+            state = _penalty_state(req.req, logits).plus_outputs(req.drafts)
         if p.repetition_penalty != 1.0:
             row = logits[i]
             penalised = torch.where(row < 0, row * p.repetition_penalty, row / p.repetition_penalty)

@@ -4,7 +4,8 @@ A decode step grows a request by at most a page, so rebuilding its page (or slot
 would cost O(context) per request per step: a 32K-token request at page size 1 is 32K entries to build and
 upload for one new token. Instead each request owns a row of this persistent table and only the pages added
 since its last step are uploaded (append-only); a request whose page list was replaced (retracted and
-re-admitted, drafts rolled back and regrown) is uploaded again whole, once.
+re-admitted) is uploaded again whole, once. A list cut in place (speculation gives the pages of rejected drafts
+back, `Req.cut_pages`) and regrown keeps its head: only pages from the cut on are uploaded again.
 
 The width is sized by the pool, never by a fixed context: a row holds `pages_per_request` pages, the most one
 request can hold (its context limit, or every page of the pool), so every context the pool can hold is
@@ -37,7 +38,10 @@ class _Entry:
     """The request's page list object when uploaded (identity tells a replaced list from an extended one)."""
     uploaded: int
     last_page: int
-    """pages[uploaded - 1] when uploaded (-1 if none): a list cut and regrown to the same length differs here."""
+    """pages[uploaded - 1] when uploaded (-1 if none): a list cut and regrown to the same length outside
+    `Req.cut_pages` differs here (a safety net; every cut in place goes through it)."""
+    num_cuts: int
+    """req.num_page_cuts when uploaded."""
 
 
 @dataclass
@@ -108,9 +112,16 @@ class PageTable:
                 raise ValueError(f"request {r.rid} holds {n} pages, past the page table's {self.width} per row")
             e = self._entries.get(r.rid)
             if e is None:
-                e = self._entries[r.rid] = _Entry(r, self._free.pop(), pages, 0, -1)
-            elif e.pages is not pages or n < e.uploaded or (e.uploaded and pages[e.uploaded - 1] != e.last_page):
-                e.pages, e.uploaded = pages, 0
+                e = self._entries[r.rid] = _Entry(r, self._free.pop(), pages, 0, -1, r.num_page_cuts)
+            elif e.pages is not pages:
+                e.pages, e.uploaded, e.num_cuts = pages, 0, r.num_page_cuts
+            elif e.num_cuts != r.num_page_cuts:
+                # Cut once since the upload: the head before the cut still holds. More than once: the lowest
+                # cut is unknown, upload it all.
+                e.uploaded = min(e.uploaded, r.num_pages_at_last_cut) if r.num_page_cuts == e.num_cuts + 1 else 0
+                e.num_cuts, e.last_page = r.num_page_cuts, pages[e.uploaded - 1] if e.uploaded else -1
+            if n < e.uploaded or (e.uploaded and pages[e.uploaded - 1] != e.last_page):
+                e.uploaded = 0
             if n > e.uploaded:
                 starts.append(e.row * self.width + e.uploaded)
                 runs.append(pages[e.uploaded:])

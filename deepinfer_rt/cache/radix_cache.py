@@ -49,6 +49,12 @@ class RadixCache(PrefixCache):
         self.num_query_tokens = 0
         self.num_evicted_pages = 0
         """Pages evict() took out of the tree (freed, or left to the requests still holding them)."""
+        self.num_compared_tokens = 0
+        """Tokens of requests compared with node keys so far (a counter the host-work tests read)."""
+        self._peeked: dict[int, tuple[int, int]] = {}
+        """rid -> (num_tokens, peek length) since the tree last changed its spelling (a node added or removed;
+        splits spell the same prefixes): waiting requests are ordered every step, re-walking each prompt would
+        be O(prompt) per waiting request per step."""
 
     # ---- contract ----
     def match(self, req: Req) -> tuple[list[int], int]:
@@ -70,7 +76,14 @@ class RadixCache(PrefixCache):
         return pages, num_matched
 
     def peek(self, req: Req) -> int:
-        return self._walk(req.token_ids, self._restorable_limit(req), self.root, 0, split=False)[1]
+        if self.allocator.prefix_guard is not None:  # the guard's state moves without the tree: no memo
+            return self._walk(req.token_ids, self._restorable_limit(req), self.root, 0, split=False)[1]
+        memo = self._peeked.get(req.rid)
+        if memo is not None and memo[0] == req.num_tokens:
+            return memo[1]
+        num_matched = self._walk(req.token_ids, self._restorable_limit(req), self.root, 0, split=False)[1]
+        self._peeked[req.rid] = (req.num_tokens, num_matched)
+        return num_matched
 
     def _restorable_limit(self, req: Req) -> int:
         """Page-aligned bound of a match: the last token is always computed (its logits give the next token),
@@ -103,6 +116,7 @@ class RadixCache(PrefixCache):
             self.allocator.incref(leaf.pages)
             node.children[leaf.key[: self.page_size]] = leaf
             self._num_cached_pages += len(leaf.pages)
+            self._peeked.clear()
             node = leaf
         self._touch(node)
         self._lock(node)
@@ -111,6 +125,7 @@ class RadixCache(PrefixCache):
         req.cache_node, req.num_locked_tokens = node, end
 
     def release(self, req: Req) -> None:
+        self._peeked.pop(req.rid, None)
         if req.cache_node is not None:
             self._unlock(req.cache_node)
         req.cache_node, req.num_locked_tokens = None, 0
@@ -186,6 +201,7 @@ class RadixCache(PrefixCache):
     def _shared_len(self, key: tuple[int, ...], token_ids: list[int], pos: int, limit: int) -> int:
         """Length of the common prefix of `key` and token_ids[pos:limit], rounded down to whole pages."""
         n = min(len(key), limit - pos)
+        self.num_compared_tokens += n
         if key[:n] == tuple(token_ids[pos : pos + n]):
             return n
         i = next(i for i in range(n) if key[i] != token_ids[pos + i])
@@ -232,6 +248,7 @@ class RadixCache(PrefixCache):
     def _remove_subtree(self, top: TreeNode) -> None:
         """Detach `top` from its parent and drop the tree's references on every page below it."""
         del top.parent.children[top.key[: self.page_size]]
+        self._peeked.clear()
         stack = [top]
         while stack:
             node = stack.pop()

@@ -255,9 +255,7 @@ class Scheduler:
                 self.allocator.prefix_guard.keep_prompt(req.pages, req.prompt_len)  # resumable at its end
             if item.draft_tokens:
                 # Roll back rejected drafts: their KV is garbage, and pages past the verified tokens go back.
-                keep = _cdiv(req.num_computed_tokens, self.page_size)
-                self.allocator.decref(req.pages[keep:])
-                del req.pages[keep:]
+                self.allocator.decref(req.cut_pages(_cdiv(req.num_computed_tokens, self.page_size)))
             if req.num_computed_tokens < req.num_tokens:
                 self.cache.insert(req, req.num_computed_tokens)  # a long prompt is reusable chunk by chunk
 

@@ -10,6 +10,7 @@ to date and prepare the next proposals; request-local drafters (prompt lookup) c
 """
 from __future__ import annotations
 
+import bisect
 import dataclasses
 from dataclasses import dataclass
 
@@ -60,7 +61,10 @@ class PromptLookupDrafter(Drafter):
         self.min_ngram, self.max_ngram = min_ngram, max_ngram
 
     def propose(self, req: Req, k: int) -> Proposal | None:
-        tokens = self.continuation(req.token_ids, k)
+        index = req.draft_index
+        if index is None or index.min_ngram != self.min_ngram or index.max_ngram != self.max_ngram:
+            index = req.draft_index = NgramIndex(self.min_ngram, self.max_ngram)
+        tokens = index.continuation(req.token_ids, k)
         if not tokens:
             return None
         rate = (req.num_accepted_tokens + 1) / (req.num_draft_tokens + 2)
@@ -68,6 +72,45 @@ class PromptLookupDrafter(Drafter):
 
     def continuation(self, token_ids: list[int], k: int) -> list[int]:
         return find_continuation(token_ids, k, self.min_ngram, self.max_ngram)
+
+
+class NgramIndex:
+    """One request's n-grams, indexed as its tokens arrive: `continuation` equals find_continuation over the
+    same tokens, with work per call proportional to the tokens added since the last call (times the n-gram
+    lengths), never to the context (a numpy scan of a 32K-token context every step is O(context) host work).
+
+    starts[n][gram] lists, ascending, each start s of an occurrence of `gram` (n tokens) that ends before the
+    last token (s + n <= len(tokens) - 1): the candidate matches of the suffix n-gram."""
+
+    def __init__(self, min_ngram: int, max_ngram: int):
+        self.min_ngram, self.max_ngram = min_ngram, max_ngram
+        self.starts: dict[int, dict[tuple[int, ...], list[int]]] = {n: {} for n in range(min_ngram, max_ngram + 1)}
+        self.num_indexed = 0
+        """Tokens covered: every n-gram ending within token_ids[:num_indexed] is listed."""
+
+    def _extend(self, token_ids: list[int], end: int) -> None:
+        for e in range(self.num_indexed + 1, end + 1):  # n-grams ending at position e - 1
+            for n, starts in self.starts.items():
+                if e >= n:
+                    starts.setdefault(tuple(token_ids[e - n : e]), []).append(e - n)
+        self.num_indexed = max(self.num_indexed, end)
+
+    def continuation(self, token_ids: list[int], k: int) -> list[int]:
+        num = len(token_ids)
+        if num < self.num_indexed:  # the list was replaced by a shorter one: index it again
+            self.starts = {n: {} for n in self.starts}
+            self.num_indexed = 0
+        if num < 2 or k <= 0:
+            return []
+        self._extend(token_ids, num - 1)
+        for n in range(min(self.max_ngram, num - 1), self.min_ngram - 1, -1):
+            starts = self.starts[n].get(tuple(token_ids[num - n :]))
+            if starts:
+                # The latest match with k tokens after it (s + n + k <= num), else the latest match.
+                i = bisect.bisect_right(starts, num - n - k)
+                start = (starts[i - 1] if i else starts[-1]) + n
+                return token_ids[start : start + k]
+        return []
 
 
 def find_continuation(token_ids: list[int], k: int, min_ngram: int, max_ngram: int) -> list[int]:

@@ -29,21 +29,15 @@ _ACCEPT_SALT = 0x5BD1E9955BD1E995
 
 
 class DraftRow:
-    """Request state seen by the sampler at verification row j: req's tokens plus the first j drafts."""
+    """Request state seen by the sampler at verification row j: req's tokens plus the first j drafts. Nothing of
+    the context is copied: the sampler's penalties read req's device-side counts plus `drafts`."""
 
-    __slots__ = ("params", "seed", "grammar", "token_ids", "prompt_len")
+    __slots__ = ("req", "drafts", "params", "seed", "grammar", "prompt_len", "num_output_tokens")
 
-    def __init__(self, req: Req, drafts: list[int], grammar):
-        self.params, self.seed, self.grammar, self.prompt_len = req.params, req.seed, grammar, req.prompt_len
-        self.token_ids = req.token_ids + drafts if drafts else req.token_ids
-
-    @property
-    def num_output_tokens(self) -> int:
-        return len(self.token_ids) - self.prompt_len
-
-    @property
-    def output_ids(self) -> list[int]:
-        return self.token_ids[self.prompt_len :]
+    def __init__(self, req: Req, drafts: tuple[int, ...], grammar):
+        self.req, self.drafts, self.grammar = req, drafts, grammar
+        self.params, self.seed, self.prompt_len = req.params, req.seed, req.prompt_len
+        self.num_output_tokens = req.num_output_tokens + len(drafts)
 
 
 def num_grammar_valid(req: Req, tokens: list[int]) -> int:
@@ -58,9 +52,9 @@ def num_grammar_valid(req: Req, tokens: list[int]) -> int:
     return len(tokens)
 
 
-def draft_rows(req: Req, drafts: list[int]) -> list[DraftRow]:
+def draft_rows(req: Req, drafts: tuple[int, ...] | list[int]) -> list[DraftRow]:
     """Rows 0 .. len(drafts); constrained rows carry the grammar advanced through their drafts."""
-    drafts = list(drafts)
+    drafts = tuple(drafts)
     grammars = [req.grammar]
     if req.grammar is not None:
         fork = req.grammar.fork()

@@ -18,6 +18,8 @@ import pytest
 import torch
 
 from deepinfer_rt import Engine, SamplingParams
+from deepinfer_rt.speculative import SpeculativeConfig
+from deepinfer_rt.speculative.drafter import Drafter, Proposal
 
 LONG = 4096
 
@@ -99,11 +101,15 @@ class _Conversions:
         torch.tensor, np.fromiter = self._tensor, self._fromiter
 
 
-def _decode_step_work(engine: Engine, context: int) -> tuple[int, int, int, int]:
+DECODE = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True, stop=["never here"],
+                        repetition_penalty=1.1, logprobs=True)
+
+
+def _decode_step_work(engine: Engine, context: int, params: SamplingParams = DECODE, num_emitted: int = 1
+                      ) -> tuple[int, int, int, int]:
     """(Python lines of deepinfer_rt run, peak bytes of Python allocations, pages uploaded, host values made
-    tensors) in one decode step of a batch of two requests at `context` tokens, once both are decoding."""
-    params = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True, stop=["never here"],
-                            repetition_penalty=1.1, logprobs=True)
+    tensors) in one decode step of a batch of two requests at `context` tokens, once both are decoding; each
+    request emits `num_emitted` tokens in it."""
     with engine.hold_loop():
         reqs = [engine.add_request(_prompt(context, s), params)[0] for s in (5, 6)]
         while not all(r.num_output_tokens >= 2 for r in reqs):
@@ -131,7 +137,8 @@ def _decode_step_work(engine: Engine, context: int) -> tuple[int, int, int, int]
             peak = tracemalloc.get_traced_memory()[1] - base
             tracemalloc.stop()
         uploaded = engine.executor.stats()["num_uploaded_pages"] - uploaded
-        assert [r.num_output_tokens for r in reqs] == [n + 1 for n in before] and not any(r.is_finished for r in reqs)
+        assert [r.num_output_tokens for r in reqs] == [n + num_emitted for n in before], (before, reqs)
+        assert not any(r.is_finished for r in reqs)
         while not all(r.is_finished for r in reqs):
             engine.step()
     return lines[0], peak, uploaded, conversions.num_values
@@ -148,6 +155,53 @@ def test_decode_step_host_work_does_not_grow_with_context(long_llama, single_thr
     lines_short, peak_short, up_short, values_short = short
     lines_long, peak_long, up_long, values_long = long
     assert up_short == up_long == 2, (short, long)
+    assert values_long == values_short, (short, long)
+    assert lines_long <= lines_short * 1.05 + 20, (short, long)
+    assert peak_long <= peak_short + 16 * 1024, (short, long)
+
+
+class _KnownContinuation(Drafter):
+    """Drafts the continuation a plain greedy run produced (recorded by prompt), so every draft is accepted and
+    a step emits the same number of tokens at any context."""
+
+    def __init__(self, num_draft: int):
+        self.num_draft = num_draft
+        self.continuations: dict[tuple[int, ...], list[int]] = {}
+
+    def propose(self, req, k):
+        done = self.continuations.get(tuple(req.prompt_ids[:16]))
+        if done is None:
+            return None
+        tokens = done[req.num_output_tokens : req.num_output_tokens + k]
+        return Proposal(tokens, [1.0] * len(tokens), None, req.num_tokens) if tokens else None
+
+
+SPEC_DECODE = SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True, stop=["never here"],
+                             repetition_penalty=1.1)
+
+
+def _spec_step_work(engine: Engine, drafter: _KnownContinuation, context: int) -> tuple[int, int, int, int]:
+    """_decode_step_work for a step verifying num_draft drafts per request, all accepted (the prompts' plain
+    greedy continuation is recorded first, drafts off; the measured run reuses the prompts' cached KV)."""
+    for s in (5, 6):
+        prompt = _prompt(context, s)
+        out = engine.generate(input_ids=[prompt], sampling_params=SPEC_DECODE)[0]
+        drafter.continuations[tuple(prompt[:16])] = out.token_ids
+    return _decode_step_work(engine, context, SPEC_DECODE, num_emitted=drafter.num_draft + 1)
+
+
+def test_speculative_step_host_work_does_not_grow_with_context(long_llama, single_thread):
+    """As above for a step that verifies 3 drafts per request: its tokens, slots, penalties and verification
+    rows are the batch's new tokens; nothing of the context is built on the host."""
+    drafter = _KnownContinuation(num_draft=3)
+    spec = SpeculativeConfig(drafter=drafter, max_draft=3, fixed_length=True)
+    with Engine(str(long_llama), dtype="float32", kv_cache_tokens=2 * 8192 + 256, max_num_seqs=2,
+                chunked_prefill_tokens=8192, enable_prefix_cache=True, speculative=spec) as engine:
+        short = _spec_step_work(engine, drafter, 256)
+        long = _spec_step_work(engine, drafter, 8192)
+    lines_short, peak_short, up_short, values_short = short
+    lines_long, peak_long, up_long, values_long = long
+    assert up_long == up_short == 2 * 4, (short, long)  # page size 1: a page per verified token
     assert values_long == values_short, (short, long)
     assert lines_long <= lines_short * 1.05 + 20, (short, long)
     assert peak_long <= peak_short + 16 * 1024, (short, long)

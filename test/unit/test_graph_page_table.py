@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from deepinfer_rt.cache.page_table import PageTable, pages_per_request
@@ -138,3 +138,53 @@ def test_a_list_cut_and_regrown_to_the_same_length_is_uploaded_again():
     a.pages.extend([8, 9])
     table.rows([a])
     assert _row(table, row, 3) == [1, 8, 9]
+
+
+def test_a_cut_list_uploads_only_from_the_cut_on():
+    """Speculation gives rejected drafts' pages back (Req.cut_pages) and regrows the list, possibly with the
+    very page it gave back at the old last position: the head is kept, everything from the cut is uploaded."""
+    table = PageTable(num_rows=1, width=16, device=torch.device("cpu"))
+    a = _req(0, [1, 2, 3, 4, 5])
+    (row,) = table.rows([a])
+    assert a.cut_pages(2) == [3, 4, 5]
+    a.pages.extend([7, 8, 5])  # same length, same last page as uploaded, other pages in between
+    table.table[row, 0] = -1  # a re-uploaded head would overwrite this
+    before = table.num_uploaded_pages
+    table.rows([a])
+    assert _row(table, row, 5) == [-1, 2, 7, 8, 5]
+    assert table.num_uploaded_pages - before == 3
+    a.cut_pages(4)  # cut, then read before regrowing: nothing to upload; the next growth uploads only itself
+    table.rows([a])
+    a.pages.append(9)
+    before = table.num_uploaded_pages
+    table.rows([a])
+    assert _row(table, row, 5) == [-1, 2, 7, 8, 9] and table.num_uploaded_pages - before == 1
+    a.cut_pages(3)
+    a.pages.append(4)
+    a.cut_pages(1)  # two cuts between reads: the lower one is unknown to the table, so it uploads the list
+    a.pages.extend([6, 8])
+    table.rows([a])
+    assert _row(table, row, 3) == [1, 6, 8]
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 3), st.sampled_from(["grow", "cut", "replace"]),
+                          st.lists(st.integers(0, 3), max_size=4), st.booleans()), min_size=1, max_size=20))
+@example([(0, "grow", [0, 1, 2], True), (0, "cut", [0, 0], False), (0, "grow", [3, 2], True)])
+def test_rows_hold_every_page_list_after_cuts_and_regrowth(ops):
+    """Grows, in-place cuts and replacements, with page ids from a small range so that a regrown list often
+    reuses the pages it gave back; after any rows() call every request's row spells its whole list."""
+    table = PageTable(num_rows=4, width=128, device=torch.device("cpu"))
+    reqs = [_req(i, []) for i in range(4)]
+    for rid, kind, pages, read in ops:
+        req = reqs[rid]
+        if kind == "grow":
+            req.pages.extend(pages)
+        elif kind == "cut":
+            req.cut_pages(max(len(req.pages) - len(pages), 0))
+        else:
+            req.pages = list(pages)
+        if read:
+            live = [r for r in reqs if r.pages]
+            for r, row in zip(live, table.rows(live)):
+                assert _row(table, row, len(r.pages)) == r.pages

@@ -171,6 +171,23 @@ def test_peek_has_no_side_effects():
     assert cache.stats() == counters
 
 
+def test_a_remembered_peek_follows_inserts_and_evictions_and_walks_nothing_meanwhile():
+    """A waiting request is peeked every step (lpm order): the answer is remembered until the tree changes
+    (a node added or removed), so repeated peeks compare no tokens; a split changes nothing it spells."""
+    allocator, cache, ledger = setup(64, 1)
+    run_prompt(cache, ledger, range(20))
+    waiting = make_req(list(range(30)) + [99])
+    assert cache.peek(waiting) == 20
+    compared = cache.num_compared_tokens
+    assert [cache.peek(waiting) for _ in range(5)] == [20] * 5 and cache.num_compared_tokens == compared
+    run_prompt(cache, ledger, list(range(10)) + [7, 7])  # splits the node at 10 and adds a branch
+    assert cache.peek(waiting) == 20
+    run_prompt(cache, ledger, range(28))  # extends the path the waiting request follows
+    assert cache.peek(waiting) == 28
+    cache.evict(64)
+    assert cache.peek(waiting) == 0
+
+
 def test_chunked_inserts_are_idempotent_and_move_the_lock_down():
     allocator, cache, ledger = setup(32, 4)
     req = make_req(range(14))
@@ -279,6 +296,8 @@ class RadixCacheMachine(RuleBasedStateMachine):
         self.requests: list[Req] = []
         self.history: list[list[int]] = []
         """Every sequence admitted so far; new ones often extend or branch off them, as prompts do."""
+        self.waiting: list[Req] = []
+        """Requests peeked (never admitted), peeked again later."""
 
     def _draw_tokens(self, data) -> list[int]:
         if not self.history or data.draw(st.booleans()):
@@ -359,6 +378,14 @@ class RadixCacheMachine(RuleBasedStateMachine):
         assert self.cache.peek(req) == self._longest_cached(req)
         assert [self.allocator.refcount(p) for p in range(self.allocator.num_pages)] == refs
         assert [(id(n), path) for n, path in tree_nodes(self.cache)] == shape
+        self.waiting.append(req)
+
+    @rule(data=st.data())
+    def peek_again(self, data):
+        """A waiting request is ordered every step: its remembered peek must follow every change of the tree."""
+        if self.waiting:
+            req = data.draw(st.sampled_from(self.waiting))
+            assert self.cache.peek(req) == self._longest_cached(req)
 
     @rule(num_pages=st.integers(0, 24))
     def evict(self, num_pages):

@@ -246,3 +246,62 @@ def test_prompt_larger_than_pool_and_budget_larger_than_pool_does_not_hang(page_
 
 
 # ---------------------------------------------------------------- n > 1: followers share the leader's prompt
+
+
+def test_waiting_prompts_are_not_matched_again_while_the_tree_is_unchanged():
+    """lpm orders the waiting queue by cached prefix every step. With the running slots full and 40 waiting
+    2K-token prompts (half share a cached 1.5K prefix), steady decode steps compare no prompt tokens against the
+    tree: each peek is remembered until the tree changes. The order stays the cached-prefix order."""
+    from deepinfer_rt.cache.radix_cache import RadixCache
+    from deepinfer_rt.scheduler.policy import order_waiting
+
+    eng = FakeEngine(num_pages=8192, max_num_seqs=2, policy="lpm", budget=4096)
+    eng.cache = eng.sched.cache = RadixCache(eng.pool.allocator, eng.page_size)
+    eng.check_ownership = lambda: None  # the tree holds page references too
+    shared = [(i * 7 + 3) % 997 for i in range(1536)]
+    warm = make_req(0, 1, prompt=shared + [5])
+    eng.add(warm)
+    while eng.sched.has_work:
+        eng.step()
+    running = [make_req(8, 60) for _ in range(2)]
+    eng.add(*running)
+    eng.step()  # both admitted: the slots are full from here on
+    waiting = [make_req(0, 4, prompt=(shared if i % 3 == 0 else []) + [(i * 13 + j) % 991 for j in range(512)])
+               for i in range(40)]
+    eng.add(*waiting)
+    per_step = []
+    for _ in range(6):
+        before = eng.cache.num_compared_tokens
+        eng.step()
+        per_step.append(eng.cache.num_compared_tokens - before)
+        assert all(r in eng.sched.waiting for r in waiting)
+    assert per_step[0] >= 14 * 1536 and per_step[1:] == [0] * 5, per_step
+
+    def fresh(r):
+        return eng.cache._walk(r.token_ids, (r.num_tokens - 1) // eng.page_size * eng.page_size, eng.cache.root, 0,
+                               split=False)[1]
+
+    ordered = order_waiting(list(eng.sched.waiting), "lpm", eng.cache, 10**6)
+    assert ordered == sorted(eng.sched.waiting, key=lambda r: -fresh(r))
+    assert [fresh(r) for r in ordered[:14]] == [1536] * 14
+
+
+def test_a_prompt_sharing_an_inflight_prefill_waits_for_it_and_hits_the_cache():
+    """Two prompts sharing 200 tokens, prefilled in 128-token chunks: the second, checked where the first's last
+    chunk leaves budget, waits for it, then starts from the cache (its remembered peek gave way to the first's
+    chunk inserts). The last prompt chunk is offered to the cache only at finish, so the hit is the first chunk."""
+    from deepinfer_rt.cache.radix_cache import RadixCache
+
+    eng = FakeEngine(num_pages=1024, policy="lpm", budget=128)
+    eng.cache = eng.sched.cache = RadixCache(eng.pool.allocator, eng.page_size)
+    eng.check_ownership = lambda: None  # the tree holds page references too
+    shared = [(i * 7 + 3) % 997 for i in range(200)]
+    first, second = make_req(0, 2, prompt=shared + [1, 2]), make_req(0, 2, prompt=shared + [3, 4, 5])
+    eng.add(first, second)
+    eng.step()
+    assert eng.sched.cache.peek(second) == 128
+    eng.step()  # the first's last chunk; 54 tokens of budget left, but the second waits for the shared part
+    assert second in eng.sched.waiting and first.num_computed_tokens == first.prompt_len
+    while eng.sched.has_work:
+        eng.step()
+    assert second.num_cached_tokens == 128 and second.output_ids == expected_output(second, 2)

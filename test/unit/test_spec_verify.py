@@ -80,3 +80,25 @@ def test_greedy_accepts_longest_matching_prefix():
     for drafts, expected in cases.items():
         (out,) = verify(logits, draft_rows(req, list(drafts)), [(req, Proposal(list(drafts), [1.0] * 3))])
         assert out == expected
+
+
+def test_draft_rows_penalise_as_the_request_with_its_drafts_appended():
+    """Row j's penalties are its request's device counts plus drafts[:j]: the same logits as a request whose
+    tokens already hold them (repetition, frequency and presence alike), after the request's state was used."""
+    from deepinfer_rt.sampler import apply_penalties
+
+    params = SamplingParams(temperature=0.0, repetition_penalty=1.4, frequency_penalty=0.3, presence_penalty=0.2)
+    req = Req(0, [1, 2, 3], params, 0)
+    req.token_ids += [4, 5]
+    drafts = (5, 6, 6)
+    logits = torch.randn(len(drafts) + 1, V, generator=torch.Generator().manual_seed(1))
+    apply_penalties(logits[:1].clone(), [req])  # the request's own counts exist before verification
+    got = logits.clone()
+    apply_penalties(got, draft_rows(req, drafts))
+    for j in range(len(drafts) + 1):
+        plain = Req(1, [1, 2, 3], params, 0)
+        plain.token_ids += [4, 5, *drafts[:j]]
+        want = logits[j : j + 1].clone()
+        apply_penalties(want, [plain])
+        torch.testing.assert_close(got[j : j + 1], want, rtol=0, atol=0)
+    assert req.penalty_state.num_tokens == 5  # the rows did not write their drafts into the request's counts
