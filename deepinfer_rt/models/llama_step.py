@@ -4,7 +4,7 @@ Chosen once from the KernelConfig when the model is built (`llama_step_method`):
 
     ModuleStep   the shared blocks as modules (models/blocks.py): the reference, and every device and mode
     CpuStep      CPU, not batch-invariant, unquantized, int8 or Q4_1 weights (DEEPINFER_CPU_FAST_STEP, on by default)
-    CompiledCpuStep  the same, dense weights, compiled between attention calls (DEEPINFER_CPU_COMPILE;
+    CompiledCpuStep  the same, compiled between attention calls (DEEPINFER_CPU_COMPILE;
                  models/llama_compiled.py)
 
 On CPU a decode step of a small model is mostly host work between the GEMMs (profile:
@@ -13,7 +13,9 @@ the same values with the same operations in the same order, so fp32 tokens equal
 
   - the rotary cos/sin of the step's positions are built once in `prepare` (the module path: once per layer),
   - q and k, adjacent in the fused QKV output, are rotated together into one tensor, the rotation written as
-    x*cos - x2*sin | x*cos + x1*sin (the module path's x*cos + cat(-x2, x1)*sin, term by term the same),
+    x*cos + (x2 | x1)*(-sin | sin) (the module path's x*cos + cat(-x2, x1)*sin: negating a factor or a product
+    gives the same bits),
+  - a weight-only quantized linear of a small input calls its packed matmul directly (no method dispatch),
   - the layers are walked over a flat list of their weights (no module calls, no per-layer lookups), built
     once the weights are final and rebuilt if they were replaced.
 
@@ -31,6 +33,7 @@ import torch.nn.functional as F
 from deepinfer_kernels import reference
 from deepinfer_rt.forward_batch import ForwardBatch
 from deepinfer_rt.layers.kernel_config import KernelConfig
+from deepinfer_rt.layers.int8 import WeightOnlyLinear
 from deepinfer_rt.layers.methods import UnquantizedLinear
 
 
@@ -60,13 +63,18 @@ class _Layer:
 class _Rope:
     cos: torch.Tensor  # (T, 1, D)
     sin: torch.Tensor  # (T, 1, D/2): both halves of the table are the same frequencies
+    signed_sin: torch.Tensor  # (T, 1, D): -sin | sin, the factors of the half-swapped input
 
 
 def _linear_fn(linear: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
-    if type(linear.method) is UnquantizedLinear:
+    method = linear.method
+    if type(method) is UnquantizedLinear:
         weight, bias = linear.weight, linear.bias
         return lambda x: F.linear(x, weight, bias)
-    return functools.partial(linear.method.apply, linear)
+    if isinstance(method, WeightOnlyLinear) and linear.bias is None:  # x is (T, K) here
+        packed, apply, max_rows = functools.partial(method.packed_mm, linear), method.apply, method.max_rows
+        return lambda x: packed(x) if x.shape[0] <= max_rows else apply(linear, x)
+    return functools.partial(method.apply, linear)
 
 
 def _layer_list(model) -> list[_Layer]:
@@ -84,7 +92,9 @@ class CpuStep(ModuleStep):
         rope = model.model.layers[0].self_attn.rotary_emb
         cos, sin = rope.cos_sin(batch.positions, model.model.embed_tokens.weight.dtype)
         half = cos.shape[-1] // 2
-        batch.model_meta = _Rope(cos[:, None, :], sin[:, None, :half].contiguous())
+        sin = sin[:, None, :]
+        batch.model_meta = _Rope(cos[:, None, :], sin[..., :half].contiguous(),
+                                 torch.cat([-sin[..., :half], sin[..., half:]], dim=-1))
 
     def forward(self, model, batch: ForwardBatch) -> torch.Tensor:
         trunk, config = model.model, model.config
@@ -106,9 +116,7 @@ class CpuStep(ModuleStep):
             h = reference.rms_norm(residual, layer.input_norm, eps)
             qkv = layer.qkv(h)
             qk = qkv[:, :qk_width].view(t, num_q + num_kv, head_dim)
-            rot = qk * rope.cos
-            rot[..., :half].sub_(qk[..., half:] * rope.sin)
-            rot[..., half:].add_(qk[..., :half] * rope.sin)
+            rot = qk * rope.cos + qk.roll(half, dims=-1) * rope.signed_sin
             v = qkv[:, qk_width:].view(t, num_kv, head_dim)
             o = batch.attention(rot[:, :num_q], rot[:, num_q:], v, layer.layer_id, scale)
             residual = layer.o(o.reshape(t, -1)) + residual
@@ -122,7 +130,7 @@ class CpuStep(ModuleStep):
 def llama_step_method(config: KernelConfig) -> ModuleStep:
     if (config.device_type == "cpu" and config.is_cpu_fast_step and not config.is_batch_invariant
             and config.quantization in (None, "int8", "q4_1")):
-        if config.is_cpu_compile and config.quantization is None:
+        if config.is_cpu_compile:
             from deepinfer_rt.models.llama_compiled import CompiledCpuStep
 
             return CompiledCpuStep(CpuStep())
