@@ -54,6 +54,14 @@ class KVLayout:
         check_kv_cache_dtype(kv_dtype, self)
         return self
 
+    def with_token_layer(self, width: int, lookback: int) -> "KVLayout":
+        """This layout with one more layer of per-token state `width` wide that only its owner reads, through
+        KVPool.token_rows, over the `lookback` positions before a step at most (DSpark's context keys). Layouts with
+        their own cache structure override it."""
+        dims = self.layer_dims or (self.k_shape[1],) * self.num_layers
+        return KVLayout(self.num_layers + 1, (1, max(self.k_shape[1], width)), self.v_shape, self.v_dim,
+                        layer_dims=dims + (width,))
+
     @property
     def pool_class(self) -> type["KVPool"]:
         """The pool that stores this layout (a model with its own cache structure returns its own)."""
@@ -252,6 +260,14 @@ class KVPool:
         if not self.is_fp8:
             return self.k[layer].narrow(0, first, n), self.v[layer].narrow(0, first, n)
         return self.rows(layer, torch.arange(first, first + n, device=self.k[layer].device))
+
+    def token_rows(self, layer: int, slots: torch.Tensor, valid: torch.Tensor | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(buffer, rows) for a layer added by KVLayout.with_token_layer: buffer (n, width) holds the layer's
+        per-token rows, `rows` (slots' shape) the rows of `slots` in it, so buffer[rows] reads them and
+        buffer[rows] = x writes them. Padding slots (where `valid` is False) map to row 0."""
+        rows = slots if valid is None else torch.where(valid, slots, torch.zeros_like(slots))
+        return self.k[layer].view(self.num_slots, -1), rows
 
     def copy_slots(self, src: list[int], dst: list[int]) -> None:
         """Copy KV of `src` slots into `dst` slots in every layer (forking a partly filled page)."""

@@ -91,6 +91,28 @@ def test_recent_slots_map_through_the_page_indirection():
     assert recent.tolist() == want and len(set(want)) == 10
 
 
+def test_token_layer_lives_in_recent_rows_through_the_indirection():
+    base = V4KVLayout(**{**LAYOUT.__dict__, "idx_entry_dims": (0, 0, 0)})
+    layout = base.with_token_layer(6, lookback=9)
+    assert isinstance(layout, V4KVLayout) and layout.layer_dims == (8, 24, 40, 6)
+    assert (layout.ratios, layout.entry_dims, layout.idx_entry_dims) == ((0, 8, 4, 0), (0, 8, 12, 0), (0,) * 4)
+    assert layout.recent_tokens == 9
+    assert base.with_token_layer(6, lookback=2).recent_tokens == R  # never fewer than the model's own
+    pool = V4Pool(layout, 32, PS, torch.float32, torch.device("cpu"))
+    pages = pool.allocator.alloc(3)
+    (recent,) = _step(pool, [(pages, 0, 10)])
+    slots = torch.tensor(slots_of(pages, 10, PS))
+    buf, rows = pool.token_rows(3, slots)
+    assert buf is pool.recent[3] and torch.equal(rows, recent)
+    buf[rows] = torch.arange(10.0)[:, None].expand(10, 6)
+    _, back = pool.token_rows(3, slots[torch.tensor([[7, 2]])], torch.tensor([[True, False]]))
+    assert buf[back][..., 0].tolist() == [[7.0, buf[0, 0].item()]] and back[0, 1] == 0  # padding reads row 0
+    pool.allocator.decref(pages)  # their recent state goes (on the device at the next step)
+    _step(pool, [(pool.allocator.alloc(1), 0, 1)])
+    with pytest.raises(RuntimeError, match="released"):
+        pool.token_rows(3, slots)
+
+
 def test_bytes_per_token_split():
     d = torch.float32
     assert LAYOUT.long_lived_bytes_per_token(d) == pytest.approx(4 * (8 / 8 + 12 / 4))
