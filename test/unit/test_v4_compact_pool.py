@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from deepinfer_rt.cache.kv_pool import KVPool, slots_of
+from deepinfer_rt.cache.kv_pool import KVLayout, KVPool, slots_of
 from deepinfer_rt.forward_batch import ForwardBatch
 from deepinfer_rt.models.deepseek_v4.cache import V4KVLayout, V4Pool
 
@@ -36,6 +36,17 @@ def test_kv_pool_builds_the_compact_pool_and_checks_page_size():
     assert [e.shape[0] for e in pool.entries] == [0, 32 * PS // 4 + 1, 32 * PS // 4 + 1]
     with pytest.raises(ValueError, match="page_size"):
         V4Pool(LAYOUT, 32, 3, torch.float32, torch.device("cpu"))
+
+
+def test_compact_pool_has_the_generic_pool_attributes():
+    fp8 = V4Pool(LAYOUT.with_kv_dtype("fp8_e4m3"), 8, PS, torch.bfloat16, torch.device("cpu"))
+    plain = KVPool(KVLayout(1, (1, 8), None, 8), 8, PS, torch.bfloat16, torch.device("cpu"))
+    for pool in (fp8, plain):
+        assert (pool.page_size, pool.num_slots, pool.dtype) == (PS, 8 * PS, torch.bfloat16)
+        assert pool.allocator.num_pages == 8 and pool.k_scale is None and pool.v_scale is None
+    # Its FP8 rows are its own (read through LayerKV), not K/V heads the attention backends dequantize.
+    assert (fp8.kv_cache_dtype, fp8.is_fp8, fp8.layout.is_fp8) == ("fp8_e4m3", False, True)
+    assert fp8.allocator.prefix_guard is fp8
 
 
 def test_recent_pages_follow_the_sequence_and_stay_at_checkpoints():

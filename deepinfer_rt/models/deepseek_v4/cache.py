@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from deepinfer_rt.cache.kv_pool import KVLayout, KVPool, PageAllocator
+from deepinfer_rt.cache.kv_pool import KVLayout, KVPool
 from deepinfer_rt.forward_batch import ForwardBatch
 from deepinfer_rt.models.deepseek_v4.common import Fp8Rows, LayerKV, PoolColumns
 
@@ -130,12 +130,7 @@ class V4Pool(KVPool):
                                  f"multiple of every compression ratio (got ratio {m})")
         # The generic pool's FP8 attributes describe plain K/V rows read by the attention backends; this pool's
         # FP8 rows (layout.is_fp8) are read by the V4 layers through LayerKV only.
-        self.kv_cache_dtype, self.is_fp8, self.k_scale, self.v_scale = layout.kv_dtype, False, None, None
-        self.dtype = dtype
-        self.layout = layout
-        self.page_size = page_size
-        self.num_slots = num_pages * page_size
-        self.allocator = PageAllocator(num_pages)
+        self._init_pages(layout, num_pages, page_size, dtype, layout.kv_dtype, is_fp8=False)
         self.allocator.on_free = self._drop_main
         self.allocator.prefix_guard = self
         frac_pages = math.ceil(layout.recent_fraction * num_pages)
