@@ -15,10 +15,12 @@ Batch-invariant mode (`batch_invariant=True`) gives each (token, slot) pair the 
 the batch: one tile configuration per dtype (`invariant_tiles`: no autotuning, no choice by pair count, always
 sorted), each row's K loop in the same BLOCK_K steps with no split-K; a row of a tile's tl.dot depends only on
 its own inputs, so which pairs share its block does not matter. The top-k weight scales each pair's fp32 result
-in the down kernel, and a token's k slots are summed in slot order (`_combine_kernel`), not by a torch reduction
+in the down kernel, and a token's k slots are summed in slot order (`combine_slots`), not by a torch reduction
 whose vectorisation may change with the number of tokens.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -31,7 +33,7 @@ PER_PAIR_MAX = 16
 
 
 @triton.jit
-def _pair_rows(SortedPairs, BlockExpert, NumPadded, pid_m, num_pairs, BLOCK_M: tl.constexpr,
+def pair_rows(SortedPairs, BlockExpert, NumPadded, pid_m, num_pairs, BLOCK_M: tl.constexpr,
                PER_PAIR: tl.constexpr):
     offs = tl.arange(0, BLOCK_M)
     if PER_PAIR:
@@ -77,7 +79,7 @@ def _gate_up(X, W, H, SortedPairs, BlockExpert, NumPadded, num_pairs, pairs_buck
              PER_PAIR: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    pair, e, valid = _pair_rows(SortedPairs, BlockExpert, NumPadded, pid_m, num_pairs, BLOCK_M, PER_PAIR)
+    pair, e, valid = pair_rows(SortedPairs, BlockExpert, NumPadded, pid_m, num_pairs, BLOCK_M, PER_PAIR)
     if valid:
         mmask = pair < num_pairs
         tok = (pair // top_k).to(tl.int64)
@@ -122,7 +124,7 @@ def _down(H, W, Y, TopkWeights, SortedPairs, BlockExpert, NumPadded, num_pairs, 
           PER_PAIR: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    pair, e, valid = _pair_rows(SortedPairs, BlockExpert, NumPadded, pid_m, num_pairs, BLOCK_M, PER_PAIR)
+    pair, e, valid = pair_rows(SortedPairs, BlockExpert, NumPadded, pid_m, num_pairs, BLOCK_M, PER_PAIR)
     if valid:
         mmask = pair < num_pairs
         pair64 = pair.to(tl.int64)
@@ -194,6 +196,39 @@ def _block_m(num_pairs: int, num_experts: int) -> int:
     return 64 if num_pairs < 128 * num_experts else 128
 
 
+@dataclass(frozen=True)
+class PairBlocks:
+    """The (token, slot) pairs in row blocks of one expert, as `pair_rows` reads them in every fused-MoE kernel:
+    sorted by expert and each expert padded to block_m (moe_align), or with per_pair one block per pair (the flat
+    ids then double as the block experts)."""
+
+    sorted_pairs: torch.Tensor
+    block_expert: torch.Tensor
+    num_padded: torch.Tensor
+    num_blocks: int
+    """The launch grid's first dimension."""
+    block_m: int
+    per_pair: bool
+
+    @property
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The kernels' SortedPairs, BlockExpert, NumPadded arguments."""
+        return self.sorted_pairs, self.block_expert, self.num_padded
+
+
+def pair_blocks(ids: torch.Tensor, num_experts: int, block_m: int | None = None) -> PairBlocks:
+    """ids (T, k) -> their PairBlocks. block_m None: chosen by the pair count (_block_m), one block per pair up to
+    PER_PAIR_MAX pairs; else that block_m, always sorted (batch-invariant mode's one tile configuration)."""
+    num_pairs = ids.numel()
+    if block_m is None:
+        block_m = _block_m(num_pairs, num_experts)
+        if num_pairs <= PER_PAIR_MAX:
+            return PairBlocks(ids, ids.flatten(), ids, num_pairs, block_m, per_pair=True)
+    sorted_pairs, block_expert, num_padded = _align(ids, num_experts, block_m)
+    return PairBlocks(sorted_pairs, block_expert, num_padded, sorted_pairs.numel() // block_m, block_m,
+                      per_pair=False)
+
+
 def fused_moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,
               ids: torch.Tensor, batch_invariant: bool = False, swiglu_limit: float | None = None) -> torch.Tensor:
     """x (T, H); gate_up (E, 2I, H) = per expert [gate; up]; down (E, H, I); weights (T, k) fp32; ids (T, k).
@@ -209,29 +244,22 @@ def fused_moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weight
     if batch_invariant:  # one tile configuration for every batch, always sorted (see the module docstring)
         config = invariant_tiles(x.dtype)
         gate_up_kernel, down_kernel = _even_k(_gate_up), _even_k(_down)  # without the autotuner
-        block_m, per_pair, bucket = config.pop("BLOCK_M"), False, 0  # bucket: the autotuner's key only
+        blocks, bucket = pair_blocks(ids, e, config.pop("BLOCK_M")), 0  # bucket: the autotuner's key only
     else:
         config = {}
         gate_up_kernel, down_kernel = _moe_gate_up_kernel, _moe_down_kernel
-        block_m, per_pair, bucket = _block_m(num_pairs, e), num_pairs <= PER_PAIR_MAX, triton.next_power_of_2(num_pairs)
-    if per_pair:
-        sorted_pairs, block_expert, num_padded = ids, ids.flatten(), ids  # the flat ids double as block experts
-        num_blocks = num_pairs
-    else:
-        sorted_pairs, block_expert, num_padded = _align(ids, e, block_m)
-        num_blocks = sorted_pairs.numel() // block_m
+        blocks, bucket = pair_blocks(ids, e), triton.next_power_of_2(num_pairs)
     h = x.new_empty(num_pairs, inter)
     y = x.new_empty(num_pairs, hidden)
-    ieee = x.dtype == torch.float32
-    gate_up_kernel[lambda meta: (num_blocks, triton.cdiv(inter, meta["BLOCK_N"]))](
-        x, gate_up, h, sorted_pairs, block_expert, num_padded, num_pairs, bucket, k, inter, hidden,
-        float("inf") if swiglu_limit is None else float(swiglu_limit), x.stride(0), gate_up.stride(0), gate_up.stride(1), h.stride(0), BLOCK_M=block_m, PER_PAIR=per_pair,
-        IEEE=ieee, **config)
-    down_kernel[lambda meta: (num_blocks, triton.cdiv(hidden, meta["BLOCK_N"]))](
-        h, down, y, weights.flatten().float(), sorted_pairs, block_expert, num_padded, num_pairs, bucket, hidden,
-        inter, h.stride(0), down.stride(0), down.stride(1), y.stride(0), BLOCK_M=block_m, PER_PAIR=per_pair,
-        IEEE=ieee, **config)
-    return _combine(y, t, k, hidden)
+    common = dict(BLOCK_M=blocks.block_m, PER_PAIR=blocks.per_pair, IEEE=x.dtype == torch.float32, **config)
+    gate_up_kernel[lambda meta: (blocks.num_blocks, triton.cdiv(inter, meta["BLOCK_N"]))](
+        x, gate_up, h, *blocks.tensors, num_pairs, bucket, k, inter, hidden,
+        float("inf") if swiglu_limit is None else float(swiglu_limit), x.stride(0), gate_up.stride(0),
+        gate_up.stride(1), h.stride(0), **common)
+    down_kernel[lambda meta: (blocks.num_blocks, triton.cdiv(hidden, meta["BLOCK_N"]))](
+        h, down, y, weights.flatten().float(), *blocks.tensors, num_pairs, bucket, hidden, inter, h.stride(0),
+        down.stride(0), down.stride(1), y.stride(0), **common)
+    return combine_slots(y, t, k, hidden)
 
 
 def invariant_tiles(dtype: torch.dtype) -> dict:
@@ -262,7 +290,7 @@ def _combine_kernel(Y, Out, hidden, TOP_K: tl.constexpr, BLOCK: tl.constexpr):
     tl.store(Out + t * hidden + cols, acc.to(Out.dtype.element_ty), mask=mask)
 
 
-def _combine(y: torch.Tensor, t: int, k: int, hidden: int) -> torch.Tensor:
+def combine_slots(y: torch.Tensor, t: int, k: int, hidden: int) -> torch.Tensor:
     """(T*k, H) weighted expert outputs -> (T, H): each token's k rows summed in slot order, in fp32."""
     out = y.new_empty(t, hidden)
     if t:

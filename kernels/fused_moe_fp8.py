@@ -12,7 +12,7 @@ scaled by the row's activation scale and each column's weight block scale, into 
     acc[m, n] += dot(q(a)[m, k0:k0+bk], w[e, n, k0:k0+bk]) * s_a[m] * s_w[e, n / bn, k0 / bk]
 
 gate_up writes h = silu(gate) * up in x's dtype; down quantizes h the same way, scales each pair's fp32 result
-by its top-k weight, and the k slots of a token are summed in slot order (fused_moe._combine). No split-K. The
+by its top-k weight, and the k slots of a token are summed in slot order (fused_moe.combine_slots). No split-K. The
 torch form is deepinfer_kernels.reference.fused_moe_fp8.
 """
 from __future__ import annotations
@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from deepinfer_kernels.fused_moe import PER_PAIR_MAX, _align, _block_m, _combine, _pair_rows
+from deepinfer_kernels.fused_moe import combine_slots, pair_blocks, pair_rows
 
 FP8_MAX = tl.constexpr(448.0)
 MIN_AMAX = tl.constexpr(1e-12)
@@ -51,7 +51,7 @@ def _gate_up_fp8(X, W, WS, H, SortedPairs, BlockExpert, NumPadded, num_pairs, to
                  PER_PAIR: tl.constexpr, IS_INTERPRETED: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    pair, e, valid = _pair_rows(SortedPairs, BlockExpert, NumPadded, pid_m, num_pairs, BLOCK_M, PER_PAIR)
+    pair, e, valid = pair_rows(SortedPairs, BlockExpert, NumPadded, pid_m, num_pairs, BLOCK_M, PER_PAIR)
     if valid:
         mmask = pair < num_pairs
         tok = (pair // top_k).to(tl.int64)
@@ -90,7 +90,7 @@ def _down_fp8(A, W, WS, Y, TopkWeights, SortedPairs, BlockExpert, NumPadded, num
               PER_PAIR: tl.constexpr, IS_INTERPRETED: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    pair, e, valid = _pair_rows(SortedPairs, BlockExpert, NumPadded, pid_m, num_pairs, BLOCK_M, PER_PAIR)
+    pair, e, valid = pair_rows(SortedPairs, BlockExpert, NumPadded, pid_m, num_pairs, BLOCK_M, PER_PAIR)
     if valid:
         mmask = pair < num_pairs
         pair64 = pair.to(tl.int64)
@@ -145,24 +145,18 @@ def fused_moe_fp8(x: torch.Tensor, gate_up: torch.Tensor, gate_up_scale: torch.T
     if not all(a.is_contiguous() for a in (x, gate_up, down, gate_up_scale, down_scale)):
         raise ValueError("fused_moe_fp8 needs contiguous x, expert weights and scales")
     num_pairs = t * k
-    block_m, per_pair = _block_m(num_pairs, e), num_pairs <= PER_PAIR_MAX
-    if per_pair:
-        sorted_pairs, block_expert, num_padded = ids, ids.flatten(), ids
-        num_blocks = num_pairs
-    else:
-        sorted_pairs, block_expert, num_padded = _align(ids, e, block_m)
-        num_blocks = sorted_pairs.numel() // block_m
+    blocks = pair_blocks(ids, e)
     config = dict(config or _tiles(num_pairs))
-    common = dict(GROUP_N=bn, BLOCK_M=block_m, BLOCK_K=bk, PER_PAIR=per_pair,
+    common = dict(GROUP_N=bn, BLOCK_M=blocks.block_m, BLOCK_K=bk, PER_PAIR=blocks.per_pair,
                   IS_INTERPRETED=x.device.type == "cpu", **config)
     h = x.new_empty(num_pairs, inter)
     y = x.new_empty(num_pairs, hidden)
-    _gate_up_fp8[(num_blocks, triton.cdiv(inter, config["BLOCK_N"]))](
-        x, gate_up, gate_up_scale, h, sorted_pairs, block_expert, num_padded, num_pairs, k, inter, hidden,
+    _gate_up_fp8[(blocks.num_blocks, triton.cdiv(inter, config["BLOCK_N"]))](
+        x, gate_up, gate_up_scale, h, *blocks.tensors, num_pairs, k, inter, hidden,
         triton.cdiv(inter, bn), x.stride(0), gate_up.stride(0), gate_up.stride(1), gate_up_scale.stride(0),
         gate_up_scale.stride(1), h.stride(0), **common)
-    _down_fp8[(num_blocks, triton.cdiv(hidden, config["BLOCK_N"]))](
-        h, down, down_scale, y, weights.flatten().float().contiguous(), sorted_pairs, block_expert, num_padded,
+    _down_fp8[(blocks.num_blocks, triton.cdiv(hidden, config["BLOCK_N"]))](
+        h, down, down_scale, y, weights.flatten().float().contiguous(), *blocks.tensors,
         num_pairs, hidden, inter, h.stride(0), down.stride(0), down.stride(1), down_scale.stride(0),
         down_scale.stride(1), y.stride(0), **common)
-    return _combine(y, t, k, hidden)
+    return combine_slots(y, t, k, hidden)

@@ -23,7 +23,7 @@ group broadcast over its 16 bytes, and each code turned into its value by intege
 fp32 multiply (no exp2 per element); JOIN interleaves the even and odd operands back into element order for one
 dot. The first release's decode ("exp2": _mx_tile, a scale load and two exp2 per element) stays selectable. gate_up writes h = clamped SwiGLU
 (V4's: silu(min(gate, limit)) * clamp(up, -limit, limit)) in x's dtype; down scales each (token, slot) pair's fp32
-result by its top-k weight, and a token's k slots are summed in slot order (fused_moe._combine). The torch form
+result by its top-k weight, and a token's k slots are summed in slot order (fused_moe.combine_slots). The torch form
 (and the CPU path) is the dequantize-at-load one: layers/mxfp4.py Mxfp4DequantExperts.
 """
 from __future__ import annotations
@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from deepinfer_kernels.fused_moe import PER_PAIR_MAX, _align, _block_m, _combine, _pair_rows
+from deepinfer_kernels.fused_moe import combine_slots, pair_blocks, pair_rows
 
 MX_BLOCK = 32
 
@@ -73,7 +73,7 @@ def _gate_up_mxfp4(X, W, WS, H, SortedPairs, BlockExpert, NumPadded, num_pairs, 
                    IEEE: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    pair, e, valid = _pair_rows(SortedPairs, BlockExpert, NumPadded, pid_m, num_pairs, BLOCK_M, PER_PAIR)
+    pair, e, valid = pair_rows(SortedPairs, BlockExpert, NumPadded, pid_m, num_pairs, BLOCK_M, PER_PAIR)
     if valid:
         HALF: tl.constexpr = BLOCK_K // 2
         mmask = pair < num_pairs
@@ -119,7 +119,7 @@ def _down_mxfp4(A, W, WS, Y, TopkWeights, SortedPairs, BlockExpert, NumPadded, n
                 IEEE: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    pair, e, valid = _pair_rows(SortedPairs, BlockExpert, NumPadded, pid_m, num_pairs, BLOCK_M, PER_PAIR)
+    pair, e, valid = pair_rows(SortedPairs, BlockExpert, NumPadded, pid_m, num_pairs, BLOCK_M, PER_PAIR)
     if valid:
         HALF: tl.constexpr = BLOCK_K // 2
         mmask = pair < num_pairs
@@ -200,7 +200,7 @@ def _gate_up_mxfp4_g(X, W, WS, H, SortedPairs, BlockExpert, NumPadded, num_pairs
     """_gate_up_mxfp4 with the group-tiled decode (_mx_group_tile)."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    pair, e, valid = _pair_rows(SortedPairs, BlockExpert, NumPadded, pid_m, num_pairs, BLOCK_M, PER_PAIR)
+    pair, e, valid = pair_rows(SortedPairs, BlockExpert, NumPadded, pid_m, num_pairs, BLOCK_M, PER_PAIR)
     if valid:
         G: tl.constexpr = BLOCK_K // 32
         mmask = pair < num_pairs
@@ -244,7 +244,7 @@ def _down_mxfp4_g(A, W, WS, Y, TopkWeights, SortedPairs, BlockExpert, NumPadded,
     """_down_mxfp4 with the group-tiled decode (_mx_group_tile)."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    pair, e, valid = _pair_rows(SortedPairs, BlockExpert, NumPadded, pid_m, num_pairs, BLOCK_M, PER_PAIR)
+    pair, e, valid = pair_rows(SortedPairs, BlockExpert, NumPadded, pid_m, num_pairs, BLOCK_M, PER_PAIR)
     if valid:
         G: tl.constexpr = BLOCK_K // 32
         mmask = pair < num_pairs
@@ -351,13 +351,7 @@ def fused_moe_mxfp4(x: torch.Tensor, gate_up: torch.Tensor, gate_up_scale: torch
         raise ValueError("fused_moe_mxfp4 needs contiguous x, expert weights and scales")
     e = gate_up.shape[0]
     num_pairs = t * k
-    block_m, per_pair = _block_m(num_pairs, e), num_pairs <= PER_PAIR_MAX
-    if per_pair:
-        sorted_pairs, block_expert, num_padded = ids, ids.flatten(), ids
-        num_blocks = num_pairs
-    else:
-        sorted_pairs, block_expert, num_padded = _align(ids, e, block_m)
-        num_blocks = sorted_pairs.numel() // block_m
+    blocks = pair_blocks(ids, e)
     config = dict(config or _tiles(num_pairs, x.dtype))
     decode = config.pop("decode", "group")
     if decode not in ("group", "exp2"):
@@ -371,16 +365,16 @@ def fused_moe_mxfp4(x: torch.Tensor, gate_up: torch.Tensor, gate_up_scale: torch
     else:
         config.setdefault("JOIN", False)
         gate_up_kernel, down_kernel = _gate_up_mxfp4_g, _down_mxfp4_g
-    common = dict(BLOCK_M=block_m, PER_PAIR=per_pair, IEEE=x.dtype == torch.float32, **config)
+    common = dict(BLOCK_M=blocks.block_m, PER_PAIR=blocks.per_pair, IEEE=x.dtype == torch.float32, **config)
     limit = float("inf") if swiglu_limit is None else float(swiglu_limit)
     h = x.new_empty(num_pairs, inter)
     y = x.new_empty(num_pairs, hidden)
-    gate_up_kernel[(num_blocks, triton.cdiv(inter, config["BLOCK_N"]))](
-        x, gate_up, gate_up_scale, h, sorted_pairs, block_expert, num_padded, num_pairs, k, inter, hidden, limit,
+    gate_up_kernel[(blocks.num_blocks, triton.cdiv(inter, config["BLOCK_N"]))](
+        x, gate_up, gate_up_scale, h, *blocks.tensors, num_pairs, k, inter, hidden, limit,
         x.stride(0), gate_up.stride(0), gate_up.stride(1), gate_up_scale.stride(0), gate_up_scale.stride(1),
         h.stride(0), **common)
-    down_kernel[(num_blocks, triton.cdiv(hidden, config["BLOCK_N"]))](
-        h, down, down_scale, y, weights.flatten().float().contiguous(), sorted_pairs, block_expert, num_padded,
+    down_kernel[(blocks.num_blocks, triton.cdiv(hidden, config["BLOCK_N"]))](
+        h, down, down_scale, y, weights.flatten().float().contiguous(), *blocks.tensors,
         num_pairs, hidden, inter, h.stride(0), down.stride(0), down.stride(1), down_scale.stride(0),
         down_scale.stride(1), y.stride(0), **common)
-    return _combine(y, t, k, hidden)
+    return combine_slots(y, t, k, hidden)

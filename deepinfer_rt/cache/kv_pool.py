@@ -54,6 +54,14 @@ class KVLayout:
         check_kv_cache_dtype(kv_dtype, self)
         return self
 
+    def with_token_layer(self, width: int, lookback: int) -> "KVLayout":
+        """This layout with one more layer of per-token state `width` wide that only its owner reads, through
+        KVPool.token_rows, over the `lookback` positions before a step at most (DSpark's context keys). Layouts with
+        their own cache structure override it."""
+        dims = self.layer_dims or (self.k_shape[1],) * self.num_layers
+        return KVLayout(self.num_layers + 1, (1, max(self.k_shape[1], width)), self.v_shape, self.v_dim,
+                        layer_dims=dims + (width,))
+
     @property
     def pool_class(self) -> type["KVPool"]:
         """The pool that stores this layout (a model with its own cache structure returns its own)."""
@@ -193,14 +201,7 @@ class KVPool:
     def __init__(self, layout: KVLayout, num_pages: int, page_size: int, dtype: torch.dtype,
                  device: torch.device, kv_cache_dtype: str = "auto"):
         check_kv_cache_dtype(kv_cache_dtype, layout)
-        self.layout = layout
-        self.page_size = page_size
-        self.num_slots = num_pages * page_size
-        self.dtype = dtype
-        """The model dtype: what readers get back (dequantized rows with fp8_e4m3)."""
-        self.kv_cache_dtype = kv_cache_dtype
-        self.is_fp8 = kv_cache_dtype == "fp8_e4m3"
-        self.allocator = PageAllocator(num_pages)
+        self._init_pages(layout, num_pages, page_size, dtype, kv_cache_dtype, is_fp8=kv_cache_dtype == "fp8_e4m3")
         store = torch.float8_e4m3fn if self.is_fp8 else dtype
         self.k = [_zeros(self.num_slots, *layout.layer_k_shape(layer), dtype=store, device=device)
                   for layer in range(layout.num_layers)]
@@ -209,14 +210,28 @@ class KVPool:
         else:
             self.v = [_zeros(self.num_slots, *layout.v_shape, dtype=store, device=device)
                       for _ in range(layout.num_layers)]
-        self.k_scale: list[torch.Tensor] | None = None
-        """fp8_e4m3: (num_slots, heads) float32 per layer, the scale of each stored K row; else None."""
-        self.v_scale: list[torch.Tensor] | None = None
-        """fp8_e4m3: V's row scales (MLA: k_scale's tensors, V being a prefix of K); else None."""
         if self.is_fp8:
             self.k_scale = [torch.zeros(k.shape[:2], dtype=torch.float32, device=device) for k in self.k]
             self.v_scale = self.k_scale if layout.v_shape is None else [
                 torch.zeros(v.shape[:2], dtype=torch.float32, device=device) for v in self.v]
+
+    def _init_pages(self, layout: KVLayout, num_pages: int, page_size: int, dtype: torch.dtype, kv_cache_dtype: str,
+                    is_fp8: bool) -> None:
+        """The attributes every pool has (pools with their own buffers call it in place of __init__); the buffers
+        k / v (and k_scale / v_scale) are the pool's own to build."""
+        self.layout = layout
+        self.page_size = page_size
+        self.num_slots = num_pages * page_size
+        self.dtype = dtype
+        """The model dtype: what readers get back (dequantized rows with fp8_e4m3)."""
+        self.kv_cache_dtype = kv_cache_dtype
+        self.is_fp8 = is_fp8
+        """Whether k / v hold FP8 K/V heads that the attention backends dequantize with k_scale / v_scale."""
+        self.allocator = PageAllocator(num_pages)
+        self.k_scale: list[torch.Tensor] | None = None
+        """fp8_e4m3: (num_slots, heads) float32 per layer, the scale of each stored K row; else None."""
+        self.v_scale: list[torch.Tensor] | None = None
+        """fp8_e4m3: V's row scales (MLA: k_scale's tensors, V being a prefix of K); else None."""
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None) -> None:
         """The slots of one step are distinct: index_copy_, several times faster than index_put_ on CPU (which
@@ -252,6 +267,14 @@ class KVPool:
         if not self.is_fp8:
             return self.k[layer].narrow(0, first, n), self.v[layer].narrow(0, first, n)
         return self.rows(layer, torch.arange(first, first + n, device=self.k[layer].device))
+
+    def token_rows(self, layer: int, slots: torch.Tensor, valid: torch.Tensor | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(buffer, rows) for a layer added by KVLayout.with_token_layer: buffer (n, width) holds the layer's
+        per-token rows, `rows` (slots' shape) the rows of `slots` in it, so buffer[rows] reads them and
+        buffer[rows] = x writes them. Padding slots (where `valid` is False) map to row 0."""
+        rows = slots if valid is None else torch.where(valid, slots, torch.zeros_like(slots))
+        return self.k[layer].view(self.num_slots, -1), rows
 
     def copy_slots(self, src: list[int], dst: list[int]) -> None:
         """Copy KV of `src` slots into `dst` slots in every layer (forking a partly filled page)."""

@@ -19,7 +19,6 @@ mode) the planner verifies every proposed draft instead. Verification (verify.py
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,7 +27,6 @@ import torch
 from deepinfer_rt.cache.kv_pool import KVLayout, slots_of
 from deepinfer_rt.config import ModelConfig
 from deepinfer_rt.layers.kernel_config import build_context
-from deepinfer_rt.models.deepseek_v4.cache import V4KVLayout, V4Pool
 from deepinfer_rt.models.loader import finalize
 from deepinfer_rt.request import Req
 from deepinfer_rt.sampler import stream_seed
@@ -124,18 +122,8 @@ class DSparkDrafter(Drafter):
         return cls(finalize(net.to(device=p.device, dtype=p.dtype).eval()), model, max_draft)
 
     def kv_layout(self, layout: KVLayout) -> KVLayout:
-        dims = layout.layer_dims or (layout.k_shape[1],) * layout.num_layers
-        width = self.net.key_width
-        if isinstance(layout, V4KVLayout):
-            # The compact pool: the context keys are recent state (read over the last window only), a recent row of
-            # one more layer that owns no entries; the pool keeps at least the window's positions.
-            return dataclasses.replace(
-                layout, num_layers=layout.num_layers + 1, k_shape=(1, max(layout.k_shape[1], width)),
-                layer_dims=dims + (width,), ratios=layout.ratios + (0,), entry_dims=layout.entry_dims + (0,),
-                idx_entry_dims=layout.idx_entry_dims + (0,),
-                recent_tokens=max(layout.recent_tokens, self.window - 1))
-        return KVLayout(layout.num_layers + 1, (1, max(layout.k_shape[1], width)), layout.v_shape, layout.v_dim,
-                        layer_dims=dims + (width,))
+        # A block reads the context keys of the last sliding_window positions up to the one before it.
+        return layout.with_token_layer(self.net.key_width, self.window - 1)
 
     def propose(self, req: Req, k: int) -> Proposal | None:
         proposal = self._proposals.get(req.rid)
@@ -147,7 +135,6 @@ class DSparkDrafter(Drafter):
         if features is None:
             raise RuntimeError("DSpark: the target forward captured no features (a CUDA-graph replay?)")
         pool, ps = runner.pool, runner.pool.page_size
-        buf = self._buffer(pool)
         positions, out_slots, ends = [], [], []
         for i, item in enumerate(batch.items):
             req, start, n = item.req, item.start, item.num_new_tokens
@@ -159,14 +146,14 @@ class DSparkDrafter(Drafter):
                 last = start + valid - 1  # the last position whose target features are final
                 lo = max(0, last - self.window + 1)
                 ends.append(_End(req, slots[lo : last + 1], last, req.token_ids + emitted[i]))
-        dev = buf.device
+        dev = pool.k[self.layer].device
+        buf, rows = pool.token_rows(self.layer, torch.tensor(out_slots, device=dev))
         keys = self.net.context_keys(features, torch.tensor(positions, device=dev))
-        buf[self._rows(pool, torch.tensor(out_slots, device=dev)), : keys.shape[1]] = keys.to(buf.dtype)
+        buf[rows, : keys.shape[1]] = keys.to(buf.dtype)
         self._proposals = self._draft(runner, ends) if ends else {}
 
     def _draft(self, runner, ends) -> dict[int, Proposal]:
         pool, dev = runner.pool, runner.pool.k[self.layer].device
-        buf = self._buffer(pool)[:, : self.net.key_width]
         num_ctx = max(len(e.slots) for e in ends)
         ctx_slots = torch.zeros(len(ends), num_ctx, dtype=torch.long)
         ctx_mask = torch.zeros(len(ends), num_ctx, dtype=torch.bool)
@@ -175,8 +162,8 @@ class DSparkDrafter(Drafter):
             ctx_mask[j, : len(end.slots)] = True
         bonus = torch.tensor([e.seq[-1] for e in ends], device=dev)
         first = torch.tensor([e.last + 1 for e in ends], device=dev)
-        rows = self._rows(pool, ctx_slots.to(dev), ctx_mask.to(dev))
-        hidden = self.net(buf[rows], ctx_mask.to(dev), bonus, first)  # (R, B, H)
+        buf, rows = pool.token_rows(self.layer, ctx_slots.to(dev), ctx_mask.to(dev))
+        hidden = self.net(buf[rows, : self.net.key_width], ctx_mask.to(dev), bonus, first)  # (R, B, H)
         base = self.net.base_logits(hidden)[..., : runner.sampler.vocab_size]
         reqs = [e.req for e in ends]
         k = min(self.max_draft, self.net.block_size)
@@ -195,24 +182,6 @@ class DSparkDrafter(Drafter):
             out[end.req.rid] = Proposal([t[j] for t in tokens], survival_to_confidences([s[j] for s in survival]),
                                         q, len(end.seq))
         return out
-
-    def _buffer(self, pool) -> torch.Tensor:
-        """The context keys' rows: the extra layer's pool rows, or in the compact pool its recent rows."""
-        return pool.recent[self.layer] if isinstance(pool, V4Pool) else pool.k[self.layer].view(pool.num_slots, -1)
-
-    @staticmethod
-    def _rows(pool, slots: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
-        """Buffer rows of main-pool slots (the slots themselves; in the compact pool, their recent rows through
-        the page indirection). Padding slots (valid False) read row 0."""
-        if not isinstance(pool, V4Pool):
-            return slots
-        ps = pool.page_size
-        recent = pool.recent_of_t[slots // ps]
-        ok = recent >= 0 if valid is None else (recent >= 0) | ~valid
-        if not bool(ok.all()):
-            raise RuntimeError("DSpark: a context position's recent state was released")
-        rows = recent * ps + slots % ps
-        return rows if valid is None else torch.where(valid, rows, torch.zeros_like(rows))
 
     @staticmethod
     def _pick(logits: torch.Tensor, reqs: list[Req], row: int) -> tuple[list[int], torch.Tensor]:

@@ -182,6 +182,19 @@ def test_per_layer_widths_pool_and_copy():
     assert all(torch.equal(k[3], k[1]) for k in pool.k)
 
 
+def test_token_layer_rows_are_the_slots_of_the_extra_layer():
+    layout = KVLayout(2, (1, 5), None, 2, layer_dims=(2, 5)).with_token_layer(7, lookback=3)
+    assert (layout.num_layers, layout.layer_dims, layout.k_shape) == (3, (2, 5, 7), (1, 7))
+    assert KVLayout(2, (2, 4), (2, 4), 4).with_token_layer(3, 1).layer_dims == (4, 4, 3)
+    pool = KVPool(layout, num_pages=4, page_size=2, dtype=torch.float32, device=CPU)
+    buf, rows = pool.token_rows(2, torch.tensor([5, 1]))
+    assert buf.shape == (8, 7) and rows.tolist() == [5, 1]
+    buf[rows] = torch.tensor([[1.0] * 7, [2.0] * 7])
+    assert pool.k[2][5, 0].tolist() == [1.0] * 7 and pool.k[2][1, 0].tolist() == [2.0] * 7  # the pool's own rows
+    _, rows = pool.token_rows(2, torch.tensor([[3, 6]]), torch.tensor([[True, False]]))
+    assert rows.tolist() == [[3, 0]]  # padding reads row 0
+
+
 def test_gqa_pool_shapes_and_write():
     layout = KVLayout(2, (2, 4), (2, 3), 3)
     pool = KVPool(layout, num_pages=3, page_size=2, dtype=torch.float32, device=CPU)

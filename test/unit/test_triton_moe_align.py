@@ -32,3 +32,33 @@ _ALIGN = textwrap.dedent("""
 
 def test_moe_align_kernel_equals_torch_form():
     assert _interpret(_ALIGN).strip().endswith("ok")
+
+
+_PAIR_BLOCKS = textwrap.dedent("""
+    import torch
+    from deepinfer_kernels.fused_moe import PER_PAIR_MAX, _block_m, moe_align_torch, pair_blocks
+    g = torch.Generator().manual_seed(0)
+    e = 16
+    ids = torch.stack([torch.randperm(e, generator=g)[:4] for _ in range(4)])  # 16 pairs: one block each
+    b = pair_blocks(ids, e)
+    assert b.per_pair and b.num_blocks == 16 == PER_PAIR_MAX and b.block_m == _block_m(16, e)
+    assert torch.equal(b.block_expert, ids.flatten())
+    for t, block_m in ((40, None), (40, 32), (3, 32)):  # chosen by the pair count; fixed (batch-invariant mode)
+        ids = torch.stack([torch.randperm(e, generator=g)[:4] for _ in range(t)])
+        b = pair_blocks(ids, e, block_m)
+        want_m = _block_m(ids.numel(), e) if block_m is None else block_m
+        pairs, experts, used = moe_align_torch(ids, e, want_m)
+        n = int(used)
+        assert not b.per_pair and b.block_m == want_m and b.num_blocks == b.sorted_pairs.numel() // want_m
+        assert torch.equal(b.sorted_pairs[:n].long(), pairs[:n].long()) and int(b.num_padded) == n
+        rows = b.sorted_pairs[:n].long().view(-1, want_m)
+        for blk, expert in zip(rows, b.block_expert[: n // want_m].tolist()):  # every block holds one expert's pairs
+            real = blk[blk < ids.numel()]
+            assert (ids.flatten()[real] == expert).all()
+        assert sorted(b.sorted_pairs[:n][b.sorted_pairs[:n] < ids.numel()].tolist()) == list(range(ids.numel()))
+    print("ok")
+""")
+
+
+def test_pair_blocks_per_pair_and_sorted():
+    assert _interpret(_PAIR_BLOCKS).strip().endswith("ok")

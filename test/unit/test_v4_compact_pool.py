@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from deepinfer_rt.cache.kv_pool import KVPool, slots_of
+from deepinfer_rt.cache.kv_pool import KVLayout, KVPool, slots_of
 from deepinfer_rt.forward_batch import ForwardBatch
 from deepinfer_rt.models.deepseek_v4.cache import V4KVLayout, V4Pool
 
@@ -36,6 +36,17 @@ def test_kv_pool_builds_the_compact_pool_and_checks_page_size():
     assert [e.shape[0] for e in pool.entries] == [0, 32 * PS // 4 + 1, 32 * PS // 4 + 1]
     with pytest.raises(ValueError, match="page_size"):
         V4Pool(LAYOUT, 32, 3, torch.float32, torch.device("cpu"))
+
+
+def test_compact_pool_has_the_generic_pool_attributes():
+    fp8 = V4Pool(LAYOUT.with_kv_dtype("fp8_e4m3"), 8, PS, torch.bfloat16, torch.device("cpu"))
+    plain = KVPool(KVLayout(1, (1, 8), None, 8), 8, PS, torch.bfloat16, torch.device("cpu"))
+    for pool in (fp8, plain):
+        assert (pool.page_size, pool.num_slots, pool.dtype) == (PS, 8 * PS, torch.bfloat16)
+        assert pool.allocator.num_pages == 8 and pool.k_scale is None and pool.v_scale is None
+    # Its FP8 rows are its own (read through LayerKV), not K/V heads the attention backends dequantize.
+    assert (fp8.kv_cache_dtype, fp8.is_fp8, fp8.layout.is_fp8) == ("fp8_e4m3", False, True)
+    assert fp8.allocator.prefix_guard is fp8
 
 
 def test_recent_pages_follow_the_sequence_and_stay_at_checkpoints():
@@ -89,6 +100,28 @@ def test_recent_slots_map_through_the_page_indirection():
     (recent,) = _step(pool, [(pages, 0, 10)])
     want = [pool._recent_of[pages[i // PS]] * PS + i % PS for i in range(10)]
     assert recent.tolist() == want and len(set(want)) == 10
+
+
+def test_token_layer_lives_in_recent_rows_through_the_indirection():
+    base = V4KVLayout(**{**LAYOUT.__dict__, "idx_entry_dims": (0, 0, 0)})
+    layout = base.with_token_layer(6, lookback=9)
+    assert isinstance(layout, V4KVLayout) and layout.layer_dims == (8, 24, 40, 6)
+    assert (layout.ratios, layout.entry_dims, layout.idx_entry_dims) == ((0, 8, 4, 0), (0, 8, 12, 0), (0,) * 4)
+    assert layout.recent_tokens == 9
+    assert base.with_token_layer(6, lookback=2).recent_tokens == R  # never fewer than the model's own
+    pool = V4Pool(layout, 32, PS, torch.float32, torch.device("cpu"))
+    pages = pool.allocator.alloc(3)
+    (recent,) = _step(pool, [(pages, 0, 10)])
+    slots = torch.tensor(slots_of(pages, 10, PS))
+    buf, rows = pool.token_rows(3, slots)
+    assert buf is pool.recent[3] and torch.equal(rows, recent)
+    buf[rows] = torch.arange(10.0)[:, None].expand(10, 6)
+    _, back = pool.token_rows(3, slots[torch.tensor([[7, 2]])], torch.tensor([[True, False]]))
+    assert buf[back][..., 0].tolist() == [[7.0, buf[0, 0].item()]] and back[0, 1] == 0  # padding reads row 0
+    pool.allocator.decref(pages)  # their recent state goes (on the device at the next step)
+    _step(pool, [(pool.allocator.alloc(1), 0, 1)])
+    with pytest.raises(RuntimeError, match="released"):
+        pool.token_rows(3, slots)
 
 
 def test_bytes_per_token_split():

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from deepinfer_rt.cache.kv_pool import KVLayout, KVPool, PageAllocator
+from deepinfer_rt.cache.kv_pool import KVLayout, KVPool
 from deepinfer_rt.forward_batch import ForwardBatch
 from deepinfer_rt.models.deepseek_v4.common import Fp8Rows, LayerKV, PoolColumns
 
@@ -80,6 +80,15 @@ class V4KVLayout(KVLayout):
             raise ValueError(f"kv_cache_dtype={kv_dtype!r} is not supported for this model's KV pool yet")
         return dataclasses.replace(self, kv_dtype=kv_dtype)
 
+    def with_token_layer(self, width: int, lookback: int) -> "V4KVLayout":
+        # The layer's rows are recent state (one more layer that owns no entries); the pool keeps at least the
+        # lookback's positions.
+        dims = self.layer_dims or (self.k_shape[1],) * self.num_layers
+        return dataclasses.replace(
+            self, num_layers=self.num_layers + 1, k_shape=(1, max(self.k_shape[1], width)), layer_dims=dims + (width,),
+            ratios=self.ratios + (0,), entry_dims=self.entry_dims + (0,), idx_entry_dims=self.idx_entry_dims + (0,),
+            recent_tokens=max(self.recent_tokens, lookback))
+
     @property
     def recent_row_dims(self) -> tuple[int, ...]:
         """Per layer: width of the `recent` tensor's rows (without the sliding key when it is FP8)."""
@@ -121,12 +130,7 @@ class V4Pool(KVPool):
                                  f"multiple of every compression ratio (got ratio {m})")
         # The generic pool's FP8 attributes describe plain K/V rows read by the attention backends; this pool's
         # FP8 rows (layout.is_fp8) are read by the V4 layers through LayerKV only.
-        self.kv_cache_dtype, self.is_fp8, self.k_scale, self.v_scale = layout.kv_dtype, False, None, None
-        self.dtype = dtype
-        self.layout = layout
-        self.page_size = page_size
-        self.num_slots = num_pages * page_size
-        self.allocator = PageAllocator(num_pages)
+        self._init_pages(layout, num_pages, page_size, dtype, layout.kv_dtype, is_fp8=False)
         self.allocator.on_free = self._drop_main
         self.allocator.prefix_guard = self
         frac_pages = math.ceil(layout.recent_fraction * num_pages)
@@ -162,6 +166,18 @@ class V4Pool(KVPool):
         """The layer's buffers; `cols` its compact columns without (False) and with (True) FP8 storage."""
         return LayerKV(self.recent[layer], self.entries[layer], cols[self.layout.is_fp8], self.fp8_swa[layer],
                        self.fp8_entry[layer], self.fp8_idx_entry[layer])
+
+    def token_rows(self, layer: int, slots: torch.Tensor, valid: torch.Tensor | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """KVPool.token_rows: the layer's recent rows, reached through the page indirection (so only positions
+        whose recent state is still held, RuntimeError otherwise)."""
+        ps = self.page_size
+        recent = self.recent_of_t[slots // ps]
+        held = recent >= 0 if valid is None else (recent >= 0) | ~valid
+        if not bool(held.all()):
+            raise RuntimeError("token_rows: the recent state of a requested position was released")
+        rows = recent * ps + slots % ps
+        return self.recent[layer], rows if valid is None else torch.where(valid, rows, torch.zeros_like(rows))
 
     def _copy_recent_rows(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         for buf, fp8 in zip(self.recent, self.fp8_swa):

@@ -85,9 +85,7 @@ class V4Config:
             raise ValueError(f"o_groups ({raw['o_groups']}) must divide num_attention_heads ({config.num_heads})")
         if raw["scoring_func"] not in _SCORING:
             raise ValueError(f"scoring_func must be one of {_SCORING}, got {raw['scoring_func']!r}")
-        rope_dim = int(raw["qk_rope_head_dim"])
-        if rope_dim % 2 or rope_dim > min(config.head_dim, raw["index_head_dim"]):
-            raise ValueError(f"qk_rope_head_dim ({rope_dim}) must be even and fit head_dim and index_head_dim")
+        rope_dim, rope_main, rope_compress = parse_rope(raw, config.head_dim, raw["index_head_dim"], "V4")
         rates = dict(raw["compress_rates"])
         if any(rates[t] < 1 for t in set(layer_types) - {SLIDING}):
             raise ValueError(f"compress_rates must be >= 1, got {rates}")
@@ -102,7 +100,7 @@ class V4Config:
             moe_intermediate_size=raw["moe_intermediate_size"],
             routed_scaling_factor=float(raw["routed_scaling_factor"]), scoring_func=raw["scoring_func"],
             swiglu_limit=float(raw["swiglu_limit"]), rms_norm_eps=config.rms_norm_eps,
-            max_position=config.max_position, rope_main=dict(raw["rope_parameters"]["main"]), rope_compress=dict(raw["rope_parameters"]["compress"]))
+            max_position=config.max_position, rope_main=rope_main, rope_compress=rope_compress)
 
     def ratio(self, layer_type: str) -> int:
         return 0 if layer_type == SLIDING else self.compress_rates[layer_type]
@@ -110,6 +108,37 @@ class V4Config:
     def ratios(self) -> tuple[int, ...]:
         """Distinct compression ratios in use (each gets one set of window indices per batch)."""
         return tuple(sorted({self.ratio(t) for t in self.layer_types} - {0}))
+
+
+_RELEASE_YARN = {"rope_type": "yarn", "factor": 16.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                 "original_max_position_embeddings": 65536}
+"""The releases' YaRN of compressed layers, for a raw config without rope_scaling."""
+
+
+def parse_rope(raw: dict, head_dim: int, index_head_dim: int, family: str) -> tuple[int, dict, dict]:
+    """(rope_dim, main, compress) of a V4-family config: the RoPE width, and the HF rope parameters of sliding
+    layers ('main', plain RoPE) and of compressed layers and their compressors ('compress', YaRN).
+
+    transformers' DeepseekV4Config has nested them already as rope_parameters {'main', 'compress'} (taken as they
+    are); a config read raw (V4.1) gives them as rope_theta, and rope_scaling with compress_rope_theta."""
+    rope_dim = int(raw["qk_rope_head_dim"])
+    if rope_dim % 2 or rope_dim > min(head_dim, index_head_dim):
+        raise ValueError(f"qk_rope_head_dim ({rope_dim}) must be even and fit head_dim and index_head_dim")
+    nested = raw.get("rope_parameters") or {}
+    if isinstance(nested.get("main"), dict) and isinstance(nested.get("compress"), dict):
+        return rope_dim, dict(nested["main"]), dict(nested["compress"])
+    yarn = dict(raw.get("rope_scaling") or _RELEASE_YARN)
+    yarn.setdefault("rope_type", yarn.pop("type", "yarn"))
+    if yarn["rope_type"] != "yarn":
+        raise ValueError(f"rope_scaling.rope_type must be 'yarn' (compressed layers), got {yarn['rope_type']!r}")
+    for key in ("mscale", "mscale_all_dim"):
+        if yarn.get(key) not in (None, 0, 1, 1.0):
+            raise ValueError(f"rope_scaling.{key} is not supported for {family}, got {yarn[key]!r}")
+    compress = {k: float(v) if k in ("factor", "beta_fast", "beta_slow") else v for k, v in yarn.items()
+                if k not in ("mscale", "mscale_all_dim")}
+    compress["rope_theta"] = float(raw.get("compress_rope_theta", 160000.0))
+    main = {"rope_type": "default", "rope_theta": float(raw.get("rope_theta", 10000.0))}
+    return rope_dim, main, compress
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ from deepinfer_rt.models.deepseek_v4.batch import V4Batch, build_v4_batch
 from deepinfer_rt.models.deepseek_v4.cache import V4KVLayout, V4Pool
 from deepinfer_rt.models.deepseek_v4.common import SLIDING, PoolColumns, V4Config, V4RMSNorm, V4Rotary, recent_tokens
 from deepinfer_rt.models.deepseek_v4.graph_batch import StaticDecode
-from deepinfer_rt.models.deepseek_v4.moe import V4MoE
+from deepinfer_rt.models.deepseek_v4.moe import V4MoE, V4Router
 from deepinfer_rt.models.base import CausalLM
 from deepinfer_rt.models.release_names import from_release_name
 
@@ -47,7 +47,7 @@ class V4DecoderLayer(nn.Module):
     def __init__(self, cfg: V4Config, layer_id: int, rotary: V4Rotary, vocab_size: int):
         super().__init__()
         self.attn = V4Attention(cfg, layer_id, rotary)
-        self.ffn = V4MoE(cfg, layer_id, vocab_size)
+        self.ffn = V4MoE(cfg, V4Router(cfg, cfg.mlp_layer_types[layer_id] == "hash_moe", vocab_size))
         self.attn_norm = V4RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.ffn_norm = V4RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.hc_attn = HyperConnection(cfg)
@@ -94,11 +94,15 @@ class V4Model(nn.Module):
 class DeepseekV4ForCausalLM(CausalLM):
     def __init__(self, config: ModelConfig):
         super().__init__(config)
-        self.model = V4Model(config, V4Config.from_model_config(config))
+        self.model = self._build_model(config)
         self.head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         env = get_env()
         self.is_compact_pool = env.v4_kv_layout == "compact"
         self.is_graph_enabled = env.v4_cuda_graphs
+
+    def _build_model(self, config: ModelConfig) -> nn.Module:
+        """The decoder stack (a family built on this class returns its own)."""
+        return V4Model(config, V4Config.from_model_config(config))
 
     @property
     def supports_cuda_graphs(self) -> bool:

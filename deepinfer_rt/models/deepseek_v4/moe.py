@@ -123,16 +123,19 @@ class SharedExpert(nn.Module):
 
 
 class V4MoE(nn.Module):
-    def __init__(self, cfg: V4Config, layer_id: int, vocab_size: int):
+    """Router `gate`, routed experts, shared expert. gate_temp divides the router's input (V4.1's; 1 in V4)."""
+
+    def __init__(self, cfg: V4Config, gate: V4Router, gate_temp: float = 1.0):
         super().__init__()
-        self.gate = V4Router(cfg, cfg.mlp_layer_types[layer_id] == "hash_moe", vocab_size)
+        self.gate_temp = gate_temp
+        self.gate = gate
         self.experts = ClampedExperts(cfg)
         self.shared_experts = SharedExpert(cfg)
         self.expert_parallel = None
         """The expert-parallel hook, as on layers/moe.py MoE (routing, hash routing included, stays here)."""
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-        weights, ids = self.gate(x, input_ids)
+        weights, ids = self.gate(x / self.gate_temp if self.gate_temp != 1.0 else x, input_ids)
         if self.expert_parallel is not None:
             return self.expert_parallel(self, x, weights, ids)
         return self.experts(x, weights, ids) + self.shared_experts(x)

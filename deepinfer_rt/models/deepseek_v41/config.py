@@ -26,6 +26,8 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from deepinfer_rt.models.deepseek_v4.common import parse_rope
+
 ARCHITECTURE = "DeepseekV41ForCausalLM"
 
 # Generic keys PretrainedConfig writes that say nothing about the network.
@@ -233,26 +235,13 @@ class V41Config:
         if len(ratios) not in (n, n + num_mtp):
             raise ValueError(f"compress_ratios has {len(ratios)} entries, expected num_hidden_layers ({n})"
                              f"{f' or + num_nextn_predict_layers ({n + num_mtp})' if num_mtp else ''}")
-        rope_dim = int(need("qk_rope_head_dim"))
+        need("qk_rope_head_dim")
         head_dim, index_head_dim = int(need("head_dim")), int(need("index_head_dim"))
-        if rope_dim % 2 or rope_dim > min(head_dim, index_head_dim):
-            raise ValueError(f"qk_rope_head_dim ({rope_dim}) must be even and fit head_dim and index_head_dim")
+        rope_dim, rope_main, rope_compress = parse_rope(t, head_dim, index_head_dim, "V4.1")
         num_heads, o_groups = int(need("num_attention_heads")), int(need("o_groups"))
         if num_heads % o_groups:
             raise ValueError(f"o_groups ({o_groups}) must divide num_attention_heads ({num_heads})")
         max_pos = int(t.get("max_position_embeddings", 1048576))
-        yarn = dict(t.get("rope_scaling") or {"rope_type": "yarn", "factor": 16.0, "beta_fast": 32.0,
-                                              "beta_slow": 1.0, "original_max_position_embeddings": 65536})
-        yarn.setdefault("rope_type", yarn.pop("type", "yarn"))
-        if yarn["rope_type"] != "yarn":
-            raise ValueError(f"rope_scaling.rope_type must be 'yarn' (compressed layers), got {yarn['rope_type']!r}")
-        for key in ("mscale", "mscale_all_dim"):
-            if yarn.get(key) not in (None, 0, 1, 1.0):
-                raise ValueError(f"rope_scaling.{key} is not supported for V4.1, got {yarn[key]!r}")
-        rope_compress = {k: float(v) if k in ("factor", "beta_fast", "beta_slow") else v for k, v in yarn.items()
-                         if k not in ("mscale", "mscale_all_dim")}
-        rope_compress["rope_theta"] = float(t.get("compress_rope_theta", 160000.0))
-        rope_main = {"rope_type": "default", "rope_theta": float(t.get("rope_theta", 10000.0))}
         engram_ids = tuple(int(i) for i in t.get("engram_layer_ids") or ())
         engram_sizes = tuple(int(i) for i in t.get("engram_num_embeddings") or ())
         eos = t.get("eos_token_id", [])

@@ -51,7 +51,7 @@ from deepinfer_rt.models.deepseek_v4.graph_batch import StaticDecode
 from deepinfer_rt.models.deepseek_v4.hyper_connections import HyperConnection, HyperHead
 from deepinfer_rt.models.deepseek_v4.methods import v4_method
 from deepinfer_rt.models.deepseek_v4.model import DeepseekV4ForCausalLM
-from deepinfer_rt.models.deepseek_v4.moe import ClampedExperts, SharedExpert, V4Router
+from deepinfer_rt.models.deepseek_v4.moe import V4MoE, V4Router
 from deepinfer_rt.models.deepseek_v41.attention import V41Attention, V41Cols, V41Step, pool_width, recent_width
 from deepinfer_rt.models.deepseek_v41.config import V41Config, V41Layer
 from deepinfer_rt.models.deepseek_v41.engram import DeviceEngramHashing, Engram, EngramHashing, tokenizer_vocabulary
@@ -99,24 +99,12 @@ class V41StaticDecode:
         return V41Step(vb, {layer: h.rows(layer, history) for layer in self.layer_ids}, compressed)
 
 
-class V41MoE(nn.Module):
+class V41MoE(V4MoE):
     """Router (`gate`: weight, text correction bias `bias`, and once loaded the image-token bias `bias_vl`, unused by
     a text-only engine: see the module docstring), routed experts, shared expert."""
 
     def __init__(self, cfg: V41Config):
-        super().__init__()
-        self.gate_temp = cfg.gate_temp
-        self.gate = V4Router(cfg, is_hash=False, vocab_size=cfg.vocab_size)
-        self.experts = ClampedExperts(cfg)
-        self.shared_experts = SharedExpert(cfg)
-        self.expert_parallel = None
-        """The expert-parallel hook, as on deepseek_v4/moe.py V4MoE."""
-
-    def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-        weights, ids = self.gate(x / self.gate_temp if self.gate_temp != 1.0 else x, input_ids)
-        if self.expert_parallel is not None:
-            return self.expert_parallel(self, x, weights, ids)
-        return self.experts(x, weights, ids) + self.shared_experts(x)
+        super().__init__(cfg, V4Router(cfg, is_hash=False, vocab_size=cfg.vocab_size), cfg.gate_temp)
 
 
 class V41DecoderLayer(nn.Module):
@@ -292,14 +280,12 @@ class DeepseekV41ForCausalLM(DeepseekV4ForCausalLM):
     """Shares V4's head, fp32 parameter handling, weight renames, expert fusion and dummy init."""
 
     def __init__(self, config: ModelConfig):
-        super(DeepseekV4ForCausalLM, self).__init__(config)
-        self.v41 = V41Config.from_raw(_config_dict(config))
-        self.model = V41Model(config, self.v41)
+        super().__init__(config)
         self.supports_overlap = self.model.hashing is None  # Engram hashes the step's token ids on the host
-        self.head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        env = get_env()
-        self.is_compact_pool = env.v4_kv_layout == "compact"
-        self.is_graph_enabled = env.v4_cuda_graphs
+
+    def _build_model(self, config: ModelConfig) -> nn.Module:
+        self.v41 = V41Config.from_raw(_config_dict(config))
+        return V41Model(config, self.v41)
 
     @property
     def supports_cuda_graphs(self) -> bool:
