@@ -53,8 +53,6 @@ class LlamaForCausalLM(CausalLM):
         """The CPU step's flat list of the layers' weights (built on its first step)."""
         self.fast_weights: list = []
         """The compiled CPU step's per-layer weight tuples (built on its first step)."""
-        self.fast_weights_of: torch.Tensor | None = None
-        """The first layer's QKV weight when fast_weights was built (rebuilt if the weights were replaced)."""
 
     @staticmethod
     def kv_layout(config: ModelConfig) -> KVLayout:

@@ -15,13 +15,9 @@ closures, so the 30 layers share one graph per piece; the token count is dynamic
 specialised for T = 1, the lone decode stream). Inductor's caches live under DEEPINFER_CACHE/inductor (unless
 the user set TORCHINDUCTOR_CACHE_DIR), so a second start loads the compiled pieces instead of compiling them.
 
-Weights: dense, or weight-only int8 / Q4_1 (layers/int8.py, layers/q4.py), whose packed matmuls the graph calls as
-they are (`_linear`). A quantized model's steps of more rows than its packed matmuls take (prefill chunks) run the
-eager step, which multiplies them by the dequantized weights.
-
 Numerics: the same operations as the eager CPU step, but inductor reorders the RMSNorm reduction and may contract
-multiply-adds, so fp32 values differ in the last bits (tokens equal: test/e2e/test_cpu_compile.py). When compilation
-fails (no C++ toolchain) the step warns once and runs eagerly.
+multiply-adds, so fp32 values differ in the last bits (tokens equal: test/e2e/test_cpu_compile.py). Dense weights
+only (quantization=None); when compilation fails (no C++ toolchain) the step warns once and runs eagerly.
 """
 from __future__ import annotations
 
@@ -36,9 +32,6 @@ import torch.nn.functional as F
 from deepinfer_kernels import reference
 from deepinfer_rt.env import get_env
 from deepinfer_rt.forward_batch import ForwardBatch
-from deepinfer_rt.layers.int8 import Int8WeightOnlyLinear, WeightOnlyLinear
-from deepinfer_rt.layers.methods import UnquantizedLinear
-from deepinfer_rt.layers.q4 import GROUP as Q4_GROUP, Q4WeightOnlyLinear
 
 logger = logging.getLogger("deepinfer_rt")
 
@@ -47,23 +40,10 @@ _COMPILER_ERRORS = (torch._dynamo.exc.BackendCompilerFailed, torch._inductor.exc
 """What a missing or broken toolchain raises; other errors (a bad input) propagate as in the eager step."""
 
 
-def _linear(x, w: tuple):
-    """x @ W^T (+ bias) for a weight given as (kind, a, b, bias): ("dense", weight, None, bias), ("int8", q, scale,
-    bias) or ("q4_1", packed, scales_zeros, bias); the kind is a constant of the graph."""
-    kind, a, b, bias = w
-    if kind == "dense":
-        return F.linear(x, a, bias)
-    if kind == "int8":
-        y = torch.ops.aten._weight_int8pack_mm(x, a, b)
-    else:
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, a, Q4_GROUP, b)
-    return y if bias is None else y + bias
-
-
-def _enter(x, residual, norm, qkv_w: tuple, cos, sin, eps: float, num_q: int, num_kv: int, head_dim: int):
+def _enter(x, residual, norm, qkv_w, qkv_b, cos, sin, eps: float, num_q: int, num_kv: int, head_dim: int):
     residual = x if residual is None else x + residual
     h = reference.rms_norm(residual, norm, eps)
-    qkv = _linear(h, qkv_w)
+    qkv = F.linear(h, qkv_w, qkv_b)
     t, half, qk_width = qkv.shape[0], head_dim // 2, (num_q + num_kv) * head_dim
     qk = qkv[:, :qk_width].view(t, num_q + num_kv, head_dim)
     x1, x2 = qk[..., :half], qk[..., half:]
@@ -72,11 +52,11 @@ def _enter(x, residual, norm, qkv_w: tuple, cos, sin, eps: float, num_q: int, nu
     return rot[:, :num_q], rot[:, num_q:], v, residual
 
 
-def _mlp(o, residual, o_w: tuple, post_norm, gate_up_w: tuple, down_w: tuple, eps: float, inter: int):
-    residual = _linear(o.reshape(o.shape[0], -1), o_w) + residual
+def _mlp(o, residual, o_w, o_b, post_norm, gate_up_w, down_w, eps: float, inter: int):
+    residual = F.linear(o.reshape(o.shape[0], -1), o_w, o_b) + residual
     h = reference.rms_norm(residual, post_norm, eps)
-    gate_up = _linear(h, gate_up_w)
-    return _linear(F.silu(gate_up[:, :inter]) * gate_up[:, inter:], down_w), residual
+    gate_up = F.linear(h, gate_up_w)
+    return F.linear(F.silu(gate_up[:, :inter]) * gate_up[:, inter:], down_w), residual
 
 
 def _between(o, residual, mlp_args: tuple, enter_args: tuple, cos, sin, eps: float, inter: int, num_q: int,
@@ -90,26 +70,14 @@ def _leave(o, residual, mlp_args: tuple, final_norm, eps: float, inter: int):
     return reference.rms_norm(x + residual, final_norm, eps)
 
 
-def _weight(linear) -> tuple:
-    """A linear's weight in `_linear`'s form, by its method."""
-    method = linear.method
-    if isinstance(method, Q4WeightOnlyLinear):
-        return "q4_1", linear.q4_packed, linear.q4_scales_zeros, linear.bias
-    if isinstance(method, Int8WeightOnlyLinear):
-        return "int8", linear.int8_weight, linear.int8_scale, linear.bias
-    if type(method) is not UnquantizedLinear:
-        raise ValueError(f"the compiled CPU step does not take {type(method).__name__} weights")
-    return "dense", linear.weight, None, linear.bias
-
-
-def _step_weights(model) -> list[tuple[tuple, tuple]]:
-    """Per layer: (input norm, qkv) and (o, post norm, gate_up, down), each linear in `_linear`'s form."""
+def _dense_weights(model) -> list[tuple[tuple, tuple]]:
+    """Per layer: (input norm, qkv weight, qkv bias) and (o weight, o bias, post norm, gate_up, down)."""
     out = []
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
-        out.append(((layer.input_layernorm.weight, _weight(attn.qkv_proj)),
-                    (_weight(attn.o_proj), layer.post_attention_layernorm.weight, _weight(mlp.gate_up_proj),
-                     _weight(mlp.down_proj))))
+        out.append(((layer.input_layernorm.weight, attn.qkv_proj.weight, attn.qkv_proj.bias),
+                    (attn.o_proj.weight, attn.o_proj.bias, layer.post_attention_layernorm.weight,
+                     mlp.gate_up_proj.weight, mlp.down_proj.weight)))
     return out
 
 
@@ -145,9 +113,6 @@ class CompiledCpuStep:
         self.eager.prepare(model, batch)
 
     def forward(self, model, batch: ForwardBatch) -> torch.Tensor:
-        method = model.model.layers[0].self_attn.qkv_proj.method
-        if isinstance(method, WeightOnlyLinear) and batch.input_ids.shape[0] > method.max_rows:
-            return self.eager.forward(model, batch)  # the dequantized-weight GEMMs of large inputs
         if self.is_compiled:
             try:
                 return self._compiled_forward(model, batch)
@@ -160,9 +125,8 @@ class CompiledCpuStep:
     def _compiled_forward(self, model, batch: ForwardBatch) -> torch.Tensor:
         trunk, config = model.model, model.config
         weights = model.fast_weights
-        if not weights or model.fast_weights_of is not trunk.layers[0].self_attn.qkv_proj.weight:
-            weights = model.fast_weights = _step_weights(model)
-            model.fast_weights_of = trunk.layers[0].self_attn.qkv_proj.weight
+        if not weights or weights[0][0][1] is not trunk.layers[0].self_attn.qkv_proj.weight:
+            weights = model.fast_weights = _dense_weights(model)
         rope = batch.model_meta  # llama_step._Rope, built by the eager step's prepare
         eps, scale, inter = config.rms_norm_eps, config.head_dim**-0.5, config.intermediate_size
         heads = (config.num_heads, config.num_kv_heads, config.head_dim)

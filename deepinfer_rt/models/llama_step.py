@@ -4,7 +4,7 @@ Chosen once from the KernelConfig when the model is built (`llama_step_method`):
 
     ModuleStep   the shared blocks as modules (models/blocks.py): the reference, and every device and mode
     CpuStep      CPU, not batch-invariant, unquantized, int8 or Q4_1 weights (DEEPINFER_CPU_FAST_STEP, on by default)
-    CompiledCpuStep  the same, compiled between attention calls (DEEPINFER_CPU_COMPILE;
+    CompiledCpuStep  the same, dense weights, compiled between attention calls (DEEPINFER_CPU_COMPILE;
                  models/llama_compiled.py)
 
 On CPU a decode step of a small model is mostly host work between the GEMMs (profile:
@@ -130,7 +130,7 @@ class CpuStep(ModuleStep):
 def llama_step_method(config: KernelConfig) -> ModuleStep:
     if (config.device_type == "cpu" and config.is_cpu_fast_step and not config.is_batch_invariant
             and config.quantization in (None, "int8", "q4_1")):
-        if config.is_cpu_compile:
+        if config.is_cpu_compile and config.quantization is None:
             from deepinfer_rt.models.llama_compiled import CompiledCpuStep
 
             return CompiledCpuStep(CpuStep())
