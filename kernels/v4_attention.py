@@ -18,6 +18,14 @@ query-head rows, split): rows are (query, head) pairs flattened query-major, so 
 and all heads of a decode query share each key tile they load. A program writes its split's normalised output
 and base-2 log-sum-exp in fp32; the combine kernel merges every split of every source with the sink. The split
 counts depend on the shapes only (never on values), so no host read happens and a CUDA graph can capture it.
+
+Fixed-split mode (`fixed_splits=True`, batch-invariant attention): split s of every key list covers list
+positions [s * FIXED_SPLIT_LEN, (s + 1) * FIXED_SPLIT_LEN) and every program one (query, head block), so a
+row's tiles, splits and the order the combine merges them in (sources in order, splits ascending) depend on its
+own key list only. Keys past a row's list (the padding of a wider batch) add exact zeros: a tile no row sees is
+skipped, an empty split has weight 0. With key lists whose valid keys sit at the same positions whatever the
+batch (decode rows: left-aligned; models/deepseek_v4/invariant.key_lists), the output is bitwise the same in
+any batch.
 """
 from __future__ import annotations
 
@@ -149,13 +157,16 @@ def _combine_kernel(PartO, PartLse, Sink, O, total_splits, H: tl.constexpr, D: t
 
 BLOCK_N = 32
 """Keys per tile (D = 512 keys: 32 KiB of bf16 per tile)."""
+FIXED_SPLIT_LEN = 256
+"""Keys per split in fixed-split mode (a multiple of BLOCK_N)."""
 TARGET_PROGRAMS = 528
 """Split programs aimed at (4 per SM of an H200): decode batches small enough to leave SMs idle split their keys."""
 
 
 def _tiling(num_q: int, num_heads: int, d: int, per_query_rows: bool) -> tuple[int, int]:
     """(queries per program, heads per program): at least 16 (query, head) rows for tl.dot, and at most what keeps
-    the fp32 accumulator (rows, D) in registers (16 rows at D = 512)."""
+    the fp32 accumulator (rows, D) in registers (16 rows at D = 512). One query per program for per-query rows
+    (and in fixed-split mode: the tiling then depends on the heads and D only)."""
     max_rows = min(64, max(16, 8192 // triton.next_power_of_2(d)))
     block_h = min(triton.next_power_of_2(num_heads), max_rows)
     qpb = 1 if per_query_rows else max(1, min(triton.next_power_of_2(num_q), max_rows // block_h))
@@ -185,21 +196,25 @@ def _check(q: torch.Tensor, src: KeySource) -> None:
 
 
 def sparse_mqa_attention(q: torch.Tensor, sources: Sequence[KeySource], sink: torch.Tensor, sm_scale: float,
-                         split_len: int | None = None) -> torch.Tensor:
+                         split_len: int | None = None, fixed_splits: bool = False) -> torch.Tensor:
     """q (G, Q, H, D) over the keys of `sources` with the per-head sink (H,) -> (G, Q, H, D) in q's dtype: for
     each (query, head) softmax over [q.k * sm_scale for its visible keys, sink], applied to the keys (K = V).
     A row that sees no key gives zeros. `split_len` (keys per split, a multiple of BLOCK_N) overrides the
-    choice from the shapes (tests)."""
+    choice from the shapes (tests); `fixed_splits` is the batch-invariant mode (module docstring)."""
+    if fixed_splits and split_len is not None:
+        raise ValueError("fixed_splits sets the split length itself (FIXED_SPLIT_LEN)")
     g, num_q, num_heads, d = q.shape
     q = q if q.stride(-1) == 1 else q.contiguous()
     plans = []
     for src in sources:
         _check(q, src)
         per_query = src.rows.dim() == 3 and num_q > 1
-        qpb, block_h = _tiling(num_q, num_heads, d, per_query)
+        qpb, block_h = _tiling(num_q, num_heads, d, per_query or fixed_splits)
         tiles = triton.cdiv(num_q, qpb) * triton.cdiv(num_heads, block_h)
         num_keys = src.rows.shape[-1]
-        if split_len is None:
+        if fixed_splits:
+            length = FIXED_SPLIT_LEN
+        elif split_len is None:
             want = max(1, TARGET_PROGRAMS // max(1, g * tiles * len(sources)))
             length = triton.cdiv(triton.cdiv(max(num_keys, 1), want), BLOCK_N) * BLOCK_N
         else:

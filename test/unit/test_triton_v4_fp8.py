@@ -4,7 +4,9 @@ torch references over the same rows dequantized (value * scale in fp32). Rows ar
 Fp8Rows.write. Tolerances: fp32 queries 1e-5 (the kernel multiplies the scale into the scores instead of the
 rows: rounding only); fp16 queries 2e-3 (attention) / 1e-3 (indexer), as the 16-bit kernels (the interpreter
 multiplies bf16 tiles as raw integers, so 16-bit is checked in fp16). The tiny V4 model on an FP8 compact pool
-gives the same logits through V4TritonMethod as through V4Method (which dequantizes the rows it gathers)."""
+gives the same logits through V4TritonMethod as through V4Method (which dequantizes the rows it gathers).
+The fixed-split attention (batch-invariant mode) gives a row bitwise the same output alone and inside batches of
+other sizes whose key lists are padded wider, FP8 or not."""
 from __future__ import annotations
 
 import textwrap
@@ -179,12 +181,79 @@ _MODEL = textwrap.dedent("""
 """)
 
 
+# Fixed splits scaled down (64 keys, two tiles) so the needle's lists span several splits. The needle: a decode
+# row (left-aligned sliding keys, then per-group entries with a mask) and a prefill query (per-query rows); the
+# batches put it among random rows at another index, with lists padded to other widths (-1 rows, masked keys).
+_FIXED = textwrap.dedent(_QUANTIZE + """
+    from deepinfer_kernels import v4_attention as va
+    from deepinfer_kernels.v4_attention import KeySource, sparse_mqa_attention, sparse_mqa_attention_ref
+    va.FIXED_SPLIT_LEN = 64
+    g = torch.Generator().manual_seed(3)
+    H, D, N1, N2 = 4, 32, 400, 500
+    v1, s1, d1 = fp8_rows(N1, D, g)
+    v2, s2, d2 = fp8_rows(N2, D, g)
+
+    def lists(n_valid, width, per_query_q, fill):
+        # each row's valid keys at list positions 0 .. n - 1, then `fill` (-1 rows, or real rows masked off)
+        rows = torch.full((len(n_valid), width), -1)
+        mask = torch.zeros(len(n_valid), per_query_q, width, dtype=torch.bool)
+        for i, n in enumerate(n_valid):
+            rows[i, :n] = torch.randint(0, N1, (n,), generator=g)
+            mask[i, :, :n] = torch.rand(per_query_q, n, generator=g) < 0.8
+            if fill == "masked":
+                rows[i, n:] = torch.randint(0, N1, (width - n,), generator=g)
+        return rows, mask
+
+    for dtype, fp8 in ((torch.float32, False), (torch.float16, False), (torch.float32, True)):
+        b1 = v1 if fp8 else d1.to(dtype)
+        b2 = v2 if fp8 else d2.to(dtype)
+        kw1, kw2 = (dict(scales=s1), dict(scales=s2)) if fp8 else ({}, {})
+        sink = torch.randn(H, generator=g)
+        q = torch.randn(1, 1, H, D, generator=g).to(dtype)
+        swa, swa_mask = lists([37], 37, 1, "none")
+        ent = torch.randint(0, N2, (1, 150), generator=g)
+        ent_mask = torch.rand(1, 1, 150, generator=g) < 0.7
+        srcs = [KeySource(b1, swa, swa_mask, **kw1), KeySource(b2, ent, ent_mask, **kw2)]
+        alone = sparse_mqa_attention(q, srcs, sink, D ** -0.5, fixed_splits=True)
+        torch.testing.assert_close(alone.float(), sparse_mqa_attention_ref(q, srcs, sink, D ** -0.5).float(),
+                                   rtol=2e-3, atol=2e-3)
+        for G, at, w_swa, w_ent, fill in ((5, 2, 60, 300, "none"), (2, 1, 128, 150, "masked"), (9, 0, 37, 200, "none")):
+            rows, mask = lists([int(torch.randint(1, w_swa + 1, (), generator=g)) for _ in range(G)], w_swa, 1, fill)
+            rows[at], mask[at] = -1, False
+            rows[at, :37], mask[at, :, :37] = swa[0], swa_mask[0]
+            if fill == "masked":
+                rows[at, 37:] = torch.randint(0, N1, (w_swa - 37,), generator=g)
+            erows = torch.randint(0, N2, (G, w_ent), generator=g)
+            emask = torch.rand(G, 1, w_ent, generator=g) < 0.7
+            erows[at, :150], emask[at, :, :150], emask[at, :, 150:] = ent[0], ent_mask[0], False
+            qb = torch.randn(G, 1, H, D, generator=g).to(dtype)
+            qb[at] = q[0]
+            batch = [KeySource(b1, rows, mask, **kw1), KeySource(b2, erows, emask, **kw2)]
+            out = sparse_mqa_attention(qb, batch, sink, D ** -0.5, fixed_splits=True)
+            assert torch.equal(out[at], alone[0]), (dtype, fp8, G)
+        # a prefill query with per-query rows: alone (Q = 1) and as query 2 of 4, lists padded wider
+        prow = torch.randint(0, N2, (1, 1, 130), generator=g)
+        one = sparse_mqa_attention(q, [KeySource(b2, prow, **kw2)], sink, D ** -0.5, fixed_splits=True)
+        rows4 = torch.randint(-1, N2, (1, 4, 190), generator=g)
+        rows4[0, 2], rows4[0, 2, :130] = -1, prow[0, 0]
+        q4 = torch.randn(1, 4, H, D, generator=g).to(dtype)
+        q4[0, 2] = q[0, 0]
+        four = sparse_mqa_attention(q4, [KeySource(b2, rows4, **kw2)], sink, D ** -0.5, fixed_splits=True)
+        assert torch.equal(four[0, 2], one[0, 0]), (dtype, fp8)
+    print("ok")
+""")
+
+
 def test_sparse_mqa_attention_reads_fp8_rows():
     assert _interpret(_ATTENTION).strip().endswith("ok")
 
 
 def test_index_scores_read_fp8_rows_and_keep_the_tie_rule():
     assert _interpret(_INDEXER).strip().endswith("ok")
+
+
+def test_fixed_split_attention_is_bitwise_the_same_in_any_batch():
+    assert _interpret(_FIXED).strip().endswith("ok")
 
 
 def test_tiny_v4_on_fp8_pool_triton_method_equals_torch_method(tiny_v4_path):
