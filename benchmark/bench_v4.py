@@ -280,7 +280,8 @@ def _random_pool(model, config: ModelConfig, args, device: torch.device,
         for rows in [*pool.fp8_swa, *pool.fp8_entry, *pool.fp8_idx_entry]:
             if rows is not None and rows.values.numel():
                 n = rows.values.shape[0]
-                rows.write(torch.arange(n, device=device), torch.randn(n, rows.values.shape[1], generator=gen).to(device))
+                x = torch.randn(n, rows.values.shape[1], generator=gen).to(device)
+                rows.write(torch.arange(n, device=device), x)
     return pool, slots
 
 

@@ -206,9 +206,9 @@ class V4TritonMethod(V4Method):
     Attention reads the keys where the pool keeps them: the sliding-window keys and the compressed entries are two
     key sources (buffer, rows, mask) of one sparse MQA kernel, so no (G, L, D) copy of the keys is made and the
     softmax runs in fp32. With kv_cache_dtype='fp8_e4m3' the sources (and the indexer's keys) are the pool's
-    float8 rows with their row scales, read as they are stored. For CSA the indexer's choice travels as entry indices, (G, Q, topk) with -1 for none,
-    instead of V4Method's (G, Q, E) mask: the kernel then reads topk entries per query, not all E. The top-k is
-    stable_topk, V4Method's rule (ties to the earlier entry)."""
+    float8 rows with their row scales, read as they are stored. For CSA the indexer's choice travels as entry
+    indices, (G, Q, topk) with -1 for none, instead of V4Method's (G, Q, E) mask: the kernel then reads topk
+    entries per query, not all E. The top-k is stable_topk, V4Method's rule (ties to the earlier entry)."""
 
     def __init__(self, linear: LinearMethod, activation: Activation, head_matmul: HeadMatmul):
         super().__init__(linear, activation, head_matmul)
