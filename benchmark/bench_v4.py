@@ -13,7 +13,10 @@ count and bytes, KV-pool bytes stored per token of each (bf16), the KV bytes a d
 `context` (the architecture's floor), and the decode step time per layer at `batch` sequences of `context`
 tokens through the model's default methods (torch on CPU; on CUDA V4's attention, indexer, pooling and Sinkhorn
 run the Triton kernels of V4TritonMethod in models/deepseek_v4/methods.py, and attention and pooling are also
-timed beside V4Method's torch forms on the same step: `kernels` in the JSON). The pool is filled with random
+timed beside V4Method's torch forms on the same step: `kernels` in the JSON). V4 is measured twice: on a bf16
+pool and on an FP8 one (`v4_fp8`, kv_cache_dtype='fp8_e4m3': sliding keys, entries and indexer keys as e4m3 with
+a scale per row, which the Triton kernels read directly; its floor counts a byte per value plus 4 per row's
+scale). The pool is filled with random
 state instead of a prefill: decode cost does not depend on the values, and a CPU prefill of the context would dominate the run. Writes
 benchmark/results/v4_<device>.json.
 
@@ -72,22 +75,23 @@ def mla_config(v4: ModelConfig) -> ModelConfig:
                    norm_topk_prob=True, rope_scaling=None, raw={})
 
 
-def attended_kv_bytes(config: ModelConfig, context: int) -> int:
-    """KV bytes (bf16) one decode token must read at `context` tokens: the architecture's floor, whatever the
-    kernel. V4: the sliding window in every layer, plus all indexer keys and the top-k entries in CSA layers,
-    plus all entries in HCA layers. MLA: the latent and rope key of every position in every layer."""
+def attended_kv_bytes(config: ModelConfig, context: int, fp8: bool = False) -> int:
+    """KV bytes (bf16, or FP8 e4m3 with a 4-byte scale per row for `fp8`) one decode token must read at `context`
+    tokens: the architecture's floor, whatever the kernel. V4: the sliding window in every layer, plus all indexer
+    keys and the top-k entries in CSA layers, plus all entries in HCA layers. MLA: the latent and rope key of
+    every position in every layer (bf16)."""
     if config.architecture != "DeepseekV4ForCausalLM":
         return 2 * context * (config.kv_lora_rank + config.qk_rope_head_dim) * config.num_layers
     cfg = V4Config.from_model_config(config)
-    elems = 0
+    reads = []  # (rows, width)
     for layer_type in cfg.layer_types:
-        elems += min(cfg.sliding_window, context) * cfg.head_dim
+        reads.append((min(cfg.sliding_window, context), cfg.head_dim))
         m = cfg.ratio(layer_type)
         if m and layer_type == CSA:
-            elems += (context // m) * cfg.index_head_dim + min(cfg.index_topk, context // m) * cfg.head_dim
+            reads += [(context // m, cfg.index_head_dim), (min(cfg.index_topk, context // m), cfg.head_dim)]
         elif m:
-            elems += (context // m) * cfg.head_dim
-    return 2 * elems
+            reads.append((context // m, cfg.head_dim))
+    return sum(n * (w + 4 if fp8 else 2 * w) for n, w in reads)
 
 
 def v41_text(path: Path = FLASH41) -> dict:
@@ -252,9 +256,13 @@ def _decode_batch(config: ModelConfig, pool: KVPool, slots: torch.Tensor, ctx: i
     return fb
 
 
-def _random_pool(model, config: ModelConfig, args, device: torch.device) -> tuple[KVPool, torch.Tensor]:
+def _random_pool(model, config: ModelConfig, args, device: torch.device,
+                 kv_cache_dtype: str = "auto") -> tuple[KVPool, torch.Tensor]:
     ctx, batch = args.context, args.batch
-    pool = KVPool(model.kv_layout(config), num_pages=batch * (ctx + 1), page_size=1, dtype=args.dtype, device=device)
+    layout = model.kv_layout(config)
+    if kv_cache_dtype != "auto":
+        layout = layout.with_kv_dtype(kv_cache_dtype)
+    pool = KVPool(layout, num_pages=batch * (ctx + 1), page_size=1, dtype=args.dtype, device=device)
     gen = torch.Generator(device="cpu").manual_seed(0)
     slots = torch.arange(batch * (ctx + 1), device=device).view(batch, ctx + 1)
     if isinstance(pool, V4Pool):
@@ -268,13 +276,20 @@ def _random_pool(model, config: ModelConfig, args, device: torch.device) -> tupl
     for buf in buffers:
         if buf.numel():
             buf.copy_(torch.randn(buf.shape, generator=gen).to(buf.dtype))
+    if isinstance(pool, V4Pool):  # FP8 rows (kv_cache_dtype='fp8_e4m3'), quantized as the layers store them
+        for rows in [*pool.fp8_swa, *pool.fp8_entry, *pool.fp8_idx_entry]:
+            if rows is not None and rows.values.numel():
+                n = rows.values.shape[0]
+                x = torch.randn(n, rows.values.shape[1], generator=gen).to(device)
+                rows.write(torch.arange(n, device=device), x)
     return pool, slots
 
 
 @torch.no_grad()
-def decode_step_seconds(model, config: ModelConfig, args, device: torch.device) -> list[float]:
+def decode_step_seconds(model, config: ModelConfig, args, device: torch.device,
+                        kv_cache_dtype: str = "auto") -> list[float]:
     ctx = args.context
-    pool, slots = _random_pool(model, config, args, device)
+    pool, slots = _random_pool(model, config, args, device, kv_cache_dtype)
     gen = torch.Generator(device="cpu").manual_seed(0)
     times = []
     for _ in range(args.repeats):
@@ -305,13 +320,14 @@ def _cuda_ms(fn, repeats: int) -> float:
 
 
 @torch.no_grad()
-def kernel_timings(model, config: ModelConfig, args, device: torch.device) -> dict:
+def kernel_timings(model, config: ModelConfig, args, device: torch.device, kv_cache_dtype: str = "auto") -> dict:
     """Per-kernel decode times on CUDA, V4TritonMethod (models/deepseek_v4/methods.py) beside the torch
     path (V4Method) on the same step: each layer type's attention (the indexer's selection included for CSA) and
-    the compressor's pooling of one window per sequence."""
+    the compressor's pooling of one window per sequence. With kv_cache_dtype='fp8_e4m3' the kernels read the
+    pool's FP8 rows; the torch path dequantizes the rows it gathers."""
     from deepinfer_rt.models.deepseek_v4.methods import V4Method, V4TritonMethod
 
-    pool, slots = _random_pool(model, config, args, device)
+    pool, slots = _random_pool(model, config, args, device, kv_cache_dtype)
     fb = _decode_batch(config, pool, slots, args.context, torch.Generator(device="cpu").manual_seed(1))
     vb = model.model.prepare_batch(fb)
     cfg, rows = model.model.cfg, {}
@@ -324,12 +340,12 @@ def kernel_timings(model, config: ModelConfig, args, device: torch.device) -> di
     q_res = torch.randn(t, cfg.q_lora_rank, device=device, dtype=args.dtype)
     q = torch.randn(t, cfg.num_heads, cfg.head_dim, device=device, dtype=args.dtype)
     for layer_type, attn in layers.items():
-        buf = pool.k[attn.layer_id].view(pool.num_slots, -1)
+        kv = attn.layer_kv(pool)
         for name, method in methods.items():
             attn.method = method
             if attn.indexer is not None:
                 attn.indexer.method = method
-            call = lambda: [method.attend(attn, g, q, x, q_res, fb.positions, buf) for g in vb.groups]
+            call = lambda: [method.attend(attn, g, q, x, q_res, fb.positions, kv) for g in vb.groups]
             rows[f"attend_{layer_type}_{name}_ms"] = _cuda_ms(call, args.repeats)
         attn.method = base
         if attn.indexer is not None:
@@ -344,23 +360,28 @@ def kernel_timings(model, config: ModelConfig, args, device: torch.device) -> di
     return rows
 
 
-def measure(name: str, config: ModelConfig, args, device: torch.device) -> dict:
+def measure(name: str, config: ModelConfig, args, device: torch.device, kv_cache_dtype: str = "auto") -> dict:
     model = build_model(config, None, "dummy", args.dtype, device, seed=0)
     params = sum(p.numel() for p in model.parameters() if p.is_floating_point())
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    kv_bytes = model.kv_layout(config).bytes_per_token(torch.bfloat16)
-    attended = (attended_kv_bytes_v41 if name == "v41" else attended_kv_bytes)(config, args.context)
-    times = decode_step_seconds(model, config, args, device)
-    kernels = kernel_timings(model, config, args, device) if name == "v4" and device.type == "cuda" else None
+    layout = model.kv_layout(config)
+    fp8 = kv_cache_dtype == "fp8_e4m3"
+    kv_bytes = (layout.with_kv_dtype(kv_cache_dtype) if fp8 else layout).bytes_per_token(torch.bfloat16)
+    attended = attended_kv_bytes_v41(config, args.context) if name == "v41" else attended_kv_bytes(
+        config, args.context, fp8)
+    times = decode_step_seconds(model, config, args, device, kv_cache_dtype)
+    is_v4 = name.startswith("v4") and name != "v41"
+    kernels = kernel_timings(model, config, args, device, kv_cache_dtype) if is_v4 and device.type == "cuda" else None
     del model
     step = statistics.median(times)
-    row = dict(params=params, weight_bytes=weight_bytes, kv_bytes_per_token_bf16=kv_bytes,
-               attended_kv_bytes_per_decode_token_bf16=attended,
-               decode_step_s_median=step, decode_step_s_spread=[min(times), max(times)],
-               decode_step_per_layer_ms=1e3 * step / config.num_layers)
+    kv_key = "kv_bytes_per_token_fp8" if fp8 else "kv_bytes_per_token_bf16"
+    row = {"params": params, "weight_bytes": weight_bytes, "kv_cache_dtype": kv_cache_dtype, kv_key: kv_bytes,
+           f"attended_kv_bytes_per_decode_token_{'fp8' if fp8 else 'bf16'}": attended,
+           "decode_step_s_median": step, "decode_step_s_spread": [min(times), max(times)],
+           "decode_step_per_layer_ms": 1e3 * step / config.num_layers}
     if kernels is not None:
         row["kernels"] = kernels
-    print(f"{name:4s} params {params / 1e9:.2f}B ({weight_bytes / 2**30:.1f} GiB)  KV stored {kv_bytes} B/token, "
+    print(f"{name:6s} params {params / 1e9:.2f}B ({weight_bytes / 2**30:.1f} GiB)  KV stored {kv_bytes} B/token, "
           f"read per decode token {attended / 2**10:.0f} KiB  "
           f"decode step {1e3 * step:.1f} ms ({row['decode_step_per_layer_ms']:.1f} ms/layer)")
     return row
@@ -390,11 +411,12 @@ def main() -> None:
           f"{flash41.get('long_lived_bytes_per_token', 0):.0f} + {flash41.get('recent_bytes_per_token', 0)} per recent "
           f"token for {flash41.get('recent_tokens', 0)} tokens) vs TensorRT-LLM {TRTLLM_V41_GLOBAL_BYTES} B/token "
           f"+ {TRTLLM_V41_SWA_ROW_BYTES} B per layer for the {flash41['trtllm_swa_bytes_total_per_request'] // (TRTLLM_V41_SWA_ROW_BYTES * 40)}-row windows")
-    rows = {"v4": measure("v4", v4, args, device), "v41": measure("v41", v41_config(args), args, device),
-            "mla": measure("mla", mla_config(v4), args, device)}
+    rows = {"v4": measure("v4", v4, args, device), "v4_fp8": measure("v4_fp8", v4, args, device, "fp8_e4m3"),
+            "v41": measure("v41", v41_config(args), args, device), "mla": measure("mla", mla_config(v4), args, device)}
     ratios = {"kv_bytes_v4_over_mla": rows["v4"]["kv_bytes_per_token_bf16"] / rows["mla"]["kv_bytes_per_token_bf16"],
               "attended_kv_v4_over_mla": (rows["v4"]["attended_kv_bytes_per_decode_token_bf16"]
                                           / rows["mla"]["attended_kv_bytes_per_decode_token_bf16"]),
+              "decode_step_v4_fp8_over_v4": rows["v4_fp8"]["decode_step_s_median"] / rows["v4"]["decode_step_s_median"],
               "decode_step_v4_over_mla": rows["v4"]["decode_step_s_median"] / rows["mla"]["decode_step_s_median"]}
     print("ratios v4 / mla:", {k: round(v, 2) for k, v in ratios.items()})
     out = Path(__file__).resolve().parent / "results" / f"v4_{device.type}.json"

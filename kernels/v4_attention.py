@@ -7,11 +7,25 @@ A source is (buffer (N, D), rows, mask): the keys of group g are buffer rows `ro
 prefill block); `mask` (G, Q, L) bool (True = attend) is optional. V4 passes the sliding-window keys and the
 compressed entries (all of them for HCA, the top-k for CSA) as two sources; nothing here knows the cache layout.
 
+FP8 sources (the compact pool's kv_cache_dtype 'fp8_e4m3'): the buffer holds float8_e4m3fn rows and `scales` one
+fp32 scale per row (value = row * scale). A tile is loaded as FP8 (half the bytes of bf16) and converted to the
+queries' dtype exactly in registers (every e4m3 value is a bf16 / fp16 / fp32 value); the row scales multiply
+the tile's scores, and the probabilities before p.V (l keeps the unscaled ones), with fp32 accumulation, so
+the dequantized rows are never built. A source of 16-bit rows and one of FP8 rows may be mixed in one call.
+
 Each source's keys are cut into splits of whole BLOCK_N tiles. One program handles one (group, tile of
 query-head rows, split): rows are (query, head) pairs flattened query-major, so the queries of a prefill block
 and all heads of a decode query share each key tile they load. A program writes its split's normalised output
 and base-2 log-sum-exp in fp32; the combine kernel merges every split of every source with the sink. The split
 counts depend on the shapes only (never on values), so no host read happens and a CUDA graph can capture it.
+
+Fixed-split mode (`fixed_splits=True`, batch-invariant attention): split s of every key list covers list
+positions [s * FIXED_SPLIT_LEN, (s + 1) * FIXED_SPLIT_LEN) and every program one (query, head block), so a
+row's tiles, splits and the order the combine merges them in (sources in order, splits ascending) depend on its
+own key list only. Keys past a row's list (the padding of a wider batch) add exact zeros: a tile no row sees is
+skipped, an empty split has weight 0. With key lists whose valid keys sit at the same positions whatever the
+batch (decode rows: left-aligned; models/deepseek_v4/invariant.key_lists), the output is bitwise the same in
+any batch.
 """
 from __future__ import annotations
 
@@ -33,14 +47,24 @@ class KeySource:
     """(G, L) or (G, Q, L) integer rows of `buf`; -1 = no key."""
     mask: torch.Tensor | None = None
     """(G, Q, L) bool, True = attend; None = every row >= 0."""
+    scales: torch.Tensor | None = None
+    """(N,) or (N, 1) fp32 row scales of a float8_e4m3fn `buf` (None for rows in the queries' dtype)."""
+
+    def gather(self, idx: torch.Tensor) -> torch.Tensor:
+        """buf rows at idx (any shape, all >= 0) in fp32, dequantized (the references' reading)."""
+        rows = self.buf[idx].float()
+        if self.scales is not None:
+            rows = rows * self.scales.reshape(-1)[idx][..., None]
+        return rows
 
 
 @triton.jit
-def _split_kernel(Q, Buf, Rows, Mask, PartO, PartLse,
-                  stride_qg, stride_qq, stride_qh, stride_bn, stride_rg, stride_rq, stride_mg, stride_mq,
+def _split_kernel(Q, Buf, Scales, Rows, Mask, PartO, PartLse,
+                  stride_qg, stride_qq, stride_qh, stride_bn, stride_sn, stride_rg, stride_rq, stride_mg, stride_mq,
                   num_q, num_keys, split_len, split_base, total_splits, qk_scale,
                   H: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
-                  QPB: tl.constexpr, BLOCK_N: tl.constexpr, HAS_MASK: tl.constexpr, IEEE: tl.constexpr):
+                  QPB: tl.constexpr, BLOCK_N: tl.constexpr, HAS_MASK: tl.constexpr, IEEE: tl.constexpr,
+                  KV_FP8: tl.constexpr):
     g = tl.program_id(0).to(tl.int64)
     tile = tl.program_id(1)
     split = tl.program_id(2)
@@ -72,18 +96,26 @@ def _split_kernel(Q, Buf, Rows, Mask, PartO, PartLse,
                            mask=mvalid[:, None] & nmask[None, :], other=0)
             valid = valid & (seen != 0)
         if tl.max(tl.max(valid.to(tl.int32), 1), 0) > 0:  # tiles no row of this program sees are skipped
-            k = tl.load(Buf + tl.where(kvalid, rows, 0)[:, None] * stride_bn + offs_d[None, :],
+            safe = tl.where(kvalid, rows, 0)
+            k = tl.load(Buf + safe[:, None] * stride_bn + offs_d[None, :],
                         mask=kvalid[:, None] & dmask[None, :], other=0.0)  # (N, D), also V
+            if KV_FP8:  # exact conversion; the row scales apply to the scores and the probabilities
+                k = k.to(q.dtype)
+                ks = tl.load(Scales + safe * stride_sn, mask=kvalid, other=0.0)
             if IEEE:  # fp32 pools: full fp32 products (TF32 would drift from the torch path)
                 qk = tl.dot(q, tl.trans(k), input_precision="ieee")
             else:
                 qk = tl.dot(q, tl.trans(k))
+            if KV_FP8:
+                qk = qk * ks[None, :]
             qk = tl.where(valid, qk * qk_scale, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(qk, 1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
             alpha = tl.exp2(m_i - m_safe)
             p = tl.exp2(qk - m_safe[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
+            if KV_FP8:
+                p = p * ks[None, :]
             if IEEE:
                 acc = acc * alpha[:, None] + tl.dot(p.to(k.dtype), k, input_precision="ieee")
             else:
@@ -125,13 +157,16 @@ def _combine_kernel(PartO, PartLse, Sink, O, total_splits, H: tl.constexpr, D: t
 
 BLOCK_N = 32
 """Keys per tile (D = 512 keys: 32 KiB of bf16 per tile)."""
+FIXED_SPLIT_LEN = 256
+"""Keys per split in fixed-split mode (a multiple of BLOCK_N)."""
 TARGET_PROGRAMS = 528
 """Split programs aimed at (4 per SM of an H200): decode batches small enough to leave SMs idle split their keys."""
 
 
 def _tiling(num_q: int, num_heads: int, d: int, per_query_rows: bool) -> tuple[int, int]:
     """(queries per program, heads per program): at least 16 (query, head) rows for tl.dot, and at most what keeps
-    the fp32 accumulator (rows, D) in registers (16 rows at D = 512)."""
+    the fp32 accumulator (rows, D) in registers (16 rows at D = 512). One query per program for per-query rows
+    (and in fixed-split mode: the tiling then depends on the heads and D only)."""
     max_rows = min(64, max(16, 8192 // triton.next_power_of_2(d)))
     block_h = min(triton.next_power_of_2(num_heads), max_rows)
     qpb = 1 if per_query_rows else max(1, min(triton.next_power_of_2(num_q), max_rows // block_h))
@@ -144,8 +179,16 @@ def _check(q: torch.Tensor, src: KeySource) -> None:
     g, num_q, _, d = q.shape
     if src.buf.dim() != 2 or src.buf.shape[1] != d or src.buf.stride(1) != 1:
         raise ValueError(f"a key source's buffer must be (N, {d}) with contiguous rows, got {tuple(src.buf.shape)}")
-    if src.buf.dtype != q.dtype:
+    if src.buf.dtype == torch.float8_e4m3fn:
+        s = src.scales
+        if s is None or s.dtype != torch.float32 or s.numel() != src.buf.shape[0] or s.dim() > 2 or (
+                s.dim() == 2 and s.shape[1] != 1):
+            raise ValueError(f"a float8_e4m3fn key source needs fp32 row scales of shape ({src.buf.shape[0]},) or "
+                             f"({src.buf.shape[0]}, 1), got {None if s is None else (s.dtype, tuple(s.shape))}")
+    elif src.buf.dtype != q.dtype:
         raise ValueError(f"key source dtype {src.buf.dtype} differs from the queries' {q.dtype}")
+    elif src.scales is not None:
+        raise ValueError("row scales come with float8_e4m3fn key buffers only")
     if src.rows.dim() not in (2, 3) or src.rows.shape[0] != g or (src.rows.dim() == 3 and src.rows.shape[1] != num_q):
         raise ValueError(f"key rows must be (G, L) or (G, Q, L) with G={g}, Q={num_q}, got {tuple(src.rows.shape)}")
     if src.mask is not None and src.mask.shape != (g, num_q, src.rows.shape[-1]):
@@ -153,21 +196,25 @@ def _check(q: torch.Tensor, src: KeySource) -> None:
 
 
 def sparse_mqa_attention(q: torch.Tensor, sources: Sequence[KeySource], sink: torch.Tensor, sm_scale: float,
-                         split_len: int | None = None) -> torch.Tensor:
+                         split_len: int | None = None, fixed_splits: bool = False) -> torch.Tensor:
     """q (G, Q, H, D) over the keys of `sources` with the per-head sink (H,) -> (G, Q, H, D) in q's dtype: for
     each (query, head) softmax over [q.k * sm_scale for its visible keys, sink], applied to the keys (K = V).
     A row that sees no key gives zeros. `split_len` (keys per split, a multiple of BLOCK_N) overrides the
-    choice from the shapes (tests)."""
+    choice from the shapes (tests); `fixed_splits` is the batch-invariant mode (module docstring)."""
+    if fixed_splits and split_len is not None:
+        raise ValueError("fixed_splits sets the split length itself (FIXED_SPLIT_LEN)")
     g, num_q, num_heads, d = q.shape
     q = q if q.stride(-1) == 1 else q.contiguous()
     plans = []
     for src in sources:
         _check(q, src)
         per_query = src.rows.dim() == 3 and num_q > 1
-        qpb, block_h = _tiling(num_q, num_heads, d, per_query)
+        qpb, block_h = _tiling(num_q, num_heads, d, per_query or fixed_splits)
         tiles = triton.cdiv(num_q, qpb) * triton.cdiv(num_heads, block_h)
         num_keys = src.rows.shape[-1]
-        if split_len is None:
+        if fixed_splits:
+            length = FIXED_SPLIT_LEN
+        elif split_len is None:
             want = max(1, TARGET_PROGRAMS // max(1, g * tiles * len(sources)))
             length = triton.cdiv(triton.cdiv(max(num_keys, 1), want), BLOCK_N) * BLOCK_N
         else:
@@ -188,13 +235,15 @@ def sparse_mqa_attention(q: torch.Tensor, sources: Sequence[KeySource], sink: to
         if mask is not None:
             mask = mask if mask.stride(-1) == 1 else mask.contiguous()
             mask = mask.view(torch.uint8)
+        fp8 = src.buf.dtype == torch.float8_e4m3fn
         _split_kernel[(g, tiles, splits)](
-            q, src.buf, rows, mask if mask is not None else rows, part_o, part_lse,
-            q.stride(0), q.stride(1), q.stride(2), src.buf.stride(0), rows.stride(0), rows_q_stride,
+            q, src.buf, src.scales if fp8 else src.buf, rows, mask if mask is not None else rows, part_o, part_lse,
+            q.stride(0), q.stride(1), q.stride(2), src.buf.stride(0), src.scales.stride(0) if fp8 else 0,
+            rows.stride(0), rows_q_stride,
             mask.stride(0) if mask is not None else 0, mask.stride(1) if mask is not None else 0,
             num_q, num_keys, length, base, total, sm_scale * LOG2E,
             H=num_heads, D=d, BLOCK_D=block_d, BLOCK_H=block_h, QPB=qpb, BLOCK_N=BLOCK_N,
-            HAS_MASK=mask is not None, IEEE=q.dtype == torch.float32, num_warps=8 if block_d >= 256 else 4,
+            HAS_MASK=mask is not None, IEEE=q.dtype == torch.float32, KV_FP8=fp8, num_warps=8 if block_d >= 256 else 4,
             num_stages=2)
         base += splits
     out = torch.empty(g, num_q, num_heads, d, dtype=q.dtype, device=q.device)
@@ -208,7 +257,7 @@ def sparse_mqa_attention(q: torch.Tensor, sources: Sequence[KeySource], sink: to
 def sparse_mqa_attention_ref(q: torch.Tensor, sources: Sequence[KeySource], sink: torch.Tensor,
                              sm_scale: float) -> torch.Tensor:
     """Torch reference of sparse_mqa_attention in fp32 (the layout of V4Method.attend: concatenated sources,
-    masked scores, the sink as one more logit)."""
+    masked scores, the sink as one more logit); FP8 sources are read dequantized (KeySource.gather)."""
     g, num_q, num_heads, d = q.shape
     keys, masks = [], []
     for src in sources:
@@ -216,7 +265,7 @@ def sparse_mqa_attention_ref(q: torch.Tensor, sources: Sequence[KeySource], sink
         seen = rows >= 0
         if src.mask is not None:
             seen = seen & src.mask
-        keys.append(src.buf[rows.clamp(min=0)].float())  # (G, Q, L, D)
+        keys.append(src.gather(rows.clamp(min=0)))  # (G, Q, L, D)
         masks.append(seen)
     k, seen = torch.cat(keys, dim=2), torch.cat(masks, dim=2)
     scores = torch.einsum("gqhd,gqld->gqhl", q.float(), k) * sm_scale

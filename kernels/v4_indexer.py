@@ -5,6 +5,10 @@ earlier entry), the rule of the torch path.
 One program scores one tile of entries for a tile of queries of one group: rows are (query, head) pairs, so one
 tl.dot gives every head's product and the head sum is a reduction over the reshaped tile; each key tile is read
 once per query tile.
+
+FP8 index keys (kv_cache_dtype 'fp8_e4m3'): float8_e4m3fn rows with one fp32 scale per row, converted to the
+queries' dtype in registers (exactly) with the row scale applied to the products (before the ReLU: a scale is
+positive), so the dequantized keys are never built.
 """
 from __future__ import annotations
 
@@ -17,12 +21,13 @@ BLOCK_E = 64
 
 
 @triton.jit
-def _index_scores_kernel(Q, W, Buf, Rows, Mask, Out,
-                         stride_qg, stride_qq, stride_qh, stride_wg, stride_wq, stride_bn, stride_rg,
+def _index_scores_kernel(Q, W, Buf, Scales, Rows, Mask, Out,
+                         stride_qg, stride_qq, stride_qh, stride_wg, stride_wq, stride_bn, stride_sn, stride_rg,
                          stride_mg, stride_mq, stride_og, stride_oq,
                          num_q, num_entries, scale,
                          H: tl.constexpr, BLOCK_H: tl.constexpr, DI: tl.constexpr, BLOCK_DI: tl.constexpr,
-                         QPB: tl.constexpr, BLOCK_E: tl.constexpr, HAS_MASK: tl.constexpr, IEEE: tl.constexpr):
+                         QPB: tl.constexpr, BLOCK_E: tl.constexpr, HAS_MASK: tl.constexpr, IEEE: tl.constexpr,
+                         KV_FP8: tl.constexpr):
     g = tl.program_id(0).to(tl.int64)
     qb = tl.program_id(1)
     eb = tl.program_id(2)
@@ -39,12 +44,16 @@ def _index_scores_kernel(Q, W, Buf, Rows, Mask, Out,
     emask = offs_e < num_entries
     rows = tl.load(Rows + g * stride_rg + offs_e, mask=emask, other=-1).to(tl.int64)
     kvalid = rows >= 0
-    k = tl.load(Buf + tl.where(kvalid, rows, 0)[:, None] * stride_bn + offs_d[None, :],
-                mask=kvalid[:, None] & dmask[None, :], other=0.0)
+    safe = tl.where(kvalid, rows, 0)
+    k = tl.load(Buf + safe[:, None] * stride_bn + offs_d[None, :], mask=kvalid[:, None] & dmask[None, :], other=0.0)
+    if KV_FP8:
+        k = k.to(q.dtype)
     if IEEE:
         s = tl.dot(q, tl.trans(k), input_precision="ieee")
     else:
         s = tl.dot(q, tl.trans(k))
+    if KV_FP8:
+        s = s * tl.load(Scales + safe * stride_sn, mask=kvalid, other=0.0)[None, :]
     s = (tl.maximum(s, 0.0) * scale) * w[:, None]  # (QPB * BLOCK_H, BLOCK_E), padded heads weigh 0
     total = tl.sum(tl.reshape(s, (QPB, BLOCK_H, BLOCK_E)), 1)  # (QPB, BLOCK_E)
     offs_q = qb * QPB + tl.arange(0, QPB)
@@ -58,13 +67,28 @@ def _index_scores_kernel(Q, W, Buf, Rows, Mask, Out,
              tl.where(valid, total, float("-inf")), mask=qvalid[:, None] & emask[None, :])
 
 
+def _check_scales(buf: torch.Tensor, scales: torch.Tensor | None) -> bool:
+    """Whether buf holds FP8 rows (then with fp32 row scales (N,) or (N, 1))."""
+    if buf.dtype != torch.float8_e4m3fn:
+        if scales is not None:
+            raise ValueError("row scales come with float8_e4m3fn index keys only")
+        return False
+    if scales is None or scales.dtype != torch.float32 or scales.numel() != buf.shape[0] or scales.dim() > 2 or (
+            scales.dim() == 2 and scales.shape[1] != 1):
+        raise ValueError(f"float8_e4m3fn index keys need fp32 row scales of shape ({buf.shape[0]},) or "
+                         f"({buf.shape[0]}, 1), got {None if scales is None else (scales.dtype, tuple(scales.shape))}")
+    return True
+
+
 def index_scores(q: torch.Tensor, weights: torch.Tensor, buf: torch.Tensor, rows: torch.Tensor,
-                 visible: torch.Tensor | None, scale: float) -> torch.Tensor:
+                 visible: torch.Tensor | None, scale: float, scales: torch.Tensor | None = None) -> torch.Tensor:
     """q (G, Q, H, Di), weights (G, Q, H) fp32, key rows `buf[rows]` (buf (N, Di), rows (G, E), -1 = none),
-    visible (G, Q, E) bool or None -> (G, Q, E) fp32 scores, -inf where absent or not visible."""
+    visible (G, Q, E) bool or None -> (G, Q, E) fp32 scores, -inf where absent or not visible. A float8_e4m3fn
+    buf comes with its fp32 row `scales` (N,) or (N, 1)."""
     g, num_q, num_heads, di = q.shape
     if buf.dim() != 2 or buf.shape[1] != di or buf.stride(1) != 1:
         raise ValueError(f"indexer keys must be (N, {di}) with contiguous rows, got {tuple(buf.shape)}")
+    fp8 = _check_scales(buf, scales)
     if rows.shape[0] != g or rows.dim() != 2:
         raise ValueError(f"indexer rows must be (G, E) with G={g}, got {tuple(rows.shape)}")
     num_entries = rows.shape[1]
@@ -77,23 +101,26 @@ def index_scores(q: torch.Tensor, weights: torch.Tensor, buf: torch.Tensor, rows
     qpb = max(max(1, 16 // block_h), min(triton.next_power_of_2(num_q), max(1, 64 // block_h)))
     out = torch.empty(g, num_q, num_entries, dtype=torch.float32, device=q.device)
     mask = visible.contiguous().view(torch.uint8) if visible is not None else None
-    if buf.dtype != q.dtype:
+    if buf.dtype != q.dtype and not fp8:
         buf = buf.to(q.dtype)
     grid = (g, triton.cdiv(num_q, qpb), triton.cdiv(max(num_entries, 1), BLOCK_E))
     _index_scores_kernel[grid](
-        q, weights, buf, rows, mask if mask is not None else rows, out,
-        q.stride(0), q.stride(1), q.stride(2), weights.stride(0), weights.stride(1), buf.stride(0), rows.stride(0),
+        q, weights, buf, scales if fp8 else buf, rows, mask if mask is not None else rows, out,
+        q.stride(0), q.stride(1), q.stride(2), weights.stride(0), weights.stride(1), buf.stride(0),
+        scales.stride(0) if fp8 else 0, rows.stride(0),
         mask.stride(0) if mask is not None else 0, mask.stride(1) if mask is not None else 0,
         out.stride(0), out.stride(1), num_q, num_entries, scale,
         H=num_heads, BLOCK_H=block_h, DI=di, BLOCK_DI=triton.next_power_of_2(di), QPB=qpb, BLOCK_E=BLOCK_E,
-        HAS_MASK=mask is not None, IEEE=q.dtype == torch.float32, num_warps=4)
+        HAS_MASK=mask is not None, IEEE=q.dtype == torch.float32, KV_FP8=fp8, num_warps=4)
     return out
 
 
 def index_scores_ref(q: torch.Tensor, weights: torch.Tensor, buf: torch.Tensor, rows: torch.Tensor,
-                     visible: torch.Tensor | None, scale: float) -> torch.Tensor:
-    """Torch reference of index_scores, in the order of V4Method.index_select."""
+                     visible: torch.Tensor | None, scale: float, scales: torch.Tensor | None = None) -> torch.Tensor:
+    """Torch reference of index_scores, in the order of V4Method.index_select (FP8 keys dequantized)."""
     keys = buf[rows.clamp(min=0)].float()
+    if _check_scales(buf, scales):
+        keys = keys * scales.reshape(-1)[rows.clamp(min=0)][..., None]
     scores = torch.einsum("gqhd,ged->gqhe", q.float(), keys).relu() * scale
     scores = (scores * weights.float()[..., None]).sum(dim=2)
     seen = (rows >= 0)[:, None, :].expand_as(scores)

@@ -7,6 +7,9 @@ the indexer at 64 heads of 128 over 8192 entries (32K context at ratio 4); the c
 Tolerances: fp32 pools take IEEE fp32 products, so outputs match the fp32 reference to 2e-5; bf16 pools multiply
 bf16 tiles with fp32 accumulation and round p to bf16 for p.V (as the torch path rounds its probabilities), so
 outputs are within 1.5e-2 relative (Frobenius) of the fp32 reference, under the bf16 torch path's own error.
+FP8 key rows (kv_cache_dtype='fp8_e4m3', quantized by the pool's Fp8Rows.write) are checked against the same
+references over the rows dequantized in fp32, at the same tolerances: the kernels convert e4m3 to the queries'
+dtype exactly and apply the row scales to scores and probabilities in fp32.
 """
 from __future__ import annotations
 
@@ -24,6 +27,27 @@ D, H, WINDOW = 512, 64, 128
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     assert not out.isnan().any()
     return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+def _fp8(x: torch.Tensor):
+    """x's rows as the compact pool stores them with kv_cache_dtype='fp8_e4m3': (values, scales (N, 1))."""
+    from deepinfer_rt.models.deepseek_v4.common import Fp8Rows
+
+    rows = Fp8Rows.zeros(x.shape[0], x.shape[1], x.device)
+    rows.write(torch.arange(x.shape[0], device=x.device), x)
+    return rows.values, rows.scales
+
+
+def _as_fp8(sources):
+    """The sources with their buffers in FP8 (row magnitudes spread so the scales matter), and the same rows
+    dequantized in fp32 (for the references)."""
+    fp8, deq = [], []
+    for s in sources:
+        spread = torch.linspace(0.05, 8.0, s.buf.shape[0], device=DEV)[torch.randperm(s.buf.shape[0], device=DEV)]
+        values, scales = _fp8(s.buf.float() * spread[:, None])
+        fp8.append(type(s)(values, s.rows, s.mask, scales))
+        deq.append(type(s)(values.float() * scales, s.rows, s.mask))
+    return fp8, deq
 
 
 def _sources(batch: int, q_len: int, topk: int, dtype: torch.dtype, gen: torch.Generator):
@@ -64,8 +88,32 @@ def test_sparse_mqa_attention_v4_flash(dtype, batch, q_len, topk):
     assert rel_err(whole, ref) < (2e-5 if dtype == torch.float32 else 1.5e-2)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("batch,q_len,topk", [(1, 1, 512), (64, 1, 512), (1, 1, 2048), (64, 1, 2048), (1, 64, 512)],
+                         ids=["decode1-512", "decode64-512", "decode1-2048", "decode64-2048", "prefill64-512"])
+def test_sparse_mqa_attention_v4_flash_fp8(dtype, batch, q_len, topk):
+    from deepinfer_kernels.v4_attention import sparse_mqa_attention, sparse_mqa_attention_ref
+
+    gen = torch.Generator(device=DEV).manual_seed(batch * 5 + topk + q_len)
+    sources, deq = _as_fp8(_sources(batch, q_len, topk, torch.float32, gen))
+    q = torch.randn(batch, q_len, H, D, device=DEV, generator=gen).to(dtype)
+    sink = torch.randn(H, device=DEV, generator=gen)
+    out = sparse_mqa_attention(q, sources, sink, D ** -0.5)
+    ref = sparse_mqa_attention_ref(q.float(), deq, sink, D ** -0.5)
+    tol = 2e-5 if dtype == torch.float32 else 1.5e-2
+    assert rel_err(out, ref) < tol
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, ref, rtol=2e-5, atol=2e-5)
+    whole = sparse_mqa_attention(q, sources, sink, D ** -0.5, split_len=max(WINDOW + q_len, topk) + 32)
+    assert rel_err(whole, ref) < tol
+    mixed = sparse_mqa_attention(q, [type(deq[0])(deq[0].buf.to(dtype), deq[0].rows, deq[0].mask), sources[1]],
+                                 sink, D ** -0.5)  # a 16-bit source beside an FP8 one
+    assert rel_err(mixed, ref) < tol
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
 @pytest.mark.parametrize("batch,q_len", [(1, 1), (64, 1), (1, 64)])
-def test_index_scores_and_topk_v4_flash(batch, q_len):
+def test_index_scores_and_topk_v4_flash(batch, q_len, fp8):
     from deepinfer_kernels.reference import stable_topk
     from deepinfer_kernels.v4_indexer import index_scores, index_scores_ref
 
@@ -78,10 +126,14 @@ def test_index_scores_and_topk_v4_flash(batch, q_len):
     visible = (torch.arange(entries, device=DEV) < entries - 3 * torch.arange(q_len, device=DEV)[:, None])
     visible = visible[None].expand(batch, q_len, entries).clone()
     visible[0, :, entries // 2 :] = False
-    out = index_scores(q, w, buf, rows, visible, di ** -0.5)
-    ref = index_scores_ref(q, w, buf, rows, visible, di ** -0.5)
+    scales = None
+    if fp8:
+        buf, scales = _fp8(buf.float() * torch.rand(buf.shape[0], 1, device=DEV, generator=gen).mul(8).add(0.05))
+    out = index_scores(q, w, buf, rows, visible, di ** -0.5, scales)
+    ref = index_scores_ref(q, w, buf, rows, visible, di ** -0.5, scales)
     assert torch.equal(out.isinf(), ref.isinf())
-    # bf16 products are exact in fp32; only the order of the fp32 sums differs
+    # bf16 (and e4m3) products are exact in fp32; only the order of the fp32 sums, and where the scale is applied,
+    # differ
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
     values, picks = stable_topk(out, topk)
     ref_values = stable_topk(ref, topk)[0]
@@ -108,7 +160,8 @@ def test_pool_window_v4_flash(m, c, dtype):
         assert rel_err(out, ref) < 1e-2
 
 
-def test_gpu_v4_engine_with_triton_method_matches_cpu(tmp_path_factory):
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3"])
+def test_gpu_v4_engine_with_triton_method_matches_cpu(tmp_path_factory, kv_cache_dtype):
     from make_tiny_checkpoint import _tokenizer_dir, make_tiny_checkpoint
 
     from deepinfer_rt import Engine, SamplingParams
@@ -117,7 +170,8 @@ def test_gpu_v4_engine_with_triton_method_matches_cpu(tmp_path_factory):
     path = make_tiny_checkpoint("deepseek_v4", tmp_path_factory.mktemp("v4"), seed=0,
                                 tokenizer_dir=_tokenizer_dir("deepseek_v2"))
     greedy = SamplingParams(max_new_tokens=16, temperature=0.0, logprobs=True, ignore_eos=True)
-    kw = dict(dtype="float32", kv_cache_tokens=4096, max_num_seqs=8, chunked_prefill_tokens=11)
+    kw = dict(dtype="float32", kv_cache_tokens=4096, max_num_seqs=8, chunked_prefill_tokens=11,
+              kv_cache_dtype=kv_cache_dtype)
     rng = random.Random(3)
     with Engine(str(path), device="cpu", **kw) as cpu:
         prompts = [[rng.randrange(cpu.model_config.vocab_size) for _ in range(n)] for n in (3, 29, 61)]
@@ -125,6 +179,7 @@ def test_gpu_v4_engine_with_triton_method_matches_cpu(tmp_path_factory):
     with Engine(str(path), device="cuda", **kw) as gpu:
         attn = gpu.model.model.layers[1].attn
         assert isinstance(attn.method, V4TritonMethod) and attn.indexer is not None
+        assert (attn.layer_kv(gpu.pool).fp8_entry is not None) == (kv_cache_dtype == "fp8_e4m3")
         out = gpu.generate(input_ids=prompts, sampling_params=greedy)
     for o, r in zip(out, ref):
         assert o.token_ids == r.token_ids

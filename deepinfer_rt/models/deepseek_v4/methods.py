@@ -25,7 +25,7 @@ from deepinfer_rt.models.deepseek_v4 import invariant as v4_invariant
 
 if TYPE_CHECKING:
     from deepinfer_rt.models.deepseek_v4.batch import AttnGroup
-    # LayerKV (models/deepseek_v4/common.py) is named, not imported: common imports this module.
+    # LayerKV and Fp8Rows (models/deepseek_v4/common.py) are named, not imported: common imports this module.
 
 
 def _unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -205,9 +205,10 @@ class V4TritonMethod(V4Method):
 
     Attention reads the keys where the pool keeps them: the sliding-window keys and the compressed entries are two
     key sources (buffer, rows, mask) of one sparse MQA kernel, so no (G, L, D) copy of the keys is made and the
-    softmax runs in fp32. For CSA the indexer's choice travels as entry indices, (G, Q, topk) with -1 for none,
-    instead of V4Method's (G, Q, E) mask: the kernel then reads topk entries per query, not all E. The top-k is
-    stable_topk, V4Method's rule (ties to the earlier entry)."""
+    softmax runs in fp32. With kv_cache_dtype='fp8_e4m3' the sources (and the indexer's keys) are the pool's
+    float8 rows with their row scales, read as they are stored. For CSA the indexer's choice travels as entry
+    indices, (G, Q, topk) with -1 for none, instead of V4Method's (G, Q, E) mask: the kernel then reads topk
+    entries per query, not all E. The top-k is stable_topk, V4Method's rule (ties to the earlier entry)."""
 
     def __init__(self, linear: LinearMethod, activation: Activation, head_matmul: HeadMatmul):
         super().__init__(linear, activation, head_matmul)
@@ -222,39 +223,42 @@ class V4TritonMethod(V4Method):
     def pool_window(self, kv: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         return self.kernels.pooling.pool_window(kv, gate)
 
+    def _keys(self, fp8: Fp8Rows | None, plain: torch.Tensor, rows: torch.Tensor,
+              mask: torch.Tensor | None = None):
+        """A key source over one kind of pool rows: the Fp8Rows' values and scales where the pool keeps them in
+        FP8 (the kernels dequantize in registers), else the 16-bit column view."""
+        if fp8 is None:
+            return self.kernels.attention.KeySource(plain, rows, mask)
+        return self.kernels.attention.KeySource(fp8.values, rows, mask, fp8.scales)
+
     def attend(self, layer: nn.Module, g: AttnGroup, q: torch.Tensor, x: torch.Tensor, q_residual: torch.Tensor,
                positions: torch.Tensor, kv: LayerKV) -> torch.Tensor:
-        if kv.fp8_swa is not None or kv.fp8_entry is not None:
-            # FP8 rows (the compact pool's kv_cache_dtype='fp8_e4m3'): the kernels read 16-bit keys; the torch
-            # form dequantizes the rows it gathers.
-            return super().attend(layer, g, q, x, q_residual, positions, kv)
-        cols, source = kv.cols, self.kernels.attention.KeySource
-        sources = [source(kv.recent[:, cols.swa], g.swa_slots, g.swa_mask)]
+        cols = kv.cols
+        sources = [self._keys(kv.fp8_swa, kv.recent[:, cols.swa], g.swa_slots, g.swa_mask)]
         if layer.ratio:
             slots, visible = g.entry_slots[layer.ratio], g.entry_mask[layer.ratio]  # (G, E), (G, Q, E)
+            entries = kv.entries[:, cols.entry]
             if layer.indexer is not None:
-                picks = layer.indexer.select(x[g.rows], q_residual[g.rows], positions[g.rows],
-                                             source(kv.entries[:, cols.idx_entry], slots), visible)  # (G, Q, k)
+                index_keys = self._keys(kv.fp8_idx_entry, kv.entries[:, cols.idx_entry], slots)
+                picks = layer.indexer.select(x[g.rows], q_residual[g.rows], positions[g.rows], index_keys,
+                                             visible)  # (G, Q, k)
                 rows = slots.gather(1, picks.clamp(min=0).flatten(1)).view(picks.shape)
-                sources.append(source(kv.entries[:, cols.entry], rows.masked_fill(picks < 0, -1)))
+                sources.append(self._keys(kv.fp8_entry, entries, rows.masked_fill(picks < 0, -1)))
             else:
-                sources.append(source(kv.entries[:, cols.entry], slots, visible))
+                sources.append(self._keys(kv.fp8_entry, entries, slots, visible))
         qg = q[g.rows].view(g.num_seqs, g.q_len, layer.num_heads, layer.head_dim)
         out = self.kernels.attention.sparse_mqa_attention(qg, sources, layer.attn_sink, layer.head_dim ** -0.5)
         return out.view(-1, layer.num_heads, layer.head_dim)
 
     def index_select(self, indexer: nn.Module, q: torch.Tensor, keys, weights: torch.Tensor,
                      visible: torch.Tensor) -> torch.Tensor:
-        """q (G*Q, H, Di) rotated, keys the group's index keys as a KeySource (buffer, rows (G, E)), weights
-        (G*Q, H), visible (G, Q, E) -> (G, Q, min(topk, E)) indices into the group's entries of the best visible
-        ones by sum_h w_h * relu(q_h . k), -1 past the visible ones. Gathered keys (a tensor: the torch form's
-        call, on FP8 rows) get the torch form's mask."""
-        if isinstance(keys, torch.Tensor):
-            return super().index_select(indexer, q, keys, weights, visible)
+        """q (G*Q, H, Di) rotated, keys the group's index keys as a KeySource (buffer, rows (G, E), FP8 row
+        scales or None), weights (G*Q, H), visible (G, Q, E) -> (G, Q, min(topk, E)) indices into the group's
+        entries of the best visible ones by sum_h w_h * relu(q_h . k), -1 past the visible ones."""
         g, q_len, _ = visible.shape
         scores = self.kernels.indexer.index_scores(
             q.view(g, q_len, indexer.num_heads, indexer.head_dim), weights.view(g, q_len, indexer.num_heads),
-            keys.buf, keys.rows, visible, indexer.head_dim ** -0.5)
+            keys.buf, keys.rows, visible, indexer.head_dim ** -0.5, keys.scales)
         values, picks = stable_topk(scores, indexer.topk)
         return picks.masked_fill(values == float("-inf"), -1)
 
