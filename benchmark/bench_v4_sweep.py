@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
-import itertools
 import json
 import math
 import os
@@ -48,14 +47,13 @@ sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve
 import v4_sweep_shapes as shapes  # noqa: E402
 from plot_v4_sweep import build_sweep, plot  # noqa: E402
 
+from v4_sweep_decode import cuda_time, decode_steps, fill_pool, new_requests, pool_tensor_bytes, release, \
+    routing_counts  # noqa: E402
+
 from deepinfer_rt import Engine, SamplingParams  # noqa: E402
-from deepinfer_rt.request import Req, ReqStatus  # noqa: E402
-from deepinfer_rt.scheduler.batch import ScheduledBatch, ScheduledReq  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 VARIANTS = ("v4-bf16", "v4-fp8", "v41-bf16", "v41-fp8")
-_RIDS = itertools.count(1 << 40)
-"""Request ids of the benchmark's own requests (the page table keys rows by id): far from the engine's."""
 
 
 class MeasurementError(AssertionError):
@@ -117,9 +115,11 @@ class Variant:
         self.dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
         self.max_position = max(args.contexts) + 1024
 
-    def path(self, layers: int, fmt: str | None = None, tag: str = "") -> Path:
-        raw = shapes.raw_config(self.shape, fmt or self.fmt, layers, self.args.experts, self.max_position,
-                                self.args.smoke)
+    def path(self, layers: int, fmt: str | None = None, tag: str = "", max_position: int | None = None) -> Path:
+        """The model folder; `max_position` (default: the longest context) also bounds the CUDA graphs' page table
+        width, which sets how many entry slots a graphed step scans: one folder per context."""
+        raw = shapes.raw_config(self.shape, fmt or self.fmt, layers, self.args.experts,
+                                max_position or self.max_position, self.args.smoke)
         return shapes.write_model_dir(raw, self.work / f"{self.name}-{layers}{tag}")
 
     def tokens_per_seq(self, context: int, page_size: int) -> int:
@@ -190,127 +190,6 @@ def attach_cpu_graphs(engine: Engine, batches: list[int]) -> None:
     runner.graphs, runner.pages = graphs, graphs.pages
 
 
-@torch.no_grad()
-def fill_pool(pool, seed: int = 0) -> None:
-    """Random state in every row of the pool (entries, recent rows, FP8 rows with their scales)."""
-    torch.manual_seed(seed)
-    chunk = 1 << 18
-    for buf in [*pool.recent, *pool.entries]:
-        for i in range(0, buf.shape[0], chunk):
-            buf[i : i + chunk].normal_()
-    for rows in [*pool.fp8_swa, *pool.fp8_entry, *pool.fp8_idx_entry]:
-        if rows is not None and rows.values.numel():
-            n, width = rows.values.shape
-            for i in range(0, n, chunk):
-                idx = torch.arange(i, min(n, i + chunk), device=rows.values.device)
-                rows.write(idx, torch.randn(idx.numel(), width, device=rows.values.device))
-    _sync()
-
-
-def pool_tensor_bytes(pool) -> int:
-    bufs = [*pool.recent, *pool.entries]
-    for rows in [*pool.fp8_swa, *pool.fp8_entry, *pool.fp8_idx_entry]:
-        if rows is not None:
-            bufs += [rows.values, rows.scales]
-    return sum(b.numel() * b.element_size() for b in bufs)
-
-
-# ---- decode ----
-
-def new_requests(engine: Engine, batch: int, context: int, tokens_per_seq: int) -> list[Req]:
-    """`batch` running requests at position context - 1 (its prompt computed but the last token), with pages for
-    the whole run and recent rows for the positions the next step reads."""
-    pool, ps = engine.pool, engine.pool.page_size
-    vocab = engine.model_config.vocab_size
-    gen = torch.Generator().manual_seed(batch * 7919 + context)
-    reqs = []
-    for i in range(batch):
-        params = SamplingParams(max_new_tokens=tokens_per_seq, temperature=1.0, ignore_eos=True, seed=i)
-        req = Req(next(_RIDS), torch.randint(0, vocab, (context,), generator=gen).tolist(), params, seed=i)
-        req.status = ReqStatus.RUNNING
-        pages = pool.allocator.alloc(tokens_per_seq // ps)
-        if pages is None:
-            raise RuntimeError(f"the pool has no room for {batch} x {tokens_per_seq} tokens")
-        req.pages, req.num_computed_tokens = pages, context - 1
-        reqs.append(req)
-        start = context - 1
-        for page in pages[max(0, start - pool.layout.recent_tokens) // ps : start // ps + 1]:
-            if not pool.has_recent(page):
-                pool._attach(page, set())  # as the prefill would have left them
-    pool._sync()
-    return reqs
-
-
-def release(engine: Engine, reqs: list[Req]) -> None:
-    for r in reqs:
-        r.finish("length")
-        engine.pool.allocator.decref(r.pages)
-
-
-def decode_steps(runner, reqs: list[Req], n: int) -> None:
-    """n decode steps of all `reqs`, launched and collected as the engine loop does (a step that can overlap is
-    launched before the one before it is collected)."""
-    inflight = None
-
-    def complete(handle, overlapped: bool) -> None:
-        result = runner.collect(handle)
-        for i, token in result.sampled:
-            reqs[i].token_ids.append(token)
-            reqs[i].num_inflight_tokens -= overlapped
-
-    for _ in range(n):
-        batch = ScheduledBatch([ScheduledReq.of(r, 1) for r in reqs])
-        overlapped = runner.can_overlap(batch)
-        if not overlapped and inflight is not None:
-            complete(*inflight)
-            inflight = None
-        handle = runner.launch(batch, inflight[0] if inflight is not None else None)
-        if inflight is not None:
-            complete(*inflight)
-        for r in reqs:
-            r.num_computed_tokens += 1
-            r.num_inflight_tokens += overlapped
-        inflight = (handle, overlapped)
-        if not overlapped:
-            complete(*inflight)
-            inflight = None
-    if inflight is not None:
-        complete(*inflight)
-    _sync()
-
-
-@contextlib.contextmanager
-def routing_counts(model):
-    """Distinct experts each MoE layer's router picked, per step (forward hooks on the routers)."""
-    from deepinfer_rt.models.deepseek_v4.moe import V4Router
-
-    counts: dict[int, list[int]] = {}
-    hooks = []
-    for name, module in model.named_modules():
-        if isinstance(module, V4Router):
-            layer = int(shapes._LAYER.search(name)[1])
-            hooks.append(module.register_forward_hook(
-                lambda m, inp, out, layer=layer: counts.setdefault(layer, []).append(int(out[1].unique().numel()))))
-    try:
-        yield counts
-    finally:
-        for h in hooks:
-            h.remove()
-
-
-def _cuda_time(fn, iters: int = 10) -> float:
-    fn()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return statistics.median(times)
-
-
 def bench_batch(engine: Engine, variant: Variant, floor_in: dict, batch: int, context: int, ceil: dict) -> list[dict]:
     """Eager rows then graphed rows (when the engine has graphs) of one batch at one context."""
     args, runner = variant.args, engine.executor
@@ -348,7 +227,7 @@ def bench_batch(engine: Engine, variant: Variant, floor_in: dict, batch: int, co
                         graphs._graphs[batch].replay()
                         engine.model.compute_logits(out).argmax(-1)
 
-                    step_s = _cuda_time(replay)
+                    step_s = cuda_time(replay)
                     row.update(gpu_step_ms=step_s * 1e3, gpu_tok_s=batch / step_s)
             rows.append(row)
     finally:
@@ -424,13 +303,12 @@ def run_variant(variant: Variant, ceil: dict, section: dict, save) -> None:
     else:
         layers, plans = variant.fit_layers()
     section.update(layers=layers, plans=plans, kv_cache_dtype=variant.kv_cache_dtype, decode=[])
-    path = variant.path(layers)
-    config, meta = shapes.meta_model(path, torch.device(DEVICE))
     _, flop_model = shapes.meta_model(variant.path(layers, "bf16", "-flops"), torch.device("meta"))
     print(f"{variant.name}: {layers} layers, {plans[-1]['run_bytes'] / 2**30:.1f} GiB of weights (meta build)",
           flush=True)
     save()
     for context in args.contexts:
+        path = variant.path(layers, tag=f"-ctx{context}", max_position=context + 1024)
         engine, section["graphs_error"] = None, section.get("graphs_error")
         if DEVICE == "cuda" and not args.no_graphs:
             try:
@@ -470,7 +348,6 @@ def run_variant(variant: Variant, ceil: dict, section: dict, save) -> None:
             if DEVICE == "cuda":
                 torch.cuda.empty_cache()
         save()
-    del meta
 
 
 def _line(row: dict) -> str:
