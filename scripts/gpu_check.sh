@@ -6,9 +6,10 @@
 # time per decode step, overlap off and on, V2-Lite shape), the `moe_invariant` stage (batch-invariant fused
 # MoE beside the default one, V2-Lite shapes) and the `mxfp4` stage (the fused MXFP4 MoE beside the bf16 one at
 # V4-Flash expert shapes), `v4` (bench_v4 at V4-Flash width), `fp8` (bench_fp8: FP8 beside bf16), `longctx`
-# (bench_gpu at long contexts) and `ep1` (the EP worker pool at one rank beside the in-process engine) run when named.
+# (bench_gpu at long contexts), `ep1` (the EP worker pool at one rank beside the in-process engine) and `v4sweep`
+# (bench_v4_sweep: V4-Flash / V4.1-Flash-shaped decode sweep beside the V4 floor, bf16 and release format) run when named.
 # Logs and JSON land in $OUT. Stage time limits (seconds): BENCH_S, TEST_S, KERNEL_BENCH_S, EP_S, DET_S, HOST_S,
-# MOE_BI_S, MXFP4_S, V4_S, FP8_S, LONGCTX_S, EP1_S. TEST_ARGS: the pytest targets of the tests stage (default test/gpu); KERNEL_BENCH_ARGS: extra
+# MOE_BI_S, MXFP4_S, V4_S, FP8_S, LONGCTX_S, EP1_S, V4SWEEP_S. TEST_ARGS: the pytest targets of the tests stage (default test/gpu); KERNEL_BENCH_ARGS: extra
 # arguments of the kernel micro-benchmark (e.g. --only moe). TEST_JOBS>1: one pytest process per test file, that
 # many at once.
 #   device tool:  run(command="bash scripts/gpu_check.sh", carry=[".whl"])          (one H200)
@@ -93,6 +94,12 @@ if [[ $STAGES == *,ep1,* ]]; then  # the EP worker pool at one rank beside the i
   timeout "${EP1_S:-300}" python3 benchmark/bench_ep.py --shape v2-lite --device cuda --dtype bfloat16 \
     --batch 16,64,256 --ep 1 --skew 0 --message-cost --out "$OUT/ep_h200.json" ${EP1_ARGS:-} > "$OUT/ep1.log" 2>&1
   tail -n 12 "$OUT/ep1.log"
+fi
+if [[ $STAGES == *,v4sweep,* ]]; then  # V4 / V4.1 decode sweep (as many layers as fit), JSON + PNG after every row
+  timeout "${V4SWEEP_S:-420}" python3 benchmark/bench_v4_sweep.py --out "$OUT/v4_sweep_h200.json" \
+    ${V4SWEEP_ARGS:---contexts 8192 32768 --batches 1 16 64 256 --steps 6 --row-budget-s 3} > "$OUT/v4sweep.log" 2>&1
+  echo "v4sweep rc=$?"
+  tail -n 40 "$OUT/v4sweep.log"
 fi
 if [[ $STAGES == *,ep,* ]] && [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
   OUT=$OUT timeout "${EP_S:-400}" bash scripts/gpu_ep_check.sh > "$OUT/ep.log" 2>&1
