@@ -57,9 +57,9 @@ _LAYER = re.compile(r"layers\.(\d+)\.")
 
 def v41_layers(n: int) -> dict:
     """The V4.1 text-config fields of an n-layer cut with the release's bands and source spacing (module doc)."""
-    if n < 3:
-        raise ValueError(f"a V4.1 cut needs at least 3 layers (sliding, ratio 2, ratio 1), got {n}")
-    n0 = max(1, round(n * 2 / 40))
+    if n < 2:
+        raise ValueError(f"a V4.1 cut needs at least 2 layers (ratio 2, ratio 1), got {n}")
+    n0 = 0 if n == 2 else max(1, round(n * 2 / 40))  # 2 layers: no sliding-only layer
     n2 = min(n - n0 - 1, max(1, round((n - n0) * 18 / 38)))
     n1 = n - n0 - n2
     first1 = n0 + n2
@@ -134,13 +134,16 @@ def weight_memory(model, config, run_dtype: torch.dtype) -> dict:
     and while running (floating-point parameters in the run dtype)."""
     size = torch.empty((), dtype=run_dtype).element_size()
     build = run = largest = 0
-    for p in model.parameters():
+    is_packed = False
+    for name, p in model.named_parameters():
         n = p.numel()
         build += n * p.element_size()
         run += n * (size if p.dtype == torch.float32 else p.element_size())
         if p.is_floating_point():
             largest = max(largest, n)
-    placeholder = 3 * config.n_routed_experts * config.hidden_size * config.moe_intermediate_size
+        is_packed |= ".experts." in name and not p.is_floating_point()
+    # Quantized experts replace fp32 placeholders of the full expert shape, built first (deepseek_v4/moe.py).
+    placeholder = 3 * config.n_routed_experts * config.hidden_size * config.moe_intermediate_size if is_packed else 0
     return {"build_bytes": build, "run_bytes": run, "build_temp_bytes": 4 * max(largest, placeholder)}
 
 
