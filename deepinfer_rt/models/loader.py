@@ -1,6 +1,8 @@
 """Resolve a model name to an HF folder, build the model from its config, load safetensors by name."""
 from __future__ import annotations
 
+import contextlib
+
 import dataclasses
 import json
 import re
@@ -84,6 +86,26 @@ def iter_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, sf.get_tensor(name)
 
 
+_INIT_FUNCTIONS = ("uniform_", "normal_", "trunc_normal_", "kaiming_uniform_", "kaiming_normal_", "xavier_uniform_",
+                   "xavier_normal_", "orthogonal_")
+"""The random draws; the constant fills (zeros_, ones_) stay, a constructor may mean them."""
+
+
+@contextlib.contextmanager
+def _no_init() -> Iterator[None]:
+    """Modules built without torch.nn.init's random draws (nn.Linear, nn.Embedding): every parameter drawn is then
+    loaded from the checkpoint or drawn by init_dummy (load_weights refuses a checkpoint that lacks one), so the
+    draws were wasted; for the embedded default they were a second of start-up on two cores."""
+    saved = {name: getattr(torch.nn.init, name) for name in _INIT_FUNCTIONS}
+    try:
+        for name in _INIT_FUNCTIONS:
+            setattr(torch.nn.init, name, lambda tensor, *args, **kwargs: tensor)
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(torch.nn.init, name, fn)
+
+
 class Shard(Protocol):
     """Cuts a freshly built model down to one rank's part (expert parallelism: distributed/ep.py ExpertShard)."""
 
@@ -107,7 +129,7 @@ def build_model(config: ModelConfig, path: Path | None, load_format: str, dtype:
     dummy = load_format == "dummy"
     # Dummy weights are drawn where the model runs: a 16B-parameter model initialises in seconds on a GPU.
     # A model to shard is built on the CPU, where its full-size expert tensors (torch.empty) are only reserved.
-    with torch.device(device if dummy and shard is None else "cpu"), build_context(kernel_config):
+    with torch.device(device if dummy and shard is None else "cpu"), build_context(kernel_config), _no_init():
         model = cls(config)
     if shard is not None:
         shard(model, *((device, dtype) if dummy else (torch.device("cpu"), torch.get_default_dtype())))
