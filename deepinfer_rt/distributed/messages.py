@@ -48,6 +48,10 @@ class WorkerArgs:
     batch_invariant: bool = False
     speculative: SpeculativeConfig | None = None
     """Prompt-lookup speculation: each worker verifies the drafts its steps carry."""
+    quantization: str | None = None
+    """Engine(quantization=): how the workers' layers hold their weights (KernelConfig.quantization)."""
+    kv_cache_dtype: str = "auto"
+    """Engine(kv_cache_dtype=): the workers' KV pools ("fp8_e4m3": e4m3 rows with scales)."""
 
 
 @dataclass

@@ -76,14 +76,15 @@ class Worker:
         # Built on the CPU and cut to this rank's experts before weights are read (checkpoint) or drawn on the
         # device (dummy), so no process ever holds every expert.
         self.model = build_model(mc, Path(args.model_path), args.load_format, args.dtype, self.device, args.seed,
-                                 shard=shard, kernel_config=KernelConfig.from_env(self.device, args.batch_invariant))
+                                 shard=shard, kernel_config=KernelConfig.from_env(self.device, args.batch_invariant,
+                                                                   args.quantization))
         self.placement, self.recorder = shard.placement, shard.recorder
         self.experts = [moe.experts for moe in moe_layers(self.model)]
-        layout = self.model.kv_layout(mc)
+        layout = self.model.kv_layout(mc).with_kv_dtype(args.kv_cache_dtype)
         self.num_pages = self._num_kv_pages(layout)
-        self.pool = KVPool(layout, self.num_pages, args.page_size, args.dtype, self.device)
+        self.pool = KVPool(layout, self.num_pages, args.page_size, args.dtype, self.device, args.kv_cache_dtype)
         # The engine's backend rule, so EP=1 in-process and EP=N in workers run the same attention.
-        backend = select_backend(self.device, args.batch_invariant)
+        backend = select_backend(self.device, args.batch_invariant, self.pool.is_fp8)
         # Overlap is the engine's decision, step by step (StepMsg.is_overlapped).
         spec = None if args.speculative is None else worker_spec_decoder(args.speculative, args.batch_invariant,
                                                                          args.max_position)
@@ -140,7 +141,8 @@ class Worker:
         smallest size, which the engine's allocator then hands out."""
         args = self.args
         pages = num_kv_pages(layout, args.dtype, self.device, args.page_size, args.kv_cache_tokens,
-                             args.max_num_seqs, args.max_position, num_sharing_ranks=self.size)
+                             args.max_num_seqs, args.max_position, num_sharing_ranks=self.size,
+                            kv_cache_dtype=args.kv_cache_dtype)
         pages = torch.tensor([pages], device=self.device)
         dist.all_reduce(pages, op=dist.ReduceOp.MIN)
         return int(pages.item())

@@ -171,7 +171,8 @@ class WorkerPool:
             max_position=model_config.max_position, eos_ids=eos_ids,
             num_threads=env.num_threads or max(1, torch.get_num_threads() // num_local), eplb=eplb,
             timeout_s=max(60.0, 2 * env.ep_step_timeout_s), batch_invariant=config.batch_invariant,
-            speculative=speculative)
+            speculative=speculative, quantization=config.quantization,
+            kv_cache_dtype=config.cache.kv_cache_dtype)
             for rank in range(n)]
         self._procs = [_start_worker(rank, n, engine_addr) for rank in range(num_local)]
         self._finalizer = weakref.finalize(self, _stop_workers, n, self._procs, self._sock, self._ctx)
