@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from deepinfer_rt.cache.kv_pool import KVPool, num_kv_pages
 from deepinfer_rt.cuda_graph import CudaGraphRunner
-from deepinfer_rt.distributed.ep import ExpertShard, moe_layers, run_empty
+from deepinfer_rt.distributed.ep import ExpertShard, expert_tensors, moe_layers, run_empty
 from deepinfer_rt.distributed.eplb import (
     LoadWindow,
     contiguous_placement,
@@ -223,14 +223,13 @@ class Worker:
     def _move_weights(self, moves) -> None:
         ops, received = [], []
         for i, move in enumerate(moves):
-            experts = self.experts[move.layer]
-            params = (experts.gate_up_proj, experts.down_proj)
+            params = [p for _, p in expert_tensors(self.experts[move.layer])]  # scales too, where kept
             if self.rank == move.src_rank:
-                ops += [dist.P2POp(dist.isend, p.data[move.src_slot], move.dst_rank, tag=2 * i + j)
+                ops += [dist.P2POp(dist.isend, p.data[move.src_slot], move.dst_rank, tag=4 * i + j)
                         for j, p in enumerate(params)]
             elif self.rank == move.dst_rank:
                 bufs = [torch.empty_like(p.data[move.dst_slot]) for p in params]
-                ops += [dist.P2POp(dist.irecv, b, move.src_rank, tag=2 * i + j) for j, b in enumerate(bufs)]
+                ops += [dist.P2POp(dist.irecv, b, move.src_rank, tag=4 * i + j) for j, b in enumerate(bufs)]
                 received.append((params, move.dst_slot, bufs))
         if ops:
             for work in dist.batch_isend_irecv(ops):

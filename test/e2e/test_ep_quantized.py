@@ -66,3 +66,19 @@ def v3_fp8_path(tiny_v3_path, tmp_path_factory):
 def test_ep2_loads_a_v3_fp8_release_checkpoint(v3_fp8_path):
     expected = _tokens(v3_fp8_path)
     assert _tokens(v3_fp8_path, ep_size=2) == expected
+
+
+@pytest.mark.parametrize("kind, fmt, dims", [
+    ("deepseek_v4", "v4", dict(hidden_size=192, q_lora_rank=160, moe_intermediate_size=64, vocab_size=20480)),
+    ("deepseek_v41", "v41", dict(hidden_size=96, moe_intermediate_size=64, q_lora_rank=48, engram_head_dim=32))],
+    ids=["v4", "v41"])
+def test_ep2_loads_mxfp4_release_checkpoints(tmp_path, kind, fmt, dims):
+    """DeepSeek-V4 (FP8 with e8m0 128 x 128 scales) and V4.1 (e8m0 32 x 32) releases: MXFP4 routed experts
+    (int8 e2m1 pairs, e8m0 per 32) whose packed codes and scales each rank cuts to its own experts."""
+    from make_tiny_checkpoint import make_tiny_checkpoint
+    from quantize_checkpoint import quantize_checkpoint
+
+    src = make_tiny_checkpoint(kind, tmp_path / "src", seed=0, **dims)
+    path = quantize_checkpoint(src, tmp_path / fmt, fmt, torch.bfloat16)
+    expected = _tokens(path)
+    assert _tokens(path, ep_size=2) == expected
