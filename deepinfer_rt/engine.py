@@ -94,11 +94,12 @@ class Engine:
             if spec_config is not None:  # planned here, verified in the workers (distributed/spec.py)
                 from deepinfer_rt.distributed.spec import engine_spec_decoder
 
-                self.spec = engine_spec_decoder(spec_config, self.config.batch_invariant, mc.max_position)
+                self.spec = engine_spec_decoder(spec_config, mc, self.config.batch_invariant)
             # The model lives in the EP worker processes; the pool's allocator hands out pages of theirs.
             self.model = None
             self.executor: Executor = WorkerPool(self.config, path, mc, self.eos_ids, spec_config and
-                                                 dataclasses.replace(spec_config, drafter=None))
+                                                 dataclasses.replace(spec_config, drafter=None,
+                                                                     max_draft=spec_config.num_draft))
             self.executor.spec = self.spec
             self.pool = self.executor
         else:

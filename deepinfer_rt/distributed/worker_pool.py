@@ -294,6 +294,9 @@ class WorkerPool:
             raise ValueError(f"an EP={self.size} step needs one part per rank (a DPBatch), got {len(parts)}")
         is_overlapped = self.can_overlap(batch)
         msgs = self._encoder.encode(parts, is_overlapped, self.spec is not None)
+        if self.spec is not None and self.spec.drafts_in_workers and any(it.is_sampling for it in batch.items):
+            for msg in msgs:  # MTP: the chain forwards of the drafts, on every rank (distributed/spec.py)
+                msg.draft_forwards = self.spec.num_draft - 1
         payloads = [pickle.dumps(("step", msg), protocol=pickle.HIGHEST_PROTOCOL) for msg in msgs]
         with self._lock:
             for rank, payload in enumerate(payloads):
@@ -323,7 +326,8 @@ class WorkerPool:
         else:
             result = merge_results([replies[rank][0].result for rank in range(self.size)], num_items)
         if self.spec is not None:
-            self.spec.book(batch, result.num_accepted, time.perf_counter() - start)
+            drafts = [replies[rank][0].drafts for rank in range(self.size)]
+            self.spec.book(batch, result.num_accepted, time.perf_counter() - start, [d for d in drafts if d is not None])
         return result
 
     def run(self, batch: ScheduledBatch) -> RunResult:
