@@ -130,11 +130,12 @@ class WorkerMTPDrafter(MTPDrafter):
 
 def worker_spec_decoder(config: SpeculativeConfig, batch_invariant: bool, max_position: int, model=None,
                         model_config=None, path=None, load_format: str = "auto", seed: int = 0,
-                        shard=None) -> SpecDecoder:
+                        make_shard=None) -> SpecDecoder:
     """Prompt lookup: verifies the drafts each step carries. MTP: also drafts, with the layer's MoE sharded as
-    the target's (`shard`, this rank's models.loader.Shard)."""
+    the target's (`make_shard()`: this rank's models.loader.Shard)."""
     if config.method == "mtp":
-        drafter = WorkerMTPDrafter.load(model, model_config, path, load_format, seed, config.num_draft, shard)
+        drafter = WorkerMTPDrafter.load(model, model_config, path, load_format, seed, config.num_draft,
+                                        make_shard())
     else:
         drafter = _Verified()
     return SpecDecoder(config, drafter, batch_invariant, max_position)

@@ -84,8 +84,8 @@ class Worker:
         spec = None if args.speculative is None else worker_spec_decoder(
             args.speculative, args.batch_invariant, args.max_position, self.model, mc, Path(args.model_path),
             args.load_format, args.seed,
-            ExpertShard(contiguous_placement(mc.n_routed_experts, self.size), mc.n_routed_experts, self.rank,
-                        self.device))
+            lambda: ExpertShard(contiguous_placement(mc.n_routed_experts, self.size), mc.n_routed_experts,
+                                self.rank, self.device))
         self.mtp = spec.drafter if spec is not None and isinstance(spec.drafter, WorkerMTPDrafter) else None
         layout = self.model.kv_layout(mc).with_kv_dtype(args.kv_cache_dtype)
         layout = layout if spec is None else spec.kv_layout(layout)
