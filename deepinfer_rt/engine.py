@@ -89,19 +89,17 @@ class Engine:
         if ep_size > 1 or env.ep_worker_pool:
             from deepinfer_rt.distributed.worker_pool import WorkerPool
 
-            if quantization is not None:
-                raise ValueError("quantization= does not reach the expert-parallel workers yet")
-            if kv_cache_dtype != "auto":
-                raise ValueError("kv_cache_dtype= does not reach the expert-parallel workers yet")
+            KernelConfig.from_env(dev, self.config.batch_invariant, quantization)  # refused here, not in a worker
             spec_config = None if speculative is None else SpeculativeConfig.parse(speculative)
             if spec_config is not None:  # planned here, verified in the workers (distributed/spec.py)
                 from deepinfer_rt.distributed.spec import engine_spec_decoder
 
-                self.spec = engine_spec_decoder(spec_config, self.config.batch_invariant, mc.max_position)
+                self.spec = engine_spec_decoder(spec_config, mc, self.config.batch_invariant)
             # The model lives in the EP worker processes; the pool's allocator hands out pages of theirs.
             self.model = None
             self.executor: Executor = WorkerPool(self.config, path, mc, self.eos_ids, spec_config and
-                                                 dataclasses.replace(spec_config, drafter=None))
+                                                 dataclasses.replace(spec_config, drafter=None,
+                                                                     max_draft=spec_config.num_draft))
             self.executor.spec = self.spec
             self.pool = self.executor
         else:

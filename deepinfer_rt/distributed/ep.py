@@ -155,27 +155,45 @@ def moe_layers(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if hasattr(m, "expert_parallel") and hasattr(m, "experts")]
 
 
+_EXPERT_TENSORS = ("gate_up_proj", "down_proj", "gate_up_proj_scale_inv", "down_proj_scale_inv")
+"""The routed experts' fused (E, ...) tensors: the weights and, for FP8 / MXFP4 checkpoints, their scales."""
+_DENSE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def expert_tensors(experts: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """(name, parameter) of each fused per-expert tensor the routed experts hold (a scale dequantized away at
+    load is None, and absent here)."""
+    return [(name, getattr(experts, name)) for name in _EXPERT_TENSORS if getattr(experts, name, None) is not None]
+
+
 def shard_experts(model: nn.Module, placement: ExpertPlacement, rank: int, recorder: LoadRecorder,
                   device: torch.device, dtype: torch.dtype) -> None:
-    """Replace each MoE layer's full-size expert tensors by this rank's slots (uninitialised, on `device` in
-    `dtype`). Checkpoint tensors hold every expert (fused, (E, ...)); the weight loader keeps the rows of the
-    experts in this rank's slots."""
+    """Replace each MoE layer's full-size expert tensors by this rank's slots (uninitialised, on `device`; 16/32-
+    bit weights in `dtype`, quantized storage -- FP8 values, packed MXFP4, scales -- in its own). Checkpoint
+    tensors hold every expert (fused, (E, ...)); the weight loader keeps the rows of the experts in this rank's
+    slots and hands them to the tensor's own loader (an FP8 / MXFP4 format check, an unpacking) when it has
+    one."""
     for layer, moe in enumerate(moe_layers(model)):
         local = placement.layers[layer][rank]
         experts = moe.experts  # kept (its other settings too, e.g. the SwiGLU clamp); only its tensors shrink
-        for name in ("gate_up_proj", "down_proj"):
-            full = getattr(experts, name)
-            param = nn.Parameter(torch.empty(len(local), *full.shape[1:], device=device, dtype=dtype))
-            param.weight_loader = _expert_rows_loader(local)
+        for name, full in expert_tensors(experts):
+            kept = dtype if full.dtype in _DENSE_DTYPES and not name.endswith("_scale_inv") else full.dtype
+            param = nn.Parameter(torch.empty(len(local), *full.shape[1:], device=device, dtype=kept),
+                                 requires_grad=False)
+            param.__dict__.update({k: v for k, v in full.__dict__.items() if k != "weight_loader"})
+            param.weight_loader = _expert_rows_loader(local, getattr(full, "weight_loader", None))
             setattr(experts, name, param)
         experts.num_experts = len(local)
         if placement.num_ranks > 1:  # one rank: the layer's own forward, with nothing to exchange
             moe.expert_parallel = ExpertParallelMoE(layer, placement, recorder)
 
 
-def _expert_rows_loader(local: list[int]):
+def _expert_rows_loader(local: list[int], inner=None):
     def load(param: nn.Parameter, tensor: torch.Tensor) -> None:
-        param.data.copy_(tensor[local])
+        if inner is None:
+            param.data.copy_(tensor[local])
+        else:
+            inner(param, tensor[local])
     return load
 
 
@@ -191,23 +209,37 @@ def init_dummy_sharded(model: nn.Module, placement: ExpertPlacement, rank: int, 
     gen = torch.Generator(device=next(model.parameters()).device)
     expert_params = {}
     for layer, moe in enumerate(moe_layers(model)):
-        for p in (moe.experts.gate_up_proj, moe.experts.down_proj):
+        for _, p in expert_tensors(moe.experts):
             expert_params[id(p)] = (layer, placement.layers[layer][rank])
-    for name, p in model.named_parameters():
+    params = dict(model.named_parameters())
+    for name, p in params.items():
+        scaled = name + "_scale_inv" in params  # FP8 values / packed MXFP4 codes (a quantized checkpoint's config)
         if "norm" in name and p.dim() == 1:
             p.fill_(1.0)
-        elif not p.is_floating_point():
-            continue  # tables (e.g. V4's token -> expert hash), drawn below by the model's own rule
+        elif name.endswith("_scale_inv"):  # CausalLM.init_dummy's scales: e8m0 bytes 2^-6, float ones 0.02
+            p.fill_(127 - 6 if p.dtype == torch.uint8 else 0.02)
         elif id(p) in expert_params:
             layer, local = expert_params[id(p)]
             kind = name.rsplit(".", 1)[-1]
             for s, e in enumerate(local):
-                p[s].normal_(0.0, 0.02, generator=gen.manual_seed(_seed(seed, layer, kind, e)))
-        else:
-            p.normal_(0.0, 0.02, generator=gen.manual_seed(_seed(seed, name)))
+                _draw(p[s], gen.manual_seed(_seed(seed, layer, kind, e)), scaled)
+        elif p.is_floating_point():
+            _draw(p, gen.manual_seed(_seed(seed, name)), scaled)
+        # else: tables (e.g. V4's token -> expert hash), drawn below by the model's own rule
     init_tables = getattr(model, "init_dummy_tables", None)
     if init_tables is not None:
         init_tables(seed)
+
+
+def _draw(p: torch.Tensor, gen: torch.Generator, scaled: bool) -> None:
+    """normal(0, 0.02); a block-scaled weight's values normal(0, 1) (its scales are 0.02), packed e2m1 pairs any
+    byte, as CausalLM.init_dummy draws them."""
+    if p.dtype == torch.int8:
+        p.copy_(torch.randint(-128, 128, p.shape, generator=gen, dtype=torch.int8, device=p.device))
+    elif scaled or p.dtype not in _DENSE_DTYPES:
+        p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32, device=p.device))
+    else:
+        p.normal_(0.0, 0.02, generator=gen)
 
 
 class ExpertShard:

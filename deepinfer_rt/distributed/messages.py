@@ -18,6 +18,7 @@ from deepinfer_rt.distributed.eplb import EPLBConfig
 from deepinfer_rt.model_runner import RunResult
 from deepinfer_rt.sampling_params import SamplingParams
 from deepinfer_rt.speculative.config import SpeculativeConfig
+from deepinfer_rt.speculative.drafter import Proposal
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,10 @@ class WorkerArgs:
     batch_invariant: bool = False
     speculative: SpeculativeConfig | None = None
     """Prompt-lookup speculation: each worker verifies the drafts its steps carry."""
+    quantization: str | None = None
+    """Engine(quantization=): how the workers' layers hold their weights (KernelConfig.quantization)."""
+    kv_cache_dtype: str = "auto"
+    """Engine(kv_cache_dtype=): the workers' KV pools ("fp8_e4m3": e4m3 rows with scales)."""
 
 
 @dataclass
@@ -142,6 +147,8 @@ class StepMsg:
     is_overlapped: bool = False
     """Launched before the step before is collected: its decode inputs read that step's tokens on the device,
     and its answer waits until the next step arrives (or a "flush")."""
+    draft_forwards: int = 0
+    """MTP: the chain forwards every rank runs after this step's MTP forward (distributed/spec.py)."""
 
 
 @dataclass
@@ -149,3 +156,31 @@ class StepReply:
     rank: int
     result: RunResult | None
     """This rank's result, item indices within its own part of the step."""
+    drafts: Drafts | None = None
+    """MTP: this rank's proposals for the next step."""
+
+
+@dataclass
+class Drafts:
+    """A worker's MTP proposals after a step, one row per request that drafted: its id, the token count the
+    drafts continue, and its drafts with their confidences (every row the same length, the drafter's
+    max_draft). The draft distributions of sampled requests stay in the worker."""
+    rids: np.ndarray
+    num_tokens: np.ndarray
+    tokens: np.ndarray
+    """(rows, k) int32."""
+    confidences: np.ndarray
+    """(rows, k) float32."""
+
+    @classmethod
+    def pack(cls, proposals: dict[int, Proposal]) -> "Drafts":
+        items = list(proposals.items())
+        k = len(items[0][1].tokens) if items else 0
+        return cls(np.array([rid for rid, _ in items], dtype=np.int64),
+                   np.array([p.num_tokens for _, p in items], dtype=np.int64),
+                   np.array([p.tokens for _, p in items], dtype=np.int32).reshape(len(items), k),
+                   np.array([p.confidences for _, p in items], dtype=np.float32).reshape(len(items), k))
+
+    def proposals(self) -> dict[int, Proposal]:
+        return {rid: Proposal(tokens, confidences, None, num_tokens) for rid, num_tokens, tokens, confidences in
+                zip(self.rids.tolist(), self.num_tokens.tolist(), self.tokens.tolist(), self.confidences.tolist())}

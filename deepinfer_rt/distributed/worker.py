@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from deepinfer_rt.cache.kv_pool import KVPool, num_kv_pages
 from deepinfer_rt.cuda_graph import CudaGraphRunner
-from deepinfer_rt.distributed.ep import ExpertShard, moe_layers, run_empty
+from deepinfer_rt.distributed.ep import ExpertShard, expert_tensors, moe_layers, run_empty
 from deepinfer_rt.distributed.eplb import (
     LoadWindow,
     contiguous_placement,
@@ -34,7 +34,7 @@ from deepinfer_rt.distributed.eplb import (
 )
 from deepinfer_rt.distributed.messages import StepMsg, StepReply, WorkerArgs
 from deepinfer_rt.distributed.mirrors import Mirrors
-from deepinfer_rt.distributed.spec import set_step_drafts, worker_spec_decoder
+from deepinfer_rt.distributed.spec import WorkerMTPDrafter, set_step_drafts, worker_spec_decoder
 from deepinfer_rt.env import get_env
 from deepinfer_rt.layers.attention.select import select_backend
 from deepinfer_rt.layers.kernel_config import KernelConfig
@@ -76,17 +76,26 @@ class Worker:
         # Built on the CPU and cut to this rank's experts before weights are read (checkpoint) or drawn on the
         # device (dummy), so no process ever holds every expert.
         self.model = build_model(mc, Path(args.model_path), args.load_format, args.dtype, self.device, args.seed,
-                                 shard=shard, kernel_config=KernelConfig.from_env(self.device, args.batch_invariant))
+                                 shard=shard, kernel_config=KernelConfig.from_env(self.device, args.batch_invariant,
+                                                                   args.quantization))
         self.placement, self.recorder = shard.placement, shard.recorder
         self.experts = [moe.experts for moe in moe_layers(self.model)]
-        layout = self.model.kv_layout(mc)
-        self.num_pages = self._num_kv_pages(layout)
-        self.pool = KVPool(layout, self.num_pages, args.page_size, args.dtype, self.device)
+        # MTP's layer has an MoE of its own: sharded as the target's (its own placement, never rearranged).
+        spec = None if args.speculative is None else worker_spec_decoder(
+            args.speculative, args.batch_invariant, args.max_position, self.model, mc, Path(args.model_path),
+            args.load_format, args.seed,
+            lambda: ExpertShard(contiguous_placement(mc.n_routed_experts, self.size), mc.n_routed_experts,
+                                self.rank, self.device))
+        self.mtp = spec.drafter if spec is not None and isinstance(spec.drafter, WorkerMTPDrafter) else None
+        layout = self.model.kv_layout(mc).with_kv_dtype(args.kv_cache_dtype)
+        layout = layout if spec is None else spec.kv_layout(layout)
+        num_pages = self._num_kv_pages(layout)
+        self.pool = KVPool(layout, num_pages, args.page_size, args.dtype, self.device, args.kv_cache_dtype)
+        self.num_pages = num_pages - self._keep_scratch()
+        """Pages the engine hands out (the first ones); the rest are the MTP chain's scratch."""
         # The engine's backend rule, so EP=1 in-process and EP=N in workers run the same attention.
-        backend = select_backend(self.device, args.batch_invariant)
+        backend = select_backend(self.device, args.batch_invariant, self.pool.is_fp8)
         # Overlap is the engine's decision, step by step (StepMsg.is_overlapped).
-        spec = None if args.speculative is None else worker_spec_decoder(args.speculative, args.batch_invariant,
-                                                                         args.max_position)
         self.runner = ModelRunner(self.model, self.pool, backend, Sampler(mc.vocab_size), self.device, args.eos_ids,
                                   is_overlap_enabled=True, graphs=self._cuda_graphs(backend), spec=spec)
         self.runner.grammar = ShippedBitmasks(mc.vocab_size)
@@ -98,6 +107,20 @@ class Worker:
         self.num_decode_steps = 0
         self.num_moved_experts = 0
         self.num_rearrangements = 0
+
+    def _keep_scratch(self) -> int:
+        """MTP: keep back the last pages of the pool for the drafter's chain, which this worker's allocator then
+        hands out (the engine's allocators hand out the first ones, unknown to this one): the pages a full step
+        drafts into, so every rank always drafts max_draft tokens (their forwards line up)."""
+        if self.mtp is None:
+            return 0
+        allocator = self.pool.allocator
+        keep = self.mtp.scratch_pages(self.args.max_num_seqs, self.args.page_size)
+        if keep >= allocator.num_pages:
+            raise ValueError(f"MTP under EP keeps {keep} KV pages for its drafts (max_num_seqs x (max_draft - 1) "
+                             f"tokens) of a pool of {allocator.num_pages}: raise kv_cache_tokens")
+        allocator.alloc(allocator.num_pages - keep)  # the engine's, never freed here
+        return keep
 
     def _cuda_graphs(self, backend):
         """Decode CUDA graphs as the in-process engine builds them, where this rank's forward holds no
@@ -140,7 +163,8 @@ class Worker:
         smallest size, which the engine's allocator then hands out."""
         args = self.args
         pages = num_kv_pages(layout, args.dtype, self.device, args.page_size, args.kv_cache_tokens,
-                             args.max_num_seqs, args.max_position, num_sharing_ranks=self.size)
+                             args.max_num_seqs, args.max_position, num_sharing_ranks=self.size,
+                            kv_cache_dtype=args.kv_cache_dtype)
         pages = torch.tensor([pages], device=self.device)
         dist.all_reduce(pages, op=dist.ReduceOp.MIN)
         return int(pages.item())
@@ -153,8 +177,13 @@ class Worker:
         for src, dst in msg.kv_copies:
             self.pool.copy_slots(src, dst)
         batch = self._batch(msg)
+        if self.mtp is not None:
+            self.mtp.num_chain_forwards = msg.draft_forwards
+            self.mtp._proposals = {}  # of the step before: verified (or dropped) by now
         if batch.is_empty:  # no requests on this rank this step: its part in the MoE layers' collectives only
             run_empty(self.model, self.config.hidden_size, self.args.dtype, self.device)
+            if self.mtp is not None:
+                self.mtp.run_empty(1 + msg.draft_forwards, self.args.dtype, self.device)
             handle = Launched(result=RunResult([], None, {}))
         else:
             self.num_decode_steps += all(it.num_new_tokens == 1 for it in batch.items)
@@ -171,7 +200,8 @@ class Worker:
         if msg.is_overlapped:
             self.held = handle
         else:
-            replies.append(StepReply(self.rank, self.runner.collect(handle)))
+            drafts = self.mtp.drafts() if self.mtp is not None else None
+            replies.append(StepReply(self.rank, self.runner.collect(handle), drafts))
         return replies
 
     def flush(self) -> list[StepReply]:
@@ -221,14 +251,13 @@ class Worker:
     def _move_weights(self, moves) -> None:
         ops, received = [], []
         for i, move in enumerate(moves):
-            experts = self.experts[move.layer]
-            params = (experts.gate_up_proj, experts.down_proj)
+            params = [p for _, p in expert_tensors(self.experts[move.layer])]  # scales too, where kept
             if self.rank == move.src_rank:
-                ops += [dist.P2POp(dist.isend, p.data[move.src_slot], move.dst_rank, tag=2 * i + j)
+                ops += [dist.P2POp(dist.isend, p.data[move.src_slot], move.dst_rank, tag=4 * i + j)
                         for j, p in enumerate(params)]
             elif self.rank == move.dst_rank:
                 bufs = [torch.empty_like(p.data[move.dst_slot]) for p in params]
-                ops += [dist.P2POp(dist.irecv, b, move.src_rank, tag=2 * i + j) for j, b in enumerate(bufs)]
+                ops += [dist.P2POp(dist.irecv, b, move.src_rank, tag=4 * i + j) for j, b in enumerate(bufs)]
                 received.append((params, move.dst_slot, bufs))
         if ops:
             for work in dist.batch_isend_irecv(ops):

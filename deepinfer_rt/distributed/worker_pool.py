@@ -171,7 +171,8 @@ class WorkerPool:
             max_position=model_config.max_position, eos_ids=eos_ids,
             num_threads=env.num_threads or max(1, torch.get_num_threads() // num_local), eplb=eplb,
             timeout_s=max(60.0, 2 * env.ep_step_timeout_s), batch_invariant=config.batch_invariant,
-            speculative=speculative)
+            speculative=speculative, quantization=config.quantization,
+            kv_cache_dtype=config.cache.kv_cache_dtype)
             for rank in range(n)]
         self._procs = [_start_worker(rank, n, engine_addr) for rank in range(num_local)]
         self._finalizer = weakref.finalize(self, _stop_workers, n, self._procs, self._sock, self._ctx)
@@ -293,6 +294,9 @@ class WorkerPool:
             raise ValueError(f"an EP={self.size} step needs one part per rank (a DPBatch), got {len(parts)}")
         is_overlapped = self.can_overlap(batch)
         msgs = self._encoder.encode(parts, is_overlapped, self.spec is not None)
+        if self.spec is not None and self.spec.drafts_in_workers and any(it.is_sampling for it in batch.items):
+            for msg in msgs:  # MTP: the chain forwards of the drafts, on every rank (distributed/spec.py)
+                msg.draft_forwards = self.spec.num_draft - 1
         payloads = [pickle.dumps(("step", msg), protocol=pickle.HIGHEST_PROTOCOL) for msg in msgs]
         with self._lock:
             for rank, payload in enumerate(payloads):
@@ -322,7 +326,8 @@ class WorkerPool:
         else:
             result = merge_results([replies[rank][0].result for rank in range(self.size)], num_items)
         if self.spec is not None:
-            self.spec.book(batch, result.num_accepted, time.perf_counter() - start)
+            drafts = [replies[rank][0].drafts for rank in range(self.size)]
+            self.spec.book(batch, result.num_accepted, time.perf_counter() - start, [d for d in drafts if d is not None])
         return result
 
     def run(self, batch: ScheduledBatch) -> RunResult:

@@ -286,7 +286,7 @@ class Fp8DequantExperts(ExpertWeights):
             scale = getattr(experts, name + SCALE_SUFFIX).data if self.is_checkpoint_quantized else None
             if scale is not None and scale.shape[0] != w.shape[0]:
                 raise ValueError(f"{name}: scales for {scale.shape[0]} experts, weights for {w.shape[0]} "
-                                 "(FP8 checkpoints do not run expert-parallel yet)")
+                                 "(a shard cut its weights and scales apart)")
             dense = torch.empty_like(w)
             for s in range(shards):
                 part = w[:, s * rows : (s + 1) * rows]
@@ -326,7 +326,7 @@ class Fp8BlockExperts(Fp8DequantExperts):
                 scale = getattr(experts, name + SCALE_SUFFIX).data
                 if scale.shape[0] != w.shape[0]:
                     raise ValueError(f"{name}: scales for {scale.shape[0]} experts, weights for {w.shape[0]} "
-                                     "(FP8 checkpoints do not run expert-parallel yet)")
+                                     "(a shard cut its weights and scales apart)")
                 continue
             parts = [quantize_fp8_blocks(part, self.block) for part in w.chunk(shards, dim=1)]
             setattr(experts, name, nn.Parameter(torch.cat([q for q, _ in parts], dim=1), requires_grad=False))

@@ -27,6 +27,13 @@ from deepinfer_rt.layers.quant_formats import EXPERT, MX_BLOCK, check_layout, de
 _LAYOUT = role_layouts((1, MX_BLOCK), "fp4")[EXPERT]
 
 
+def _logical(scale: nn.Parameter) -> tuple[int, int, int]:
+    """(experts, N, K) of the weight a (E, N, K/32) scale parameter belongs to: read from the parameter when
+    it loads, so an EP rank's shard (distributed/ep.py, its own experts only) checks against its own shape."""
+    e, n, groups = scale.shape
+    return e, n, groups * MX_BLOCK
+
+
 class Mxfp4DequantExperts(ExpertWeights):
     """Checks each fused tensor against the MXFP4 layout (dtype, packing, per-32 scales), naming it."""
 
@@ -38,7 +45,7 @@ class Mxfp4DequantExperts(ExpertWeights):
                 raise ValueError(f"experts.{name}: MXFP4 needs K a multiple of {MX_BLOCK}, the model has {k}")
             weight.weight_loader = functools.partial(self.load_weight, name)
             scale = nn.Parameter(torch.empty(e, n, k // MX_BLOCK, dtype=torch.float32), requires_grad=False)
-            scale.weight_loader = functools.partial(self.load_scale, name, (e, n, k))
+            scale.weight_loader = functools.partial(self.load_scale, name)
             setattr(experts, name + SCALE_SUFFIX, scale)
 
     @staticmethod
@@ -53,8 +60,8 @@ class Mxfp4DequantExperts(ExpertWeights):
         param.data.copy_(unpack_e2m1(loaded))
 
     @staticmethod
-    def load_scale(name: str, logical: tuple[int, int, int], param: nn.Parameter, loaded: torch.Tensor) -> None:
-        check_layout(f"experts.{name}", _LAYOUT, None, tuple(loaded.shape), logical)
+    def load_scale(name: str, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        check_layout(f"experts.{name}", _LAYOUT, None, tuple(loaded.shape), _logical(param))
         param.data.copy_(decode_e8m0(loaded, f"experts.{name} scale"))
 
     @torch.no_grad()
@@ -64,7 +71,7 @@ class Mxfp4DequantExperts(ExpertWeights):
             scale = getattr(experts, name + SCALE_SUFFIX)
             if scale.shape[0] != w.shape[0]:
                 raise ValueError(f"{name}: scales for {scale.shape[0]} experts, weights for {w.shape[0]} "
-                                 "(MXFP4 checkpoints do not run expert-parallel yet)")
+                                 "(a shard cut its weights and scales apart)")
             w.data = (w.data.float() * scale.data.float().repeat_interleave(MX_BLOCK, dim=-1)).to(w.dtype)
             setattr(experts, name + SCALE_SUFFIX, None)
 
@@ -87,7 +94,7 @@ class Mxfp4FusedExperts(ExpertWeights):
             packed.weight_loader = functools.partial(self.load_weight, name, k)
             setattr(experts, name, packed)
             scale = nn.Parameter(torch.empty(e, n, k // MX_BLOCK, dtype=torch.uint8), requires_grad=False)
-            scale.weight_loader = functools.partial(self.load_scale, name, (e, n, k))
+            scale.weight_loader = functools.partial(self.load_scale, name)
             setattr(experts, name + SCALE_SUFFIX, scale)
 
     @staticmethod
@@ -102,8 +109,8 @@ class Mxfp4FusedExperts(ExpertWeights):
         param.data.copy_(loaded.view(torch.int8))
 
     @staticmethod
-    def load_scale(name: str, logical: tuple[int, int, int], param: nn.Parameter, loaded: torch.Tensor) -> None:
-        check_layout(f"experts.{name}", _LAYOUT, None, tuple(loaded.shape), logical)
+    def load_scale(name: str, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        check_layout(f"experts.{name}", _LAYOUT, None, tuple(loaded.shape), _logical(param))
         s = decode_e8m0(loaded, f"experts.{name} scale")  # refuses NaN bytes and non-powers of two
         _, exp = torch.frexp(s)
         param.data.copy_((exp - 1 + 127).to(torch.uint8))
@@ -111,7 +118,7 @@ class Mxfp4FusedExperts(ExpertWeights):
     def process_weights_after_loading(self, experts: nn.Module) -> None:
         for name in ("gate_up_proj", "down_proj"):
             if getattr(experts, name + SCALE_SUFFIX).shape[0] != getattr(experts, name).shape[0]:
-                raise ValueError(f"{name}: MXFP4 checkpoints do not run expert-parallel yet")
+                raise ValueError(f"{name}: scales and weights for different experts (a shard cut them apart)")
 
     def apply(self, experts: nn.Module, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         from deepinfer_kernels.fused_moe_mxfp4 import fused_moe_mxfp4

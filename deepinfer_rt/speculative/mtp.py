@@ -76,6 +76,11 @@ class DeepseekMTP(CausalLM):
         return self._target[0].lm_head(self.layer.shared_head.norm(hidden)).float()
 
 
+def check_has_mtp(config: ModelConfig) -> None:
+    if not config.is_mla or config.raw.get("num_nextn_predict_layers", 0) < 1:
+        raise ValueError("speculative='mtp' needs a DeepSeek-V3 model with num_nextn_predict_layers >= 1")
+
+
 def mtp_weights(path: Path, layer_id: int):
     """(name below the MTP layer, tensor) for every checkpoint tensor of model.layers.{layer_id}."""
     prefix = f"model.layers.{layer_id}."
@@ -96,13 +101,16 @@ class MTPDrafter(Drafter):
 
     @classmethod
     def load(cls, model: CausalLM, config: ModelConfig, path: Path, load_format: str, seed: int,
-             max_draft: int) -> MTPDrafter:
-        if not config.is_mla or config.raw.get("num_nextn_predict_layers", 0) < 1:
-            raise ValueError("speculative='mtp' needs a DeepSeek-V3 model with num_nextn_predict_layers >= 1")
+             max_draft: int, shard=None) -> MTPDrafter:
+        """`shard` (an EP rank's models.loader.Shard): the layer's MoE keeps this rank's experts and joins the
+        rank group's dispatch/combine, as the target's MoE layers do."""
+        check_has_mtp(config)
         with torch.device("cpu"), build_context(model.kernel_config):  # the target's modes
             mtp = DeepseekMTP(config, model)
+        if shard is not None:
+            shard(mtp, torch.device("cpu"), torch.get_default_dtype())
         if load_format == "dummy":
-            mtp.init_dummy(seed + 1)
+            shard.init_dummy(mtp, seed + 1) if shard is not None else mtp.init_dummy(seed + 1)
         else:
             weights = list(mtp_weights(path, config.num_layers))
             if not weights:
