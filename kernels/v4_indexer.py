@@ -9,6 +9,12 @@ once per query tile.
 FP8 index keys (kv_cache_dtype 'fp8_e4m3'): float8_e4m3fn rows with one fp32 scale per row, converted to the
 queries' dtype in registers (exactly) with the row scale applied to the products (before the ReLU: a scale is
 positive), so the dequantized keys are never built.
+
+Fixed-order mode (`fixed_order=True`, batch-invariant mode): the queries per program are a constant of the head
+count (at least 16 (query, head) rows for tl.dot), never of the number of queries, so an entry's score is made
+by the same tile shapes, the same products and the same head reduction whatever the batch: entry e of a group
+sits at column e % BLOCK_E of entry tile e // BLOCK_E, and a program's other rows (other queries, padding)
+never enter its sums.
 """
 from __future__ import annotations
 
@@ -81,10 +87,12 @@ def _check_scales(buf: torch.Tensor, scales: torch.Tensor | None) -> bool:
 
 
 def index_scores(q: torch.Tensor, weights: torch.Tensor, buf: torch.Tensor, rows: torch.Tensor,
-                 visible: torch.Tensor | None, scale: float, scales: torch.Tensor | None = None) -> torch.Tensor:
+                 visible: torch.Tensor | None, scale: float, scales: torch.Tensor | None = None,
+                 fixed_order: bool = False) -> torch.Tensor:
     """q (G, Q, H, Di), weights (G, Q, H) fp32, key rows `buf[rows]` (buf (N, Di), rows (G, E), -1 = none),
     visible (G, Q, E) bool or None -> (G, Q, E) fp32 scores, -inf where absent or not visible. A float8_e4m3fn
-    buf comes with its fp32 row `scales` (N,) or (N, 1)."""
+    buf comes with its fp32 row `scales` (N,) or (N, 1). `fixed_order`: the batch-invariant tiling (module
+    docstring)."""
     g, num_q, num_heads, di = q.shape
     if buf.dim() != 2 or buf.shape[1] != di or buf.stride(1) != 1:
         raise ValueError(f"indexer keys must be (N, {di}) with contiguous rows, got {tuple(buf.shape)}")
@@ -98,7 +106,9 @@ def index_scores(q: torch.Tensor, weights: torch.Tensor, buf: torch.Tensor, rows
     weights = weights.float().contiguous()
     rows = rows.contiguous()
     block_h = triton.next_power_of_2(num_heads)
-    qpb = max(max(1, 16 // block_h), min(triton.next_power_of_2(num_q), max(1, 64 // block_h)))
+    qpb = max(1, 16 // block_h)
+    if not fixed_order:
+        qpb = max(qpb, min(triton.next_power_of_2(num_q), max(1, 64 // block_h)))
     out = torch.empty(g, num_q, num_entries, dtype=torch.float32, device=q.device)
     mask = visible.contiguous().view(torch.uint8) if visible is not None else None
     if buf.dtype != q.dtype and not fp8:

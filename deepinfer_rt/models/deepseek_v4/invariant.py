@@ -92,16 +92,34 @@ def _merge(m0, l0, o0, m1, l1, o1):
     return m, l0 * a + l1 * c, o0 * a[..., None] + o1 * c[..., None]
 
 
+def _visible_first(swa_slots: torch.Tensor, swa_mask: torch.Tensor):
+    """(G, Q, Ls) each query's visible sliding-window slots in position order then the others, (G, Q, Ls) whether
+    a list position holds a visible key, (G, Q, 1) how many do."""
+    g, q_len, ls = swa_mask.shape
+    order = swa_mask.to(torch.int8).argsort(dim=-1, descending=True, stable=True)  # visible first, in order
+    slots = swa_slots[:, None].expand(g, q_len, ls).gather(-1, order)
+    count = swa_mask.sum(-1, keepdim=True)
+    return slots, torch.arange(ls, device=slots.device) < count, count
+
+
+def sliding_rows(swa_slots: torch.Tensor, swa_mask: torch.Tensor) -> torch.Tensor:
+    """(G, Q, Ls) per query: its visible sliding-window slots in position order from list position 0 (the
+    sliding part of key_lists), -1 after them. swa_slots (G, Ls), swa_mask (G, Q, Ls).
+
+    A query's list is the same in a prefill chunk and in a decode step, whatever its group: the fixed-split
+    Triton attention (V4InvariantTritonMethod) reads it as a key source of its own beside the entries, whose
+    list positions are their entry indices (or the query's top-k ranks), batch-independent too."""
+    slots, valid, _ = _visible_first(swa_slots, swa_mask)
+    return slots.masked_fill(~valid, -1)
+
+
 def key_lists(swa_slots: torch.Tensor, swa_mask: torch.Tensor, entry_slots: torch.Tensor | None,
               entry_mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per query of a group: slots (G*Q, L), validity and is-entry flags of its key list — visible
     sliding-window keys in position order, then entries 0..E-1 — padded to whole KEY_BLOCKs.
     swa_slots (G, Ls), swa_mask (G, Q, Ls), entry_slots (G, E), entry_mask (G, Q, E)."""
     g, q_len, ls = swa_mask.shape
-    order = swa_mask.to(torch.int8).argsort(dim=-1, descending=True, stable=True)  # visible first, in order
-    slots = swa_slots[:, None].expand(g, q_len, ls).gather(-1, order)
-    count = swa_mask.sum(-1, keepdim=True)
-    valid = torch.arange(ls, device=slots.device) < count
+    slots, valid, count = _visible_first(swa_slots, swa_mask)
     is_entry = torch.zeros_like(valid)
     if entry_slots is not None:
         # Entries start at list index `count`: place them by scatter into a wider row.

@@ -5,7 +5,8 @@ V4Method holds the default forms (the CPU path and the reference); V4TritonMetho
 runs attention, the indexer and the compressor's pooling through Triton kernels; V4InvariantMethod replaces
 each by its batch-invariant form (models/deepseek_v4/invariant.py): fixed-shape GEMMs, exp-built
 sigmoid/silu/softplus, sums over a middle dim as ordered adds, per-query key lists in attention and the indexer,
-one-row-safe row reductions.
+one-row-safe row reductions. V4InvariantTritonMethod (CUDA, batch-invariant) is V4InvariantMethod with attention
+and the indexer scores in the kernels' batch-invariant modes (fixed splits, fixed order).
 """
 from __future__ import annotations
 
@@ -212,10 +213,7 @@ class V4TritonMethod(V4Method):
 
     def __init__(self, linear: LinearMethod, activation: Activation, head_matmul: HeadMatmul):
         super().__init__(linear, activation, head_matmul)
-        from deepinfer_kernels import v4_attention, v4_indexer, v4_pooling, v4_sinkhorn  # Triton: CUDA builds only
-
-        self.kernels = SimpleNamespace(attention=v4_attention, indexer=v4_indexer, pooling=v4_pooling,
-                                       sinkhorn=v4_sinkhorn)
+        self.kernels = _kernels()
 
     def sinkhorn(self, logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
         return self.kernels.sinkhorn.sinkhorn(logits, iters, eps)
@@ -225,11 +223,7 @@ class V4TritonMethod(V4Method):
 
     def _keys(self, fp8: Fp8Rows | None, plain: torch.Tensor, rows: torch.Tensor,
               mask: torch.Tensor | None = None):
-        """A key source over one kind of pool rows: the Fp8Rows' values and scales where the pool keeps them in
-        FP8 (the kernels dequantize in registers), else the 16-bit column view."""
-        if fp8 is None:
-            return self.kernels.attention.KeySource(plain, rows, mask)
-        return self.kernels.attention.KeySource(fp8.values, rows, mask, fp8.scales)
+        return _key_source(self.kernels, fp8, plain, rows, mask)
 
     def attend(self, layer: nn.Module, g: AttnGroup, q: torch.Tensor, x: torch.Tensor, q_residual: torch.Tensor,
                positions: torch.Tensor, kv: LayerKV) -> torch.Tensor:
@@ -263,10 +257,76 @@ class V4TritonMethod(V4Method):
         return picks.masked_fill(values == float("-inf"), -1)
 
 
+def _kernels() -> SimpleNamespace:
+    from deepinfer_kernels import v4_attention, v4_indexer, v4_pooling, v4_sinkhorn  # Triton: CUDA builds only
+
+    return SimpleNamespace(attention=v4_attention, indexer=v4_indexer, pooling=v4_pooling, sinkhorn=v4_sinkhorn)
+
+
+def _key_source(kernels: SimpleNamespace, fp8: Fp8Rows | None, plain: torch.Tensor, rows: torch.Tensor,
+                mask: torch.Tensor | None = None):
+    """A key source over one kind of pool rows: the Fp8Rows' values and scales where the pool keeps them in FP8
+    (the kernels dequantize in registers), else the 16-bit column view."""
+    if fp8 is None:
+        return kernels.attention.KeySource(plain, rows, mask)
+    return kernels.attention.KeySource(fp8.values, rows, mask, fp8.scales)
+
+
+class V4InvariantTritonMethod(V4InvariantMethod):
+    """CUDA, batch-invariant: attention through the sparse MQA kernel in fixed-split mode and the indexer scores
+    through its fixed-order mode (deepinfer_kernels.v4_attention / v4_indexer); every other form is
+    V4InvariantMethod's.
+
+    Attention has two key sources per query, each a list whose valid keys sit at positions that depend on the
+    query alone: its visible sliding-window keys from position 0 (v4_invariant.sliding_rows, the sliding part
+    of key_lists), then the entries at their entry indices (HCA: the group's entries 0..E-1 with its
+    visibility) or, for CSA, the indexer's picks in stable top-k order (-1 past the visible ones). The kernel
+    cuts every list into splits at absolute positions and merges them in a fixed order, so a query's output is
+    bitwise the same alone, in a decode batch padded to any width or in a prefill chunk, FP8 pool or not.
+    Against V4InvariantMethod (blocks of 64 keys merged in list order in torch) only the summation order
+    differs: fp32 rounding (test/unit/test_triton_v4_invariant.py bounds the tiny model's logits at 1e-4)."""
+
+    def __init__(self, linear: LinearMethod, activation: Activation, head_matmul: HeadMatmul):
+        super().__init__(linear, activation, head_matmul)
+        self.kernels = _kernels()
+
+    def attend(self, layer: nn.Module, g: AttnGroup, q: torch.Tensor, x: torch.Tensor, q_residual: torch.Tensor,
+               positions: torch.Tensor, kv: LayerKV) -> torch.Tensor:
+        swa_rows = v4_invariant.sliding_rows(g.swa_slots, g.swa_mask)  # (G, Q, Ls)
+        sources = [_key_source(self.kernels, kv.fp8_swa, kv.recent[:, kv.cols.swa], swa_rows)]
+        if layer.ratio:
+            slots, visible = g.entry_slots[layer.ratio], g.entry_mask[layer.ratio]  # (G, E), (G, Q, E)
+            entries = kv.entries[:, kv.cols.entry]
+            if layer.indexer is not None:
+                index_keys = _key_source(self.kernels, kv.fp8_idx_entry, kv.entries[:, kv.cols.idx_entry], slots)
+                picks = layer.indexer.select(x[g.rows], q_residual[g.rows], positions[g.rows], index_keys,
+                                             visible)  # (G, Q, k)
+                rows = slots.gather(1, picks.clamp(min=0).flatten(1)).view(picks.shape)
+                sources.append(_key_source(self.kernels, kv.fp8_entry, entries, rows.masked_fill(picks < 0, -1)))
+            else:
+                sources.append(_key_source(self.kernels, kv.fp8_entry, entries, slots, visible))
+        qg = q[g.rows].view(g.num_seqs, g.q_len, layer.num_heads, layer.head_dim)
+        out = self.kernels.attention.sparse_mqa_attention(qg, sources, layer.attn_sink, layer.head_dim ** -0.5,
+                                                          fixed_splits=True)
+        return out.view(-1, layer.num_heads, layer.head_dim)
+
+    def index_select(self, indexer: nn.Module, q: torch.Tensor, keys, weights: torch.Tensor,
+                     visible: torch.Tensor) -> torch.Tensor:
+        """As V4TritonMethod.index_select (keys a KeySource, picks (G, Q, min(topk, E)), -1 past the visible
+        ones), the scores in the kernel's fixed order: an entry's score and so the stable top-k over them are
+        the same whatever the batch."""
+        g, q_len, _ = visible.shape
+        scores = self.kernels.indexer.index_scores(
+            q.view(g, q_len, indexer.num_heads, indexer.head_dim), weights.view(g, q_len, indexer.num_heads),
+            keys.buf, keys.rows, visible, indexer.head_dim ** -0.5, keys.scales, fixed_order=True)
+        values, picks = stable_topk(scores, indexer.topk)
+        return picks.masked_fill(values == float("-inf"), -1)
+
+
 @functools.cache
 def v4_method(config: KernelConfig) -> V4Method:
     if config.is_batch_invariant:
-        cls = V4InvariantMethod
+        cls = V4InvariantTritonMethod if config.is_triton else V4InvariantMethod
     elif config.is_triton:
         cls = V4TritonMethod
     else:

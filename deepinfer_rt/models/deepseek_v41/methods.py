@@ -123,7 +123,40 @@ class V41InvariantMethod(V41Method):
         return v4_invariant.one_row_safe(lambda r: r.softmax(dim=-1), x)
 
 
+class V41InvariantTritonMethod(V41InvariantMethod):
+    """CUDA, batch-invariant: attention through the sparse MQA kernel in fixed-split mode and the indexer scores
+    through its fixed-order mode, as V4's V4InvariantTritonMethod (models/deepseek_v4/methods.py): the sliding
+    keys as a list of their own from position 0 (v4_invariant.sliding_rows), the KV source's entries at their
+    entry indices with the selection as the mask. The DSpark block attention and the other forms are
+    V41InvariantMethod's."""
+
+    def __init__(self, v4: V4Method):
+        super().__init__(v4)
+        from deepinfer_kernels import v4_attention, v4_indexer  # Triton: CUDA builds only
+
+        self.attention, self.indexer = v4_attention, v4_indexer
+
+    def attend(self, q, g, ratio, swa_keys, entry_keys, selected, sink):
+        h, d = q.shape[1:]
+        sources = [self.attention.KeySource(swa_keys, v4_invariant.sliding_rows(g.swa_slots, g.swa_mask))]
+        if selected is not None:
+            sources.append(self.attention.KeySource(entry_keys, g.entry_slots[ratio], selected))
+        out = self.attention.sparse_mqa_attention(q.view(g.num_seqs, g.q_len, h, d), sources, sink, d ** -0.5,
+                                                  fixed_splits=True)
+        return out.view(-1, h, d)
+
+    def index_scores(self, q, keys, weights):
+        g, q_len, _, di = q.shape
+        e = keys.shape[1]
+        rows = torch.arange(g * e, device=keys.device).view(g, e)  # the gathered keys, group-major
+        return self.indexer.index_scores(q, weights, keys.reshape(g * e, di), rows, None, di ** -0.5,
+                                         fixed_order=True)
+
+
 @functools.cache
 def v41_method(config: KernelConfig) -> V41Method:
-    cls = V41InvariantMethod if config.is_batch_invariant else V41Method
+    if config.is_batch_invariant:
+        cls = V41InvariantTritonMethod if config.is_triton else V41InvariantMethod
+    else:
+        cls = V41Method
     return cls(v4_method(config))
