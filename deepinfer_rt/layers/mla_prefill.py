@@ -25,7 +25,6 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 import torch.nn.functional as F
-from torch.nn.attention.bias import CausalBias, causal_lower_right
 
 from deepinfer_rt.forward_batch import ForwardBatch
 from deepinfer_rt.layers.attention.torch_ref import causal_mask
@@ -33,6 +32,7 @@ from deepinfer_rt.layers.kernel_config import KernelConfig
 from deepinfer_rt.sampler import to_device
 
 if TYPE_CHECKING:
+    from torch.nn.attention.bias import CausalBias  # imports torch._dynamo: seconds of every process start
     from deepinfer_rt.layers.attention.base import AttentionBackend
 
 MHA_MIN_QUERIES = 64
@@ -107,7 +107,11 @@ def _causal(q_len: int, kv_len: int, device: torch.device) -> torch.Tensor | Cau
         return None
     # CUDA: the lower-right causal bias runs in the flash / memory-efficient kernels; elsewhere it would only
     # be materialised (with a warning per call), so build the boolean mask once here.
-    return causal_lower_right(q_len, kv_len) if device.type == "cuda" else causal_mask(q_len, kv_len, device)
+    if device.type != "cuda":
+        return causal_mask(q_len, kv_len, device)
+    from torch.nn.attention.bias import causal_lower_right  # imported here: it brings torch._dynamo (seconds)
+
+    return causal_lower_right(q_len, kv_len)
 
 
 def prefill_attention(layer: nn.Module, plan: MLAPrefillPlan, q: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
