@@ -71,7 +71,8 @@ COLUMNS = ("rid", "num_computed_tokens", "num_new_tokens", "pages_from", "num_pr
     rid, num_computed_tokens, num_new_tokens, is_sampling, wants_prompt_logprobs   the engine's ScheduledReq
     num_prompt_logprobs     prompt logprobs the request holds (the mirror's count)
     num_inflight_tokens     overlap: the engine's token of the step before, still on the workers' device
-    pages_from              the new pages extend the mirror's from this index (0: replace them)
+    pages_from              the mirror keeps its first pages_from pages (cut there if it holds more: pages
+                            of rejected drafts given back) and the new pages follow (0: replace them)
     num_new_token_ids       tokens appended since the previous step (the whole list of a NewReq is its own)
     num_new_pages           pages taken since then (or all of them when pages_from is 0)"""
 

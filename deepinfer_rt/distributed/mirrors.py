@@ -26,13 +26,15 @@ class StepEncoder:
     def __init__(self, bitmask: Callable[[Req], torch.Tensor]):
         self.bitmask = bitmask
         """Fills a constrained request's grammar bitmask row (the matchers stay in the engine process)."""
-        self._sent: dict[int, tuple[int, int, int, int]] = {}
-        """rid -> (tokens, retractions, pages, last page) the workers' mirror holds after the previous step."""
+        self._sent: dict[int, tuple[int, int, int, int, int]] = {}
+        """rid -> (tokens, retractions, pages, last page, page cuts) the workers' mirror holds after the previous
+        step."""
 
     def encode(self, parts: list[ScheduledBatch], is_overlapped: bool, has_spec: bool) -> list[StepMsg]:
-        """Each rank's message of one step (a part without items: an empty step). With speculation (`has_spec`)
-        rejected drafts' pages may have been rolled back and regrown: a changed last page resends the list."""
-        sent: dict[int, tuple[int, int, int, int]] = {}
+        """Each rank's message of one step (a part without items: an empty step). With speculation rejected
+        drafts' pages are cut in place (`Req.cut_pages`) and may be regrown with other pages: the mirror keeps
+        the head before the cut and takes the rest anew (see `_pages_from`)."""
+        sent: dict[int, tuple[int, int, int, int, int]] = {}
         msgs = [self._part(part, sent, is_overlapped, has_spec) for part in parts]
         self._sent = sent
         return msgs
@@ -47,13 +49,9 @@ class StepEncoder:
             prev = self._sent.get(req.rid)
             if prev is None:
                 msg.new_reqs.append(NewReq(req.rid, req.prompt_ids, list(req.token_ids), req.params, req.seed))
-                prev = (len(req.token_ids), -1, 0, -1)
-            num_known, retractions, num_pages, last_page = prev
-            if retractions != req.num_retractions or (has_spec and num_pages and (
-                    num_pages > len(req.pages) or req.pages[num_pages - 1] != last_page)):
-                # Pages were given back and taken anew (a retraction; rejected drafts' pages rolled back,
-                # perhaps regrown): send them all.
-                num_pages = 0
+                prev = (len(req.token_ids), -1, 0, -1, req.num_page_cuts)
+            num_known = prev[0]
+            num_pages = _pages_from(req, *prev[1:], has_spec)
             rows.append((req.rid, item.start, item.num_new_tokens, num_pages, len(req.prompt_logprobs),
                          req.num_inflight_tokens, item.is_sampling, item.wants_prompt_logprobs))  # _ITEM_COLUMNS
             new_tokens.append(req.token_ids[num_known:])
@@ -63,10 +61,28 @@ class StepEncoder:
             if item.draft_tokens:
                 drafts[i] = item.draft_tokens
             sent[req.rid] = (len(req.token_ids), req.num_retractions, len(req.pages),
-                             req.pages[-1] if req.pages else -1)
+                             req.pages[-1] if req.pages else -1, req.num_page_cuts)
         columns = {name: list(values) for name, values in zip(_ITEM_COLUMNS, zip(*rows))}
         msg.items = StepItems.pack(columns, new_tokens, new_pages, bitmasks, drafts)
         return msg
+
+
+def _pages_from(req: Req, retractions: int, num_pages: int, last_page: int, num_cuts: int, has_spec: bool) -> int:
+    """How many of req's pages the mirror still holds as they are, of the num_pages it was sent: the new pages
+    go from there (0: all of them again). A retraction gives every page back. A cut in place (speculation's
+    rejected drafts) keeps the pages before it; regrown, the list may end in its old last page with another
+    page before it (two pages cut, [.., C, D] -> [.., Z, D] when the free list held Z above D), so a cut is
+    known by its count, not by the last page. Two cuts since: the lower one is unknown, all again. The last
+    page stays a safety net for a list cut outside `Req.cut_pages`."""
+    if retractions != req.num_retractions:
+        return 0
+    if num_cuts != req.num_page_cuts:
+        if req.num_page_cuts != num_cuts + 1:
+            return 0
+        num_pages = min(num_pages, req.num_pages_at_last_cut)
+    elif has_spec and num_pages and (num_pages > len(req.pages) or req.pages[num_pages - 1] != last_page):
+        return 0
+    return num_pages
 
 
 class Mirrors:
@@ -94,9 +110,12 @@ class Mirrors:
                 if pages_from == 0:
                     req.pages = pages
                 else:
-                    if len(req.pages) != pages_from:
+                    if len(req.pages) < pages_from:
                         raise RuntimeError(f"request {rid}: KV pages out of step with the engine "
                                            f"({len(req.pages)} held, the step extends from {pages_from})")
+                    # Rejected drafts' pages given back since: cut as the engine did (the worker's page table
+                    # reads the cut from the request, as the engine's does), then the pages taken anew.
+                    req.cut_pages(pages_from)
                     req.pages.extend(pages)
                 req.num_computed_tokens = computed
                 if len(req.prompt_logprobs) != num_lps:

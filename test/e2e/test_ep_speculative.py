@@ -109,7 +109,9 @@ def test_mtp_batch_invariant_under_ep_equals_in_process(mtp_path, monkeypatch):
     """Batch-invariant mode (fixed-length drafts, fixed-tile expert GEMMs): EP=2's tokens and drafted/accepted
     counts are the in-process engine's (EP=4 too, checked by hand: slow on a small CPU)."""
     monkeypatch.setenv("DEEPINFER_EP_STEP_TIMEOUT", "180")  # the batch-invariant CPU kernels are slow
-    mtp = SpeculativeConfig("mtp", max_draft=3)  # fixed_length: on with batch_invariant
+    # fixed_length: on with batch_invariant. Five drafts: a verify step's 6 tokens span up to 3 pages of 4, so a
+    # rejection cuts two pages, which the workers' page mirrors must follow (distributed/mirrors.py).
+    mtp = SpeculativeConfig("mtp", max_draft=5)
     expected = _run(mtp_path, mtp, batch_invariant=True, max_num_seqs=8)
     assert expected[1]["drafted"] > 0
     assert _run(mtp_path, mtp, batch_invariant=True, max_num_seqs=8, ep_size=2) == expected

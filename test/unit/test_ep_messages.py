@@ -49,10 +49,11 @@ def _decode(reqs: list[Req], token: int) -> None:
         req.pages.append(req.pages[-1] + 1)
 
 
-def _step(encoder: StepEncoder, mirrors: Mirrors, reqs: list[Req]) -> tuple[ScheduledBatch, bytes]:
+def _step(encoder: StepEncoder, mirrors: Mirrors, reqs: list[Req],
+          has_spec: bool = False) -> tuple[ScheduledBatch, bytes]:
     batch = ScheduledBatch([ScheduledReq(r, r.num_computed_tokens, len(r.token_ids) - r.num_computed_tokens, True)
                             for r in reqs])
-    (msg,) = encoder.encode([batch], is_overlapped=False, has_spec=False)
+    (msg,) = encoder.encode([batch], is_overlapped=False, has_spec=has_spec)
     payload = pickle.dumps(("step", msg), protocol=pickle.HIGHEST_PROTOCOL)
     msg = pickle.loads(payload)[1]
     return mirrors.apply(msg.new_reqs, msg.items), payload
@@ -118,3 +119,47 @@ def test_forgotten_mirrors_give_their_graph_rows_back():
             _decode(reqs, step)
     _step(encoder, mirrors, [])  # a step without them: the last round's mirrors are forgotten too
     assert all(req.is_finished for req in (it.req for it in batch.items))
+
+
+def test_pages_cut_by_rejected_drafts_and_regrown_around_the_old_last_page():
+    """Speculation gives the pages past the verified tokens back (Req.cut_pages) and the next step's drafts take
+    pages anew. Two pages cut, [.., C, D] -> [..], and regrown from the allocator's free list (popped from the
+    end) after another request freed Z: [.., Z, D]. The last page the workers knew is back at its index while
+    the page before it changed; the mirror must still hold the engine's list, and the worker's page table too
+    (else the worker writes that position's KV to C, a free page another request is then given)."""
+    encoder, mirrors = StepEncoder(bitmask=None), Mirrors()
+    table = PageTable(num_rows=4, width=64, device=torch.device("cpu"))
+    req = _req(0, 6)  # pages 0..5
+    batch, _ = _step(encoder, mirrors, [req], has_spec=True)
+    table.rows([it.req for it in batch.items])
+    c, d = req.pages[-2:]
+    req.cut_pages(len(req.pages) - 2)
+    req.pages += [900, d]
+    batch, _ = _step(encoder, mirrors, [req], has_spec=True)
+    _assert_mirrored(batch, [req])
+    (row,) = table.rows([it.req for it in batch.items])
+    assert table.table[row, : len(req.pages)].tolist() == req.pages
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 1), st.integers(0, 3), st.lists(st.integers(0, 7), max_size=3)),
+                max_size=12))
+def test_mirror_pages_follow_cuts_and_regrowth(moves):
+    """Any sequence of cuts (0-3 pages) and regrowths (pages drawn from a few ids, so old ones come back at
+    their old index) on two requests: after each step every mirror's pages, and its page table row, are the
+    engine's."""
+    encoder, mirrors = StepEncoder(bitmask=None), Mirrors()
+    table = PageTable(num_rows=8, width=64, device=torch.device("cpu"))
+    reqs = [_req(0, 4), _req(1, 5)]
+    for which, num_cut, grown in moves:
+        batch, _ = _step(encoder, mirrors, reqs, has_spec=True)
+        _assert_mirrored(batch, reqs)
+        rows = table.rows([it.req for it in batch.items])
+        for row, it in zip(rows, batch.items):
+            assert table.table[row, : len(it.req.pages)].tolist() == reqs[it.req.rid].pages
+        req = reqs[which]
+        keep = max(1, len(req.pages) - num_cut)
+        req.cut_pages(keep)
+        req.pages += [1000 * which + p for p in grown]  # _req's own page ids among them
+    batch, _ = _step(encoder, mirrors, reqs, has_spec=True)
+    _assert_mirrored(batch, reqs)
