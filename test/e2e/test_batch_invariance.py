@@ -98,6 +98,11 @@ def test_tiny_deepseek_v4_batch_invariant(tiny_v4_path, one_thread):
     _check_invariance(tiny_v4_path, num_trials=40, num_small_pool_trials=2)
 
 
+def test_smollm2_batch_invariant(smollm2_path, one_thread):
+    """The embedded default in the default run; the 100-trial form below is `slow`."""
+    _check_invariance(smollm2_path, num_trials=12, num_small_pool_trials=1)
+
+
 @pytest.mark.slow
 def test_smollm2_batch_invariant_100_trials(smollm2_path, one_thread):
     _check_invariance(smollm2_path, num_trials=100, num_small_pool_trials=4)
