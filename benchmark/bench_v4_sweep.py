@@ -233,7 +233,7 @@ def bench_batch(engine: Engine, variant: Variant, floor_in: dict, batch: int, co
                         graphs._graphs[batch].replay()
                         engine.model.compute_logits(out).argmax(-1)
 
-                    step_s = cuda_time(replay)
+                    step_s = cuda_time(replay, 10)
                     row.update(gpu_step_ms=step_s * 1e3, gpu_tok_s=batch / step_s)
             rows.append(row)
     finally:

@@ -5,10 +5,10 @@ from __future__ import annotations
 import contextlib
 import itertools
 import re
-import statistics
 
 import torch
 
+from bench_gpu import _cuda_time as cuda_time  # median seconds by CUDA events
 from deepinfer_rt import SamplingParams
 from deepinfer_rt.request import Req, ReqStatus
 from deepinfer_rt.scheduler.batch import ScheduledBatch, ScheduledReq
@@ -129,16 +129,3 @@ def routing_counts(model):
     finally:
         for h in hooks:
             h.remove()
-
-
-def cuda_time(fn, iters: int = 10) -> float:
-    fn()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return statistics.median(times)
