@@ -67,6 +67,15 @@ _METHODS = textwrap.dedent("""
                  ([("b", b - 2, b - 1), ("a", a - 3, a - 2), ("needle", n - 1, n)], 256)]
         return lengths, {"needle": 0, "a": n + 8, "b": n + a + 16}, table, comps
 
+    def chunk_batch(chunks, base):
+        # chunks (sequence, start, end), each sequence's KV on consecutive slots from base[sequence]
+        return ForwardBatch(
+            input_ids=torch.zeros(sum(e - s for _, s, e in chunks), dtype=torch.long),
+            positions=torch.cat([torch.arange(s, e) for _, s, e in chunks]),
+            out_slots=torch.cat([torch.arange(base[n] + s, base[n] + e) for n, s, e in chunks]),
+            q_lens=[e - s for _, s, e in chunks], kv_lens=[e for *_, e in chunks],
+            kv_slots=[torch.arange(base[n], base[n] + e) for n, _, e in chunks], pool=None, backend=None)
+
     lengths, base, table, compositions = sequences(144, 230, 40)  # HCA: 18 entries and more
     def layer_kv(layer_type, fp8):
         cols = PoolColumns.compact(cfg, layer_type, fp8)
@@ -84,12 +93,7 @@ _METHODS = textwrap.dedent("""
 
     def attend(method, layer, kv, chunks, query_block):
         # chunks: (sequence, start, end) -> {(sequence, position): output (H, D)}
-        batch = ForwardBatch(
-            input_ids=torch.zeros(sum(e - s for _, s, e in chunks), dtype=torch.long),
-            positions=torch.cat([torch.arange(s, e) for _, s, e in chunks]),
-            out_slots=torch.cat([torch.arange(base[n] + s, base[n] + e) for n, s, e in chunks]),
-            q_lens=[e - s for _, s, e in chunks], kv_lens=[e for *_, e in chunks],
-            kv_slots=[torch.arange(base[n], base[n] + e) for n, _, e in chunks], pool=None, backend=None)
+        batch = chunk_batch(chunks, base)
         vb = build_v4_batch(batch, cfg.sliding_window, cfg.ratios(), query_block)
         q, x, q_res = (torch.cat([table[n][i][s:e] for n, s, e in chunks]) for i in range(3))
         out = torch.full_like(q, float("nan"))
@@ -139,12 +143,7 @@ _METHODS = textwrap.dedent("""
         seen = {}
         for method in (reference, triton):
             for chunks, block in compositions:
-                batch = ForwardBatch(
-                    input_ids=torch.zeros(sum(e - s for _, s, e in chunks), dtype=torch.long),
-                    positions=torch.cat([torch.arange(s, e) for _, s, e in chunks]),
-                    out_slots=torch.cat([torch.arange(base[n] + s, base[n] + e) for n, s, e in chunks]),
-                    q_lens=[e - s for _, s, e in chunks], kv_lens=[e for *_, e in chunks],
-                    kv_slots=[torch.arange(base[n], base[n] + e) for n, _, e in chunks], pool=None, backend=None)
+                batch = chunk_batch(chunks, base)
                 vb = build_v4_batch(batch, cfg.sliding_window, (ratio,), block)
                 q = torch.cat([table[n][0][s:e] for n, s, e in chunks])
                 names = [n for n, s, e in chunks for _ in range(s, e)]
