@@ -10,7 +10,7 @@ process on one GPU:
              prefill of 256 x 32K tokens would take the whole run. B requests are set at position context - 1 with
              their pages and recent rows held, then decode steps run through the engine's executor (the model
              runner: overlap, sampling at temperature 1 so hash routing sees varied tokens) as the engine loop
-             runs them, eagerly and through CUDA graphs (DEEPINFER_V4_CUDA_GRAPHS=1, opt-in until verified):
+             runs them, eagerly and through CUDA graphs (DEEPINFER_V4_CUDA_GRAPHS=1, the default, and =0):
              tok/s per GPU = B / wall time per step, tok/s per user = 1 / wall time per step; graphed rows also
              give the replayed step's GPU time (graph + LM head + argmax, CUDA events);
   floor      bytes a step must read (v4_sweep_shapes.py) over the copy bandwidth; routed experts at the fewer of

@@ -59,9 +59,9 @@ class Env:
     """DEEPINFER_V4_RELEASE_MARGIN: compact V4 pool: tokens a sequence keeps beyond what its next step reads
     (default 64: a speculative rewind, and prefix hits a little before a finished sequence's end)."""
     v4_cuda_graphs: bool
-    """DEEPINFER_V4_CUDA_GRAPHS=1: capture DeepSeek-V4 / V4.1 decode steps in CUDA graphs (the fixed-shape step of
-    models/deepseek_v4/graph_batch.py; needs the compact pool). Off by default until its GPU test
-    (test/gpu/test_gpu_v4_graphs.py) has passed on the H200; the fixed-shape step itself is checked on CPU."""
+    """DEEPINFER_V4_CUDA_GRAPHS=0: decode DeepSeek-V4 / V4.1 eagerly on CUDA instead of through CUDA graphs (the
+    fixed-shape step of models/deepseek_v4/graph_batch.py, which needs the compact pool; checked on the H200 by
+    test/gpu/test_gpu_v4_graphs.py, and on CPU uncaptured)."""
     v4_recent_fraction: float
     """DEEPINFER_V4_RECENT_FRACTION: compact V4 pool: pages of recent state per page of the main pool
     (default 0.05: a running sequence holds ~R + a page of rows, checkpoints R per K tokens; 1.0 can never
@@ -178,7 +178,7 @@ def get_env() -> Env:
         v4_kv_layout=_str("DEEPINFER_V4_KV_LAYOUT", "compact"),
         v4_checkpoint_tokens=_int("DEEPINFER_V4_CHECKPOINT_TOKENS", 16384),
         v4_release_margin=_int("DEEPINFER_V4_RELEASE_MARGIN", 64),
-        v4_cuda_graphs=_bool("DEEPINFER_V4_CUDA_GRAPHS", False),
+        v4_cuda_graphs=_bool("DEEPINFER_V4_CUDA_GRAPHS", True),
         v4_recent_fraction=_float("DEEPINFER_V4_RECENT_FRACTION", 0.05),
         grammar_compile_timeout_s=_float("DEEPINFER_GRAMMAR_COMPILE_TIMEOUT", 30.0),
         num_threads=_int("DEEPINFER_NUM_THREADS", 0),

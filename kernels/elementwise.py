@@ -140,8 +140,23 @@ def store_kv(buf: torch.Tensor, slots: torch.Tensor, src: torch.Tensor) -> None:
 
 
 @triton.jit
+def _round_to_e4m3(y):
+    """y (fp32, within +-448) rounded to nearest even on e4m3's grid, in fp32, so that the cast after it is exact.
+    The cast alone left stored bytes that differ from torch's conversion on the H200 (Triton's fp32 -> e4m3 path
+    is not a single rounding everywhere). The grid step is 2^(e - 3) for y's binary exponent e >= -6 (3 mantissa
+    bits) and 2^-9 below (subnormals); it comes from y's exponent bits, not from log2, which is approximate on
+    the GPU. Adding and subtracting 1.5 * 2^23 rounds |y| / step (< 2^5) to the nearest even integer."""
+    bits = y.to(tl.int32, bitcast=True)
+    exp = tl.maximum((bits >> 23) & 0xFF, 121)  # 121 = 127 - 6
+    step = ((exp - 3) << 23).to(tl.float32, bitcast=True)
+    inv = ((254 - (exp - 3)) << 23).to(tl.float32, bitcast=True)  # 1 / step, exactly
+    n = (tl.abs(y) * inv + 12582912.0) - 12582912.0
+    return tl.where(bits < 0, -n * step, n * step)  # the sign kept for zeros too, as torch's cast does
+
+
+@triton.jit
 def _store_kv_fp8_kernel(Src, Dst, Scale, Slots, stride_st, stride_sh, stride_dt, stride_dh, stride_ct, d,
-                         FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr, BLOCK: tl.constexpr):
+                         FP8_MAX: tl.constexpr, FP8_INV: tl.constexpr, MIN_SCALE: tl.constexpr, BLOCK: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     slot = tl.load(Slots + t).to(tl.int64)
@@ -149,27 +164,26 @@ def _store_kv_fp8_kernel(Src, Dst, Scale, Slots, stride_st, stride_sh, stride_dt
         offs = tl.arange(0, BLOCK)
         mask = offs < d
         x = tl.load(Src + t * stride_st + h * stride_sh + offs, mask=mask, other=0.0).to(tl.float32)
-        # IEEE divisions, as torch's: the stored bits equal KVPool.write's (quantize_fp8_rows)
-        scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(x), 0), FP8_MAX), MIN_SCALE)
+        # The same fp32 operations as KVPool.write's quantize_fp8_rows, so the stored bits are equal: amax times
+        # fp32(1/448), an IEEE division by the scale, the clamp, round to nearest even on e4m3's grid.
+        scale = tl.maximum(tl.max(tl.abs(x), 0) * FP8_INV, MIN_SCALE)
         y = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -FP8_MAX), FP8_MAX)
-        # Round to nearest even straight from fp32, as torch's conversion does (not through an fp16 step).
-        tl.store(Dst + slot * stride_dt + h * stride_dh + offs, y.to(Dst.dtype.element_ty, fp_downcast_rounding="rtne"),
-                 mask=mask)
+        tl.store(Dst + slot * stride_dt + h * stride_dh + offs, _round_to_e4m3(y).to(Dst.dtype.element_ty), mask=mask)
         tl.store(Scale + slot * stride_ct + h, scale)
 
 
 def store_kv_fp8(buf: torch.Tensor, scale: torch.Tensor, slots: torch.Tensor, src: torch.Tensor) -> None:
     """buf[slots[t]], scale[slots[t]] = quantize_fp8_rows(src[t]) for slots >= 0 (deepinfer_rt.cache.kv_pool):
     buf (slots, H, D) float8_e4m3fn with unit column stride, scale (slots, H) float32, src (T, H, D)."""
-    from deepinfer_rt.cache.kv_pool import _MIN_SCALE, FP8_MAX
+    from deepinfer_rt.cache.kv_pool import _MIN_SCALE, FP8_INV, FP8_MAX
 
     t, h, d = src.shape
     if src.stride(-1) != 1 or buf.stride(-1) != 1 or scale.stride(1) != 1 or buf.shape[1:] != src.shape[1:]:
         raise ValueError("store_kv_fp8 needs unit column strides and rows of the buffer's (heads, dim)")
     if t:
         _store_kv_fp8_kernel[(t, h)](src, buf, scale, slots, src.stride(0), src.stride(1), buf.stride(0),
-                                     buf.stride(1), scale.stride(0), d, FP8_MAX=FP8_MAX, MIN_SCALE=_MIN_SCALE,
-                                     BLOCK=triton.next_power_of_2(d))
+                                     buf.stride(1), scale.stride(0), d, FP8_MAX=FP8_MAX, FP8_INV=FP8_INV,
+                                     MIN_SCALE=_MIN_SCALE, BLOCK=triton.next_power_of_2(d))
 
 
 @triton.jit

@@ -10,8 +10,8 @@
 # (bench_v4_sweep: V4-Flash / V4.1-Flash-shaped decode sweep beside the V4 floor, bf16 and release format) run when named.
 # Logs and JSON land in $OUT. Stage time limits (seconds): BENCH_S, TEST_S, KERNEL_BENCH_S, EP_S, DET_S, HOST_S,
 # MOE_BI_S, MXFP4_S, V4_S, FP8_S, LONGCTX_S, EP1_S, V4SWEEP_S. TEST_ARGS: the pytest targets of the tests stage (default test/gpu); KERNEL_BENCH_ARGS: extra
-# arguments of the kernel micro-benchmark (e.g. --only moe). TEST_JOBS>1: one pytest process per test file, that
-# many at once.
+# arguments of the kernel micro-benchmark (e.g. --only moe). TEST_JOBS>1: one pytest process per test file or node id, that
+# many at once; PYTEST_ARGS: extra pytest options (e.g. -o faulthandler_timeout=120 to dump a stuck test's stacks).
 #   device tool:  run(command="bash scripts/gpu_check.sh", carry=[".whl"])          (one H200)
 #                 run(command="STAGES=tests,ep bash scripts/gpu_check.sh", kind="nvidia-h200-x2", carry=[".whl"])
 set -u
@@ -34,14 +34,16 @@ if [[ $STAGES == *,tests,* ]]; then
   if [ "${TEST_JOBS:-1}" -gt 1 ]; then
     # One pytest process per test file (TEST_ARGS: files or folders), TEST_JOBS at a time on the one GPU (the
     # tests are compile- and host-bound); TEST_S limits each file. Logs: $OUT/test_<file>.log.
-    export OUT TEST_S=${TEST_S:-300}
-    find ${TEST_ARGS:-test/gpu} -name 'test_*.py' | sort | OMP_NUM_THREADS=2 xargs -P "$TEST_JOBS" -I{} bash -c \
-      'timeout "$TEST_S" python3 -m pytest -q -p no:cacheprovider -rf --durations=5 {} > "$OUT/test_$(basename {} .py).log" 2>&1; echo "{} rc=$?"' \
+    export OUT TEST_S=${TEST_S:-300} PYTEST_ARGS=${PYTEST_ARGS:-}
+    # A folder stands for its test files; a file or a node id (file::test[params]) runs as its own process.
+    for t in ${TEST_ARGS:-test/gpu}; do if [ -d "$t" ]; then find "$t" -name 'test_*.py' | sort; else echo "$t"; fi; done \
+      | OMP_NUM_THREADS=2 xargs -P "$TEST_JOBS" -I{} bash -c \
+      'log=$(basename "{}" | sed "s/\.py//; s/[^A-Za-z0-9_.-]/_/g"); timeout "$TEST_S" python3 -m pytest -q -p no:cacheprovider -rf --durations=5 ${PYTEST_ARGS:-} "{}" > "$OUT/test_$log.log" 2>&1; echo "{} rc=$?"' \
       | tee "$OUT/test_files_rc.txt"
     for f in "$OUT"/test_test_*.log; do echo "== $f"; grep -E "passed|failed|error|FAILED|ERROR" "$f" | tail -n 6; done
     if grep -qv "rc=0$" "$OUT/test_files_rc.txt"; then echo "tests: some file failed"; fi
   else
-    timeout "${TEST_S:-300}" python3 -m pytest -q -p no:cacheprovider -rf ${TEST_ARGS:-test/gpu} > "$OUT/test_gpu.log" 2>&1
+    timeout "${TEST_S:-300}" python3 -m pytest -q -p no:cacheprovider -rf ${PYTEST_ARGS:-} ${TEST_ARGS:-test/gpu} > "$OUT/test_gpu.log" 2>&1
     tail -n 12 "$OUT/test_gpu.log"
   fi
 fi

@@ -81,6 +81,8 @@ class KVLayout:
 
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3")
 FP8_MAX = 448.0
+FP8_INV = 1.0 / FP8_MAX
+"""What a row's amax is multiplied by for its scale (rounded once to fp32 where it multiplies)."""
 """Largest finite float8_e4m3fn value: a row's amax maps to it."""
 _MIN_SCALE = 1e-12
 """Scale floor, so an all-zero row divides by a positive number (and stays zero)."""
@@ -97,9 +99,11 @@ def check_kv_cache_dtype(kv_cache_dtype: str, layout: KVLayout | None = None) ->
 
 def quantize_fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x (..., D) -> (float8_e4m3fn (..., D), float32 scale (...)): each row over its last dim scaled so that
-    its amax is FP8_MAX (the division and clamp in fp32, then round to nearest)."""
+    its amax is FP8_MAX (the division and clamp in fp32, then round to nearest). The scale is amax times the fp32
+    constant 1/448, not amax / 448: torch divides by a Python number on CUDA as a product with its reciprocal and
+    on CPU as a true division, and the store kernel (deepinfer_kernels.elementwise) must match both bit for bit."""
     xf = x.float()
-    scale = (xf.abs().amax(dim=-1) / FP8_MAX).clamp_min(_MIN_SCALE)
+    scale = (xf.abs().amax(dim=-1) * FP8_INV).clamp_min(_MIN_SCALE)
     return (xf / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
 
 

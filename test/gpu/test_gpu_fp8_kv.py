@@ -65,8 +65,12 @@ def test_fp8_store_kernel_bitwise_equals_pool_quantization():
         store_kv_fp8(buf, scale, slots, src)
         want, want_scale = quantize_fp8_rows(src)
         real = slots >= 0
-        assert torch.equal(buf[slots[real]].view(torch.uint8), want[real].view(torch.uint8))
         assert torch.equal(scale[slots[real]], want_scale[real])
+        got, ref = buf[slots[real]].view(torch.uint8), want[real].view(torch.uint8)
+        bad = (got != ref).nonzero()
+        x = (src[real].float() / want_scale[real][..., None])[tuple(bad[:8].T)].tolist()
+        assert not len(bad), (f"{len(bad)} bytes differ; scaled inputs {x}: kernel {got[tuple(bad[:8].T)].tolist()}, "
+                              f"torch {ref[tuple(bad[:8].T)].tolist()}")
 
 
 @pytest.fixture(scope="module", params=("llama", "deepseek_v3"))

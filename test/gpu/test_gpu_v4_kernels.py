@@ -9,7 +9,10 @@ bf16 tiles with fp32 accumulation and round p to bf16 for p.V (as the torch path
 outputs are within 1.5e-2 relative (Frobenius) of the fp32 reference, under the bf16 torch path's own error.
 FP8 key rows (kv_cache_dtype='fp8_e4m3', quantized by the pool's Fp8Rows.write) are checked against the same
 references over the rows dequantized in fp32, at the same tolerances: the kernels convert e4m3 to the queries'
-dtype exactly and apply the row scales to scores and probabilities in fp32.
+dtype exactly and apply the row scales to scores and probabilities in fp32. Their rows are spread over 0.05-8x
+(values up to ~30), so the fp32 per-element bound is 2e-5 of the largest value row (the Frobenius bound stays 2e-5):
+scaling the scores instead of the keys moves each logit by fp32 rounding of its size, and an output element by
+that much of the rows it averages (3.5e-4 absolute at most on the H200, against values up to ~30).
 """
 from __future__ import annotations
 
@@ -102,8 +105,9 @@ def test_sparse_mqa_attention_v4_flash_fp8(dtype, batch, q_len, topk):
     ref = sparse_mqa_attention_ref(q.float(), deq, sink, D ** -0.5)
     tol = 2e-5 if dtype == torch.float32 else 1.5e-2
     assert rel_err(out, ref) < tol
-    if dtype == torch.float32:
-        torch.testing.assert_close(out, ref, rtol=2e-5, atol=2e-5)
+    if dtype == torch.float32:  # per element: fp32 rounding of the logits, in units of the largest value row
+        vmax = max(s.buf.abs().amax().item() for s in deq)
+        torch.testing.assert_close(out, ref, rtol=2e-5, atol=2e-5 * vmax)
     whole = sparse_mqa_attention(q, sources, sink, D ** -0.5, split_len=max(WINDOW + q_len, topk) + 32)
     assert rel_err(whole, ref) < tol
     mixed = sparse_mqa_attention(q, [type(deq[0])(deq[0].buf.to(dtype), deq[0].rows, deq[0].mask), sources[1]],

@@ -106,8 +106,8 @@ class DeepseekV4ForCausalLM(CausalLM):
 
     @property
     def supports_cuda_graphs(self) -> bool:
-        """Decode steps of fixed shape (graph_batch.py) need the compact pool's padding rows; captured only under
-        DEEPINFER_V4_CUDA_GRAPHS=1 until the GPU test has passed (env.py)."""
+        """Decode steps of fixed shape (graph_batch.py) need the compact pool's padding rows; on unless
+        DEEPINFER_V4_CUDA_GRAPHS=0 (env.py)."""
         return self.is_compact_pool and self.is_graph_enabled
 
     @staticmethod

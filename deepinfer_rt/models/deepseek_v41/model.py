@@ -290,8 +290,8 @@ class DeepseekV41ForCausalLM(DeepseekV4ForCausalLM):
     @property
     def supports_cuda_graphs(self) -> bool:
         """Fixed-shape decode steps (V41StaticDecode) need the compact pool; Engram tables in host memory gather
-        on the host, and a DSpark drafter's feature hook runs in Python, neither of which a graph replays. Opt-in
-        (DEEPINFER_V4_CUDA_GRAPHS=1) as for V4."""
+        on the host, and a DSpark drafter's feature hook runs in Python, neither of which a graph replays. Off
+        under DEEPINFER_V4_CUDA_GRAPHS=0, as for V4."""
         layers = self.model.layers
         return (self.is_compact_pool and self.is_graph_enabled and not any(l.engram is not None and l.engram.is_host_table for l in layers)
                 and all(l.capture is None for l in layers))
