@@ -151,7 +151,9 @@ def _round_to_e4m3(y):
     step = ((exp - 3) << 23).to(tl.float32, bitcast=True)
     inv = ((254 - (exp - 3)) << 23).to(tl.float32, bitcast=True)  # 1 / step, exactly
     n = (tl.abs(y) * inv + 12582912.0) - 12582912.0
-    return tl.where(bits < 0, -n * step, n * step)  # the sign kept for zeros too, as torch's cast does
+    # y's sign bit put back by bit operations, so a negative that rounds to zero stays -0 as in torch's cast
+    # (Triton's unary minus is 0 - x, which gives +0 there)
+    return ((n * step).to(tl.int32, bitcast=True) | ((bits >> 31) << 31)).to(tl.float32, bitcast=True)
 
 
 @triton.jit

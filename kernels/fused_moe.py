@@ -71,8 +71,10 @@ def _even_k(kernel):
     return triton.heuristics({"EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0})(kernel)
 
 
-# num_pairs is never specialised (to 1 or to multiples of 16): one compiled kernel for every batch.
-@triton.jit(do_not_specialize=["num_pairs"])
+# num_pairs and pairs_bucket (the autotuner's key only) are never specialised (to 1 or to multiples of 16): one
+# compiled kernel per tile config for every batch. Each specialisation multiplies the configs the autotuner
+# compiles, which on the H200 kept a tiny V4.1 engine compiling for minutes before its first tokens.
+@triton.jit(do_not_specialize=["num_pairs", "pairs_bucket"])
 def _gate_up(X, W, H, SortedPairs, BlockExpert, NumPadded, num_pairs, pairs_bucket, top_k, N, K, limit,
              stride_xm, stride_we, stride_wn, stride_hm,
              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -117,7 +119,7 @@ def _gate_up(X, W, H, SortedPairs, BlockExpert, NumPadded, num_pairs, pairs_buck
                  mask=mmask[:, None] & nmask[None, :])
 
 
-@triton.jit(do_not_specialize=["num_pairs"])
+@triton.jit(do_not_specialize=["num_pairs", "pairs_bucket"])
 def _down(H, W, Y, TopkWeights, SortedPairs, BlockExpert, NumPadded, num_pairs, pairs_bucket, N, K,
           stride_hm, stride_we, stride_wn, stride_ym,
           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
