@@ -8,7 +8,23 @@ from pathlib import Path
 _PROMPT_CONTEXT = 4
 
 
+_BACKEND_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
+"""tokenizer_config.json classes that are transformers' plain wrapper of tokenizer.json (the same class in 5.x)."""
+
+
 def load_tokenizer(path: Path):
+    """The checkpoint's transformers tokenizer. A folder whose tokenizer_config.json names the plain tokenizer.json
+    wrapper is loaded by that class directly: AutoTokenizer reads the model config first, and importing a model's
+    configuration module pulls in transformers' model-loading stack (about a second of start-up on two cores),
+    for the class the file already names."""
+    import json
+
+    config = Path(path) / "tokenizer_config.json"
+    if config.is_file() and (Path(path) / "tokenizer.json").is_file():
+        if json.loads(config.read_text()).get("tokenizer_class") in _BACKEND_CLASSES:
+            from transformers import PreTrainedTokenizerFast
+
+            return PreTrainedTokenizerFast.from_pretrained(path)
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(path)

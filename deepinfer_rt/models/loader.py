@@ -39,14 +39,48 @@ def resolve_model_path(model: str) -> Path:
     raise ValueError(f"model {model!r} is neither {SMOLLM2!r}, a folder with config.json, nor a hub id")
 
 
-def load_model_config(path: Path) -> tuple[ModelConfig, object]:
-    from transformers import AutoConfig
+_PLAIN_LLAMA_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                       "head_dim", "intermediate_size", "rms_norm_eps", "max_position_embeddings", "eos_token_id",
+                       "bos_token_id", "tie_word_embeddings", "hidden_act", "attention_bias")
+"""What ModelConfig.from_hf reads of a Llama config; a file that states all of them needs none of transformers'
+defaults."""
 
+
+class _FileConfig:
+    """A config.json read as attributes, as ModelConfig.from_hf reads transformers' config objects."""
+
+    def __init__(self, raw: dict):
+        self.__dict__.update(raw)
+
+    def to_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+def plain_llama_config(raw: dict) -> _FileConfig | None:
+    """config.json as it is, for a plain Llama (unquantized, unscaled rotary) whose file states every field
+    ModelConfig.from_hf reads; else None (transformers' AutoConfig fills what the file leaves out). Importing
+    transformers' Llama configuration module pulls in its model-loading stack: about a second and a half of the
+    embedded default's start-up on two cores, for values already in the file."""
+    rope = raw.get("rope_parameters") or {}
+    if (raw.get("model_type") != "llama" or raw.get("architectures") != ["LlamaForCausalLM"]
+            or "quantization_config" in raw or raw.get("rope_scaling") is not None
+            or set(rope) - {"rope_theta", "rope_type"} or rope.get("rope_type", "default") != "default"
+            or "rope_theta" not in rope or not all(raw.get(f) is not None for f in _PLAIN_LLAMA_FIELDS)):
+        return None
+    return _FileConfig(raw)
+
+
+def load_model_config(path: Path) -> tuple[ModelConfig, object]:
     from deepinfer_rt.models.deepseek_v41.config import is_v41_config, read_config_file, v41_model_config
 
     raw = read_config_file(path)
     if is_v41_config(raw):  # transformers has no DeepSeek-V4.1 classes
         return v41_model_config(raw, path), raw
+    plain = plain_llama_config(raw)
+    if plain is not None:
+        return ModelConfig.from_hf(plain), plain
+    from transformers import AutoConfig
+
     hf = AutoConfig.from_pretrained(path)
     config = ModelConfig.from_hf(hf)
     return _with_detected_expert_dtype(config, path), hf
