@@ -5,7 +5,8 @@ Quantized at load from the checkpoint's 16/32-bit weights: scale = max|row| / 12
 dense weight is dropped once quantized; `dequantized(layer)` gives the matrix the layer computes with (the
 reference the tests and benchmark/bench_cpu_peers.py compare against). The GEMM is fast with bf16 activations
 (oneDNN/AVX512); in fp32 it is correct but slow. Inputs of more than INT8_MM_MAX_ROWS rows take a dense GEMM over
-the weight dequantized in the activation dtype (in bf16 that rounds q * scale to bf16).
+the weight dequantized in the activation dtype (in bf16 that rounds q * scale to bf16), kept once made (env.py
+DEEPINFER_CPU_DENSE_COPY).
 """
 from __future__ import annotations
 
@@ -15,9 +16,11 @@ from torch import nn
 from deepinfer_rt.layers.kernel_config import KernelConfig
 from deepinfer_rt.layers.methods import LinearMethod, linear_method
 
-INT8_MM_MAX_ROWS = 16
-"""Inputs of more rows (prefill chunks, large decode batches) multiply by the weight dequantized for the call:
-the int8 matmul's advantage is reading fewer weight bytes, which only pays while the GEMM is memory-bound."""
+INT8_MM_MAX_ROWS = 4
+"""Inputs of more rows (prefill chunks, decode batches) multiply by the dequantized weight: the int8 matmul's
+advantage is reading fewer weight bytes, which only pays while the GEMM is memory-bound. One thread, bf16, the
+embedded default's gate_up (3072 x 576): int8 136 / 260 / 522 us at 1 / 4 / 8 rows against 306 / 358 / 381 us for
+the dense GEMM (the 4-bit matmul crosses at the same point, layers/q4.py)."""
 
 
 def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -46,10 +49,23 @@ class WeightOnlyLinear(LinearMethod):
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         raise TypeError("a weight-only quantized linear computes through its own layer (apply), not a dense weight")
 
+    def dense_in(self, layer: nn.Module, dtype: torch.dtype) -> torch.Tensor:
+        """The dequantized weight in `dtype`: made on the first call and kept (the same values every time), unless
+        DEEPINFER_CPU_DENSE_COPY=0 (then made for each call: 10-15x the GEMM's time on the embedded default)."""
+        kept = getattr(layer, "dense_copy", None)
+        if kept is not None and kept.dtype == dtype:
+            return kept
+        from deepinfer_rt.env import get_env
+
+        weight = self.dense(layer).to(dtype)
+        if get_env().cpu_dense_copy:
+            layer.dense_copy = weight
+        return weight
+
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])
         if x2.shape[0] > self.max_rows:
-            return torch.nn.functional.linear(x, self.dense(layer).to(x.dtype), layer.bias)
+            return torch.nn.functional.linear(x, self.dense_in(layer, x.dtype), layer.bias)
         y = self.packed_mm(layer, x2)
         if layer.bias is not None:
             y = y + layer.bias

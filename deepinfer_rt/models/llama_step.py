@@ -15,6 +15,8 @@ the same values with the same operations in the same order, so fp32 tokens equal
   - q and k, adjacent in the fused QKV output, are rotated together into one tensor, the rotation written as
     x*cos + (x2 | x1)*(-sin | sin) (the module path's x*cos + cat(-x2, x1)*sin: negating a factor or a product
     gives the same bits),
+  - RMSNorm is torch's rms_norm over the fp32 values (one op for reference.rms_norm's seven: the same fp32
+    operations in ATen, so the same bits), times the weight after the cast back as the reference does,
   - a weight-only quantized linear of a small input calls its packed matmul directly (no method dispatch),
   - the layers are walked over a flat list of their weights (no module calls, no per-layer lookups), built
     once the weights are final and rebuilt if they were replaced.
@@ -66,6 +68,13 @@ class _Rope:
     signed_sin: torch.Tensor  # (T, 1, D): -sin | sin, the factors of the half-swapped input
 
 
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """reference.rms_norm in one or two ops (bitwise the same on CPU: test/e2e/test_cpu_step.py)."""
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, weight.shape, weight, eps)
+    return weight * F.rms_norm(x.float(), weight.shape, None, eps).to(x.dtype)
+
+
 def _linear_fn(linear: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
     method = linear.method
     if type(method) is UnquantizedLinear:
@@ -113,17 +122,17 @@ class CpuStep(ModuleStep):
                 residual = x
             else:
                 residual = x + residual
-            h = reference.rms_norm(residual, layer.input_norm, eps)
+            h = _rms_norm(residual, layer.input_norm, eps)
             qkv = layer.qkv(h)
             qk = qkv[:, :qk_width].view(t, num_q + num_kv, head_dim)
             rot = qk * rope.cos + qk.roll(half, dims=-1) * rope.signed_sin
             v = qkv[:, qk_width:].view(t, num_kv, head_dim)
             o = batch.attention(rot[:, :num_q], rot[:, num_q:], v, layer.layer_id, scale)
             residual = layer.o(o.reshape(t, -1)) + residual
-            h = reference.rms_norm(residual, layer.post_norm, eps)
+            h = _rms_norm(residual, layer.post_norm, eps)
             gate_up = layer.gate_up(h)
             x = layer.down(F.silu(gate_up[:, :inter]) * gate_up[:, inter:])
-        return reference.rms_norm(x + residual, trunk.norm.weight, eps)
+        return _rms_norm(x + residual, trunk.norm.weight, eps)
 
 
 @functools.cache

@@ -80,3 +80,25 @@ def test_q4_1_refused_where_it_does_not_run(tiny_llama_path):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_q4_1_matches_dequantized_reference(tiny_llama_path, dtype):
     check_weight_only_matches_dense(tiny_llama_path, dtype, "q4_1", Q4WeightOnlyLinear, dequantized)
+
+
+@pytest.mark.parametrize("keep", ["1", "0"])
+def test_dense_copy_kept_once_made(monkeypatch, keep):
+    """More than Q4_MM_MAX_ROWS rows multiply by the dequantized weight: kept on the layer after the first such call
+    (DEEPINFER_CPU_DENSE_COPY, default on), made again for each call when off; the same values either way, and
+    a few rows never make it."""
+    from torch import nn
+
+    from deepinfer_rt.layers.q4 import Q4_MM_MAX_ROWS
+
+    monkeypatch.setenv("DEEPINFER_CPU_DENSE_COPY", keep)
+    torch.manual_seed(0)
+    layer = nn.Linear(64, 96, bias=False)
+    method = Q4WeightOnlyLinear()
+    method.process_weights_after_loading(layer)
+    few = method.apply(layer, torch.randn(Q4_MM_MAX_ROWS, 64))
+    assert few.shape == (Q4_MM_MAX_ROWS, 96) and getattr(layer, "dense_copy", None) is None
+    x = torch.randn(Q4_MM_MAX_ROWS + 4, 64)
+    first, second = method.apply(layer, x), method.apply(layer, x)
+    assert torch.equal(first, torch.nn.functional.linear(x, dequantized(layer))) and torch.equal(first, second)
+    assert (getattr(layer, "dense_copy", None) is not None) == (keep == "1")

@@ -67,3 +67,15 @@ def test_cpu_step_hidden_equal_module_path(engines):
         fb = runner.forward_batch(flat, positions, out_slots, q_lens, q_lens, slots)
         hidden_modules = ModuleStep().forward(fast.model, fb)
     assert torch.equal(hidden_fast, hidden_modules)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_equals_reference_bitwise(dtype):
+    from deepinfer_kernels import reference
+    from deepinfer_rt.models.llama_step import _rms_norm
+
+    g = torch.Generator().manual_seed(0)
+    for t, d in ((1, 576), (7, 64), (33, 1536), (2, 4096)):
+        x = (torch.randn(t, d, generator=g) * 3).to(dtype)
+        w = torch.randn(d, generator=g).to(dtype)
+        assert torch.equal(_rms_norm(x, w, 1e-5), reference.rms_norm(x, w, 1e-5)), (t, d)
