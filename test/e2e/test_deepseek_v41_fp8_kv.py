@@ -7,8 +7,9 @@ stay in the model dtype).
 - Against the 16-bit pool on both tiny configs (fp32, 4-token pages): prompt logprobs within 0.1 nats on average
   (1 nat at worst) and the first greedy token the same on at least half of the 16 prompts (floor 8; chance is
   ~1/20000). Measured: mean |diff| 0.050 ('a') and 0.049 ('b') nats, max 0.64 / 0.43; first tokens equal on 4 + 6 of
-  16, whole 6-token continuations on 3 + 1 (printed with -s). These random tiny models have flat logits (top
-  tokens within a few hundredths of a nat), so FP8 rounding flips close calls often; the logprob bound is the cost.
+  16, whole 6-token continuations on 3 + 1 (printed with -s). These random tiny models have flat logits, so FP8
+  rounding flips close calls often (and a continuation differs from its first flip on); the logprob bound is the
+  cost.
 - Prefix cache on == off in batch-invariant mode with FP8 rows: token ids and logprobs bitwise, hits mid-window.
 - DSpark's context-key layer stays in the model dtype under FP8 (it holds no sliding key), and greedy outputs with
   the drafter equal those without on the FP8 pool.
