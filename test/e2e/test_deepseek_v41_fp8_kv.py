@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from deepinfer_rt import Engine, SamplingParams
+from deepinfer_rt.env import get_env
 from deepinfer_rt.models.deepseek_v41.config import V41Config
 from deepinfer_rt.models.loader import load_model_config
 from test_deepseek_v41_engine import GREEDY, MAX_NEW, PROMPTS
@@ -46,7 +47,7 @@ def _expected_bytes_per_token(path, kv_cache_dtype: str, size: int) -> int:
     else:
         long_lived = sum((d + di) * size / m for m in sources)
         recent = (sum(rest) + len(cfg.layers) * d) * size
-    return math.ceil(long_lived + 0.05 * recent)  # DEEPINFER_V4_RECENT_FRACTION's default
+    return math.ceil(long_lived + get_env().v4_recent_fraction * recent)
 
 
 def _buffer_bytes(pool) -> tuple[float, int]:
