@@ -79,6 +79,11 @@ def test_v41_static_decode_equals_eager(tiny_v41_paths, variant):
     _check_same(tiny_v41_paths[variant], page_size=4 if variant == "a" else 1, chunked_prefill_tokens=11)
 
 
+def test_v41_fp8_static_decode_equals_eager(tiny_v41_paths):
+    """The FP8 compact pool (kv_cache_dtype='fp8_e4m3'): fixed-shape steps quantize and read its rows as eager ones."""
+    _check_same(tiny_v41_paths["a"], page_size=4, chunked_prefill_tokens=11, kv_cache_dtype="fp8_e4m3")
+
+
 def test_v41_static_decode_with_prefix_hits_and_retraction(tiny_v41_paths):
     stats = _check_same(tiny_v41_paths["a"], rounds=2, chunked_prefill_tokens=20)
     assert stats["cached"] > 100

@@ -1,7 +1,7 @@
 """DeepSeek-V4 and V4.1 engines on CUDA in batch-invariant mode (skipped without a GPU): attention and the indexer
 run through the Triton kernels' invariant modes (V4InvariantTritonMethod, V41InvariantTritonMethod), and a
 needle's token ids and logprobs (greedy and seeded sampling) are bitwise the same alone and inside random batches
-with random chunk sizes; V4 with the 16-bit and the FP8 compact pool."""
+with random chunk sizes; V4 and V4.1 with the 16-bit and the FP8 compact pool."""
 from __future__ import annotations
 
 import random
@@ -55,6 +55,7 @@ def test_gpu_v4_batch_invariant_engine(tmp_path_factory, dtype, kv_cache_dtype):
     _check(path, dtype, trials=3, kv_cache_dtype=kv_cache_dtype)
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_gpu_v41_batch_invariant_engine(tiny_v41_paths, dtype):
-    _check(tiny_v41_paths["a"], dtype, trials=3)
+def test_gpu_v41_batch_invariant_engine(tiny_v41_paths, dtype, kv_cache_dtype):
+    _check(tiny_v41_paths["a"], dtype, trials=3, kv_cache_dtype=kv_cache_dtype)

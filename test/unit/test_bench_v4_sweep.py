@@ -43,7 +43,9 @@ def test_smoke_rows_and_sweep(smoke):
     assert all(len(s["points"]) == 2 for s in smoke["sweep"])
     full = smoke["full_kv"]
     assert full["v4"]["sglang_fp8_bytes_per_token"] == 7705 and full["v41"]["trtllm_long_range_bytes_per_token"] == 890
-    assert full["v4"]["fp8_e4m3"]["long_lived_bytes_per_token"] < full["v4"]["auto"]["long_lived_bytes_per_token"]
+    for shape in ("v4", "v41"):
+        assert full[shape]["fp8_e4m3"]["long_lived_bytes_per_token"] < full[shape]["auto"]["long_lived_bytes_per_token"]
+        assert full[shape]["fp8_e4m3"]["recent_bytes_per_token"] < full[shape]["auto"]["recent_bytes_per_token"]
 
 
 def test_floor_refuses_an_impossible_figure():

@@ -5,14 +5,13 @@ several splits.
 
 Method level (the fast test): a needle's last four positions alone (one prefill chunk), in prefill query blocks
 of 2 beside another chunk and a decode row, then as decode rows (one was a prefill row alone) beside longer and
-shorter sequences, whose entry lists pad the needle's wider. The needle's outputs (V4: each attention kind, the
-16-bit and the FP8 pool rows; V4.1: attention over the sliding keys and selected entries, and the indexer
-scores) are bitwise the same in every composition.
+shorter sequences, whose entry lists pad the needle's wider. The needle's outputs (V4: each attention kind; V4.1:
+attention over the sliding keys and selected entries, and the indexer scores; both over 16-bit and FP8 pool rows)
+are bitwise the same in every composition.
 
 Model level (slow): the tiny models with the methods swapped in; a needle prompt alone (a prefill chunk, a
 decode step) and cut into other chunks beside other sequences' chunks and decode rows; every needle logits row
-the model outputs is bitwise the same in both runs (V4 on its compact pool, 16-bit and FP8; V4.1, whose pool
-keeps no FP8).
+the model outputs is bitwise the same in both runs (V4 and V4.1 on their compact pools, 16-bit and FP8).
 
 Tolerance against V4InvariantMethod / V41InvariantMethod (torch, blocks of 64 keys merged in list order): in fp32
 only the summation order of attention and of the indexer scores differs, so method outputs agree within 1e-5 and
@@ -136,11 +135,21 @@ _METHODS = textwrap.dedent("""
     swa_keys, entry_keys = torch.randn(num_slots, cfg.head_dim, generator=g), torch.randn(num_slots, cfg.head_dim,
                                                                                           generator=g)
     index_keys = torch.randn(num_slots, di, generator=g)
+    d = cfg.head_dim
+    v41_kv = {False: LayerKV(swa_keys, torch.cat([entry_keys, index_keys], dim=1),
+                             PoolColumns(slice(0, d), *(slice(0, 0),) * 2, slice(0, d), *(slice(0, 0),) * 2,
+                                         slice(d, d + di)))}
+    empty = slice(0, 0)
+    v41_kv[True] = LayerKV(torch.zeros(num_slots, 0), torch.zeros(num_slots, 0), PoolColumns(*(empty,) * 7),
+                           *(Fp8Rows.zeros(num_slots, w, torch.device("cpu")) for w in (d, d, di)))
+    v41_kv[True].store_swa(torch.arange(num_slots), swa_keys)
+    v41_kv[True].store_entry(torch.arange(num_slots), entry_keys)
+    v41_kv[True].store_idx_entry(torch.arange(num_slots), index_keys)
     sink = torch.randn(cfg.num_heads, generator=g)
     pick = {k: torch.rand(n, n, generator=g) < 0.5 for k, n in lengths.items()}  # (position, entry)
     iq = {k: (torch.randn(n, hi, di, generator=g), torch.randn(n, hi, generator=g)) for k, n in lengths.items()}
-    for ratio in (1,):  # (ratio 2's entries reach the kernel the same way)
-        seen = {}
+    for fp8 in (False, True):  # (ratio 2's entries reach the kernel as ratio 1's)
+        ratio, kv, seen = 1, v41_kv[fp8], {}
         for method in (reference, triton):
             for chunks, block in compositions:
                 batch = chunk_batch(chunks, base)
@@ -155,20 +164,19 @@ _METHODS = textwrap.dedent("""
                                        torch.nn.functional.pad(pick[names[r]][pos[r]], (0, num_e - lengths[names[r]]))
                                        for r in rows]).view(group.num_seqs, group.q_len, num_e)
                     sel = sel & group.entry_mask[ratio]
-                    out = method.attend(q[group.rows], group, ratio, swa_keys, entry_keys, sel, sink)
-                    keys = index_keys[group.entry_slots[ratio]]  # (G, E, Di)
+                    out = method.attend(q[group.rows], group, ratio, kv, kv, sel, sink)
                     iqg = torch.stack([iq[names[r]][0][pos[r]] for r in rows]).view(group.num_seqs, group.q_len, hi, di)
                     w = torch.stack([iq[names[r]][1][pos[r]] for r in rows]).view(group.num_seqs, group.q_len, hi)
-                    scores = method.index_scores(iqg, keys, w).reshape(len(rows), num_e)
+                    scores = method.index_scores(iqg, kv, group.entry_slots[ratio], w).reshape(len(rows), num_e)
                     for i, r in enumerate(rows):
                         if names[r] == "needle":
                             visible = int(group.entry_mask[ratio].reshape(len(rows), -1)[i].sum())
                             seen.setdefault((method is triton, int(pos[r])), []).append((out[i], scores[i, :visible]))
         for p in range(32, 36):
             rows = seen[(True, p)]
-            assert len(rows) >= 2, (ratio, p)
+            assert len(rows) >= 2, (fp8, p)
             for out, scores in rows[1:]:
-                assert torch.equal(out, rows[0][0]) and torch.equal(scores, rows[0][1]), (ratio, p)
+                assert torch.equal(out, rows[0][0]) and torch.equal(scores, rows[0][1]), (fp8, p)
             ref_out, ref_scores = seen[(False, p)][0]
             torch.testing.assert_close(rows[0][0], ref_out, rtol=1e-5, atol=1e-5)
             torch.testing.assert_close(rows[0][1], ref_scores, rtol=1e-5, atol=1e-5)
@@ -298,5 +306,6 @@ def test_v4_invariant_triton_model_rows_bitwise_in_any_batch(tiny_v4_window20, f
 
 
 @pytest.mark.slow
-def test_v41_invariant_triton_model_rows_bitwise_in_any_batch(tiny_v41_paths):
-    assert _interpret(_script(tiny_v41_paths["a"], False, 2)).strip().splitlines()[-1].startswith("ok")
+@pytest.mark.parametrize("fp8", [False, True])
+def test_v41_invariant_triton_model_rows_bitwise_in_any_batch(tiny_v41_paths, fp8):
+    assert _interpret(_script(tiny_v41_paths["a"], fp8, 2)).strip().splitlines()[-1].startswith("ok")

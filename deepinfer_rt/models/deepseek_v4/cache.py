@@ -63,7 +63,10 @@ class V4KVLayout(KVLayout):
     """Tokens a sequence keeps beyond R before releasing (a speculative rewind, and hits a little before the end
     of a finished sequence resume exactly)."""
     supports_fp8: bool = True
-    """False where the model's layers read the buffers directly (DeepSeek-V4.1, for now)."""
+    """False where the model's layers cannot read FP8 rows."""
+    num_token_layers: int = 0
+    """Trailing layers added by with_token_layer: per-token state of their owner only, no sliding key (their
+    rows stay in the model dtype under 'fp8_e4m3')."""
 
     @property
     def pool_class(self) -> type[KVPool]:
@@ -87,12 +90,20 @@ class V4KVLayout(KVLayout):
         return dataclasses.replace(
             self, num_layers=self.num_layers + 1, k_shape=(1, max(self.k_shape[1], width)), layer_dims=dims + (width,),
             ratios=self.ratios + (0,), entry_dims=self.entry_dims + (0,), idx_entry_dims=self.idx_entry_dims + (0,),
-            recent_tokens=max(self.recent_tokens, lookback))
+            recent_tokens=max(self.recent_tokens, lookback), num_token_layers=self.num_token_layers + 1)
+
+    @property
+    def num_swa_layers(self) -> int:
+        """Layers that keep a sliding key (the model's; not the token layers)."""
+        return self.num_layers - self.num_token_layers
 
     @property
     def recent_row_dims(self) -> tuple[int, ...]:
         """Per layer: width of the `recent` tensor's rows (without the sliding key when it is FP8)."""
-        return tuple(w - self.swa_dim for w in self.layer_dims) if self.is_fp8 else self.layer_dims
+        if not self.is_fp8:
+            return self.layer_dims
+        n = self.num_swa_layers
+        return tuple(w - self.swa_dim for w in self.layer_dims[:n]) + self.layer_dims[n:]
 
     def long_lived_bytes_per_token(self, dtype: torch.dtype) -> float:
         """Entries per token of context: D (+ Di) per m tokens on each compressed layer (FP8: a byte per value
@@ -106,7 +117,7 @@ class V4KVLayout(KVLayout):
     def recent_bytes_per_token(self, dtype: torch.dtype) -> int:
         """One token's recent row over all layers (held for ~recent_tokens tokens per sequence, plus pins)."""
         size = torch.empty((), dtype=dtype).element_size()
-        fp8_swa = (self.swa_dim + 4) * self.num_layers if self.is_fp8 else 0
+        fp8_swa = (self.swa_dim + 4) * self.num_swa_layers if self.is_fp8 else 0
         return sum(self.recent_row_dims) * size + fp8_swa
 
     def window_bytes_per_sequence(self, dtype: torch.dtype) -> int:
@@ -145,7 +156,8 @@ class V4Pool(KVPool):
         fp8 = layout.is_fp8
         self.entries = [torch.zeros(n, 0 if fp8 else w, dtype=dtype, device=device)
                         for n, w in zip(entry_rows, layout.entry_dims)]
-        self.fp8_swa = [Fp8Rows.zeros(rows + 1, layout.swa_dim, device) if fp8 else None for _ in layout.ratios]
+        self.fp8_swa = [Fp8Rows.zeros(rows + 1, layout.swa_dim, device) if fp8 and i < layout.num_swa_layers else None
+                        for i in range(layout.num_layers)]
         self.fp8_entry = [Fp8Rows.zeros(n, w - di, device) if fp8 and m else None
                           for n, w, di, m in zip(entry_rows, layout.entry_dims, layout.idx_entry_dims, layout.ratios)]
         self.fp8_idx_entry = [Fp8Rows.zeros(n, di, device) if fp8 and di else None

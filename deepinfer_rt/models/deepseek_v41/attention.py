@@ -17,13 +17,16 @@ token's prefix, so a prefix-cache hit at any position restores the state exactly
 
 That is the per-token layout (DEEPINFER_V4_KV_LAYOUT=per_token). The compact pool (models/deepseek_v4/cache.py)
 keeps [ entry D | index_key Di ] of KV sources in entry rows (one per token at ratio 1, per window at ratio 2)
-and [ swa D | kv D | gate D | ids 3 ] in recent rows, held only near sequence ends and checkpoints (V41Cols).
+and [ swa D | kv D | gate D | ids 3 ] in recent rows, held only near sequence ends and checkpoints (v41_layer_kv).
+With kv_cache_dtype='fp8_e4m3' the sliding keys, entries and index keys are float8 e4m3 rows with an fp32 scale
+per row (V4's Fp8Rows, quantized as they are stored); the compressor inputs and the ids stay in the model dtype.
 
 Per step, index sources keep their top-k selection per attention group on the step state (`V41Step.picks`) for the
 layers that reuse it; the candidate source keeps its block set there (`V41Step.candidates`).
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -36,7 +39,7 @@ from deepinfer_rt.layers.linear import Linear
 from deepinfer_rt.layers.methods import linear_method
 from deepinfer_rt.models.deepseek_v4.batch import AttnGroup, V4Batch
 from deepinfer_rt.models.deepseek_v4.cache import V4Pool
-from deepinfer_rt.models.deepseek_v4.common import V4RMSNorm, V4Rotary, apply_rope
+from deepinfer_rt.models.deepseek_v4.common import LayerKV, PoolColumns, V4RMSNorm, V4Rotary, apply_rope
 from deepinfer_rt.models.deepseek_v41.config import V41Config, V41Layer
 from deepinfer_rt.models.deepseek_v41.methods import v41_method
 
@@ -71,28 +74,30 @@ def kept_linear_method():
     return linear_method(current_kernel_config())
 
 
-@dataclass(frozen=True)
-class V41Cols:
-    """Where a layer's state lives: `recent` buffer columns (swa, kv, gate) and `entries` buffer columns (entry,
-    index key); the two buffers are the same pool rows in the per-token layout."""
+@functools.cache
+def _columns(d: int, di: int) -> tuple[dict[bool, PoolColumns], PoolColumns]:
+    """V4.1's state in V4's column names (models/deepseek_v4/common.py PoolColumns): swa, kv, gate (a ratio-2
+    source's compressor inputs) in recent rows, entry and idx_entry (the index key) in entry rows. Returns the
+    compact pool's columns without (False) and with (True) FP8 rows, and the per-token layout's."""
+    empty = slice(0, 0)
+    compact = PoolColumns(slice(0, d), slice(d, 2 * d), slice(2 * d, 3 * d), slice(0, d), empty, empty,
+                          slice(d, d + di))
+    # FP8: the sliding key, the entry and the index key are Fp8Rows of their own; the recent row keeps the rest
+    fp8 = PoolColumns(empty, slice(0, d), slice(d, 2 * d), empty, empty, empty, empty)
+    per_token = PoolColumns(slice(0, d), slice(2 * d + di, 3 * d + di), slice(3 * d + di, 4 * d + di),
+                            slice(d, 2 * d), empty, empty, slice(2 * d, 2 * d + di))
+    return {False: compact, True: fp8}, per_token
 
-    recent: torch.Tensor
-    entries: torch.Tensor
-    swa: slice
-    entry: slice
-    index: slice
-    kv: slice
-    gate: slice
 
-    @classmethod
-    def of(cls, pool: KVPool, cfg: V41Config, layer_id: int) -> "V41Cols":
-        d, di = cfg.head_dim, cfg.index_head_dim
-        if isinstance(pool, V4Pool):
-            return cls(pool.recent[layer_id], pool.entries[layer_id], slice(0, d), slice(0, d), slice(d, d + di),
-                       slice(d, 2 * d), slice(2 * d, 3 * d))
-        buf = pool.k[layer_id].view(pool.num_slots, -1)
-        return cls(buf, buf, slice(0, d), slice(d, 2 * d), slice(2 * d, 2 * d + di), slice(2 * d + di, 3 * d + di),
-                   slice(3 * d + di, 4 * d + di))
+def v41_layer_kv(pool: KVPool, cfg: V41Config, layer_id: int) -> LayerKV:
+    """A layer's state in the pool (deepseek_v4/common.py LayerKV): `recent` rows [swa D | kv D | gate D | ids 3]
+    (16-bit compact pool; [kv D | gate D | ids 3] with FP8 rows), `entries` rows [entry D | index key Di]; the
+    same rows in the per-token layout. The Engram ids are a recent row's last columns in every layout."""
+    compact, per_token = _columns(cfg.head_dim, cfg.index_head_dim)
+    if isinstance(pool, V4Pool):
+        return pool.layer_kv(layer_id, compact)
+    buf = pool.k[layer_id].view(pool.num_slots, -1)
+    return LayerKV(buf, buf, per_token)
 
 
 def recent_width(cfg: V41Config, spec: V41Layer) -> int:
@@ -125,30 +130,29 @@ class V41Compressor(nn.Module):
         self.norm = V4RMSNorm(d, cfg.rms_norm_eps)
         self.method = v41_method(current_kernel_config()).v4
 
-    def _write(self, pre: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor, c: V41Cols,
+    def _write(self, pre: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor, kv: LayerKV,
                index_wk: Linear, index_norm: V4RMSNorm) -> None:
         cos, sin = self.rotary.cos_sin(positions)
-        buf = c.entries
-        buf[rows, c.entry] = apply_rope(pre, cos, sin).to(buf.dtype)
-        buf[rows, c.index] = apply_rope(index_norm(index_wk(pre)), cos, sin).to(buf.dtype)
+        kv.store_entry(rows, apply_rope(pre, cos, sin))
+        kv.store_idx_entry(rows, apply_rope(index_norm(index_wk(pre)), cos, sin))
 
-    def forward(self, kv_x: torch.Tensor, vb: V4Batch, c: V41Cols, index_wk: Linear,
+    def forward(self, kv_x: torch.Tensor, vb: V4Batch, kv: LayerKV, index_wk: Linear,
                 index_norm: V4RMSNorm) -> None:
         if self.ratio == 1:  # every token is a window of one: its entry row is windows[1].end
-            self._write(self.norm(self.wkv(kv_x)), vb.positions, vb.windows[1].end, c, index_wk, index_norm)
+            self._write(self.norm(self.wkv(kv_x)), vb.positions, vb.windows[1].end, kv, index_wk, index_norm)
             return
         # The pooling compressor runs in fp32 (its projections and the softmax over the window).
-        xf, buf = kv_x.float(), c.recent
+        xf, buf, c = kv_x.float(), kv.recent, kv.cols
         linear = self.method.linear.linear
         buf[vb.out_slots, c.kv] = linear(xf, self.wkv.weight.float()).to(buf.dtype)
         buf[vb.out_slots, c.gate] = linear(xf, self.wgate.weight.float()).to(buf.dtype)
         win = vb.windows[2]
         if win.num == 0:
             return
-        kv, gate = buf[:, c.kv][win.cur].float(), buf[:, c.gate][win.cur].float()  # (N, 2, D)
-        pooled = self.method.pool_window(kv, gate)
+        inputs, gate = buf[:, c.kv][win.cur].float(), buf[:, c.gate][win.cur].float()  # (N, 2, D)
+        pooled = self.method.pool_window(inputs, gate)
         # the pooled entry leaves the fp32 compressor in the model's dtype, as the per-token ratio-1 entries are
-        self._write(self.norm(pooled).to(kv_x.dtype), win.positions, win.end, c, index_wk, index_norm)
+        self._write(self.norm(pooled).to(kv_x.dtype), win.positions, win.end, kv, index_wk, index_norm)
 
 
 class V41Attention(nn.Module):
@@ -184,35 +188,32 @@ class V41Attention(nn.Module):
         spec, vb, t = self.spec, step.vb, x.shape[0]
         qvb = step.query_vb if spec.is_yoco_consumer and step.query_vb is not None else vb
         h, d = self.num_heads, self.head_dim
-        c = V41Cols.of(pool, self.cfg, spec.layer_id)
-        buf = c.recent
+        kv = v41_layer_kv(pool, self.cfg, spec.layer_id)
         kv_cos, kv_sin = self.rotary.cos_sin(vb.positions)
         cos, sin = (kv_cos, kv_sin) if qvb is vb else self.rotary.cos_sin(qvb.positions)
         q_all = self.wq_b(self.q_norm(self.wq_a(x)))
         q = apply_rope(q_all[:, : h * d].view(t, h, d), cos, sin)  # V4.1: no per-head q norm
-        buf[vb.out_slots, c.swa] = apply_rope(self.norm(self.wkv(kv_x)), kv_cos, kv_sin).to(buf.dtype)
+        kv.store_swa(vb.out_slots, apply_rope(self.norm(self.wkv(kv_x)), kv_cos, kv_sin))
         if self.compressor is not None:
-            self.compressor(kv_x, vb, c, self.indexer.wk, self.indexer.k_norm)
-        src = None if spec.kv_source is None else V41Cols.of(pool, self.cfg, spec.kv_source)
+            self.compressor(kv_x, vb, kv, self.indexer.wk, self.indexer.k_norm)
+        src = None if spec.kv_source is None else v41_layer_kv(pool, self.cfg, spec.kv_source)
         iq = weights = None
         if spec.is_index_source:
             cfg = self.cfg
             iq = apply_rope(q_all[:, h * d :].view(t, cfg.index_n_heads, cfg.index_head_dim), cos, sin)
             weights = self.indexer.weights_proj(x).float() * cfg.index_n_heads ** -0.5
         out = torch.empty_like(q)
-        entry_keys = None if src is None else src.entries[:, src.entry]
         for gi, group in enumerate(qvb.groups):
             sel = None
             if spec.has_long_range:
                 sel = self._select(gi, group, iq, weights, src, group.entry_slots[spec.ratio], step)
-            out[group.rows] = self.method.attend(q[group.rows], group, spec.ratio, buf[:, c.swa], entry_keys, sel,
-                                                 self.attn_sink)
+            out[group.rows] = self.method.attend(q[group.rows], group, spec.ratio, kv, src, sel, self.attn_sink)
         out = apply_rope(out, cos, -sin)  # undo the rotation V carried into the output
         grouped = out.reshape(t, self.cfg.o_groups, -1)
         w = self.wo_a.weight.view(self.cfg.o_groups, -1, grouped.shape[-1])
         return self.wo_b(self.method.v4.grouped_projection(grouped, w.to(grouped.dtype)).reshape(t, -1))
 
-    def _select(self, gi: int, g: AttnGroup, iq, weights, src: V41Cols, slots, step: V41Step) -> torch.Tensor:
+    def _select(self, gi: int, g: AttnGroup, iq, weights, src: LayerKV, slots, step: V41Step) -> torch.Tensor:
         """(G, Q, E) entries this layer's queries attend to: its own indexer top-k on an index source (inside the
         candidate blocks when it follows the candidate source), the index source's otherwise."""
         spec, cfg = self.spec, self.cfg
@@ -220,10 +221,8 @@ class V41Attention(nn.Module):
             return step.picks[(spec.index_source, gi)]
         visible = g.entry_mask[spec.ratio]
         n, q_len, num_entries = visible.shape
-        d, di = cfg.head_dim, cfg.index_head_dim
-        keys = src.entries[:, src.index][slots].float()  # (G, E, Di)
-        q = iq[g.rows].float().view(n, q_len, cfg.index_n_heads, di)
-        scores = self.method.index_scores(q, keys, weights[g.rows].view(n, q_len, -1))
+        q = iq[g.rows].view(n, q_len, cfg.index_n_heads, cfg.index_head_dim)
+        scores = self.method.index_scores(q, src, slots, weights[g.rows].view(n, q_len, -1))
         scores = scores.masked_fill(~visible, float("-inf"))
         if spec.is_candidate_source:
             step.candidates[gi] = self._candidate_blocks(scores, visible)

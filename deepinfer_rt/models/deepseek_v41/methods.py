@@ -16,6 +16,7 @@ import torch
 from deepinfer_rt.layers.kernel_config import KernelConfig
 from deepinfer_rt.models.deepseek_v4 import invariant as v4_invariant
 from deepinfer_rt.models.deepseek_v4.batch import AttnGroup
+from deepinfer_rt.models.deepseek_v4.common import Fp8Rows, LayerKV
 from deepinfer_rt.models.deepseek_v4.methods import V4Method, v4_method
 
 
@@ -26,20 +27,20 @@ def _softmax_with_sink(scores: torch.Tensor, sink: torch.Tensor) -> torch.Tensor
 
 
 class V41Method:
-    """The default forms."""
+    """The default forms (FP8 pool rows are dequantized in torch as they are gathered: LayerKV's readers)."""
 
     def __init__(self, v4: V4Method):
         self.v4 = v4
 
-    def attend(self, q: torch.Tensor, g: AttnGroup, ratio: int, swa_keys: torch.Tensor,
-               entry_keys: torch.Tensor | None, selected: torch.Tensor | None, sink: torch.Tensor) -> torch.Tensor:
-        """q (G*Q, H, D) the group's queries; swa_keys (N, D) / entry_keys (N, D) column views of the pool (this
-        layer's sliding-window keys, the KV source's entries of `ratio`); selected (G, Q, E) the entries each query
-        attends to (None: no long-range branch) -> (G*Q, H, D)."""
+    def attend(self, q: torch.Tensor, g: AttnGroup, ratio: int, kv: LayerKV, src: LayerKV | None,
+               selected: torch.Tensor | None, sink: torch.Tensor) -> torch.Tensor:
+        """q (G*Q, H, D) the group's queries; kv this layer's state (its sliding-window keys), src the KV source's
+        (its entries of `ratio`); selected (G, Q, E) the entries each query attends to (None: no long-range
+        branch) -> (G*Q, H, D)."""
         h, d = q.shape[1:]
-        keys, mask = swa_keys[g.swa_slots], g.swa_mask  # (G, L, D), (G, Q, L)
+        keys, mask = kv.swa(g.swa_slots), g.swa_mask  # (G, L, D), (G, Q, L)
         if selected is not None:
-            keys = torch.cat([keys, entry_keys[g.entry_slots[ratio]]], dim=1)
+            keys = torch.cat([keys, src.entry(g.entry_slots[ratio])], dim=1)
             mask = torch.cat([mask, selected], dim=2)
         keys = keys.to(q.dtype)
         qg = q.view(g.num_seqs, g.q_len, h, d)
@@ -47,9 +48,11 @@ class V41Method:
         probs = _softmax_with_sink(scores.masked_fill(~mask[:, :, None, :], float("-inf")), sink)
         return torch.einsum("gqhl,gld->gqhd", probs.to(keys.dtype), keys).reshape(-1, h, d)
 
-    def index_scores(self, q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """q (G, Q, H, Di) fp32, keys (G, E, Di) fp32, weights (G, Q, H) -> (G, Q, E) sum_h w_h relu(q_h . k_e) * scale."""
-        scores = torch.einsum("gqhd,ged->gqhe", q, keys).relu() * q.shape[-1] ** -0.5
+    def index_scores(self, q: torch.Tensor, src: LayerKV, slots: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """q (G, Q, H, Di) rotated index queries (model dtype), src the KV source's state, slots (G, E) its entry
+        rows, weights (G, Q, H) fp32 -> (G, Q, E) fp32 sum_h w_h relu(q_h . k_e) * Di^-0.5 (in fp32)."""
+        keys = src.idx_entry(slots).float()  # (G, E, Di)
+        scores = torch.einsum("gqhd,ged->gqhe", q.float(), keys).relu() * q.shape[-1] ** -0.5
         return (scores * weights[..., None]).sum(dim=2)
 
     def draft_attend(self, q: torch.Tensor, ctx: torch.Tensor, ctx_mask: torch.Tensor, block: torch.Tensor,
@@ -79,23 +82,24 @@ class V41Method:
 class V41InvariantMethod(V41Method):
     """The batch-invariant forms: each query's own key list in fixed blocks, heads and streams added in order."""
 
-    def attend(self, q, g, ratio, swa_keys, entry_keys, selected, sink):
+    def attend(self, q, g, ratio, kv, src, selected, sink):
         entry_slots = None if selected is None else g.entry_slots[ratio]
         slots, valid, is_entry = v4_invariant.key_lists(g.swa_slots, g.swa_mask, entry_slots, selected)
         if selected is None:
-            keys = swa_keys[slots]
+            keys = kv.swa(slots)
         else:  # the two lists index different buffers (the compact pool's recent rows and entry rows)
             zero = torch.zeros_like(slots)
-            keys = torch.where(is_entry[..., None], entry_keys[torch.where(is_entry, slots, zero)],
-                               swa_keys[torch.where(is_entry, zero, slots)])
+            keys = torch.where(is_entry[..., None], src.entry(torch.where(is_entry, slots, zero)),
+                               kv.swa(torch.where(is_entry, zero, slots)))
         return v4_invariant.attend(q, keys.to(q.dtype), valid, q.shape[-1] ** -0.5, sink)
 
-    def index_scores(self, q, keys, weights):
+    def index_scores(self, q, src, slots, weights):
         g, q_len, h, di = q.shape
-        e = keys.shape[1]
+        e = slots.shape[1]
+        keys = src.idx_entry(slots).float()
         per_query = keys[:, None].expand(g, q_len, e, di).reshape(g * q_len, e, di)
-        scores = v4_invariant.index_scores(q.reshape(g * q_len, h, di), per_query, weights.reshape(g * q_len, h),
-                                           di ** -0.5)
+        scores = v4_invariant.index_scores(q.float().reshape(g * q_len, h, di), per_query,
+                                           weights.reshape(g * q_len, h), di ** -0.5)
         return scores.view(g, q_len, e)
 
     def draft_attend(self, q, ctx, ctx_mask, block, sink):
@@ -123,12 +127,15 @@ class V41InvariantMethod(V41Method):
         return v4_invariant.one_row_safe(lambda r: r.softmax(dim=-1), x)
 
 
-class V41InvariantTritonMethod(V41InvariantMethod):
-    """CUDA, batch-invariant: attention through the sparse MQA kernel in fixed-split mode and the indexer scores
-    through its fixed-order mode, as V4's V4InvariantTritonMethod (models/deepseek_v4/methods.py): the sliding
-    keys as a list of their own from position 0 (v4_invariant.sliding_rows), the KV source's entries at their
-    entry indices with the selection as the mask. The DSpark block attention and the other forms are
-    V41InvariantMethod's."""
+class _KernelForms:
+    """Attention and the indexer scores through deepinfer_kernels.v4_attention / v4_indexer, reading the pool's rows
+    where they are (V4's V4TritonMethod does the same): the sliding keys and the KV source's entries (the selection as
+    the mask) are two key sources of the sparse MQA kernel, the index keys the indexer kernel's rows; FP8 rows come
+    as float8 values with their row scales, dequantized in registers. The index queries stay in the model dtype
+    (the pool's: no copy of the keys is made). `is_fixed` picks the kernels' batch-invariant modes (fixed splits
+    over per-query sliding lists from position 0, v4_invariant.sliding_rows; the indexer's fixed order)."""
+
+    is_fixed = False
 
     def __init__(self, v4: V4Method):
         super().__init__(v4)
@@ -136,21 +143,46 @@ class V41InvariantTritonMethod(V41InvariantMethod):
 
         self.attention, self.indexer = v4_attention, v4_indexer
 
-    def attend(self, q, g, ratio, swa_keys, entry_keys, selected, sink):
+    def _source(self, fp8: Fp8Rows | None, plain: torch.Tensor, rows: torch.Tensor, mask: torch.Tensor | None):
+        if fp8 is None:
+            return self.attention.KeySource(plain, rows, mask)
+        return self.attention.KeySource(fp8.values, rows, mask, fp8.scales)
+
+    def attend(self, q, g, ratio, kv, src, selected, sink):
         h, d = q.shape[1:]
-        sources = [self.attention.KeySource(swa_keys, v4_invariant.sliding_rows(g.swa_slots, g.swa_mask))]
+        if self.is_fixed:
+            rows, mask = v4_invariant.sliding_rows(g.swa_slots, g.swa_mask), None
+        else:
+            rows, mask = g.swa_slots, g.swa_mask
+        sources = [self._source(kv.fp8_swa, kv.recent[:, kv.cols.swa], rows, mask)]
         if selected is not None:
-            sources.append(self.attention.KeySource(entry_keys, g.entry_slots[ratio], selected))
+            sources.append(self._source(src.fp8_entry, src.entries[:, src.cols.entry], g.entry_slots[ratio], selected))
         out = self.attention.sparse_mqa_attention(q.view(g.num_seqs, g.q_len, h, d), sources, sink, d ** -0.5,
-                                                  fixed_splits=True)
+                                                  fixed_splits=self.is_fixed)
         return out.view(-1, h, d)
 
-    def index_scores(self, q, keys, weights):
-        g, q_len, _, di = q.shape
-        e = keys.shape[1]
-        rows = torch.arange(g * e, device=keys.device).view(g, e)  # the gathered keys, group-major
-        return self.indexer.index_scores(q, weights, keys.reshape(g * e, di), rows, None, di ** -0.5,
-                                         fixed_order=True)
+    def index_scores(self, q, src, slots, weights):
+        fp8 = src.fp8_idx_entry
+        buf, scales = (src.entries[:, src.cols.idx_entry], None) if fp8 is None else (fp8.values, fp8.scales)
+        return self.indexer.index_scores(q, weights, buf, slots, None, q.shape[-1] ** -0.5, scales,
+                                         fixed_order=self.is_fixed)
+
+
+class V41TritonMethod(_KernelForms, V41Method):
+    """CUDA, not batch-invariant (the default there): attention and the indexer scores through the kernels with
+    splits chosen from the shapes (_KernelForms); the DSpark block attention and the other forms are V41Method's.
+    Against V41Method only the summation order differs (fp32 softmax and accumulation in the kernels; in bf16 the
+    products of bf16 rows): test/unit/test_triton_v41_method.py bounds it."""
+
+
+class V41InvariantTritonMethod(_KernelForms, V41InvariantMethod):
+    """CUDA, batch-invariant: attention through the sparse MQA kernel in fixed-split mode and the indexer scores
+    through its fixed-order mode, as V4's V4InvariantTritonMethod (models/deepseek_v4/methods.py): the sliding
+    keys as a list of their own from position 0 (v4_invariant.sliding_rows), the KV source's entries at their
+    entry indices with the selection as the mask. The DSpark block attention and the other forms are
+    V41InvariantMethod's."""
+
+    is_fixed = True
 
 
 @functools.cache
@@ -158,5 +190,5 @@ def v41_method(config: KernelConfig) -> V41Method:
     if config.is_batch_invariant:
         cls = V41InvariantTritonMethod if config.is_triton else V41InvariantMethod
     else:
-        cls = V41Method
+        cls = V41TritonMethod if config.is_triton else V41Method
     return cls(v4_method(config))

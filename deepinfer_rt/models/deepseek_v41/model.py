@@ -52,7 +52,7 @@ from deepinfer_rt.models.deepseek_v4.hyper_connections import HyperConnection, H
 from deepinfer_rt.models.deepseek_v4.methods import v4_method
 from deepinfer_rt.models.deepseek_v4.model import DeepseekV4ForCausalLM
 from deepinfer_rt.models.deepseek_v4.moe import V4MoE, V4Router
-from deepinfer_rt.models.deepseek_v41.attention import V41Attention, V41Cols, V41Step, pool_width, recent_width
+from deepinfer_rt.models.deepseek_v41.attention import V41Attention, V41Step, pool_width, recent_width, v41_layer_kv
 from deepinfer_rt.models.deepseek_v41.config import V41Config, V41Layer
 from deepinfer_rt.models.deepseek_v41.engram import DeviceEngramHashing, Engram, EngramHashing, tokenizer_vocabulary
 from deepinfer_rt.models.release_names import from_release_name
@@ -225,7 +225,7 @@ class V41Model(nn.Module):
         compressed = self.hashing.lookup[batch.input_ids.cpu().numpy()]
         back = self.cfg.engram_max_ngram_size - 1
         id_layer = self.cfg.engram_layer_ids[0]
-        buf = V41Cols.of(batch.pool, self.cfg, id_layer).recent
+        buf = v41_layer_kv(batch.pool, self.cfg, id_layer).recent
         history, row = [], 0
         for q_len, kv_len, slots in zip(batch.q_lens, batch.kv_lens, recent):
             start = kv_len - q_len
@@ -244,14 +244,14 @@ class V41Model(nn.Module):
     def static_decode(self, v4: StaticDecode) -> V41StaticDecode:
         if self.hashing is None:
             return V41StaticDecode(v4, None, (), None)
-        buf = V41Cols.of(v4.pool, self.cfg, self.cfg.engram_layer_ids[0]).recent
+        buf = v41_layer_kv(v4.pool, self.cfg, self.cfg.engram_layer_ids[0]).recent
         return V41StaticDecode(v4, self.hashing.on_device(buf.device), self.cfg.engram_layer_ids, buf)
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         step: V41Step = batch.model_meta.for_step()  # prepare_batch / prepare_graph_batch
         pool = batch.pool
         if self.hashing is not None:  # keep the tokens' compressed ids for later steps' n-gram histories
-            buf = V41Cols.of(pool, self.cfg, self.cfg.engram_layer_ids[0]).recent
+            buf = v41_layer_kv(pool, self.cfg, self.cfg.engram_layer_ids[0]).recent
             ids = step.compressed_ids
             digits = torch.stack([(ids // 256 ** k) % 256 for k in range(_DIGITS)], dim=1)
             buf[step.vb.out_slots, -_DIGITS:] = digits.to(buf.dtype)
@@ -301,7 +301,8 @@ class DeepseekV41ForCausalLM(DeepseekV4ForCausalLM):
 
     @staticmethod
     def kv_layout(config: ModelConfig) -> KVLayout:
-        """The compact pool (entries only on KV sources) unless DEEPINFER_V4_KV_LAYOUT=per_token."""
+        """The compact pool (entries only on KV sources) unless DEEPINFER_V4_KV_LAYOUT=per_token; kv_cache_dtype
+        'fp8_e4m3' (compact pool only) keeps the sliding keys, entries and index keys as e4m3 rows + fp32 scales."""
         cfg, env = V41Config.from_raw(_config_dict(config)), get_env()
         if env.v4_kv_layout == "per_token":
             dims = tuple(pool_width(cfg, s) for s in cfg.layers)
@@ -317,7 +318,7 @@ class DeepseekV41ForCausalLM(DeepseekV4ForCausalLM):
                           recent_tokens=need, checkpoint_tokens=env.v4_checkpoint_tokens,
                           recent_fraction=env.v4_recent_fraction,
                           release_margin=env.v4_release_margin, swa_dim=cfg.head_dim,
-                          idx_entry_dims=tuple(cfg.index_head_dim if e else 0 for e in entries), supports_fp8=False)
+                          idx_entry_dims=tuple(cfg.index_head_dim if e else 0 for e in entries))
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         def hf_names() -> Iterator[tuple[str, torch.Tensor]]:
