@@ -190,11 +190,17 @@ def main() -> None:
                          "platform; building it from source does not fit this run)")
             print(notes[-1])
         else:
+            from gguf_unquantized import unquantized_gguf
+
             from deepinfer_rt.models.smollm2 import gguf_path
 
             systems.append(LlamaCpp("llama.cpp-q4_1", gguf_path(), kv_tokens))
+            for kind in ("f32", "bf16"):  # the same weights as ours-fp32 / ours-bf16 (gguf_unquantized.py)
+                systems.append(LlamaCpp(f"llama.cpp-{kind}", unquantized_gguf(kind), kv_tokens))
             notes.append("llama.cpp: llama-cpp-python " + importlib.metadata.version("llama_cpp_python")
-                         + ", the shipped Q4_1 GGUF, extra buffer types (AMX repacking) off")
+                         + ", the shipped Q4_1 GGUF and that file dequantized to F32 / BF16 "
+                         "(benchmark/gguf_unquantized.py), extra buffer types (AMX repacking) off; the binding runs "
+                         "one sequence at a time, so its batch column is sequential")
     prompts = make_prompts(tokenizer, args.batch, args.prompt_tokens)
     long_prompt = make_prompts(tokenizer, 1, args.prefill_tokens)
     workloads = {"single": (prompts[:1], args.new_tokens), "batch": (prompts, args.new_tokens),
