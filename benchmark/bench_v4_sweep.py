@@ -5,7 +5,7 @@ process on one GPU:
   ceilings   copy bandwidth, the bf16 matmul rate and the FP8 one (torch._scaled_mm), measured first;
   layers     as many as fit the device (meta-device builds: weights while drawn and while running, the KV pool
              of the largest batch at the longest context, `--reserve-gib`), or `--layers`;
-  decode     per context, an engine (load_format="dummy", the compact KV pool; FP8 KV for v4-fp8) whose pool is
+  decode     per context, an engine (load_format="dummy", the compact KV pool; FP8 KV for v4-fp8 and v41-fp8) whose pool is
              filled with random state in place of a prefill -- decode cost does not depend on the values, and a
              prefill of 256 x 32K tokens would take the whole run. B requests are set at position context - 1 with
              their pages and recent rows held, then decode steps run through the engine's executor (the model
@@ -113,7 +113,7 @@ class Variant:
         self.name = name
         self.shape, self.fmt = name.split("-")
         self.args, self.work = args, work
-        self.kv_cache_dtype = "fp8_e4m3" if (self.shape, self.fmt) == ("v4", "fp8") and not args.bf16_kv else "auto"
+        self.kv_cache_dtype = "fp8_e4m3" if self.fmt == "fp8" and not args.bf16_kv else "auto"
         self.dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
         self.max_position = max(args.contexts) + 1024
 
@@ -380,7 +380,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--device-gib", type=float, default=139.0, help="CPU runs: the device memory to plan for")
     parser.add_argument("--prefill-tokens", type=int, default=8192)
     parser.add_argument("--prefill-seqs", type=int, default=2, help="0: no prefill rows")
-    parser.add_argument("--bf16-kv", action="store_true", help="v4-fp8 with a bf16 KV pool")
+    parser.add_argument("--bf16-kv", action="store_true", help="v4-fp8 and v41-fp8 with a bf16 KV pool")
     parser.add_argument("--no-graphs", action="store_true", help="eager rows only")
     parser.add_argument("--no-plot", action="store_true")
     parser.add_argument("--smoke", action="store_true", help="CPU check of the logic: tiny widths, layers, contexts")

@@ -37,7 +37,7 @@ def test_smoke_rows_and_sweep(smoke):
         assert all(r["graph_steps"] == r["steps"] and not r["is_captured"] for r in graphed)
         assert 0 < section["prefill"]["fraction_of_matmul_rate"] <= 1
         assert section["capacity"]["pool_tokens"] > 0 and section["capacity"]["one_sequence_tokens"] > 0
-    assert smoke["v4-bf16"]["kv_cache_dtype"] == "auto"
+    assert smoke["v4-bf16"]["kv_cache_dtype"] == "auto" and smoke["v41-fp8"]["kv_cache_dtype"] == "fp8_e4m3"
     series = {(s["variant"], s["mode"]) for s in smoke["sweep"]}
     assert series == {(v, m) for v in ("v4-bf16", "v41-fp8") for m in ("eager", "graphs")}
     assert all(len(s["points"]) == 2 for s in smoke["sweep"])
