@@ -213,7 +213,7 @@ class V4TritonMethod(V4Method):
 
     def __init__(self, linear: LinearMethod, activation: Activation, head_matmul: HeadMatmul):
         super().__init__(linear, activation, head_matmul)
-        self.kernels = _kernels()
+        self.kernels = v4_kernels()
 
     def sinkhorn(self, logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
         return self.kernels.sinkhorn.sinkhorn(logits, iters, eps)
@@ -223,7 +223,7 @@ class V4TritonMethod(V4Method):
 
     def _keys(self, fp8: Fp8Rows | None, plain: torch.Tensor, rows: torch.Tensor,
               mask: torch.Tensor | None = None):
-        return _key_source(self.kernels, fp8, plain, rows, mask)
+        return key_source(self.kernels, fp8, plain, rows, mask)
 
     def attend(self, layer: nn.Module, g: AttnGroup, q: torch.Tensor, x: torch.Tensor, q_residual: torch.Tensor,
                positions: torch.Tensor, kv: LayerKV) -> torch.Tensor:
@@ -257,13 +257,13 @@ class V4TritonMethod(V4Method):
         return picks.masked_fill(values == float("-inf"), -1)
 
 
-def _kernels() -> SimpleNamespace:
+def v4_kernels() -> SimpleNamespace:
     from deepinfer_kernels import v4_attention, v4_indexer, v4_pooling, v4_sinkhorn  # Triton: CUDA builds only
 
     return SimpleNamespace(attention=v4_attention, indexer=v4_indexer, pooling=v4_pooling, sinkhorn=v4_sinkhorn)
 
 
-def _key_source(kernels: SimpleNamespace, fp8: Fp8Rows | None, plain: torch.Tensor, rows: torch.Tensor,
+def key_source(kernels: SimpleNamespace, fp8: Fp8Rows | None, plain: torch.Tensor, rows: torch.Tensor,
                 mask: torch.Tensor | None = None):
     """A key source over one kind of pool rows: the Fp8Rows' values and scales where the pool keeps them in FP8
     (the kernels dequantize in registers), else the 16-bit column view."""
@@ -288,23 +288,23 @@ class V4InvariantTritonMethod(V4InvariantMethod):
 
     def __init__(self, linear: LinearMethod, activation: Activation, head_matmul: HeadMatmul):
         super().__init__(linear, activation, head_matmul)
-        self.kernels = _kernels()
+        self.kernels = v4_kernels()
 
     def attend(self, layer: nn.Module, g: AttnGroup, q: torch.Tensor, x: torch.Tensor, q_residual: torch.Tensor,
                positions: torch.Tensor, kv: LayerKV) -> torch.Tensor:
         swa_rows = v4_invariant.sliding_rows(g.swa_slots, g.swa_mask)  # (G, Q, Ls)
-        sources = [_key_source(self.kernels, kv.fp8_swa, kv.recent[:, kv.cols.swa], swa_rows)]
+        sources = [key_source(self.kernels, kv.fp8_swa, kv.recent[:, kv.cols.swa], swa_rows)]
         if layer.ratio:
             slots, visible = g.entry_slots[layer.ratio], g.entry_mask[layer.ratio]  # (G, E), (G, Q, E)
             entries = kv.entries[:, kv.cols.entry]
             if layer.indexer is not None:
-                index_keys = _key_source(self.kernels, kv.fp8_idx_entry, kv.entries[:, kv.cols.idx_entry], slots)
+                index_keys = key_source(self.kernels, kv.fp8_idx_entry, kv.entries[:, kv.cols.idx_entry], slots)
                 picks = layer.indexer.select(x[g.rows], q_residual[g.rows], positions[g.rows], index_keys,
                                              visible)  # (G, Q, k)
                 rows = slots.gather(1, picks.clamp(min=0).flatten(1)).view(picks.shape)
-                sources.append(_key_source(self.kernels, kv.fp8_entry, entries, rows.masked_fill(picks < 0, -1)))
+                sources.append(key_source(self.kernels, kv.fp8_entry, entries, rows.masked_fill(picks < 0, -1)))
             else:
-                sources.append(_key_source(self.kernels, kv.fp8_entry, entries, slots, visible))
+                sources.append(key_source(self.kernels, kv.fp8_entry, entries, slots, visible))
         qg = q[g.rows].view(g.num_seqs, g.q_len, layer.num_heads, layer.head_dim)
         out = self.kernels.attention.sparse_mqa_attention(qg, sources, layer.attn_sink, layer.head_dim ** -0.5,
                                                           fixed_splits=True)

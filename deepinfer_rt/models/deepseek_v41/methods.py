@@ -16,8 +16,8 @@ import torch
 from deepinfer_rt.layers.kernel_config import KernelConfig
 from deepinfer_rt.models.deepseek_v4 import invariant as v4_invariant
 from deepinfer_rt.models.deepseek_v4.batch import AttnGroup
-from deepinfer_rt.models.deepseek_v4.common import Fp8Rows, LayerKV
-from deepinfer_rt.models.deepseek_v4.methods import V4Method, v4_method
+from deepinfer_rt.models.deepseek_v4.common import LayerKV
+from deepinfer_rt.models.deepseek_v4.methods import V4Method, key_source, v4_kernels, v4_method
 
 
 def _softmax_with_sink(scores: torch.Tensor, sink: torch.Tensor) -> torch.Tensor:
@@ -139,14 +139,7 @@ class _KernelForms:
 
     def __init__(self, v4: V4Method):
         super().__init__(v4)
-        from deepinfer_kernels import v4_attention, v4_indexer  # Triton: CUDA builds only
-
-        self.attention, self.indexer = v4_attention, v4_indexer
-
-    def _source(self, fp8: Fp8Rows | None, plain: torch.Tensor, rows: torch.Tensor, mask: torch.Tensor | None):
-        if fp8 is None:
-            return self.attention.KeySource(plain, rows, mask)
-        return self.attention.KeySource(fp8.values, rows, mask, fp8.scales)
+        self.kernels = v4_kernels()  # Triton: CUDA builds only
 
     def attend(self, q, g, ratio, kv, src, selected, sink):
         h, d = q.shape[1:]
@@ -154,17 +147,18 @@ class _KernelForms:
             rows, mask = v4_invariant.sliding_rows(g.swa_slots, g.swa_mask), None
         else:
             rows, mask = g.swa_slots, g.swa_mask
-        sources = [self._source(kv.fp8_swa, kv.recent[:, kv.cols.swa], rows, mask)]
+        sources = [key_source(self.kernels, kv.fp8_swa, kv.recent[:, kv.cols.swa], rows, mask)]
         if selected is not None:
-            sources.append(self._source(src.fp8_entry, src.entries[:, src.cols.entry], g.entry_slots[ratio], selected))
-        out = self.attention.sparse_mqa_attention(q.view(g.num_seqs, g.q_len, h, d), sources, sink, d ** -0.5,
+            sources.append(key_source(self.kernels, src.fp8_entry, src.entries[:, src.cols.entry], g.entry_slots[ratio],
+                                      selected))
+        out = self.kernels.attention.sparse_mqa_attention(q.view(g.num_seqs, g.q_len, h, d), sources, sink, d ** -0.5,
                                                   fixed_splits=self.is_fixed)
         return out.view(-1, h, d)
 
     def index_scores(self, q, src, slots, weights):
         fp8 = src.fp8_idx_entry
         buf, scales = (src.entries[:, src.cols.idx_entry], None) if fp8 is None else (fp8.values, fp8.scales)
-        return self.indexer.index_scores(q, weights, buf, slots, None, q.shape[-1] ** -0.5, scales,
+        return self.kernels.indexer.index_scores(q, weights, buf, slots, None, q.shape[-1] ** -0.5, scales,
                                          fixed_order=self.is_fixed)
 
 
