@@ -102,20 +102,13 @@ class Int8Head(Int8WeightOnlyLinear):
     it in 8 bits too (Q8_0, the table its embedding lookups read).
 
     The dense weight stays: a tied head is the embedding table. Inputs of more than HEAD_MAX_ROWS rows multiply by the
-    int8 weight dequantized in the model dtype (made on first use and kept), so every row's logits come from the same
-    matrix whatever the batch."""
+    int8 weight dequantized in the model dtype (WeightOnlyLinear.dense_in: made on first use and kept)."""
 
     max_rows = HEAD_MAX_ROWS
 
     def prepare_head(self, layer: nn.Module) -> None:
         layer.int8_weight, scale = quantize_rows(layer.weight.data)
         layer.int8_scale = scale.to(layer.weight.dtype)
-        layer.int8_dense = None
-
-    def dense(self, layer: nn.Module) -> torch.Tensor:
-        if layer.int8_dense is None:
-            layer.int8_dense = dequantized(layer).to(layer.weight.dtype)
-        return layer.int8_dense
 
 
 def head_method(config: KernelConfig) -> LinearMethod:
