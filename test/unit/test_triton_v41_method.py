@@ -5,9 +5,11 @@ tiles scaled down to 16 so that key lists span several tiles and splits.
 Method level (fast): the tiny config 'a' widths (window 16 is widened to 20 here: sliding lists of two tiles), a
 step of a 30-token prefill chunk in query blocks of 8, a 9-token chunk at position 10 and a decode row at 40, over
 random 16-bit and FP8 pool rows (LayerKV; FP8 through Fp8Rows as the pool stores them). Attention over the sliding
-keys alone and with a random selection of ratio-1 / ratio-2 entries, and the indexer scores over the visible
+keys alone and with a random top-k selection of ratio-1 / ratio-2 entries (the index form: (G, Q, k) entry
+indices, -1 past the visible ones, which early rows have fewer of than k), and the indexer scores over the visible
 entries, agree within 1e-5 (fp32: only the summation order differs; the kernels read FP8 rows as float8 values
-times their row scales, the torch forms the dequantized rows).
+times their row scales, the torch forms the dequantized rows). The index form also agrees within 1e-5 with the
+kernel's mask form (every entry of the group read, the same selection as a (G, Q, E) mask).
 
 Model level (slow): the tiny model 'a' with every V4.1 / V4 method replaced by its Triton form (V41TritonMethod over
 V4TritonMethod: attention, indexer, mHC Sinkhorn, compressor pooling) gives the torch forms' logits within 1e-4 over
@@ -32,10 +34,11 @@ _METHODS = textwrap.dedent("""
     from deepinfer_rt.layers.kernel_config import KernelConfig
     from deepinfer_rt.models.deepseek_v4.batch import build_v4_batch
     from deepinfer_rt.models.deepseek_v4.common import Fp8Rows, LayerKV, PoolColumns
-    from deepinfer_rt.models.deepseek_v4.methods import V4TritonMethod, v4_method
+    from deepinfer_kernels.reference import stable_topk
+    from deepinfer_rt.models.deepseek_v4.methods import V4TritonMethod, key_source, v4_kernels, v4_method
     from deepinfer_rt.models.deepseek_v41.config import V41Config
     from deepinfer_rt.models.deepseek_v41.methods import (V41InvariantTritonMethod, V41Method, V41TritonMethod,
-                                                          v41_method)
+                                                          picked_mask, v41_method)
     from deepinfer_rt.models.loader import load_model_config
 
     va.BLOCK_N = 16
@@ -78,7 +81,8 @@ _METHODS = textwrap.dedent("""
     q = torch.randn(t, cfg.num_heads, d, generator=g)
     iq, w = torch.randn(t, hi, di, generator=g), torch.randn(t, hi, generator=g)
     sink = torch.randn(cfg.num_heads, generator=g)
-    checked = 0
+    kernels, inf = v4_kernels(), float("inf")
+    checked, fewer = 0, False
     for fp8 in (False, True):
         kv, src = layer_kv(fp8), layer_kv(fp8)
         for gr in vb.groups:
@@ -87,16 +91,27 @@ _METHODS = textwrap.dedent("""
             torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-5)
             for ratio in (1, 2):
                 visible = gr.entry_mask[ratio]
-                sel = (torch.rand(visible.shape, generator=g) < 0.6) & visible
-                outs = [m.attend(q[gr.rows], gr, ratio, kv, src, sel, sink) for m in (reference, triton)]
-                torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-5)
                 slots = gr.entry_slots[ratio]
+                # the indexer's form: top-k of random scores over the visible entries, -1 past them (k = 9 is
+                # more than the early rows' visible entries); the mask form scatters the same picks
+                values, picks = stable_topk(torch.rand(visible.shape, generator=g).masked_fill(~visible, -inf), 9)
+                picks = picks.masked_fill(values == -inf, -1)
+                fewer |= bool((picks < 0).any())
+                mask = picked_mask(picks, visible.shape[-1])
+                assert int(mask.sum()) == int((picks >= 0).sum()) and not (mask & ~visible).any()
+                outs = [m.attend(q[gr.rows], gr, ratio, kv, src, picks, sink) for m in (reference, triton)]
+                torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-5)
+                # the kernel's former mask form: every entry of the group, the picks as the mask
+                sources = [key_source(kernels, kv.fp8_swa, kv.recent[:, kv.cols.swa], gr.swa_slots, gr.swa_mask),
+                           key_source(kernels, src.fp8_entry, src.entries[:, src.cols.entry], slots, mask)]
+                masked = va.sparse_mqa_attention(q[gr.rows].view(n, q_len, -1, d), sources, sink, d ** -0.5)
+                torch.testing.assert_close(outs[1], masked.view(outs[1].shape), rtol=1e-5, atol=1e-5)
                 iqg, wg = iq[gr.rows].view(n, q_len, hi, di), w[gr.rows].view(n, q_len, hi)
                 scores = [m.index_scores(iqg, src, slots, wg).masked_fill(~visible, float("-inf"))
                           for m in (reference, triton)]
                 torch.testing.assert_close(scores[1], scores[0], rtol=1e-5, atol=1e-5)
                 checked += int(visible.sum())
-    assert checked > 100, checked
+    assert checked > 100 and fewer, (checked, fewer)
     print("ok", checked)
 """)
 

@@ -7,7 +7,9 @@ Method level (the fast test): a needle's last four positions alone (one prefill 
 of 2 beside another chunk and a decode row, then as decode rows (one was a prefill row alone) beside longer and
 shorter sequences, whose entry lists pad the needle's wider. The needle's outputs (V4: each attention kind; V4.1:
 attention over the sliding keys and selected entries, and the indexer scores; both over 16-bit and FP8 pool rows)
-are bitwise the same in every composition.
+are bitwise the same in every composition: V4.1's selected entries come as the indexer's top-k indices (-1 past the chosen
+ones, fewer than k in early rows) and the kernel's index form also agrees within 1e-5 with its mask form (every
+entry of the group, the selection as the mask, fixed splits).
 
 Model level (slow): the tiny models with the methods swapped in; a needle prompt alone (a prefill chunk, a
 decode step) and cut into other chunks beside other sequences' chunks and decode rows; every needle logits row
@@ -38,8 +40,10 @@ _METHODS = textwrap.dedent("""
     from deepinfer_rt.layers.kernel_config import KernelConfig
     from deepinfer_rt.models.deepseek_v4.batch import build_v4_batch
     from deepinfer_rt.models.deepseek_v4.common import Fp8Rows, LayerKV, PoolColumns
-    from deepinfer_rt.models.deepseek_v4.methods import V4InvariantTritonMethod
-    from deepinfer_rt.models.deepseek_v41.methods import V41InvariantMethod, V41InvariantTritonMethod
+    from deepinfer_kernels.reference import stable_topk
+    from deepinfer_rt.models.deepseek_v4 import invariant as v4_invariant
+    from deepinfer_rt.models.deepseek_v4.methods import V4InvariantTritonMethod, key_source, v4_kernels
+    from deepinfer_rt.models.deepseek_v41.methods import V41InvariantMethod, V41InvariantTritonMethod, picked_mask
     from deepinfer_rt.models.loader import build_model, load_model_config
 
     va.BLOCK_N = va.FIXED_SPLIT_LEN = 16
@@ -146,8 +150,19 @@ _METHODS = textwrap.dedent("""
     v41_kv[True].store_entry(torch.arange(num_slots), entry_keys)
     v41_kv[True].store_idx_entry(torch.arange(num_slots), index_keys)
     sink = torch.randn(cfg.num_heads, generator=g)
+    # V4.1's selection as the indexer gives it: a per-(position, entry) score, its stable top-12 among the chosen
+    # visible entries, best first, -1 after them (early rows have fewer than 12; a wider batch only adds -1s)
     pick = {k: torch.rand(n, n, generator=g) < 0.5 for k, n in lengths.items()}  # (position, entry)
+    rank = {k: torch.rand(n, n, generator=g) for k, n in lengths.items()}
     iq = {k: (torch.randn(n, hi, di, generator=g), torch.randn(n, hi, generator=g)) for k, n in lengths.items()}
+    kernels, inf, fewer = v4_kernels(), float("inf"), False
+
+    def per_row(table, names, pos, rows, num_e):
+        # (rows, num_e): each row's table row at its position, cut or zero-padded to the group's entries
+        return torch.stack([table[names[r]][pos[r], :num_e] if num_e <= lengths[names[r]] else
+                            torch.nn.functional.pad(table[names[r]][pos[r]], (0, num_e - lengths[names[r]]))
+                            for r in rows])
+
     for fp8 in (False, True):  # (ratio 2's entries reach the kernel as ratio 1's)
         ratio, kv, seen = 1, v41_kv[fp8], {}
         for method in (reference, triton):
@@ -160,11 +175,21 @@ _METHODS = textwrap.dedent("""
                 for group in vb.groups:
                     rows = group.rows.tolist()
                     num_e = group.entry_slots[ratio].shape[1]
-                    sel = torch.stack([pick[names[r]][pos[r], :num_e] if num_e <= lengths[names[r]] else
-                                       torch.nn.functional.pad(pick[names[r]][pos[r]], (0, num_e - lengths[names[r]]))
-                                       for r in rows]).view(group.num_seqs, group.q_len, num_e)
-                    sel = sel & group.entry_mask[ratio]
-                    out = method.attend(q[group.rows], group, ratio, kv, kv, sel, sink)
+                    shape = (group.num_seqs, group.q_len, num_e)
+                    sel = per_row(pick, names, pos, rows, num_e).view(shape) & group.entry_mask[ratio]
+                    scores = per_row(rank, names, pos, rows, num_e).view(shape).masked_fill(~sel, -inf)
+                    values, picks = stable_topk(scores, 12)
+                    picks = picks.masked_fill(values == -inf, -1)
+                    out = method.attend(q[group.rows], group, ratio, kv, kv, picks, sink)
+                    if method is triton:  # the kernel's mask form: every entry of the group, the picks as mask
+                        sources = [key_source(kernels, kv.fp8_swa, kv.recent[:, kv.cols.swa],
+                                              v4_invariant.sliding_rows(group.swa_slots, group.swa_mask)),
+                                   key_source(kernels, kv.fp8_entry, kv.entries[:, kv.cols.entry],
+                                              group.entry_slots[ratio], picked_mask(picks, num_e))]
+                        masked = va.sparse_mqa_attention(q[group.rows].view(group.num_seqs, group.q_len, -1, d),
+                                                         sources, sink, d ** -0.5, fixed_splits=True)
+                        torch.testing.assert_close(out, masked.view(out.shape), rtol=1e-5, atol=1e-5)
+                        fewer |= bool((picks < 0).any() & (picks >= 0).any())
                     iqg = torch.stack([iq[names[r]][0][pos[r]] for r in rows]).view(group.num_seqs, group.q_len, hi, di)
                     w = torch.stack([iq[names[r]][1][pos[r]] for r in rows]).view(group.num_seqs, group.q_len, hi)
                     scores = method.index_scores(iqg, kv, group.entry_slots[ratio], w).reshape(len(rows), num_e)
@@ -180,6 +205,7 @@ _METHODS = textwrap.dedent("""
             ref_out, ref_scores = seen[(False, p)][0]
             torch.testing.assert_close(rows[0][0], ref_out, rtol=1e-5, atol=1e-5)
             torch.testing.assert_close(rows[0][1], ref_scores, rtol=1e-5, atol=1e-5)
+    assert fewer  # some rows had fewer chosen entries than k
     print("ok")
 """)
 

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from deepinfer_kernels.reference import stable_topk
 from deepinfer_rt.cache.kv_pool import KVPool
 from deepinfer_rt.layers.fp8 import dense_linear_method
 from deepinfer_rt.layers.kernel_config import current_kernel_config
@@ -54,7 +55,8 @@ class V41Step:
     compressed_ids: torch.Tensor
     """(T,) compressed ids of the step's tokens (kept in the first Engram layer's pool columns)."""
     picks: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
-    """(index source layer, group index) -> (G, Q, E) selected entries."""
+    """(index source layer, group index) -> (G, Q, min(index_topk, E)) int64 indices into the group's entries
+    (entry_slots columns) of the selected ones, best first, -1 past the visible ones (fewer than index_topk)."""
     candidates: dict[int, torch.Tensor] = field(default_factory=dict)
     """group index -> (G, Q, E) entries inside the candidate source's blocks."""
     shared_hidden: torch.Tensor | None = None
@@ -214,8 +216,9 @@ class V41Attention(nn.Module):
         return self.wo_b(self.method.v4.grouped_projection(grouped, w.to(grouped.dtype)).reshape(t, -1))
 
     def _select(self, gi: int, g: AttnGroup, iq, weights, src: LayerKV, slots, step: V41Step) -> torch.Tensor:
-        """(G, Q, E) entries this layer's queries attend to: its own indexer top-k on an index source (inside the
-        candidate blocks when it follows the candidate source), the index source's otherwise."""
+        """(G, Q, k) entries this layer's queries attend to, as indices into the group's entries (-1 = none): its
+        own indexer top-k on an index source (inside the candidate blocks when it follows the candidate source),
+        the index source's otherwise. Ties go to the lower entry index (stable_topk, as V4's indexer)."""
         spec, cfg = self.spec, self.cfg
         if not spec.is_index_source:
             return step.picks[(spec.index_source, gi)]
@@ -228,10 +231,10 @@ class V41Attention(nn.Module):
             step.candidates[gi] = self._candidate_blocks(scores, visible)
         if spec.candidate_source is not None:
             scores = scores.masked_fill(~step.candidates[gi], float("-inf"))
-        values, order = _top(scores, cfg.index_topk)
-        sel = torch.zeros_like(visible).scatter_(-1, order, values > float("-inf"))
-        step.picks[(spec.layer_id, gi)] = sel
-        return sel
+        values, order = stable_topk(scores, cfg.index_topk)
+        picks = order.masked_fill(values == float("-inf"), -1)
+        step.picks[(spec.layer_id, gi)] = picks
+        return picks
 
     def _candidate_blocks(self, scores: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
         """Entries in the query's newest block and in the top candidate_topk_blocks - 1 other blocks by block max."""
@@ -243,14 +246,8 @@ class V41Attention(nn.Module):
         block_max = padded.view(n, q_len, num_blocks, b).amax(dim=-1)
         newest = ((visible.sum(dim=-1) - 1).clamp(min=0) // b)  # (G, Q)
         block_max = block_max.scatter(-1, newest[..., None], float("inf"))
-        top = _top(block_max, self.cfg.candidate_topk_blocks)[1]
+        top = stable_topk(block_max, self.cfg.candidate_topk_blocks)[1]
         chosen = torch.zeros(n, q_len, num_blocks, dtype=torch.bool, device=scores.device).scatter_(-1, top, True)
         entry_block = torch.arange(num_entries, device=scores.device) // b
         return chosen[..., entry_block] & visible
 
-
-def _top(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The k largest along the last dim, equal scores taken in index order (ReLU scores are often exactly 0, so
-    the tie rule decides selections)."""
-    values, order = scores.sort(dim=-1, descending=True, stable=True)
-    return values[..., :k], order[..., :k]

@@ -20,6 +20,20 @@ from deepinfer_rt.models.deepseek_v4.common import LayerKV
 from deepinfer_rt.models.deepseek_v4.methods import V4Method, key_source, v4_kernels, v4_method
 
 
+def picked_mask(picks: torch.Tensor, num_entries: int) -> torch.Tensor:
+    """picks (G, Q, k) indices into a group's entries, -1 = none -> (G, Q, num_entries) True at the picked ones
+    (the torch forms' reading of a selection)."""
+    mask = torch.zeros(*picks.shape[:2], num_entries + 1, dtype=torch.bool, device=picks.device)
+    return mask.scatter_(-1, torch.where(picks < 0, num_entries, picks), True)[..., :num_entries]
+
+
+def picked_rows(slots: torch.Tensor, picks: torch.Tensor) -> torch.Tensor:
+    """slots (G, E) a group's entry rows, picks (G, Q, k) indices into them (-1 = none) -> (G, Q, k) the picked
+    entry rows, -1 where there is no pick (a KeySource's rows: the kernel reads k entries per query, not E)."""
+    rows = slots.gather(1, picks.clamp(min=0).flatten(1)).view(picks.shape)
+    return rows.masked_fill(picks < 0, -1)
+
+
 def _softmax_with_sink(scores: torch.Tensor, sink: torch.Tensor) -> torch.Tensor:
     """scores (..., H, L) -> softmax over [scores, sink_h] without the sink's column."""
     sink = sink.to(scores.dtype).view(*(1,) * (scores.dim() - 2), -1, 1).expand(*scores.shape[:-1], 1)
@@ -35,13 +49,15 @@ class V41Method:
     def attend(self, q: torch.Tensor, g: AttnGroup, ratio: int, kv: LayerKV, src: LayerKV | None,
                selected: torch.Tensor | None, sink: torch.Tensor) -> torch.Tensor:
         """q (G*Q, H, D) the group's queries; kv this layer's state (its sliding-window keys), src the KV source's
-        (its entries of `ratio`); selected (G, Q, E) the entries each query attends to (None: no long-range
-        branch) -> (G*Q, H, D)."""
+        (its entries of `ratio`); selected (G, Q, k) the entries each query attends to, as indices into the
+        group's entries (entry_slots[ratio]) with -1 for none (None: no long-range branch) -> (G*Q, H, D).
+        The reference reads every entry of the group and masks the unpicked ones (picked_mask)."""
         h, d = q.shape[1:]
         keys, mask = kv.swa(g.swa_slots), g.swa_mask  # (G, L, D), (G, Q, L)
         if selected is not None:
-            keys = torch.cat([keys, src.entry(g.entry_slots[ratio])], dim=1)
-            mask = torch.cat([mask, selected], dim=2)
+            slots = g.entry_slots[ratio]
+            keys = torch.cat([keys, src.entry(slots)], dim=1)
+            mask = torch.cat([mask, picked_mask(selected, slots.shape[1])], dim=2)
         keys = keys.to(q.dtype)
         qg = q.view(g.num_seqs, g.q_len, h, d)
         scores = torch.einsum("gqhd,gld->gqhl", qg, keys) * d ** -0.5
@@ -83,8 +99,11 @@ class V41InvariantMethod(V41Method):
     """The batch-invariant forms: each query's own key list in fixed blocks, heads and streams added in order."""
 
     def attend(self, q, g, ratio, kv, src, selected, sink):
-        entry_slots = None if selected is None else g.entry_slots[ratio]
-        slots, valid, is_entry = v4_invariant.key_lists(g.swa_slots, g.swa_mask, entry_slots, selected)
+        entry_slots = entry_mask = None
+        if selected is not None:  # the entries 0..E-1 in order after the sliding keys, the picked ones valid
+            entry_slots = g.entry_slots[ratio]
+            entry_mask = picked_mask(selected, entry_slots.shape[1])
+        slots, valid, is_entry = v4_invariant.key_lists(g.swa_slots, g.swa_mask, entry_slots, entry_mask)
         if selected is None:
             keys = kv.swa(slots)
         else:  # the two lists index different buffers (the compact pool's recent rows and entry rows)
@@ -129,8 +148,10 @@ class V41InvariantMethod(V41Method):
 
 class _KernelForms:
     """Attention and the indexer scores through deepinfer_kernels.v4_attention / v4_indexer, reading the pool's rows
-    where they are (V4's V4TritonMethod does the same): the sliding keys and the KV source's entries (the selection as
-    the mask) are two key sources of the sparse MQA kernel, the index keys the indexer kernel's rows; FP8 rows come
+    where they are (V4's V4TritonMethod does the same): the sliding keys and the KV source's picked entries are two
+    key sources of the sparse MQA kernel, the index keys the indexer kernel's rows. The entries come as each
+    query's (G, Q, k) picked rows (picked_rows, -1 = none; V4's CSA path), so a query's long-range branch reads its
+    k entries, not all E of the group, and no (G, Q, E) mask is built or read; FP8 rows come
     as float8 values with their row scales, dequantized in registers. The index queries stay in the model dtype
     (the pool's: no copy of the keys is made). `is_fixed` picks the kernels' batch-invariant modes (fixed splits
     over per-query sliding lists from position 0, v4_invariant.sliding_rows; the indexer's fixed order)."""
@@ -148,9 +169,9 @@ class _KernelForms:
         else:
             rows, mask = g.swa_slots, g.swa_mask
         sources = [key_source(self.kernels, kv.fp8_swa, kv.recent[:, kv.cols.swa], rows, mask)]
-        if selected is not None:
-            sources.append(key_source(self.kernels, src.fp8_entry, src.entries[:, src.cols.entry], g.entry_slots[ratio],
-                                      selected))
+        if selected is not None:  # per query its k picked entry rows (rank order, -1 = none)
+            rows = picked_rows(g.entry_slots[ratio], selected)
+            sources.append(key_source(self.kernels, src.fp8_entry, src.entries[:, src.cols.entry], rows))
         out = self.kernels.attention.sparse_mqa_attention(q.view(g.num_seqs, g.q_len, h, d), sources, sink, d ** -0.5,
                                                   fixed_splits=self.is_fixed)
         return out.view(-1, h, d)
@@ -174,9 +195,10 @@ class V41TritonMethod(_KernelForms, V41Method):
 class V41InvariantTritonMethod(_KernelForms, V41InvariantMethod):
     """CUDA, batch-invariant: attention through the sparse MQA kernel in fixed-split mode and the indexer scores
     through its fixed-order mode, as V4's V4InvariantTritonMethod (models/deepseek_v4/methods.py): the sliding
-    keys as a list of their own from position 0 (v4_invariant.sliding_rows), the KV source's entries at their
-    entry indices with the selection as the mask. The DSpark block attention and the other forms are
-    V41InvariantMethod's."""
+    keys as a list of their own from position 0 (v4_invariant.sliding_rows), the KV source's picked entries at
+    their top-k ranks (stable_topk over fixed-order scores: the same ranks in any batch; a wider batch only adds
+    -1 after them, exact zeros). Against V41InvariantMethod (the entries 0..E-1 in order, the picked ones valid)
+    only the summation order differs. The DSpark block attention and the other forms are V41InvariantMethod's."""
 
     is_fixed = True
 
