@@ -371,18 +371,25 @@ class WorkerPool:
             if self._broken is None and self._num_launched == self._num_collected:
                 for rank in range(self.size):
                     self._sock.send_multipart([f"w{rank}".encode(), pickle.dumps(("stats", None))])
-                self._last_stats = self._collect("stats", self.step_timeout_s)[0][0]
+                replies = self._collect("stats", self.step_timeout_s)
+                self._last_stats = {**replies[0][0], "graph_decode_steps_per_rank":
+                                    [replies[rank][0]["graph_decode_steps"] for rank in range(self.size)]}
         return self._last_stats
 
     def stats(self) -> dict:
         """MoE balance over the steps and layers since reset_stats: moe_balance = sum of mean / sum of max
         (token, expert) pairs per rank (1.0 = even); per-rank totals; EPLB rearrangements and expert copies
         moved; rank 0's decode steps, those of them that replayed a CUDA graph and its steps through the
-        capture-safe exchange (ep_decode_steps, ep_graph_decode_steps, ep_padded_steps). One rank has no balance to report."""
+        capture-safe exchange (ep_decode_steps, ep_graph_decode_steps, ep_padded_steps), and every rank's graph
+        replays (ep_graph_decode_steps_per_rank). One rank has no balance to report."""
         now, base = self._read_stats(), self._stats_base
         graphs = {f"ep_{key}": now[key] - base.get(key, 0) for key in ("decode_steps", "graph_decode_steps",
                                                                         "padded_steps")
                   if key in now}
+        if "graph_decode_steps_per_rank" in now:
+            graphs["ep_graph_decode_steps_per_rank"] = [
+                a - b for a, b in zip(now["graph_decode_steps_per_rank"],
+                                      base.get("graph_decode_steps_per_rank", [0] * self.size))]
         if "rank_tokens" not in now:
             return {"ep_size": self.size, "ep_overlapped_steps": self._num_overlapped, **graphs}
         rank_tokens = [a - b for a, b in zip(now["rank_tokens"], base.get("rank_tokens", [0] * self.size))]

@@ -1,7 +1,8 @@
 """The capture-safe exchange in EP worker pools (CPU, gloo; DEEPINFER_EP_PADDED_DISPATCH=1 runs it for every
 agreed decode step, as CUDA graphs do on GPUs, eagerly here), tiny DeepSeek-V3 (fp32): greedy tokens and logprobs
 equal the exact exchange's bitwise at EP=2, and EP=1's at EP=2 and EP=4 (batch-invariant mode:
-test_ep_padded_invariance.py).
+test_ep_padded_invariance.py); a capacity too small for
+the routing: test_ep_failures.py).
 Requests of different lengths finish at different steps, so decode steps meet ranks with fewer rows than others
 and ranks with none (empty steps through the same exchange)."""
 from __future__ import annotations
@@ -48,3 +49,4 @@ def test_ep4_padded_exchange_matches_ep1(tiny_v3_path, monkeypatch, reference):
     padded, stats = _run(tiny_v3_path, monkeypatch, 4, True)
     assert stats["ep_padded_steps"] >= 6, stats
     _close(padded, reference, 1e-5)
+
