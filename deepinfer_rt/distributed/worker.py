@@ -225,7 +225,8 @@ class Worker:
             else:
                 self.num_decode_steps += all(it.num_new_tokens == 1 for it in batch.items)
                 batch.is_overlappable = msg.is_overlapped
-                handle = self.runner.launch(batch, self.held[0] if msg.is_overlapped else None)
+                prev = self.held[0] if msg.is_overlapped and self.held is not None else None
+                handle = self.runner.launch(batch, prev)
         self.num_padded_steps += padded is not None
         overflow = self.exchange.snapshot() if padded else None
         if self.recorder is not None:
