@@ -94,7 +94,7 @@ class LoadRecorder:
         valid (tokens,) bool: the tokens to count (a graph's padding rows are not), by default all. A scatter,
         not a bincount, which would read its size back to the host."""
         flat = ids.flatten().long()
-        ones = torch.ones_like(flat) if valid is None else valid.repeat_interleave(ids.shape[1]).long()
+        ones = torch.ones_like(flat) if valid is None else valid[:, None].expand(ids.shape).flatten().long()
         self.expert_tokens[layer].scatter_add_(0, flat, ones)
         self.rank_tokens[layer] += rank_tokens
 
@@ -273,7 +273,7 @@ class ExpertParallelMoE:
         valid = None
         if ex.row_lengths is not None:  # a graph's padding rows send nothing
             valid = ex.row_lengths[:num_tokens] > 0
-            pair_valid = valid.repeat_interleave(k)
+            pair_valid = valid[:, None].expand(num_tokens, k).flatten()
             dest = torch.where(pair_valid, dest, size)
             slots = torch.where(pair_valid, slots, size * per_rank)
         order = slots.argsort(stable=True)  # as in _exact; pairs not sent last
