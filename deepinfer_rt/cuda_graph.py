@@ -22,11 +22,17 @@ these static tensors in `prepare_graph_batch` and computes it inside its forward
 the host's part of such a step (V4's recent-page bookkeeping) runs in `prepare_graph_step` before the replay.
 With `is_captured=False` the runner runs the same fixed-shape steps without capturing them (and on a CPU pool):
 the graph path's numerics and host work, checked against the eager steps where there is no GPU.
+
+Under expert parallelism (EP > 1) every rank's graphs hold the MoE layers' all-to-alls (NCCL inside the graph):
+each rank captures the same batch sizes in the same order inside `capture_scope` (the EP worker's capture-safe
+exchange, sized by the graph), and replays the size the worker sets for the step (`step_batch_size`), the same on
+every rank.
 """
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from contextlib import nullcontext
+from typing import TYPE_CHECKING, Callable, ContextManager
 
 import torch
 
@@ -48,8 +54,15 @@ _TOKEN, _POS, _SLOT, _ROW, _LEN = range(5)
 class CudaGraphRunner:
     def __init__(self, model: CausalLM, pool: KVPool, backend: "TritonBackend | None", max_batch_size: int,
                  max_context: int, batch_sizes: tuple[int, ...] = DEFAULT_BATCH_SIZES, num_rows: int | None = None,
-                 is_captured: bool = True):
+                 is_captured: bool = True,
+                 capture_scope: Callable[[int, torch.Tensor], ContextManager] | None = None):
         self.model = model
+        self.capture_scope = capture_scope or (lambda bs, lengths: nullcontext())
+        """Entered around each graph's forwards at capture (uncaptured: each run) with (its batch size, its
+        static KV lengths (bs,), 0 on padding rows)."""
+        self.step_batch_size: int | None = None
+        """Set before each step by an EP worker: the graph every rank replays this step, 0 for none; None: the
+        smallest graph that holds the batch."""
         self.is_captured = is_captured
         """False: the fixed-shape steps run as they are, uncaptured (see the module docstring)."""
         self.pool = pool
@@ -108,12 +121,13 @@ class CudaGraphRunner:
         with torch.cuda.stream(stream):
             for bs in reversed(self.batch_sizes):  # largest first: the smaller graphs reuse its memory
                 fb = self._forward_batch(bs)
-                self.model(fb)  # compiles the kernels and fills lazy tables outside the capture
-                if not self._graphs and self._syncs_host(fb):
-                    break
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=mempool, stream=stream):
-                    self._outputs[bs] = self.model(fb)
+                with self.capture_scope(bs, self._io[_LEN, :bs]):
+                    self.model(fb)  # compiles the kernels and fills lazy tables outside the capture
+                    if not self._graphs and self._syncs_host(fb):
+                        break
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=mempool, stream=stream):
+                        self._outputs[bs] = self.model(fb)
                 self._graphs[bs] = graph
         torch.cuda.current_stream().wait_stream(stream)
 
@@ -134,8 +148,14 @@ class CudaGraphRunner:
 
     def can_run(self, batch: ScheduledBatch) -> bool:
         items = batch.items
-        return (bool(self._graphs) and 0 < len(items) <= self.max_bs and all(it.num_new_tokens == 1 for it in items)
-                and max(it.start for it in items) < self.max_context)
+        most = self.max_bs if self.step_batch_size is None else self.step_batch_size
+        return (bool(self._graphs) and 0 < len(items) <= most and all(it.num_new_tokens == 1 for it in items)
+                and max(it.start for it in items) < self.max_context
+                and (self.step_batch_size is None or self.step_batch_size in self._graphs))
+
+    def graph_size(self, num_rows: int) -> int | None:
+        """The smallest graph that holds num_rows rows, or None."""
+        return next((b for b in self.batch_sizes if b >= num_rows and b in self._graphs), None)
 
     def prefetch_pages(self, reqs: list[Req]) -> None:
         """Give rows to requests whose prefill ends in the step being computed and upload their page lists now,
@@ -163,7 +183,7 @@ class CudaGraphRunner:
         if rows is None:
             return None
         n = len(reqs)
-        bs = next(b for b in self.batch_sizes if b >= n)
+        bs = self.graph_size(n) if self.step_batch_size is None else self.step_batch_size
         ps = self.page_size
         positions = [it.start for it in batch.items]
         for r, p in zip(reqs, positions):
@@ -185,7 +205,8 @@ class CudaGraphRunner:
         if self.is_captured:
             self._graphs[bs].replay()
         else:
-            self._outputs[bs] = self.model(self._graphs[bs])
+            with self.capture_scope(bs, self._io[_LEN, :bs]):
+                self._outputs[bs] = self.model(self._graphs[bs])
         self.num_replays += 1
         return self._outputs[bs][:n]
 

@@ -89,6 +89,17 @@ class Env:
     """DEEPINFER_EP_STEP_TIMEOUT: seconds a step may take before an EP worker counts as hung (default 30)."""
     ep_start_timeout_s: float
     """DEEPINFER_EP_START_TIMEOUT: seconds EP workers may take to load the model and report ready."""
+    ep_cuda_graphs: bool
+    """DEEPINFER_EP_CUDA_GRAPHS=0: EP workers at EP > 1 run every step eagerly with the exact (host-sized)
+    dispatch/combine, instead of replaying decode CUDA graphs on every rank through the capture-safe exchange
+    (distributed/ep.py). Default on; one rank always replays graphs (it has no exchange)."""
+    ep_padded_dispatch: bool
+    """DEEPINFER_EP_PADDED_DISPATCH=1: every decode step of every rank (EP > 1) runs the capture-safe exchange,
+    graphs or not: on the CPU, the graph path's exchange checked eagerly. Default off."""
+    ep_capacity_factor: float
+    """DEEPINFER_EP_CAPACITY_FACTOR: rows of each (source, destination) block of the capture-safe exchange as a
+    multiple of a destination's even share of a rank's T x k pairs (capped at T x k); 0 (default) = T x k, the
+    worst case, which never overflows. A step whose routing overflows a block fails with an error."""
     eplb: bool
     """DEEPINFER_EPLB=1: expert-parallel load balancing (redundant copies of hot experts, rearranged)."""
     eplb_window_steps: int
@@ -194,6 +205,9 @@ def get_env() -> Env:
         master_port=_int("MASTER_PORT", 0),
         ep_step_timeout_s=_float("DEEPINFER_EP_STEP_TIMEOUT", 30.0),
         ep_start_timeout_s=_float("DEEPINFER_EP_START_TIMEOUT", 600.0),
+        ep_cuda_graphs=_bool("DEEPINFER_EP_CUDA_GRAPHS", True),
+        ep_padded_dispatch=_bool("DEEPINFER_EP_PADDED_DISPATCH", False),
+        ep_capacity_factor=_float("DEEPINFER_EP_CAPACITY_FACTOR", 0.0),
         eplb=_bool("DEEPINFER_EPLB", False),
         eplb_window_steps=_int("DEEPINFER_EPLB_WINDOW", 64),
         eplb_interval_steps=_int("DEEPINFER_EPLB_INTERVAL", 32),

@@ -1,5 +1,8 @@
 #!/usr/bin/env bash
 # Expert parallelism on two H200 GPUs (device kind nvidia-h200-x2), one device call:
+#   0. test/gpu/test_gpu_ep_graphs.py: EP=2 decode CUDA graphs on both ranks (NCCL all-to-all inside the graphs),
+#      tokens equal EP=1, batch-invariant graphs bitwise the eager exact exchange, overflow error; log in
+#      $OUT/test_gpu_ep_graphs.log (EP_TEST_S seconds at most, default 420; a failure is reported, the run goes on);
 #   1. tiny DeepSeek-V3 (random checkpoint, fp32): ep_size=2 on two GPUs vs ep_size=1, greedy tokens identical;
 #   2. DeepSeek-V2-Lite shape (load_format="dummy", bf16): decode tok/s at batch 64 and 256, EP=2 vs EP=1,
 #      routers unbiased and skewed, EPLB off/on under skew; MoE balance; beside the PERF.md decode floor.
@@ -28,6 +31,12 @@ mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 python3 -c "import torch; assert torch.cuda.device_count() >= 2, 'needs two GPUs'; print('torch', torch.__version__)"
 
+test_rc=0
+timeout "${EP_TEST_S:-420}" python3 -m pytest -q -p no:cacheprovider -rf --durations=5 test/gpu/test_gpu_ep_graphs.py \
+  > "$OUT/test_gpu_ep_graphs.log" 2>&1 || test_rc=$?
+tail -n 15 "$OUT/test_gpu_ep_graphs.log"
+echo "test_gpu_ep_graphs rc=$test_rc"
+
 python3 benchmark/bench_ep.py --check-tiny --shape v2-lite --device cuda --dtype bfloat16 --batch 64,256 \
   --ep 1,2 --skew 0,1.2 --prompt-len 256 --decode-steps "${EP_DECODE_STEPS:-64}" --repeats "${EP_REPEATS:-3}" --eplb-interval 16 \
   --out "$OUT/ep_h200x2.json"
@@ -41,3 +50,4 @@ for run in r["runs"]:
           round(run["floor_tok_s"]), "balance", round(run.get("moe_balance", 1.0), 3))
 sys.exit(0 if tiny["tokens_identical"] else 1)
 EOF
+exit "$test_rc"

@@ -150,6 +150,9 @@ class StepMsg:
     and its answer waits until the next step arrives (or a "flush")."""
     draft_forwards: int = 0
     """MTP: the chain forwards every rank runs after this step's MTP forward (distributed/spec.py)."""
+    decode_rows: int = 0
+    """A decode step on every rank (each item of each part computes one token, no drafts): the most items any
+    rank holds, which sizes the step's capture-safe exchange and CUDA graph alike on every rank; 0 otherwise."""
 
 
 @dataclass

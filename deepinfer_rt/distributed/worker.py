@@ -6,7 +6,13 @@ through torch.distributed's env:// rendezvous (the variables torchrun sets: MAST
 WORLD_SIZE, LOCAL_RANK), holds the attention/dense weights, its slots of every MoE layer and a KV pool of its
 own, and runs its part of the engine's plain-data steps (its own requests: attention is data-parallel) through
 the ordinary ModelRunner; with no requests in a step it runs an empty one, its part in every MoE layer's
-collectives. Steps arrive on a zmq DEALER socket; every rank answers each step with its sampled tokens."""
+collectives. Steps arrive on a zmq DEALER socket; every rank answers each step with its sampled tokens.
+
+Decode steps replay CUDA graphs on every rank, EP > 1 included: a step that decodes on every rank
+(StepMsg.decode_rows) runs the capture-safe exchange (distributed/ep.py) sized by the smallest graph holding the
+most rows any rank has, the same graph on every rank; a rank that cannot replay it (its page-table rows are
+taken) runs the same exchange eagerly, and an empty rank its empty step through it, so the collectives line up.
+Other steps (prefill, mixed, speculation) run eagerly with the exact exchange."""
 from __future__ import annotations
 
 import argparse
@@ -15,6 +21,7 @@ import pickle
 import threading
 import time
 import traceback
+from contextlib import nullcontext
 from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
@@ -24,7 +31,7 @@ import torch.distributed as dist
 
 from deepinfer_rt.cache.kv_pool import KVPool, num_kv_pages
 from deepinfer_rt.cuda_graph import CudaGraphRunner
-from deepinfer_rt.distributed.ep import ExpertShard, expert_tensors, moe_layers, run_empty
+from deepinfer_rt.distributed.ep import Exchange, ExpertShard, expert_tensors, moe_layers, run_empty
 from deepinfer_rt.distributed.eplb import (
     LoadWindow,
     contiguous_placement,
@@ -72,7 +79,11 @@ class Worker:
         self.config = args.model_config
         mc = self.config
         self.eplb = args.eplb if args.eplb.enabled and self.size > 1 else None
-        shard = ExpertShard(self._initial_placement(), mc.n_routed_experts, self.rank, self.device)
+        env = get_env()
+        self.exchange = Exchange(mc.num_experts_per_tok, self.device, env.ep_capacity_factor)
+        """How the MoE hooks exchange pairs in the forward being launched (set per step, `_padded_tokens`)."""
+        self.is_padded_forced = env.ep_padded_dispatch
+        shard = ExpertShard(self._initial_placement(), mc.n_routed_experts, self.rank, self.device, self.exchange)
         # Built on the CPU and cut to this rank's experts before weights are read (checkpoint) or drawn on the
         # device (dummy), so no process ever holds every expert.
         self.model = build_model(mc, Path(args.model_path), args.load_format, args.dtype, self.device, args.seed,
@@ -85,7 +96,7 @@ class Worker:
             args.speculative, args.batch_invariant, args.max_position, self.model, mc, Path(args.model_path),
             args.load_format, args.seed,
             lambda: ExpertShard(contiguous_placement(mc.n_routed_experts, self.size), mc.n_routed_experts,
-                                self.rank, self.device))
+                                self.rank, self.device, self.exchange))
         self.mtp = spec.drafter if spec is not None and isinstance(spec.drafter, WorkerMTPDrafter) else None
         layout = self.model.kv_layout(mc).with_kv_dtype(args.kv_cache_dtype)
         layout = layout if spec is None else spec.kv_layout(layout)
@@ -100,11 +111,13 @@ class Worker:
                                   is_overlap_enabled=True, graphs=self._cuda_graphs(backend), spec=spec)
         self.runner.grammar = ShippedBitmasks(mc.vocab_size)
         self.mirrors = Mirrors()
-        self.held: Launched | None = None
-        """The overlapped step launched and not yet answered."""
+        self.held: tuple[Launched, object] | None = None
+        """The overlapped step launched and not yet answered, with its overflow snapshot (or None)."""
         self.window = LoadWindow(self.eplb.window_steps) if self.eplb else None
         self.num_steps = 0
         self.num_decode_steps = 0
+        self.num_padded_steps = 0
+        """Steps whose forwards ran the capture-safe exchange (graphs replayed, or eagerly)."""
         self.num_moved_experts = 0
         self.num_rearrangements = 0
 
@@ -123,15 +136,35 @@ class Worker:
         return keep
 
     def _cuda_graphs(self, backend):
-        """Decode CUDA graphs as the in-process engine builds them, where this rank's forward holds no
-        collective: one rank (no EP hook) on CUDA. A dispatch hook sizes its all-to-all on the host (split
-        lists), which a graph cannot capture."""
+        """Decode CUDA graphs as the in-process engine builds them. At EP > 1 (MoE hooks installed) the graphs
+        hold the capture-safe exchange's collectives, so every rank captures the same sizes in the same order:
+        the ranks agree the largest (the smallest of theirs; 0 on any rank, e.g. DEEPINFER_EP_CUDA_GRAPHS=0:
+        none). Not with speculation at EP > 1 (its steps are not agreed decode steps). NCCL puts one rank per
+        GPU, so graphs at EP > 1 need as many GPUs as ranks."""
         env = get_env()
-        if (self.device.type != "cuda" or env.cuda_graph_max_bs <= 0 or not self.model.supports_cuda_graphs
-                or self.recorder is not None):
+        ok = self.device.type == "cuda" and env.cuda_graph_max_bs > 0 and self.model.supports_cuda_graphs
+        max_bs = min(self.args.max_num_seqs, env.cuda_graph_max_bs)
+        max_context = min(self.config.max_position, env.cuda_graph_max_context)
+        if self.recorder is None:
+            return CudaGraphRunner(self.model, self.pool, backend, max_bs, max_context) if ok else None
+        ok = ok and env.ep_cuda_graphs and self.args.speculative is None
+        agreed = torch.tensor([max_bs if ok else 0], device=self.device)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
+        if int(agreed.item()) <= 0:
             return None
-        return CudaGraphRunner(self.model, self.pool, backend, min(self.args.max_num_seqs, env.cuda_graph_max_bs),
-                               min(self.config.max_position, env.cuda_graph_max_context))
+        graphs = CudaGraphRunner(self.model, self.pool, backend, int(agreed.item()), max_context,
+                                 capture_scope=self.exchange.padded)
+        self.recorder.reset()  # the warm-up forwards' routing is no load
+        return graphs
+
+    def _padded_tokens(self, msg: StepMsg) -> int | None:
+        """Tokens per rank the step's capture-safe exchange is sized for, the same on every rank (all read the
+        same message and hold the same graph sizes), or None: the exact exchange."""
+        if self.recorder is None or not msg.decode_rows or self.runner.spec is not None:
+            return None
+        graphs = self.runner.graphs
+        size = graphs.graph_size(msg.decode_rows) if graphs is not None else None
+        return msg.decode_rows if size is None and self.is_padded_forced else size
 
     # ---- start ----
     @staticmethod
@@ -180,15 +213,22 @@ class Worker:
         if self.mtp is not None:
             self.mtp.num_chain_forwards = msg.draft_forwards
             self.mtp._proposals = {}  # of the step before: verified (or dropped) by now
-        if batch.is_empty:  # no requests on this rank this step: its part in the MoE layers' collectives only
-            run_empty(self.model, self.config.hidden_size, self.args.dtype, self.device)
-            if self.mtp is not None:
-                self.mtp.run_empty(1 + msg.draft_forwards, self.args.dtype, self.device)
-            handle = Launched(result=RunResult([], None, {}))
-        else:
-            self.num_decode_steps += all(it.num_new_tokens == 1 for it in batch.items)
-            batch.is_overlappable = msg.is_overlapped
-            handle = self.runner.launch(batch, self.held if msg.is_overlapped else None)
+        padded = self._padded_tokens(msg)
+        if self.recorder is not None and self.runner.graphs is not None:
+            self.runner.graphs.step_batch_size = padded or 0  # the same graph on every rank, or none
+        with self.exchange.padded(padded) if padded else nullcontext():
+            if batch.is_empty:  # no requests on this rank this step: its part in the MoE layers' collectives only
+                run_empty(self.model, self.config.hidden_size, self.args.dtype, self.device)
+                if self.mtp is not None:
+                    self.mtp.run_empty(1 + msg.draft_forwards, self.args.dtype, self.device)
+                handle = Launched(result=RunResult([], None, {}))
+            else:
+                self.num_decode_steps += all(it.num_new_tokens == 1 for it in batch.items)
+                batch.is_overlappable = msg.is_overlapped
+                prev = self.held[0] if msg.is_overlapped and self.held is not None else None
+                handle = self.runner.launch(batch, prev)
+        self.num_padded_steps += padded is not None
+        overflow = self.exchange.snapshot() if padded else None
         if self.recorder is not None:
             expert_tokens = self.recorder.take()
             self.num_steps += 1
@@ -198,21 +238,29 @@ class Worker:
                     self._rearrange()
         replies = self.flush()
         if msg.is_overlapped:
-            self.held = handle
+            self.held = handle, overflow
         else:
             drafts = self.mtp.drafts() if self.mtp is not None else None
-            replies.append(StepReply(self.rank, self.runner.collect(handle), drafts))
+            replies.append(StepReply(self.rank, self._collect(handle, overflow), drafts))
         return replies
 
     def flush(self) -> list[StepReply]:
         """The answer of the overlapped step held, if any."""
         held, self.held = self.held, None
-        return [] if held is None else [StepReply(self.rank, self.runner.collect(held))]
+        return [] if held is None else [StepReply(self.rank, self._collect(*held))]
+
+    def _collect(self, handle: Launched, overflow) -> RunResult:
+        """The step's result; a step whose capture-safe exchange overflowed raises instead (Exchange.check)."""
+        result = self.runner.collect(handle)
+        if overflow is not None:
+            self.exchange.check(overflow)
+        return result
 
     def stats(self) -> dict:
         """Counters since the start, read back from the device only when the engine asks."""
         graphs = self.runner.graphs
-        out = {"decode_steps": self.num_decode_steps, "graph_decode_steps": graphs.num_replays if graphs else 0}
+        out = {"decode_steps": self.num_decode_steps, "graph_decode_steps": graphs.num_replays if graphs else 0,
+               "padded_steps": self.num_padded_steps}
         if self.recorder is None:
             return out
         rank_tokens, sum_max = self.recorder.totals()

@@ -95,6 +95,13 @@ def _stop_workers(num_workers: int, procs: list[subprocess.Popen], sock, ctx) ->
     ctx.term()
 
 
+def _decode_rows(parts: list[ScheduledBatch]) -> int:
+    """StepMsg.decode_rows of a step of these parts."""
+    if all(it.num_new_tokens == 1 and not it.draft_tokens for part in parts for it in part.items):
+        return max(len(part.items) for part in parts)
+    return 0
+
+
 class _PagesOfRanks:
     """Every rank's page allocator counted as one (engine stats)."""
 
@@ -297,6 +304,9 @@ class WorkerPool:
         if self.spec is not None and self.spec.drafts_in_workers and any(it.is_sampling for it in batch.items):
             for msg in msgs:  # MTP: the chain forwards of the drafts, on every rank (distributed/spec.py)
                 msg.draft_forwards = self.spec.num_draft - 1
+        decode_rows = _decode_rows(parts)
+        for msg in msgs:
+            msg.decode_rows = decode_rows
         payloads = [pickle.dumps(("step", msg), protocol=pickle.HIGHEST_PROTOCOL) for msg in msgs]
         with self._lock:
             for rank, payload in enumerate(payloads):
@@ -361,17 +371,25 @@ class WorkerPool:
             if self._broken is None and self._num_launched == self._num_collected:
                 for rank in range(self.size):
                     self._sock.send_multipart([f"w{rank}".encode(), pickle.dumps(("stats", None))])
-                self._last_stats = self._collect("stats", self.step_timeout_s)[0][0]
+                replies = self._collect("stats", self.step_timeout_s)
+                self._last_stats = {**replies[0][0], "graph_decode_steps_per_rank":
+                                    [replies[rank][0]["graph_decode_steps"] for rank in range(self.size)]}
         return self._last_stats
 
     def stats(self) -> dict:
         """MoE balance over the steps and layers since reset_stats: moe_balance = sum of mean / sum of max
         (token, expert) pairs per rank (1.0 = even); per-rank totals; EPLB rearrangements and expert copies
-        moved; rank 0's decode steps and those of them that replayed a CUDA graph (ep_decode_steps,
-        ep_graph_decode_steps). One rank has no balance to report."""
+        moved; rank 0's decode steps, those of them that replayed a CUDA graph and its steps through the
+        capture-safe exchange (ep_decode_steps, ep_graph_decode_steps, ep_padded_steps), and every rank's graph
+        replays (ep_graph_decode_steps_per_rank). One rank has no balance to report."""
         now, base = self._read_stats(), self._stats_base
-        graphs = {f"ep_{key}": now[key] - base.get(key, 0) for key in ("decode_steps", "graph_decode_steps")
+        graphs = {f"ep_{key}": now[key] - base.get(key, 0) for key in ("decode_steps", "graph_decode_steps",
+                                                                        "padded_steps")
                   if key in now}
+        if "graph_decode_steps_per_rank" in now:
+            graphs["ep_graph_decode_steps_per_rank"] = [
+                a - b for a, b in zip(now["graph_decode_steps_per_rank"],
+                                      base.get("graph_decode_steps_per_rank", [0] * self.size))]
         if "rank_tokens" not in now:
             return {"ep_size": self.size, "ep_overlapped_steps": self._num_overlapped, **graphs}
         rank_tokens = [a - b for a, b in zip(now["rank_tokens"], base.get("rank_tokens", [0] * self.size))]

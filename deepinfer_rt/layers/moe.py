@@ -234,6 +234,12 @@ class ExpertsMethod:
         """Whether a batch of this many rows runs the shared experts inside the routed launch."""
         return False
 
+    def padding_slot(self, num_experts: int) -> int:
+        """The expert id of a padding row in a fixed-size call (expert parallelism's capture-safe exchange,
+        distributed/ep.py), whose result is never read: expert 0 here, computed (the fused kernels give each row
+        a result of its own inputs only, whatever rows share its tile)."""
+        return 0
+
 
 class TorchExperts(ExpertsMethod):
     """Torch reference: (token, slot) pairs are sorted by expert, each expert that received tokens runs one
@@ -248,16 +254,17 @@ class TorchExperts(ExpertsMethod):
         linear, act = self.linear.linear, self.activation.silu_and_mul
         t, k = ids.shape
         flat = ids.flatten()
-        order = flat.argsort(stable=True)  # (T*k,) pair indices grouped by expert
+        order = flat.argsort(stable=True)  # (T*k,) pair indices grouped by expert; padding ids (E) last
         counts = torch.bincount(flat, minlength=gate_up.shape[0]).tolist()
         xs = x[order // k]  # (T*k, H)
         ys = torch.empty_like(xs)
         start = 0
-        for e, n in enumerate(counts):
+        for e, n in enumerate(counts[:gate_up.shape[0]]):
             if n:
                 rows = slice(start, start + n)
                 ys[rows] = linear(act(linear(xs[rows], gate_up[e])), down[e])
             start += n
+        ys[start:] = 0  # padding rows (`padding_slot`)
         out = torch.empty_like(ys)
         out[order] = ys  # back to (token, slot) order
         out, weights = out.view(t, k, -1), weights.unsqueeze(-1)
@@ -267,6 +274,10 @@ class TorchExperts(ExpertsMethod):
         for j in range(1, k):
             y = y + out[:, j] * weights[:, j]
         return y.to(x.dtype)
+
+    def padding_slot(self, num_experts: int) -> int:
+        """Id E, one past the experts: skipped, so each expert's matmul runs over exactly its own rows."""
+        return num_experts
 
 
 class FusedExperts(ExpertsMethod):

@@ -1,5 +1,6 @@
 """A failing EP rank under data-parallel attention (CPU, gloo): killed or hung (stopped), it ends every
-request, the waiting ones too, with an error naming it, within the step timeout."""
+request, the waiting ones too, with an error naming it, within the step timeout; a capture-safe exchange whose
+capacity the routing overflows fails its step's requests with the overflow error."""
 from __future__ import annotations
 
 import os
@@ -35,3 +36,14 @@ def test_rank_failure_ends_every_waiting_request_with_a_clear_error(tiny_v3_path
              else r"worker\(s\) \[(0, )?1\] did not answer within 3 s")
     assert all(o.finish_reason == "error" and re.search(cause, o.error) for o in outs), [o.error for o in outs]
     assert elapsed < (5 if how == "killed" else 3 + 5)
+
+
+def test_capacity_overflow_fails_the_requests_loudly(tiny_v3_path, monkeypatch):
+    """Blocks of a tenth of the even share under routing skewed to a few experts: the decode step fails with the
+    overflow error on every rank instead of answering tokens computed without some pairs."""
+    monkeypatch.setenv("DEEPINFER_EP_PADDED_DISPATCH", "1")
+    monkeypatch.setenv("DEEPINFER_EP_CAPACITY_FACTOR", "0.1")
+    monkeypatch.setenv("DEEPINFER_MOE_ROUTER_SKEW", "3.0")
+    with _engine(tiny_v3_path, ep_size=2) as engine:
+        outs = engine.generate(PROMPTS, sampling_params=GREEDY)
+    assert all(o.finish_reason == "error" and "dispatch overflow" in o.error for o in outs), [o.error for o in outs]
