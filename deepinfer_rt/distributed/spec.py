@@ -15,6 +15,7 @@ the engine plans from them as from any drafter's (`ShippedDrafter`).
 Collectives line up: every rank runs one MTP forward per step (over the positions it computed, or an empty
 one) and then the same number of chain forwards, `StepMsg.draft_forwards`, which the engine sets to
 max_draft - 1 when any rank samples this step (0 otherwise); a rank with nothing to draft runs them empty.
+
 DSpark (`WorkerDSparkDrafter`) drafts in the workers the same way: each rank captures the target features of
 its own rows during its forward, writes their context keys to its own pool and, after each verify step, runs one
 block forward over its requests that sampled; the proposals come back as MTP's do. Its draft expert bank is
