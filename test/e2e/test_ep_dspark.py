@@ -81,3 +81,18 @@ def test_dspark_refusals_before_workers_start(tiny_v3_path, monkeypatch):
 def test_dspark_without_drafter_layers_is_refused_before_workers_start(tiny_v41_paths):
     with pytest.raises(ValueError, match="needs a DeepSeek-V4.1 checkpoint with DSpark layers"):
         Engine(str(tiny_v41_paths["a"]), dtype="float32", ep_size=2, speculative="dspark")
+
+
+def test_a_drafter_object_reading_the_target_is_refused_before_workers_start(tiny_v3_path):
+    """A drafter object with KV layers of its own (as DSparkDrafter has) cannot run there: its state would be the
+    engine's, the target's stays in the workers."""
+    from deepinfer_rt.speculative.drafter import Drafter
+
+    class KeyedDrafter(Drafter):
+        num_kv_layers = 1
+
+        def propose(self, req, k):
+            return None
+
+    with pytest.raises(ValueError, match="the drafter KeyedDrafter reads the target model's state"):
+        Engine(str(tiny_v3_path), dtype="float32", ep_size=2, speculative=SpeculativeConfig(drafter=KeyedDrafter()))
