@@ -48,7 +48,8 @@ class WorkerArgs:
     timeout_s: float
     batch_invariant: bool = False
     speculative: SpeculativeConfig | None = None
-    """Prompt-lookup speculation: each worker verifies the drafts its steps carry."""
+    """Speculation: each worker verifies the drafts its steps carry (prompt lookup's, planned by the engine), and
+    with MTP or DSpark drafts the next ones itself (distributed/spec.py)."""
     quantization: str | None = None
     """Engine(quantization=): how the workers' layers hold their weights (KernelConfig.quantization)."""
     kv_cache_dtype: str = "auto"
@@ -149,7 +150,8 @@ class StepMsg:
     """Launched before the step before is collected: its decode inputs read that step's tokens on the device,
     and its answer waits until the next step arrives (or a "flush")."""
     draft_forwards: int = 0
-    """MTP: the chain forwards every rank runs after this step's MTP forward (distributed/spec.py)."""
+    """MTP: the chain forwards every rank runs after this step's MTP forward (distributed/spec.py); 0 for
+    DSpark, whose drafter joins no collective."""
     decode_rows: int = 0
     """A decode step on every rank (each item of each part computes one token, no drafts): the most items any
     rank holds, which sizes the step's capture-safe exchange and CUDA graph alike on every rank; 0 otherwise."""
@@ -161,20 +163,21 @@ class StepReply:
     result: RunResult | None
     """This rank's result, item indices within its own part of the step."""
     drafts: Drafts | None = None
-    """MTP: this rank's proposals for the next step."""
+    """MTP, DSpark: this rank's proposals for the next step."""
 
 
 @dataclass
 class Drafts:
-    """A worker's MTP proposals after a step, one row per request that drafted: its id, the token count the
-    drafts continue, and its drafts with their confidences (every row the same length, the drafter's
+    """A worker's MTP or DSpark proposals after a step, one row per request that drafted: its id, the token
+    count the drafts continue, and its drafts with their confidences (every row the same length, the drafter's
     max_draft). The draft distributions of sampled requests stay in the worker."""
     rids: np.ndarray
     num_tokens: np.ndarray
     tokens: np.ndarray
     """(rows, k) int32."""
     confidences: np.ndarray
-    """(rows, k) float32."""
+    """(rows, k) float64: the drafter's own floats (DSpark's are ratios of survival probabilities), so the
+    engine's confidence plan is the in-process one."""
 
     @classmethod
     def pack(cls, proposals: dict[int, Proposal]) -> "Drafts":
@@ -183,7 +186,7 @@ class Drafts:
         return cls(np.array([rid for rid, _ in items], dtype=np.int64),
                    np.array([p.num_tokens for _, p in items], dtype=np.int64),
                    np.array([p.tokens for _, p in items], dtype=np.int32).reshape(len(items), k),
-                   np.array([p.confidences for _, p in items], dtype=np.float32).reshape(len(items), k))
+                   np.array([p.confidences for _, p in items], dtype=np.float64).reshape(len(items), k))
 
     def proposals(self) -> dict[int, Proposal]:
         return {rid: Proposal(tokens, confidences, None, num_tokens) for rid, num_tokens, tokens, confidences in

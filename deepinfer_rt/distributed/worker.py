@@ -41,7 +41,7 @@ from deepinfer_rt.distributed.eplb import (
 )
 from deepinfer_rt.distributed.messages import StepMsg, StepReply, WorkerArgs
 from deepinfer_rt.distributed.mirrors import Mirrors
-from deepinfer_rt.distributed.spec import WorkerMTPDrafter, set_step_drafts, worker_spec_decoder
+from deepinfer_rt.distributed.spec import WorkerDrafter, set_step_drafts, worker_spec_decoder
 from deepinfer_rt.env import get_env
 from deepinfer_rt.layers.attention.select import select_backend
 from deepinfer_rt.layers.kernel_config import KernelConfig
@@ -91,19 +91,21 @@ class Worker:
                                                                    args.quantization))
         self.placement, self.recorder = shard.placement, shard.recorder
         self.experts = [moe.experts for moe in moe_layers(self.model)]
-        # MTP's layer has an MoE of its own: sharded as the target's (its own placement, never rearranged).
+        # MTP's layer has an MoE of its own: sharded as the target's (its own placement, never rearranged);
+        # DSpark's draft bank stays whole (distributed/spec.py).
         spec = None if args.speculative is None else worker_spec_decoder(
             args.speculative, args.batch_invariant, args.max_position, self.model, mc, Path(args.model_path),
             args.load_format, args.seed,
             lambda: ExpertShard(contiguous_placement(mc.n_routed_experts, self.size), mc.n_routed_experts,
                                 self.rank, self.device, self.exchange))
-        self.mtp = spec.drafter if spec is not None and isinstance(spec.drafter, WorkerMTPDrafter) else None
+        self.drafter = spec.drafter if spec is not None and isinstance(spec.drafter, WorkerDrafter) else None
+        """MTP or DSpark drafting here after each step (distributed/spec.py), or None."""
         layout = self.model.kv_layout(mc).with_kv_dtype(args.kv_cache_dtype)
         layout = layout if spec is None else spec.kv_layout(layout)
         num_pages = self._num_kv_pages(layout)
         self.pool = KVPool(layout, num_pages, args.page_size, args.dtype, self.device, args.kv_cache_dtype)
         self.num_pages = num_pages - self._keep_scratch()
-        """Pages the engine hands out (the first ones); the rest are the MTP chain's scratch."""
+        """Pages the engine hands out (the first ones); the rest are the MTP chain's scratch (none for DSpark)."""
         # The engine's backend rule, so EP=1 in-process and EP=N in workers run the same attention.
         backend = select_backend(self.device, args.batch_invariant, self.pool.is_fp8)
         # Overlap is the engine's decision, step by step (StepMsg.is_overlapped).
@@ -125,10 +127,10 @@ class Worker:
         """MTP: keep back the last pages of the pool for the drafter's chain, which this worker's allocator then
         hands out (the engine's allocators hand out the first ones, unknown to this one): the pages a full step
         drafts into, so every rank always drafts max_draft tokens (their forwards line up)."""
-        if self.mtp is None:
+        keep = 0 if self.drafter is None else self.drafter.scratch_pages(self.args.max_num_seqs, self.args.page_size)
+        if keep == 0:
             return 0
         allocator = self.pool.allocator
-        keep = self.mtp.scratch_pages(self.args.max_num_seqs, self.args.page_size)
         if keep >= allocator.num_pages:
             raise ValueError(f"MTP under EP keeps {keep} KV pages for its drafts (max_num_seqs x (max_draft - 1) "
                              f"tokens) of a pool of {allocator.num_pages}: raise kv_cache_tokens")
@@ -210,17 +212,16 @@ class Worker:
         for src, dst in msg.kv_copies:
             self.pool.copy_slots(src, dst)
         batch = self._batch(msg)
-        if self.mtp is not None:
-            self.mtp.num_chain_forwards = msg.draft_forwards
-            self.mtp._proposals = {}  # of the step before: verified (or dropped) by now
+        if self.drafter is not None:
+            self.drafter.begin_step(msg.draft_forwards)
         padded = self._padded_tokens(msg)
         if self.recorder is not None and self.runner.graphs is not None:
             self.runner.graphs.step_batch_size = padded or 0  # the same graph on every rank, or none
         with self.exchange.padded(padded) if padded else nullcontext():
             if batch.is_empty:  # no requests on this rank this step: its part in the MoE layers' collectives only
                 run_empty(self.model, self.config.hidden_size, self.args.dtype, self.device)
-                if self.mtp is not None:
-                    self.mtp.run_empty(1 + msg.draft_forwards, self.args.dtype, self.device)
+                if self.drafter is not None:
+                    self.drafter.empty_step(self.args.dtype, self.device)
                 handle = Launched(result=RunResult([], None, {}))
             else:
                 self.num_decode_steps += all(it.num_new_tokens == 1 for it in batch.items)
@@ -240,7 +241,7 @@ class Worker:
         if msg.is_overlapped:
             self.held = handle, overflow
         else:
-            drafts = self.mtp.drafts() if self.mtp is not None else None
+            drafts = self.drafter.drafts() if self.drafter is not None else None
             replies.append(StepReply(self.rank, self._collect(handle, overflow), drafts))
         return replies
 

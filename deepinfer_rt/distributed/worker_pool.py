@@ -301,9 +301,9 @@ class WorkerPool:
             raise ValueError(f"an EP={self.size} step needs one part per rank (a DPBatch), got {len(parts)}")
         is_overlapped = self.can_overlap(batch)
         msgs = self._encoder.encode(parts, is_overlapped, self.spec is not None)
-        if self.spec is not None and self.spec.drafts_in_workers and any(it.is_sampling for it in batch.items):
+        if self.spec is not None and self.spec.num_chain_forwards and any(it.is_sampling for it in batch.items):
             for msg in msgs:  # MTP: the chain forwards of the drafts, on every rank (distributed/spec.py)
-                msg.draft_forwards = self.spec.num_draft - 1
+                msg.draft_forwards = self.spec.num_chain_forwards
         decode_rows = _decode_rows(parts)
         for msg in msgs:
             msg.decode_rows = decode_rows

@@ -45,12 +45,6 @@ def test_speculation_under_ep_equals_speculation_without(tiny_v3_path, reference
     assert ep_stats == stats
 
 
-def test_dspark_is_refused_under_ep_with_the_reason(tiny_v3_path):
-    with pytest.raises(ValueError, match="speculative='dspark' does not run with the expert-parallel worker pool: "
-                                         "its drafter reads the target's hidden states"):
-        Engine(str(tiny_v3_path), dtype="float32", ep_size=2, speculative="dspark")
-
-
 def test_mtp_without_an_mtp_layer_is_refused_before_workers_start(tiny_llama_path):
     with pytest.raises(ValueError, match="speculative='mtp' needs a DeepSeek-V3 model"):
         Engine(str(tiny_llama_path), dtype="float32", ep_size=1, speculative="mtp")

@@ -163,3 +163,19 @@ def test_mirror_pages_follow_cuts_and_regrowth(moves):
         req.pages += [1000 * which + p for p in grown]  # _req's own page ids among them
     batch, _ = _step(encoder, mirrors, reqs, has_spec=True)
     _assert_mirrored(batch, reqs)
+
+
+def test_shipped_drafts_keep_the_drafters_confidences_exactly():
+    """The engine plans from the floats the worker's drafter made (DSpark's are ratios of float32 survivals, not
+    float32 themselves): a round trip through Drafts and pickle changes none of them."""
+    from deepinfer_rt.distributed.messages import Drafts
+    from deepinfer_rt.speculative.drafter import Proposal
+    from deepinfer_rt.speculative.dspark import survival_to_confidences
+
+    survival = torch.tensor([[0.9, 0.7, 0.31], [0.5, 0.5, 0.2]]).tolist()  # float32 values, as DSpark reads them
+    proposals = {7: Proposal([3, 4, 5], survival_to_confidences(survival[0]), None, 12),
+                 9: Proposal([6, 6, 1], survival_to_confidences(survival[1]), None, 30)}
+    assert any(float(torch.tensor(c)) != c for p in proposals.values() for c in p.confidences)  # not float32
+    shipped = pickle.loads(pickle.dumps(Drafts.pack(proposals))).proposals()
+    assert {rid: (p.tokens, p.confidences, p.num_tokens) for rid, p in shipped.items()} == \
+        {rid: (p.tokens, p.confidences, p.num_tokens) for rid, p in proposals.items()}
