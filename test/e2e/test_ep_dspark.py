@@ -47,7 +47,7 @@ def in_process(dspark_v41_path):
     return plain, tokens, stats
 
 
-@pytest.mark.parametrize("ep_size", [1, 2])
+@pytest.mark.parametrize("ep_size", [pytest.param(1, marks=pytest.mark.slow), 2])  # EP=1: -m slow
 def test_dspark_under_ep_equals_dspark_in_process(dspark_v41_path, in_process, monkeypatch, ep_size):
     """Greedy requests give the tokens of no speculation and the seeded sampled one (rejection sampling against
     the worker's own draft distribution) those of in-process DSpark; drafted and accepted counts are the

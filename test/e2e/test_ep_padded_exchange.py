@@ -45,6 +45,7 @@ def test_ep2_padded_exchange_is_the_exact_one_bitwise(tiny_v3_path, monkeypatch,
     _close(padded, reference, 1e-5)
 
 
+@pytest.mark.slow  # EP=2 runs by default (above)
 def test_ep4_padded_exchange_matches_ep1(tiny_v3_path, monkeypatch, reference):
     padded, stats = _run(tiny_v3_path, monkeypatch, 4, True)
     assert stats["ep_padded_steps"] >= 6, stats
