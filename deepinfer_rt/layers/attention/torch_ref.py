@@ -48,7 +48,7 @@ class _Short:
 class _Meta:
     decode_rows: torch.Tensor | None  # (Bd,) token rows of decode queries
     decode_slots: torch.Tensor | None  # (Bd, Lmax) padded with slot 0
-    decode_mask: torch.Tensor | None  # (Bd, 1, 1, Lmax) bool
+    decode_mask: torch.Tensor | None  # (Bd, 1, 1, Lmax) bool; None for one sequence (nothing padded)
     extends: list[_Extend]
     short: _Short | None = None
     is_all_decode: bool = False  # every row is a decode row, row i of sequence i: no query gather, no scatter
@@ -107,7 +107,8 @@ class TorchRefBackend(AttentionBackend):
                 padded[i, : len(s)] = s
             meta.decode_rows = torch.tensor(decode_rows, device=device)
             meta.decode_slots = padded
-            meta.decode_mask = (torch.arange(max_len, device=device)[None, :] < lens[:, None])[:, None, None, :]
+            if len(decode_slots) > 1:  # one sequence has no padding: SDPA without a mask (no per-layer mask ops)
+                meta.decode_mask = (torch.arange(max_len, device=device)[None, :] < lens[:, None])[:, None, None, :]
             k0, v0 = batch.pool.k[0], batch.pool.v[0]
             if not batch.pool.is_fp8 and all(k.shape == k0.shape for k in batch.pool.k) and all(v.shape == v0.shape for v in batch.pool.v):
                 # One pair for all layers: each layer's gather is read by its SDPA before the next layer's.
