@@ -87,8 +87,8 @@ def _linear_fn(linear: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor
         if weight.dtype == torch.bfloat16 and bias is None:
             return functools.partial(_bf16_linear, weight)
         return lambda x: F.linear(x, weight, bias)
-    if isinstance(method, WeightOnlyLinear) and linear.bias is None:  # x is (T, K) here
-        packed, apply, max_rows = functools.partial(method.packed_mm, linear), method.apply, method.max_rows
+    if isinstance(method, WeightOnlyLinear) and linear.bias is None:  # x is (T, K) in the model dtype here
+        packed, apply, max_rows = method.packed_fn(linear), method.apply, method.max_rows
         return lambda x: packed(x) if x.shape[0] <= max_rows else apply(linear, x)
     return functools.partial(method.apply, linear)
 
@@ -115,10 +115,11 @@ def _layer_list(model) -> list[_Layer]:
 
 class CpuStep(ModuleStep):
     def compute_logits(self, model, hidden: torch.Tensor) -> torch.Tensor:
-        weight = model.lm_head.weight
-        if type(model.logits_method) is UnquantizedLinear and model.lm_head.bias is None:
-            if weight.dtype == torch.bfloat16:
-                return _bf16_linear(weight, hidden).float()
+        head, method = model.lm_head, model.logits_method
+        if head.bias is None and type(method) is UnquantizedLinear and head.weight.dtype == torch.bfloat16:
+            return _bf16_linear(head.weight, hidden).float()
+        if head.bias is None and isinstance(method, WeightOnlyLinear) and hidden.shape[0] <= method.max_rows:
+            return method.packed_fn(head)(hidden).float()
         return super().compute_logits(model, hidden)
 
     def prepare(self, model, batch: ForwardBatch) -> None:
