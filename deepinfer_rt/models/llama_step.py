@@ -8,18 +8,26 @@ Chosen once from the KernelConfig when the model is built (`llama_step_method`):
                  models/llama_compiled.py)
 
 On CPU a decode step of a small model is mostly host work between the GEMMs (profile:
-benchmark/profile_cpu_decode.py): module calls, per-layer rotary tables, per-tensor rotations. CpuStep computes
-the same values with the same operations in the same order, so fp32 tokens equal the module path's:
+benchmark/profile_cpu_decode.py, --count-ops for the aten ops a step dispatches per layer): module calls, per-layer
+rotary tables, per-tensor rotations. In fp32 CpuStep computes the same values with the same operations in the same
+order, so its tokens (and a prefill's hidden states, bit for bit) equal the module path's:
 
   - the rotary cos/sin of the step's positions are built once in `prepare` (the module path: once per layer),
   - q and k, adjacent in the fused QKV output, are rotated together into one tensor, the rotation written as
     x*cos + (x2 | x1)*(-sin | sin) (the module path's x*cos + cat(-x2, x1)*sin: negating a factor or a product
-    gives the same bits),
+    gives the same bits); a step of few tokens (decode) rotates the whole QKV output, v by the factors 1 and 0
+    (the same bits), and splits it once,
   - RMSNorm is torch's rms_norm over the fp32 values (one op for reference.rms_norm's seven: the same fp32
     operations in ATen, so the same bits), times the weight after the cast back as the reference does,
-  - a weight-only quantized linear of a small input calls its packed matmul directly (no method dispatch),
+  - a dense linear is F.linear's own t + mm with the transpose made once; a weight-only quantized linear of a
+    small input calls its packed matmul bound to its weight and scales (WeightOnlyLinear.packed_fn),
   - the layers are walked over a flat list of their weights (no module calls, no per-layer lookups), built
     once the weights are final and rebuilt if they were replaced.
+
+bf16 differs in one place, for speed: a one-row input (a lone decode stream) of a dense linear or the dense head
+takes torch's bf16 GEMV (torch.mv, `_bf16_linear`) instead of F.linear's oneDNN GEMM, about twice the bytes per
+second at M = 1; its sums run in another order, so bf16 results differ from the module path's in the last bits
+(logprobs within bf16's tolerance: test/e2e/test_cpu_step.py). Batch-invariant mode never takes this step.
 
 Attention still goes through the batch's backend (batch.attention): the KV pool's contract is unchanged.
 """
@@ -65,12 +73,29 @@ class _Layer:
     qkv_weight: torch.Tensor  # identity of the weights the list was built from
 
 
+_WHOLE_QKV_ROWS = 64
+"""Steps of at most this many tokens rotate the whole QKV output (v through factors 1 and 0) and split it once;
+longer ones rotate q | k alone, where the v heads' extra elementwise work outweighs the ops saved (1K-token
+prefill, fp32, one thread: 2.3 against 1.8 ms a layer)."""
+
+
 @dataclass
 class _Rope:
     cos: torch.Tensor  # (T, 1, D)
     sin: torch.Tensor  # (T, 1, D/2): both halves of the table are the same frequencies
-    head_cos: torch.Tensor  # (T, Hq + 2 Hkv, D): cos on the q and k heads, 1 on the v heads
-    head_signed_sin: torch.Tensor  # (T, Hq + 2 Hkv, D): -sin | sin (the half-swapped input's factors), 0 on v
+    signed_sin: torch.Tensor  # (T, 1, D): -sin | sin, the factors of the half-swapped input
+    head_cos: torch.Tensor | None  # (T, Hq + 2 Hkv, D): cos on the q and k heads, 1 on the v heads (T small)
+    head_signed_sin: torch.Tensor | None  # (T, Hq + 2 Hkv, D): signed_sin on q and k, 0 on v (T small)
+
+    def rotate(self, qkv: torch.Tensor, heads: tuple[int, int, int]) -> tuple[torch.Tensor, ...]:
+        """qkv (T, Hq + 2 Hkv, D) -> q, k rotated and v: x*cos + (x2 | x1)*(-sin | sin) per head."""
+        half = qkv.shape[-1] // 2
+        if self.head_cos is not None:  # v * 1 + swapped * 0 == v
+            return (qkv * self.head_cos + qkv.roll(half, dims=-1) * self.head_signed_sin).split(heads, dim=1)
+        num_qk = heads[0] + heads[1]
+        qk = qkv[:, :num_qk]
+        return (*(qk * self.cos + qk.roll(half, dims=-1) * self.signed_sin).split(heads[:2], dim=1),
+                qkv[:, num_qk:])
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -86,6 +111,9 @@ def _linear_fn(linear: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor
         weight, bias = linear.weight, linear.bias
         if weight.dtype == torch.bfloat16 and bias is None:
             return functools.partial(_bf16_linear, weight)
+        if bias is None:  # F.linear's own decomposition (t, mm) with the transpose made once: the same bits
+            weight_t = weight.t()
+            return lambda x: torch.mm(x, weight_t)
         return lambda x: F.linear(x, weight, bias)
     if isinstance(method, WeightOnlyLinear) and linear.bias is None:  # x is (T, K) in the model dtype here
         packed, apply, max_rows = method.packed_fn(linear), method.apply, method.max_rows
@@ -130,12 +158,12 @@ class CpuStep(ModuleStep):
         cos, sin = cos[:, None, :], sin[:, None, :]
         num_qk, num_kv = config.num_heads + config.num_kv_heads, config.num_kv_heads
         signed_sin = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
-        # v rides through the rotation unchanged (v * 1 + swapped * 0 == v), so the step rotates the whole QKV
-        # output at once and splits it after: fewer ops per layer than slicing q | k out and v apart
-        batch.model_meta = _Rope(
-            cos, sin[..., :half].contiguous(),
-            torch.cat([cos.expand(t, num_qk, -1), cos.new_ones(t, num_kv, cos.shape[-1])], dim=1),
-            torch.cat([signed_sin.expand(t, num_qk, -1), cos.new_zeros(t, num_kv, cos.shape[-1])], dim=1))
+        head_cos = head_signed_sin = None
+        if t <= _WHOLE_QKV_ROWS:
+            head_cos = torch.cat([cos.expand(t, num_qk, -1), cos.new_ones(t, num_kv, cos.shape[-1])], dim=1)
+            head_signed_sin = torch.cat([signed_sin.expand(t, num_qk, -1), cos.new_zeros(t, num_kv, cos.shape[-1])],
+                                        dim=1)
+        batch.model_meta = _Rope(cos, sin[..., :half].contiguous(), signed_sin, head_cos, head_signed_sin)
 
     def forward(self, model, batch: ForwardBatch) -> torch.Tensor:
         trunk, config = model.model, model.config
@@ -145,7 +173,7 @@ class CpuStep(ModuleStep):
         rope: _Rope = batch.model_meta
         eps, scale = config.rms_norm_eps, config.head_dim**-0.5
         num_q, num_kv, head_dim = config.num_heads, config.num_kv_heads, config.head_dim
-        half, inter = head_dim // 2, config.intermediate_size
+        inter = config.intermediate_size
         heads, num_heads = (num_q, num_kv, num_kv), num_q + 2 * num_kv
         x = F.embedding(batch.input_ids, trunk.embed_tokens.weight)
         t = x.shape[0]
@@ -153,7 +181,7 @@ class CpuStep(ModuleStep):
         for layer in layers:
             residual = x if residual is None else x + residual
             qkv = layer.qkv(_rms_norm(residual, layer.input_norm, eps)).view(t, num_heads, head_dim)
-            q, k, v = (qkv * rope.head_cos + qkv.roll(half, dims=-1) * rope.head_signed_sin).split(heads, dim=1)
+            q, k, v = rope.rotate(qkv, heads)
             o = batch.attention(q, k, v, layer.layer_id, scale)
             residual = layer.o(o.reshape(t, -1)) + residual
             gate_up = layer.gate_up(_rms_norm(residual, layer.post_norm, eps))

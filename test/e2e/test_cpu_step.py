@@ -49,12 +49,17 @@ def test_cpu_step_tokens_equal_module_path(engines, prompts):
         assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-5
 
 
-def test_cpu_step_hidden_equal_module_path(engines):
+@pytest.mark.parametrize("copies", [1, 3], ids=["whole-qkv-rotation", "q-k-rotation"])
+def test_cpu_step_hidden_equal_module_path(engines, copies):
     """One mixed step (a prefill chunk beside decodes would need a scheduler; here: a fresh prefill of several
-    sequences) through both trunks on the same weights, bit for bit in fp32."""
+    sequences) through both trunks on the same weights, bit for bit in fp32; at most _WHOLE_QKV_ROWS tokens the step
+    rotates the whole QKV output, above it q | k alone."""
+    from deepinfer_rt.models.llama_step import _WHOLE_QKV_ROWS
+
     fast, modules = engines
     runner = fast.executor
-    ids = [fast.tokenizer.encode(p) for p in PROMPTS]
+    ids = [fast.tokenizer.encode(p) for p in PROMPTS * copies]
+    assert (sum(map(len, ids)) <= _WHOLE_QKV_ROWS) == (copies == 1)
     flat = [t for x in ids for t in x]
     q_lens = [len(x) for x in ids]
     starts = [sum(q_lens[:i]) for i in range(len(ids))]
