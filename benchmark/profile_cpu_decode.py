@@ -1,20 +1,25 @@
 """Where a CPU decode step goes: torch.profiler over decode steps of the embedded default model.
 
     python benchmark/profile_cpu_decode.py [--dtype float32] [--batch 1] [--steps 16] [--ops 15] [--quantization q4_1]
+                                           [--count-ops] [--threads N]
 
 Prompts are prefilled first (one token generated), then `steps` decode steps are profiled. Every module of the
 model is wrapped in a profiler scope named by its role (qkv_proj, attention, mlp, ...); the report gives the
 step's wall time, each role's share summed over the layers, the host work outside the model (batch building,
-sampling, scheduling) and the top aten ops by self time.
+sampling, scheduling) and the top aten ops by self time. The CPU step (models/llama_step.py) calls no modules, so
+its work shows under "other" and in the op table; --count-ops adds the aten ops one decode step dispatches, per
+layer, by the source line they come from (a TorchDispatchMode records the innermost project frame of each op).
 """
 from __future__ import annotations
 
 import argparse
 import collections
 import time
+import traceback
 
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from deepinfer_rt import Engine, SamplingParams
 
@@ -46,7 +51,11 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--ops", type=int, default=15)
     ap.add_argument("--quantization", default=None, choices=[None, "int8", "q4_1"])
+    ap.add_argument("--count-ops", action="store_true", help="count one decode step's aten ops by source line")
+    ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     engine = Engine(dtype=args.dtype, kv_cache_tokens=64 * 1024, enable_prefix_cache=False,
                     quantization=args.quantization)
     prompts = [PROMPT.format(i) for i in range(args.batch)]
@@ -69,6 +78,11 @@ def main() -> None:
         engine.step()  # the prefill steps
         while engine.scheduler.waiting:
             engine.step()
+        if args.count_ops:
+            engine.step()  # a warm decode step first (lazily built state)
+            with _OpCounter() as counter:
+                engine.step()
+            counter.report(engine.model.config.num_layers)
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             t = time.perf_counter()
             steps = 0
@@ -103,6 +117,31 @@ def main() -> None:
     print("top aten ops by self time (per step):")
     for ms, count, key in sorted(ops, reverse=True)[: args.ops]:
         print(f"  {key:50s} {ms / steps:7.2f} ms  {count / steps:6.1f} calls")
+
+
+class _OpCounter(TorchDispatchMode):
+    """Aten ops dispatched while active, keyed by (op, innermost deepinfer frame)."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts: collections.Counter = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        frames = [f for f in traceback.extract_stack()[:-1] if "/deepinfer" in f.filename]
+        where = f"{frames[-1].filename.rsplit('/', 2)[-2:][-1]}:{frames[-1].lineno} {frames[-1].name}" if frames else "?"
+        self.counts[(str(func.overloadpacket).split(".")[-1], where)] += 1
+        return func(*args, **(kwargs or {}))
+
+    def report(self, num_layers: int) -> None:
+        total = sum(self.counts.values())
+        print(f"aten ops in one decode step: {total} ({total / num_layers:.1f} per layer); by source line, per layer:")
+        by_line = collections.defaultdict(collections.Counter)
+        for (op, where), n in self.counts.items():
+            by_line[where][op] += n
+        for where, ops in sorted(by_line.items(), key=lambda kv: -sum(kv[1].values())):
+            n = sum(ops.values())
+            detail = ", ".join(f"{op} {c / num_layers:.2f}" for op, c in ops.most_common())
+            print(f"  {n / num_layers:6.2f}  {where:45s} {detail}")
 
 
 def _scoped(name, fn):

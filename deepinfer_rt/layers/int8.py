@@ -10,6 +10,9 @@ DEEPINFER_CPU_DENSE_COPY).
 """
 from __future__ import annotations
 
+import functools
+from typing import Callable
+
 import torch
 from torch import nn
 
@@ -41,6 +44,11 @@ class WeightOnlyLinear(LinearMethod):
 
     def packed_mm(self, layer: nn.Module, x2: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
+
+    def packed_fn(self, layer: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+        """`packed_mm` bound to the layer's packed weight and scales as they are now, for activations in the dtype
+        the scales were kept in (the model dtype): a step's hot loop calls it with no attribute lookups or casts."""
+        return functools.partial(self.packed_mm, layer)
 
     def dense(self, layer: nn.Module) -> torch.Tensor:
         """The (N, K) fp32 matrix the layer multiplies by."""
@@ -81,6 +89,10 @@ class Int8WeightOnlyLinear(WeightOnlyLinear):
 
     def packed_mm(self, layer: nn.Module, x2: torch.Tensor) -> torch.Tensor:
         return torch.ops.aten._weight_int8pack_mm(x2, layer.int8_weight, layer.int8_scale.to(x2.dtype))
+
+    def packed_fn(self, layer: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+        weight, scale = layer.int8_weight, layer.int8_scale
+        return lambda x2: torch.ops.aten._weight_int8pack_mm(x2, weight, scale)
 
     def dense(self, layer: nn.Module) -> torch.Tensor:
         return dequantized(layer)

@@ -15,6 +15,8 @@ Inputs of more than Q4_MM_MAX_ROWS rows multiply by the dequantized weight, kept
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from torch import nn
 
@@ -61,6 +63,10 @@ class Q4WeightOnlyLinear(WeightOnlyLinear):
 
     def packed_mm(self, layer: nn.Module, x2: torch.Tensor) -> torch.Tensor:
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x2, layer.q4_packed, GROUP, layer.q4_scales_zeros.to(x2.dtype))
+
+    def packed_fn(self, layer: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+        packed, scales_zeros = layer.q4_packed, layer.q4_scales_zeros
+        return lambda x2: torch.ops.aten._weight_int4pack_mm_for_cpu(x2, packed, GROUP, scales_zeros)
 
     def dense(self, layer: nn.Module) -> torch.Tensor:
         return dequantized(layer)

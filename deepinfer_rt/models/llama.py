@@ -64,3 +64,6 @@ class LlamaForCausalLM(CausalLM):
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         return self.step_method.forward(self, batch)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.step_method.compute_logits(self, hidden)

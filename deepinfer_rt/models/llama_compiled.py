@@ -112,6 +112,9 @@ class CompiledCpuStep:
     def prepare(self, model, batch: ForwardBatch) -> None:
         self.eager.prepare(model, batch)
 
+    def compute_logits(self, model, hidden: torch.Tensor) -> torch.Tensor:
+        return self.eager.compute_logits(model, hidden)
+
     def forward(self, model, batch: ForwardBatch) -> torch.Tensor:
         if self.is_compiled:
             try:

@@ -8,18 +8,26 @@ Chosen once from the KernelConfig when the model is built (`llama_step_method`):
                  models/llama_compiled.py)
 
 On CPU a decode step of a small model is mostly host work between the GEMMs (profile:
-benchmark/profile_cpu_decode.py): module calls, per-layer rotary tables, per-tensor rotations. CpuStep computes
-the same values with the same operations in the same order, so fp32 tokens equal the module path's:
+benchmark/profile_cpu_decode.py, --count-ops for the aten ops a step dispatches per layer): module calls, per-layer
+rotary tables, per-tensor rotations. In fp32 CpuStep computes the same values with the same operations in the same
+order, so its tokens (and a prefill's hidden states, bit for bit) equal the module path's:
 
   - the rotary cos/sin of the step's positions are built once in `prepare` (the module path: once per layer),
   - q and k, adjacent in the fused QKV output, are rotated together into one tensor, the rotation written as
     x*cos + (x2 | x1)*(-sin | sin) (the module path's x*cos + cat(-x2, x1)*sin: negating a factor or a product
-    gives the same bits),
+    gives the same bits); a step of few tokens (decode) rotates the whole QKV output, v by the factors 1 and 0
+    (the same bits), and splits it once,
   - RMSNorm is torch's rms_norm over the fp32 values (one op for reference.rms_norm's seven: the same fp32
     operations in ATen, so the same bits), times the weight after the cast back as the reference does,
-  - a weight-only quantized linear of a small input calls its packed matmul directly (no method dispatch),
+  - a dense linear is F.linear's own t + mm with the transpose made once; a weight-only quantized linear of a
+    small input calls its packed matmul bound to its weight and scales (WeightOnlyLinear.packed_fn),
   - the layers are walked over a flat list of their weights (no module calls, no per-layer lookups), built
     once the weights are final and rebuilt if they were replaced.
+
+bf16 differs in one place, for speed: a one-row input (a lone decode stream) of a dense linear or the dense head
+takes torch's bf16 GEMV (torch.mv, `_bf16_linear`) instead of F.linear's oneDNN GEMM, about twice the bytes per
+second at M = 1; its sums run in another order, so bf16 results differ from the module path's in the last bits
+(logprobs within bf16's tolerance: test/e2e/test_cpu_step.py). Batch-invariant mode never takes this step.
 
 Attention still goes through the batch's backend (batch.attention): the KV pool's contract is unchanged.
 """
@@ -37,6 +45,7 @@ from deepinfer_rt.forward_batch import ForwardBatch
 from deepinfer_rt.layers.kernel_config import KernelConfig
 from deepinfer_rt.layers.int8 import WeightOnlyLinear
 from deepinfer_rt.layers.methods import UnquantizedLinear
+from deepinfer_rt.models.base import CausalLM
 
 
 class ModuleStep:
@@ -47,6 +56,9 @@ class ModuleStep:
 
     def forward(self, model, batch: ForwardBatch) -> torch.Tensor:
         return model.model(batch)
+
+    def compute_logits(self, model, hidden: torch.Tensor) -> torch.Tensor:
+        return CausalLM.compute_logits(model, hidden)
 
 
 @dataclass
@@ -61,11 +73,29 @@ class _Layer:
     qkv_weight: torch.Tensor  # identity of the weights the list was built from
 
 
+_WHOLE_QKV_ROWS = 64
+"""Steps of at most this many tokens rotate the whole QKV output (v through factors 1 and 0) and split it once;
+longer ones rotate q | k alone, where the v heads' extra elementwise work outweighs the ops saved (1K-token
+prefill, fp32, one thread: 2.3 against 1.8 ms a layer)."""
+
+
 @dataclass
 class _Rope:
     cos: torch.Tensor  # (T, 1, D)
     sin: torch.Tensor  # (T, 1, D/2): both halves of the table are the same frequencies
     signed_sin: torch.Tensor  # (T, 1, D): -sin | sin, the factors of the half-swapped input
+    head_cos: torch.Tensor | None  # (T, Hq + 2 Hkv, D): cos on the q and k heads, 1 on the v heads (T small)
+    head_signed_sin: torch.Tensor | None  # (T, Hq + 2 Hkv, D): signed_sin on q and k, 0 on v (T small)
+
+    def rotate(self, qkv: torch.Tensor, heads: tuple[int, int, int]) -> tuple[torch.Tensor, ...]:
+        """qkv (T, Hq + 2 Hkv, D) -> q, k rotated and v: x*cos + (x2 | x1)*(-sin | sin) per head."""
+        half = qkv.shape[-1] // 2
+        if self.head_cos is not None:  # v * 1 + swapped * 0 == v
+            return (qkv * self.head_cos + qkv.roll(half, dims=-1) * self.head_signed_sin).split(heads, dim=1)
+        num_qk = heads[0] + heads[1]
+        qk = qkv[:, :num_qk]
+        return (*(qk * self.cos + qk.roll(half, dims=-1) * self.signed_sin).split(heads[:2], dim=1),
+                qkv[:, num_qk:])
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -79,11 +109,26 @@ def _linear_fn(linear: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor
     method = linear.method
     if type(method) is UnquantizedLinear:
         weight, bias = linear.weight, linear.bias
+        if weight.dtype == torch.bfloat16 and bias is None:
+            return functools.partial(_bf16_linear, weight)
+        if bias is None:  # F.linear's own decomposition (t, mm) with the transpose made once: the same bits
+            weight_t = weight.t()
+            return lambda x: torch.mm(x, weight_t)
         return lambda x: F.linear(x, weight, bias)
-    if isinstance(method, WeightOnlyLinear) and linear.bias is None:  # x is (T, K) here
-        packed, apply, max_rows = functools.partial(method.packed_mm, linear), method.apply, method.max_rows
+    if isinstance(method, WeightOnlyLinear) and linear.bias is None:  # x is (T, K) in the model dtype here
+        packed, apply, max_rows = method.packed_fn(linear), method.apply, method.max_rows
         return lambda x: packed(x) if x.shape[0] <= max_rows else apply(linear, x)
     return functools.partial(method.apply, linear)
+
+
+def _bf16_linear(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """x (T, K) @ weight.T in bf16. One row takes torch's bf16 GEMV (torch.mv: fp32 accumulation over K, one
+    rounding to bf16), about twice the bytes per second of F.linear's oneDNN GEMM at M = 1 on AVX512 CPUs (one
+    thread, the embedded default's gate_up 3072 x 576: ~250 against ~330-600 us; its 49152-row head: 3 against
+    8 ms); the sums are taken in another order, so values differ from F.linear's in the last bf16 bit."""
+    if x.shape[0] == 1:
+        return torch.mv(weight, x[0]).unsqueeze(0)
+    return F.linear(x, weight)
 
 
 def _layer_list(model) -> list[_Layer]:
@@ -97,13 +142,28 @@ def _layer_list(model) -> list[_Layer]:
 
 
 class CpuStep(ModuleStep):
+    def compute_logits(self, model, hidden: torch.Tensor) -> torch.Tensor:
+        head, method = model.lm_head, model.logits_method
+        if head.bias is None and type(method) is UnquantizedLinear and head.weight.dtype == torch.bfloat16:
+            return _bf16_linear(head.weight, hidden).float()
+        if head.bias is None and isinstance(method, WeightOnlyLinear) and hidden.shape[0] <= method.max_rows:
+            return method.packed_fn(head)(hidden).float()
+        return super().compute_logits(model, hidden)
+
     def prepare(self, model, batch: ForwardBatch) -> None:
+        config = model.config
         rope = model.model.layers[0].self_attn.rotary_emb
         cos, sin = rope.cos_sin(batch.positions, model.model.embed_tokens.weight.dtype)
-        half = cos.shape[-1] // 2
-        sin = sin[:, None, :]
-        batch.model_meta = _Rope(cos[:, None, :], sin[..., :half].contiguous(),
-                                 torch.cat([-sin[..., :half], sin[..., half:]], dim=-1))
+        t, half = cos.shape[0], cos.shape[-1] // 2
+        cos, sin = cos[:, None, :], sin[:, None, :]
+        num_qk, num_kv = config.num_heads + config.num_kv_heads, config.num_kv_heads
+        signed_sin = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
+        head_cos = head_signed_sin = None
+        if t <= _WHOLE_QKV_ROWS:
+            head_cos = torch.cat([cos.expand(t, num_qk, -1), cos.new_ones(t, num_kv, cos.shape[-1])], dim=1)
+            head_signed_sin = torch.cat([signed_sin.expand(t, num_qk, -1), cos.new_zeros(t, num_kv, cos.shape[-1])],
+                                        dim=1)
+        batch.model_meta = _Rope(cos, sin[..., :half].contiguous(), signed_sin, head_cos, head_signed_sin)
 
     def forward(self, model, batch: ForwardBatch) -> torch.Tensor:
         trunk, config = model.model, model.config
@@ -113,24 +173,18 @@ class CpuStep(ModuleStep):
         rope: _Rope = batch.model_meta
         eps, scale = config.rms_norm_eps, config.head_dim**-0.5
         num_q, num_kv, head_dim = config.num_heads, config.num_kv_heads, config.head_dim
-        half, qk_width, inter = head_dim // 2, (num_q + num_kv) * head_dim, config.intermediate_size
-        x = trunk.embed_tokens(batch.input_ids)
+        inter = config.intermediate_size
+        heads, num_heads = (num_q, num_kv, num_kv), num_q + 2 * num_kv
+        x = F.embedding(batch.input_ids, trunk.embed_tokens.weight)
         t = x.shape[0]
         residual = None
         for layer in layers:
-            if residual is None:
-                residual = x
-            else:
-                residual = x + residual
-            h = _rms_norm(residual, layer.input_norm, eps)
-            qkv = layer.qkv(h)
-            qk = qkv[:, :qk_width].view(t, num_q + num_kv, head_dim)
-            rot = qk * rope.cos + qk.roll(half, dims=-1) * rope.signed_sin
-            v = qkv[:, qk_width:].view(t, num_kv, head_dim)
-            o = batch.attention(rot[:, :num_q], rot[:, num_q:], v, layer.layer_id, scale)
+            residual = x if residual is None else x + residual
+            qkv = layer.qkv(_rms_norm(residual, layer.input_norm, eps)).view(t, num_heads, head_dim)
+            q, k, v = rope.rotate(qkv, heads)
+            o = batch.attention(q, k, v, layer.layer_id, scale)
             residual = layer.o(o.reshape(t, -1)) + residual
-            h = _rms_norm(residual, layer.post_norm, eps)
-            gate_up = layer.gate_up(h)
+            gate_up = layer.gate_up(_rms_norm(residual, layer.post_norm, eps))
             x = layer.down(F.silu(gate_up[:, :inter]) * gate_up[:, inter:])
         return _rms_norm(x + residual, trunk.norm.weight, eps)
 

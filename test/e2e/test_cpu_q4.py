@@ -102,3 +102,22 @@ def test_dense_copy_kept_once_made(monkeypatch, keep):
     first, second = method.apply(layer, x), method.apply(layer, x)
     assert torch.equal(first, torch.nn.functional.linear(x, dequantized(layer))) and torch.equal(first, second)
     assert (getattr(layer, "dense_copy", None) is not None) == (keep == "1")
+
+
+@pytest.mark.parametrize("quantization", ["q4_1", "int8"])
+def test_packed_fn_equals_packed_mm(tiny_llama_path, quantization):
+    """The CPU step's bound matmul (WeightOnlyLinear.packed_fn, scales already in the model dtype) computes what the
+    method's packed_mm does, bit for bit, for the linears and the int8 head."""
+    from deepinfer_rt.layers.int8 import WeightOnlyLinear
+
+    with Engine(str(tiny_llama_path), dtype="bfloat16", kv_cache_tokens=256, quantization=quantization) as engine:
+        model = engine.model
+        layers = [m for m in model.modules() if isinstance(getattr(m, "method", None), WeightOnlyLinear)]
+        pairs = [(m, m.method) for m in layers] + [(model.lm_head, model.logits_method)]
+        assert len(pairs) > 2
+        g = torch.Generator().manual_seed(0)
+        for layer, method in pairs:
+            k = layer.in_features
+            for rows in (1, 3):
+                x = torch.randn(rows, k, generator=g).bfloat16()
+                assert torch.equal(method.packed_fn(layer)(x), method.packed_mm(layer, x))

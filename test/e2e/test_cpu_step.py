@@ -49,12 +49,17 @@ def test_cpu_step_tokens_equal_module_path(engines, prompts):
         assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-5
 
 
-def test_cpu_step_hidden_equal_module_path(engines):
+@pytest.mark.parametrize("copies", [1, 3], ids=["whole-qkv-rotation", "q-k-rotation"])
+def test_cpu_step_hidden_equal_module_path(engines, copies):
     """One mixed step (a prefill chunk beside decodes would need a scheduler; here: a fresh prefill of several
-    sequences) through both trunks on the same weights, bit for bit in fp32."""
+    sequences) through both trunks on the same weights, bit for bit in fp32; at most _WHOLE_QKV_ROWS tokens the step
+    rotates the whole QKV output, above it q | k alone."""
+    from deepinfer_rt.models.llama_step import _WHOLE_QKV_ROWS
+
     fast, modules = engines
     runner = fast.executor
-    ids = [fast.tokenizer.encode(p) for p in PROMPTS]
+    ids = [fast.tokenizer.encode(p) for p in PROMPTS * copies]
+    assert (sum(map(len, ids)) <= _WHOLE_QKV_ROWS) == (copies == 1)
     flat = [t for x in ids for t in x]
     q_lens = [len(x) for x in ids]
     starts = [sum(q_lens[:i]) for i in range(len(ids))]
@@ -79,3 +84,37 @@ def test_rms_norm_equals_reference_bitwise(dtype):
         x = (torch.randn(t, d, generator=g) * 3).to(dtype)
         w = torch.randn(d, generator=g).to(dtype)
         assert torch.equal(_rms_norm(x, w, 1e-5), reference.rms_norm(x, w, 1e-5)), (t, d)
+
+
+def test_bf16_linear_one_row_within_rounding():
+    """The one-row bf16 GEMV (torch.mv) against F.linear: both accumulate in fp32, in another order, so they agree
+    to about one bf16 rounding of the output; more rows are F.linear itself."""
+    from deepinfer_rt.models.llama_step import _bf16_linear
+
+    g = torch.Generator().manual_seed(0)
+    w = (torch.randn(300, 576, generator=g) * 0.05).bfloat16()
+    x = torch.randn(1, 576, generator=g).bfloat16()
+    exact = x.double() @ w.double().T
+    got, ref = _bf16_linear(w, x), torch.nn.functional.linear(x, w)
+    assert got.shape == ref.shape == (1, 300) and got.dtype == torch.bfloat16
+    bound = exact.abs() * 2**-7 + 1e-3  # one bf16 rounding (8 bits of mantissa) plus the fp32 sums' error
+    assert ((got.double() - exact).abs() <= bound).all() and ((ref.double() - exact).abs() <= bound).all()
+    x3 = torch.randn(3, 576, generator=g).bfloat16()
+    assert torch.equal(_bf16_linear(w, x3), torch.nn.functional.linear(x3, w))
+
+
+@pytest.mark.parametrize("prompts", [PROMPTS, PROMPTS[:1]], ids=["batch", "single"])
+def test_cpu_step_bf16_within_tolerance_of_module_path(tiny_llama_path, monkeypatch, prompts):
+    """bf16: the step's one-row GEMVs (torch.mv) and head round differently from the module path's F.linear, so
+    logprobs agree within bf16's tolerance (0.1, as the weight-only checks) and the first tokens are equal (a later
+    near-tie may flip)."""
+    with Engine(str(tiny_llama_path), dtype="bfloat16", kv_cache_tokens=4096) as fast:
+        assert isinstance(fast.model.step_method, CpuStep)
+        got = _generate(fast, prompts)
+    monkeypatch.setenv("DEEPINFER_CPU_FAST_STEP", "0")
+    with Engine(str(tiny_llama_path), dtype="bfloat16", kv_cache_tokens=4096) as modules:
+        assert type(modules.model.step_method) is ModuleStep
+        want = _generate(modules, prompts)
+    for a, b in zip(got, want):
+        assert a.token_ids[:2] == b.token_ids[:2]
+        assert max(abs(x - y) for x, y in zip(a.logprobs[:2], b.logprobs[:2])) < 0.1

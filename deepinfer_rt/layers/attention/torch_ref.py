@@ -48,12 +48,14 @@ class _Short:
 class _Meta:
     decode_rows: torch.Tensor | None  # (Bd,) token rows of decode queries
     decode_slots: torch.Tensor | None  # (Bd, Lmax) padded with slot 0
-    decode_mask: torch.Tensor | None  # (Bd, 1, 1, Lmax) bool
+    decode_mask: torch.Tensor | None  # (Bd, 1, 1, Lmax) bool; None for one sequence (nothing padded)
     extends: list[_Extend]
     short: _Short | None = None
     is_all_decode: bool = False  # every row is a decode row, row i of sequence i: no query gather, no scatter
     decode_first_slot: int | None = None  # one decode sequence on consecutive slots from here: read as a view
     decode_kv: tuple[torch.Tensor, torch.Tensor] | None = None  # gather buffers (Bd * Lmax, Hkv, D), K and V
+    decode_kv_heads: tuple[torch.Tensor, torch.Tensor] | None = None  # the same buffers as (Bd, Hkv, Lmax, D) views
+    decode_flat: torch.Tensor | None = None  # decode_slots.view(-1)
 
 
 def first_of_run(slots: torch.Tensor) -> int | None:
@@ -106,13 +108,17 @@ class TorchRefBackend(AttentionBackend):
             for i, s in enumerate(decode_slots):
                 padded[i, : len(s)] = s
             meta.decode_rows = torch.tensor(decode_rows, device=device)
-            meta.decode_slots = padded
-            meta.decode_mask = (torch.arange(max_len, device=device)[None, :] < lens[:, None])[:, None, None, :]
+            meta.decode_slots, meta.decode_flat = padded, padded.view(-1)
+            if len(decode_slots) > 1:  # one sequence has no padding: SDPA without a mask (no per-layer mask ops)
+                meta.decode_mask = (torch.arange(max_len, device=device)[None, :] < lens[:, None])[:, None, None, :]
             k0, v0 = batch.pool.k[0], batch.pool.v[0]
             if not batch.pool.is_fp8 and all(k.shape == k0.shape for k in batch.pool.k) and all(v.shape == v0.shape for v in batch.pool.v):
                 # One pair for all layers: each layer's gather is read by its SDPA before the next layer's.
                 meta.decode_kv = (k0.new_empty(padded.numel(), *k0.shape[1:]),
                                   v0.new_empty(padded.numel(), *v0.shape[1:]))
+                # Views made once: every layer's gather writes the same buffers
+                meta.decode_kv_heads = tuple(b.view(len(decode_slots), max_len, *b.shape[1:]).transpose(1, 2)
+                                             for b in meta.decode_kv)
         batch.attn_meta = meta
 
     def forward(self, q: torch.Tensor, layer_id: int, scale: float, batch: ForwardBatch,
@@ -129,15 +135,17 @@ class TorchRefBackend(AttentionBackend):
             return od.squeeze(2)
         if meta.decode_rows is not None:
             qd = (q if meta.is_all_decode else q[meta.decode_rows]).unsqueeze(2)  # (Bd, Hq, 1, D)
-            bd, max_len = meta.decode_slots.shape
-            flat = meta.decode_slots.view(-1)  # index_select is much faster than advanced indexing on CPU
-            if pool.is_fp8:
-                kd, vd = pool.rows(layer_id, flat)
+            flat = meta.decode_flat  # index_select is much faster than advanced indexing on CPU
+            if meta.decode_kv_heads is not None:
+                torch.index_select(k_buf, 0, flat, out=meta.decode_kv[0])
+                torch.index_select(v_buf, 0, flat, out=meta.decode_kv[1])
+                kd, vd = meta.decode_kv_heads
             else:
-                kd_flat, vd_flat = meta.decode_kv or (None, None)
-                kd, vd = torch.index_select(k_buf, 0, flat, out=kd_flat), torch.index_select(v_buf, 0, flat, out=vd_flat)
-            kd = kd.view(bd, max_len, *k_buf.shape[1:]).transpose(1, 2)
-            vd = vd.view(bd, max_len, *v_buf.shape[1:]).transpose(1, 2)
+                bd, max_len = meta.decode_slots.shape
+                kd, vd = (pool.rows(layer_id, flat) if pool.is_fp8
+                          else (torch.index_select(k_buf, 0, flat), torch.index_select(v_buf, 0, flat)))
+                kd = kd.view(bd, max_len, *k_buf.shape[1:]).transpose(1, 2)
+                vd = vd.view(bd, max_len, *v_buf.shape[1:]).transpose(1, 2)
             od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=scale,
                                                 enable_gqa=gqa)
             if meta.is_all_decode:
