@@ -160,7 +160,10 @@ class PageAllocator:
         refs -= 1
         self._refs[idx] = refs
         freed = idx[refs == 0].tolist()
-        self._free.extend(freed)
+        # Reversed, so the next allocations pop a freed run in its own (usually ascending) order: a lone stream
+        # after an earlier request then gets consecutive ascending pages, which the CPU attention reads as a view
+        # of the pool instead of gathering them (layers/attention/torch_ref.py).
+        self._free.extend(reversed(freed))
         if self.on_free is not None and freed:
             self.on_free(freed)
 

@@ -365,3 +365,16 @@ def test_cpu_pool_starts_zero_and_layers_are_separate_memory():
     assert pool.k[1][[0, 1023]].eq(1).all() and pool.v[1][[0, 1023]].eq(2).all()
     assert int(pool.k[1].ne(0).sum()) == 16 and int(pool.v[1].ne(0).sum()) == 16
     assert all(not b.any() for i, b in enumerate(buffers) if i not in (1, 4))
+
+
+def test_freed_pages_come_back_in_their_own_order():
+    """A run of pages freed together is handed out again in the order it was held (ascending for a lone stream),
+    so the next sequence's slots are consecutive and the CPU attention reads them as a view of the pool."""
+    alloc = PageAllocator(16)
+    first = [alloc.alloc(1)[0] for _ in range(6)]
+    assert first == list(range(6))
+    alloc.decref(first)
+    again = [alloc.alloc(1)[0] for _ in range(6)]
+    assert again == first
+    alloc.decref(again[2:5])
+    assert alloc.alloc(3) == again[2:5]
