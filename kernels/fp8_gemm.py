@@ -161,6 +161,8 @@ TILED_CONFIGS = [
 """Path B's autotuned tiles, keyed by (M bucket, N, K): up to 128 x 256 with 8 warps for prefill, narrow ones for
 small M. A config whose tile does not fit shared memory is pruned by the autotuner (OutOfResources)."""
 
+INTERPRETER_TILE = dict(BLOCK_M=16, BLOCK_N=32, GROUP_M=4)
+
 _fp8_tiled_gemm_tuned = triton.autotune(TILED_CONFIGS, key=["M_BUCKET", "N", "K"])(_fp8_tiled_gemm_kernel)
 
 
@@ -192,6 +194,8 @@ def fp8_tiled_gemm(xq: torch.Tensor, x_scale: torch.Tensor, m: int, weight: torc
     def grid(meta):
         return (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)
 
+    if config is None and xq.device.type == "cpu":
+        config = INTERPRETER_TILE  # the interpreter has no timer to tune with
     if config is not None:
         _fp8_tiled_gemm_kernel[grid(config)](*args, **flags, **config)
     else:
