@@ -241,9 +241,9 @@ def scaled_mm_unsupported(device: torch.device) -> str | None:
             _SCALED_MM_PROBED[index] = f"block-scaled scaled_mm is SM90-only (device is SM{major}{minor})"
         else:
             xq = torch.zeros(128, 128, dtype=torch.float8_e4m3fn, device=device)
-            scale = torch.ones(1, 1, dtype=torch.float32, device=device)
+            x_scale = torch.ones(1, 128, dtype=torch.float32, device=device).t()  # M-major, as fp8_quant's
             try:
-                fp8_scaled_mm(xq, scale.expand(128, 1), 128, xq, scale, torch.bfloat16)
+                fp8_scaled_mm(xq, x_scale, 128, xq, torch.ones(1, 1, device=device), torch.bfloat16)
                 _SCALED_MM_PROBED[index] = None
             except (RuntimeError, NotImplementedError) as e:
                 _SCALED_MM_PROBED[index] = f"block-scaled scaled_mm failed on this build: {str(e).splitlines()[0]}"
