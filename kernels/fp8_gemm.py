@@ -1,4 +1,4 @@
-"""Block-scaled W8A8 FP8 GEMM in Triton (DeepSeek-V3/R1 weights on Hopper): y = x @ dequant(w).T.
+"""Block-scaled W8A8 FP8 GEMMs (DeepSeek-V3/R1 weights on Hopper): y = x @ dequant(w).T.
 
 w is float8 e4m3 (N, K) with a float32 scale per GROUP_N rows x BLOCK_K columns (`weight_scale_inv`: 128 x 128
 blocks in the V3 release; GROUP_N = 1 when a merged layer's shards do not start on a block boundary and the
@@ -10,6 +10,15 @@ then scaled by the token's activation scale and the weight block's scale and add
     acc[m, n] += dot(q(x)[m, k0:k0+BK], w[n, k0:k0+BK]) * s_x[m, k0 / BK] * s_w[n / GROUP_N, k0 / BK]
 
 No split-K: each output is one program's sum in K order.
+
+Three paths (`fp8_gemm(..., path=)`, chosen by DEEPINFER_FP8_GEMM where the layer's method is built):
+
+    triton     fp8_block_gemm: the fused kernel above, small tiles by row count (today's default)
+    tiled      fp8_tiled_gemm: activations quantized once (deepinfer_kernels.fp8_quant, the same values), then
+               a GEMM over them with autotuned tiles up to 128 x 256, the same per-K-block fp32 scaling
+    scaled_mm  fp8_scaled_mm: the same quantized activations into torch.nn.functional.scaled_mm with the
+               BlockWise1x128 / BlockWise128x128 recipes (cuBLASLt, SM90, torch >= 2.10); GEMMs it does not
+               take (N or K not a multiple of 128, per-row scales, a non-bf16 output) run the tiled path
 """
 from __future__ import annotations
 
@@ -97,3 +106,223 @@ def fp8_block_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torc
         x2.stride(0), weight.stride(0), weight_scale_inv.stride(0), y.stride(0), HAS_BIAS=bias is not None,
         GROUP_N=group_n, BLOCK_K=block_k, IS_INTERPRETED=x.device.type == "cpu", **config)
     return y.view(*x.shape[:-1], n)
+
+
+# ---- over pre-quantized activations (deepinfer_kernels.fp8_quant): the tiled Triton GEMM, torch's scaled_mm ----
+
+@triton.jit
+def _fp8_tiled_gemm_kernel(XQ, XS, W, WS, B, Y, M, N, K, M_BUCKET, stride_xm, stride_xsm, stride_xsk, stride_wn,
+                           stride_wsn, stride_ym, HAS_BIAS: tl.constexpr, GROUP_N: tl.constexpr,
+                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                           GROUP_M: tl.constexpr, IS_INTERPRETED: tl.constexpr):
+    """acc[m, n] += dot(xq[m, k0:k0+BK], w[n, k0:k0+BK]) * xs[m, k0 / BK] * ws[n / GROUP_N, k0 / BK], the fused
+    kernel's sum with the activations read quantized. M_BUCKET only keys the autotuner. Programs walk GROUP_M row
+    tiles per column tile, so a wave of programs shares weight tiles in L2."""
+    pid = tl.program_id(0)
+    num_m, num_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
+    first_m = (pid // (GROUP_M * num_n)) * GROUP_M
+    rows_in_group = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % (GROUP_M * num_n)) % rows_in_group
+    pid_n = (pid % (GROUP_M * num_n)) // rows_in_group
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    mmask = offs_m < M
+    nmask = offs_n < N
+    x_ptrs = XQ + offs_m.to(tl.int64)[:, None] * stride_xm + offs_k[None, :]
+    w_ptrs = W + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
+    xs_ptrs = XS + offs_m * stride_xsm
+    ws_ptrs = WS + (offs_n // GROUP_N) * stride_wsn
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for kb in range(0, tl.cdiv(K, BLOCK_K)):
+        kmask = offs_k < K - kb * BLOCK_K
+        x = tl.load(x_ptrs, mask=mmask[:, None] & kmask[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=nmask[:, None] & kmask[None, :], other=0.0)
+        x_scale = tl.load(xs_ptrs + kb * stride_xsk, mask=mmask, other=0.0)
+        w_scale = tl.load(ws_ptrs + kb, mask=nmask, other=0.0)
+        if IS_INTERPRETED:  # the interpreter dots exact fp32 copies of the e4m3 values
+            part = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)))
+        else:
+            part = tl.dot(x, tl.trans(w))
+        acc += part * x_scale[:, None] * w_scale[None, :]
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    if HAS_BIAS:
+        acc += tl.load(B + offs_n, mask=nmask, other=0.0).to(tl.float32)[None, :]
+    tl.store(Y + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :], acc.to(Y.dtype.element_ty),
+             mask=mmask[:, None] & nmask[None, :])
+
+
+TILED_CONFIGS = [
+    triton.Config(dict(BLOCK_M=bm, BLOCK_N=bn, GROUP_M=8), num_warps=w, num_stages=s)
+    for bm, bn, w, s in ((64, 128, 4, 4), (64, 256, 8, 3), (128, 128, 8, 3), (128, 128, 8, 4), (128, 256, 8, 3),
+                         (32, 128, 4, 4), (16, 128, 4, 4), (16, 64, 4, 5))
+]
+"""Path B's autotuned tiles, keyed by (M bucket, N, K): up to 128 x 256 with 8 warps for prefill, narrow ones for
+small M. A config whose tile does not fit shared memory is pruned by the autotuner (OutOfResources)."""
+
+INTERPRETER_TILE = dict(BLOCK_M=16, BLOCK_N=32, GROUP_M=4)
+
+_fp8_tiled_gemm_tuned = triton.autotune(TILED_CONFIGS, key=["M_BUCKET", "N", "K"])(_fp8_tiled_gemm_kernel)
+
+
+def m_bucket(m: int) -> int:
+    """The autotuner's key for a row count: powers of four from 16 to 4096, then 8192 for every larger M."""
+    bucket = 16
+    while bucket < m and bucket < 8192:
+        bucket *= 4 if bucket < 4096 else 2
+    return bucket
+
+
+def fp8_tiled_gemm(xq: torch.Tensor, x_scale: torch.Tensor, m: int, weight: torch.Tensor,
+                   weight_scale_inv: torch.Tensor, group_n: int, block_k: int, out_dtype: torch.dtype,
+                   bias: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
+    """Path B: xq (>= m, K) float8_e4m3fn and x_scale (>= m, ceil(K/block_k)) float32 (any strides: fp8_quant's
+    M-major layout) from deepinfer_kernels.fp8_quant, times weight (N, K) with its block scales -> (m, N)
+    out_dtype. config: fixed BLOCK_M / BLOCK_N / GROUP_M / num_warps / num_stages instead of the autotuner (the
+    interpreter test)."""
+    k, n = xq.shape[1], weight.shape[0]
+    assert weight.shape[1] == k and weight.dtype == torch.float8_e4m3fn and weight.stride(1) == 1
+    assert xq.stride(1) == 1 and x_scale.shape[1] == triton.cdiv(k, block_k)
+    y = torch.empty(m, n, dtype=out_dtype, device=xq.device)
+    args = (xq, x_scale, weight, weight_scale_inv, bias if bias is not None else weight_scale_inv, y, m, n, k,
+            m_bucket(m), xq.stride(0), x_scale.stride(0), x_scale.stride(1), weight.stride(0),
+            weight_scale_inv.stride(0), y.stride(0))
+    flags = dict(HAS_BIAS=bias is not None, GROUP_N=group_n, BLOCK_K=block_k,
+                 IS_INTERPRETED=xq.device.type == "cpu")
+
+    def grid(meta):
+        return (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)
+
+    if config is None and xq.device.type == "cpu":
+        config = INTERPRETER_TILE  # the interpreter has no timer to tune with
+    if config is not None:
+        _fp8_tiled_gemm_kernel[grid(config)](*args, **flags, **config)
+    else:
+        _fp8_tiled_gemm_tuned[grid](*args, **flags)
+    return y
+
+
+def _round_up(a: int, b: int) -> int:
+    return triton.cdiv(a, b) * b
+
+
+SCALED_MM_ROW_MULTIPLE = 4
+"""cuBLASLt's block-scaled GEMM reads the M-major activation scales in rows of a multiple of 4 tokens: x is
+quantized into that many rows (zeros past M) and the output sliced back."""
+
+
+def scaled_mm_api_missing() -> str | None:
+    """Why this torch build cannot run path A (None when it has the API): torch.nn.functional.scaled_mm with the
+    BlockWise1x128 / BlockWise128x128 recipes (torch >= 2.10's scaled_mm v2)."""
+    functional = torch.nn.functional
+    recipes = getattr(getattr(functional, "ScalingType", None), "__members__", {})
+    if not hasattr(functional, "scaled_mm") or not {"BlockWise1x128", "BlockWise128x128"} <= set(recipes):
+        return (f"torch {torch.__version__} has no torch.nn.functional.scaled_mm with the BlockWise1x128 / "
+                "BlockWise128x128 scaling recipes")
+    return None
+
+
+_SCALED_MM_PROBED: dict[int, str | None] = {}
+
+
+def scaled_mm_unsupported(device: torch.device) -> str | None:
+    """Why path A cannot run on `device` (None when it can): the torch API, a CUDA SM90 device (cuBLASLt's
+    DeepSeek-style scaling is Hopper-only) and cuBLASLt >= 12.9, probed once per device by a 128^3 product."""
+    missing = scaled_mm_api_missing()
+    if missing is not None:
+        return missing
+    if device.type != "cuda":
+        return f"block-scaled scaled_mm needs a CUDA device, not {device.type}"
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SCALED_MM_PROBED:
+        major, minor = torch.cuda.get_device_capability(index)
+        if major != 9:
+            _SCALED_MM_PROBED[index] = f"block-scaled scaled_mm is SM90-only (device is SM{major}{minor})"
+        else:
+            xq = torch.zeros(128, 128, dtype=torch.float8_e4m3fn, device=device)
+            x_scale = torch.ones(1, 128, dtype=torch.float32, device=device).t()  # M-major, as fp8_quant's
+            try:
+                fp8_scaled_mm(xq, x_scale, 128, xq, torch.ones(1, 1, device=device), torch.bfloat16)
+                _SCALED_MM_PROBED[index] = None
+            except (RuntimeError, NotImplementedError) as e:
+                _SCALED_MM_PROBED[index] = f"block-scaled scaled_mm failed on this build: {str(e).splitlines()[0]}"
+    return _SCALED_MM_PROBED[index]
+
+
+def scaled_mm_shape_unsupported(n: int, k: int, group_n: int, block_k: int, out_dtype: torch.dtype) -> str | None:
+    """Why path A does not take this GEMM (None when it does): 128 x 128 weight blocks, N and K multiples of 128
+    (the recipes' scale shapes are N / 128 and K / 128), a bf16 output."""
+    if (group_n, block_k) != (128, 128):
+        return f"weight scales per {group_n} x {block_k}, not 128 x 128 blocks"
+    if n % 128 or k % 128:
+        return f"N = {n} and K = {k} must be multiples of 128"
+    if out_dtype != torch.bfloat16:
+        return f"output {out_dtype}, not bfloat16"
+    return None
+
+
+def fp8_scaled_mm(xq: torch.Tensor, x_scale: torch.Tensor, m: int, weight: torch.Tensor,
+                  weight_scale_inv: torch.Tensor, out_dtype: torch.dtype,
+                  bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Path A: torch.nn.functional.scaled_mm with the DeepSeek recipes (cuBLASLt on SM90). xq (M_pad, K) and
+    x_scale (M_pad, K/128) M-major from deepinfer_kernels.fp8_quant (M_pad a multiple of 4), weight (N, K) with
+    (N/128, K/128) scales -> (m, N). The weight scales go in as (L4, N/128) with strides (1, L4), L4 = K/128
+    rounded up to 4 (zero-padded when it is not)."""
+    functional = torch.nn.functional
+    n, k_blocks = weight_scale_inv.shape
+    l4 = _round_up(k_blocks, 4)
+    if l4 != k_blocks:
+        padded = weight_scale_inv.new_zeros(n, l4)
+        padded[:, :k_blocks] = weight_scale_inv
+        weight_scale_inv = padded
+    y = functional.scaled_mm(xq, weight.t(), x_scale, functional.ScalingType.BlockWise1x128,
+                             weight_scale_inv.t(), functional.ScalingType.BlockWise128x128, output_dtype=out_dtype)
+    y = y[:m]
+    return y if bias is None else y + bias
+
+
+# ---- the path switch (DEEPINFER_FP8_GEMM, read where the layer's method is built) ----
+
+FP8_GEMM_PATHS = ("triton", "scaled_mm", "tiled", "auto")
+"""triton: the fused kernel above (activations quantized in every N tile); scaled_mm: path A (torch's block-scaled
+GEMM, the tiled path for shapes it does not take); tiled: path B; auto: per row count from AUTO_PATHS."""
+
+AUTO_PATHS: tuple[tuple[int, str], ...] = ((1 << 62, "triton"),)
+"""(largest M, path) rows, first match wins: `auto`'s choice. Today's path everywhere until an H200 run of
+`benchmark/bench_fp8_gemm.py` fills it (the benchmark prints the table its timings give)."""
+
+
+def auto_path(m: int) -> str:
+    return next(path for largest, path in AUTO_PATHS if m <= largest)
+
+
+def fp8_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor, group_n: int, block_k: int,
+             bias: torch.Tensor | None = None, path: str = "triton") -> torch.Tensor:
+    """y = x @ dequant(weight).T through `path` (one of FP8_GEMM_PATHS); the arguments as fp8_block_gemm's.
+    scaled_mm on a GEMM it does not take (scaled_mm_shape_unsupported), or where the build or device lacks it
+    under `auto`, runs the tiled path; an explicit scaled_mm on a build or device without it raises."""
+    is_auto = path == "auto"
+    if is_auto:
+        path = auto_path(x.numel() // x.shape[-1])
+    if path == "triton":
+        return fp8_block_gemm(x, weight, weight_scale_inv, group_n, block_k, bias)
+    from deepinfer_kernels.fp8_quant import quantize_fp8_token_groups
+
+    k, n = x.shape[-1], weight.shape[0]
+    x2 = x.reshape(-1, k)
+    m = x2.shape[0]
+    if m == 0:
+        return x.new_empty(*x.shape[:-1], n)
+    if path == "scaled_mm":
+        reason = scaled_mm_unsupported(x.device)
+        if reason is not None and not is_auto:
+            raise RuntimeError(f"DEEPINFER_FP8_GEMM=scaled_mm: {reason}")
+        if reason is None and scaled_mm_shape_unsupported(n, k, group_n, block_k, x.dtype) is None:
+            xq, xs = quantize_fp8_token_groups(x2, block_k, SCALED_MM_ROW_MULTIPLE)
+            return fp8_scaled_mm(xq, xs, m, weight, weight_scale_inv, x.dtype, bias).view(*x.shape[:-1], n)
+    elif path != "tiled":
+        raise ValueError(f"FP8 GEMM path {path!r} is not one of {FP8_GEMM_PATHS}")
+    xq, xs = quantize_fp8_token_groups(x2, block_k)
+    return fp8_tiled_gemm(xq, xs, m, weight, weight_scale_inv, group_n, block_k, x.dtype,
+                          bias).view(*x.shape[:-1], n)

@@ -9,8 +9,9 @@ after another (`scale_offsets`): the layout of the merged weight's blocks when e
 a block boundary (V3's), and still correct when one does not (q_lora_rank = 192 with 128-row blocks). Fused
 routed experts (E, N, K) keep (E, ceil(N/bn), ceil(K/bk)) per projection, gate's then up's for gate_up.
 
-    Fp8BlockLinear    CUDA, not batch-invariant: float8 weights + scales on the device, the Triton W8A8 block GEMM
-                      (deepinfer_kernels.fp8_gemm); activations quantized per token and bk-channel group in it
+    Fp8BlockLinear    CUDA, not batch-invariant: float8 weights + scales on the device, the W8A8 block GEMM
+                      (deepinfer_kernels.fp8_gemm; DEEPINFER_FP8_GEMM picks its path); activations quantized per
+                      token and bk-channel group
     Fp8DequantLinear  elsewhere (CPU, batch-invariant mode, MLA's kv_b whose per-head slices feed the absorbed
                       matmuls): dequantized once at load to the engine dtype, fp32 math of value x scale, rounded
                       once; then the unquantized method it wraps runs
@@ -36,6 +37,7 @@ import torch
 from torch import nn
 
 from deepinfer_kernels.reference import dequantize_fp8_blocks, quantize_fp8_blocks
+from deepinfer_rt.env import get_env
 from deepinfer_rt.layers.kernel_config import KernelConfig
 from deepinfer_rt.layers.methods import LinearMethod, linear_method
 from deepinfer_rt.layers.quant_formats import read_scale
@@ -172,21 +174,40 @@ class Fp8DequantLinear(Fp8LinearMethod):
         layer.weight_scale_inv = None
 
 
+def fp8_gemm_path(path: str) -> str:
+    """`path` (DEEPINFER_FP8_GEMM) checked: one of deepinfer_kernels.fp8_gemm.FP8_GEMM_PATHS, and for
+    'scaled_mm' a torch build that has the block-scaled API (the device is probed at the first GEMM)."""
+    from deepinfer_kernels.fp8_gemm import FP8_GEMM_PATHS, scaled_mm_api_missing
+
+    if path not in FP8_GEMM_PATHS:
+        raise ValueError(f"DEEPINFER_FP8_GEMM={path!r}: not one of {', '.join(FP8_GEMM_PATHS)}")
+    missing = scaled_mm_api_missing() if path == "scaled_mm" else None
+    if missing is not None:
+        raise ValueError(f"DEEPINFER_FP8_GEMM=scaled_mm: {missing}")
+    return path
+
+
 class Fp8BlockLinear(Fp8LinearMethod):
-    """CUDA: float8 weight and float32 block scales on the device, the Triton W8A8 block GEMM. Where a merged
-    layer's shard starts inside a row block, the scales are expanded to one row per weight row (GROUP_N = 1)."""
+    """CUDA: float8 weight and float32 block scales on the device, a block-scaled FP8 GEMM (`gemm_path`, from
+    DEEPINFER_FP8_GEMM: deepinfer_kernels.fp8_gemm.fp8_gemm's paths). Where a merged layer's shard starts inside
+    a row block, the scales are expanded to one row per weight row (GROUP_N = 1)."""
 
     weight_dtype = torch.float8_e4m3fn
     is_quantized = True
+
+    def __init__(self, block: tuple[int, int], is_checkpoint_quantized: bool, scale_fmt: str = "float32",
+                 gemm_path: str = "triton"):
+        super().__init__(block, is_checkpoint_quantized, scale_fmt)
+        self.gemm_path = fp8_gemm_path(gemm_path)
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         raise NotImplementedError("Fp8BlockLinear runs a layer's own weights and scales (apply)")
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        from deepinfer_kernels.fp8_gemm import fp8_block_gemm
+        from deepinfer_kernels.fp8_gemm import fp8_gemm
 
-        return fp8_block_gemm(x, layer.weight, layer.weight_scale_inv, layer.scale_group_n, self.block[1],
-                              layer.bias)
+        return fp8_gemm(x, layer.weight, layer.weight_scale_inv, layer.scale_group_n, self.block[1], layer.bias,
+                        self.gemm_path)
 
     @torch.no_grad()
     def process_weights_after_loading(self, layer: nn.Module) -> None:
@@ -205,11 +226,15 @@ class Fp8BlockLinear(Fp8LinearMethod):
         layer.weight_scale_inv = nn.Parameter(scale.contiguous(), requires_grad=False)
 
 
-@functools.cache
 def weight_linear_method(config: KernelConfig) -> LinearMethod:
     """The method of a layer holding a model weight (Linear, MergedLinear): FP8 under `quantization == 'fp8'`
     (the GEMM on CUDA, dequantized elsewhere), weight-only int8 under 'int8' (CPU, layers/int8.py), 4-bit under 'q4_1' (CPU, layers/q4.py), else the
-    config's unquantized method."""
+    config's unquantized method. One method object per (config, DEEPINFER_FP8_GEMM)."""
+    return _weight_linear_method(config, get_env().fp8_gemm)
+
+
+@functools.cache
+def _weight_linear_method(config: KernelConfig, gemm_path: str) -> LinearMethod:
     if config.quantization == "int8":
         from deepinfer_rt.layers.int8 import Int8WeightOnlyLinear
 
@@ -221,7 +246,7 @@ def weight_linear_method(config: KernelConfig) -> LinearMethod:
     if config.quantization != "fp8":
         return linear_method(config)
     if config.is_triton and not config.is_batch_invariant:
-        return Fp8BlockLinear(config.weight_block_size, config.is_checkpoint_quantized, config.scale_fmt)
+        return Fp8BlockLinear(config.weight_block_size, config.is_checkpoint_quantized, config.scale_fmt, gemm_path)
     return dense_linear_method(config)
 
 

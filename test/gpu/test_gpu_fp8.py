@@ -6,6 +6,10 @@
   the same fp32 values; they differ by fp32 summation order, the bf16 output rounding and, rarely, an
   activation rounded to the neighbouring e4m3 value (the GPU's fp32 division): relative error <= 5e-3 in norm.
   Against the bf16 product of x and the dequantized weight the activations' e4m3 rounding leaves a few percent.
+- The FP8 GEMM's other paths (fp8_gemm(..., path="tiled" | "scaled_mm"): activations quantized once by
+  deepinfer_kernels.fp8_quant, then the tiled Triton GEMM or torch's block-scaled scaled_mm) against the same torch
+  form at V2-Lite and V3 shapes, M = 1 to 8192 (scaled_mm skipped, with the reason, where the torch build or the
+  device lacks it); the quantizer against the fused kernel's own quantization, bit for bit.
 - The FP8 fused MoE (deepinfer_kernels.fused_moe_fp8) against its torch form and the bf16 fused MoE at
   V2-Lite's expert shapes, 1 to 4096 tokens; timings beside the bf16 kernel printed.
 - FP8 engines on a tiny random V3 (Engine(quantization="fp8") on a bf16 checkpoint, and the same checkpoint in
@@ -81,6 +85,63 @@ def test_fp8_block_gemm_timing_vs_bf16():
             t8 = do_bench(lambda: fp8_block_gemm(x, q, s, 128, 128))
             t16 = do_bench(lambda: x @ wb.t())
             print(f"fp8 gemm {name} M={m}: {t8 * 1e3:.1f} us, bf16 cuBLAS {t16 * 1e3:.1f} us")
+
+
+V3_SHAPES = {  # (N, K) of full-width DeepSeek-V3 linears (hidden 7168, q_lora 1536, 128 heads, dense inter 18432)
+    "fused_qkv_a": (1536 + 576, 7168), "q_b": (128 * 192, 1536), "o_proj": (7168, 128 * 128),
+    "dense_gate_up": (2 * 18432, 7168), "dense_down": (7168, 18432),
+}
+GEMM_SHAPES = {**{f"v2lite_{k}": v for k, v in V2_LITE_SHAPES.items()}, **{f"v3_{k}": v for k, v in V3_SHAPES.items()}}
+
+
+@pytest.mark.parametrize("path", ["tiled", "scaled_mm"])
+@pytest.mark.parametrize("shape", list(GEMM_SHAPES), ids=list(GEMM_SHAPES))
+@pytest.mark.parametrize("m", [1, 64, 2048, 8192])
+def test_fp8_gemm_paths_against_reference(path, shape, m):
+    """Paths B (tiled) and A (scaled_mm; the tiled path where N or K is not a multiple of 128) against the torch
+    form, as the fused kernel above: the same activation quantization, fp32 sums in another order, the bf16 output
+    rounding and a rare e4m3 neighbour (the GPU's fp32 division): relative error <= 5e-3 in norm. Against the fused
+    kernel, which quantizes to the same values: <= 3e-3 (the bf16 rounding of two fp32 sums)."""
+    from deepinfer_kernels.fp8_gemm import fp8_block_gemm, fp8_gemm, scaled_mm_unsupported
+    from deepinfer_kernels.reference import fp8_block_gemm as ref_gemm, quantize_fp8_blocks
+
+    if path == "scaled_mm" and (reason := scaled_mm_unsupported(torch.device(DEV))) is not None:
+        pytest.skip(reason)
+    n, k = GEMM_SHAPES[shape]
+    g = torch.Generator(device=DEV).manual_seed(m * 7 + n)
+    q, s = quantize_fp8_blocks(torch.randn(n, k, device=DEV, generator=g) * 0.02)
+    x = torch.randn(m, k, device=DEV, generator=g).bfloat16()
+    bias = torch.randn(n, device=DEV, generator=g).bfloat16() if m == 64 else None
+    y = fp8_gemm(x, q, s, 128, 128, bias, path=path)
+    assert y.dtype == torch.bfloat16 and y.shape == (m, n)
+    want = ref_gemm(x.float(), q, s) + (bias.float() if bias is not None else 0)
+    assert rel_err(y, want) <= 5e-3
+    assert rel_err(y, fp8_block_gemm(x, q, s, 128, 128, bias)) <= 3e-3
+    if m == 64:  # 3-D input and per-row scales (off-boundary shards: the tiled path under either switch)
+        rows = s.repeat_interleave(128, dim=0)[:n].contiguous()
+        y3 = fp8_gemm(x.view(2, 32, k), q, rows, 1, 128, bias, path=path)
+        assert y3.shape == (2, 32, n) and rel_err(y3.view(m, n), y) <= 2e-3
+
+
+@pytest.mark.parametrize("m", [1, 61, 2048])
+def test_fp8_quantizer_equals_fused_kernel_quantization(m):
+    """deepinfer_kernels.fp8_quant's values are the fused kernel's, bit for bit, compiled: through an identity
+    weight with unit scales the fused kernel returns q(x) x s(x) per element (one nonzero product per output)."""
+    from deepinfer_kernels.fp8_gemm import fp8_block_gemm
+    from deepinfer_kernels.fp8_quant import quantize_fp8_token_groups
+    from deepinfer_kernels.reference import expand_block_scales, quantize_fp8_token_groups as ref
+
+    k = 2048
+    x = torch.randn(m, k, device=DEV) * torch.logspace(-3, 3, k // 128, device=DEV).repeat_interleave(128)
+    q, sx = quantize_fp8_token_groups(x, 128, 4)
+    eye = torch.eye(k, device=DEV).to(torch.float8_e4m3fn)
+    fused = fp8_block_gemm(x, eye, torch.ones(k // 128, k // 128, device=DEV), 128, 128)
+    assert torch.equal(fused, q[:m].float() * expand_block_scales(sx[:m], (m, k), (1, 128)))
+    assert not q[m:].float().any()
+    # The torch form on the same device: equal but for a rare neighbour (Triton's fp32 division).
+    want_q, want_s = ref(x, 128)
+    assert (q[:m].float() != want_q.float()).float().mean() <= 5e-3
+    assert ((sx[:m] - want_s).abs() <= 3e-7 * want_s).all()  # within 2 ulp
 
 
 V2_LITE_EXPERTS = dict(e=64, hidden=2048, inter=1408, k=6)

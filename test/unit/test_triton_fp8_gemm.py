@@ -87,5 +87,17 @@ def test_fp8_block_gemm_matches_dequantized_matmul():
     assert _interpret(_GEMM).strip().endswith("ok")
 
 
-def test_fp8_block_linear_merged_shards_off_block_boundary():
-    assert _interpret(_LINEAR).strip().endswith("ok")
+@pytest.mark.parametrize("path", ["triton", "tiled"])
+def test_fp8_block_linear_merged_shards_off_block_boundary(path, monkeypatch):
+    """Through the fused kernel (the default) and, under DEEPINFER_FP8_GEMM=tiled, the quantize-once tiled GEMM."""
+    monkeypatch.setenv("DEEPINFER_FP8_GEMM", path)
+    assert _interpret(_LINEAR + f"assert layer.method.gemm_path == {path!r}\n").strip().endswith("ok")
+
+
+def test_fp8_gemm_switch_refuses_unknown_path(monkeypatch):
+    monkeypatch.setenv("DEEPINFER_FP8_GEMM", "cutlass")
+    from deepinfer_rt.layers.fp8 import weight_linear_method
+    from deepinfer_rt.layers.kernel_config import KernelConfig
+
+    with pytest.raises(ValueError, match="DEEPINFER_FP8_GEMM='cutlass': not one of triton, scaled_mm, tiled, auto"):
+        weight_linear_method(KernelConfig(device_type="cuda", quantization="fp8", is_checkpoint_quantized=True))

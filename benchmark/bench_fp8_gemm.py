@@ -1,0 +1,167 @@
+"""The block-scaled FP8 GEMM's paths side by side (deepinfer_kernels.fp8_gemm): today's fused Triton kernel
+(`triton`), activations quantized once then the autotuned tiled Triton GEMM (`tiled`), the same activations into
+torch's block-scaled scaled_mm (`scaled_mm`, cuBLASLt on SM90), and cuBLAS bf16 on the dequantized weight, at
+DeepSeek-V2-Lite and full-width V3 projection shapes, M = 1 / 64 / 2048 / 8192 rows. Each row gives the time of
+every path (CUDA-graph replays, so decode sizes are not launch-bound), its FLOP/s over the FP8 matmul rate
+measured in the same run (torch._scaled_mm, 8192^3, tensor-wise scales) and the floor max(weight bytes / copy
+bandwidth, FLOPs / FP8 rate). At the end: the `auto` table this run's timings give (fp8_gemm.AUTO_PATHS: per M,
+the path of least geometric-mean time over the shapes), to copy into kernels/fp8_gemm.py.
+
+    python benchmark/bench_fp8_gemm.py --out benchmark/results/gpu_fp8_gemm_h200.json     (H200, ~2 minutes)
+    TRITON_INTERPRET=1 python benchmark/bench_fp8_gemm.py --device cpu --out /tmp/fp8_gemm_cpu.json   (smoke run)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import triton
+
+from deepinfer_kernels.fp8_gemm import fp8_gemm, scaled_mm_shape_unsupported, scaled_mm_unsupported
+from deepinfer_kernels.reference import dequantize_fp8_blocks, quantize_fp8_blocks
+
+SHAPES = {  # (N, K)
+    "v2lite_fused_qkv_a": (3072 + 576, 2048), "v2lite_dense_gate_up": (2 * 10944, 2048),
+    "v2lite_dense_down": (2048, 10944), "v2lite_shared_gate_up": (2 * 2816, 2048),
+    "v3_fused_qkv_a": (1536 + 576, 7168), "v3_q_b": (128 * 192, 1536), "v3_o_proj": (7168, 128 * 128),
+    "v3_dense_gate_up": (2 * 18432, 7168), "v3_dense_down": (7168, 18432),
+}
+ROWS = (1, 64, 2048, 8192)
+FP8_PATHS = ("triton", "tiled", "scaled_mm")
+
+
+def _seconds(fn, device: str) -> float:
+    """CUDA-graph replays on the GPU (fn runs once first: compiles and autotunes outside the capture), else the
+    median of 3 wall-clock calls (the interpreter: a smoke run, no timing worth reading)."""
+    fn()
+    if device == "cuda":
+        return triton.testing.do_bench_cudagraph(fn, rep=30, return_mode="median") / 1e3
+    times = []
+    for _ in range(3):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def ceilings(device: str) -> dict:
+    """Copy bytes/s, bf16 and FP8 matmul FLOP/s, measured now."""
+    numel, n = (1 << 29, 8192) if device == "cuda" else (1 << 20, 256)
+    src = torch.randn(numel, dtype=torch.bfloat16, device=device)
+    dst = torch.empty_like(src)
+    copy_bw = 2 * numel * 2 / _seconds(lambda: dst.copy_(src), device)
+    a = torch.randn(n, n, dtype=torch.bfloat16, device=device)
+    out = {"copy_bytes_per_s": copy_bw, "bf16_matmul_flop_per_s": 2 * n**3 / _seconds(lambda: a @ a, device)}
+    if device == "cuda":
+        a8, one = a.to(torch.float8_e4m3fn), torch.ones((), device=device)
+        out["fp8_matmul_flop_per_s"] = 2 * n**3 / _seconds(
+            lambda: torch._scaled_mm(a8, a8.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16), device)
+    else:  # no FP8 matmul on CPU: the bf16 rate stands in, so the smoke run fills every field
+        out["fp8_matmul_flop_per_s"] = out["bf16_matmul_flop_per_s"]
+    return out
+
+
+def gemm_rows(device: str, ceil: dict, shapes: dict, rows: tuple[int, ...], skip_scaled_mm: str | None,
+              save) -> list:
+    """One row per (shape, M); `save(rows so far)` after each, so a run cut short keeps what it measured."""
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32  # the interpreter multiplies bf16 as integers
+    out = []
+    for name, (n, k) in shapes.items():
+        q, s = quantize_fp8_blocks(torch.randn(n, k, device=device) * 0.02)
+        dense = dequantize_fp8_blocks(q, s, dtype=dtype)
+        weight_bytes = q.numel() + s.numel() * 4
+        for m in rows:
+            x = torch.randn(m, k, device=device, dtype=dtype)
+            flops = 2 * m * n * k
+            row = {"shape": name, "m": m, "n": n, "k": k,
+                   "floor_us": 1e6 * max(weight_bytes / ceil["copy_bytes_per_s"], flops / ceil["fp8_matmul_flop_per_s"])}
+            shape_reason = scaled_mm_shape_unsupported(n, k, 128, 128, dtype)
+            for path in FP8_PATHS:
+                if path == "scaled_mm" and (skip_scaled_mm or shape_reason):
+                    row["scaled_mm_skipped"] = skip_scaled_mm or f"{shape_reason} (the tiled path runs it)"
+                    continue
+                seconds = _seconds(lambda: fp8_gemm(x, q, s, 128, 128, path=path), device)
+                row[f"{path}_us"] = seconds * 1e6
+                row[f"{path}_fraction_of_fp8_rate"] = flops / seconds / ceil["fp8_matmul_flop_per_s"]
+                row[f"{path}_fraction_of_floor"] = row["floor_us"] / row[f"{path}_us"]
+            seconds = _seconds(lambda: x @ dense.t(), device)
+            row["bf16_cublas_us"] = seconds * 1e6
+            row["bf16_cublas_fraction_of_bf16_rate"] = flops / seconds / ceil["bf16_matmul_flop_per_s"]
+            print({key: round(v, 3) if isinstance(v, float) else v for key, v in row.items()}, flush=True)
+            out.append(row)
+            save(out)
+        del q, s, dense
+    return out
+
+
+def auto_table(rows: list[dict]) -> list[tuple[int, str]]:
+    """Per M, the FP8 path of least geometric-mean time over the shapes that every path ran (the scaled_mm rows
+    where it was skipped for a shape count as the tiled path's, which runs them), merged into (largest M, path)
+    rows in the form of fp8_gemm.AUTO_PATHS (the last row open-ended)."""
+    best = []
+    for m in sorted({r["m"] for r in rows}):
+        at_m = [r for r in rows if r["m"] == m]
+        means = {}
+        for path in FP8_PATHS:
+            times = [r.get(f"{path}_us", r.get("tiled_us")) if path == "scaled_mm" else r.get(f"{path}_us")
+                     for r in at_m]
+            if all(t is not None for t in times) and not (path == "scaled_mm" and all("scaled_mm_skipped" in r
+                                                                                       for r in at_m)):
+                means[path] = math.exp(sum(math.log(t) for t in times) / len(times))
+        best.append((m, min(means, key=means.get)))
+    table = []
+    for m, path in best:
+        if table and table[-1][1] == path:
+            table[-1] = (m, path)
+        else:
+            table.append((m, path))
+    return table[:-1] + [(1 << 62, table[-1][1])]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="benchmark/results/gpu_fp8_gemm_h200.json")
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    parser.add_argument("--shapes", nargs="*", default=None, help=f"a subset of {', '.join(SHAPES)}")
+    parser.add_argument("--rows", default=None, help="row counts, comma-separated (default 1,64,2048,8192)")
+    args = parser.parse_args()
+    if args.device == "cpu":
+        import os
+
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            raise SystemExit("--device cpu runs the Triton kernels in the interpreter: set TRITON_INTERPRET=1")
+        shapes = {"tiny": (256, 256), "tiny_partial_n": (200, 384)}
+        rows = (1, 16)
+    else:
+        unknown = set(args.shapes or ()) - set(SHAPES)
+        if unknown:
+            raise SystemExit(f"unknown shapes {sorted(unknown)}: choose from {', '.join(SHAPES)}")
+        shapes = {k: SHAPES[k] for k in (args.shapes or SHAPES)}
+        rows = ROWS
+    if args.rows:
+        rows = tuple(int(r) for r in args.rows.split(","))
+    skip = scaled_mm_unsupported(torch.device(args.device))
+    if skip:
+        print(f"scaled_mm skipped: {skip}", flush=True)
+    ceil = ceilings(args.device)
+    print({k: f"{v:.3e}" for k, v in ceil.items()}, flush=True)
+    result = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+              "torch": torch.__version__, "triton": triton.__version__, **ceil, "scaled_mm_skipped": skip}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+
+    def save(rows_so_far: list) -> None:
+        result["rows"] = rows_so_far
+        Path(args.out).write_text(json.dumps(result, indent=1))
+
+    result["auto_paths"] = auto_table(gemm_rows(args.device, ceil, shapes, rows, skip, save))
+    print(f"AUTO_PATHS from this run: {tuple(result['auto_paths'])}", flush=True)
+    save(result["rows"])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,65 @@
+"""Activations to e4m3 once per (token, group of GROUP channels), for the FP8 GEMMs that read them pre-quantized
+(deepinfer_kernels.fp8_gemm's tiled Triton GEMM and torch's block-scaled scaled_mm).
+
+The values are those the fused W8A8 kernel (fp8_gemm._fp8_block_gemm_kernel) computes inside every N tile: the
+same fp32 expressions in the same order (amax floored at MIN_AMAX, scale = amax / 448, x / scale clamped to
++-448, cast to e4m3), so a GEMM over them sums the products the fused kernel sums.
+
+Layout: q (M_pad, K) float8_e4m3fn row-major; scales float32 (M_pad, ceil(K / GROUP)) with strides (1, M_pad),
+the M-major layout cuBLASLt's 1x128 block scaling reads (torch.nn.functional.scaled_mm, ScalingType.BlockWise1x128).
+M_pad rounds M up to `row_multiple` (cuBLASLt wants a multiple of 4); the rows past M hold zeros and the scale of a
+zero group, and a caller slices its output back to M rows.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from deepinfer_kernels.fp8_gemm import FP8_MAX, MIN_AMAX
+
+
+@triton.jit
+def _quantize_token_groups_kernel(X, Q, S, M, M_PAD, K, stride_xm, stride_sg, BLOCK_M: tl.constexpr,
+                                  GROUP: tl.constexpr, IS_INTERPRETED: tl.constexpr):
+    pid_m = tl.program_id(0)
+    group = tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_k = group * GROUP + tl.arange(0, GROUP)
+    kmask = offs_k < K
+    x = tl.load(X + offs_m.to(tl.int64)[:, None] * stride_xm + offs_k[None, :],
+                mask=(offs_m < M)[:, None] & kmask[None, :], other=0.0).to(tl.float32)
+    amax = tl.maximum(tl.max(tl.abs(x), axis=1), MIN_AMAX)
+    x_scale = amax / FP8_MAX
+    v = tl.clamp(x / x_scale[:, None], -FP8_MAX, FP8_MAX)
+    if IS_INTERPRETED:
+        # As the fused kernel's interpreter path: round to e4m3's grid in fp32 (the interpreter's own cast can drop
+        # a carry), magnitudes then the sign (a tiny negative stays -0, as the cast gives); the cast of a value on
+        # the grid is exact.
+        ulp = tl.exp2(tl.floor(tl.log2(tl.maximum(tl.abs(v), 0.015625))) - 3.0)
+        rounded = tl.floor(tl.abs(v) / ulp + 0.5) * ulp
+        v = tl.where(v < 0, -rounded, rounded)
+    # Rows from M to M_PAD are stored too (zeros), so a padded operand holds no garbage.
+    rows = offs_m < M_PAD
+    tl.store(Q + offs_m.to(tl.int64)[:, None] * K + offs_k[None, :], v.to(tl.float8e4nv),
+             mask=rows[:, None] & kmask[None, :])
+    tl.store(S + group * stride_sg + offs_m, x_scale, mask=rows)
+
+
+def quantize_fp8_token_groups(x: torch.Tensor, group: int = 128, row_multiple: int = 1,
+                              block_m: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (M, K) 16/32-bit -> (q float8_e4m3fn (M_pad, K), scales float32 (M_pad, ceil(K / group)), M-major),
+    M_pad = M rounded up to row_multiple. group: a power of two >= 16 (the weights' column block)."""
+    assert x.dim() == 2 and group >= 16 and group & (group - 1) == 0, (tuple(x.shape), group)
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    m, k = x.shape
+    m_pad = triton.cdiv(max(m, 1), row_multiple) * row_multiple
+    groups = triton.cdiv(k, group)
+    q = torch.empty(m_pad, k, dtype=torch.float8_e4m3fn, device=x.device)
+    # (groups, M_pad) row-major seen as (M_pad, groups): each group's scales contiguous over the tokens.
+    scales = torch.empty(groups, m_pad, dtype=torch.float32, device=x.device)
+    grid = (triton.cdiv(m_pad, block_m), groups)
+    _quantize_token_groups_kernel[grid](x, q, scales, m, m_pad, k, x.stride(0), scales.stride(0), BLOCK_M=block_m,
+                                        GROUP=group, IS_INTERPRETED=x.device.type == "cpu")
+    return q, scales.t()

@@ -1,0 +1,91 @@
+"""The activation quantizer (deepinfer_kernels.fp8_quant) and the GEMMs over its output (fp8_gemm's tiled path,
+the path switch) through Triton's interpreter on CPU. The GPU suite (test/gpu/test_gpu_fp8.py) runs them compiled.
+
+- The quantizer gives the values of the torch reference (reference.quantize_fp8_token_groups) bit for bit, and
+  those of the fused kernel's in-kernel quantization: through an identity weight with unit scales the fused kernel
+  returns q(x) x s(x) per element (one nonzero product per output), which must equal the quantizer's q x s exactly.
+- The tiled GEMM against reference.fp8_block_gemm: the same quantized operands, exact products, fp32 sums in
+  another order: max error <= 1e-5 of the output's max (as the fused kernel's interpreter test)."""
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+
+pytest.importorskip("triton")
+
+from test_triton_interpreted import _interpret  # noqa: E402
+
+_QUANT = textwrap.dedent("""
+    import torch
+    from deepinfer_kernels.fp8_gemm import fp8_block_gemm
+    from deepinfer_kernels.fp8_quant import quantize_fp8_token_groups
+    from deepinfer_kernels.reference import expand_block_scales, quantize_fp8_token_groups as ref
+    g = torch.Generator().manual_seed(0)
+    for m, k, pad in ((1, 256, 4), (19, 384, 4), (33, 200, 1)):
+        x = torch.randn(m, k + 8, generator=g)[:, 8:] * 3  # strided rows
+        x[0, 128:256] = 0  # a zero group
+        x[-1, :5] = 1e4  # a group of a very different scale
+        q, s = quantize_fp8_token_groups(x, 128, pad)
+        m_pad = -(-m // pad) * pad
+        groups = -(-k // 128)
+        assert q.shape == (m_pad, k) and q.dtype == torch.float8_e4m3fn
+        assert s.shape == (m_pad, groups) and s.stride() == (1, m_pad) and s.dtype == torch.float32
+        want_q, want_s = ref(x, 128)
+        assert torch.equal(s[:m], want_s), (m, k)
+        assert torch.equal(q[:m].view(torch.uint8), want_q.view(torch.uint8)), (m, k)
+        assert not q[m:].float().any()  # padded rows are zeros
+        # The fused kernel's own quantization, read out through an identity weight with unit scales.
+        if k % 128 == 0:
+            eye = torch.eye(k).to(torch.float8_e4m3fn)
+            ones = torch.ones(k // 128, k // 128)
+            fused = fp8_block_gemm(x, eye, ones, 128, 128, config=dict(BLOCK_M=16, BLOCK_N=64))
+            mine = q[:m].float() * expand_block_scales(s[:m], (m, k), (1, 128))
+            assert torch.equal(fused, mine), (m, k)
+    print("ok")
+""")
+
+_TILED = textwrap.dedent("""
+    import torch
+    from deepinfer_kernels.fp8_gemm import fp8_gemm, fp8_tiled_gemm, m_bucket, auto_path, FP8_GEMM_PATHS
+    from deepinfer_kernels.fp8_quant import quantize_fp8_token_groups
+    from deepinfer_kernels.reference import fp8_block_gemm as ref, quantize_fp8_blocks
+    g = torch.Generator().manual_seed(1)
+    for m, n, k, bm, bn in ((1, 200, 256, 16, 64), (37, 96, 384, 16, 32), (40, 260, 200, 32, 128)):
+        w = torch.randn(n, k, generator=g) * 0.05
+        w[:, :128] *= 20  # blocks of very different scales
+        q, s = quantize_fp8_blocks(w)
+        x = torch.randn(m, k, generator=g)
+        bias = torch.randn(n, generator=g)
+        want = ref(x, q, s) + bias
+        xq, xs = quantize_fp8_token_groups(x, 128, 4)  # padded rows are not read
+        config = dict(BLOCK_M=bm, BLOCK_N=bn, GROUP_M=2)
+        y = fp8_tiled_gemm(xq, xs, m, q, s, 128, 128, x.dtype, bias, config=config)
+        assert y.shape == (m, n) and y.dtype == x.dtype
+        assert (y - want).abs().max() <= 1e-5 * want.abs().max(), (m, n, k)
+        rows = s.repeat_interleave(128, dim=0)[:n].contiguous()  # per-row scales (GROUP_N = 1)
+        y1 = fp8_tiled_gemm(xq, xs, m, q, rows, 1, 128, x.dtype, bias, config=config)
+        assert (y1 - want).abs().max() <= 1e-5 * want.abs().max(), (m, n, k)
+    # The switch: today's path by default, a clear refusal of scaled_mm off CUDA and of an unknown path.
+    assert FP8_GEMM_PATHS == ("triton", "scaled_mm", "tiled", "auto") and auto_path(1) == auto_path(10**6) == "triton"
+    x = torch.randn(2, 3, 256, generator=g)
+    q, s = quantize_fp8_blocks(torch.randn(128, 256, generator=g))
+    assert torch.equal(fp8_gemm(x, q, s, 128, 128, path="auto"), fp8_gemm(x, q, s, 128, 128))
+    for path, error in (("scaled_mm", RuntimeError), ("cutlass", ValueError)):
+        try:
+            fp8_gemm(x, q, s, 128, 128, path=path)
+            raise AssertionError(path)
+        except error as e:
+            assert ("CUDA" in str(e) or "scaled_mm" in str(e)) if path == "scaled_mm" else "cutlass" in str(e)
+    assert [m_bucket(m) for m in (1, 16, 17, 64, 65, 2048, 4096, 4097, 10**6)] == [16, 16, 64, 64, 256, 4096,
+                                                                                  4096, 8192, 8192]
+    print("ok")
+""")
+
+
+def test_quantizer_matches_reference_and_fused_kernel_bitwise():
+    assert _interpret(_QUANT).strip().endswith("ok")
+
+
+def test_tiled_gemm_matches_reference_and_path_switch():
+    assert _interpret(_TILED).strip().endswith("ok")
