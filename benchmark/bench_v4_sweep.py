@@ -235,6 +235,8 @@ def bench_batch(engine: Engine, variant: Variant, floor_in: dict, batch: int, co
 
                     step_s = cuda_time(replay, 10)
                     row.update(gpu_step_ms=step_s * 1e3, gpu_tok_s=batch / step_s)
+                    if batch in args.profile_batches:
+                        row["profile"] = kernel_table(replay)
             rows.append(row)
     finally:
         runner.graphs = graphs
@@ -253,6 +255,14 @@ def bench_batch(engine: Engine, variant: Variant, floor_in: dict, batch: int, co
     return rows
 
 
+def kernel_table(fn) -> list[str] | str:
+    """The top kernels of one call by GPU time (a graph replay's kernels are recorded one by one): where a step
+    below its floor spends its time (`--profile-batches`)."""
+    import bench_gpu
+
+    return bench_gpu._profile(fn)
+
+
 # ---- prefill, capacity ----
 
 def bench_prefill(engine: Engine, variant: Variant, flop_model, ceil: dict) -> dict:
@@ -269,12 +279,16 @@ def bench_prefill(engine: Engine, variant: Variant, flop_model, ceil: dict) -> d
         _sync()
         runs.append(time.perf_counter() - t0)
     seconds = statistics.median(runs[1:])
+    profile = kernel_table(lambda: engine.generate(input_ids=prompts, sampling_params=params)) \
+        if args.profile_batches and DEVICE == "cuda" else None
     flops = shapes.prefill_flops(variant.shape, flop_model, engine.model_config, args.prefill_tokens,
                                  args.prefill_seqs)
     rate = ceil["fp8_matmul_flop_per_s" if variant.fmt == "fp8" else "bf16_matmul_flop_per_s"]
     row = {"num_seqs": args.prefill_seqs, "tokens": args.prefill_tokens, "run_seconds": runs,
            "tok_s": args.prefill_seqs * args.prefill_tokens / seconds, "flop_per_s": flops / seconds,
            "matmul_rate": rate, "fraction_of_matmul_rate": flops / seconds / rate}
+    if profile is not None:
+        row["profile"] = profile
     if row["fraction_of_matmul_rate"] > 1:
         raise MeasurementError(f"{variant.name} prefill: {row['fraction_of_matmul_rate']:.2f} of the matmul rate")
     return row
@@ -383,6 +397,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--bf16-kv", action="store_true", help="v4-fp8 and v41-fp8 with a bf16 KV pool")
     parser.add_argument("--no-graphs", action="store_true", help="eager rows only")
     parser.add_argument("--no-plot", action="store_true")
+    parser.add_argument("--profile-batches", type=int, nargs="*", default=[],
+                        help="graphed rows of these batches (and each prefill row) get a kernel table")
     parser.add_argument("--smoke", action="store_true", help="CPU check of the logic: tiny widths, layers, contexts")
     args = parser.parse_args(argv)
     if args.smoke:
