@@ -181,7 +181,7 @@ def full_kv_report(context: int = 32768) -> dict:
     from bench_v4 import SGLANG_V4_BYTES, TRTLLM_V41_GLOBAL_BYTES, TRTLLM_V41_SWA_ROW_BYTES
 
     out = {}
-    for shape, layers, kv_dtypes in (("v4", 43, ("auto", "fp8_e4m3")), ("v41", 40, ("auto", "fp8_e4m3"))):
+    for shape, layers, kv_dtypes in (("v4", 43, ("auto", "fp8_e4m3")), ("v41", 40, ("auto", "fp8_e4m3", "fp4_e2m1"))):
         raw = raw_config(shape, "bf16", layers, 256, 1 << 20)
         if shape == "v41":
             full = json.loads((V41_FLASH / "config.json").read_text())["text_config"]

@@ -28,6 +28,7 @@ from torch import nn
 
 from deepinfer_rt.config import ModelConfig
 from deepinfer_rt.layers.kernel_config import current_kernel_config
+from deepinfer_rt.layers.quant_formats import E2M1_MAX, MX_BLOCK, e2m1_codes, pack_e2m1, unpack_e2m1
 from deepinfer_rt.models.deepseek_v4.methods import v4_method
 
 SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
@@ -229,11 +230,44 @@ class Fp8Rows:
 
 
 @dataclass(frozen=True)
+class Fp4Rows:
+    """Rows stored as MXFP4: e2m1 values packed two per byte (element 2j in the low nibble) and an e8m0 scale
+    byte (2^(byte - 127)) per 32 columns, the smallest power of two that keeps the block's amax within 6 (no
+    value clips). Like Fp8Rows, a row's stored bits depend on its own values only."""
+
+    values: torch.Tensor
+    """(rows, width / 2) uint8."""
+    scales: torch.Tensor
+    """(rows, width / 32) uint8, biased exponents."""
+
+    @classmethod
+    def zeros(cls, rows: int, width: int, device: torch.device) -> "Fp4Rows":
+        if width % MX_BLOCK:
+            raise ValueError(f"MXFP4 rows need a width that is a multiple of {MX_BLOCK}, got {width}")
+        return cls(torch.zeros(rows, width // 2, dtype=torch.uint8, device=device),
+                   torch.zeros(rows, width // MX_BLOCK, dtype=torch.uint8, device=device))
+
+    def read(self, idx: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        values = unpack_e2m1(self.values[idx])  # (*idx.shape, width) fp32
+        exp = self.scales[idx].to(torch.int32) - 127
+        blocks = values.unflatten(-1, (-1, MX_BLOCK))
+        return torch.ldexp(blocks, exp[..., None]).flatten(-2).to(dtype)
+
+    def write(self, idx: torch.Tensor, x: torch.Tensor) -> None:
+        blocks = x.float().unflatten(-1, (-1, MX_BLOCK))
+        exp = torch.ceil(torch.log2(blocks.abs().amax(dim=-1) / E2M1_MAX)).clamp(-127, 127).to(torch.int32)
+        codes = e2m1_codes(torch.ldexp(blocks, -exp[..., None])).flatten(-2)
+        self.values[idx] = pack_e2m1(codes).view(torch.uint8)
+        self.scales[idx] = (exp + 127).to(torch.uint8)
+
+
+@dataclass(frozen=True)
 class LayerKV:
     """One layer's KV state and where each part lives: `recent` rows hold per-token state (sliding key,
     compressor inputs), `entries` rows the compressed entries; in the per-token layout both are the same pool
     rows. With FP8 storage the sliding keys, entries and indexer entries are Fp8Rows of their own (their
-    columns in `cols` are then empty)."""
+    columns in `cols` are then empty); with kv_cache_dtype 'fp4_e2m1' the entries and indexer entries are
+    Fp4Rows instead (fp4_entry / fp4_idx_entry, the fp8 ones None) and the sliding keys stay Fp8Rows."""
 
     recent: torch.Tensor
     entries: torch.Tensor
@@ -241,6 +275,8 @@ class LayerKV:
     fp8_swa: Fp8Rows | None = None
     fp8_entry: Fp8Rows | None = None
     fp8_idx_entry: Fp8Rows | None = None
+    fp4_entry: Fp4Rows | None = None
+    fp4_idx_entry: Fp4Rows | None = None
 
     @property
     def num_recent_rows(self) -> int:
@@ -248,7 +284,13 @@ class LayerKV:
 
     @property
     def num_entry_rows(self) -> int:
-        return self.entries.shape[0] if self.fp8_entry is None else self.fp8_entry.values.shape[0]
+        rows = self.fp8_entry if self.fp8_entry is not None else self.fp4_entry
+        return self.entries.shape[0] if rows is None else rows.values.shape[0]
+
+    @property
+    def is_fp4(self) -> bool:
+        """Whether the entries or indexer entries are MXFP4 rows (readers that take only FP8 rows refuse them)."""
+        return self.fp4_entry is not None or self.fp4_idx_entry is not None
 
     def swa(self, idx: torch.Tensor) -> torch.Tensor:
         """Sliding keys at recent slots idx (any shape) -> (*idx.shape, D)."""
@@ -259,11 +301,15 @@ class LayerKV:
     def entry(self, idx: torch.Tensor) -> torch.Tensor:
         if self.fp8_entry is not None:
             return self.fp8_entry.read(idx, self.recent.dtype)
+        if self.fp4_entry is not None:
+            return self.fp4_entry.read(idx, self.recent.dtype)
         return self.entries[:, self.cols.entry][idx]
 
     def idx_entry(self, idx: torch.Tensor) -> torch.Tensor:
         if self.fp8_idx_entry is not None:
             return self.fp8_idx_entry.read(idx, self.recent.dtype)
+        if self.fp4_idx_entry is not None:
+            return self.fp4_idx_entry.read(idx, self.recent.dtype)
         return self.entries[:, self.cols.idx_entry][idx]
 
     def store_swa(self, slots: torch.Tensor, x: torch.Tensor) -> None:
@@ -275,12 +321,16 @@ class LayerKV:
     def store_entry(self, rows: torch.Tensor, x: torch.Tensor) -> None:
         if self.fp8_entry is not None:
             self.fp8_entry.write(rows, x)
+        elif self.fp4_entry is not None:
+            self.fp4_entry.write(rows, x)
         else:
             self.entries[rows, self.cols.entry] = x.to(self.entries.dtype)
 
     def store_idx_entry(self, rows: torch.Tensor, x: torch.Tensor) -> None:
         if self.fp8_idx_entry is not None:
             self.fp8_idx_entry.write(rows, x)
+        elif self.fp4_idx_entry is not None:
+            self.fp4_idx_entry.write(rows, x)
         else:
             self.entries[rows, self.cols.idx_entry] = x.to(self.entries.dtype)
 

@@ -146,6 +146,13 @@ class V41InvariantMethod(V41Method):
         return v4_invariant.one_row_safe(lambda r: r.softmax(dim=-1), x)
 
 
+def _refuse_fp4(src: LayerKV | None) -> None:
+    """The Triton kernels read 16-bit and FP8 rows only: MXFP4 entries are refused, never converted behind them."""
+    if src is not None and src.is_fp4:
+        raise ValueError("kv_cache_dtype='fp4_e2m1' (MXFP4 entries and index keys) is not read by the V4.1 Triton "
+                         "kernels yet: use kv_cache_dtype='fp8_e4m3' on CUDA, or the torch layer methods")
+
+
 class _KernelForms:
     """Attention and the indexer scores through deepinfer_kernels.v4_attention / v4_indexer, reading the pool's rows
     where they are (V4's V4TritonMethod does the same): the sliding keys and the KV source's picked entries are two
@@ -163,6 +170,7 @@ class _KernelForms:
         self.kernels = v4_kernels()  # Triton: CUDA builds only
 
     def attend(self, q, g, ratio, kv, src, selected, sink):
+        _refuse_fp4(src)
         h, d = q.shape[1:]
         if self.is_fixed:
             rows, mask = v4_invariant.sliding_rows(g.swa_slots, g.swa_mask), None
@@ -177,6 +185,7 @@ class _KernelForms:
         return out.view(-1, h, d)
 
     def index_scores(self, q, src, slots, weights):
+        _refuse_fp4(src)
         fp8 = src.fp8_idx_entry
         buf, scales = (src.entries[:, src.cols.idx_entry], None) if fp8 is None else (fp8.values, fp8.scales)
         return self.kernels.indexer.index_scores(q, weights, buf, slots, None, q.shape[-1] ** -0.5, scales,
