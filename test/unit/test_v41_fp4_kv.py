@@ -17,7 +17,7 @@ import torch
 
 from deepinfer_rt.layers.quant_formats import E2M1_VALUES, dequantize_mxfp4, quantize_mxfp4
 from deepinfer_rt.models.deepseek_v4.cache import V4KVLayout, V4Pool
-from deepinfer_rt.models.deepseek_v4.common import Fp4Rows, LayerKV, PoolColumns
+from deepinfer_rt.models.deepseek_v4.common import Fp4Rows, LayerKV, PoolColumns, fp4_row_bytes
 
 FP4 = "fp4_e2m1"
 
@@ -46,8 +46,13 @@ def test_fp4_rows_exact_on_the_grid():
     rows = Fp4Rows.zeros(3, 96, torch.device("cpu"))
     rows.write(torch.arange(3), x)
     assert torch.equal(rows.read(torch.arange(3), torch.float32), x)
-    with pytest.raises(ValueError, match="multiple of 32"):
-        Fp4Rows.zeros(2, 48, torch.device("cpu"))
+    with pytest.raises(ValueError, match="multiple of 16"):
+        Fp4Rows.zeros(2, 40, torch.device("cpu"))
+    narrow = Fp4Rows.zeros(2, 48, torch.device("cpu"))  # 32 does not divide 48: a scale per 16
+    assert narrow.block == 16 and narrow.scales.shape == (2, 3) and fp4_row_bytes(48) == 27
+    y = torch.tensor(E2M1_VALUES[:12] * 4).view(1, 48) * torch.tensor([0.25, 8.0, 1.0]).repeat_interleave(16)
+    narrow.write(torch.tensor([1]), y)
+    assert torch.equal(narrow.read(torch.tensor([1]), torch.float32), y)
 
 
 def _layout(**kw) -> V4KVLayout:
@@ -64,9 +69,12 @@ def test_fp4_bytes_per_token_from_widths():
     assert fp4.is_fp8 and fp4.is_fp4 and not fp8.is_fp4
     with pytest.raises(ValueError, match="not supported"):
         dataclasses.replace(_layout(), supports_fp4=False).with_kv_dtype(FP4)
-    with pytest.raises(ValueError, match="multiples of 32"):
-        V4KVLayout(1, (1, 64), None, 64, layer_dims=(64,), ratios=(1,), entry_dims=(80,), swa_dim=64,
-                   idx_entry_dims=(16,), supports_fp4=True).with_kv_dtype(FP4)
+    with pytest.raises(ValueError, match="multiples of 16"):
+        V4KVLayout(1, (1, 64), None, 64, layer_dims=(64,), ratios=(1,), entry_dims=(72,), swa_dim=64,
+                   idx_entry_dims=(8,), supports_fp4=True).with_kv_dtype(FP4)
+    narrow = V4KVLayout(1, (1, 64), None, 64, layer_dims=(64,), ratios=(2,), entry_dims=(80,), swa_dim=64,
+                        idx_entry_dims=(16,), supports_fp4=True).with_kv_dtype(FP4)
+    assert narrow.long_lived_bytes_per_token(torch.float32) == (32 + 2 + 8 + 1) / 2  # index key: a scale per 16
     with pytest.raises(ValueError, match="must be one of"):
         _layout().with_kv_dtype("fp4")
 

@@ -31,7 +31,7 @@ import torch
 
 from deepinfer_rt.cache.kv_pool import KVLayout, KVPool
 from deepinfer_rt.forward_batch import ForwardBatch
-from deepinfer_rt.models.deepseek_v4.common import Fp4Rows, Fp8Rows, LayerKV, PoolColumns
+from deepinfer_rt.models.deepseek_v4.common import Fp4Rows, Fp8Rows, LayerKV, PoolColumns, fp4_row_bytes
 
 _MIN_RECENT_TOKENS = 16384
 """The recent pool holds at least this many tokens (or as many as the main pool): a step's new tokens all need
@@ -39,7 +39,6 @@ recent rows at once, and a small pool cannot lend a fraction."""
 _FALLBACK_LOOKBACK = 64
 """Tokens a release scan looks back when the sequence's previous step is not known (more than any draft)."""
 KV_DTYPES = ("auto", "fp8_e4m3", "fp4_e2m1")
-_MX_BLOCK = 32
 
 
 @dataclass(frozen=True)
@@ -97,9 +96,9 @@ class V4KVLayout(KVLayout):
                 raise ValueError("kv_cache_dtype='fp4_e2m1' (MXFP4 entries) is not supported for this model's KV "
                                  "pool; use 'fp8_e4m3'")
             widths = {w - di for w, di in zip(self.entry_dims, self.idx_entry_dims) if w} | set(self.idx_entry_dims)
-            if any(w % _MX_BLOCK for w in widths):
+            if any(w % 16 for w in widths):
                 raise ValueError(f"kv_cache_dtype='fp4_e2m1' needs entry and index-key widths that are multiples of "
-                                 f"{_MX_BLOCK}, got {sorted(widths)}")
+                                 f"16, got {sorted(widths)}")
         return dataclasses.replace(self, kv_dtype=kv_dtype)
 
     def with_token_layer(self, width: int, lookback: int) -> "V4KVLayout":
@@ -126,9 +125,11 @@ class V4KVLayout(KVLayout):
 
     def long_lived_bytes_per_token(self, dtype: torch.dtype) -> float:
         """Entries per token of context: D (+ Di) per m tokens on each compressed layer (FP8: a byte per value
-        and a 4-byte scale per entry and per indexer entry; MXFP4: half a byte per value and a byte per 32)."""
+        and a 4-byte scale per entry and per indexer entry; MXFP4: half a byte per value and a scale byte per 32
+        values, per 16 where 32 does not divide the width: common.py fp4_block)."""
         if self.is_fp4:
-            return sum((w // 2 + w // _MX_BLOCK) / m for w, m in zip(self.entry_dims, self.ratios) if m)
+            return sum((fp4_row_bytes(w - di) + (fp4_row_bytes(di) if di else 0)) / m
+                       for w, di, m in zip(self.entry_dims, self.idx_entry_dims, self.ratios) if m)
         if self.is_fp8:
             return sum((w + 4 * (1 + (di > 0))) / m
                        for w, di, m in zip(self.entry_dims, self.idx_entry_dims, self.ratios) if m)

@@ -229,32 +229,49 @@ class Fp8Rows:
         self.scales[idx] = scale
 
 
+def fp4_block(width: int) -> int:
+    """Values per e8m0 scale of an MXFP4 row `width` wide: 32 (the MX block) where it divides the width, else 16
+    (narrow test models; TensorRT-LLM's block for V4.1 entries)."""
+    for block in (MX_BLOCK, MX_BLOCK // 2):
+        if width % block == 0:
+            return block
+    raise ValueError(f"MXFP4 rows need a width that is a multiple of {MX_BLOCK // 2}, got {width}")
+
+
+def fp4_row_bytes(width: int) -> int:
+    """Bytes of one Fp4Rows row: half a byte per value and a scale byte per block."""
+    return width // 2 + width // fp4_block(width)
+
+
 @dataclass(frozen=True)
 class Fp4Rows:
     """Rows stored as MXFP4: e2m1 values packed two per byte (element 2j in the low nibble) and an e8m0 scale
-    byte (2^(byte - 127)) per 32 columns, the smallest power of two that keeps the block's amax within 6 (no
-    value clips). Like Fp8Rows, a row's stored bits depend on its own values only."""
+    byte (2^(byte - 127)) per block of fp4_block(width) columns (32 at V4.1-Flash widths), the smallest power of
+    two that keeps the block's amax within 6 (no value clips). Like Fp8Rows, a row's stored bits depend on its
+    own values only."""
 
     values: torch.Tensor
     """(rows, width / 2) uint8."""
     scales: torch.Tensor
-    """(rows, width / 32) uint8, biased exponents."""
+    """(rows, width / block) uint8, biased exponents."""
 
     @classmethod
     def zeros(cls, rows: int, width: int, device: torch.device) -> "Fp4Rows":
-        if width % MX_BLOCK:
-            raise ValueError(f"MXFP4 rows need a width that is a multiple of {MX_BLOCK}, got {width}")
         return cls(torch.zeros(rows, width // 2, dtype=torch.uint8, device=device),
-                   torch.zeros(rows, width // MX_BLOCK, dtype=torch.uint8, device=device))
+                   torch.zeros(rows, width // fp4_block(width), dtype=torch.uint8, device=device))
+
+    @property
+    def block(self) -> int:
+        return 2 * self.values.shape[1] // self.scales.shape[1]
 
     def read(self, idx: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         values = unpack_e2m1(self.values[idx])  # (*idx.shape, width) fp32
         exp = self.scales[idx].to(torch.int32) - 127
-        blocks = values.unflatten(-1, (-1, MX_BLOCK))
+        blocks = values.unflatten(-1, (-1, self.block))
         return torch.ldexp(blocks, exp[..., None]).flatten(-2).to(dtype)
 
     def write(self, idx: torch.Tensor, x: torch.Tensor) -> None:
-        blocks = x.float().unflatten(-1, (-1, MX_BLOCK))
+        blocks = x.float().unflatten(-1, (-1, self.block))
         exp = torch.ceil(torch.log2(blocks.abs().amax(dim=-1) / E2M1_MAX)).clamp(-127, 127).to(torch.int32)
         codes = e2m1_codes(torch.ldexp(blocks, -exp[..., None])).flatten(-2)
         self.values[idx] = pack_e2m1(codes).view(torch.uint8)
