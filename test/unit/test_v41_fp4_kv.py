@@ -6,11 +6,17 @@ models/deepseek_v4/cache.py): MXFP4 entries and index keys, FP8 sliding keys.
   scale (half the widest e2m1 step, 4 -> 6).
 - Bytes per token from the widths: the full V4.1-Flash config's long-lived state is 850 B (4 sources: 340 B per
   entry + index key, at ratio 1 and 2), the recent rows the FP8 layout's; V4 refuses the format.
-- The pool's copy_slots copies MXFP4 rows; the Triton kernel forms refuse an MXFP4 source (no silent conversion).
+- The pool's copy_slots copies MXFP4 rows.
+- The sparse attention and indexer kernels read MXFP4 rows (interpreted), equal to their torch references within
+  the 16-bit kernels' tolerances; the model-level check of the kernel forms on an MXFP4 pool is
+  test_v41_topk_reads.py.
 """
 from __future__ import annotations
 
 import dataclasses
+import sys
+import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -117,17 +123,68 @@ def test_pool_copies_fp4_rows():
     assert (kv.entry(torch.tensor([1, 2])) - x).abs().max() < x.abs().max() / 2
 
 
-def test_kernel_forms_refuse_fp4_sources():
-    pytest.importorskip("triton")
-    from deepinfer_rt.models.deepseek_v4.methods import V4Method
-    from deepinfer_rt.models.deepseek_v41 import methods
+# MXFP4 key sources and index keys read by the kernels (interpreted) against their torch references, which read
+# them through the format's own dequantization (Fp4Rows.read, as V41Method does): rows of widely different
+# magnitudes stored by Fp4Rows.write, a scale per 32 and per 16 columns, -1 rows, masks, per-query rows, an MXFP4
+# source beside a 16-bit one, split and unsplit; malformed MXFP4 sources are refused.
+_FP4_KERNELS = textwrap.dedent("""
+    import torch
+    from deepinfer_kernels.v4_attention import KeySource, sparse_mqa_attention, sparse_mqa_attention_ref
+    from deepinfer_kernels.v4_indexer import index_scores, index_scores_ref
+    from deepinfer_rt.models.deepseek_v4.common import Fp4Rows
 
-    pool = V4Pool(_layout().with_kv_dtype(FP4), 8, 4, torch.float32, torch.device("cpu"))
-    cols = {True: PoolColumns(*(slice(0, 0),) * 7)}
-    src = pool.layer_kv(0, cols)
-    forms = methods.V41TritonMethod.__new__(methods.V41TritonMethod)  # no kernels are reached
-    with pytest.raises(ValueError, match="fp4_e2m1.*not read by the V4.1 Triton kernels"):
-        forms.index_scores(torch.zeros(1, 1, 2, 32), src, torch.zeros(1, 3, dtype=torch.long), torch.ones(1, 1, 2))
-    with pytest.raises(ValueError, match="fp4_e2m1"):
-        forms.attend(torch.zeros(1, 2, 64), None, 1, src, src, None, None)
-    assert not LayerKV(torch.zeros(1, 1), torch.zeros(1, 1), cols[True]).is_fp4
+    def fp4_rows(n, d, g):
+        x = torch.randn(n, d, generator=g) * torch.rand(n, 1, generator=g).mul(8).add(0.05)
+        rows = Fp4Rows.zeros(n, d, torch.device("cpu"))
+        rows.write(torch.arange(n), x)
+        return rows, rows.read(torch.arange(n), torch.float32)
+
+    g = torch.Generator().manual_seed(0)
+    # fp32: 5e-5 for attention (outputs up to ~40 in magnitude, summed in another order), 1e-5 for the indexer
+    for dtype, tol in ((torch.float32, 5e-5), (torch.float16, 2e-3)):
+        for G, Q, H, D, L1, L2, per_query, split in [(3, 1, 4, 64, 40, 20, False, None), (1, 5, 4, 48, 37, 9, True, 32)]:
+            r1, d1 = fp4_rows(100, D, g)
+            q = torch.randn(G, Q, H, D, generator=g).to(dtype)
+            rows1 = torch.randint(-1, 100, (G, Q, L1) if per_query else (G, L1), generator=g)
+            mask1 = torch.rand(G, Q, L1, generator=g) < 0.7
+            rows2 = torch.randint(-1, 60, (G, L2), generator=g)
+            plain = torch.randn(60, D, generator=g).to(dtype)
+            sink = torch.randn(H, generator=g)
+            srcs = [KeySource(r1.values, rows1, mask1, r1.scales), KeySource(plain, rows2)]
+            out = sparse_mqa_attention(q, srcs, sink, D ** -0.5, split_len=split)
+            ref = sparse_mqa_attention_ref(q, srcs, sink, D ** -0.5)
+            assert torch.equal(ref, sparse_mqa_attention_ref(q, [KeySource(d1, rows1, mask1), KeySource(plain, rows2)],
+                                                             sink, D ** -0.5))
+            torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol)
+    for dtype, tol in ((torch.float32, 1e-5), (torch.float16, 1e-3)):
+        for G, Q, H, Di, E in [(3, 1, 4, 32, 70), (1, 6, 2, 48, 33), (1, 2, 8, 16, 0)]:
+            rows, deq = fp4_rows(90, Di, g)
+            q = torch.randn(G, Q, H, Di, generator=g).to(dtype)
+            w = torch.randn(G, Q, H, generator=g)
+            idx = torch.randint(-1, 90, (G, E), generator=g)
+            visible = torch.rand(G, Q, E, generator=g) < 0.8
+            out = index_scores(q, w, rows.values, idx, visible, Di ** -0.5, rows.scales)
+            ref = index_scores_ref(q, w, rows.values, idx, visible, Di ** -0.5, rows.scales)
+            assert torch.equal(ref, index_scores_ref(q, w, deq, idx, visible, Di ** -0.5))
+            assert torch.equal(out.isinf(), ref.isinf())
+            torch.testing.assert_close(out, ref, rtol=tol, atol=tol)
+    r, _ = fp4_rows(10, 64, g)
+    q = torch.randn(1, 1, 4, 64, generator=g)
+    for bad in (KeySource(r.values, torch.zeros(1, 3, dtype=torch.long)),
+                KeySource(r.values, torch.zeros(1, 3, dtype=torch.long), scales=r.scales[:, :1]),
+                KeySource(r.values[:, :16], torch.zeros(1, 3, dtype=torch.long), scales=r.scales)):
+        try:
+            sparse_mqa_attention(q, [bad], torch.zeros(4), 0.125)
+            raise AssertionError("malformed MXFP4 rows accepted")
+        except ValueError:
+            pass
+    print("ok")
+""")
+
+
+def test_kernels_read_fp4_rows_interpreted():
+    pytest.importorskip("triton")
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from test_triton_interpreted import _interpret
+
+    assert _interpret(_FP4_KERNELS).strip().endswith("ok")
