@@ -28,7 +28,7 @@ from torch import nn
 
 from deepinfer_rt.config import ModelConfig
 from deepinfer_rt.layers.kernel_config import current_kernel_config
-from deepinfer_rt.layers.quant_formats import E2M1_MAX, MX_BLOCK, e2m1_codes, pack_e2m1, unpack_e2m1
+from deepinfer_rt.layers.quant_formats import E2M1_MAX, MX_BLOCK
 from deepinfer_rt.models.deepseek_v4.methods import v4_method
 
 SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
@@ -229,6 +229,10 @@ class Fp8Rows:
         self.scales[idx] = scale
 
 
+_E2M1_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
+"""Midpoints between consecutive e2m1 magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6."""
+
+
 def fp4_block(width: int) -> int:
     """Values per e8m0 scale of an MXFP4 row `width` wide: 32 (the MX block) where it divides the width, else 16
     (narrow test models; TensorRT-LLM's block for V4.1 entries)."""
@@ -264,8 +268,14 @@ class Fp4Rows:
     def block(self) -> int:
         return 2 * self.values.shape[1] // self.scales.shape[1]
 
+    # Both directions are elementwise arithmetic on the device (no lookup tables copied from the host), so a
+    # CUDA-graph step can store and read them.
     def read(self, idx: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        values = unpack_e2m1(self.values[idx])  # (*idx.shape, width) fp32
+        packed = self.values[idx]
+        code = torch.stack([packed & 0xF, packed >> 4], dim=-1).flatten(-2).to(torch.int32)
+        e, half = (code >> 1) & 3, (code & 1).float() * 0.5
+        mag = torch.where(e == 0, half, torch.ldexp(1.0 + half, e - 1))  # 0, 0.5 | 1, 1.5, 2, 3, 4, 6
+        values = torch.where(code >= 8, -mag, mag)
         exp = self.scales[idx].to(torch.int32) - 127
         blocks = values.unflatten(-1, (-1, self.block))
         return torch.ldexp(blocks, exp[..., None]).flatten(-2).to(dtype)
@@ -273,8 +283,12 @@ class Fp4Rows:
     def write(self, idx: torch.Tensor, x: torch.Tensor) -> None:
         blocks = x.float().unflatten(-1, (-1, self.block))
         exp = torch.ceil(torch.log2(blocks.abs().amax(dim=-1) / E2M1_MAX)).clamp(-127, 127).to(torch.int32)
-        codes = e2m1_codes(torch.ldexp(blocks, -exp[..., None])).flatten(-2)
-        self.values[idx] = pack_e2m1(codes).view(torch.uint8)
+        scaled = torch.ldexp(blocks, -exp[..., None]).flatten(-2)
+        mag = scaled.abs()
+        # the nearest e2m1 magnitude: how many midpoints lie below (a tie goes to the smaller one)
+        code = sum((mag > m).to(torch.uint8) for m in _E2M1_MIDPOINTS) + (scaled < 0).to(torch.uint8) * 8
+        pairs = code.unflatten(-1, (-1, 2))
+        self.values[idx] = pairs[..., 0] | (pairs[..., 1] << 4)
         self.scales[idx] = (exp + 127).to(torch.uint8)
 
 
