@@ -98,6 +98,10 @@ def test_full_v41_flash_long_lived_bytes_and_v4_refuses():
     assert v41[FP4]["long_lived_bytes_per_token"] == 850.0 <= v41["trtllm_long_range_bytes_per_token"]
     assert v41[FP4]["recent_bytes_per_token"] == v41["fp8_e4m3"]["recent_bytes_per_token"]
     assert v41["fp8_e4m3"]["long_lived_bytes_per_token"] == 1620.0  # unchanged
+    kinds = {(k["ratio"], k["entry_bytes"], k["index_key_bytes"]): k["layers"] for k in v41[FP4]["breakdown"]["entries"]}
+    assert kinds == {(2, 272, 68): [2, 8, 14], (1, 272, 68): [20]}  # 256 + 16 scales, 64 + 4 scales
+    assert v41[FP4]["breakdown"]["recent_sliding_key_bytes"] == 40 * (512 + 4)
+    assert v41[FP4]["breakdown"]["recent_other_bytes"] == 3 * 2 * 512 * 2  # a ratio-2 source's kv, gate in bf16
     assert FP4 not in report["v4"] and report["v4"]["fp8_e4m3"]["long_lived_bytes_per_token"] == 3482.6
     import tempfile
 

@@ -123,13 +123,24 @@ class V4KVLayout(KVLayout):
         n = self.num_swa_layers
         return tuple(w - self.swa_dim for w in self.layer_dims[:n]) + self.layer_dims[n:]
 
-    def long_lived_bytes_per_token(self, dtype: torch.dtype) -> float:
-        """Entries per token of context: D (+ Di) per m tokens on each compressed layer (FP8: a byte per value
-        and a 4-byte scale per entry and per indexer entry; MXFP4: half a byte per value and a scale byte per 32
-        values, per 16 where 32 does not divide the width: common.py fp4_block)."""
+    def entry_row_bytes(self, layer: int, dtype: torch.dtype) -> tuple[int, int]:
+        """(entry, indexer entry) bytes of one entry row of `layer` (0, 0 on layers without entries): the model
+        dtype; FP8 a byte per value and a 4-byte scale; MXFP4 half a byte per value and a scale byte per 32 values
+        (per 16 where 32 does not divide the width: common.py fp4_block)."""
+        w, di = self.entry_dims[layer], self.idx_entry_dims[layer]
+        if not self.ratios[layer]:
+            return 0, 0
         if self.is_fp4:
-            return sum((fp4_row_bytes(w - di) + (fp4_row_bytes(di) if di else 0)) / m
-                       for w, di, m in zip(self.entry_dims, self.idx_entry_dims, self.ratios) if m)
+            return fp4_row_bytes(w - di), fp4_row_bytes(di) if di else 0
+        if self.is_fp8:
+            return w - di + 4, di + 4 if di else 0
+        size = torch.empty((), dtype=dtype).element_size()
+        return (w - di) * size, di * size
+
+    def long_lived_bytes_per_token(self, dtype: torch.dtype) -> float:
+        """Entries per token of context: an entry row (entry_row_bytes) per m tokens on each compressed layer."""
+        if self.is_fp4:
+            return sum(sum(self.entry_row_bytes(i, dtype)) / m for i, m in enumerate(self.ratios) if m)
         if self.is_fp8:
             return sum((w + 4 * (1 + (di > 0))) / m
                        for w, di, m in zip(self.entry_dims, self.idx_entry_dims, self.ratios) if m)
