@@ -14,6 +14,7 @@ it for their engines (`fp4_engines`); the pool, the layout and the model take it
   3 + 3 of 16, whole 6-token continuations on 2 + 1 (FP8: 0.050 / 0.049 mean, 4 + 6 first tokens). An e2m1 value
   keeps one mantissa bit, so entries move more than under FP8; the sliding keys are FP8 in both.
 - Prefix cache on == off in batch-invariant mode with MXFP4 rows: token ids and logprobs bitwise, hits mid-window.
+- DSpark: greedy outputs with the drafter equal those without on the MXFP4-entry pool.
 """
 from __future__ import annotations
 
@@ -123,3 +124,18 @@ def test_fp4_prefix_cache_on_equals_off_bitwise(tiny_v41_paths):
         off = engine.generate(input_ids=extended, sampling_params=params)
     assert [(o.token_ids, o.logprobs) for o in on] == [(o.token_ids, o.logprobs) for o in off]
     assert [o.token_ids for o in on] == [o.token_ids[3:] for o in first]
+
+
+def test_fp4_with_dspark_drafter(dspark_v41_path):
+    """The drafter's context-key layer keeps its rows in the model dtype (no entries, no sliding key), and greedy
+    outputs with the drafter equal those without on the MXFP4-entry pool."""
+    with Engine(str(dspark_v41_path), dtype="float32", kv_cache_tokens=2048, kv_cache_dtype=FP4,
+                speculative="dspark") as engine:
+        pool = engine.pool
+        token_layer = pool.layout.num_layers - 1
+        assert pool.layout.is_fp4 and pool.layout.num_token_layers == 1
+        assert pool.fp8_swa[token_layer] is None and pool.fp4_entry[token_layer] is None
+        drafted = [o.token_ids for o in engine.generate(input_ids=PROMPTS[:4], sampling_params=GREEDY)]
+    with Engine(str(dspark_v41_path), dtype="float32", kv_cache_tokens=2048, kv_cache_dtype=FP4) as engine:
+        plain = [o.token_ids for o in engine.generate(input_ids=PROMPTS[:4], sampling_params=GREEDY)]
+    assert drafted == plain
