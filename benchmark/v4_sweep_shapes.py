@@ -171,17 +171,36 @@ def layout_of(path: Path, kv_cache_dtype: str):
     return config, kv_layout(get_model_class(config.architecture), config, kv_cache_dtype)
 
 
+def kv_breakdown(layout, dtype: torch.dtype) -> dict:
+    """Where a compact layout's bytes per token go: per kind of layer with entries (ratio, entry / indexer-entry row
+    bytes with their scales) its layers and their share per token; per token of the recent rows, the sliding keys
+    of all layers and the rest (a ratio-2 V4.1 source's compressor inputs, V4's compressor and indexer inputs,
+    Engram ids)."""
+    kinds: dict[tuple[int, int, int], list[int]] = {}
+    for layer, m in enumerate(layout.ratios):
+        if m:
+            kinds.setdefault((m, *layout.entry_row_bytes(layer, dtype)), []).append(layer)
+    sources = [dict(ratio=m, entry_bytes=entry, index_key_bytes=index_key, layers=layers,
+                    bytes_per_token=round(len(layers) * (entry + index_key) / m, 1))
+               for (m, entry, index_key), layers in kinds.items()]
+    size = torch.empty((), dtype=dtype).element_size()
+    swa = layout.num_swa_layers * (layout.swa_dim + 4 if layout.is_fp8 else layout.swa_dim * size)
+    return dict(entries=sources, recent_sliding_key_bytes=swa,
+                recent_other_bytes=layout.recent_bytes_per_token(dtype) - swa)
+
+
 def full_kv_report(context: int = 32768) -> dict:
     """KV bytes per token of the full V4-Flash (43 layers) and V4.1-Flash (40 layers) configs in the compact pool
     beside SGLang's V4 pool and TensorRT-LLM's V4.1 layout: long-lived bytes per token (entries), recent bytes per
-    token (held for about R tokens per sequence, and at checkpoints), and the amortized figure of one sequence of
-    `context` tokens that keeps R recent tokens per checkpoint."""
+    token (held for about R tokens per sequence, and at checkpoints), the amortized figure of one sequence of
+    `context` tokens that keeps R recent tokens per checkpoint, and where the bytes go (kv_breakdown). V4.1 also
+    with kv_cache_dtype 'fp4_e2m1' (MXFP4 entries and index keys)."""
     import tempfile
 
     from bench_v4 import SGLANG_V4_BYTES, TRTLLM_V41_GLOBAL_BYTES, TRTLLM_V41_SWA_ROW_BYTES
 
     out = {}
-    for shape, layers, kv_dtypes in (("v4", 43, ("auto", "fp8_e4m3")), ("v41", 40, ("auto", "fp8_e4m3"))):
+    for shape, layers, kv_dtypes in (("v4", 43, ("auto", "fp8_e4m3")), ("v41", 40, ("auto", "fp8_e4m3", "fp4_e2m1"))):
         raw = raw_config(shape, "bf16", layers, 256, 1 << 20)
         if shape == "v41":
             full = json.loads((V41_FLASH / "config.json").read_text())["text_config"]
@@ -197,7 +216,7 @@ def full_kv_report(context: int = 32768) -> dict:
                                   recent_tokens=layout.recent_tokens, checkpoint_tokens=layout.checkpoint_tokens,
                                   window_bytes_per_sequence=layout.window_bytes_per_sequence(bf16),
                                   amortized_bytes_per_token=round(long_lived + recent * held / context, 1),
-                                  context=context)
+                                  context=context, breakdown=kv_breakdown(layout, bf16))
         if shape == "v4":
             rows["sglang_fp8_bytes_per_token"] = SGLANG_V4_BYTES
         else:

@@ -13,6 +13,12 @@ queries' dtype exactly in registers (every e4m3 value is a bf16 / fp16 / fp32 va
 the tile's scores, and the probabilities before p.V (l keeps the unscaled ones), with fp32 accumulation, so
 the dequantized rows are never built. A source of 16-bit rows and one of FP8 rows may be mixed in one call.
 
+MXFP4 sources (DeepSeek-V4.1's kv_cache_dtype 'fp4_e2m1' entries): the buffer holds uint8 rows of D / 2 bytes,
+two e2m1 codes each (column 2j in the low nibble), and `scales` uint8 rows of D / B e8m0 bytes (2^(byte - 127),
+B = 32 or 16 columns per scale). The scale varies along D, so a tile is dequantized in registers (code -> value
+by its bits, times the power of two built from its exponent byte; exact in the queries' dtype) before the dots.
+A scale byte of 0 reads as 0 (only blocks whose amax is below 6 * 2^-127 store it).
+
 Each source's keys are cut into splits of whole BLOCK_N tiles. One program handles one (group, tile of
 query-head rows, split): rows are (query, head) pairs flattened query-major, so the queries of a prefill block
 and all heads of a decode query share each key tile they load. A program writes its split's normalised output
@@ -48,14 +54,43 @@ class KeySource:
     mask: torch.Tensor | None = None
     """(G, Q, L) bool, True = attend; None = every row >= 0."""
     scales: torch.Tensor | None = None
-    """(N,) or (N, 1) fp32 row scales of a float8_e4m3fn `buf` (None for rows in the queries' dtype)."""
+    """(N,) or (N, 1) fp32 row scales of a float8_e4m3fn `buf`, (N, D / B) uint8 e8m0 block scales of a uint8
+    (MXFP4) `buf` (None for rows in the queries' dtype)."""
 
     def gather(self, idx: torch.Tensor) -> torch.Tensor:
         """buf rows at idx (any shape, all >= 0) in fp32, dequantized (the references' reading)."""
+        if self.buf.dtype == torch.uint8:
+            return dequantize_fp4_rows(self.buf[idx], self.scales[idx])
         rows = self.buf[idx].float()
         if self.scales is not None:
             rows = rows * self.scales.reshape(-1)[idx][..., None]
         return rows
+
+
+_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def dequantize_fp4_rows(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """uint8 (..., D / 2) e2m1 pairs (column 2j low) and uint8 (..., D / B) e8m0 bytes -> (..., D) fp32."""
+    codes = torch.stack([packed & 0xF, packed >> 4], dim=-1).flatten(-2).long()
+    values = torch.tensor(_E2M1, dtype=torch.float32, device=packed.device)[codes]
+    exp = scales.to(torch.int32) - 127
+    blocks = values.unflatten(-1, (scales.shape[-1], -1))
+    return torch.ldexp(blocks, exp[..., None]).flatten(-2)
+
+
+@triton.jit
+def fp4_tile(Buf, Scales, rows, stride_bn, stride_sn, offs_d, valid, FP4_BLOCK: tl.constexpr):
+    """(N, BLOCK_D) fp32 values of MXFP4 rows `rows` (columns offs_d; 0 where not `valid`)."""
+    byte = tl.load(Buf + rows[:, None] * stride_bn + offs_d[None, :] // 2, mask=valid, other=0).to(tl.int32)
+    code = (byte >> ((offs_d[None, :] % 2) * 4)) & 15
+    e = (code >> 1) & 3
+    half = (code & 1).to(tl.float32) * 0.5
+    mag = tl.where(e == 0, half, tl.where(e == 1, 1.0, tl.where(e == 2, 2.0, 4.0)) * (1.0 + half))
+    value = tl.where(code >= 8, -mag, mag)
+    sb = tl.load(Scales + rows[:, None] * stride_sn + offs_d[None, :] // FP4_BLOCK, mask=valid, other=0)
+    scale = (sb.to(tl.int32) << 23).to(tl.float32, bitcast=True)  # 2^(byte - 127); byte 0 -> 0
+    return value * scale
 
 
 @triton.jit
@@ -64,7 +99,7 @@ def _split_kernel(Q, Buf, Scales, Rows, Mask, PartO, PartLse,
                   num_q, num_keys, split_len, split_base, total_splits, qk_scale,
                   H: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
                   QPB: tl.constexpr, BLOCK_N: tl.constexpr, HAS_MASK: tl.constexpr, IEEE: tl.constexpr,
-                  KV_FP8: tl.constexpr):
+                  KV_FP8: tl.constexpr, KV_FP4: tl.constexpr = False, FP4_BLOCK: tl.constexpr = 32):
     g = tl.program_id(0).to(tl.int64)
     tile = tl.program_id(1)
     split = tl.program_id(2)
@@ -97,8 +132,12 @@ def _split_kernel(Q, Buf, Scales, Rows, Mask, PartO, PartLse,
             valid = valid & (seen != 0)
         if tl.max(tl.max(valid.to(tl.int32), 1), 0) > 0:  # tiles no row of this program sees are skipped
             safe = tl.where(kvalid, rows, 0)
-            k = tl.load(Buf + safe[:, None] * stride_bn + offs_d[None, :],
-                        mask=kvalid[:, None] & dmask[None, :], other=0.0)  # (N, D), also V
+            if KV_FP4:  # (N, D), also V: dequantized in registers, exact in q's dtype
+                k = fp4_tile(Buf, Scales, safe, stride_bn, stride_sn, offs_d, kvalid[:, None] & dmask[None, :],
+                             FP4_BLOCK).to(q.dtype)
+            else:
+                k = tl.load(Buf + safe[:, None] * stride_bn + offs_d[None, :],
+                            mask=kvalid[:, None] & dmask[None, :], other=0.0)  # (N, D), also V
             if KV_FP8:  # exact conversion; the row scales apply to the scores and the probabilities
                 k = k.to(q.dtype)
                 ks = tl.load(Scales + safe * stride_sn, mask=kvalid, other=0.0)
@@ -177,9 +216,13 @@ def _tiling(num_q: int, num_heads: int, d: int, per_query_rows: bool) -> tuple[i
 
 def _check(q: torch.Tensor, src: KeySource) -> None:
     g, num_q, _, d = q.shape
-    if src.buf.dim() != 2 or src.buf.shape[1] != d or src.buf.stride(1) != 1:
+    if src.buf.dtype == torch.uint8:
+        check_fp4(src.buf, src.scales, d, "a key source")
+    elif src.buf.dim() != 2 or src.buf.shape[1] != d or src.buf.stride(1) != 1:
         raise ValueError(f"a key source's buffer must be (N, {d}) with contiguous rows, got {tuple(src.buf.shape)}")
-    if src.buf.dtype == torch.float8_e4m3fn:
+    if src.buf.dtype == torch.uint8:
+        pass  # checked above
+    elif src.buf.dtype == torch.float8_e4m3fn:
         s = src.scales
         if s is None or s.dtype != torch.float32 or s.numel() != src.buf.shape[0] or s.dim() > 2 or (
                 s.dim() == 2 and s.shape[1] != 1):
@@ -193,6 +236,21 @@ def _check(q: torch.Tensor, src: KeySource) -> None:
         raise ValueError(f"key rows must be (G, L) or (G, Q, L) with G={g}, Q={num_q}, got {tuple(src.rows.shape)}")
     if src.mask is not None and src.mask.shape != (g, num_q, src.rows.shape[-1]):
         raise ValueError(f"key mask must be (G, Q, L) = {(g, num_q, src.rows.shape[-1])}, got {tuple(src.mask.shape)}")
+
+
+def check_fp4(buf: torch.Tensor, scales: torch.Tensor | None, d: int, what: str) -> int:
+    """ValueError unless buf (N, d / 2) uint8 and scales (N, d / B) uint8 with B 16 or 32 are MXFP4 rows of width
+    d with contiguous columns; returns B."""
+    n = buf.shape[0]
+    if buf.dim() != 2 or buf.shape[1] * 2 != d or buf.stride(1) != 1:
+        raise ValueError(f"{what}'s MXFP4 rows must be (N, {d // 2}) uint8 with contiguous columns, "
+                         f"got {tuple(buf.shape)}")
+    if (scales is None or scales.dtype != torch.uint8 or scales.dim() != 2 or scales.shape[0] != n
+            or scales.stride(1) != 1 or scales.shape[1] == 0 or d % scales.shape[1]
+            or d // scales.shape[1] not in (16, 32)):
+        raise ValueError(f"{what}'s MXFP4 rows need uint8 e8m0 scales ({n}, {d} / 32 or {d} / 16), "
+                         f"got {None if scales is None else (scales.dtype, tuple(scales.shape))}")
+    return d // scales.shape[1]
 
 
 def sparse_mqa_attention(q: torch.Tensor, sources: Sequence[KeySource], sink: torch.Tensor, sm_scale: float,
@@ -235,16 +293,18 @@ def sparse_mqa_attention(q: torch.Tensor, sources: Sequence[KeySource], sink: to
         if mask is not None:
             mask = mask if mask.stride(-1) == 1 else mask.contiguous()
             mask = mask.view(torch.uint8)
-        fp8 = src.buf.dtype == torch.float8_e4m3fn
+        fp8, fp4 = src.buf.dtype == torch.float8_e4m3fn, src.buf.dtype == torch.uint8
+        fp4_kw = dict(KV_FP4=True, FP4_BLOCK=d // src.scales.shape[1]) if fp4 else {}
         _split_kernel[(g, tiles, splits)](
-            q, src.buf, src.scales if fp8 else src.buf, rows, mask if mask is not None else rows, part_o, part_lse,
-            q.stride(0), q.stride(1), q.stride(2), src.buf.stride(0), src.scales.stride(0) if fp8 else 0,
+            q, src.buf, src.scales if fp8 or fp4 else src.buf, rows, mask if mask is not None else rows, part_o,
+            part_lse, q.stride(0), q.stride(1), q.stride(2), src.buf.stride(0),
+            src.scales.stride(0) if fp8 or fp4 else 0,
             rows.stride(0), rows_q_stride,
             mask.stride(0) if mask is not None else 0, mask.stride(1) if mask is not None else 0,
             num_q, num_keys, length, base, total, sm_scale * LOG2E,
             H=num_heads, D=d, BLOCK_D=block_d, BLOCK_H=block_h, QPB=qpb, BLOCK_N=BLOCK_N,
             HAS_MASK=mask is not None, IEEE=q.dtype == torch.float32, KV_FP8=fp8, num_warps=8 if block_d >= 256 else 4,
-            num_stages=2)
+            num_stages=2, **fp4_kw)
         base += splits
     out = torch.empty(g, num_q, num_heads, d, dtype=q.dtype, device=q.device)
     combine_h = min(16, triton.next_power_of_2(num_heads))
@@ -257,7 +317,7 @@ def sparse_mqa_attention(q: torch.Tensor, sources: Sequence[KeySource], sink: to
 def sparse_mqa_attention_ref(q: torch.Tensor, sources: Sequence[KeySource], sink: torch.Tensor,
                              sm_scale: float) -> torch.Tensor:
     """Torch reference of sparse_mqa_attention in fp32 (the layout of V4Method.attend: concatenated sources,
-    masked scores, the sink as one more logit); FP8 sources are read dequantized (KeySource.gather)."""
+    masked scores, the sink as one more logit); FP8 and MXFP4 sources are read dequantized (KeySource.gather)."""
     g, num_q, num_heads, d = q.shape
     keys, masks = [], []
     for src in sources:

@@ -8,7 +8,9 @@ once per query tile.
 
 FP8 index keys (kv_cache_dtype 'fp8_e4m3'): float8_e4m3fn rows with one fp32 scale per row, converted to the
 queries' dtype in registers (exactly) with the row scale applied to the products (before the ReLU: a scale is
-positive), so the dequantized keys are never built.
+positive), so the dequantized keys are never built. MXFP4 index keys (DeepSeek-V4.1's 'fp4_e2m1'): uint8 rows of
+two e2m1 codes per byte with uint8 e8m0 scales per 32 (or 16) columns, dequantized in registers as the attention
+kernel's MXFP4 sources are (v4_attention.fp4_tile), exactly in the queries' dtype.
 
 Fixed-order mode (`fixed_order=True`, batch-invariant mode): the queries per program are a constant of the head
 count (at least 16 (query, head) rows for tl.dot), never of the number of queries, so an entry's score is made
@@ -22,6 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
+from deepinfer_kernels.v4_attention import check_fp4, dequantize_fp4_rows, fp4_tile
+
 BLOCK_E = 64
 """Entries per program."""
 
@@ -33,7 +37,7 @@ def _index_scores_kernel(Q, W, Buf, Scales, Rows, Mask, Out,
                          num_q, num_entries, scale,
                          H: tl.constexpr, BLOCK_H: tl.constexpr, DI: tl.constexpr, BLOCK_DI: tl.constexpr,
                          QPB: tl.constexpr, BLOCK_E: tl.constexpr, HAS_MASK: tl.constexpr, IEEE: tl.constexpr,
-                         KV_FP8: tl.constexpr):
+                         KV_FP8: tl.constexpr, KV_FP4: tl.constexpr = False, FP4_BLOCK: tl.constexpr = 32):
     g = tl.program_id(0).to(tl.int64)
     qb = tl.program_id(1)
     eb = tl.program_id(2)
@@ -51,7 +55,12 @@ def _index_scores_kernel(Q, W, Buf, Scales, Rows, Mask, Out,
     rows = tl.load(Rows + g * stride_rg + offs_e, mask=emask, other=-1).to(tl.int64)
     kvalid = rows >= 0
     safe = tl.where(kvalid, rows, 0)
-    k = tl.load(Buf + safe[:, None] * stride_bn + offs_d[None, :], mask=kvalid[:, None] & dmask[None, :], other=0.0)
+    if KV_FP4:
+        k = fp4_tile(Buf, Scales, safe, stride_bn, stride_sn, offs_d, kvalid[:, None] & dmask[None, :],
+                     FP4_BLOCK).to(q.dtype)
+    else:
+        k = tl.load(Buf + safe[:, None] * stride_bn + offs_d[None, :], mask=kvalid[:, None] & dmask[None, :],
+                    other=0.0)
     if KV_FP8:
         k = k.to(q.dtype)
     if IEEE:
@@ -91,12 +100,15 @@ def index_scores(q: torch.Tensor, weights: torch.Tensor, buf: torch.Tensor, rows
                  fixed_order: bool = False) -> torch.Tensor:
     """q (G, Q, H, Di), weights (G, Q, H) fp32, key rows `buf[rows]` (buf (N, Di), rows (G, E), -1 = none),
     visible (G, Q, E) bool or None -> (G, Q, E) fp32 scores, -inf where absent or not visible. A float8_e4m3fn
-    buf comes with its fp32 row `scales` (N,) or (N, 1). `fixed_order`: the batch-invariant tiling (module
-    docstring)."""
+    buf comes with its fp32 row `scales` (N,) or (N, 1), a uint8 (MXFP4) buf (N, Di / 2) with its uint8 e8m0
+    `scales` (N, Di / 32 or Di / 16). `fixed_order`: the batch-invariant tiling (module docstring)."""
     g, num_q, num_heads, di = q.shape
-    if buf.dim() != 2 or buf.shape[1] != di or buf.stride(1) != 1:
+    fp4 = buf.dtype == torch.uint8
+    if fp4:
+        fp4_block = check_fp4(buf, scales, di, "the indexer keys")
+    elif buf.dim() != 2 or buf.shape[1] != di or buf.stride(1) != 1:
         raise ValueError(f"indexer keys must be (N, {di}) with contiguous rows, got {tuple(buf.shape)}")
-    fp8 = _check_scales(buf, scales)
+    fp8 = not fp4 and _check_scales(buf, scales)
     if rows.shape[0] != g or rows.dim() != 2:
         raise ValueError(f"indexer rows must be (G, E) with G={g}, got {tuple(rows.shape)}")
     num_entries = rows.shape[1]
@@ -111,25 +123,29 @@ def index_scores(q: torch.Tensor, weights: torch.Tensor, buf: torch.Tensor, rows
         qpb = max(qpb, min(triton.next_power_of_2(num_q), max(1, 64 // block_h)))
     out = torch.empty(g, num_q, num_entries, dtype=torch.float32, device=q.device)
     mask = visible.contiguous().view(torch.uint8) if visible is not None else None
-    if buf.dtype != q.dtype and not fp8:
+    if buf.dtype != q.dtype and not fp8 and not fp4:
         buf = buf.to(q.dtype)
     grid = (g, triton.cdiv(num_q, qpb), triton.cdiv(max(num_entries, 1), BLOCK_E))
     _index_scores_kernel[grid](
-        q, weights, buf, scales if fp8 else buf, rows, mask if mask is not None else rows, out,
+        q, weights, buf, scales if fp8 or fp4 else buf, rows, mask if mask is not None else rows, out,
         q.stride(0), q.stride(1), q.stride(2), weights.stride(0), weights.stride(1), buf.stride(0),
-        scales.stride(0) if fp8 else 0, rows.stride(0),
+        scales.stride(0) if fp8 or fp4 else 0, rows.stride(0),
         mask.stride(0) if mask is not None else 0, mask.stride(1) if mask is not None else 0,
         out.stride(0), out.stride(1), num_q, num_entries, scale,
         H=num_heads, BLOCK_H=block_h, DI=di, BLOCK_DI=triton.next_power_of_2(di), QPB=qpb, BLOCK_E=BLOCK_E,
-        HAS_MASK=mask is not None, IEEE=q.dtype == torch.float32, KV_FP8=fp8, num_warps=4)
+        HAS_MASK=mask is not None, IEEE=q.dtype == torch.float32, KV_FP8=fp8, num_warps=4,
+        **(dict(KV_FP4=True, FP4_BLOCK=fp4_block) if fp4 else {}))
     return out
 
 
 def index_scores_ref(q: torch.Tensor, weights: torch.Tensor, buf: torch.Tensor, rows: torch.Tensor,
                      visible: torch.Tensor | None, scale: float, scales: torch.Tensor | None = None) -> torch.Tensor:
-    """Torch reference of index_scores, in the order of V4Method.index_select (FP8 keys dequantized)."""
-    keys = buf[rows.clamp(min=0)].float()
-    if _check_scales(buf, scales):
+    """Torch reference of index_scores, in the order of V4Method.index_select (FP8 and MXFP4 keys dequantized)."""
+    if buf.dtype == torch.uint8:
+        keys = dequantize_fp4_rows(buf[rows.clamp(min=0)], scales[rows.clamp(min=0)])
+    else:
+        keys = buf[rows.clamp(min=0)].float()
+    if buf.dtype != torch.uint8 and _check_scales(buf, scales):
         keys = keys * scales.reshape(-1)[rows.clamp(min=0)][..., None]
     scores = torch.einsum("gqhd,ged->gqhe", q.float(), keys).relu() * scale
     scores = (scores * weights.float()[..., None]).sum(dim=2)

@@ -6,7 +6,8 @@ attend with, picked_rows gathers them into a KeySource's per-query rows. At mode
 V4.1 attention through V41TritonMethod with the kernels' torch references in place of the kernels (same calls,
 same KeySources): every long-range call hands the attention a per-query entry source of at most index_topk rows and
 no mask, a decode row reads index_topk (3) of the 11 or more entries it sees, and the logits equal V41Method's (the masked
-torch reference) within 1e-5 over a prefill chunk and two decode steps, on the 16-bit and the FP8 compact pool."""
+torch reference) within 1e-5 over a prefill chunk and two decode steps, on the 16-bit, the FP8 and the MXFP4
+('fp4_e2m1') compact pool."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -30,13 +31,13 @@ def test_picked_mask_and_rows():
     assert picked_mask(empty, 0).shape == (1, 2, 0) and picked_rows(slots[:, :0], empty).shape == (1, 2, 0)
 
 
-def _run(model, config, tokens, steps, fp8):
+def _run(model, config, tokens, steps, kv):
     from deepinfer_rt.cache.kv_pool import KVPool
     from deepinfer_rt.forward_batch import ForwardBatch
     from deepinfer_rt.layers.attention.torch_ref import TorchRefBackend
 
     layout = model.kv_layout(config)
-    pool = KVPool(layout.with_kv_dtype("fp8_e4m3") if fp8 else layout, 64, 4, torch.float32, torch.device("cpu"))
+    pool = KVPool(layout.with_kv_dtype(kv), 64, 4, torch.float32, torch.device("cpu"))
     out = []
     for s, e in steps:
         backend = TorchRefBackend()
@@ -49,8 +50,8 @@ def _run(model, config, tokens, steps, fp8):
     return torch.cat(out)
 
 
-@pytest.mark.parametrize("fp8", [False, True])
-def test_kernel_forms_read_only_the_picked_entries(tiny_v41_paths, fp8):
+@pytest.mark.parametrize("kv", ["auto", "fp8_e4m3", "fp4_e2m1"])
+def test_kernel_forms_read_only_the_picked_entries(tiny_v41_paths, kv):
     from deepinfer_kernels import v4_attention as va
     from deepinfer_kernels import v4_indexer as vi
     from deepinfer_rt.models.deepseek_v41.methods import V41Method, V41TritonMethod
@@ -62,7 +63,8 @@ def test_kernel_forms_read_only_the_picked_entries(tiny_v41_paths, fp8):
     topk = model.model.cfg.index_topk
     tokens = torch.randint(100, 20000, (24,), generator=torch.Generator().manual_seed(1))
     steps = [(0, 22), (22, 23), (23, 24)]
-    reference = _run(model, config, tokens, steps, fp8)
+    reference = _run(model, config, tokens, steps, kv)
+    entry_dtype = {"auto": torch.float32, "fp8_e4m3": torch.float8_e4m3fn, "fp4_e2m1": torch.uint8}[kv]
 
     reads = []  # per long-range attention call: (query rows, entries each query reads, entries of its group)
 
@@ -71,12 +73,12 @@ def test_kernel_forms_read_only_the_picked_entries(tiny_v41_paths, fp8):
         if len(sources) == 2:
             entries = sources[1]
             assert entries.mask is None and entries.rows.dim() == 3 and entries.rows.shape[-1] <= topk
-            assert (entries.buf.dtype == torch.float8_e4m3fn) == fp8
+            assert entries.buf.dtype == entry_dtype
             reads.append((q.shape[0] * q.shape[1], (entries.rows >= 0).sum(-1).flatten()))
         return va.sparse_mqa_attention_ref(q, sources, sink, sm_scale)
 
     def index_scores(q, weights, buf, rows, visible, scale, scales=None, fixed_order=False):
-        assert not fixed_order
+        assert not fixed_order and buf.dtype == entry_dtype
         return vi.index_scores_ref(q, weights, buf, rows, visible, scale, scales)
 
     fake = SimpleNamespace(attention=SimpleNamespace(KeySource=va.KeySource, sparse_mqa_attention=attention),
@@ -88,7 +90,7 @@ def test_kernel_forms_read_only_the_picked_entries(tiny_v41_paths, fp8):
             mod.method.kernels = fake
             swapped += 1
     assert swapped
-    got = _run(model, config, tokens, steps, fp8)
+    got = _run(model, config, tokens, steps, kv)
     rows = got.isfinite().all(dim=-1)  # YOCO prefill truncation leaves early prefill rows without logits
     assert rows[-2:].all() and rows.sum() >= 3
     torch.testing.assert_close(got[rows], reference[rows], rtol=1e-5, atol=1e-5)

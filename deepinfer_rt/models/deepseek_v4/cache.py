@@ -31,13 +31,14 @@ import torch
 
 from deepinfer_rt.cache.kv_pool import KVLayout, KVPool
 from deepinfer_rt.forward_batch import ForwardBatch
-from deepinfer_rt.models.deepseek_v4.common import Fp8Rows, LayerKV, PoolColumns
+from deepinfer_rt.models.deepseek_v4.common import Fp4Rows, Fp8Rows, LayerKV, PoolColumns, fp4_row_bytes
 
 _MIN_RECENT_TOKENS = 16384
 """The recent pool holds at least this many tokens (or as many as the main pool): a step's new tokens all need
 recent rows at once, and a small pool cannot lend a fraction."""
 _FALLBACK_LOOKBACK = 64
 """Tokens a release scan looks back when the sequence's previous step is not known (more than any draft)."""
+KV_DTYPES = ("auto", "fp8_e4m3", "fp4_e2m1")
 
 
 @dataclass(frozen=True)
@@ -53,8 +54,9 @@ class V4KVLayout(KVLayout):
     checkpoint_tokens: int = 16384
     recent_fraction: float = 0.05
     kv_dtype: str = "auto"
-    """'auto' (the model dtype) or 'fp8_e4m3': sliding keys, entries and indexer entries as float8 e4m3 with
-    an fp32 scale per row; the compressor inputs stay in the model dtype."""
+    """'auto' (the model dtype), 'fp8_e4m3': sliding keys, entries and indexer entries as float8 e4m3 with an
+    fp32 scale per row, or 'fp4_e2m1': sliding keys as in 'fp8_e4m3', entries and indexer entries as MXFP4
+    (e2m1 + an e8m0 scale per 32 values, common.py Fp4Rows); the compressor inputs stay in the model dtype."""
     swa_dim: int = 0
     """Width of the sliding key (the first columns of every recent row in 'auto')."""
     idx_entry_dims: tuple[int, ...] = ()
@@ -64,6 +66,8 @@ class V4KVLayout(KVLayout):
     of a finished sequence resume exactly)."""
     supports_fp8: bool = True
     """False where the model's layers cannot read FP8 rows."""
+    supports_fp4: bool = False
+    """True where the model's layers read MXFP4 entries and indexer entries (kv_dtype 'fp4_e2m1')."""
     num_token_layers: int = 0
     """Trailing layers added by with_token_layer: per-token state of their owner only, no sliding key (their
     rows stay in the model dtype under 'fp8_e4m3')."""
@@ -74,13 +78,27 @@ class V4KVLayout(KVLayout):
 
     @property
     def is_fp8(self) -> bool:
-        return self.kv_dtype == "fp8_e4m3"
+        """Whether the sliding keys are FP8 rows (kv_dtype 'fp8_e4m3' or 'fp4_e2m1')."""
+        return self.kv_dtype != "auto"
+
+    @property
+    def is_fp4(self) -> bool:
+        """Whether the entries and indexer entries are MXFP4 rows (kv_dtype 'fp4_e2m1')."""
+        return self.kv_dtype == "fp4_e2m1"
 
     def with_kv_dtype(self, kv_dtype: str) -> "V4KVLayout":
-        if kv_dtype not in ("auto", "fp8_e4m3"):
-            raise ValueError(f"kv_cache_dtype must be 'auto' or 'fp8_e4m3' for DeepSeek-V4, got {kv_dtype!r}")
+        if kv_dtype not in KV_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_DTYPES} for DeepSeek-V4, got {kv_dtype!r}")
         if kv_dtype != "auto" and not self.supports_fp8:
             raise ValueError(f"kv_cache_dtype={kv_dtype!r} is not supported for this model's KV pool yet")
+        if kv_dtype == "fp4_e2m1":
+            if not self.supports_fp4:
+                raise ValueError("kv_cache_dtype='fp4_e2m1' (MXFP4 entries) is not supported for this model's KV "
+                                 "pool; use 'fp8_e4m3'")
+            widths = {w - di for w, di in zip(self.entry_dims, self.idx_entry_dims) if w} | set(self.idx_entry_dims)
+            if any(w % 16 for w in widths):
+                raise ValueError(f"kv_cache_dtype='fp4_e2m1' needs entry and index-key widths that are multiples of "
+                                 f"16, got {sorted(widths)}")
         return dataclasses.replace(self, kv_dtype=kv_dtype)
 
     def with_token_layer(self, width: int, lookback: int) -> "V4KVLayout":
@@ -105,9 +123,24 @@ class V4KVLayout(KVLayout):
         n = self.num_swa_layers
         return tuple(w - self.swa_dim for w in self.layer_dims[:n]) + self.layer_dims[n:]
 
+    def entry_row_bytes(self, layer: int, dtype: torch.dtype) -> tuple[int, int]:
+        """(entry, indexer entry) bytes of one entry row of `layer` (0, 0 on layers without entries): the model
+        dtype; FP8 a byte per value and a 4-byte scale; MXFP4 half a byte per value and a scale byte per 32 values
+        (per 16 where 32 does not divide the width: common.py fp4_block)."""
+        w, di = self.entry_dims[layer], self.idx_entry_dims[layer]
+        if not self.ratios[layer]:
+            return 0, 0
+        if self.is_fp4:
+            return fp4_row_bytes(w - di), fp4_row_bytes(di) if di else 0
+        if self.is_fp8:
+            return w - di + 4, di + 4 if di else 0
+        size = torch.empty((), dtype=dtype).element_size()
+        return (w - di) * size, di * size
+
     def long_lived_bytes_per_token(self, dtype: torch.dtype) -> float:
-        """Entries per token of context: D (+ Di) per m tokens on each compressed layer (FP8: a byte per value
-        and a 4-byte scale per entry and per indexer entry)."""
+        """Entries per token of context: an entry row (entry_row_bytes) per m tokens on each compressed layer."""
+        if self.is_fp4:
+            return sum(sum(self.entry_row_bytes(i, dtype)) / m for i, m in enumerate(self.ratios) if m)
         if self.is_fp8:
             return sum((w + 4 * (1 + (di > 0))) / m
                        for w, di, m in zip(self.entry_dims, self.idx_entry_dims, self.ratios) if m)
@@ -158,9 +191,14 @@ class V4Pool(KVPool):
                         for n, w in zip(entry_rows, layout.entry_dims)]
         self.fp8_swa = [Fp8Rows.zeros(rows + 1, layout.swa_dim, device) if fp8 and i < layout.num_swa_layers else None
                         for i in range(layout.num_layers)]
-        self.fp8_entry = [Fp8Rows.zeros(n, w - di, device) if fp8 and m else None
+        fp8_entries, fp4 = fp8 and not layout.is_fp4, layout.is_fp4
+        self.fp8_entry = [Fp8Rows.zeros(n, w - di, device) if fp8_entries and m else None
                           for n, w, di, m in zip(entry_rows, layout.entry_dims, layout.idx_entry_dims, layout.ratios)]
-        self.fp8_idx_entry = [Fp8Rows.zeros(n, di, device) if fp8 and di else None
+        self.fp8_idx_entry = [Fp8Rows.zeros(n, di, device) if fp8_entries and di else None
+                              for n, di in zip(entry_rows, layout.idx_entry_dims)]
+        self.fp4_entry = [Fp4Rows.zeros(n, w - di, device) if fp4 and m else None
+                          for n, w, di, m in zip(entry_rows, layout.entry_dims, layout.idx_entry_dims, layout.ratios)]
+        self.fp4_idx_entry = [Fp4Rows.zeros(n, di, device) if fp4 and di else None
                               for n, di in zip(entry_rows, layout.idx_entry_dims)]
         self._recent_of = np.full(num_pages, -1, dtype=np.int64)
         self._pinned = np.zeros(num_pages, dtype=bool)
@@ -177,7 +215,8 @@ class V4Pool(KVPool):
     def layer_kv(self, layer: int, cols: dict[bool, PoolColumns]) -> LayerKV:
         """The layer's buffers; `cols` its compact columns without (False) and with (True) FP8 storage."""
         return LayerKV(self.recent[layer], self.entries[layer], cols[self.layout.is_fp8], self.fp8_swa[layer],
-                       self.fp8_entry[layer], self.fp8_idx_entry[layer])
+                       self.fp8_entry[layer], self.fp8_idx_entry[layer], self.fp4_entry[layer],
+                       self.fp4_idx_entry[layer])
 
     def token_rows(self, layer: int, slots: torch.Tensor, valid: torch.Tensor | None = None
                    ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -402,6 +441,7 @@ class V4Pool(KVPool):
             if m:
                 es, ed = s // self.entry_divisor(m), d // self.entry_divisor(m)
                 self.entries[layer][ed] = self.entries[layer][es]
-                for fp8 in (self.fp8_entry[layer], self.fp8_idx_entry[layer]):
-                    if fp8 is not None:
-                        fp8.values[ed], fp8.scales[ed] = fp8.values[es], fp8.scales[es]
+                for rows in (self.fp8_entry[layer], self.fp8_idx_entry[layer], self.fp4_entry[layer],
+                             self.fp4_idx_entry[layer]):
+                    if rows is not None:
+                        rows.values[ed], rows.scales[ed] = rows.values[es], rows.scales[es]

@@ -28,6 +28,7 @@ from torch import nn
 
 from deepinfer_rt.config import ModelConfig
 from deepinfer_rt.layers.kernel_config import current_kernel_config
+from deepinfer_rt.layers.quant_formats import E2M1_MAX, MX_BLOCK
 from deepinfer_rt.models.deepseek_v4.methods import v4_method
 
 SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
@@ -228,12 +229,76 @@ class Fp8Rows:
         self.scales[idx] = scale
 
 
+_E2M1_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
+"""Midpoints between consecutive e2m1 magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6."""
+
+
+def fp4_block(width: int) -> int:
+    """Values per e8m0 scale of an MXFP4 row `width` wide: 32 (the MX block) where it divides the width, else 16
+    (narrow test models; TensorRT-LLM's block for V4.1 entries)."""
+    for block in (MX_BLOCK, MX_BLOCK // 2):
+        if width % block == 0:
+            return block
+    raise ValueError(f"MXFP4 rows need a width that is a multiple of {MX_BLOCK // 2}, got {width}")
+
+
+def fp4_row_bytes(width: int) -> int:
+    """Bytes of one Fp4Rows row: half a byte per value and a scale byte per block."""
+    return width // 2 + width // fp4_block(width)
+
+
+@dataclass(frozen=True)
+class Fp4Rows:
+    """Rows stored as MXFP4: e2m1 values packed two per byte (element 2j in the low nibble) and an e8m0 scale
+    byte (2^(byte - 127)) per block of fp4_block(width) columns (32 at V4.1-Flash widths), the smallest power of
+    two that keeps the block's amax within 6 (no value clips). Like Fp8Rows, a row's stored bits depend on its
+    own values only."""
+
+    values: torch.Tensor
+    """(rows, width / 2) uint8."""
+    scales: torch.Tensor
+    """(rows, width / block) uint8, biased exponents."""
+
+    @classmethod
+    def zeros(cls, rows: int, width: int, device: torch.device) -> "Fp4Rows":
+        return cls(torch.zeros(rows, width // 2, dtype=torch.uint8, device=device),
+                   torch.zeros(rows, width // fp4_block(width), dtype=torch.uint8, device=device))
+
+    @property
+    def block(self) -> int:
+        return 2 * self.values.shape[1] // self.scales.shape[1]
+
+    # Both directions are elementwise arithmetic on the device (no lookup tables copied from the host), so a
+    # CUDA-graph step can store and read them.
+    def read(self, idx: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        packed = self.values[idx]
+        code = torch.stack([packed & 0xF, packed >> 4], dim=-1).flatten(-2).to(torch.int32)
+        e, half = (code >> 1) & 3, (code & 1).float() * 0.5
+        mag = torch.where(e == 0, half, torch.ldexp(1.0 + half, e - 1))  # 0, 0.5 | 1, 1.5, 2, 3, 4, 6
+        values = torch.where(code >= 8, -mag, mag)
+        exp = self.scales[idx].to(torch.int32) - 127
+        blocks = values.unflatten(-1, (-1, self.block))
+        return torch.ldexp(blocks, exp[..., None]).flatten(-2).to(dtype)
+
+    def write(self, idx: torch.Tensor, x: torch.Tensor) -> None:
+        blocks = x.float().unflatten(-1, (-1, self.block))
+        exp = torch.ceil(torch.log2(blocks.abs().amax(dim=-1) / E2M1_MAX)).clamp(-127, 127).to(torch.int32)
+        scaled = torch.ldexp(blocks, -exp[..., None]).flatten(-2)
+        mag = scaled.abs()
+        # the nearest e2m1 magnitude: how many midpoints lie below (a tie goes to the smaller one)
+        code = sum((mag > m).to(torch.uint8) for m in _E2M1_MIDPOINTS) + (scaled < 0).to(torch.uint8) * 8
+        pairs = code.unflatten(-1, (-1, 2))
+        self.values[idx] = pairs[..., 0] | (pairs[..., 1] << 4)
+        self.scales[idx] = (exp + 127).to(torch.uint8)
+
+
 @dataclass(frozen=True)
 class LayerKV:
     """One layer's KV state and where each part lives: `recent` rows hold per-token state (sliding key,
     compressor inputs), `entries` rows the compressed entries; in the per-token layout both are the same pool
     rows. With FP8 storage the sliding keys, entries and indexer entries are Fp8Rows of their own (their
-    columns in `cols` are then empty)."""
+    columns in `cols` are then empty); with kv_cache_dtype 'fp4_e2m1' the entries and indexer entries are
+    Fp4Rows instead (fp4_entry / fp4_idx_entry, the fp8 ones None) and the sliding keys stay Fp8Rows."""
 
     recent: torch.Tensor
     entries: torch.Tensor
@@ -241,6 +306,8 @@ class LayerKV:
     fp8_swa: Fp8Rows | None = None
     fp8_entry: Fp8Rows | None = None
     fp8_idx_entry: Fp8Rows | None = None
+    fp4_entry: Fp4Rows | None = None
+    fp4_idx_entry: Fp4Rows | None = None
 
     @property
     def num_recent_rows(self) -> int:
@@ -248,7 +315,13 @@ class LayerKV:
 
     @property
     def num_entry_rows(self) -> int:
-        return self.entries.shape[0] if self.fp8_entry is None else self.fp8_entry.values.shape[0]
+        rows = self.fp8_entry if self.fp8_entry is not None else self.fp4_entry
+        return self.entries.shape[0] if rows is None else rows.values.shape[0]
+
+    @property
+    def is_fp4(self) -> bool:
+        """Whether the entries or indexer entries are MXFP4 rows (readers that take only FP8 rows refuse them)."""
+        return self.fp4_entry is not None or self.fp4_idx_entry is not None
 
     def swa(self, idx: torch.Tensor) -> torch.Tensor:
         """Sliding keys at recent slots idx (any shape) -> (*idx.shape, D)."""
@@ -259,11 +332,15 @@ class LayerKV:
     def entry(self, idx: torch.Tensor) -> torch.Tensor:
         if self.fp8_entry is not None:
             return self.fp8_entry.read(idx, self.recent.dtype)
+        if self.fp4_entry is not None:
+            return self.fp4_entry.read(idx, self.recent.dtype)
         return self.entries[:, self.cols.entry][idx]
 
     def idx_entry(self, idx: torch.Tensor) -> torch.Tensor:
         if self.fp8_idx_entry is not None:
             return self.fp8_idx_entry.read(idx, self.recent.dtype)
+        if self.fp4_idx_entry is not None:
+            return self.fp4_idx_entry.read(idx, self.recent.dtype)
         return self.entries[:, self.cols.idx_entry][idx]
 
     def store_swa(self, slots: torch.Tensor, x: torch.Tensor) -> None:
@@ -275,12 +352,16 @@ class LayerKV:
     def store_entry(self, rows: torch.Tensor, x: torch.Tensor) -> None:
         if self.fp8_entry is not None:
             self.fp8_entry.write(rows, x)
+        elif self.fp4_entry is not None:
+            self.fp4_entry.write(rows, x)
         else:
             self.entries[rows, self.cols.entry] = x.to(self.entries.dtype)
 
     def store_idx_entry(self, rows: torch.Tensor, x: torch.Tensor) -> None:
         if self.fp8_idx_entry is not None:
             self.fp8_idx_entry.write(rows, x)
+        elif self.fp4_idx_entry is not None:
+            self.fp4_idx_entry.write(rows, x)
         else:
             self.entries[rows, self.cols.idx_entry] = x.to(self.entries.dtype)
 

@@ -20,6 +20,8 @@ keeps [ entry D | index_key Di ] of KV sources in entry rows (one per token at r
 and [ swa D | kv D | gate D | ids 3 ] in recent rows, held only near sequence ends and checkpoints (v41_layer_kv).
 With kv_cache_dtype='fp8_e4m3' the sliding keys, entries and index keys are float8 e4m3 rows with an fp32 scale
 per row (V4's Fp8Rows, quantized as they are stored); the compressor inputs and the ids stay in the model dtype.
+With 'fp4_e2m1' the sliding keys are the same FP8 rows and the entries and index keys MXFP4 rows (V4's Fp4Rows: e2m1
+values, an e8m0 scale per 32): 340 bytes per entry and index key of a 512 + 128 wide source.
 
 Per step, index sources keep their top-k selection per attention group on the step state (`V41Step.picks`) for the
 layers that reuse it; the candidate source keeps its block set there (`V41Step.candidates`).

@@ -152,7 +152,8 @@ class _KernelForms:
     key sources of the sparse MQA kernel, the index keys the indexer kernel's rows. The entries come as each
     query's (G, Q, k) picked rows (picked_rows, -1 = none; V4's CSA path), so a query's long-range branch reads its
     k entries, not all E of the group, and no (G, Q, E) mask is built or read; FP8 rows come
-    as float8 values with their row scales, dequantized in registers. The index queries stay in the model dtype
+    as float8 values with their row scales, MXFP4 rows ('fp4_e2m1' entries and index keys) as uint8 e2m1 pairs with
+    their e8m0 block scales, both dequantized in registers. The index queries stay in the model dtype
     (the pool's: no copy of the keys is made). `is_fixed` picks the kernels' batch-invariant modes (fixed splits
     over per-query sliding lists from position 0, v4_invariant.sliding_rows; the indexer's fixed order)."""
 
@@ -171,14 +172,16 @@ class _KernelForms:
         sources = [key_source(self.kernels, kv.fp8_swa, kv.recent[:, kv.cols.swa], rows, mask)]
         if selected is not None:  # per query its k picked entry rows (rank order, -1 = none)
             rows = picked_rows(g.entry_slots[ratio], selected)
-            sources.append(key_source(self.kernels, src.fp8_entry, src.entries[:, src.cols.entry], rows))
+            fp4 = src.fp4_entry
+            sources.append(key_source(self.kernels, src.fp8_entry, src.entries[:, src.cols.entry], rows) if fp4 is None
+                           else self.kernels.attention.KeySource(fp4.values, rows, None, fp4.scales))
         out = self.kernels.attention.sparse_mqa_attention(q.view(g.num_seqs, g.q_len, h, d), sources, sink, d ** -0.5,
                                                   fixed_splits=self.is_fixed)
         return out.view(-1, h, d)
 
     def index_scores(self, q, src, slots, weights):
-        fp8 = src.fp8_idx_entry
-        buf, scales = (src.entries[:, src.cols.idx_entry], None) if fp8 is None else (fp8.values, fp8.scales)
+        rows = src.fp8_idx_entry if src.fp8_idx_entry is not None else src.fp4_idx_entry
+        buf, scales = (src.entries[:, src.cols.idx_entry], None) if rows is None else (rows.values, rows.scales)
         return self.kernels.indexer.index_scores(q, weights, buf, slots, None, q.shape[-1] ** -0.5, scales,
                                          fixed_order=self.is_fixed)
 

@@ -302,7 +302,8 @@ class DeepseekV41ForCausalLM(DeepseekV4ForCausalLM):
     @staticmethod
     def kv_layout(config: ModelConfig) -> KVLayout:
         """The compact pool (entries only on KV sources) unless DEEPINFER_V4_KV_LAYOUT=per_token; kv_cache_dtype
-        'fp8_e4m3' (compact pool only) keeps the sliding keys, entries and index keys as e4m3 rows + fp32 scales."""
+        'fp8_e4m3' (compact pool only) keeps the sliding keys, entries and index keys as e4m3 rows + fp32 scales,
+        'fp4_e2m1' the sliding keys so and the entries and index keys as MXFP4 rows (e2m1 + e8m0 per 32)."""
         cfg, env = V41Config.from_raw(_config_dict(config)), get_env()
         if env.v4_kv_layout == "per_token":
             dims = tuple(pool_width(cfg, s) for s in cfg.layers)
@@ -317,7 +318,7 @@ class DeepseekV41ForCausalLM(DeepseekV4ForCausalLM):
                           ratios=tuple(s.ratio if s.is_kv_source else 0 for s in cfg.layers), entry_dims=entries,
                           recent_tokens=need, checkpoint_tokens=env.v4_checkpoint_tokens,
                           recent_fraction=env.v4_recent_fraction,
-                          release_margin=env.v4_release_margin, swa_dim=cfg.head_dim,
+                          release_margin=env.v4_release_margin, swa_dim=cfg.head_dim, supports_fp4=True,
                           idx_entry_dims=tuple(cfg.index_head_dim if e else 0 for e in entries))
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
