@@ -40,9 +40,9 @@ ENGINE_OPTIONS = (
     EngineOption("max_num_seqs", 256, "most sequences running at once", int),
     EngineOption("kv_cache_tokens", None, "KV pool size in tokens (default: from --kv-cache-memory-fraction)",
                  int),
-    EngineOption("kv_cache_dtype", "auto", "KV cache storage: auto (the model dtype) or fp8_e4m3 (float8 rows with "
-                 "a float32 scale per token and KV head: about twice the tokens per byte)", str,
-                 ("auto", "fp8_e4m3")),
+    EngineOption("kv_cache_dtype", "auto", "KV cache storage: auto (the model dtype), fp8_e4m3 (float8 rows with "
+                 "a float32 scale per token and KV head: about twice the tokens per byte) or fp4_e2m1 (DeepSeek-V4.1: "
+                 "MXFP4 entries and index keys, FP8 sliding keys)", str, ("auto", "fp8_e4m3", "fp4_e2m1")),
     EngineOption("page_size", 1, "tokens per KV page", int),
     EngineOption("chunked_prefill_tokens", 2048, "token budget of one step (prompts are prefilled in chunks of "
                  "at most this many tokens)", int),

@@ -203,7 +203,8 @@ class CacheConfig:
     kv_cache_dtype: str = "auto"
     """'auto': KV rows in the model dtype; 'fp8_e4m3': float8_e4m3fn rows with one float32 scale per (token, KV
     head), about half the bytes per token (cache/kv_pool.py); the compact DeepSeek-V4 pool keeps its sliding keys
-    and entries in FP8 with a scale per row (models/deepseek_v4/cache.py)."""
+    and entries in FP8 with a scale per row (models/deepseek_v4/cache.py); 'fp4_e2m1' (DeepSeek-V4.1 only): its
+    entries and index keys as MXFP4 (e2m1 + an e8m0 scale per 32), its sliding keys as under 'fp8_e4m3'."""
 
 
 @dataclass(frozen=True)

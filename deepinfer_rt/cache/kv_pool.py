@@ -79,7 +79,8 @@ class KVLayout:
         return elems + 4 * sum(h for h, _ in shapes)
 
 
-KV_CACHE_DTYPES = ("auto", "fp8_e4m3")
+KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp4_e2m1")
+"""fp4_e2m1: MXFP4 entries and index keys, DeepSeek-V4.1's compact pool only (models/deepseek_v4/cache.py)."""
 FP8_MAX = 448.0
 FP8_INV = 1.0 / FP8_MAX
 """What a row's amax is multiplied by for its scale (rounded once to fp32 where it multiplies)."""
@@ -89,9 +90,13 @@ _MIN_SCALE = 1e-12
 
 
 def check_kv_cache_dtype(kv_cache_dtype: str, layout: KVLayout | None = None) -> None:
-    """ValueError for an unknown kv_cache_dtype, or fp8 for a layout that does not take it."""
+    """ValueError for an unknown kv_cache_dtype, or one that a layout does not take (fp8 where its rows are not
+    plain K/V heads; fp4_e2m1 outside the layouts that set supports_fp4)."""
     if kv_cache_dtype not in KV_CACHE_DTYPES:
         raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")
+    if kv_cache_dtype == "fp4_e2m1" and layout is not None and not getattr(layout, "supports_fp4", False):
+        raise ValueError("kv_cache_dtype='fp4_e2m1' (MXFP4 entries) is supported by DeepSeek-V4.1's compact KV pool "
+                         "only; use 'fp8_e4m3' or 'auto'")
     if kv_cache_dtype != "auto" and layout is not None and not layout.is_fp8_supported:
         raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} is not supported by this model's KV layout "
                          "(its pool rows are not plain K/V heads); use 'auto'")

@@ -2,8 +2,7 @@
 index keys as MXFP4 rows (e2m1 + an e8m0 scale per 32, deepseek_v4/common.py Fp4Rows), the sliding keys as the FP8
 rows of 'fp8_e4m3', the compressor inputs and the Engram ids in the model dtype.
 
-The engine's list of cache dtypes (cache/kv_pool.py KV_CACHE_DTYPES) does not name 'fp4_e2m1' yet, so these tests add
-it for their engines (`fp4_engines`); the pool, the layout and the model take it as they are.
+Other layouts refuse 'fp4_e2m1' (test_fp4_is_refused_outside_v41).
 
 - The tiny configs' heads and index keys are 16 wide: a scale per 16 values there (common.py fp4_block), per 32 elsewhere.
 - The pool's buffers are MXFP4 where they should be (uint8 values and scales, no FP8 or 16-bit entry columns) and
@@ -37,9 +36,9 @@ MEAN_BOUND, WORST_BOUND = 0.2, 1.5
 
 
 @pytest.fixture
-def fp4_engines(monkeypatch):
-    if FP4 not in kv_pool.KV_CACHE_DTYPES:
-        monkeypatch.setattr(kv_pool, "KV_CACHE_DTYPES", kv_pool.KV_CACHE_DTYPES + (FP4,))
+def fp4_engines():
+    """The engine takes the name as it is (cache/kv_pool.py KV_CACHE_DTYPES)."""
+    assert FP4 in kv_pool.KV_CACHE_DTYPES
 
 
 def _fp4_bytes_per_token(path, size: int) -> int:
@@ -139,3 +138,11 @@ def test_fp4_with_dspark_drafter(dspark_v41_path):
     with Engine(str(dspark_v41_path), dtype="float32", kv_cache_tokens=2048, kv_cache_dtype=FP4) as engine:
         plain = [o.token_ids for o in engine.generate(input_ids=PROMPTS[:4], sampling_params=GREEDY)]
     assert drafted == plain
+
+
+@pytest.mark.parametrize("fixture", ["tiny_llama_path", "tiny_v3_path", "tiny_v4_path"])
+def test_fp4_is_refused_outside_v41(fixture, request):
+    """Only V4.1's compact pool stores MXFP4 rows: a plain K/V pool, MLA's latent pool and V4's compact pool refuse
+    the name at start with the reason, instead of keeping their rows in another dtype."""
+    with pytest.raises(ValueError, match="fp4_e2m1"):
+        Engine(str(request.getfixturevalue(fixture)), dtype="float32", kv_cache_tokens=256, kv_cache_dtype=FP4)
