@@ -191,8 +191,8 @@ class V41TritonMethod(_KernelForms, V41Method):
     splits chosen from the shapes (_KernelForms); the DSpark block attention and the other forms are V41Method's.
     Against V41Method only the summation order differs (fp32 softmax and accumulation in the kernels; in bf16 the
     products of bf16 rows): test/unit/test_triton_v41_method.py bounds it. Its engine test on the H200
-    (test/gpu/test_gpu_deepseek_v41.py::test_cuda_triton_method_greedy_equals_cpu_engine) has not run yet; the
-    kernels it calls passed at V4-Flash shapes there, and so did V41InvariantTritonMethod's engine test."""
+    (test/gpu/test_gpu_deepseek_v41.py::test_cuda_triton_method_greedy_equals_cpu_engine: CUDA greedy tokens equal
+    the CPU engine's) passed there with the 16-bit and FP8 pools; its MXFP4-pool cases have not run on a GPU yet."""
 
 
 class V41InvariantTritonMethod(_KernelForms, V41InvariantMethod):
