@@ -26,9 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
-FP8_MAX = tl.constexpr(448.0)
-MIN_AMAX = tl.constexpr(1e-12)
-"""As deepinfer_kernels.reference.quantize_fp8_blocks: a zero group gets a tiny scale, not 0 / 0."""
+from deepinfer_kernels.fp8_quant import FP8_MAX, MIN_AMAX, quantize_fp8_token_groups
+
 
 
 @triton.jit
@@ -307,8 +306,6 @@ def fp8_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tens
         path = auto_path(x.numel() // x.shape[-1])
     if path == "triton":
         return fp8_block_gemm(x, weight, weight_scale_inv, group_n, block_k, bias)
-    from deepinfer_kernels.fp8_quant import quantize_fp8_token_groups
-
     k, n = x.shape[-1], weight.shape[0]
     x2 = x.reshape(-1, k)
     m = x2.shape[0]

@@ -16,7 +16,10 @@ import torch
 import triton
 import triton.language as tl
 
-from deepinfer_kernels.fp8_gemm import FP8_MAX, MIN_AMAX
+FP8_MAX = tl.constexpr(448.0)
+MIN_AMAX = tl.constexpr(1e-12)
+"""As deepinfer_kernels.reference.quantize_fp8_blocks: a zero group gets a tiny scale, not 0 / 0 (the fused GEMM
+in fp8_gemm.py uses both)."""
 
 
 @triton.jit
