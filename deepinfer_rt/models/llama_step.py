@@ -71,6 +71,7 @@ class _Layer:
     gate_up: Callable[[torch.Tensor], torch.Tensor]
     down: Callable[[torch.Tensor], torch.Tensor]
     qkv_weight: torch.Tensor  # identity of the weights the list was built from
+    takes_row: bool = False  # every layer's linears take a lone row as a 1-D vector (bf16 GEMV): see CpuStep.forward
 
 
 _WHOLE_QKV_ROWS = 64
@@ -98,11 +99,18 @@ class _Rope:
                 qkv[:, num_qk:])
 
 
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """reference.rms_norm in one or two ops (bitwise the same on CPU: test/e2e/test_cpu_step.py)."""
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None) -> torch.Tensor:
+    """reference.rms_norm in fewer ops, bitwise the same on CPU (test/e2e/test_cpu_step.py). fp32: torch's rms_norm.
+    16-bit: reference's fp32 steps written out (torch's CPU rms_norm is itself these ops), the fp32 product rounded
+    once as it is stored into the 16-bit `out` (a buffer the caller reuses; the cast the reference makes) and then
+    scaled by the weight in place: 7 ops where `weight * rms_norm(x.float()).to(dtype)` dispatches 8, no allocation
+    for the result."""
     if x.dtype == torch.float32:
         return F.rms_norm(x, weight.shape, weight, eps)
-    return weight * F.rms_norm(x.float(), weight.shape, None, eps).to(x.dtype)
+    xf = x.float()
+    inv = xf.pow(2).mean(-1, keepdim=True).add_(eps).rsqrt_()
+    out = torch.mul(xf, inv, out=x.new_empty(x.shape) if out is None else out)
+    return out.mul_(weight)
 
 
 def _linear_fn(linear: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -122,22 +130,34 @@ def _linear_fn(linear: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor
 
 
 def _bf16_linear(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """x (T, K) @ weight.T in bf16. One row takes torch's bf16 GEMV (torch.mv: fp32 accumulation over K, one
-    rounding to bf16), about twice the bytes per second of F.linear's oneDNN GEMM at M = 1 on AVX512 CPUs (one
-    thread, the embedded default's gate_up 3072 x 576: ~250 against ~330-600 us; its 49152-row head: 3 against
-    8 ms); the sums are taken in another order, so values differ from F.linear's in the last bf16 bit."""
+    """x (T, K) or a lone row (K,) @ weight.T in bf16. One row takes torch's bf16 GEMV (torch.mv: fp32 accumulation
+    over K, one rounding to bf16), about twice the bytes per second of F.linear's oneDNN GEMM at M = 1 on AVX512
+    CPUs (one thread, the embedded default's gate_up 3072 x 576: ~250 against ~330-600 us; its 49152-row head: 3
+    against 8 ms); the sums are taken in another order, so values differ from F.linear's in the last bf16 bit. A
+    1-D row (the step's lone-stream form) goes to mv as it is: no select / unsqueeze around it."""
+    if x.dim() == 1:
+        return torch.mv(weight, x)
     if x.shape[0] == 1:
         return torch.mv(weight, x[0]).unsqueeze(0)
     return F.linear(x, weight)
+
+
+def _takes_row(linear: torch.nn.Module) -> bool:
+    return type(linear.method) is UnquantizedLinear and linear.weight.dtype == torch.bfloat16 and linear.bias is None
 
 
 def _layer_list(model) -> list[_Layer]:
     layers = []
     for i, layer in enumerate(model.model.layers):
         attn, mlp = layer.self_attn, layer.mlp
+        linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
         layers.append(_Layer(i, layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
-                             _linear_fn(attn.qkv_proj), _linear_fn(attn.o_proj), _linear_fn(mlp.gate_up_proj),
-                             _linear_fn(mlp.down_proj), attn.qkv_proj.weight))
+                             *map(_linear_fn, linears), attn.qkv_proj.weight))
+    takes_row = all(_takes_row(lin) for layer in model.model.layers
+                    for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+                                layer.mlp.down_proj))
+    for layer in layers:
+        layer.takes_row = takes_row
     return layers
 
 
@@ -177,16 +197,23 @@ class CpuStep(ModuleStep):
         heads, num_heads = (num_q, num_kv, num_kv), num_q + 2 * num_kv
         x = F.embedding(batch.input_ids, trunk.embed_tokens.weight)
         t = x.shape[0]
+        as_row = t == 1 and layers[0].takes_row
+        if as_row:  # a lone row stays 1-D through the layers (mv takes it as it is)
+            x = x.view(-1)
+        shape = x.shape
+        # Every 16-bit norm's output: read by the next linear before the next norm writes it
+        normed = None if x.dtype == torch.float32 else x.new_empty(shape)
         residual = None
         for layer in layers:
-            residual = x if residual is None else x + residual
-            qkv = layer.qkv(_rms_norm(residual, layer.input_norm, eps)).view(t, num_heads, head_dim)
+            residual = x if residual is None else x.add_(residual)  # x: the last layer's down output, fresh
+            qkv = layer.qkv(_rms_norm(residual, layer.input_norm, eps, normed)).view(t, num_heads, head_dim)
             q, k, v = rope.rotate(qkv, heads)
             o = batch.attention(q, k, v, layer.layer_id, scale)
-            residual = layer.o(o.reshape(t, -1)) + residual
-            gate_up = layer.gate_up(_rms_norm(residual, layer.post_norm, eps))
-            x = layer.down(F.silu(gate_up[:, :inter]) * gate_up[:, inter:])
-        return _rms_norm(x + residual, trunk.norm.weight, eps)
+            residual = layer.o(o.reshape(shape[:-1] + (-1,))).add_(residual)
+            gate, up = layer.gate_up(_rms_norm(residual, layer.post_norm, eps, normed)).chunk(2, dim=-1)
+            x = layer.down(torch.mul(F.silu(gate, inplace=True), up))
+        hidden = _rms_norm(x.add_(residual), trunk.norm.weight, eps)
+        return hidden.view(1, -1) if as_row else hidden
 
 
 @functools.cache
