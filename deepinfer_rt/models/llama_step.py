@@ -13,21 +13,30 @@ rotary tables, per-tensor rotations. In fp32 CpuStep computes the same values wi
 order, so its tokens (and a prefill's hidden states, bit for bit) equal the module path's:
 
   - the rotary cos/sin of the step's positions are built once in `prepare` (the module path: once per layer),
+    and turned into the rotation's factors by products with cached 1 / -1 / 0 constants (exact),
   - q and k, adjacent in the fused QKV output, are rotated together into one tensor, the rotation written as
     x*cos + (x2 | x1)*(-sin | sin) (the module path's x*cos + cat(-x2, x1)*sin: negating a factor or a product
     gives the same bits); a step of few tokens (decode) rotates the whole QKV output, v by the factors 1 and 0
     (the same bits), and splits it once,
-  - RMSNorm is torch's rms_norm over the fp32 values (one op for reference.rms_norm's seven: the same fp32
-    operations in ATen, so the same bits), times the weight after the cast back as the reference does,
+  - RMSNorm in fp32 is torch's rms_norm (the same fp32 operations as reference.rms_norm, so the same bits); in
+    16 bits the reference's fp32 steps are written out, the normalised fp32 values rounded once as they are
+    stored into a buffer the step reuses for every norm, then scaled by the weight in place (7 ops, no allocation),
   - a dense linear is F.linear's own t + mm with the transpose made once; a weight-only quantized linear of a
     small input calls its packed matmul bound to its weight and scales (WeightOnlyLinear.packed_fn),
+  - residual adds, and SiLU on the gate half, run in place on tensors the step has just made (an add's operands
+    commute bit for bit); splits call torch.split_with_sizes (Tensor.split's Python wrapper cost 3x the op),
   - the layers are walked over a flat list of their weights (no module calls, no per-layer lookups), built
     once the weights are final and rebuilt if they were replaced.
 
 bf16 differs in one place, for speed: a one-row input (a lone decode stream) of a dense linear or the dense head
 takes torch's bf16 GEMV (torch.mv, `_bf16_linear`) instead of F.linear's oneDNN GEMM, about twice the bytes per
 second at M = 1; its sums run in another order, so bf16 results differ from the module path's in the last bits
-(logprobs within bf16's tolerance: test/e2e/test_cpu_step.py). Batch-invariant mode never takes this step.
+(logprobs within bf16's tolerance: test/e2e/test_cpu_step.py). When every layer's linears are such GEMVs the lone
+row stays a 1-D vector from the embedding to the final norm (no select / unsqueeze around each mv).
+Batch-invariant mode never takes this step.
+
+Aten ops a lone decode stream dispatches (benchmark/profile_cpu_decode.py --count-ops, embedded default):
+Q4_1 1,186 (39.5 a layer; was 1,282), bf16 1,190 (was 1,524), fp32 1,121 (was 1,158).
 
 Attention still goes through the batch's backend (batch.attention): the KV pool's contract is unchanged.
 """
