@@ -13,21 +13,30 @@ rotary tables, per-tensor rotations. In fp32 CpuStep computes the same values wi
 order, so its tokens (and a prefill's hidden states, bit for bit) equal the module path's:
 
   - the rotary cos/sin of the step's positions are built once in `prepare` (the module path: once per layer),
+    and turned into the rotation's factors by products with cached 1 / -1 / 0 constants (exact),
   - q and k, adjacent in the fused QKV output, are rotated together into one tensor, the rotation written as
     x*cos + (x2 | x1)*(-sin | sin) (the module path's x*cos + cat(-x2, x1)*sin: negating a factor or a product
     gives the same bits); a step of few tokens (decode) rotates the whole QKV output, v by the factors 1 and 0
     (the same bits), and splits it once,
-  - RMSNorm is torch's rms_norm over the fp32 values (one op for reference.rms_norm's seven: the same fp32
-    operations in ATen, so the same bits), times the weight after the cast back as the reference does,
+  - RMSNorm in fp32 is torch's rms_norm (the same fp32 operations as reference.rms_norm, so the same bits); in
+    16 bits the reference's fp32 steps are written out, the normalised fp32 values rounded once as they are
+    stored into a buffer the step reuses for every norm, then scaled by the weight in place (7 ops, no allocation),
   - a dense linear is F.linear's own t + mm with the transpose made once; a weight-only quantized linear of a
     small input calls its packed matmul bound to its weight and scales (WeightOnlyLinear.packed_fn),
+  - residual adds, and SiLU on the gate half, run in place on tensors the step has just made (an add's operands
+    commute bit for bit); splits call torch.split_with_sizes (Tensor.split's Python wrapper cost 3x the op),
   - the layers are walked over a flat list of their weights (no module calls, no per-layer lookups), built
     once the weights are final and rebuilt if they were replaced.
 
 bf16 differs in one place, for speed: a one-row input (a lone decode stream) of a dense linear or the dense head
 takes torch's bf16 GEMV (torch.mv, `_bf16_linear`) instead of F.linear's oneDNN GEMM, about twice the bytes per
 second at M = 1; its sums run in another order, so bf16 results differ from the module path's in the last bits
-(logprobs within bf16's tolerance: test/e2e/test_cpu_step.py). Batch-invariant mode never takes this step.
+(logprobs within bf16's tolerance: test/e2e/test_cpu_step.py). When every layer's linears are such GEMVs the lone
+row stays a 1-D vector from the embedding to the final norm (no select / unsqueeze around each mv).
+Batch-invariant mode never takes this step.
+
+Aten ops a lone decode stream dispatches (benchmark/profile_cpu_decode.py --count-ops, embedded default):
+Q4_1 1,186 (39.5 a layer; was 1,282), bf16 1,190 (was 1,524), fp32 1,121 (was 1,158).
 
 Attention still goes through the batch's backend (batch.attention): the KV pool's contract is unchanged.
 """
@@ -71,6 +80,7 @@ class _Layer:
     gate_up: Callable[[torch.Tensor], torch.Tensor]
     down: Callable[[torch.Tensor], torch.Tensor]
     qkv_weight: torch.Tensor  # identity of the weights the list was built from
+    takes_row: bool = False  # every layer's linears take a lone row as a 1-D vector (bf16 GEMV): see CpuStep.forward
 
 
 _WHOLE_QKV_ROWS = 64
@@ -91,18 +101,38 @@ class _Rope:
         """qkv (T, Hq + 2 Hkv, D) -> q, k rotated and v: x*cos + (x2 | x1)*(-sin | sin) per head."""
         half = qkv.shape[-1] // 2
         if self.head_cos is not None:  # v * 1 + swapped * 0 == v
-            return (qkv * self.head_cos + qkv.roll(half, dims=-1) * self.head_signed_sin).split(heads, dim=1)
+            return torch.split_with_sizes(qkv * self.head_cos + qkv.roll(half, dims=-1) * self.head_signed_sin,
+                                          heads, dim=1)  # Tensor.split's Python wrapper: 3x the op's time
         num_qk = heads[0] + heads[1]
         qk = qkv[:, :num_qk]
-        return (*(qk * self.cos + qk.roll(half, dims=-1) * self.signed_sin).split(heads[:2], dim=1),
+        return (*torch.split_with_sizes(qk * self.cos + qk.roll(half, dims=-1) * self.signed_sin, heads[:2], dim=1),
                 qkv[:, num_qk:])
 
 
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """reference.rms_norm in one or two ops (bitwise the same on CPU: test/e2e/test_cpu_step.py)."""
+@functools.cache
+def _rotation_factors(num_qk: int, num_kv: int, head_dim: int, dtype: torch.dtype, device: torch.device
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Constants that turn a step's (T, 1, D) cos / sin into the rotation's factors in one op each, exactly (every
+    product is by 1, -1 or 0): sign (D,) = -1 | 1; qk (H, 1) = 1 on q and k heads, 0 on v; v (H, 1) = its
+    complement; head_sign (H, D) = sign on q and k heads, 0 on v."""
+    half = head_dim // 2
+    sign = torch.cat([-torch.ones(half), torch.ones(head_dim - half)]).to(dtype=dtype, device=device)
+    qk = torch.cat([torch.ones(num_qk, 1), torch.zeros(num_kv, 1)]).to(dtype=dtype, device=device)
+    return sign, qk, 1 - qk, qk * sign
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None) -> torch.Tensor:
+    """reference.rms_norm in fewer ops, bitwise the same on CPU (test/e2e/test_cpu_step.py). fp32: torch's rms_norm.
+    16-bit: reference's fp32 steps written out (torch's CPU rms_norm is itself these ops), the fp32 product rounded
+    once as it is stored into the 16-bit `out` (a buffer the caller reuses; the cast the reference makes) and then
+    scaled by the weight in place: 7 ops where `weight * rms_norm(x.float()).to(dtype)` dispatches 8, no allocation
+    for the result."""
     if x.dtype == torch.float32:
         return F.rms_norm(x, weight.shape, weight, eps)
-    return weight * F.rms_norm(x.float(), weight.shape, None, eps).to(x.dtype)
+    xf = x.float()
+    inv = xf.pow(2).mean(-1, keepdim=True).add_(eps).rsqrt_()
+    out = torch.mul(xf, inv, out=x.new_empty(x.shape) if out is None else out)
+    return out.mul_(weight)
 
 
 def _linear_fn(linear: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -122,22 +152,34 @@ def _linear_fn(linear: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor
 
 
 def _bf16_linear(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """x (T, K) @ weight.T in bf16. One row takes torch's bf16 GEMV (torch.mv: fp32 accumulation over K, one
-    rounding to bf16), about twice the bytes per second of F.linear's oneDNN GEMM at M = 1 on AVX512 CPUs (one
-    thread, the embedded default's gate_up 3072 x 576: ~250 against ~330-600 us; its 49152-row head: 3 against
-    8 ms); the sums are taken in another order, so values differ from F.linear's in the last bf16 bit."""
+    """x (T, K) or a lone row (K,) @ weight.T in bf16. One row takes torch's bf16 GEMV (torch.mv: fp32 accumulation
+    over K, one rounding to bf16), about twice the bytes per second of F.linear's oneDNN GEMM at M = 1 on AVX512
+    CPUs (one thread, the embedded default's gate_up 3072 x 576: ~250 against ~330-600 us; its 49152-row head: 3
+    against 8 ms); the sums are taken in another order, so values differ from F.linear's in the last bf16 bit. A
+    1-D row (the step's lone-stream form) goes to mv as it is: no select / unsqueeze around it."""
+    if x.dim() == 1:
+        return torch.mv(weight, x)
     if x.shape[0] == 1:
         return torch.mv(weight, x[0]).unsqueeze(0)
     return F.linear(x, weight)
+
+
+def _takes_row(linear: torch.nn.Module) -> bool:
+    return type(linear.method) is UnquantizedLinear and linear.weight.dtype == torch.bfloat16 and linear.bias is None
 
 
 def _layer_list(model) -> list[_Layer]:
     layers = []
     for i, layer in enumerate(model.model.layers):
         attn, mlp = layer.self_attn, layer.mlp
+        linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
         layers.append(_Layer(i, layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
-                             _linear_fn(attn.qkv_proj), _linear_fn(attn.o_proj), _linear_fn(mlp.gate_up_proj),
-                             _linear_fn(mlp.down_proj), attn.qkv_proj.weight))
+                             *map(_linear_fn, linears), attn.qkv_proj.weight))
+    takes_row = all(_takes_row(lin) for layer in model.model.layers
+                    for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+                                layer.mlp.down_proj))
+    for layer in layers:
+        layer.takes_row = takes_row
     return layers
 
 
@@ -157,12 +199,11 @@ class CpuStep(ModuleStep):
         t, half = cos.shape[0], cos.shape[-1] // 2
         cos, sin = cos[:, None, :], sin[:, None, :]
         num_qk, num_kv = config.num_heads + config.num_kv_heads, config.num_kv_heads
-        signed_sin = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
+        sign, qk, v, head_sign = _rotation_factors(num_qk, num_kv, cos.shape[-1], cos.dtype, cos.device)
+        signed_sin = sin * sign
         head_cos = head_signed_sin = None
-        if t <= _WHOLE_QKV_ROWS:
-            head_cos = torch.cat([cos.expand(t, num_qk, -1), cos.new_ones(t, num_kv, cos.shape[-1])], dim=1)
-            head_signed_sin = torch.cat([signed_sin.expand(t, num_qk, -1), cos.new_zeros(t, num_kv, cos.shape[-1])],
-                                        dim=1)
+        if t <= _WHOLE_QKV_ROWS:  # cos on q and k heads, 1 on v; -sin | sin on q and k, 0 on v
+            head_cos, head_signed_sin = torch.addcmul(v, cos, qk), sin * head_sign
         batch.model_meta = _Rope(cos, sin[..., :half].contiguous(), signed_sin, head_cos, head_signed_sin)
 
     def forward(self, model, batch: ForwardBatch) -> torch.Tensor:
@@ -177,16 +218,24 @@ class CpuStep(ModuleStep):
         heads, num_heads = (num_q, num_kv, num_kv), num_q + 2 * num_kv
         x = F.embedding(batch.input_ids, trunk.embed_tokens.weight)
         t = x.shape[0]
+        as_row = t == 1 and layers[0].takes_row
+        if as_row:  # a lone row stays 1-D through the layers (mv takes it as it is)
+            x = x.view(-1)
+        shape = x.shape
+        # Every 16-bit norm's output: read by the next linear before the next norm writes it
+        normed = None if x.dtype == torch.float32 else x.new_empty(shape)
         residual = None
         for layer in layers:
-            residual = x if residual is None else x + residual
-            qkv = layer.qkv(_rms_norm(residual, layer.input_norm, eps)).view(t, num_heads, head_dim)
+            residual = x if residual is None else x.add_(residual)  # x: the last layer's down output, fresh
+            qkv = layer.qkv(_rms_norm(residual, layer.input_norm, eps, normed)).view(t, num_heads, head_dim)
             q, k, v = rope.rotate(qkv, heads)
             o = batch.attention(q, k, v, layer.layer_id, scale)
-            residual = layer.o(o.reshape(t, -1)) + residual
-            gate_up = layer.gate_up(_rms_norm(residual, layer.post_norm, eps))
-            x = layer.down(F.silu(gate_up[:, :inter]) * gate_up[:, inter:])
-        return _rms_norm(x + residual, trunk.norm.weight, eps)
+            residual = layer.o(o.reshape(shape[:-1] + (-1,))).add_(residual)
+            gate, up = torch.split_with_sizes(layer.gate_up(_rms_norm(residual, layer.post_norm, eps, normed)),
+                                              (inter, inter), dim=-1)
+            x = layer.down(torch.mul(F.silu(gate, inplace=True), up))
+        hidden = _rms_norm(x.add_(residual), trunk.norm.weight, eps)
+        return hidden.view(1, -1) if as_row else hidden
 
 
 @functools.cache

@@ -36,6 +36,8 @@ def test_step_is_chosen_at_build(engines, tiny_llama_path):
     fast, modules = engines
     assert isinstance(fast.model.step_method, CpuStep)
     assert type(modules.model.step_method) is ModuleStep
+    _generate(fast, PROMPTS[:1], 1)
+    assert not fast.model.fast_layers[0].takes_row  # fp32 keeps F.linear's mm (the module path's bits)
     with Engine(str(tiny_llama_path), dtype="float32", kv_cache_tokens=1024, batch_invariant=True) as inv:
         assert type(inv.model.step_method) is ModuleStep  # the invariant path keeps its own numerics
 
@@ -111,6 +113,7 @@ def test_cpu_step_bf16_within_tolerance_of_module_path(tiny_llama_path, monkeypa
     with Engine(str(tiny_llama_path), dtype="bfloat16", kv_cache_tokens=4096) as fast:
         assert isinstance(fast.model.step_method, CpuStep)
         got = _generate(fast, prompts)
+        assert fast.model.fast_layers[0].takes_row  # a lone stream's row went through the layers as a 1-D vector
     monkeypatch.setenv("DEEPINFER_CPU_FAST_STEP", "0")
     with Engine(str(tiny_llama_path), dtype="bfloat16", kv_cache_tokens=4096) as modules:
         assert type(modules.model.step_method) is ModuleStep

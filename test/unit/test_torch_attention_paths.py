@@ -63,3 +63,14 @@ def test_decode_only_batch_equals_mixed_batch_rows():
     torch.testing.assert_close(only, mixed[12:], rtol=0, atol=0)
     ext_gathered, _ = _run(pool, [12], [12], [list(range(20, 32))], q_ext)
     torch.testing.assert_close(mixed[:12], ext_gathered, rtol=0, atol=0)
+
+
+def test_heads_view_is_the_transposed_span():
+    from deepinfer_rt.layers.attention.torch_ref import _heads_view
+
+    pool = _pool()
+    for buf in (pool.k[0], pool.v[0], pool.k[0][2:]):  # also a buffer that starts inside its storage
+        want = buf.narrow(0, 5, 11).transpose(0, 1)[None]
+        got = _heads_view(buf, 5, 11)
+        assert got.shape == want.shape and got.stride()[1:] == want.stride()[1:] and torch.equal(got, want)
+        assert got.data_ptr() == want.data_ptr()  # a view, not a copy

@@ -129,8 +129,12 @@ class TorchRefBackend(AttentionBackend):
         k_buf, v_buf = pool.k[layer_id], pool.v[layer_id]
         gqa = q.shape[1] != k_buf.shape[1]
         if meta.decode_first_slot is not None:  # one stream on consecutive slots: the pool rows as they are
-            kd, vd = pool.span(layer_id, meta.decode_first_slot, batch.kv_lens[0])
-            kd, vd = kd.transpose(0, 1)[None], vd.transpose(0, 1)[None]  # (1, Hkv, L, D)
+            if pool.is_fp8:
+                kd, vd = pool.span(layer_id, meta.decode_first_slot, batch.kv_lens[0])
+                kd, vd = kd.transpose(0, 1)[None], vd.transpose(0, 1)[None]  # (1, Hkv, L, D)
+            else:  # the same (1, Hkv, L, D) views in one op each
+                kd, vd = _heads_view(k_buf, meta.decode_first_slot, batch.kv_lens[0]), \
+                    _heads_view(v_buf, meta.decode_first_slot, batch.kv_lens[0])
             od = F.scaled_dot_product_attention(q.unsqueeze(2), kd, vd, scale=scale, enable_gqa=gqa)
             return od.squeeze(2)
         if meta.decode_rows is not None:
@@ -173,6 +177,14 @@ class TorchRefBackend(AttentionBackend):
                                                 is_causal=e.mask is None, enable_gqa=gqa)
             out[e.q_start : e.q_start + e.q_len] = oe[0].transpose(0, 1)
         return out
+
+
+def _heads_view(buf: torch.Tensor, first: int, n: int) -> torch.Tensor:
+    """Rows first .. first + n - 1 of a pool buffer (S, H, D) as a (1, H, n, D) view: narrow, transpose and
+    unsqueeze in one as_strided."""
+    row, head, col = buf.stride()
+    return buf.as_strided((1, buf.shape[1], n, buf.shape[2]), (row * n, head, row, col),
+                          buf.storage_offset() + first * row)
 
 
 def _short_meta(short: list[tuple[int, int, torch.Tensor]], device: torch.device) -> _Short:
