@@ -147,8 +147,8 @@ class Scheduler:
         if req.num_computed_tokens:
             self.cache.insert(req, req.num_computed_tokens)
         self.cache.release(req)
+        self._free_spares(req)  # first: the pages freed last are handed out first (PageAllocator)
         self.allocator.decref(req.pages)
-        self._free_spares(req)
         req.pages = []
         req.num_computed_tokens = 0
 
@@ -265,12 +265,14 @@ class Scheduler:
             self.running.remove(req)
         # A stop inside accepted drafts leaves verified KV past the last kept token.
         req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens)
+        # The spares first: the pages freed last are handed out first (PageAllocator), so the next sequence gets
+        # this one's pages in their order and its slots stay consecutive where these were.
+        self._free_spares(req)
         if req.pages:
             self.cache.insert(req, req.num_computed_tokens)
             self.cache.release(req)
             self.allocator.decref(req.pages)
             req.pages = []
-        self._free_spares(req)
 
     def abort_waiting(self, req: Req) -> None:
         if req in self.waiting:

@@ -74,3 +74,25 @@ def test_heads_view_is_the_transposed_span():
         got = _heads_view(buf, 5, 11)
         assert got.shape == want.shape and got.stride()[1:] == want.stride()[1:] and torch.equal(got, want)
         assert got.data_ptr() == want.data_ptr()  # a view, not a copy
+
+
+def test_a_second_lone_stream_reads_the_pool_as_a_view(tiny_llama_path, monkeypatch):
+    """After a first request finishes, the next lone stream gets its pages back in order (PageAllocator, and the
+    scheduler frees a request's spare pages before its own), so its decode steps take the view path."""
+    from deepinfer_rt import Engine, SamplingParams
+    from deepinfer_rt.layers.attention import torch_ref
+
+    firsts = []
+
+    def recording(slots):
+        firsts.append(torch_ref.first_of_run.__wrapped__(slots))
+        return firsts[-1]
+
+    recording.__wrapped__ = torch_ref.first_of_run
+    params = SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True)
+    with Engine(str(tiny_llama_path), dtype="float32", device="cpu", kv_cache_tokens=256,
+                enable_prefix_cache=False) as engine:
+        engine.generate(input_ids=[[3, 4, 5, 6, 7]], sampling_params=params)
+        monkeypatch.setattr(torch_ref, "first_of_run", recording)
+        engine.generate(input_ids=[[8, 9, 10, 11]], sampling_params=params)
+    assert len(firsts) >= 10 and all(f is not None for f in firsts), firsts
