@@ -247,8 +247,9 @@ def fused_moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weight
         config = invariant_tiles(x.dtype)
         gate_up_kernel, down_kernel = _even_k(_gate_up), _even_k(_down)  # without the autotuner
         blocks, bucket = pair_blocks(ids, e, config.pop("BLOCK_M")), 0  # bucket: the autotuner's key only
-    elif x.dtype == torch.float32:  # the reference dtype: one fixed tile, never autotuned (see FP32_TILES)
-        config = dict(FP32_TILES)
+    elif x.dtype == torch.float32:  # the reference dtype: batch-invariant mode's fp32 tile, never autotuned
+        config = invariant_tiles(x.dtype)
+        config.pop("BLOCK_M")  # pair_blocks picks its own (the largest, 128, fits shared memory with this tile)
         gate_up_kernel, down_kernel = _even_k(_gate_up), _even_k(_down)
         blocks, bucket = pair_blocks(ids, e), 0
     else:
@@ -266,13 +267,6 @@ def fused_moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weight
         h, down, y, weights.flatten().float(), *blocks.tensors, num_pairs, bucket, hidden, inter, h.stride(0),
         down.stride(0), down.stride(1), y.stride(0), **common)
     return combine_slots(y, t, k, hidden)
-
-
-FP32_TILES = dict(BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=2)
-"""fp32 on CUDA (the dtype of the reference and of the exactness tests, never of serving) takes one tile for every
-batch instead of the autotuner: its full-precision tiles compile slowly (the larger configs spill), and an engine
-capturing graphs at a dozen batch sizes spent minutes compiling and benchmarking configs whose speed nobody
-needs. It fits shared memory at BLOCK_M 128 (the largest `_block_m` picks)."""
 
 
 def invariant_tiles(dtype: torch.dtype) -> dict:
