@@ -7,6 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
+import deepinfer_rt  # noqa: F401  (first: in the checkout its finder keeps kernels/ from shadowing PyPI's `kernels`)
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 
