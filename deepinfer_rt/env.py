@@ -125,10 +125,11 @@ class Env:
     on CUDA through deepinfer_kernels.skinny_gemm instead of cuBLAS (default on; 0 = cuBLAS). Not in
     batch-invariant mode."""
     fp8_gemm: str
-    """DEEPINFER_FP8_GEMM: the block-scaled FP8 GEMM of FP8 linears on CUDA (deepinfer_kernels.fp8_gemm): 'triton'
-    (default: the fused kernel, activations quantized in every N tile), 'tiled' (activations quantized once, then
-    a Triton GEMM with autotuned large tiles), 'scaled_mm' (torch's cuBLASLt block-scaled GEMM on SM90, torch >=
-    2.10; the tiled path for shapes it does not take) or 'auto' (per row count, from fp8_gemm.AUTO_PATHS)."""
+    """DEEPINFER_FP8_GEMM: the block-scaled FP8 GEMM of FP8 linears on CUDA (deepinfer_kernels.fp8_gemm): 'auto'
+    (default: per row count, from fp8_gemm.AUTO_PATHS, measured on an H200), 'triton' (the fused kernel,
+    activations quantized in every N tile), 'tiled' (activations quantized once, then a Triton GEMM with
+    autotuned large tiles) or 'scaled_mm' (torch's cuBLASLt block-scaled GEMM on SM90, torch >= 2.10; the tiled
+    path for shapes it does not take)."""
     mla_mha_prefill: bool | None
     """DEEPINFER_MLA_MHA_PREFILL: MLA prefill chunks in the standard (expanded K/V) form. Unset = on for the
     Triton backend, for chunks of at least deepinfer_rt.layers.mla_prefill.MHA_MIN_QUERIES new tokens; 1 = every
@@ -223,7 +224,7 @@ def get_env() -> Env:
         spec_max_draft=_int("DEEPINFER_SPEC_MAX_DRAFT", 5),
         overlap=_optional_bool("DEEPINFER_OVERLAP"),
         skinny_gemm=_bool("DEEPINFER_SKINNY_GEMM", True),
-        fp8_gemm=_str("DEEPINFER_FP8_GEMM", "triton").strip().lower(),
+        fp8_gemm=_str("DEEPINFER_FP8_GEMM", "auto").strip().lower(),
         mla_mha_prefill=_optional_bool("DEEPINFER_MLA_MHA_PREFILL"),
         max_body_bytes=_int("DEEPINFER_MAX_BODY_BYTES", 16 << 20),
         json_offload_bytes=_int("DEEPINFER_JSON_OFFLOAD_BYTES", 256 << 10),

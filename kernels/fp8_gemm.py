@@ -13,7 +13,7 @@ No split-K: each output is one program's sum in K order.
 
 Three paths (`fp8_gemm(..., path=)`, chosen by DEEPINFER_FP8_GEMM where the layer's method is built):
 
-    triton     fp8_block_gemm: the fused kernel above, small tiles by row count (today's default)
+    triton     fp8_block_gemm: the fused kernel above, small tiles by row count (the first default)
     tiled      fp8_tiled_gemm: activations quantized once (deepinfer_kernels.fp8_quant, the same values), then
                a GEMM over them with autotuned tiles up to 128 x 256, the same per-K-block fp32 scaling
     scaled_mm  fp8_scaled_mm: the same quantized activations into torch.nn.functional.scaled_mm with the
@@ -287,9 +287,12 @@ FP8_GEMM_PATHS = ("triton", "scaled_mm", "tiled", "auto")
 """triton: the fused kernel above (activations quantized in every N tile); scaled_mm: path A (torch's block-scaled
 GEMM, the tiled path for shapes it does not take); tiled: path B; auto: per row count from AUTO_PATHS."""
 
-AUTO_PATHS: tuple[tuple[int, str], ...] = ((1 << 62, "triton"),)
-"""(largest M, path) rows, first match wins: `auto`'s choice. Today's path everywhere until an H200 run of
-`benchmark/bench_fp8_gemm.py` fills it (the benchmark prints the table its timings give)."""
+AUTO_PATHS: tuple[tuple[int, str], ...] = ((1, "tiled"), (1 << 62, "scaled_mm"))
+"""(largest M, path) rows, first match wins: `auto`'s choice (the default), from an H200 run of
+`benchmark/bench_fp8_gemm.py` (results/gpu_fp8_gemm_h200.json, V2-Lite and V3 shapes, M = 1 / 64 / 2048 / 8192):
+scaled_mm reads 0.73-0.89 of the FP8 rate at M >= 2048 (tiled 0.35-0.50, the fused kernel 0.18-0.27) and 0.85-1.06
+of the weight-read floor at M = 64 (tiled 0.24-0.94); at M = 1 the tiled path wins on most shapes. Where scaled_mm
+does not take a GEMM (N or K not a multiple of 128, 32 x 32 blocks) the tiled path runs it."""
 
 
 def auto_path(m: int) -> str:
@@ -297,7 +300,7 @@ def auto_path(m: int) -> str:
 
 
 def fp8_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor, group_n: int, block_k: int,
-             bias: torch.Tensor | None = None, path: str = "triton") -> torch.Tensor:
+             bias: torch.Tensor | None = None, path: str = "auto") -> torch.Tensor:
     """y = x @ dequant(weight).T through `path` (one of FP8_GEMM_PATHS); the arguments as fp8_block_gemm's.
     scaled_mm on a GEMM it does not take (scaled_mm_shape_unsupported), or where the build or device lacks it
     under `auto`, runs the tiled path; an explicit scaled_mm on a build or device without it raises."""

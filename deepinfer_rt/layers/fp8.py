@@ -196,7 +196,7 @@ class Fp8BlockLinear(Fp8LinearMethod):
     is_quantized = True
 
     def __init__(self, block: tuple[int, int], is_checkpoint_quantized: bool, scale_fmt: str = "float32",
-                 gemm_path: str = "triton"):
+                 gemm_path: str = "auto"):
         super().__init__(block, is_checkpoint_quantized, scale_fmt)
         self.gemm_path = fp8_gemm_path(gemm_path)
 

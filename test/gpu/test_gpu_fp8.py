@@ -120,7 +120,9 @@ def test_fp8_gemm_paths_against_reference(path, shape, m):
     if m == 64:  # 3-D input and per-row scales (off-boundary shards: the tiled path under either switch)
         rows = s.repeat_interleave(128, dim=0)[:n].contiguous()
         y3 = fp8_gemm(x.view(2, 32, k), q, rows, 1, 128, bias, path=path)
-        assert y3.shape == (2, 32, n) and rel_err(y3.view(m, n), y) <= 2e-3
+        # Under scaled_mm that is another path than y's: the bound of two fp32 sums rounded to bf16, as above
+        # (measured 2.3e-3 - 2.7e-3 on the H200, over the 2e-3 this bound was first written with).
+        assert y3.shape == (2, 32, n) and rel_err(y3.view(m, n), y) <= 3e-3 and rel_err(y3.view(m, n), want) <= 5e-3
 
 
 @pytest.mark.parametrize("m", [1, 61, 2048])

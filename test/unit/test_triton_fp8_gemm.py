@@ -89,7 +89,8 @@ def test_fp8_block_gemm_matches_dequantized_matmul():
 
 @pytest.mark.parametrize("path", ["triton", "tiled"])
 def test_fp8_block_linear_merged_shards_off_block_boundary(path, monkeypatch):
-    """Through the fused kernel (the default) and, under DEEPINFER_FP8_GEMM=tiled, the quantize-once tiled GEMM."""
+    """Through the fused kernel (DEEPINFER_FP8_GEMM=triton) and the quantize-once tiled GEMM (=tiled, which `auto`,
+    the default, runs off CUDA)."""
     monkeypatch.setenv("DEEPINFER_FP8_GEMM", path)
     assert _interpret(_LINEAR + f"assert layer.method.gemm_path == {path!r}\n").strip().endswith("ok")
 
