@@ -272,6 +272,98 @@ def _down_mxfp4_g(A, W, WS, Y, TopkWeights, SortedPairs, BlockExpert, NumPadded,
                  mask=mmask[:, None] & nmask[None, :])
 
 
+@triton.jit
+def _mx_gemv_tile(w_ptrs, s_ptrs, x_even, x_odd, wmask, smask):
+    """The GEMV decode: w_ptrs a (BLOCK_N, G, 16) tile of packed bytes (16 per e8m0 group, contiguous along K),
+    x_even / x_odd the (1, G, 16) fp32 activations of their low / high nibbles, s_ptrs the (BLOCK_N, G) scale
+    bytes -> (BLOCK_N, G) fp32 partial sums, each group's 32 products summed, then scaled once per group. The
+    codes are placed as fp16 bits (value x 2^-14, as _mx_group_tile) and widened to fp32, exact; the 2^14 goes
+    into the group's scale, so no element is multiplied by its scale and no 16-bit weight tile is formed."""
+    b = tl.load(w_ptrs, mask=wmask, other=0).to(tl.int16)
+    w_lo = (((b & 7) << 9) | ((b & 8) << 12)).to(tl.float16, bitcast=True).to(tl.float32)
+    w_hi = (((b & 0x70) << 5) | ((b & 0x80) << 8)).to(tl.float16, bitcast=True).to(tl.float32)
+    part = tl.sum(w_lo * x_even + w_hi * x_odd, axis=2)
+    s = tl.load(s_ptrs, mask=smask, other=127).to(tl.int32) & 0xFF
+    return part * ((tl.minimum(s, 241) + 14) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit(do_not_specialize=["num_pairs"])
+def _gate_up_mxfp4_v(X, W, WS, H, PairExpert, num_pairs, top_k, N, K, limit,
+                     stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_hm,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """GEMV form of the gate_up kernel: one (token, slot) pair per program row, products and sums on the CUDA
+    cores in fp32 (no tensor cores, no 16-bit operand tile). An expert's weights are decoded once per pair; its
+    pairs' programs run in the same column wave, so its bytes come from DRAM once and from L2 after."""
+    pair = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    G: tl.constexpr = BLOCK_K // 32
+    e = tl.load(PairExpert + pair).to(tl.int64)
+    tok = (pair // top_k).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = offs_n < N
+    offs_g = tl.arange(0, G)
+    byte = offs_g[:, None] * 16 + tl.arange(0, 16)[None, :]  # (G, 16)
+    rows = offs_n.to(tl.int64)
+    g_ptrs = W + e * stride_we + rows[:, None, None] * stride_wn + byte[None, :, :]
+    u_ptrs = g_ptrs + N * stride_wn
+    gs_ptrs = WS + e * stride_se + rows[:, None] * stride_sn + offs_g[None, :]
+    us_ptrs = gs_ptrs + N * stride_sn
+    x_ptrs = X + tok * stride_xm + 2 * byte
+    acc_g = tl.zeros([BLOCK_N, G], tl.float32)
+    acc_u = tl.zeros([BLOCK_N, G], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        gmask = offs_g < (K - k0) // 32
+        xmask = gmask[:, None] & (byte >= 0)
+        x_even = tl.load(x_ptrs, mask=xmask, other=0.0).to(tl.float32)[None, :, :]
+        x_odd = tl.load(x_ptrs + 1, mask=xmask, other=0.0).to(tl.float32)[None, :, :]
+        wmask = nmask[:, None, None] & xmask[None, :, :]
+        smask = nmask[:, None] & gmask[None, :]
+        acc_g += _mx_gemv_tile(g_ptrs, gs_ptrs, x_even, x_odd, wmask, smask)
+        acc_u += _mx_gemv_tile(u_ptrs, us_ptrs, x_even, x_odd, wmask, smask)
+        x_ptrs += BLOCK_K
+        g_ptrs += BLOCK_K // 2
+        u_ptrs += BLOCK_K // 2
+        gs_ptrs += G
+        us_ptrs += G
+    gate = tl.minimum(tl.sum(acc_g, axis=1), limit)
+    up = tl.minimum(tl.maximum(tl.sum(acc_u, axis=1), -limit), limit)
+    h = gate / (1.0 + tl.exp(-gate)) * up
+    tl.store(H + pair.to(tl.int64) * stride_hm + offs_n, h.to(H.dtype.element_ty), mask=nmask)
+
+
+@triton.jit(do_not_specialize=["num_pairs"])
+def _down_mxfp4_v(A, W, WS, Y, TopkWeights, PairExpert, num_pairs, N, K,
+                  stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_ym,
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """GEMV form of the down kernel (as _gate_up_mxfp4_v), each pair's fp32 result scaled by its top-k weight."""
+    pair = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    G: tl.constexpr = BLOCK_K // 32
+    e = tl.load(PairExpert + pair).to(tl.int64)
+    pair64 = pair.to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = offs_n < N
+    offs_g = tl.arange(0, G)
+    byte = offs_g[:, None] * 16 + tl.arange(0, 16)[None, :]
+    rows = offs_n.to(tl.int64)
+    w_ptrs = W + e * stride_we + rows[:, None, None] * stride_wn + byte[None, :, :]
+    s_ptrs = WS + e * stride_se + rows[:, None] * stride_sn + offs_g[None, :]
+    a_ptrs = A + pair64 * stride_am + 2 * byte
+    acc = tl.zeros([BLOCK_N, G], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        gmask = offs_g < (K - k0) // 32
+        amask = gmask[:, None] & (byte >= 0)
+        a_even = tl.load(a_ptrs, mask=amask, other=0.0).to(tl.float32)[None, :, :]
+        a_odd = tl.load(a_ptrs + 1, mask=amask, other=0.0).to(tl.float32)[None, :, :]
+        acc += _mx_gemv_tile(w_ptrs, s_ptrs, a_even, a_odd, nmask[:, None, None] & amask[None, :, :],
+                             nmask[:, None] & gmask[None, :])
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K // 2
+        s_ptrs += G
+    y = tl.sum(acc, axis=1) * tl.load(TopkWeights + pair64)
+    tl.store(Y + pair64 * stride_ym + offs_n, y.to(Y.dtype.element_ty), mask=nmask)
+
+
 # (most pairs, tiles) rows for 16-bit activations, first match wins: the group-tiled decode (_mx_group_tile) at
 # every size. Chosen from the code, not yet from a measurement: benchmark/bench_kernels.py --only mxfp4 times
 # these beside MXFP4_CANDIDATES and the legacy tiles on an H200; replace the rows with its fastest per batch.
@@ -289,6 +381,10 @@ MXFP4_CANDIDATES = {
     "group_n128_k128_w8": dict(BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=3, decode="group", JOIN=False),
     "group_n128_k256_w8": dict(BLOCK_N=128, BLOCK_K=256, num_warps=8, num_stages=2, decode="group", JOIN=False),
     "group_n64_k128_w4_s5": dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=5, decode="group", JOIN=False),
+    "gemv_n32_k256": dict(BLOCK_N=32, BLOCK_K=256, num_warps=4, num_stages=3, decode="gemv"),
+    "gemv_n16_k512": dict(BLOCK_N=16, BLOCK_K=512, num_warps=4, num_stages=3, decode="gemv"),
+    "gemv_n64_k128": dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4, decode="gemv"),
+    "gemv_n32_k512_w8": dict(BLOCK_N=32, BLOCK_K=512, num_warps=8, num_stages=2, decode="gemv"),
 }
 
 
@@ -341,7 +437,8 @@ def fused_moe_mxfp4(x: torch.Tensor, gate_up: torch.Tensor, gate_up_scale: torch
     """x (T, H) 16/32-bit; MXFP4 experts (module docstring); weights (T, k) fp32; ids (T, k) -> sum_k weights *
     down(swiglu(gate x, up x)), (T, H) in x's dtype; swiglu_limit clamps as V4's experts do (None: plain SwiGLU).
     config: fixed BLOCK_N / BLOCK_K (a power of two >= 32) / num_warps / num_stages, decode "group" (default:
-    _mx_group_tile) or "exp2" (the legacy per-element decode, _mx_tile), JOIN (group decode: one dot over the
+    _mx_group_tile), "exp2" (the legacy per-element decode, _mx_tile) or "gemv" (one program row per pair, fp32
+    products on the CUDA cores: _gate_up_mxfp4_v / _down_mxfp4_v), JOIN (group decode: one dot over the
     re-interleaved tile instead of two over the even and odd columns); None: _tiles."""
     t, k = ids.shape
     hidden = x.shape[1]
@@ -351,13 +448,30 @@ def fused_moe_mxfp4(x: torch.Tensor, gate_up: torch.Tensor, gate_up_scale: torch
         raise ValueError("fused_moe_mxfp4 needs contiguous x, expert weights and scales")
     e = gate_up.shape[0]
     num_pairs = t * k
-    blocks = pair_blocks(ids, e)
     config = dict(config or _tiles(num_pairs, x.dtype))
     decode = config.pop("decode", "group")
-    if decode not in ("group", "exp2"):
-        raise ValueError(f"fused_moe_mxfp4: decode must be 'group' or 'exp2', got {decode!r}")
+    if decode not in ("group", "exp2", "gemv"):
+        raise ValueError(f"fused_moe_mxfp4: decode must be 'group', 'exp2' or 'gemv', got {decode!r}")
     if config["BLOCK_K"] % MX_BLOCK or config["BLOCK_K"] & (config["BLOCK_K"] - 1):
         raise ValueError(f"fused_moe_mxfp4: BLOCK_K {config['BLOCK_K']} must be a power of two >= {MX_BLOCK}")
+    limit = float("inf") if swiglu_limit is None else float(swiglu_limit)
+    h = x.new_empty(num_pairs, inter)
+    y = x.new_empty(num_pairs, hidden)
+    if decode == "gemv":  # one program row per (token, slot) pair, in pair order: no sort, no padding
+        if config.pop("JOIN", False):
+            raise ValueError("fused_moe_mxfp4: JOIN needs the group decode")
+        flat_ids = ids.flatten()
+        if num_pairs:
+            _gate_up_mxfp4_v[(num_pairs, triton.cdiv(inter, config["BLOCK_N"]))](
+                x, gate_up, gate_up_scale, h, flat_ids, num_pairs, k, inter, hidden, limit, x.stride(0),
+                gate_up.stride(0), gate_up.stride(1), gate_up_scale.stride(0), gate_up_scale.stride(1), h.stride(0),
+                **config)
+            _down_mxfp4_v[(num_pairs, triton.cdiv(hidden, config["BLOCK_N"]))](
+                h, down, down_scale, y, weights.flatten().float().contiguous(), flat_ids, num_pairs, hidden, inter,
+                h.stride(0), down.stride(0), down.stride(1), down_scale.stride(0), down_scale.stride(1), y.stride(0),
+                **config)
+        return combine_slots(y, t, k, hidden)
+    blocks = pair_blocks(ids, e)
     if decode == "exp2":
         if config.pop("JOIN", False):
             raise ValueError("fused_moe_mxfp4: JOIN needs the group decode")
@@ -366,9 +480,6 @@ def fused_moe_mxfp4(x: torch.Tensor, gate_up: torch.Tensor, gate_up_scale: torch
         config.setdefault("JOIN", False)
         gate_up_kernel, down_kernel = _gate_up_mxfp4_g, _down_mxfp4_g
     common = dict(BLOCK_M=blocks.block_m, PER_PAIR=blocks.per_pair, IEEE=x.dtype == torch.float32, **config)
-    limit = float("inf") if swiglu_limit is None else float(swiglu_limit)
-    h = x.new_empty(num_pairs, inter)
-    y = x.new_empty(num_pairs, hidden)
     gate_up_kernel[(blocks.num_blocks, triton.cdiv(inter, config["BLOCK_N"]))](
         x, gate_up, gate_up_scale, h, *blocks.tensors, num_pairs, k, inter, hidden, limit,
         x.stride(0), gate_up.stride(0), gate_up.stride(1), gate_up_scale.stride(0), gate_up_scale.stride(1),
