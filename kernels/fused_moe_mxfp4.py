@@ -273,18 +273,26 @@ def _down_mxfp4_g(A, W, WS, Y, TopkWeights, SortedPairs, BlockExpert, NumPadded,
 
 
 @triton.jit
-def _mx_gemv_tile(w_ptrs, s_ptrs, x_even, x_odd, wmask, smask):
-    """The GEMV decode: w_ptrs a (BLOCK_N, G, 16) tile of packed bytes (16 per e8m0 group, contiguous along K),
-    x_even / x_odd the (1, G, 16) fp32 activations of their low / high nibbles, s_ptrs the (BLOCK_N, G) scale
-    bytes -> (BLOCK_N, G) fp32 partial sums, each group's 32 products summed, then scaled once per group. The
-    codes are placed as fp16 bits (value x 2^-14, as _mx_group_tile) and widened to fp32, exact; the 2^14 goes
-    into the group's scale, so no element is multiplied by its scale and no 16-bit weight tile is formed."""
-    b = tl.load(w_ptrs, mask=wmask, other=0).to(tl.int16)
+def _mx_gemv_part(b, s, x_even, x_odd):
+    """The GEMV decode: b a (BLOCK_N, G, 16) int8 tile of packed bytes (16 per e8m0 group, contiguous along K),
+    s its (BLOCK_N, G) scale bytes, x_even / x_odd the (1, G, 16) fp32 activations of the low / high nibbles ->
+    (BLOCK_N, G) fp32 partial sums: each group's 32 products summed, then scaled once per group. The codes are
+    placed as fp16 bits (value x 2^-14, as _mx_group_tile) and widened to fp32, exact; the 2^14 goes into the
+    group's scale, so no element is multiplied by its scale and no 16-bit weight tile is formed."""
+    b = b.to(tl.int16)
     w_lo = (((b & 7) << 9) | ((b & 8) << 12)).to(tl.float16, bitcast=True).to(tl.float32)
     w_hi = (((b & 0x70) << 5) | ((b & 0x80) << 8)).to(tl.float16, bitcast=True).to(tl.float32)
     part = tl.sum(w_lo * x_even + w_hi * x_odd, axis=2)
-    s = tl.load(s_ptrs, mask=smask, other=127).to(tl.int32) & 0xFF
+    s = s.to(tl.int32) & 0xFF
     return part * ((tl.minimum(s, 241) + 14) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _gemv_masks(offs_g, byte, nmask, K, k0):
+    """The masks of the K tile at k0: activations (G, 16), weight bytes (BLOCK_N, G, 16), scales (BLOCK_N, G)."""
+    gmask = offs_g < (K - k0) // 32
+    xmask = gmask[:, None] & (byte >= 0)
+    return xmask, nmask[:, None, None] & xmask[None, :, :], nmask[:, None] & gmask[None, :]
 
 
 @triton.jit(do_not_specialize=["num_pairs"])
@@ -293,7 +301,8 @@ def _gate_up_mxfp4_v(X, W, WS, H, PairExpert, num_pairs, top_k, N, K, limit,
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """GEMV form of the gate_up kernel: one (token, slot) pair per program row, products and sums on the CUDA
     cores in fp32 (no tensor cores, no 16-bit operand tile). An expert's weights are decoded once per pair; its
-    pairs' programs run in the same column wave, so its bytes come from DRAM once and from L2 after."""
+    pairs' programs run in the same column wave, so its bytes come from DRAM once and from L2 after. The next K
+    tile's bytes and scales are loaded before this tile is decoded (two tiles in flight per program)."""
     pair = tl.program_id(0)
     pid_n = tl.program_id(1)
     G: tl.constexpr = BLOCK_K // 32
@@ -311,15 +320,22 @@ def _gate_up_mxfp4_v(X, W, WS, H, PairExpert, num_pairs, top_k, N, K, limit,
     x_ptrs = X + tok * stride_xm + 2 * byte
     acc_g = tl.zeros([BLOCK_N, G], tl.float32)
     acc_u = tl.zeros([BLOCK_N, G], tl.float32)
+    xmask, wmask, smask = _gemv_masks(offs_g, byte, nmask, K, 0)
+    b_g = tl.load(g_ptrs, mask=wmask, other=0)
+    b_u = tl.load(u_ptrs, mask=wmask, other=0)
+    s_g = tl.load(gs_ptrs, mask=smask, other=127)
+    s_u = tl.load(us_ptrs, mask=smask, other=127)
     for k0 in range(0, K, BLOCK_K):
-        gmask = offs_g < (K - k0) // 32
-        xmask = gmask[:, None] & (byte >= 0)
+        next_xmask, next_wmask, next_smask = _gemv_masks(offs_g, byte, nmask, K, k0 + BLOCK_K)
+        next_b_g = tl.load(g_ptrs + BLOCK_K // 2, mask=next_wmask, other=0)
+        next_b_u = tl.load(u_ptrs + BLOCK_K // 2, mask=next_wmask, other=0)
+        next_s_g = tl.load(gs_ptrs + G, mask=next_smask, other=127)
+        next_s_u = tl.load(us_ptrs + G, mask=next_smask, other=127)
         x_even = tl.load(x_ptrs, mask=xmask, other=0.0).to(tl.float32)[None, :, :]
         x_odd = tl.load(x_ptrs + 1, mask=xmask, other=0.0).to(tl.float32)[None, :, :]
-        wmask = nmask[:, None, None] & xmask[None, :, :]
-        smask = nmask[:, None] & gmask[None, :]
-        acc_g += _mx_gemv_tile(g_ptrs, gs_ptrs, x_even, x_odd, wmask, smask)
-        acc_u += _mx_gemv_tile(u_ptrs, us_ptrs, x_even, x_odd, wmask, smask)
+        acc_g += _mx_gemv_part(b_g, s_g, x_even, x_odd)
+        acc_u += _mx_gemv_part(b_u, s_u, x_even, x_odd)
+        b_g, b_u, s_g, s_u, xmask = next_b_g, next_b_u, next_s_g, next_s_u, next_xmask
         x_ptrs += BLOCK_K
         g_ptrs += BLOCK_K // 2
         u_ptrs += BLOCK_K // 2
@@ -350,13 +366,17 @@ def _down_mxfp4_v(A, W, WS, Y, TopkWeights, PairExpert, num_pairs, N, K,
     s_ptrs = WS + e * stride_se + rows[:, None] * stride_sn + offs_g[None, :]
     a_ptrs = A + pair64 * stride_am + 2 * byte
     acc = tl.zeros([BLOCK_N, G], tl.float32)
+    amask, wmask, smask = _gemv_masks(offs_g, byte, nmask, K, 0)
+    b = tl.load(w_ptrs, mask=wmask, other=0)
+    s = tl.load(s_ptrs, mask=smask, other=127)
     for k0 in range(0, K, BLOCK_K):
-        gmask = offs_g < (K - k0) // 32
-        amask = gmask[:, None] & (byte >= 0)
+        next_amask, next_wmask, next_smask = _gemv_masks(offs_g, byte, nmask, K, k0 + BLOCK_K)
+        next_b = tl.load(w_ptrs + BLOCK_K // 2, mask=next_wmask, other=0)
+        next_s = tl.load(s_ptrs + G, mask=next_smask, other=127)
         a_even = tl.load(a_ptrs, mask=amask, other=0.0).to(tl.float32)[None, :, :]
         a_odd = tl.load(a_ptrs + 1, mask=amask, other=0.0).to(tl.float32)[None, :, :]
-        acc += _mx_gemv_tile(w_ptrs, s_ptrs, a_even, a_odd, nmask[:, None, None] & amask[None, :, :],
-                             nmask[:, None] & gmask[None, :])
+        acc += _mx_gemv_part(b, s, a_even, a_odd)
+        b, s, amask = next_b, next_s, next_amask
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K // 2
         s_ptrs += G
@@ -364,12 +384,14 @@ def _down_mxfp4_v(A, W, WS, Y, TopkWeights, PairExpert, num_pairs, N, K,
     tl.store(Y + pair64 * stride_ym + offs_n, y.to(Y.dtype.element_ty), mask=nmask)
 
 
-# (most pairs, tiles) rows for 16-bit activations, first match wins: the group-tiled decode (_mx_group_tile) at
-# every size. Chosen from the code, not yet from a measurement: benchmark/bench_kernels.py --only mxfp4 times
-# these beside MXFP4_CANDIDATES and the legacy tiles on an H200; replace the rows with its fastest per batch.
+# (most pairs, tiles) rows for 16-bit activations, first match wins: the fastest group-tiled decode
+# (_mx_group_tile) per batch in an H200 run of benchmark/bench_kernels.py --only mxfp4 (V4-Flash experts, top-8,
+# results/gpu_mxfp4_moe_h200.json): 32 x 128 tiles at one token (109 us against 119 us for the first table), 64 x 128
+# with 5 stages from 16 tokens (1,231 / 2,586 / 3,698 / 7,302 us at 16 / 64 / 256 / 2048 tokens against 1,488 /
+# 3,100 / 4,069 / 12,891). Still 0.22-0.28 of the read bandwidth at 1-64 tokens: the decode, not the bytes, bounds it.
 TILE_TABLE = (
-    (64, dict(BLOCK_N=64, BLOCK_K=256, num_warps=4, num_stages=3, decode="group", JOIN=False)),
-    (None, dict(BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=3, decode="group", JOIN=False)),
+    (64, dict(BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=4, decode="group", JOIN=False)),
+    (None, dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=5, decode="group", JOIN=False)),
 )
 # fp32 (CUDA cores, and the interpreter): narrow K tiles for the registers.
 FP32_TILES = dict(BLOCK_N=32, BLOCK_K=32, num_warps=4, num_stages=2, decode="group", JOIN=False)
