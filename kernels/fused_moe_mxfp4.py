@@ -384,13 +384,14 @@ def _down_mxfp4_v(A, W, WS, Y, TopkWeights, PairExpert, num_pairs, N, K,
     tl.store(Y + pair64 * stride_ym + offs_n, y.to(Y.dtype.element_ty), mask=nmask)
 
 
-# (most pairs, tiles) rows for 16-bit activations, first match wins: the fastest group-tiled decode
-# (_mx_group_tile) per batch in an H200 run of benchmark/bench_kernels.py --only mxfp4 (V4-Flash experts, top-8,
-# results/gpu_mxfp4_moe_h200.json): 32 x 128 tiles at one token (109 us against 119 us for the first table), 64 x 128
-# with 5 stages from 16 tokens (1,231 / 2,586 / 3,698 / 7,302 us at 16 / 64 / 256 / 2048 tokens against 1,488 /
-# 3,100 / 4,069 / 12,891). Still 0.22-0.28 of the read bandwidth at 1-64 tokens: the decode, not the bytes, bounds it.
+# (most pairs, tiles) rows for 16-bit activations, first match wins: the fastest per batch in H200 runs of
+# benchmark/bench_kernels.py --only mxfp4 (V4-Flash experts, top-8, results/gpu_mxfp4_moe_h200.json). Up to 16
+# tokens the GEMV form: 88 / 1,152 us at 1 / 16 tokens, against 109 / 1,205 for the best group tiles and 119 / 1,488
+# for the first table. From 64 tokens the group decode (_mx_group_tile) at 64 x 128 with 5 stages: 2,623 / 3,701 /
+# 7,239 us at 64 / 256 / 2048 tokens against 3,100 / 4,069 / 12,891 (the GEMV form decodes each expert once per
+# pair: 4,554 us at 64). 0.22-0.29 of the read bandwidth at 1-64 tokens: the decode, not the bytes, bounds it.
 TILE_TABLE = (
-    (64, dict(BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=4, decode="group", JOIN=False)),
+    (128, dict(BLOCK_N=32, BLOCK_K=256, num_warps=4, num_stages=3, decode="gemv")),
     (None, dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=5, decode="group", JOIN=False)),
 )
 # fp32 (CUDA cores, and the interpreter): narrow K tiles for the registers.

@@ -94,7 +94,7 @@ _MOE = textwrap.dedent("""
     clamped = 0
     for dtype, t, lim, configs in ((torch.float32, 3, limit, (two_dots, joined, None, gemv, gemv_wide)),
                                    (torch.float32, 9, None, (joined, gemv)),
-                                   (torch.float16, 20, limit, (joined, legacy, gemv_wide))):
+                                   (torch.float16, 20, limit, (joined, legacy, gemv_wide, None))):
         x = torch.randn(t, hidden, generator=g).to(dtype)
         ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
         w = torch.rand(t, k, generator=g)
