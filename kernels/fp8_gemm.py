@@ -289,10 +289,15 @@ GEMM, the tiled path for shapes it does not take); tiled: path B; auto: per row 
 
 AUTO_PATHS: tuple[tuple[int, str], ...] = ((1, "tiled"), (1 << 62, "scaled_mm"))
 """(largest M, path) rows, first match wins: `auto`'s choice (the default), from an H200 run of
-`benchmark/bench_fp8_gemm.py` (results/gpu_fp8_gemm_h200.json, V2-Lite and V3 shapes, M = 1 / 64 / 2048 / 8192):
-scaled_mm reads 0.73-0.89 of the FP8 rate at M >= 2048 (tiled 0.35-0.50, the fused kernel 0.18-0.27) and 0.85-1.06
-of the weight-read floor at M = 64 (tiled 0.24-0.94); at M = 1 the tiled path wins on most shapes. Where scaled_mm
-does not take a GEMM (N or K not a multiple of 128, 32 x 32 blocks) the tiled path runs it."""
+`benchmark/bench_fp8_gemm.py` (results/gpu_fp8_gemm_h200.json, V2-Lite and V3 shapes, M = 1 / 64 / 2048 / 8192).
+At M >= 2048 scaled_mm reads 0.72-0.89 of the FP8 rate (tiled 0.35-0.50, the fused kernel 0.18-0.27) and beats
+cuBLAS bf16 on the dequantized weight by 1.3-1.6x. At M = 64 it takes 0.72-0.79 of cuBLAS bf16's time on the V3
+shapes (49.6 against 63.9 us on o_proj). At M = 1 the tiled path wins on most shapes. Where scaled_mm does not
+take a GEMM (N or K not a multiple of 128, 32 x 32 blocks) the tiled path runs it, and at M <= 64 that is 1.7-2.3x
+cuBLAS bf16's time (V2-Lite's dense down, K = 10944: 33.5 against 14.3 us): zero-padding such weights to 128 at
+load would give them scaled_mm. (That run's floor used a low copy bandwidth and weights small enough to stay in
+L2, so its decode fractions of the floor read high; the benchmark now takes the read bandwidth and rotates weight
+copies past L2.)"""
 
 
 def auto_path(m: int) -> str:
