@@ -147,9 +147,11 @@ def run_shape(name: str, spec: dict, quantization: str | None, args, ceil: dict,
         section["weight_bytes"] = sum(p.numel() * p.element_size() for p in engine.model.parameters())
         section["decode"] = []
         for batch in args.batches:
+            profile = args.profile_steps if batch in args.profile_batches else 0
             row = bench_decode(engine, batch, args.context, args.steps, ceil["copy_bytes_per_s"],
-                               spec["vocab_size"], 0)
-            row.pop("profile", None)
+                               spec["vocab_size"], profile)
+            if not profile:
+                row.pop("profile", None)
             section["decode"].append(row)
             save()
             print(name, quantization, {k: row[k] for k in ("batch", "engine_tok_s", "floor_tok_s",
@@ -174,6 +176,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--shapes", nargs="+", default=["deepseek-v2-lite", "deepseek-v3-reduced"])
     parser.add_argument("--memory-only", action="store_true")
+    parser.add_argument("--profile-batches", type=int, nargs="*", default=[],
+                        help="decode batches whose rows keep a kernel table of --profile-steps profiled steps")
+    parser.add_argument("--profile-steps", type=int, default=2)
     args = parser.parse_args()
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
