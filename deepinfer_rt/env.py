@@ -175,6 +175,11 @@ class Env:
     cpu_fast_step: bool
     """DEEPINFER_CPU_FAST_STEP=0: Llama-family models on CPU run their trunk through the modules (the reference
     path) instead of the flat CPU step (models/llama_step.py). Default on."""
+    cpu_bf16_gemv: str
+    """DEEPINFER_CPU_BF16_GEMV: how the flat CPU step multiplies a lone bf16 row (a single decode stream) by a dense
+    weight: 'mv' (torch.mv), 'linear' (F.linear, the module path's own op) or 'auto' (default: both timed once on
+    the model's gate_up weight at the first step, mv kept only where it is at least 1.15x faster: it was ~2x on
+    one CPU of this project's machines and 0.65-0.9x on another)."""
     cpu_compile: bool
     """DEEPINFER_CPU_COMPILE=1: the flat CPU step compiled with torch.compile (inductor's C++ backend) between its
     attention calls (models/llama_compiled.py; dense weights). Default off: a first start compiles for about a
@@ -238,6 +243,7 @@ def get_env() -> Env:
         engine_max_restarts=_int("DEEPINFER_ENGINE_MAX_RESTARTS", 3),
         cpu_dense_copy=_bool("DEEPINFER_CPU_DENSE_COPY", True),
         cpu_fast_step=_bool("DEEPINFER_CPU_FAST_STEP", True),
+        cpu_bf16_gemv=_str("DEEPINFER_CPU_BF16_GEMV", "auto").strip().lower(),
         cpu_compile=_bool("DEEPINFER_CPU_COMPILE", False),
         inductor_cache_dir=Path(_str("DEEPINFER_CACHE", str(Path.home() / ".cache" / "deepinfer"))) / "inductor",
     )

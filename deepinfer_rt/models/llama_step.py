@@ -28,11 +28,12 @@ order, so its tokens (and a prefill's hidden states, bit for bit) equal the modu
   - the layers are walked over a flat list of their weights (no module calls, no per-layer lookups), built
     once the weights are final and rebuilt if they were replaced.
 
-bf16 differs in one place, for speed: a one-row input (a lone decode stream) of a dense linear or the dense head
-takes torch's bf16 GEMV (torch.mv, `_bf16_linear`) instead of F.linear's oneDNN GEMM, about twice the bytes per
-second at M = 1; its sums run in another order, so bf16 results differ from the module path's in the last bits
-(logprobs within bf16's tolerance: test/e2e/test_cpu_step.py). When every layer's linears are such GEMVs the lone
-row stays a 1-D vector from the embedding to the final norm (no select / unsqueeze around each mv).
+bf16 may differ in one place, for speed: a one-row input (a lone decode stream) of a dense linear or the dense
+head takes torch's bf16 GEMV (torch.mv, `_bf16_linear`) instead of F.linear's oneDNN GEMM where this CPU runs it
+faster (DEEPINFER_CPU_BF16_GEMV, `choose_row_gemv`: about twice F.linear's bytes per second on one CPU, 0.65-0.9x
+on another); its sums run in another order, so bf16 results then differ from the module path's in the last bits
+(logprobs within bf16's tolerance: test/e2e/test_cpu_step.py). Every layer's bf16 linears take the lone row as a
+1-D vector from the embedding to the final norm (no select / unsqueeze around each product).
 Batch-invariant mode never takes this step.
 
 Aten ops a lone decode stream dispatches (benchmark/profile_cpu_decode.py --count-ops, embedded default):
@@ -43,6 +44,8 @@ Attention still goes through the batch's backend (batch.attention): the KV pool'
 from __future__ import annotations
 
 import functools
+import logging
+import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -50,11 +53,14 @@ import torch
 import torch.nn.functional as F
 
 from deepinfer_kernels import reference
+from deepinfer_rt.env import get_env
 from deepinfer_rt.forward_batch import ForwardBatch
 from deepinfer_rt.layers.kernel_config import KernelConfig
 from deepinfer_rt.layers.int8 import WeightOnlyLinear
 from deepinfer_rt.layers.methods import UnquantizedLinear
 from deepinfer_rt.models.base import CausalLM
+
+logger = logging.getLogger("deepinfer_rt")
 
 
 class ModuleStep:
@@ -151,15 +157,57 @@ def _linear_fn(linear: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor
     return functools.partial(method.apply, linear)
 
 
+_ROW_GEMV: dict[str, bool] = {}
+"""'mv': whether a lone bf16 row takes torch.mv now (set by choose_row_gemv when a model's layer list is built);
+'auto': what `auto` measured, once per process."""
+
+ROW_GEMV_MARGIN = 1.15
+"""`auto` keeps torch.mv only when it is at least this much faster than F.linear, so that a near tie (where timing
+noise could pick either, and with it which bf16 bits a run produces) always goes to F.linear, the module path's op."""
+
+
+def _time_row_product(fn, reps: int = 4, rounds: int = 5) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(rounds):
+        start = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def choose_row_gemv(weight: torch.Tensor, setting: str) -> bool:
+    """Whether a lone bf16 row takes torch.mv (True) or F.linear (False): DEEPINFER_CPU_BF16_GEMV 'mv' / 'linear',
+    or under 'auto' both timed on `weight` (the model's gate_up, its largest per-layer product), best of five
+    rounds each, mv only if ROW_GEMV_MARGIN times faster; `auto` measures once per process and keeps the answer."""
+    if setting not in ("auto", "mv", "linear"):
+        raise ValueError(f"DEEPINFER_CPU_BF16_GEMV={setting!r}: not one of auto, mv, linear")
+    if setting != "auto":
+        use_mv = setting == "mv"
+    elif "auto" in _ROW_GEMV:
+        use_mv = _ROW_GEMV["auto"]
+    else:
+        row = torch.ones(weight.shape[1], dtype=weight.dtype)
+        mv = _time_row_product(lambda: torch.mv(weight, row))
+        linear = _time_row_product(lambda: F.linear(row, weight))
+        use_mv = _ROW_GEMV["auto"] = linear >= ROW_GEMV_MARGIN * mv
+        logger.info("lone bf16 rows take %s (gate_up %s: torch.mv %.0f us, F.linear %.0f us per 4 products)",
+                    "torch.mv" if use_mv else "F.linear", tuple(weight.shape), mv * 1e6, linear * 1e6)
+    _ROW_GEMV["mv"] = use_mv
+    return use_mv
+
+
 def _bf16_linear(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """x (T, K) or a lone row (K,) @ weight.T in bf16. One row takes torch's bf16 GEMV (torch.mv: fp32 accumulation
-    over K, one rounding to bf16), about twice the bytes per second of F.linear's oneDNN GEMM at M = 1 on AVX512
-    CPUs (one thread, the embedded default's gate_up 3072 x 576: ~250 against ~330-600 us; its 49152-row head: 3
-    against 8 ms); the sums are taken in another order, so values differ from F.linear's in the last bf16 bit. A
-    1-D row (the step's lone-stream form) goes to mv as it is: no select / unsqueeze around it."""
+    over K, one rounding to bf16) where choose_row_gemv picked it: about twice F.linear's bytes per second at M = 1
+    on one AVX512 CPU (one thread, the embedded default's gate_up 3072 x 576: ~250 against ~330-600 us), 0.65-0.9x
+    on an AMD EPYC with AVX512-BF16 (all five of the embedded default's shapes, one and two threads); its sums run
+    in another order, so values differ from F.linear's in the last bf16 bit. A 1-D row (the step's lone-stream
+    form) goes as it is: no select / unsqueeze around it."""
     if x.dim() == 1:
-        return torch.mv(weight, x)
-    if x.shape[0] == 1:
+        return torch.mv(weight, x) if _ROW_GEMV.get("mv") else F.linear(x, weight)
+    if x.shape[0] == 1 and _ROW_GEMV.get("mv"):
         return torch.mv(weight, x[0]).unsqueeze(0)
     return F.linear(x, weight)
 
@@ -180,6 +228,9 @@ def _layer_list(model) -> list[_Layer]:
                                 layer.mlp.down_proj))
     for layer in layers:
         layer.takes_row = takes_row
+    gate_up = model.model.layers[0].mlp.gate_up_proj.weight if model.model.layers else None
+    if gate_up is not None and gate_up.dtype == torch.bfloat16:
+        choose_row_gemv(gate_up, get_env().cpu_bf16_gemv)
     return layers
 
 

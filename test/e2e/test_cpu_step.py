@@ -88,11 +88,14 @@ def test_rms_norm_equals_reference_bitwise(dtype):
         assert torch.equal(_rms_norm(x, w, 1e-5), reference.rms_norm(x, w, 1e-5)), (t, d)
 
 
-def test_bf16_linear_one_row_within_rounding():
-    """The one-row bf16 GEMV (torch.mv) against F.linear: both accumulate in fp32, in another order, so they agree
-    to about one bf16 rounding of the output; more rows are F.linear itself."""
+@pytest.mark.parametrize("use_mv", [True, False], ids=["mv", "linear"])
+def test_bf16_linear_one_row_within_rounding(use_mv, monkeypatch):
+    """The one-row bf16 product, torch.mv or F.linear (choose_row_gemv), against F.linear: both accumulate in fp32,
+    in another order, so they agree to about one bf16 rounding of the output; more rows are F.linear itself."""
+    from deepinfer_rt.models import llama_step
     from deepinfer_rt.models.llama_step import _bf16_linear
 
+    monkeypatch.setitem(llama_step._ROW_GEMV, "mv", use_mv)
     g = torch.Generator().manual_seed(0)
     w = (torch.randn(300, 576, generator=g) * 0.05).bfloat16()
     x = torch.randn(1, 576, generator=g).bfloat16()
@@ -103,17 +106,45 @@ def test_bf16_linear_one_row_within_rounding():
     assert ((got.double() - exact).abs() <= bound).all() and ((ref.double() - exact).abs() <= bound).all()
     x3 = torch.randn(3, 576, generator=g).bfloat16()
     assert torch.equal(_bf16_linear(w, x3), torch.nn.functional.linear(x3, w))
+    row = x[0]
+    want = torch.mv(w, row) if use_mv else torch.nn.functional.linear(row, w)
+    assert torch.equal(_bf16_linear(w, row), want)  # the 1-D lone-stream form takes the chosen op as it is
 
 
+def test_row_gemv_choice(monkeypatch):
+    """DEEPINFER_CPU_BF16_GEMV: 'mv' / 'linear' are taken as given; 'auto' times both once per process and keeps
+    torch.mv only at ROW_GEMV_MARGIN; an unknown value is refused."""
+    from deepinfer_rt.models import llama_step
+
+    monkeypatch.setattr(llama_step, "_ROW_GEMV", {})
+    w = torch.randn(64, 32).bfloat16()
+    assert llama_step.choose_row_gemv(w, "mv") is True and llama_step._ROW_GEMV["mv"] is True
+    assert llama_step.choose_row_gemv(w, "linear") is False and llama_step._ROW_GEMV["mv"] is False
+    timings = iter([1.0, 1.1, 1.0, 1.2])  # mv, then F.linear: 1.1x (a near tie: F.linear), then 1.2x (mv)
+    calls = []
+    monkeypatch.setattr(llama_step, "_time_row_product", lambda fn: calls.append(fn) or next(timings))
+    assert llama_step.choose_row_gemv(w, "auto") is False
+    assert llama_step.choose_row_gemv(w, "auto") is False and len(calls) == 2  # measured once, kept
+    monkeypatch.setattr(llama_step, "_ROW_GEMV", {})
+    assert llama_step.choose_row_gemv(w, "auto") is True and len(calls) == 4
+    with pytest.raises(ValueError, match="DEEPINFER_CPU_BF16_GEMV='gemm': not one of auto, mv, linear"):
+        llama_step.choose_row_gemv(w, "gemm")
+
+
+@pytest.mark.parametrize("gemv", ["mv", "linear"])
 @pytest.mark.parametrize("prompts", [PROMPTS, PROMPTS[:1]], ids=["batch", "single"])
-def test_cpu_step_bf16_within_tolerance_of_module_path(tiny_llama_path, monkeypatch, prompts):
-    """bf16: the step's one-row GEMVs (torch.mv) and head round differently from the module path's F.linear, so
-    logprobs agree within bf16's tolerance (0.1, as the weight-only checks) and the first tokens are equal (a later
-    near-tie may flip)."""
+def test_cpu_step_bf16_within_tolerance_of_module_path(tiny_llama_path, monkeypatch, prompts, gemv):
+    """bf16: the step's one-row GEMVs (torch.mv, where chosen) and head round differently from the module path's
+    F.linear, so logprobs agree within bf16's tolerance (0.1, as the weight-only checks) and the first tokens are
+    equal (a later near-tie may flip)."""
+    from deepinfer_rt.models import llama_step
+
+    monkeypatch.setenv("DEEPINFER_CPU_BF16_GEMV", gemv)
     with Engine(str(tiny_llama_path), dtype="bfloat16", kv_cache_tokens=4096) as fast:
         assert isinstance(fast.model.step_method, CpuStep)
         got = _generate(fast, prompts)
         assert fast.model.fast_layers[0].takes_row  # a lone stream's row went through the layers as a 1-D vector
+        assert llama_step._ROW_GEMV["mv"] is (gemv == "mv")
     monkeypatch.setenv("DEEPINFER_CPU_FAST_STEP", "0")
     with Engine(str(tiny_llama_path), dtype="bfloat16", kv_cache_tokens=4096) as modules:
         assert type(modules.model.step_method) is ModuleStep
