@@ -228,9 +228,8 @@ def _layer_list(model) -> list[_Layer]:
                                 layer.mlp.down_proj))
     for layer in layers:
         layer.takes_row = takes_row
-    gate_up = model.model.layers[0].mlp.gate_up_proj.weight if model.model.layers else None
-    if gate_up is not None and gate_up.dtype == torch.bfloat16:
-        choose_row_gemv(gate_up, get_env().cpu_bf16_gemv)
+    if takes_row and layers:  # every layer's linears are 16-bit dense: pick the lone row's product on gate_up
+        choose_row_gemv(model.model.layers[0].mlp.gate_up_proj.weight, get_env().cpu_bf16_gemv)
     return layers
 
 
