@@ -3,7 +3,8 @@
     python benchmark/bench_cpu_peers.py [--repeats 3] [--new-tokens 128] [--batch 32] [--prefill-tokens 1000]
 
 Systems: this engine in fp32, bf16 (eager, and compiled: DEEPINFER_CPU_COMPILE, models/llama_compiled.py; also
-ours-fp32-compiled on request), weight-only int8 and Q4_1 (bf16 activations); transformers `generate` in fp32 and
+ours-fp32-compiled on request; ours-bf16-mv / ours-bf16-linear force a lone row's product,
+DEEPINFER_CPU_BF16_GEMV, where ours-bf16 takes `auto`), weight-only int8 and Q4_1 (bf16 activations); transformers `generate` in fp32 and
 bf16; llama.cpp through llama-cpp-python on the shipped GGUF when that package is installed (skipped with a
 message otherwise). Workloads (greedy, EOS ignored so every system does the same work):
 
@@ -48,18 +49,23 @@ def make_prompts(tokenizer, n: int, num_tokens: int) -> list[list[int]]:
 
 
 class Ours:
-    def __init__(self, name: str, dtype: str, quantization: str | None, kv_tokens: int, compiled: bool = False):
+    def __init__(self, name: str, dtype: str, quantization: str | None, kv_tokens: int, compiled: bool = False,
+                 gemv: str = "auto"):
         self.name = name
-        previous = os.environ.get("DEEPINFER_CPU_COMPILE")
-        os.environ["DEEPINFER_CPU_COMPILE"] = "1" if compiled else "0"  # read once, when the engine is built
+        # DEEPINFER_CPU_COMPILE is read when the engine is built, DEEPINFER_CPU_BF16_GEMV at its first step
+        settings = {"DEEPINFER_CPU_COMPILE": "1" if compiled else "0", "DEEPINFER_CPU_BF16_GEMV": gemv}
+        previous = {key: os.environ.get(key) for key in settings}
+        os.environ.update(settings)
         try:
             self.engine = Engine("smollm2-135m-instruct", dtype=dtype, quantization=quantization,
                                  kv_cache_tokens=kv_tokens, enable_prefix_cache=False)
+            self.generate([[1, 2, 3]], 1)
         finally:
-            if previous is None:
-                del os.environ["DEEPINFER_CPU_COMPILE"]
-            else:
-                os.environ["DEEPINFER_CPU_COMPILE"] = previous
+            for key, value in previous.items():
+                if value is None:
+                    del os.environ[key]
+                else:
+                    os.environ[key] = value
 
     def generate(self, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
         sp = SamplingParams(max_new_tokens=new_tokens, temperature=0, ignore_eos=True)
@@ -169,10 +175,12 @@ def main() -> None:
     kv_tokens = args.batch * (args.prompt_tokens + args.new_tokens) + args.prefill_tokens + 256
     systems = []
     for name, dtype, quant in (("ours-fp32", "float32", None), ("ours-bf16", "bfloat16", None),
+                               ("ours-bf16-mv", "bfloat16", None), ("ours-bf16-linear", "bfloat16", None),
                                ("ours-fp32-compiled", "float32", None), ("ours-bf16-compiled", "bfloat16", None),
                                ("ours-int8", "bfloat16", "int8"), ("ours-q4_1", "bfloat16", "q4_1")):
-        if name in wanted:
-            systems.append(Ours(name, dtype, quant, kv_tokens, compiled=name.endswith("-compiled")))
+        if name in wanted:  # -mv / -linear: DEEPINFER_CPU_BF16_GEMV forced (ours-bf16 takes `auto`)
+            gemv = name.rsplit("-", 1)[1] if name.endswith(("-mv", "-linear")) else "auto"
+            systems.append(Ours(name, dtype, quant, kv_tokens, compiled=name.endswith("-compiled"), gemv=gemv))
     tokenizer = (systems[0].engine.tokenizer if systems else None)
     path = resolve_model_path("smollm2-135m-instruct")
     if tokenizer is None:

@@ -141,12 +141,12 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tens
     return out.mul_(weight)
 
 
-def _linear_fn(linear: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+def _linear_fn(linear: torch.nn.Module, row_mv: bool = False) -> Callable[[torch.Tensor], torch.Tensor]:
     method = linear.method
     if type(method) is UnquantizedLinear:
         weight, bias = linear.weight, linear.bias
         if weight.dtype == torch.bfloat16 and bias is None:
-            return functools.partial(_bf16_linear, weight)
+            return functools.partial(_bf16_linear, weight, row_mv)
         if bias is None:  # F.linear's own decomposition (t, mm) with the transpose made once: the same bits
             weight_t = weight.t()
             return lambda x: torch.mm(x, weight_t)
@@ -158,8 +158,7 @@ def _linear_fn(linear: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor
 
 
 _ROW_GEMV: dict[str, bool] = {}
-"""'mv': whether a lone bf16 row takes torch.mv now (set by choose_row_gemv when a model's layer list is built);
-'auto': what `auto` measured, once per process."""
+"""'auto': what DEEPINFER_CPU_BF16_GEMV=auto measured (choose_row_gemv), once per process."""
 
 ROW_GEMV_MARGIN = 1.15
 """`auto` keeps torch.mv only when it is at least this much faster than F.linear, so that a near tie (where timing
@@ -184,30 +183,27 @@ def choose_row_gemv(weight: torch.Tensor, setting: str) -> bool:
     if setting not in ("auto", "mv", "linear"):
         raise ValueError(f"DEEPINFER_CPU_BF16_GEMV={setting!r}: not one of auto, mv, linear")
     if setting != "auto":
-        use_mv = setting == "mv"
-    elif "auto" in _ROW_GEMV:
-        use_mv = _ROW_GEMV["auto"]
-    else:
+        return setting == "mv"
+    if "auto" not in _ROW_GEMV:
         row = torch.ones(weight.shape[1], dtype=weight.dtype)
         mv = _time_row_product(lambda: torch.mv(weight, row))
         linear = _time_row_product(lambda: F.linear(row, weight))
-        use_mv = _ROW_GEMV["auto"] = linear >= ROW_GEMV_MARGIN * mv
+        _ROW_GEMV["auto"] = linear >= ROW_GEMV_MARGIN * mv
         logger.info("lone bf16 rows take %s (gate_up %s: torch.mv %.0f us, F.linear %.0f us per 4 products)",
-                    "torch.mv" if use_mv else "F.linear", tuple(weight.shape), mv * 1e6, linear * 1e6)
-    _ROW_GEMV["mv"] = use_mv
-    return use_mv
+                    "torch.mv" if _ROW_GEMV["auto"] else "F.linear", tuple(weight.shape), mv * 1e6, linear * 1e6)
+    return _ROW_GEMV["auto"]
 
 
-def _bf16_linear(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+def _bf16_linear(weight: torch.Tensor, use_mv: bool, x: torch.Tensor) -> torch.Tensor:
     """x (T, K) or a lone row (K,) @ weight.T in bf16. One row takes torch's bf16 GEMV (torch.mv: fp32 accumulation
-    over K, one rounding to bf16) where choose_row_gemv picked it: about twice F.linear's bytes per second at M = 1
+    over K, one rounding to bf16) where choose_row_gemv picked it (`use_mv`): about twice F.linear's bytes per second at M = 1
     on one AVX512 CPU (one thread, the embedded default's gate_up 3072 x 576: ~250 against ~330-600 us), 0.65-0.9x
     on an AMD EPYC with AVX512-BF16 (all five of the embedded default's shapes, one and two threads); its sums run
     in another order, so values differ from F.linear's in the last bf16 bit. A 1-D row (the step's lone-stream
     form) goes as it is: no select / unsqueeze around it."""
     if x.dim() == 1:
-        return torch.mv(weight, x) if _ROW_GEMV.get("mv") else F.linear(x, weight)
-    if x.shape[0] == 1 and _ROW_GEMV.get("mv"):
+        return torch.mv(weight, x) if use_mv else F.linear(x, weight)
+    if x.shape[0] == 1 and use_mv:
         return torch.mv(weight, x[0]).unsqueeze(0)
     return F.linear(x, weight)
 
@@ -217,19 +213,20 @@ def _takes_row(linear: torch.nn.Module) -> bool:
 
 
 def _layer_list(model) -> list[_Layer]:
+    """The layers' weights as a flat list; `model.row_mv` set: whether a lone bf16 row takes torch.mv (only when
+    every layer's linears are 16-bit dense, chosen on gate_up by choose_row_gemv)."""
+    takes_row = all(_takes_row(lin) for layer in model.model.layers
+                    for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+                                layer.mlp.down_proj))
+    model.row_mv = takes_row and bool(model.model.layers) and choose_row_gemv(
+        model.model.layers[0].mlp.gate_up_proj.weight, get_env().cpu_bf16_gemv)
     layers = []
     for i, layer in enumerate(model.model.layers):
         attn, mlp = layer.self_attn, layer.mlp
         linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
         layers.append(_Layer(i, layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
-                             *map(_linear_fn, linears), attn.qkv_proj.weight))
-    takes_row = all(_takes_row(lin) for layer in model.model.layers
-                    for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
-                                layer.mlp.down_proj))
-    for layer in layers:
-        layer.takes_row = takes_row
-    if takes_row and layers:  # every layer's linears are 16-bit dense: pick the lone row's product on gate_up
-        choose_row_gemv(model.model.layers[0].mlp.gate_up_proj.weight, get_env().cpu_bf16_gemv)
+                             *(_linear_fn(lin, model.row_mv) for lin in linears), attn.qkv_proj.weight))
+        layers[-1].takes_row = takes_row
     return layers
 
 
@@ -237,7 +234,7 @@ class CpuStep(ModuleStep):
     def compute_logits(self, model, hidden: torch.Tensor) -> torch.Tensor:
         head, method = model.lm_head, model.logits_method
         if head.bias is None and type(method) is UnquantizedLinear and head.weight.dtype == torch.bfloat16:
-            return _bf16_linear(head.weight, hidden).float()
+            return _bf16_linear(head.weight, getattr(model, "row_mv", False), hidden).float()
         if head.bias is None and isinstance(method, WeightOnlyLinear) and hidden.shape[0] <= method.max_rows:
             return method.packed_fn(head)(hidden).float()
         return super().compute_logits(model, hidden)

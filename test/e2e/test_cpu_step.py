@@ -89,26 +89,24 @@ def test_rms_norm_equals_reference_bitwise(dtype):
 
 
 @pytest.mark.parametrize("use_mv", [True, False], ids=["mv", "linear"])
-def test_bf16_linear_one_row_within_rounding(use_mv, monkeypatch):
+def test_bf16_linear_one_row_within_rounding(use_mv):
     """The one-row bf16 product, torch.mv or F.linear (choose_row_gemv), against F.linear: both accumulate in fp32,
     in another order, so they agree to about one bf16 rounding of the output; more rows are F.linear itself."""
-    from deepinfer_rt.models import llama_step
     from deepinfer_rt.models.llama_step import _bf16_linear
 
-    monkeypatch.setitem(llama_step._ROW_GEMV, "mv", use_mv)
     g = torch.Generator().manual_seed(0)
     w = (torch.randn(300, 576, generator=g) * 0.05).bfloat16()
     x = torch.randn(1, 576, generator=g).bfloat16()
     exact = x.double() @ w.double().T
-    got, ref = _bf16_linear(w, x), torch.nn.functional.linear(x, w)
+    got, ref = _bf16_linear(w, use_mv, x), torch.nn.functional.linear(x, w)
     assert got.shape == ref.shape == (1, 300) and got.dtype == torch.bfloat16
     bound = exact.abs() * 2**-7 + 1e-3  # one bf16 rounding (8 bits of mantissa) plus the fp32 sums' error
     assert ((got.double() - exact).abs() <= bound).all() and ((ref.double() - exact).abs() <= bound).all()
     x3 = torch.randn(3, 576, generator=g).bfloat16()
-    assert torch.equal(_bf16_linear(w, x3), torch.nn.functional.linear(x3, w))
+    assert torch.equal(_bf16_linear(w, use_mv, x3), torch.nn.functional.linear(x3, w))
     row = x[0]
     want = torch.mv(w, row) if use_mv else torch.nn.functional.linear(row, w)
-    assert torch.equal(_bf16_linear(w, row), want)  # the 1-D lone-stream form takes the chosen op as it is
+    assert torch.equal(_bf16_linear(w, use_mv, row), want)  # the 1-D lone-stream form takes the chosen op as is
 
 
 def test_row_gemv_choice(monkeypatch):
@@ -118,8 +116,7 @@ def test_row_gemv_choice(monkeypatch):
 
     monkeypatch.setattr(llama_step, "_ROW_GEMV", {})
     w = torch.randn(64, 32).bfloat16()
-    assert llama_step.choose_row_gemv(w, "mv") is True and llama_step._ROW_GEMV["mv"] is True
-    assert llama_step.choose_row_gemv(w, "linear") is False and llama_step._ROW_GEMV["mv"] is False
+    assert llama_step.choose_row_gemv(w, "mv") is True and llama_step.choose_row_gemv(w, "linear") is False
     timings = iter([1.0, 1.1, 1.0, 1.2])  # mv, then F.linear: 1.1x (a near tie: F.linear), then 1.2x (mv)
     calls = []
     monkeypatch.setattr(llama_step, "_time_row_product", lambda fn: calls.append(fn) or next(timings))
@@ -137,14 +134,12 @@ def test_cpu_step_bf16_within_tolerance_of_module_path(tiny_llama_path, monkeypa
     """bf16: the step's one-row GEMVs (torch.mv, where chosen) and head round differently from the module path's
     F.linear, so logprobs agree within bf16's tolerance (0.1, as the weight-only checks) and the first tokens are
     equal (a later near-tie may flip)."""
-    from deepinfer_rt.models import llama_step
-
     monkeypatch.setenv("DEEPINFER_CPU_BF16_GEMV", gemv)
     with Engine(str(tiny_llama_path), dtype="bfloat16", kv_cache_tokens=4096) as fast:
         assert isinstance(fast.model.step_method, CpuStep)
         got = _generate(fast, prompts)
         assert fast.model.fast_layers[0].takes_row  # a lone stream's row went through the layers as a 1-D vector
-        assert llama_step._ROW_GEMV["mv"] is (gemv == "mv")
+        assert fast.model.row_mv is (gemv == "mv")
     monkeypatch.setenv("DEEPINFER_CPU_FAST_STEP", "0")
     with Engine(str(tiny_llama_path), dtype="bfloat16", kv_cache_tokens=4096) as modules:
         assert type(modules.model.step_method) is ModuleStep
