@@ -196,11 +196,11 @@ def choose_row_gemv(weight: torch.Tensor, setting: str) -> bool:
 
 def _bf16_linear(weight: torch.Tensor, use_mv: bool, x: torch.Tensor) -> torch.Tensor:
     """x (T, K) or a lone row (K,) @ weight.T in bf16. One row takes torch's bf16 GEMV (torch.mv: fp32 accumulation
-    over K, one rounding to bf16) where choose_row_gemv picked it (`use_mv`): about twice F.linear's bytes per second at M = 1
-    on one AVX512 CPU (one thread, the embedded default's gate_up 3072 x 576: ~250 against ~330-600 us), 0.65-0.9x
-    on an AMD EPYC with AVX512-BF16 (all five of the embedded default's shapes, one and two threads); its sums run
-    in another order, so values differ from F.linear's in the last bf16 bit. A 1-D row (the step's lone-stream
-    form) goes as it is: no select / unsqueeze around it."""
+    over K, one rounding to bf16) where choose_row_gemv picked it (`use_mv`): about twice F.linear's bytes per
+    second at M = 1 on an AMX CPU (one thread, the embedded default's gate_up 3072 x 576: ~250 against ~330-600 us),
+    0.65-0.9x on an AMD EPYC with AVX512-BF16 (all five of the embedded default's shapes, one and two threads); its
+    sums run in another order, so values differ from F.linear's in the last bf16 bit. A 1-D row (the step's
+    lone-stream form) goes as it is: no select / unsqueeze around it."""
     if x.dim() == 1:
         return torch.mv(weight, x) if use_mv else F.linear(x, weight)
     if x.shape[0] == 1 and use_mv:
