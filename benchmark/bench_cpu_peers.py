@@ -2,10 +2,10 @@
 
     python benchmark/bench_cpu_peers.py [--repeats 3] [--new-tokens 128] [--batch 32] [--prefill-tokens 1000]
 
-Systems: this engine in fp32, bf16 (eager, and compiled: DEEPINFER_CPU_COMPILE, models/llama_compiled.py; also ours-
-fp32-compiled on request; ours-bf16-mv / ours-bf16-linear force a lone row's product, DEEPINFER_CPU_BF16_GEMV, where
-ours-bf16 takes `auto`), weight-only int8 and Q4_1 (bf16 activations); transformers `generate` in fp32 and bf16;
-llama.cpp through llama-cpp-python on the shipped GGUF when that package is installed (skipped with a message
+Systems: this engine in fp32, bf16 (eager, and compiled: DEEPINFER_CPU_COMPILE, models/llama_compiled.py; also
+ours-fp32-compiled on request; ours-bf16-mv / ours-bf16-linear force a lone row's product, DEEPINFER_CPU_BF16_GEMV,
+where ours-bf16 takes `auto`), weight-only int8 and Q4_1 (bf16 activations); transformers `generate` in fp32 and
+bf16; llama.cpp through llama-cpp-python on the shipped GGUF when that package is installed (skipped with a message
 otherwise). Workloads (greedy, EOS ignored so every system does the same work):
 
     single    one ~100-token prompt, 128 new tokens          tok/s = new tokens / time

@@ -1,12 +1,12 @@
 """The block-scaled FP8 GEMM's paths side by side (deepinfer_kernels.fp8_gemm): today's fused Triton kernel (`triton`),
-activations quantized once then the autotuned tiled Triton GEMM (`tiled`), the same activations into torch's block-
-scaled scaled_mm (`scaled_mm`, cuBLASLt on SM90), and cuBLAS bf16 on the dequantized weight, at DeepSeek-V2-Lite and
-full-width V3 projection shapes, M = 1 / 64 / 2048 / 8192 rows. Each row gives the time of every path (CUDA-graph
-replays, so decode sizes are not launch-bound), its FLOP/s over the FP8 matmul rate measured in the same run
-(torch._scaled_mm, 8192^3, tensor-wise scales) and the floor max(weight bytes / read bandwidth, FLOPs / FP8 rate); a
-timed call cycles over copies of the weight that overflow L2 (L2_ROTATION_BYTES). At the end: the `auto` table this
-run's timings give (fp8_gemm.AUTO_PATHS: per M, the path of least geometric-mean time over the shapes), to copy into
-kernels/fp8_gemm.py.
+activations quantized once then the autotuned tiled Triton GEMM (`tiled`), the same activations into torch's
+block-scaled scaled_mm (`scaled_mm`, cuBLASLt on SM90), and cuBLAS bf16 on the dequantized weight, at
+DeepSeek-V2-Lite and full-width V3 projection shapes, M = 1 / 64 / 2048 / 8192 rows. Each row gives the time of
+every path (CUDA-graph replays, so decode sizes are not launch-bound), its FLOP/s over the FP8 matmul rate measured
+in the same run (torch._scaled_mm, 8192^3, tensor-wise scales) and the floor max(weight bytes / read bandwidth,
+FLOPs / FP8 rate); a timed call cycles over copies of the weight that overflow L2 (L2_ROTATION_BYTES). At the end:
+the `auto` table this run's timings give (fp8_gemm.AUTO_PATHS: per M, the path of least geometric-mean time over the
+shapes), to copy into kernels/fp8_gemm.py.
 
     python benchmark/bench_fp8_gemm.py --out benchmark/results/gpu_fp8_gemm_h200.json     (H200, ~2 minutes)
     TRITON_INTERPRET=1 python benchmark/bench_fp8_gemm.py --device cpu --out /tmp/fp8_gemm_cpu.json   (smoke run)
