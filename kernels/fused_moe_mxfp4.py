@@ -273,30 +273,18 @@ def _down_mxfp4_g(A, W, WS, Y, TopkWeights, SortedPairs, BlockExpert, NumPadded,
 
 
 @triton.jit
-def _mx_codes_fp32(b):
-    """Packed bytes (int8) -> the low and the high nibble's e2m1 values x 2^-14 in fp32, exact: the code's sign and
-    3 magnitude bits placed as fp16 bits (as _mx_group_tile), widened."""
-    b = b.to(tl.int16)
-    w_lo = (((b & 7) << 9) | ((b & 8) << 12)).to(tl.float16, bitcast=True).to(tl.float32)
-    w_hi = (((b & 0x70) << 5) | ((b & 0x80) << 8)).to(tl.float16, bitcast=True).to(tl.float32)
-    return w_lo, w_hi
-
-
-@triton.jit
-def _mx_group_scale(s):
-    """e8m0 scale bytes -> 2^(b - 127) x 2^14 in fp32 (the 2^14 undoes _mx_codes_fp32's; exact for b <= 240)."""
-    s = s.to(tl.int32) & 0xFF
-    return ((tl.minimum(s, 241) + 14) << 23).to(tl.float32, bitcast=True)
-
-
-@triton.jit
 def _mx_gemv_part(b, s, x_even, x_odd):
     """The GEMV decode: b a (BLOCK_N, G, 16) int8 tile of packed bytes (16 per e8m0 group, contiguous along K),
     s its (BLOCK_N, G) scale bytes, x_even / x_odd the (1, G, 16) fp32 activations of the low / high nibbles ->
-    (BLOCK_N, G) fp32 partial sums: each group's 32 products summed, then scaled once per group, so no element is
-    multiplied by its scale and no 16-bit weight tile is formed."""
-    w_lo, w_hi = _mx_codes_fp32(b)
-    return tl.sum(w_lo * x_even + w_hi * x_odd, axis=2) * _mx_group_scale(s)
+    (BLOCK_N, G) fp32 partial sums: each group's 32 products summed, then scaled once per group. The codes are
+    placed as fp16 bits (value x 2^-14, as _mx_group_tile) and widened to fp32, exact; the 2^14 goes into the
+    group's scale, so no element is multiplied by its scale and no 16-bit weight tile is formed."""
+    b = b.to(tl.int16)
+    w_lo = (((b & 7) << 9) | ((b & 8) << 12)).to(tl.float16, bitcast=True).to(tl.float32)
+    w_hi = (((b & 0x70) << 5) | ((b & 0x80) << 8)).to(tl.float16, bitcast=True).to(tl.float32)
+    part = tl.sum(w_lo * x_even + w_hi * x_odd, axis=2)
+    s = s.to(tl.int32) & 0xFF
+    return part * ((tl.minimum(s, 241) + 14) << 23).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -396,101 +384,6 @@ def _down_mxfp4_v(A, W, WS, Y, TopkWeights, PairExpert, num_pairs, N, K,
     tl.store(Y + pair64 * stride_ym + offs_n, y.to(Y.dtype.element_ty), mask=nmask)
 
 
-@triton.jit
-def _rows_tile(X, pairs, rmask, row_div, stride_xm, byte, xmask):
-    """The (ROWS, 1, G, 16) fp32 activations of a K tile for ROWS rows (row = pair // row_div), even and odd."""
-    ptrs = X + (pairs // row_div).to(tl.int64)[:, None, None] * stride_xm + 2 * byte[None, :, :]
-    mask = rmask[:, None, None] & xmask[None, :, :]
-    x_even = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)[:, None, :, :]
-    x_odd = tl.load(ptrs + 1, mask=mask, other=0.0).to(tl.float32)[:, None, :, :]
-    return x_even, x_odd
-
-
-@triton.jit
-def _rows_part(b, s, x_even, x_odd):
-    """(BLOCK_N, G, 16) packed bytes, decoded once, times ROWS rows' activations -> (ROWS, BLOCK_N, G) group sums,
-    scaled once per group."""
-    w_lo, w_hi = _mx_codes_fp32(b)
-    part = tl.sum(w_lo[None, :, :, :] * x_even + w_hi[None, :, :, :] * x_odd, axis=3)
-    return part * _mx_group_scale(s)[None, :, :]
-
-
-@triton.jit(do_not_specialize=["num_pairs"])
-def _gate_up_mxfp4_r(X, W, WS, H, SortedPairs, BlockExpert, NumPadded, num_pairs, top_k, N, K, limit,
-                     stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_hm,
-                     ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """The GEMV form over a block of ROWS pairs of one expert (moe_align with BLOCK_M = ROWS): each weight tile is
-    decoded once and multiplied into every row of the block on the CUDA cores (fp32), so an expert's codes are
-    decoded once per ROWS pairs instead of once per pair. Padding rows (the sentinel pair) are masked."""
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    if pid_m * ROWS < tl.load(NumPadded):
-        G: tl.constexpr = BLOCK_K // 32
-        pairs = tl.load(SortedPairs + pid_m * ROWS + tl.arange(0, ROWS))
-        rmask = pairs < num_pairs
-        e = tl.load(BlockExpert + pid_m).to(tl.int64)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        nmask = offs_n < N
-        offs_g = tl.arange(0, G)
-        byte = offs_g[:, None] * 16 + tl.arange(0, 16)[None, :]
-        rows = offs_n.to(tl.int64)
-        g_ptrs = W + e * stride_we + rows[:, None, None] * stride_wn + byte[None, :, :]
-        u_ptrs = g_ptrs + N * stride_wn
-        gs_ptrs = WS + e * stride_se + rows[:, None] * stride_sn + offs_g[None, :]
-        us_ptrs = gs_ptrs + N * stride_sn
-        acc_g = tl.zeros([ROWS, BLOCK_N, G], tl.float32)
-        acc_u = tl.zeros([ROWS, BLOCK_N, G], tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            xmask, wmask, smask = _gemv_masks(offs_g, byte, nmask, K, k0)
-            x_even, x_odd = _rows_tile(X + k0, pairs, rmask, top_k, stride_xm, byte, xmask)
-            acc_g += _rows_part(tl.load(g_ptrs, mask=wmask, other=0), tl.load(gs_ptrs, mask=smask, other=127),
-                                x_even, x_odd)
-            acc_u += _rows_part(tl.load(u_ptrs, mask=wmask, other=0), tl.load(us_ptrs, mask=smask, other=127),
-                                x_even, x_odd)
-            g_ptrs += BLOCK_K // 2
-            u_ptrs += BLOCK_K // 2
-            gs_ptrs += G
-            us_ptrs += G
-        gate = tl.minimum(tl.sum(acc_g, axis=2), limit)
-        up = tl.minimum(tl.maximum(tl.sum(acc_u, axis=2), -limit), limit)
-        h = gate / (1.0 + tl.exp(-gate)) * up
-        tl.store(H + pairs.to(tl.int64)[:, None] * stride_hm + offs_n[None, :], h.to(H.dtype.element_ty),
-                 mask=rmask[:, None] & nmask[None, :])
-
-
-@triton.jit(do_not_specialize=["num_pairs"])
-def _down_mxfp4_r(A, W, WS, Y, TopkWeights, SortedPairs, BlockExpert, NumPadded, num_pairs, N, K,
-                  stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_ym,
-                  ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """The down kernel of _gate_up_mxfp4_r's form, each pair's fp32 result scaled by its top-k weight."""
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    if pid_m * ROWS < tl.load(NumPadded):
-        G: tl.constexpr = BLOCK_K // 32
-        pairs = tl.load(SortedPairs + pid_m * ROWS + tl.arange(0, ROWS))
-        rmask = pairs < num_pairs
-        e = tl.load(BlockExpert + pid_m).to(tl.int64)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        nmask = offs_n < N
-        offs_g = tl.arange(0, G)
-        byte = offs_g[:, None] * 16 + tl.arange(0, 16)[None, :]
-        rows = offs_n.to(tl.int64)
-        w_ptrs = W + e * stride_we + rows[:, None, None] * stride_wn + byte[None, :, :]
-        s_ptrs = WS + e * stride_se + rows[:, None] * stride_sn + offs_g[None, :]
-        acc = tl.zeros([ROWS, BLOCK_N, G], tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            amask, wmask, smask = _gemv_masks(offs_g, byte, nmask, K, k0)
-            a_even, a_odd = _rows_tile(A + k0, pairs, rmask, 1, stride_am, byte, amask)
-            acc += _rows_part(tl.load(w_ptrs, mask=wmask, other=0), tl.load(s_ptrs, mask=smask, other=127),
-                              a_even, a_odd)
-            w_ptrs += BLOCK_K // 2
-            s_ptrs += G
-        pairs64 = pairs.to(tl.int64)
-        y = tl.sum(acc, axis=2) * tl.load(TopkWeights + pairs64, mask=rmask, other=0.0)[:, None]
-        tl.store(Y + pairs64[:, None] * stride_ym + offs_n[None, :], y.to(Y.dtype.element_ty),
-                 mask=rmask[:, None] & nmask[None, :])
-
-
 # (most pairs, tiles) rows for 16-bit activations, first match wins: the fastest per batch in H200 runs of
 # benchmark/bench_kernels.py --only mxfp4 (V4-Flash experts, top-8, results/gpu_mxfp4_moe_h200.json). Up to 16
 # tokens the GEMV form: 88 / 1,152 us at 1 / 16 tokens, against 109 / 1,205 for the best group tiles and 119 / 1,488
@@ -515,9 +408,6 @@ MXFP4_CANDIDATES = {
     "gemv_n16_k512": dict(BLOCK_N=16, BLOCK_K=512, num_warps=4, num_stages=3, decode="gemv"),
     "gemv_n64_k128": dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4, decode="gemv"),
     "gemv_n32_k512_w8": dict(BLOCK_N=32, BLOCK_K=512, num_warps=8, num_stages=2, decode="gemv"),
-    "rows4_n16_k128": dict(ROWS=4, BLOCK_N=16, BLOCK_K=128, num_warps=4, num_stages=3, decode="rows"),
-    "rows8_n16_k64": dict(ROWS=8, BLOCK_N=16, BLOCK_K=64, num_warps=4, num_stages=3, decode="rows"),
-    "rows4_n32_k64": dict(ROWS=4, BLOCK_N=32, BLOCK_K=64, num_warps=4, num_stages=3, decode="rows"),
 }
 
 
@@ -570,9 +460,8 @@ def fused_moe_mxfp4(x: torch.Tensor, gate_up: torch.Tensor, gate_up_scale: torch
     """x (T, H) 16/32-bit; MXFP4 experts (module docstring); weights (T, k) fp32; ids (T, k) -> sum_k weights *
     down(swiglu(gate x, up x)), (T, H) in x's dtype; swiglu_limit clamps as V4's experts do (None: plain SwiGLU).
     config: fixed BLOCK_N / BLOCK_K (a power of two >= 32) / num_warps / num_stages, decode "group" (default:
-    _mx_group_tile), "exp2" (the legacy per-element decode, _mx_tile), "gemv" (one program row per pair, fp32
-    products on the CUDA cores: _gate_up_mxfp4_v / _down_mxfp4_v) or "rows" (the GEMV form over blocks of ROWS
-    pairs of one expert, each tile decoded once per block: _gate_up_mxfp4_r / _down_mxfp4_r), JOIN (group decode: one dot over the
+    _mx_group_tile), "exp2" (the legacy per-element decode, _mx_tile) or "gemv" (one program row per pair, fp32
+    products on the CUDA cores: _gate_up_mxfp4_v / _down_mxfp4_v), JOIN (group decode: one dot over the
     re-interleaved tile instead of two over the even and odd columns); None: _tiles."""
     t, k = ids.shape
     hidden = x.shape[1]
@@ -584,8 +473,8 @@ def fused_moe_mxfp4(x: torch.Tensor, gate_up: torch.Tensor, gate_up_scale: torch
     num_pairs = t * k
     config = dict(config or _tiles(num_pairs, x.dtype))
     decode = config.pop("decode", "group")
-    if decode not in ("group", "exp2", "gemv", "rows"):
-        raise ValueError(f"fused_moe_mxfp4: decode must be 'group', 'exp2', 'gemv' or 'rows', got {decode!r}")
+    if decode not in ("group", "exp2", "gemv"):
+        raise ValueError(f"fused_moe_mxfp4: decode must be 'group', 'exp2' or 'gemv', got {decode!r}")
     if config["BLOCK_K"] % MX_BLOCK or config["BLOCK_K"] & (config["BLOCK_K"] - 1):
         raise ValueError(f"fused_moe_mxfp4: BLOCK_K {config['BLOCK_K']} must be a power of two >= {MX_BLOCK}")
     limit = float("inf") if swiglu_limit is None else float(swiglu_limit)
@@ -604,23 +493,6 @@ def fused_moe_mxfp4(x: torch.Tensor, gate_up: torch.Tensor, gate_up_scale: torch
                 h, down, down_scale, y, weights.flatten().float().contiguous(), flat_ids, num_pairs, hidden, inter,
                 h.stride(0), down.stride(0), down.stride(1), down_scale.stride(0), down_scale.stride(1), y.stride(0),
                 **config)
-        return combine_slots(y, t, k, hidden)
-    if decode == "rows":  # blocks of ROWS pairs of one expert (moe_align), each weight tile decoded once per block
-        if config.pop("JOIN", False):
-            raise ValueError("fused_moe_mxfp4: JOIN needs the group decode")
-        rows = config["ROWS"]
-        if rows < 1 or rows & (rows - 1):
-            raise ValueError(f"fused_moe_mxfp4: ROWS {rows} must be a power of two")
-        if num_pairs:
-            blocks = pair_blocks(ids, e, rows)
-            _gate_up_mxfp4_r[(blocks.num_blocks, triton.cdiv(inter, config["BLOCK_N"]))](
-                x, gate_up, gate_up_scale, h, *blocks.tensors, num_pairs, k, inter, hidden, limit, x.stride(0),
-                gate_up.stride(0), gate_up.stride(1), gate_up_scale.stride(0), gate_up_scale.stride(1), h.stride(0),
-                **config)
-            _down_mxfp4_r[(blocks.num_blocks, triton.cdiv(hidden, config["BLOCK_N"]))](
-                h, down, down_scale, y, weights.flatten().float().contiguous(), *blocks.tensors, num_pairs, hidden,
-                inter, h.stride(0), down.stride(0), down.stride(1), down_scale.stride(0), down_scale.stride(1),
-                y.stride(0), **config)
         return combine_slots(y, t, k, hidden)
     blocks = pair_blocks(ids, e)
     if decode == "exp2":

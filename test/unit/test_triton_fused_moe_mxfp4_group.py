@@ -7,8 +7,8 @@
   dequantize-then-matmul: odd sizes (hidden 96 = 3 groups, so a K tail inside 64- and 128-wide K tiles; expert
   width 96, not a multiple of BLOCK_N 64), one-block-per-pair and sorted routing, the clamp reached, fp32
   (<= 1e-5 of the output's max: summation order only) and fp16 (h rounded between the GEMMs: <= 2e-3 in norm),
-  the default tiles (_tiles), the legacy exp2 decode, the GEMV form (one program row per pair, fp32 on the CUDA
-  cores) and its blocks of ROWS pairs of one expert on the same inputs; bad decode options refused.
+  the default tiles (_tiles), the legacy exp2 decode and the GEMV form (one program row per pair, fp32 on the
+  CUDA cores) on the same inputs; bad decode options refused.
 """
 from __future__ import annotations
 
@@ -91,12 +91,10 @@ _MOE = textwrap.dedent("""
     legacy = dict(BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=1, decode="exp2")
     gemv = dict(BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=1, decode="gemv")  # K tail: a 32-wide last tile
     gemv_wide = dict(BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=1, decode="gemv")  # one tile, groups masked
-    rows = dict(ROWS=4, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=1, decode="rows")  # padded blocks of 4 pairs
-    rows_wide = dict(ROWS=2, BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=1, decode="rows")
     clamped = 0
-    for dtype, t, lim, configs in ((torch.float32, 3, limit, (two_dots, joined, None, gemv, gemv_wide, rows)),
-                                   (torch.float32, 9, None, (joined, gemv, rows_wide)),
-                                   (torch.float16, 20, limit, (joined, legacy, gemv_wide, None, rows))):
+    for dtype, t, lim, configs in ((torch.float32, 3, limit, (two_dots, joined, None, gemv, gemv_wide)),
+                                   (torch.float32, 9, None, (joined, gemv)),
+                                   (torch.float16, 20, limit, (joined, legacy, gemv_wide, None))):
         x = torch.randn(t, hidden, generator=g).to(dtype)
         ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
         w = torch.rand(t, k, generator=g)
@@ -110,7 +108,7 @@ _MOE = textwrap.dedent("""
     assert clamped > 0  # the limit was reached, so the clamp was exercised
     x, w, ids = x[:3].float(), w[:3], ids[:3]
     for bad, message in ((dict(decode="lut"), "decode must be"), (dict(legacy, JOIN=True), "JOIN needs"),
-                         (dict(gemv, JOIN=True), "JOIN needs"), (dict(rows, ROWS=3), "ROWS 3 must be"),
+                         (dict(gemv, JOIN=True), "JOIN needs"),
                          (dict(two_dots, BLOCK_K=96), "power of two")):
         try:
             fused_moe_mxfp4(x, q_gu, s_gu, qd, sd, w, ids, config=dict(two_dots, **bad))
