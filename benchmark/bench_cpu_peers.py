@@ -3,7 +3,7 @@
     python benchmark/bench_cpu_peers.py [--repeats 3] [--new-tokens 128] [--batch 32] [--prefill-tokens 1000]
 
 Systems: this engine in fp32, bf16 (eager, and compiled: DEEPINFER_CPU_COMPILE, models/llama_compiled.py; also
-ours-fp32-compiled on request; ours-bf16-mv / ours-bf16-linear force a lone row's product, DEEPINFER_CPU_BF16_GEMV,
+ours-fp32-compiled on request; ours-bf16-mv / -linear / -packed force a lone row's product, DEEPINFER_CPU_BF16_GEMV,
 where ours-bf16 takes `auto`), weight-only int8 and Q4_1 (bf16 activations); transformers `generate` in fp32 and
 bf16; llama.cpp through llama-cpp-python on the shipped GGUF when that package is installed (skipped with a message
 otherwise). Workloads (greedy, EOS ignored so every system does the same work):
@@ -176,10 +176,11 @@ def main() -> None:
     systems = []
     for name, dtype, quant in (("ours-fp32", "float32", None), ("ours-bf16", "bfloat16", None),
                                ("ours-bf16-mv", "bfloat16", None), ("ours-bf16-linear", "bfloat16", None),
+                               ("ours-bf16-packed", "bfloat16", None),
                                ("ours-fp32-compiled", "float32", None), ("ours-bf16-compiled", "bfloat16", None),
                                ("ours-int8", "bfloat16", "int8"), ("ours-q4_1", "bfloat16", "q4_1")):
-        if name in wanted:  # -mv / -linear: DEEPINFER_CPU_BF16_GEMV forced (ours-bf16 takes `auto`)
-            gemv = name.rsplit("-", 1)[1] if name.endswith(("-mv", "-linear")) else "auto"
+        if name in wanted:  # -mv / -linear / -packed: DEEPINFER_CPU_BF16_GEMV forced (ours-bf16 takes `auto`)
+            gemv = name.rsplit("-", 1)[1] if name.endswith(("-mv", "-linear", "-packed")) else "auto"
             systems.append(Ours(name, dtype, quant, kv_tokens, compiled=name.endswith("-compiled"), gemv=gemv))
     tokenizer = (systems[0].engine.tokenizer if systems else None)
     path = resolve_model_path("smollm2-135m-instruct")

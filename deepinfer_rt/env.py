@@ -177,9 +177,10 @@ class Env:
     path) instead of the flat CPU step (models/llama_step.py). Default on."""
     cpu_bf16_gemv: str
     """DEEPINFER_CPU_BF16_GEMV: how the flat CPU step multiplies a lone bf16 row (a single decode stream) by a dense
-    weight: 'mv' (torch.mv), 'linear' (F.linear, the module path's own op) or 'auto' (default: both timed once on
-    the model's gate_up weight at the first step, mv kept only where it is at least 1.15x faster: it was ~2x on
-    one CPU of this project's machines and 0.65-0.9x on another)."""
+    weight (models/llama_step.py ROW_PRODUCTS): 'linear' (F.linear, the module path's op), 'mv' (torch.mv), 'packed'
+    (oneDNN over a copy of each weight packed for one row: the model's bf16 bytes again in memory) or 'auto'
+    (default: each timed once on the model's gate_up weight at the first step; F.linear kept unless another is at
+    least 1.15x faster)."""
     cpu_compile: bool
     """DEEPINFER_CPU_COMPILE=1: the flat CPU step compiled with torch.compile (inductor's C++ backend) between its
     attention calls (models/llama_compiled.py; dense weights). Default off: a first start compiles for about a

@@ -29,11 +29,11 @@ order, so its tokens (and a prefill's hidden states, bit for bit) equal the modu
     once the weights are final and rebuilt if they were replaced.
 
 bf16 may differ in one place, for speed: a one-row input (a lone decode stream) of a dense linear or the dense
-head takes torch's bf16 GEMV (torch.mv, `_bf16_linear`) instead of F.linear's oneDNN GEMM where this CPU runs it
-faster (DEEPINFER_CPU_BF16_GEMV, `choose_row_gemv`: about twice F.linear's bytes per second on one CPU, 0.65-0.9x
-on another); its sums run in another order, so bf16 results then differ from the module path's in the last bits
-(logprobs within bf16's tolerance: test/e2e/test_cpu_step.py). Every layer's bf16 linears take the lone row as a
-1-D vector from the embedding to the final norm (no select / unsqueeze around each product).
+head takes the product this CPU runs fastest (DEEPINFER_CPU_BF16_GEMV, `choose_row_gemv`, ROW_PRODUCTS): F.linear,
+oneDNN over a weight copy packed for one row (the same values), or torch's bf16 GEMV (torch.mv), whose sums run in
+another order, so bf16 results then differ from the module path's in the last bits (logprobs within bf16's
+tolerance: test/e2e/test_cpu_step.py). Every layer's bf16 linears take the lone row as a 1-D vector from the
+embedding to the final norm (no select / unsqueeze around each product).
 Batch-invariant mode never takes this step.
 
 Aten ops a lone decode stream dispatches (benchmark/profile_cpu_decode.py --count-ops, embedded default):
@@ -141,12 +141,12 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tens
     return out.mul_(weight)
 
 
-def _linear_fn(linear: torch.nn.Module, row_mv: bool = False) -> Callable[[torch.Tensor], torch.Tensor]:
+def _linear_fn(linear: torch.nn.Module, row: str = "linear") -> Callable[[torch.Tensor], torch.Tensor]:
     method = linear.method
     if type(method) is UnquantizedLinear:
         weight, bias = linear.weight, linear.bias
         if weight.dtype == torch.bfloat16 and bias is None:
-            return functools.partial(_bf16_linear, weight, row_mv)
+            return _bf16_linear_fn(weight, row)
         if bias is None:  # F.linear's own decomposition (t, mm) with the transpose made once: the same bits
             weight_t = weight.t()
             return lambda x: torch.mm(x, weight_t)
@@ -157,12 +157,25 @@ def _linear_fn(linear: torch.nn.Module, row_mv: bool = False) -> Callable[[torch
     return functools.partial(method.apply, linear)
 
 
-_ROW_GEMV: dict[str, bool] = {}
-"""'auto': what DEEPINFER_CPU_BF16_GEMV=auto measured (choose_row_gemv), once per process."""
+ROW_PRODUCTS = ("linear", "mv", "packed")
+"""How a lone bf16 row (a single decode stream) is multiplied by a dense weight in the flat CPU step:
+
+    linear   F.linear, the module path's op (oneDNN's matmul)
+    mv       torch.mv, torch's bf16 GEMV: fp32 sums in another order, so bf16 values differ from F.linear's in the
+             last bit
+    packed   oneDNN's inner product over a copy of the weight reordered once for one row
+             (torch.ops.mkldnn._reorder_linear_weight / _linear_pointwise): the same values as F.linear on the CPUs
+             measured (test/e2e/test_cpu_step.py), at the cost of that copy (the model's bf16 bytes again)
+
+Measured (bytes/s at one row, the embedded default's shapes, 2 threads): on an AMD EPYC with AVX512-BF16, F.linear
+10.6-15.1 GB/s, torch.mv 8.6-14.0, packed 21-27; on an earlier AMX machine torch.mv was about twice F.linear."""
+
+_ROW_GEMV: dict[str, str] = {}
+"""'auto': what DEEPINFER_CPU_BF16_GEMV=auto chose (choose_row_gemv), once per process."""
 
 ROW_GEMV_MARGIN = 1.15
-"""`auto` keeps torch.mv only when it is at least this much faster than F.linear, so that a near tie (where timing
-noise could pick either, and with it which bf16 bits a run produces) always goes to F.linear, the module path's op."""
+"""`auto` leaves F.linear only for a product at least this much faster, so that a near tie (where timing noise
+could pick either, and with it which bf16 bits a run produces) always goes to F.linear, the module path's op."""
 
 
 def _time_row_product(fn, reps: int = 4, rounds: int = 5) -> float:
@@ -176,36 +189,60 @@ def _time_row_product(fn, reps: int = 4, rounds: int = 5) -> float:
     return best
 
 
-def choose_row_gemv(weight: torch.Tensor, setting: str) -> bool:
-    """Whether a lone bf16 row takes torch.mv (True) or F.linear (False): DEEPINFER_CPU_BF16_GEMV 'mv' / 'linear',
-    or under 'auto' both timed on `weight` (the model's gate_up, its largest per-layer product), best of five
-    rounds each, mv only if ROW_GEMV_MARGIN times faster; `auto` measures once per process and keeps the answer."""
-    if setting not in ("auto", "mv", "linear"):
-        raise ValueError(f"DEEPINFER_CPU_BF16_GEMV={setting!r}: not one of auto, mv, linear")
+def _packed_available() -> bool:
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+
+
+def _pack_for_row(weight: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._reorder_linear_weight(weight, 1)
+
+
+def _packed_product(packed: torch.Tensor, x2: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x2, packed, None, "none", [], "")
+
+
+def choose_row_gemv(weight: torch.Tensor, setting: str) -> str:
+    """One of ROW_PRODUCTS for a lone bf16 row: DEEPINFER_CPU_BF16_GEMV as given, or under 'auto' each timed on
+    `weight` (the model's gate_up, its largest per-layer product), best of five rounds, and F.linear kept unless
+    another is ROW_GEMV_MARGIN times faster (then the fastest). `auto` measures once per process."""
+    if setting not in ("auto",) + ROW_PRODUCTS:
+        raise ValueError(f"DEEPINFER_CPU_BF16_GEMV={setting!r}: not one of auto, {', '.join(ROW_PRODUCTS)}")
+    if setting == "packed" and not _packed_available():
+        raise ValueError("DEEPINFER_CPU_BF16_GEMV=packed: this torch build has no oneDNN (mkldnn) linear ops")
     if setting != "auto":
-        return setting == "mv"
+        return setting
     if "auto" not in _ROW_GEMV:
         row = torch.ones(weight.shape[1], dtype=weight.dtype)
-        mv = _time_row_product(lambda: torch.mv(weight, row))
-        linear = _time_row_product(lambda: F.linear(row, weight))
-        _ROW_GEMV["auto"] = linear >= ROW_GEMV_MARGIN * mv
-        logger.info("lone bf16 rows take %s (gate_up %s: torch.mv %.0f us, F.linear %.0f us per 4 products)",
-                    "torch.mv" if _ROW_GEMV["auto"] else "F.linear", tuple(weight.shape), mv * 1e6, linear * 1e6)
+        times = {"linear": _time_row_product(lambda: F.linear(row, weight)),
+                 "mv": _time_row_product(lambda: torch.mv(weight, row))}
+        if _packed_available():
+            packed, row2 = _pack_for_row(weight), row.view(1, -1)
+            times["packed"] = _time_row_product(lambda: _packed_product(packed, row2))
+        fastest = min(times, key=times.get)
+        _ROW_GEMV["auto"] = fastest if times["linear"] >= ROW_GEMV_MARGIN * times[fastest] else "linear"
+        logger.info("lone bf16 rows take %s (gate_up %s, us per 4 products: %s)", _ROW_GEMV["auto"],
+                    tuple(weight.shape), ", ".join(f"{k} {v * 1e6:.0f}" for k, v in times.items()))
     return _ROW_GEMV["auto"]
 
 
-def _bf16_linear(weight: torch.Tensor, use_mv: bool, x: torch.Tensor) -> torch.Tensor:
-    """x (T, K) or a lone row (K,) @ weight.T in bf16. One row takes torch's bf16 GEMV (torch.mv: fp32 accumulation
-    over K, one rounding to bf16) where choose_row_gemv picked it (`use_mv`): about twice F.linear's bytes per
-    second at M = 1 on an AMX CPU (one thread, the embedded default's gate_up 3072 x 576: ~250 against ~330-600 us),
-    0.65-0.9x on an AMD EPYC with AVX512-BF16 (all five of the embedded default's shapes, one and two threads); its
-    sums run in another order, so values differ from F.linear's in the last bf16 bit. A 1-D row (the step's
-    lone-stream form) goes as it is: no select / unsqueeze around it."""
-    if x.dim() == 1:
-        return torch.mv(weight, x) if use_mv else F.linear(x, weight)
-    if x.shape[0] == 1 and use_mv:
-        return torch.mv(weight, x[0]).unsqueeze(0)
-    return F.linear(x, weight)
+def _bf16_linear_fn(weight: torch.Tensor, row: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    """x (T, K) or a lone row (K,) -> x @ weight.T in bf16: more than one row through F.linear, one row through the
+    `row` product (ROW_PRODUCTS). A 1-D row (the step's lone-stream form) goes as it is: no select / unsqueeze."""
+    if row == "packed":
+        packed = _pack_for_row(weight)
+
+        def product(x: torch.Tensor) -> torch.Tensor:
+            if x.dim() == 1:
+                return _packed_product(packed, x.view(1, -1)).view(-1)
+            return _packed_product(packed, x) if x.shape[0] == 1 else F.linear(x, weight)
+        return product
+    if row == "mv":
+        def product(x: torch.Tensor) -> torch.Tensor:
+            if x.dim() == 1:
+                return torch.mv(weight, x)
+            return torch.mv(weight, x[0]).unsqueeze(0) if x.shape[0] == 1 else F.linear(x, weight)
+        return product
+    return lambda x: F.linear(x, weight)
 
 
 def _takes_row(linear: torch.nn.Module) -> bool:
@@ -213,19 +250,25 @@ def _takes_row(linear: torch.nn.Module) -> bool:
 
 
 def _layer_list(model) -> list[_Layer]:
-    """The layers' weights as a flat list; `model.row_mv` set: whether a lone bf16 row takes torch.mv (only when
-    every layer's linears are 16-bit dense, chosen on gate_up by choose_row_gemv)."""
+    """The layers' weights as a flat list. `model.row_product`: how a lone bf16 row is multiplied (ROW_PRODUCTS,
+    chosen on gate_up by choose_row_gemv when every layer's linears are 16-bit dense, else F.linear);
+    `model.head_fn`: the dense bf16 head's product under that choice (None for any other head)."""
     takes_row = all(_takes_row(lin) for layer in model.model.layers
                     for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
                                 layer.mlp.down_proj))
-    model.row_mv = takes_row and bool(model.model.layers) and choose_row_gemv(
-        model.model.layers[0].mlp.gate_up_proj.weight, get_env().cpu_bf16_gemv)
+    row = "linear"
+    if takes_row and model.model.layers:
+        row = choose_row_gemv(model.model.layers[0].mlp.gate_up_proj.weight, get_env().cpu_bf16_gemv)
+    model.row_product = row
+    head = model.lm_head
+    model.head_fn = (_bf16_linear_fn(head.weight, row) if head.bias is None and type(model.logits_method)
+                     is UnquantizedLinear and head.weight.dtype == torch.bfloat16 else None)
     layers = []
     for i, layer in enumerate(model.model.layers):
         attn, mlp = layer.self_attn, layer.mlp
         linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
         layers.append(_Layer(i, layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
-                             *(_linear_fn(lin, model.row_mv) for lin in linears), attn.qkv_proj.weight))
+                             *(_linear_fn(lin, row) for lin in linears), attn.qkv_proj.weight))
         layers[-1].takes_row = takes_row
     return layers
 
@@ -233,8 +276,9 @@ def _layer_list(model) -> list[_Layer]:
 class CpuStep(ModuleStep):
     def compute_logits(self, model, hidden: torch.Tensor) -> torch.Tensor:
         head, method = model.lm_head, model.logits_method
-        if head.bias is None and type(method) is UnquantizedLinear and head.weight.dtype == torch.bfloat16:
-            return _bf16_linear(head.weight, getattr(model, "row_mv", False), hidden).float()
+        head_fn = getattr(model, "head_fn", None)
+        if head_fn is not None:  # the dense bf16 head, under the layers' lone-row product (_layer_list)
+            return head_fn(hidden).float()
         if head.bias is None and isinstance(method, WeightOnlyLinear) and hidden.shape[0] <= method.max_rows:
             return method.packed_fn(head)(hidden).float()
         return super().compute_logits(model, hidden)

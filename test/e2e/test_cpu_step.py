@@ -88,47 +88,49 @@ def test_rms_norm_equals_reference_bitwise(dtype):
         assert torch.equal(_rms_norm(x, w, 1e-5), reference.rms_norm(x, w, 1e-5)), (t, d)
 
 
-@pytest.mark.parametrize("use_mv", [True, False], ids=["mv", "linear"])
-def test_bf16_linear_one_row_within_rounding(use_mv):
-    """The one-row bf16 product, torch.mv or F.linear (choose_row_gemv), against F.linear: both accumulate in fp32,
-    in another order, so they agree to about one bf16 rounding of the output; more rows are F.linear itself."""
-    from deepinfer_rt.models.llama_step import _bf16_linear
+@pytest.mark.parametrize("row", ["mv", "linear", "packed"])
+def test_bf16_row_products_within_rounding(row):
+    """Each lone-row product (llama_step.ROW_PRODUCTS) against F.linear: all accumulate in fp32, torch.mv in another
+    order, so they agree to about one bf16 rounding of the output (the packed product and F.linear are one library's
+    kernels: equal on the CPUs measured, not asserted); the 1-D row gives the 2-D row's values; more rows are
+    F.linear itself."""
+    from deepinfer_rt.models.llama_step import _bf16_linear_fn
 
     g = torch.Generator().manual_seed(0)
     w = (torch.randn(300, 576, generator=g) * 0.05).bfloat16()
+    product = _bf16_linear_fn(w, row)
     x = torch.randn(1, 576, generator=g).bfloat16()
     exact = x.double() @ w.double().T
-    got, ref = _bf16_linear(w, use_mv, x), torch.nn.functional.linear(x, w)
+    got, ref = product(x), torch.nn.functional.linear(x, w)
     assert got.shape == ref.shape == (1, 300) and got.dtype == torch.bfloat16
     bound = exact.abs() * 2**-7 + 1e-3  # one bf16 rounding (8 bits of mantissa) plus the fp32 sums' error
     assert ((got.double() - exact).abs() <= bound).all() and ((ref.double() - exact).abs() <= bound).all()
+    assert torch.equal(product(x[0]), got[0])  # the 1-D lone-stream form, as it is
     x3 = torch.randn(3, 576, generator=g).bfloat16()
-    assert torch.equal(_bf16_linear(w, use_mv, x3), torch.nn.functional.linear(x3, w))
-    row = x[0]
-    want = torch.mv(w, row) if use_mv else torch.nn.functional.linear(row, w)
-    assert torch.equal(_bf16_linear(w, use_mv, row), want)  # the 1-D lone-stream form takes the chosen op as is
+    assert torch.equal(product(x3), torch.nn.functional.linear(x3, w))
 
 
 def test_row_gemv_choice(monkeypatch):
-    """DEEPINFER_CPU_BF16_GEMV: 'mv' / 'linear' are taken as given; 'auto' times both once per process and keeps
-    torch.mv only at ROW_GEMV_MARGIN; an unknown value is refused."""
+    """DEEPINFER_CPU_BF16_GEMV: 'mv' / 'linear' / 'packed' are taken as given; 'auto' times each once per process
+    and leaves F.linear only for one ROW_GEMV_MARGIN faster; an unknown value is refused."""
     from deepinfer_rt.models import llama_step
 
     monkeypatch.setattr(llama_step, "_ROW_GEMV", {})
     w = torch.randn(64, 32).bfloat16()
-    assert llama_step.choose_row_gemv(w, "mv") is True and llama_step.choose_row_gemv(w, "linear") is False
-    timings = iter([1.0, 1.1, 1.0, 1.2])  # mv, then F.linear: 1.1x (a near tie: F.linear), then 1.2x (mv)
+    assert [llama_step.choose_row_gemv(w, r) for r in ("mv", "linear", "packed")] == ["mv", "linear", "packed"]
+    # per round: F.linear, torch.mv, packed; first a near tie (1.1x: F.linear), then packed 1.25x the fastest
+    timings = iter([1.1, 1.0, 1.05, 1.25, 1.2, 1.0])
     calls = []
     monkeypatch.setattr(llama_step, "_time_row_product", lambda fn: calls.append(fn) or next(timings))
-    assert llama_step.choose_row_gemv(w, "auto") is False
-    assert llama_step.choose_row_gemv(w, "auto") is False and len(calls) == 2  # measured once, kept
+    assert llama_step.choose_row_gemv(w, "auto") == "linear"
+    assert llama_step.choose_row_gemv(w, "auto") == "linear" and len(calls) == 3  # measured once, kept
     monkeypatch.setattr(llama_step, "_ROW_GEMV", {})
-    assert llama_step.choose_row_gemv(w, "auto") is True and len(calls) == 4
-    with pytest.raises(ValueError, match="DEEPINFER_CPU_BF16_GEMV='gemm': not one of auto, mv, linear"):
+    assert llama_step.choose_row_gemv(w, "auto") == "packed" and len(calls) == 6
+    with pytest.raises(ValueError, match="DEEPINFER_CPU_BF16_GEMV='gemm': not one of auto, linear, mv, packed"):
         llama_step.choose_row_gemv(w, "gemm")
 
 
-@pytest.mark.parametrize("gemv", ["mv", "linear"])
+@pytest.mark.parametrize("gemv", ["mv", "linear", "packed"])
 @pytest.mark.parametrize("prompts", [PROMPTS, PROMPTS[:1]], ids=["batch", "single"])
 def test_cpu_step_bf16_within_tolerance_of_module_path(tiny_llama_path, monkeypatch, prompts, gemv):
     """bf16: the step's one-row GEMVs (torch.mv, where chosen) and head round differently from the module path's
@@ -139,7 +141,7 @@ def test_cpu_step_bf16_within_tolerance_of_module_path(tiny_llama_path, monkeypa
         assert isinstance(fast.model.step_method, CpuStep)
         got = _generate(fast, prompts)
         assert fast.model.fast_layers[0].takes_row  # a lone stream's row went through the layers as a 1-D vector
-        assert fast.model.row_mv is (gemv == "mv")
+        assert fast.model.row_product == gemv
     monkeypatch.setenv("DEEPINFER_CPU_FAST_STEP", "0")
     with Engine(str(tiny_llama_path), dtype="bfloat16", kv_cache_tokens=4096) as modules:
         assert type(modules.model.step_method) is ModuleStep
