@@ -157,7 +157,7 @@ def _linear_fn(linear: torch.nn.Module, row: str = "linear") -> Callable[[torch.
     return functools.partial(method.apply, linear)
 
 
-ROW_PRODUCTS = ("linear", "mv", "packed")
+ROW_PRODUCTS = ("linear", "mv", "packed", "kernel")
 """How a lone bf16 row (a single decode stream) is multiplied by a dense weight in the flat CPU step:
 
     linear   F.linear, the module path's op (oneDNN's matmul)
@@ -166,9 +166,14 @@ ROW_PRODUCTS = ("linear", "mv", "packed")
     packed   oneDNN's inner product over a copy of the weight reordered once for one row
              (torch.ops.mkldnn._reorder_linear_weight / _linear_pointwise), for every row count once chosen: the
              same values as F.linear on the CPU measured, at the cost of that copy (the model's bf16 bytes again)
+    kernel   our lone-row kernels (deepinfer_kernels.cpu_row, kernels/cpu/row_decode.cpp): each weight row streamed
+             once through AVX512-BF16 dot products (fp32 sums in another order: bf16 values differ from F.linear's
+             in the last bits), and a whole layer in one call where the step allows (CpuStep._row_forward); more
+             rows go through F.linear. Built on first use; where it cannot be built, `auto` leaves it out
 
 Measured (bytes/s at one row, the embedded default's shapes, 2 threads): on an AMD EPYC with AVX512-BF16, F.linear
-10.6-15.1 GB/s, torch.mv 8.6-14.0, packed 21-27; on an earlier AMX machine torch.mv was about twice F.linear."""
+10.6-15.1 GB/s, torch.mv 8.6-14.0, packed 21-27, kernel 28-32; on an earlier AMX machine torch.mv was about twice
+F.linear."""
 
 _ROW_GEMV: dict[str, str] = {}
 """'auto': what DEEPINFER_CPU_BF16_GEMV=auto chose (choose_row_gemv), once per process."""
@@ -201,6 +206,12 @@ def _packed_product(packed: torch.Tensor, x2: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(x2, packed, None, "none", [], "")
 
 
+def _row_kernels():
+    from deepinfer_kernels import cpu_row
+
+    return cpu_row.load()
+
+
 def choose_row_gemv(weight: torch.Tensor, setting: str) -> str:
     """One of ROW_PRODUCTS for a lone bf16 row: DEEPINFER_CPU_BF16_GEMV as given, or under 'auto' each timed on
     `weight` (the model's gate_up, its largest per-layer product), best of five rounds, and F.linear kept unless
@@ -209,6 +220,11 @@ def choose_row_gemv(weight: torch.Tensor, setting: str) -> str:
         raise ValueError(f"DEEPINFER_CPU_BF16_GEMV={setting!r}: not one of auto, {', '.join(ROW_PRODUCTS)}")
     if setting == "packed" and not _packed_available():
         raise ValueError("DEEPINFER_CPU_BF16_GEMV=packed: this torch build has no oneDNN (mkldnn) linear ops")
+    if setting == "kernel" and _row_kernels() is None:
+        from deepinfer_kernels import cpu_row
+
+        raise ValueError(f"DEEPINFER_CPU_BF16_GEMV=kernel: the lone-row CPU kernels cannot be built here "
+                         f"({cpu_row.error()})")
     if setting != "auto":
         return setting
     if "auto" not in _ROW_GEMV:
@@ -218,6 +234,9 @@ def choose_row_gemv(weight: torch.Tensor, setting: str) -> str:
         if _packed_available():
             packed, row2 = _pack_for_row(weight), row.view(1, -1)
             times["packed"] = _time_row_product(lambda: _packed_product(packed, row2))
+        ops = _row_kernels()
+        if ops is not None:
+            times["kernel"] = _time_row_product(lambda: ops.gemv(row, weight, True))
         fastest = min(times, key=times.get)
         _ROW_GEMV["auto"] = fastest if times["linear"] >= ROW_GEMV_MARGIN * times[fastest] else "linear"
         logger.info("lone bf16 rows take %s (gate_up %s, us per 4 products: %s)", _ROW_GEMV["auto"],
@@ -235,6 +254,14 @@ def _bf16_linear_fn(weight: torch.Tensor, row: str) -> Callable[[torch.Tensor], 
 
         def product(x: torch.Tensor) -> torch.Tensor:  # any row count: 1.05-1.8x F.linear up to 1K rows here
             return _packed_product(packed, x.view(1, -1)).view(-1) if x.dim() == 1 else _packed_product(packed, x)
+        return product
+    if row == "kernel":
+        gemv = _row_kernels().gemv
+
+        def product(x: torch.Tensor) -> torch.Tensor:
+            if x.dim() == 1:
+                return gemv(x, weight, True)
+            return gemv(x[0], weight, True).unsqueeze(0) if x.shape[0] == 1 else F.linear(x, weight)
         return product
     if row == "mv":
         def product(x: torch.Tensor) -> torch.Tensor:
@@ -270,7 +297,31 @@ def _layer_list(model) -> list[_Layer]:
         layers.append(_Layer(i, layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
                              *(_linear_fn(lin, row) for lin in linears), attn.qkv_proj.weight))
         layers[-1].takes_row = takes_row
+    model.row_weights = _row_weights(model) if row == "kernel" else None
     return layers
+
+
+def _row_weights(model) -> list[tuple[torch.Tensor, ...]] | None:
+    """Per layer (input norm, post norm, qkv, o, gate_up, down) for the fused lone-row layer
+    (deepinfer_cpu::decode_layer), or None where a weight is not the contiguous bf16 tensor it takes."""
+    out = []
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        weights = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight, attn.qkv_proj.weight,
+                   attn.o_proj.weight, mlp.gate_up_proj.weight, mlp.down_proj.weight)
+        if not all(w.dtype == torch.bfloat16 and w.is_contiguous() for w in weights):
+            return None
+        out.append(weights)
+    return out
+
+
+def _row_kernel_fits(batch: ForwardBatch) -> bool:
+    """Whether a lone row's layers may run as one kernel call each: the reference backend's pool of bf16 K/V
+    rows (S, Hkv, D), which the kernel writes and reads itself."""
+    pool = batch.pool
+    return (getattr(batch.backend, "name", None) == "torch" and not pool.is_fp8
+            and all(k.dtype == torch.bfloat16 and k.dim() == 3 for k in pool.k)
+            and all(v.dtype == torch.bfloat16 and v.dim() == 3 for v in pool.v))
 
 
 class CpuStep(ModuleStep):
@@ -312,6 +363,8 @@ class CpuStep(ModuleStep):
         as_row = t == 1 and layers[0].takes_row
         if as_row:  # a lone row stays 1-D through the layers (mv takes it as it is)
             x = x.view(-1)
+            if getattr(model, "row_weights", None) and _row_kernel_fits(batch):
+                return self._row_forward(model, batch, x)
         shape = x.shape
         # Every 16-bit norm's output: read by the next linear before the next norm writes it
         normed = None if x.dtype == torch.float32 else x.new_empty(shape)
@@ -327,6 +380,22 @@ class CpuStep(ModuleStep):
             x = layer.down(torch.mul(F.silu(gate, inplace=True), up))
         hidden = _rms_norm(x.add_(residual), trunk.norm.weight, eps)
         return hidden.view(1, -1) if as_row else hidden
+
+
+    @staticmethod
+    def _row_forward(model, batch: ForwardBatch, x: torch.Tensor) -> torch.Tensor:
+        """A lone bf16 row through one kernel call per layer (deepinfer_cpu::decode_layer: norms, products,
+        rotary, the K/V write and attention over the stream's slots), then the final norm."""
+        config, pool, rope = model.config, batch.pool, batch.model_meta
+        decode_layer = _row_kernels().decode_layer
+        cos, signed_sin = rope.cos.reshape(-1), rope.signed_sin.reshape(-1)
+        slots, out_slot = batch.kv_slots[0].contiguous(), int(batch.out_slots[0])
+        eps, scale, num_q, num_kv = config.rms_norm_eps, config.head_dim**-0.5, config.num_heads, config.num_kv_heads
+        residual = torch.empty_like(x)
+        for i, weights in enumerate(model.row_weights):
+            decode_layer(x, residual, i == 0, *weights, cos, signed_sin, pool.k[i], pool.v[i], slots, out_slot,
+                         num_q, num_kv, eps, scale)
+        return _rms_norm(x.add_(residual), model.model.norm.weight, eps).view(1, -1)
 
 
 @functools.cache

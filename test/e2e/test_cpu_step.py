@@ -88,7 +88,7 @@ def test_rms_norm_equals_reference_bitwise(dtype):
         assert torch.equal(_rms_norm(x, w, 1e-5), reference.rms_norm(x, w, 1e-5)), (t, d)
 
 
-@pytest.mark.parametrize("row", ["mv", "linear", "packed"])
+@pytest.mark.parametrize("row", ["mv", "linear", "packed", "kernel"])
 def test_bf16_row_products_within_rounding(row):
     """Each lone-row product (llama_step.ROW_PRODUCTS) against F.linear: all accumulate in fp32, torch.mv in another
     order, so they agree to about one bf16 rounding of the output (the packed product and F.linear are one library's
@@ -115,37 +115,53 @@ def test_bf16_row_products_within_rounding(row):
 
 
 def test_row_gemv_choice(monkeypatch):
-    """DEEPINFER_CPU_BF16_GEMV: 'mv' / 'linear' / 'packed' are taken as given; 'auto' times each once per process
-    and leaves F.linear only for one ROW_GEMV_MARGIN faster; an unknown value is refused."""
+    """DEEPINFER_CPU_BF16_GEMV: 'mv' / 'linear' / 'packed' / 'kernel' are taken as given; 'auto' times each once per
+    process and leaves F.linear only for one ROW_GEMV_MARGIN faster; 'kernel' where the kernels cannot be built
+    is refused under its name and left out of 'auto'; an unknown value is refused."""
+    from deepinfer_kernels import cpu_row
     from deepinfer_rt.models import llama_step
 
     monkeypatch.setattr(llama_step, "_ROW_GEMV", {})
     w = torch.randn(64, 32).bfloat16()
-    assert [llama_step.choose_row_gemv(w, r) for r in ("mv", "linear", "packed")] == ["mv", "linear", "packed"]
-    # per round: F.linear, torch.mv, packed; first a near tie (1.1x: F.linear), then packed 1.25x the fastest
-    timings = iter([1.1, 1.0, 1.05, 1.25, 1.2, 1.0])
+    assert [llama_step.choose_row_gemv(w, r) for r in llama_step.ROW_PRODUCTS] == list(llama_step.ROW_PRODUCTS)
+    # per round: F.linear, torch.mv, packed, kernel; a near tie (1.1x: F.linear), then the kernel 1.25x the fastest
+    timings = iter([1.1, 1.0, 1.05, 1.2, 1.25, 1.2, 1.1, 1.0])
     calls = []
     monkeypatch.setattr(llama_step, "_time_row_product", lambda fn: calls.append(fn) or next(timings))
     assert llama_step.choose_row_gemv(w, "auto") == "linear"
-    assert llama_step.choose_row_gemv(w, "auto") == "linear" and len(calls) == 3  # measured once, kept
+    assert llama_step.choose_row_gemv(w, "auto") == "linear" and len(calls) == 4  # measured once, kept
     monkeypatch.setattr(llama_step, "_ROW_GEMV", {})
-    assert llama_step.choose_row_gemv(w, "auto") == "packed" and len(calls) == 6
-    with pytest.raises(ValueError, match="DEEPINFER_CPU_BF16_GEMV='gemm': not one of auto, linear, mv, packed"):
+    assert llama_step.choose_row_gemv(w, "auto") == "kernel" and len(calls) == 8
+    # no compiler here: 'kernel' is refused by name, and 'auto' times the other three
+    monkeypatch.setattr(llama_step, "_row_kernels", lambda: None)
+    monkeypatch.setattr(cpu_row, "error", lambda: "CalledProcessError: no C++ compiler")
+    with pytest.raises(ValueError, match="DEEPINFER_CPU_BF16_GEMV=kernel: .* cannot be built here .*no C.. compiler"):
+        llama_step.choose_row_gemv(w, "kernel")
+    monkeypatch.setattr(llama_step, "_ROW_GEMV", {})
+    timings = iter([1.25, 1.2, 1.0])
+    assert llama_step.choose_row_gemv(w, "auto") == "packed" and len(calls) == 11
+    with pytest.raises(ValueError, match="DEEPINFER_CPU_BF16_GEMV='gemm': not one of auto, linear, mv, packed, kernel"):
         llama_step.choose_row_gemv(w, "gemm")
 
 
-@pytest.mark.parametrize("gemv", ["mv", "linear", "packed"])
+@pytest.mark.parametrize("gemv", ["mv", "linear", "packed", "kernel"])
 @pytest.mark.parametrize("prompts", [PROMPTS, PROMPTS[:1]], ids=["batch", "single"])
 def test_cpu_step_bf16_within_tolerance_of_module_path(tiny_llama_path, monkeypatch, prompts, gemv):
-    """bf16: the step's one-row GEMVs (torch.mv, where chosen) and head round differently from the module path's
-    F.linear, so logprobs agree within bf16's tolerance (0.1, as the weight-only checks) and the first tokens are
-    equal (a later near-tie may flip)."""
+    """bf16: the step's one-row GEMVs (torch.mv or the kernels, where chosen; under 'kernel' a lone row's whole
+    layer is one kernel call) and head round differently from the module path's F.linear, so logprobs agree within
+    bf16's tolerance (0.1, as the weight-only checks) and the first tokens are equal (a later near-tie may flip)."""
     monkeypatch.setenv("DEEPINFER_CPU_BF16_GEMV", gemv)
+    fused = []
+    row_forward = CpuStep._row_forward
+    monkeypatch.setattr(CpuStep, "_row_forward", staticmethod(lambda *a: fused.append(1) or row_forward(*a)))
     with Engine(str(tiny_llama_path), dtype="bfloat16", kv_cache_tokens=4096) as fast:
         assert isinstance(fast.model.step_method, CpuStep)
         got = _generate(fast, prompts)
         assert fast.model.fast_layers[0].takes_row  # a lone stream's row went through the layers as a 1-D vector
         assert fast.model.row_product == gemv
+    # the fused layers ran every single-stream decode step under 'kernel' (11 of 12 tokens; the first comes from
+    # the prefill), never with four streams (all decode together) or another product
+    assert len(fused) == (11 if gemv == "kernel" and len(prompts) == 1 else 0)
     monkeypatch.setenv("DEEPINFER_CPU_FAST_STEP", "0")
     with Engine(str(tiny_llama_path), dtype="bfloat16", kv_cache_tokens=4096) as modules:
         assert type(modules.model.step_method) is ModuleStep

@@ -1,0 +1,305 @@
+// CPU kernels for a lone decode row (one stream, one token) of a 16-bit Llama layer.
+//
+// At one row a layer's four products are matrix-vector products that read the whole weight once, and the rest of
+// the layer (norms, rotary, attention over the stream's keys, SiLU) is a few thousand elements. Run as torch ops
+// each piece is a dispatch and, for the products, a oneDNN call that reads 15-21 GB/s of a machine's ~50; here the
+// products stream each weight row once (AVX512-BF16 dot products where the CPU has them) and the whole layer is
+// one call.
+//
+//   deepinfer_cpu::gemv(x, w, bf16_out)   x (K,) bf16, w (N, K) bf16 -> (N,) fp32 sums, or rounded to bf16
+//   deepinfer_cpu::decode_layer(...)      one layer in place: see decode_layer below
+//   deepinfer_cpu::set_native_bf16(on)    AVX512-BF16 dot products on / off (tests reach the portable form)
+//
+// Values follow the eager CPU step's bf16 form (models/llama_step.py): every op's result is rounded to bf16 where
+// the eager step stores one (norm, each product, rotary's two products and their sum, the residual adds, SiLU and
+// its product with up); sums run in fp32, in another order than oneDNN's, so results differ from the module path
+// in the last bits (tolerance: test/e2e/test_cpu_step.py).
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <immintrin.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+using bf16 = c10::BFloat16;
+
+inline float f32(uint16_t bits) {
+  uint32_t u = uint32_t(bits) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+inline float f32(bf16 v) { return static_cast<float>(v); }
+
+inline float round_bf16(float v) { return static_cast<float>(bf16(v)); }
+
+// ---- one dot product per weight row: out[n] = sum_k w[n, k] * x[k] in fp32, rows n0 .. n1 - 1 ----
+
+__attribute__((target("avx512f,avx512bw,avx512bf16"))) void dot_rows_avx512bf16(
+    const uint16_t* w, const uint16_t* x, float* out, int64_t n0, int64_t n1, int64_t K) {
+  const int64_t body = K - K % 64;
+  const __mmask32 tail = K % 32 ? __mmask32((1u << (K % 32)) - 1) : __mmask32(0);
+  const uint16_t* row = w + n0 * K;
+  for (int64_t n = n0; n < n1; ++n, row += K) {
+    __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+    int64_t k = 0;
+    for (; k < body; k += 64) {  // two chains; the next rows are fetched ahead (2 KB: a row or two)
+      _mm_prefetch(reinterpret_cast<const char*>(row + k + 1024), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(row + k + 1056), _MM_HINT_T0);
+      a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_loadu_si512(row + k), (__m512bh)_mm512_loadu_si512(x + k));
+      a1 = _mm512_dpbf16_ps(a1, (__m512bh)_mm512_loadu_si512(row + k + 32),
+                            (__m512bh)_mm512_loadu_si512(x + k + 32));
+    }
+    for (; k + 32 <= K; k += 32)
+      a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_loadu_si512(row + k), (__m512bh)_mm512_loadu_si512(x + k));
+    if (tail)
+      a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_maskz_loadu_epi16(tail, row + k),
+                            (__m512bh)_mm512_maskz_loadu_epi16(tail, x + k));
+    out[n] = _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
+  }
+}
+
+// Elsewhere: bf16 widened to fp32 and multiplied-added in 16 lanes, vectorized per target by the compiler.
+__attribute__((target_clones("avx512f", "avx2", "default"))) void dot_rows_generic(
+    const uint16_t* w, const uint16_t* x, float* out, int64_t n0, int64_t n1, int64_t K) {
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint16_t* row = w + n * K;
+    float lanes[16] = {0};
+    int64_t k = 0;
+    for (; k + 16 <= K; k += 16)
+      for (int j = 0; j < 16; ++j) lanes[j] += f32(row[k + j]) * f32(x[k + j]);
+    float acc = 0;
+    for (; k < K; ++k) acc += f32(row[k]) * f32(x[k]);
+    for (int j = 0; j < 16; ++j) acc += lanes[j];
+    out[n] = acc;
+  }
+}
+
+// e^x for x <= 0 (softmax's shifted scores) in plain arithmetic the compiler vectorizes: x = n ln2 + r,
+// |r| <= ln2 / 2, e^r by its degree-6 Taylor polynomial (relative error < 2e-7), 2^n through the exponent bits;
+// below -87 the result is 0.
+inline float exp_nonpositive(float x) {
+  x = std::max(x, -87.0f);
+  const float n = std::nearbyint(x * 1.44269504088896341f);
+  const float r = x - n * 0.693145751953125f - n * 1.428606765330187e-06f;
+  float p = 1.0f / 720;
+  p = p * r + 1.0f / 120;
+  p = p * r + 1.0f / 24;
+  p = p * r + 1.0f / 6;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  const uint32_t bits = uint32_t(int32_t(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, 4);
+  return p * scale;
+}
+
+// One query head over L keys: score[l] = scale * q . k_l (fp32), softmax as exp(s - max) / sum, acc = sum p v.
+// k, v point at the head's columns of slot 0; rows are k_row / v_row elements apart.
+__attribute__((target_clones("avx512f", "avx2", "default"))) void attend_head(
+    const float* q, const uint16_t* k, const uint16_t* v, int64_t k_row, int64_t v_row, const int64_t* slot,
+    int64_t L, int64_t D, float scale, float* score, float* acc) {
+  float top = -INFINITY;
+  for (int64_t l = 0; l < L; ++l) {
+    const uint16_t* key = k + slot[l] * k_row;
+    float lanes[16] = {0};
+    int64_t j = 0;
+    for (; j + 16 <= D; j += 16)
+      for (int t = 0; t < 16; ++t) lanes[t] += q[j + t] * f32(key[j + t]);
+    for (int w = 8; w >= 1; w /= 2)  // the lanes summed as a tree (vector shuffles, not a chain of 16 adds)
+      for (int t = 0; t < w; ++t) lanes[t] += lanes[t + w];
+    float dot = lanes[0];
+    for (; j < D; ++j) dot += q[j] * f32(key[j]);
+    score[l] = dot * scale;
+    top = std::max(top, score[l]);
+  }
+  float total = 0;
+  for (int64_t l = 0; l < L; ++l) score[l] = exp_nonpositive(score[l] - top);
+  for (int64_t l = 0; l < L; ++l) total += score[l];
+  for (int64_t j = 0; j < D; ++j) acc[j] = 0;
+  for (int64_t l = 0; l < L; ++l) {
+    const uint16_t* val = v + slot[l] * v_row;
+    const float p = score[l];
+    for (int64_t j = 0; j < D; ++j) acc[j] += p * f32(val[j]);
+  }
+  const float inv = 1.0f / total;
+  for (int64_t j = 0; j < D; ++j) acc[j] *= inv;
+}
+
+bool& use_avx512bf16() {  // the CPU's AVX512-BF16 dot products where it has them; tests switch them off
+  static bool yes = __builtin_cpu_supports("avx512bf16");
+  return yes;
+}
+
+// Whether products use AVX512-BF16 from now on (only where the CPU has it); returns the previous setting.
+bool set_native_bf16(bool enabled) {
+  const bool previous = use_avx512bf16();
+  use_avx512bf16() = enabled && __builtin_cpu_supports("avx512bf16");
+  return previous;
+}
+
+// out (N,) fp32 <- w (N, K) @ x (K,), rows split over torch's threads
+void gemv_into(const bf16* x, const bf16* w, float* out, int64_t N, int64_t K) {
+  auto xs = reinterpret_cast<const uint16_t*>(x);
+  auto ws = reinterpret_cast<const uint16_t*>(w);
+  const int64_t grain = std::max<int64_t>(16, (1 << 14) / std::max<int64_t>(K, 1));  // >= ~32 KB of weight a task
+  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
+    if (use_avx512bf16())
+      dot_rows_avx512bf16(ws, xs, out, n0, n1, K);
+    else
+      dot_rows_generic(ws, xs, out, n0, n1, K);
+  });
+}
+
+void check_matrix(const at::Tensor& w, int64_t K, const char* what) {
+  TORCH_CHECK(w.scalar_type() == at::kBFloat16 && w.dim() == 2 && w.is_contiguous() && w.size(1) == K,
+              what, ": a contiguous bf16 (N, ", K, ") weight expected, got ", w.scalar_type(), " ", w.sizes());
+}
+
+void check_vector(const at::Tensor& v, int64_t n, const char* what) {
+  TORCH_CHECK(v.scalar_type() == at::kBFloat16 && v.dim() == 1 && v.is_contiguous() && v.size(0) == n,
+              what, ": a contiguous bf16 vector of ", n, " expected, got ", v.scalar_type(), " ", v.sizes());
+}
+
+at::Tensor gemv(const at::Tensor& x, const at::Tensor& w, bool bf16_out) {
+  TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), "deepinfer_cpu::gemv: CPU tensors expected");
+  const int64_t K = x.numel();
+  check_vector(x, K, "deepinfer_cpu::gemv x");
+  check_matrix(w, K, "deepinfer_cpu::gemv w");
+  auto out = at::empty({w.size(0)}, x.options().dtype(at::kFloat));
+  gemv_into(x.data_ptr<bf16>(), w.data_ptr<bf16>(), out.data_ptr<float>(), w.size(0), K);
+  return bf16_out ? out.to(at::kBFloat16) : out;
+}
+
+// RMSNorm as the eager bf16 step computes it: fp32 values times rsqrt(mean(x^2) + eps), rounded, then times the
+// weight, rounded.
+void rms_norm(const bf16* x, const bf16* weight, bf16* out, int64_t n, float eps) {
+  float sq = 0;
+  for (int64_t i = 0; i < n; ++i) sq += f32(x[i]) * f32(x[i]);
+  const float inv = 1.0f / std::sqrt(sq / float(n) + eps);
+  for (int64_t i = 0; i < n; ++i) out[i] = bf16(round_bf16(f32(x[i]) * inv) * f32(weight[i]));
+}
+
+// One Llama layer for a lone decode row, in place:
+//   residual <- x (first layer) or x + residual;  h = RMSNorm(residual) -> qkv -> rotary on q and k heads;
+//   k, v stored at out_slot; attention of q over the keys at `slots` (the stream's context, the new token last);
+//   residual <- o_proj(attention) + residual;  x <- down(SiLU(gate) * up) of RMSNorm(residual).
+// cos, signed_sin (D,): the token's rotary factors (signed_sin = -sin | sin, the factors of the half-swapped head).
+// k_cache, v_cache (S, Hkv, D): the layer's pool rows.
+void decode_layer(at::Tensor& x, at::Tensor& residual, bool first, const at::Tensor& in_norm,
+                  const at::Tensor& post_norm, const at::Tensor& qkv_w, const at::Tensor& o_w,
+                  const at::Tensor& gate_up_w, const at::Tensor& down_w, const at::Tensor& cos,
+                  const at::Tensor& signed_sin, at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slots,
+                  int64_t out_slot, int64_t num_q, int64_t num_kv, double eps, double scale) {
+  const int64_t H = x.numel(), D = cos.numel(), half = D / 2, heads = num_q + 2 * num_kv;
+  const int64_t inter = down_w.size(1), L = slots.numel();
+  check_vector(x, H, "x");
+  check_vector(residual, H, "residual");
+  check_vector(in_norm, H, "input norm");
+  check_vector(post_norm, H, "post-attention norm");
+  check_vector(cos, D, "cos");
+  check_vector(signed_sin, D, "signed sin");
+  check_matrix(qkv_w, H, "qkv");
+  TORCH_CHECK(qkv_w.size(0) == heads * D, "qkv: ", heads * D, " rows expected, got ", qkv_w.size(0));
+  check_matrix(o_w, num_q * D, "o_proj");
+  TORCH_CHECK(o_w.size(0) == H, "o_proj: ", H, " rows expected");
+  check_matrix(gate_up_w, H, "gate_up");
+  TORCH_CHECK(gate_up_w.size(0) == 2 * inter, "gate_up: ", 2 * inter, " rows expected");
+  check_matrix(down_w, inter, "down");
+  TORCH_CHECK(down_w.size(0) == H, "down: ", H, " rows expected");
+  for (const at::Tensor* c : {&k_cache, &v_cache})
+    TORCH_CHECK(c->scalar_type() == at::kBFloat16 && c->dim() == 3 && c->size(1) == num_kv && c->size(2) == D &&
+                    c->stride(2) == 1 && c->stride(1) == D,
+                "kv cache: bf16 (S, ", num_kv, ", ", D, ") rows expected, got ", c->scalar_type(), " ", c->sizes());
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 1 && slots.is_contiguous() && L >= 1,
+              "slots: a contiguous int64 vector expected");
+  TORCH_CHECK(num_kv > 0 && num_q % num_kv == 0 && D % 2 == 0, "heads: num_q a multiple of num_kv, even head_dim");
+  const int64_t S = k_cache.size(0);
+  TORCH_CHECK(0 <= out_slot && out_slot < S, "out_slot ", out_slot, " outside the pool of ", S);
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  for (int64_t l = 0; l < L; ++l) TORCH_CHECK(0 <= slot[l] && slot[l] < S, "slot ", slot[l], " outside the pool");
+
+  bf16* xp = x.data_ptr<bf16>();
+  bf16* rp = residual.data_ptr<bf16>();
+  std::vector<bf16> h(std::max(H, inter));
+  std::vector<float> sums(std::max(heads * D, 2 * inter));
+  std::vector<bf16> qkv(heads * D), attn(num_q * D);
+
+  for (int64_t i = 0; i < H; ++i) rp[i] = first ? xp[i] : bf16(f32(xp[i]) + f32(rp[i]));
+  rms_norm(rp, in_norm.data_ptr<bf16>(), h.data(), H, float(eps));
+  gemv_into(h.data(), qkv_w.data_ptr<bf16>(), sums.data(), heads * D, H);
+  for (int64_t i = 0; i < heads * D; ++i) qkv[i] = bf16(sums[i]);
+
+  // rotary on the q and k heads: x * cos + (x2 | x1) * (-sin | sin), each product and the sum rounded
+  const bf16* c = cos.data_ptr<bf16>();
+  const bf16* s = signed_sin.data_ptr<bf16>();
+  std::vector<bf16> head(D);
+  for (int64_t hd = 0; hd < num_q + num_kv; ++hd) {
+    bf16* v = qkv.data() + hd * D;
+    std::copy(v, v + D, head.begin());
+    for (int64_t j = 0; j < D; ++j) {
+      const float swapped = f32(head[(j + half) % D]);
+      v[j] = bf16(round_bf16(f32(head[j]) * f32(c[j])) + round_bf16(swapped * f32(s[j])));
+    }
+  }
+
+  // store the new k and v
+  const int64_t k_row = k_cache.stride(0), v_row = v_cache.stride(0);
+  bf16* kc = k_cache.data_ptr<bf16>();
+  bf16* vc = v_cache.data_ptr<bf16>();
+  std::copy(qkv.data() + num_q * D, qkv.data() + (num_q + num_kv) * D, kc + out_slot * k_row);
+  std::copy(qkv.data() + (num_q + num_kv) * D, qkv.data() + heads * D, vc + out_slot * v_row);
+
+  // attention per q head over the stream's L keys (attend_head)
+  const int64_t group = num_q / num_kv;
+  const auto* kbits = reinterpret_cast<const uint16_t*>(kc);
+  const auto* vbits = reinterpret_cast<const uint16_t*>(vc);
+  at::parallel_for(0, num_q, 1, [&](int64_t h0, int64_t h1) {
+    std::vector<float> score(L), q(D), acc(D);
+    for (int64_t hq = h0; hq < h1; ++hq) {
+      const int64_t g = hq / group;
+      for (int64_t j = 0; j < D; ++j) q[j] = f32(qkv[hq * D + j]);
+      attend_head(q.data(), kbits + g * D, vbits + g * D, k_row, v_row, slot, L, D, float(scale), score.data(),
+                  acc.data());
+      for (int64_t j = 0; j < D; ++j) attn[hq * D + j] = bf16(acc[j]);
+    }
+  });
+
+  gemv_into(attn.data(), o_w.data_ptr<bf16>(), sums.data(), H, num_q * D);
+  for (int64_t i = 0; i < H; ++i) rp[i] = bf16(f32(bf16(sums[i])) + f32(rp[i]));
+  rms_norm(rp, post_norm.data_ptr<bf16>(), h.data(), H, float(eps));
+  gemv_into(h.data(), gate_up_w.data_ptr<bf16>(), sums.data(), 2 * inter, H);
+  for (int64_t i = 0; i < inter; ++i) {  // SiLU on the gate (fp32, rounded), times up (rounded)
+    const float gate = round_bf16(sums[i]), up = round_bf16(sums[inter + i]);
+    h[i] = bf16(round_bf16(gate / (1.0f + std::exp(-gate))) * up);
+  }
+  gemv_into(h.data(), down_w.data_ptr<bf16>(), sums.data(), H, inter);
+  for (int64_t i = 0; i < H; ++i) xp[i] = bf16(sums[i]);
+}
+
+}  // namespace
+
+TORCH_LIBRARY(deepinfer_cpu, m) {
+  m.def("gemv(Tensor x, Tensor w, bool bf16_out) -> Tensor");
+  m.def("set_native_bf16(bool enabled) -> bool");
+  m.def(
+      "decode_layer(Tensor(a!) x, Tensor(b!) residual, bool first, Tensor in_norm, Tensor post_norm, "
+      "Tensor qkv_w, Tensor o_w, Tensor gate_up_w, Tensor down_w, Tensor cos, Tensor signed_sin, "
+      "Tensor(c!) k_cache, Tensor(d!) v_cache, Tensor slots, int out_slot, int num_q, int num_kv, float eps, "
+      "float scale) -> ()");
+}
+
+TORCH_LIBRARY_FRAGMENT(deepinfer_cpu, m) { m.impl("set_native_bf16", &set_native_bf16); }
+
+TORCH_LIBRARY_IMPL(deepinfer_cpu, CPU, m) {
+  m.impl("gemv", &gemv);
+  m.impl("decode_layer", &decode_layer);
+}

@@ -1,0 +1,130 @@
+"""The lone-row CPU kernels (kernels/cpu/row_decode.cpp) against torch: the product, in its AVX512-BF16 and
+portable forms, and one whole layer against the eager bf16 step's operations (models/llama_step.py) on random
+weights, shapes that are not multiples of the kernels' vector widths, GQA, and scattered slots."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from deepinfer_kernels import cpu_row
+from deepinfer_rt.models.llama_step import _rms_norm
+
+
+@pytest.fixture(scope="module")
+def ops():
+    ops = cpu_row.load()
+    assert ops is not None, f"the CPU kernels did not build: {cpu_row.error()}"
+    return ops
+
+
+@pytest.fixture(params=[True, False], ids=["avx512bf16", "portable"])
+def native(request, ops):
+    """Both forms of the products; the AVX512-BF16 one where this CPU has it (else both runs are portable)."""
+    previous = ops.set_native_bf16(request.param)
+    yield request.param
+    ops.set_native_bf16(previous)
+
+
+@pytest.mark.parametrize("n, k", [(300, 576), (37, 100), (5, 31), (1, 1536), (129, 64)])
+def test_gemv_within_fp32_sums_of_exact(ops, native, n, k):
+    g = torch.Generator().manual_seed(n * k)
+    w, x = torch.randn(n, k, generator=g).bfloat16(), torch.randn(k, generator=g).bfloat16()
+    exact = w.double() @ x.double()
+    sums = ops.gemv(x, w, False)
+    assert sums.dtype == torch.float32 and sums.shape == (n,)
+    # fp32 sums of exact products (bf16 x bf16 fits fp32): error within k roundings of the running sum
+    bound = k * 2**-24 * (w.double().abs() @ x.double().abs()) + 1e-6
+    assert ((sums.double() - exact).abs() <= bound).all()
+    rounded = ops.gemv(x, w, True)
+    assert rounded.dtype == torch.bfloat16 and torch.equal(rounded, sums.bfloat16())
+
+
+def test_gemv_refuses_what_it_cannot_take(ops):
+    x = torch.randn(64).bfloat16()
+    with pytest.raises(RuntimeError, match=r"contiguous bf16 \(N, 64\) weight"):
+        ops.gemv(x, torch.randn(8, 64), False)  # fp32 weight
+    with pytest.raises(RuntimeError, match=r"contiguous bf16 \(N, 64\) weight"):
+        ops.gemv(x, torch.randn(64, 8).bfloat16().t(), False)  # transposed: not contiguous
+    with pytest.raises(RuntimeError, match="contiguous bf16 vector"):
+        ops.gemv(torch.randn(64), torch.randn(8, 64).bfloat16(), False)
+
+
+def _reference_layer(x, residual, first, weights, cos, signed_sin, k_cache, v_cache, slots, out_slot, num_q,
+                     num_kv, eps, scale):
+    """The eager bf16 step's operations for one lone row (CpuStep.forward), with SDPA over the gathered slots."""
+    in_norm, post_norm, qkv_w, o_w, gate_up_w, down_w = weights
+    d, inter = cos.numel(), down_w.shape[1]
+    residual = x.clone() if first else x + residual
+    qkv = F.linear(_rms_norm(residual[None], in_norm, eps), qkv_w).view(num_q + 2 * num_kv, d)
+    qk = qkv[: num_q + num_kv]
+    qk = qk * cos + qk.roll(d // 2, dims=-1) * signed_sin
+    q, k, v = qk[:num_q], qk[num_q:], qkv[num_q + num_kv:]
+    k_cache[out_slot], v_cache[out_slot] = k, v
+    keys, values = k_cache[slots].transpose(0, 1)[None], v_cache[slots].transpose(0, 1)[None]
+    o = F.scaled_dot_product_attention(q[None, :, None], keys, values, scale=scale, enable_gqa=True)
+    residual = F.linear(o.reshape(1, -1), o_w) + residual
+    gate, up = F.linear(_rms_norm(residual, post_norm, eps), gate_up_w).split(inter, dim=-1)
+    return F.linear(F.silu(gate) * up, down_w)[0], residual[0]
+
+
+@pytest.mark.parametrize("hidden, heads, head_dim, inter, context", [
+    (576, (9, 3), 64, 1536, 200),   # the embedded default's layer
+    (72, (4, 2), 18, 40, 7),        # widths below and between the vector lengths
+    (64, (2, 2), 32, 96, 1),        # one key: the token itself
+])
+def test_decode_layer_against_eager_step(ops, native, hidden, heads, head_dim, inter, context):
+    num_q, num_kv = heads
+    g = torch.Generator().manual_seed(hidden + context)
+
+    def rand(*shape, s=1.0):
+        return (torch.randn(*shape, generator=g) * s).bfloat16()
+
+    weights = (1 + rand(hidden, s=0.1), 1 + rand(hidden, s=0.1), rand((num_q + 2 * num_kv) * head_dim, hidden, s=0.1),
+               rand(hidden, num_q * head_dim, s=0.1), rand(2 * inter, hidden, s=0.1), rand(hidden, inter, s=0.1))
+    angle = torch.rand(head_dim // 2, generator=g) * 6
+    cos = torch.cat([angle.cos(), angle.cos()]).bfloat16()
+    signed_sin = torch.cat([-angle.sin(), angle.sin()]).bfloat16()
+    pool = 3 * context + 5
+    k_cache, v_cache = rand(pool, num_kv, head_dim), rand(pool, num_kv, head_dim)
+    slots = torch.randperm(pool, generator=g)[:context]  # a context scattered over the pool, the new token last
+    out_slot = int(slots[-1])
+    eps, scale = 1e-5, head_dim**-0.5
+    for first in (True, False):
+        x, residual = rand(hidden), rand(hidden)
+        kr, vr = k_cache.clone(), v_cache.clone()
+        want_x, want_residual = _reference_layer(x, residual, first, weights, cos, signed_sin, kr, vr, slots,
+                                                 out_slot, num_q, num_kv, eps, scale)
+        kk, vk = k_cache.clone(), v_cache.clone()
+        ops.decode_layer(x, residual, first, *weights, cos, signed_sin, kk, vk, slots, out_slot, num_q, num_kv,
+                         eps, scale)
+        # nothing but the new token's slot changed; its k (after rotary) and v within a rounding or two of bf16
+        others = torch.ones(pool, dtype=torch.bool)
+        others[out_slot] = False
+        assert torch.equal(kk[others], k_cache[others]) and torch.equal(vk[others], v_cache[others])
+        for got, want in ((kk[out_slot], kr[out_slot]), (vk[out_slot], vr[out_slot]),
+                          (residual, want_residual), (x, want_x)):
+            tol = 2**-6 * want.float().abs() + 2**-6 * want.float().abs().max()
+            assert ((got.float() - want.float()).abs() <= tol).all(), (got - want).abs().max()
+        cosine = F.cosine_similarity(x.double(), want_x.double(), dim=0)
+        assert cosine > 1 - 1e-4 and math.isfinite(x.double().norm().item())
+
+
+def test_decode_layer_refuses_bad_input(ops):
+    hidden, d = 64, 32
+    weights = (torch.ones(hidden).bfloat16(), torch.ones(hidden).bfloat16(),
+               torch.zeros(4 * d, hidden).bfloat16(), torch.zeros(hidden, 2 * d).bfloat16(),
+               torch.zeros(64, hidden).bfloat16(), torch.zeros(hidden, 32).bfloat16())
+    cos, sin = torch.ones(d).bfloat16(), torch.zeros(d).bfloat16()
+    k, v = torch.zeros(8, 1, d).bfloat16(), torch.zeros(8, 1, d).bfloat16()
+    x, r = torch.zeros(hidden).bfloat16(), torch.zeros(hidden).bfloat16()
+    with pytest.raises(RuntimeError, match="slot 9 outside the pool"):
+        ops.decode_layer(x, r, True, *weights, cos, sin, k, v, torch.tensor([0, 9]), 0, 2, 1, 1e-5, 0.1)
+    with pytest.raises(RuntimeError, match="out_slot 8 outside the pool"):
+        ops.decode_layer(x, r, True, *weights, cos, sin, k, v, torch.tensor([0]), 8, 2, 1, 1e-5, 0.1)
+    with pytest.raises(RuntimeError, match="kv cache"):
+        ops.decode_layer(x, r, True, *weights, cos, sin, k.float(), v, torch.tensor([0]), 0, 2, 1, 1e-5, 0.1)
+    with pytest.raises(RuntimeError, match="qkv"):
+        ops.decode_layer(x, r, True, *weights, cos, sin, k, v, torch.tensor([0]), 0, 3, 1, 1e-5, 0.1)
