@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import shutil
 import threading
 from pathlib import Path
 
@@ -43,15 +44,19 @@ def load(build_dir: str | os.PathLike | None = None):
                 from deepinfer_rt.env import get_env
 
                 build_dir = get_env().cache_dir / "torch_extensions"
-            directory = Path(build_dir) / name
-            directory.mkdir(parents=True, exist_ok=True)
-            library = directory / f"{name}.so"
-            if library.exists():  # built by an earlier process: no compiler needed
-                torch.ops.load_library(str(library))
-            else:
-                cpp_extension.load(name=name, sources=[str(SOURCE)], build_directory=str(directory),
+            library = Path(build_dir) / f"{name}.so"
+            if not library.exists():  # else built by an earlier process: no compiler needed
+                build = Path(build_dir) / f"{name}.build"  # torch's builder locks it against concurrent builds
+                build.mkdir(parents=True, exist_ok=True)
+                cpp_extension.load(name=name, sources=[str(SOURCE)], build_directory=str(build),
                                    extra_cflags=["-O3", "-fopenmp"], extra_ldflags=["-fopenmp"],
                                    is_python_module=False, verbose=False)
+                # published whole (a rename), so that a process that finds it never reads a half-written file
+                partial = library.with_suffix(f".{os.getpid()}.partial")
+                shutil.copyfile(build / f"{name}.so", partial)
+                os.replace(partial, library)
+            if not hasattr(torch.ops.deepinfer_cpu, "decode_layer"):  # cpp_extension.load has loaded it already
+                torch.ops.load_library(str(library))
             _state["ops"] = torch.ops.deepinfer_cpu
         except Exception as e:  # noqa: BLE001 -- no compiler, no ninja, a failed build: the callers fall back
             _state["error"] = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
