@@ -128,3 +128,19 @@ def test_decode_layer_refuses_bad_input(ops):
         ops.decode_layer(x, r, True, *weights, cos, sin, k.float(), v, torch.tensor([0]), 0, 2, 1, 1e-5, 0.1)
     with pytest.raises(RuntimeError, match="qkv"):
         ops.decode_layer(x, r, True, *weights, cos, sin, k, v, torch.tensor([0]), 0, 3, 1, 1e-5, 0.1)
+
+
+def test_threads_split_rows_not_sums(ops):
+    """Each row's sum runs on one thread: the values do not depend on how many threads take part
+    (torch.set_num_threads), and a section on more threads than before starts new workers."""
+    g = torch.Generator().manual_seed(7)
+    w, x = torch.randn(1000, 320, generator=g).bfloat16(), torch.randn(320, generator=g).bfloat16()
+    previous = torch.get_num_threads()
+    try:
+        results = []
+        for threads in (1, 2, 3, 1):
+            torch.set_num_threads(threads)
+            results.append(ops.gemv(x, w, False))
+    finally:
+        torch.set_num_threads(previous)
+    assert all(torch.equal(r, results[0]) for r in results)
