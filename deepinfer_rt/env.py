@@ -178,9 +178,15 @@ class Env:
     cpu_bf16_gemv: str
     """DEEPINFER_CPU_BF16_GEMV: how the flat CPU step multiplies a lone bf16 row (a single decode stream) by a dense
     weight (models/llama_step.py ROW_PRODUCTS): 'linear' (F.linear, the module path's op), 'mv' (torch.mv), 'packed'
-    (oneDNN over a copy of each weight packed for one row: the model's bf16 bytes again in memory) or 'auto'
+    (oneDNN over a copy of each weight packed for one row: the model's bf16 bytes again in memory), 'kernel' (the
+    lone-row kernels, kernels/cpu/row_decode.cpp: a whole layer in one call) or 'auto'
     (default: each timed once on the model's gate_up weight at the first step; F.linear kept unless another is at
     least 1.15x faster)."""
+    cpu_fp32_row: str
+    """DEEPINFER_CPU_FP32_ROW: how the flat CPU step runs a lone fp32 row (a single decode stream): 'kernel' (default:
+    one call of the lone-row kernels per layer, kernels/cpu/row_decode.cpp; sums in another order than torch's
+    mm, so values differ from the module path's in the last bits; where the kernels cannot be built, 'mm') or
+    'mm' (torch's matmul: the module path's bits)."""
     cpu_compile: bool
     """DEEPINFER_CPU_COMPILE=1: the flat CPU step compiled with torch.compile (inductor's C++ backend) between its
     attention calls (models/llama_compiled.py; dense weights). Default off: a first start compiles for about a
@@ -245,6 +251,7 @@ def get_env() -> Env:
         cpu_dense_copy=_bool("DEEPINFER_CPU_DENSE_COPY", True),
         cpu_fast_step=_bool("DEEPINFER_CPU_FAST_STEP", True),
         cpu_bf16_gemv=_str("DEEPINFER_CPU_BF16_GEMV", "auto").strip().lower(),
+        cpu_fp32_row=_str("DEEPINFER_CPU_FP32_ROW", "kernel").strip().lower(),
         cpu_compile=_bool("DEEPINFER_CPU_COMPILE", False),
         inductor_cache_dir=Path(_str("DEEPINFER_CACHE", str(Path.home() / ".cache" / "deepinfer"))) / "inductor",
     )

@@ -28,6 +28,14 @@ order, so its tokens (and a prefill's hidden states, bit for bit) equal the modu
   - the layers are walked over a flat list of their weights (no module calls, no per-layer lookups), built
     once the weights are final and rebuilt if they were replaced.
 
+A lone decode row (one stream, one token) runs each layer as one call of the lone-row kernels
+(deepinfer_kernels.cpu_row, kernels/cpu/row_decode.cpp) where they build: in bf16 when the row product is
+'kernel' (DEEPINFER_CPU_BF16_GEMV; `auto` picks it where it is fastest), in fp32 unless DEEPINFER_CPU_FP32_ROW=mm.
+The kernel takes the same operations and roundings, but sums in another order, so such a step's values differ
+from the module path's in the last bits (tokens equal in the tests; fp32 logprobs within 1e-5). On the 2-core
+AMD EPYC measured, the embedded default's lone-stream step went from ~37 to ~12 ms in bf16 and from ~65 to ~23 ms
+in fp32 (benchmark/bench_cpu_peers.py).
+
 bf16 may differ in one place, for speed: a one-row input (a lone decode stream) of a dense linear or the dense
 head takes the product this CPU runs fastest (DEEPINFER_CPU_BF16_GEMV, `choose_row_gemv`, ROW_PRODUCTS): F.linear,
 oneDNN over a weight copy packed for one row (the same values), or torch's bf16 GEMV (torch.mv), whose sums run in
@@ -298,30 +306,55 @@ def _layer_list(model) -> list[_Layer]:
                              *(_linear_fn(lin, row) for lin in linears), attn.qkv_proj.weight))
         layers[-1].takes_row = takes_row
     model.row_weights = _row_weights(model) if row == "kernel" else None
+    if _fp32_takes_kernel(model):
+        model.row_weights = _row_weights(model)
+        model.head_fn = _fp32_head_fn(head.weight) if head.bias is None and type(model.logits_method) \
+            is UnquantizedLinear else None
     return layers
+
+
+def _fp32_takes_kernel(model) -> bool:
+    """Whether lone fp32 rows run the lone-row kernels (DEEPINFER_CPU_FP32_ROW): every layer's linears dense
+    fp32 without bias, and the kernels built."""
+    setting = get_env().cpu_fp32_row
+    if setting not in ("kernel", "mm"):
+        raise ValueError(f"DEEPINFER_CPU_FP32_ROW={setting!r}: not one of kernel, mm")
+    dense = model.model.layers and all(
+        type(lin.method) is UnquantizedLinear and lin.weight.dtype == torch.float32 and lin.bias is None
+        for layer in model.model.layers for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                                                    layer.mlp.gate_up_proj, layer.mlp.down_proj))
+    return bool(dense) and setting == "kernel" and _row_kernels() is not None
+
+
+def _fp32_head_fn(weight: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+    gemv = _row_kernels().gemv
+    return lambda x: gemv(x.view(-1), weight, False).view(1, -1) if x.shape[0] == 1 else F.linear(x, weight)
 
 
 def _row_weights(model) -> list[tuple[torch.Tensor, ...]] | None:
     """Per layer (input norm, post norm, qkv, o, gate_up, down) for the fused lone-row layer
-    (deepinfer_cpu::decode_layer), or None where a weight is not the contiguous bf16 tensor it takes."""
+    (deepinfer_cpu::decode_layer), or None where a weight is not a contiguous tensor of the embedding's dtype
+    (bf16 or fp32: the kernel takes one dtype throughout)."""
     out = []
+    dtype = model.model.embed_tokens.weight.dtype
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         weights = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight, attn.qkv_proj.weight,
                    attn.o_proj.weight, mlp.gate_up_proj.weight, mlp.down_proj.weight)
-        if not all(w.dtype == torch.bfloat16 and w.is_contiguous() for w in weights):
+        if dtype not in (torch.bfloat16, torch.float32) or not all(w.dtype == dtype and w.is_contiguous()
+                                                                   for w in weights):
             return None
         out.append(weights)
     return out
 
 
-def _row_kernel_fits(batch: ForwardBatch) -> bool:
-    """Whether a lone row's layers may run as one kernel call each: the reference backend's pool of bf16 K/V
-    rows (S, Hkv, D), which the kernel writes and reads itself."""
+def _row_kernel_fits(batch: ForwardBatch, dtype: torch.dtype) -> bool:
+    """Whether a lone row's layers may run as one kernel call each: the reference backend's pool of K/V rows
+    (S, Hkv, D) in the model's dtype, which the kernel writes and reads itself."""
     pool = batch.pool
     return (getattr(batch.backend, "name", None) == "torch" and not pool.is_fp8
-            and all(k.dtype == torch.bfloat16 and k.dim() == 3 for k in pool.k)
-            and all(v.dtype == torch.bfloat16 and v.dim() == 3 for v in pool.v))
+            and all(k.dtype == dtype and k.dim() == 3 for k in pool.k)
+            and all(v.dtype == dtype and v.dim() == 3 for v in pool.v))
 
 
 class CpuStep(ModuleStep):
@@ -361,10 +394,10 @@ class CpuStep(ModuleStep):
         x = F.embedding(batch.input_ids, trunk.embed_tokens.weight)
         t = x.shape[0]
         as_row = t == 1 and layers[0].takes_row
+        if t == 1 and getattr(model, "row_weights", None) and _row_kernel_fits(batch, x.dtype):
+            return self._row_forward(model, batch, x.view(-1))
         if as_row:  # a lone row stays 1-D through the layers (mv takes it as it is)
             x = x.view(-1)
-            if getattr(model, "row_weights", None) and _row_kernel_fits(batch):
-                return self._row_forward(model, batch, x)
         shape = x.shape
         # Every 16-bit norm's output: read by the next linear before the next norm writes it
         normed = None if x.dtype == torch.float32 else x.new_empty(shape)
@@ -384,7 +417,7 @@ class CpuStep(ModuleStep):
 
     @staticmethod
     def _row_forward(model, batch: ForwardBatch, x: torch.Tensor) -> torch.Tensor:
-        """A lone bf16 row through one kernel call per layer (deepinfer_cpu::decode_layer: norms, products,
+        """A lone row (bf16 or fp32) through one kernel call per layer (deepinfer_cpu::decode_layer: norms, products,
         rotary, the K/V write and attention over the stream's slots), then the final norm."""
         config, pool, rope = model.config, batch.pool, batch.model_meta
         decode_layer = _row_kernels().decode_layer

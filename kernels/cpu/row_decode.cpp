@@ -138,7 +138,11 @@ inline float f32(uint16_t bits) {
 
 inline float f32(bf16 v) { return static_cast<float>(v); }
 
-inline float round_bf16(float v) { return static_cast<float>(bf16(v)); }
+inline float f32(float v) { return v; }
+
+// v rounded as storing it in T rounds it (bf16: to 8 bits of mantissa; float: unchanged)
+template <typename T>
+inline float rnd(float v) { return static_cast<float>(T(v)); }
 
 // ---- one dot product per weight row: out[n] = sum_k w[n, k] * x[k] in fp32, rows n0 .. n1 - 1 ----
 
@@ -166,11 +170,12 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"))) void dot_rows_avx512bf16(
   }
 }
 
-// Elsewhere: bf16 widened to fp32 and multiplied-added in 16 lanes, vectorized per target by the compiler.
-__attribute__((target_clones("avx512f", "avx2", "default"))) void dot_rows_generic(
-    const uint16_t* w, const uint16_t* x, float* out, int64_t n0, int64_t n1, int64_t K) {
+// Elsewhere, and for fp32 weights: values widened to fp32 and multiplied-added in 16 lanes, vectorized per target
+// by the compiler (the body is inlined into each target's clone).
+template <typename E>  // uint16_t (bf16 bits) or float
+inline void dot_rows(const E* w, const E* x, float* out, int64_t n0, int64_t n1, int64_t K) {
   for (int64_t n = n0; n < n1; ++n) {
-    const uint16_t* row = w + n * K;
+    const E* row = w + n * K;
     float lanes[16] = {0};
     int64_t k = 0;
     for (; k + 16 <= K; k += 16)
@@ -180,6 +185,16 @@ __attribute__((target_clones("avx512f", "avx2", "default"))) void dot_rows_gener
     for (int j = 0; j < 16; ++j) acc += lanes[j];
     out[n] = acc;
   }
+}
+
+__attribute__((target_clones("avx512f", "avx2", "default"))) void dot_rows_generic(
+    const uint16_t* w, const uint16_t* x, float* out, int64_t n0, int64_t n1, int64_t K) {
+  dot_rows(w, x, out, n0, n1, K);
+}
+
+__attribute__((target_clones("avx512f", "avx2", "default"))) void dot_rows_f32(
+    const float* w, const float* x, float* out, int64_t n0, int64_t n1, int64_t K) {
+  dot_rows(w, x, out, n0, n1, K);
 }
 
 // e^x for x <= 0 (softmax's shifted scores) in plain arithmetic the compiler vectorizes: x = n ln2 + r,
@@ -204,12 +219,12 @@ inline float exp_nonpositive(float x) {
 
 // One query head over L keys: score[l] = scale * q . k_l (fp32), softmax as exp(s - max) / sum, acc = sum p v.
 // k, v point at the head's columns of slot 0; rows are k_row / v_row elements apart.
-__attribute__((target_clones("avx512f", "avx2", "default"))) void attend_head(
-    const float* q, const uint16_t* k, const uint16_t* v, int64_t k_row, int64_t v_row, const int64_t* slot,
-    int64_t L, int64_t D, float scale, float* score, float* acc) {
+template <typename E>
+inline void attend(const float* q, const E* k, const E* v, int64_t k_row, int64_t v_row, const int64_t* slot,
+                   int64_t L, int64_t D, float scale, float* score, float* acc) {
   float top = -INFINITY;
   for (int64_t l = 0; l < L; ++l) {
-    const uint16_t* key = k + slot[l] * k_row;
+    const E* key = k + slot[l] * k_row;
     float lanes[16] = {0};
     int64_t j = 0;
     for (; j + 16 <= D; j += 16)
@@ -226,13 +241,29 @@ __attribute__((target_clones("avx512f", "avx2", "default"))) void attend_head(
   for (int64_t l = 0; l < L; ++l) total += score[l];
   for (int64_t j = 0; j < D; ++j) acc[j] = 0;
   for (int64_t l = 0; l < L; ++l) {
-    const uint16_t* val = v + slot[l] * v_row;
+    const E* val = v + slot[l] * v_row;
     const float p = score[l];
     for (int64_t j = 0; j < D; ++j) acc[j] += p * f32(val[j]);
   }
   const float inv = 1.0f / total;
   for (int64_t j = 0; j < D; ++j) acc[j] *= inv;
 }
+
+__attribute__((target_clones("avx512f", "avx2", "default"))) void attend_head(
+    const float* q, const uint16_t* k, const uint16_t* v, int64_t k_row, int64_t v_row, const int64_t* slot,
+    int64_t L, int64_t D, float scale, float* score, float* acc) {
+  attend(q, k, v, k_row, v_row, slot, L, D, scale, score, acc);
+}
+
+__attribute__((target_clones("avx512f", "avx2", "default"))) void attend_head(
+    const float* q, const float* k, const float* v, int64_t k_row, int64_t v_row, const int64_t* slot,
+    int64_t L, int64_t D, float scale, float* score, float* acc) {
+  attend(q, k, v, k_row, v_row, slot, L, D, scale, score, acc);
+}
+
+// the element type the loops read: bf16 as its bits
+inline const uint16_t* elements(const bf16* p) { return reinterpret_cast<const uint16_t*>(p); }
+inline const float* elements(const float* p) { return p; }
 
 bool& use_avx512bf16() {  // the CPU's AVX512-BF16 dot products where it has them; tests switch them off
   static bool yes = __builtin_cpu_supports("avx512bf16");
@@ -246,49 +277,125 @@ bool set_native_bf16(bool enabled) {
   return previous;
 }
 
-// out (N,) fp32 <- w (N, K) @ x (K,), rows split over torch's threads
+// out (N,) fp32 <- w (N, K) @ x (K,), rows split over the workers
 void gemv_into(const bf16* x, const bf16* w, float* out, int64_t N, int64_t K) {
-  auto xs = reinterpret_cast<const uint16_t*>(x);
-  auto ws = reinterpret_cast<const uint16_t*>(w);
   const int64_t rows = std::max<int64_t>(16, (1 << 14) / std::max<int64_t>(K, 1));  // >= ~32 KB of weight a part
   parallel_ranges(N, 4, rows, [&](int64_t n0, int64_t n1) {
     if (use_avx512bf16())
-      dot_rows_avx512bf16(ws, xs, out, n0, n1, K);
+      dot_rows_avx512bf16(elements(w), elements(x), out, n0, n1, K);
     else
-      dot_rows_generic(ws, xs, out, n0, n1, K);
+      dot_rows_generic(elements(w), elements(x), out, n0, n1, K);
   });
 }
 
-void check_matrix(const at::Tensor& w, int64_t K, const char* what) {
-  TORCH_CHECK(w.scalar_type() == at::kBFloat16 && w.dim() == 2 && w.is_contiguous() && w.size(1) == K,
-              what, ": a contiguous bf16 (N, ", K, ") weight expected, got ", w.scalar_type(), " ", w.sizes());
+void gemv_into(const float* x, const float* w, float* out, int64_t N, int64_t K) {
+  const int64_t rows = std::max<int64_t>(8, (1 << 13) / std::max<int64_t>(K, 1));
+  parallel_ranges(N, 4, rows, [&](int64_t n0, int64_t n1) { dot_rows_f32(w, x, out, n0, n1, K); });
 }
 
-void check_vector(const at::Tensor& v, int64_t n, const char* what) {
-  TORCH_CHECK(v.scalar_type() == at::kBFloat16 && v.dim() == 1 && v.is_contiguous() && v.size(0) == n,
-              what, ": a contiguous bf16 vector of ", n, " expected, got ", v.scalar_type(), " ", v.sizes());
+bool is_16_or_32(at::ScalarType t) { return t == at::kBFloat16 || t == at::kFloat; }
+
+void check_matrix(const at::Tensor& w, at::ScalarType dtype, int64_t K, const char* what) {
+  TORCH_CHECK(w.scalar_type() == dtype && w.dim() == 2 && w.is_contiguous() && w.size(1) == K,
+              what, ": a contiguous ", dtype, " (N, ", K, ") weight expected, got ", w.scalar_type(), " ", w.sizes());
 }
 
+void check_vector(const at::Tensor& v, at::ScalarType dtype, int64_t n, const char* what) {
+  TORCH_CHECK(v.scalar_type() == dtype && v.dim() == 1 && v.is_contiguous() && v.size(0) == n,
+              what, ": a contiguous ", dtype, " vector of ", n, " expected, got ", v.scalar_type(), " ", v.sizes());
+}
+
+// x (K,) and w (N, K) both bf16 or both fp32 -> (N,) fp32 sums; bf16_out: rounded to bf16 (bf16 inputs only)
 at::Tensor gemv(const at::Tensor& x, const at::Tensor& w, bool bf16_out) {
   TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), "deepinfer_cpu::gemv: CPU tensors expected");
   const int64_t K = x.numel();
-  check_vector(x, K, "deepinfer_cpu::gemv x");
-  check_matrix(w, K, "deepinfer_cpu::gemv w");
+  const auto dtype = x.scalar_type();
+  TORCH_CHECK(is_16_or_32(dtype), "deepinfer_cpu::gemv: bf16 or fp32 values expected, got ", dtype);
+  TORCH_CHECK(!bf16_out || dtype == at::kBFloat16, "deepinfer_cpu::gemv: bf16_out takes bf16 inputs");
+  check_vector(x, dtype, K, "deepinfer_cpu::gemv x");
+  check_matrix(w, dtype, K, "deepinfer_cpu::gemv w");
   auto out = at::empty({w.size(0)}, x.options().dtype(at::kFloat));
-  gemv_into(x.data_ptr<bf16>(), w.data_ptr<bf16>(), out.data_ptr<float>(), w.size(0), K);
+  if (dtype == at::kBFloat16)
+    gemv_into(x.data_ptr<bf16>(), w.data_ptr<bf16>(), out.data_ptr<float>(), w.size(0), K);
+  else
+    gemv_into(x.data_ptr<float>(), w.data_ptr<float>(), out.data_ptr<float>(), w.size(0), K);
   return bf16_out ? out.to(at::kBFloat16) : out;
 }
 
-// RMSNorm as the eager bf16 step computes it: fp32 values times rsqrt(mean(x^2) + eps), rounded, then times the
-// weight, rounded.
-void rms_norm(const bf16* x, const bf16* weight, bf16* out, int64_t n, float eps) {
+// RMSNorm as the eager step computes it: fp32 values times rsqrt(mean(x^2) + eps), rounded to T, then times the
+// weight, rounded to T.
+template <typename T>
+void rms_norm(const T* x, const T* weight, T* out, int64_t n, float eps) {
   float sq = 0;
   for (int64_t i = 0; i < n; ++i) sq += f32(x[i]) * f32(x[i]);
   const float inv = 1.0f / std::sqrt(sq / float(n) + eps);
-  for (int64_t i = 0; i < n; ++i) out[i] = bf16(round_bf16(f32(x[i]) * inv) * f32(weight[i]));
+  for (int64_t i = 0; i < n; ++i) out[i] = T(rnd<T>(f32(x[i]) * inv) * f32(weight[i]));
 }
 
-// One Llama layer for a lone decode row, in place:
+template <typename T>
+void layer(at::Tensor& x, at::Tensor& residual, bool first, const at::Tensor& in_norm, const at::Tensor& post_norm,
+           const at::Tensor& qkv_w, const at::Tensor& o_w, const at::Tensor& gate_up_w, const at::Tensor& down_w,
+           const at::Tensor& cos, const at::Tensor& signed_sin, at::Tensor& k_cache, at::Tensor& v_cache,
+           const int64_t* slot, int64_t L, int64_t out_slot, int64_t num_q, int64_t num_kv, float eps, float scale) {
+  const int64_t H = x.numel(), D = cos.numel(), half = D / 2, heads = num_q + 2 * num_kv;
+  const int64_t inter = down_w.size(1);
+  T* xp = x.data_ptr<T>();
+  T* rp = residual.data_ptr<T>();
+  std::vector<T> h(std::max(H, inter));
+  std::vector<float> sums(std::max(heads * D, 2 * inter));
+  std::vector<T> qkv(heads * D), attn(num_q * D);
+
+  for (int64_t i = 0; i < H; ++i) rp[i] = first ? xp[i] : T(f32(xp[i]) + f32(rp[i]));
+  rms_norm(rp, in_norm.data_ptr<T>(), h.data(), H, eps);
+  gemv_into(h.data(), qkv_w.data_ptr<T>(), sums.data(), heads * D, H);
+  for (int64_t i = 0; i < heads * D; ++i) qkv[i] = T(sums[i]);
+
+  // rotary on the q and k heads: x * cos + (x2 | x1) * (-sin | sin), each product and the sum rounded
+  const T* c = cos.data_ptr<T>();
+  const T* s = signed_sin.data_ptr<T>();
+  std::vector<T> head(D);
+  for (int64_t hd = 0; hd < num_q + num_kv; ++hd) {
+    T* v = qkv.data() + hd * D;
+    std::copy(v, v + D, head.begin());
+    for (int64_t j = 0; j < D; ++j) {
+      const float swapped = f32(head[(j + half) % D]);
+      v[j] = T(rnd<T>(f32(head[j]) * f32(c[j])) + rnd<T>(swapped * f32(s[j])));
+    }
+  }
+
+  // store the new k and v
+  const int64_t k_row = k_cache.stride(0), v_row = v_cache.stride(0);
+  T* kc = k_cache.data_ptr<T>();
+  T* vc = v_cache.data_ptr<T>();
+  std::copy(qkv.data() + num_q * D, qkv.data() + (num_q + num_kv) * D, kc + out_slot * k_row);
+  std::copy(qkv.data() + (num_q + num_kv) * D, qkv.data() + heads * D, vc + out_slot * v_row);
+
+  // attention per q head over the stream's L keys (attend_head)
+  const int64_t group = num_q / num_kv;
+  parallel_ranges(num_q, 1, 1, [&](int64_t h0, int64_t h1) {
+    std::vector<float> score(L), q(D), acc(D);
+    for (int64_t hq = h0; hq < h1; ++hq) {
+      const int64_t g = hq / group;
+      for (int64_t j = 0; j < D; ++j) q[j] = f32(qkv[hq * D + j]);
+      attend_head(q.data(), elements(kc) + g * D, elements(vc) + g * D, k_row, v_row, slot, L, D, scale,
+                  score.data(), acc.data());
+      for (int64_t j = 0; j < D; ++j) attn[hq * D + j] = T(acc[j]);
+    }
+  });
+
+  gemv_into(attn.data(), o_w.data_ptr<T>(), sums.data(), H, num_q * D);
+  for (int64_t i = 0; i < H; ++i) rp[i] = T(rnd<T>(sums[i]) + f32(rp[i]));
+  rms_norm(rp, post_norm.data_ptr<T>(), h.data(), H, eps);
+  gemv_into(h.data(), gate_up_w.data_ptr<T>(), sums.data(), 2 * inter, H);
+  for (int64_t i = 0; i < inter; ++i) {  // SiLU on the gate (fp32, rounded), times up (rounded)
+    const float gate = rnd<T>(sums[i]), up = rnd<T>(sums[inter + i]);
+    h[i] = T(rnd<T>(gate / (1.0f + std::exp(-gate))) * up);
+  }
+  gemv_into(h.data(), down_w.data_ptr<T>(), sums.data(), H, inter);
+  for (int64_t i = 0; i < H; ++i) xp[i] = T(sums[i]);
+}
+
+// One Llama layer for a lone decode row, in place, all of it bf16 or all fp32:
 //   residual <- x (first layer) or x + residual;  h = RMSNorm(residual) -> qkv -> rotary on q and k heads;
 //   k, v stored at out_slot; attention of q over the keys at `slots` (the stream's context, the new token last);
 //   residual <- o_proj(attention) + residual;  x <- down(SiLU(gate) * up) of RMSNorm(residual).
@@ -299,26 +406,29 @@ void decode_layer(at::Tensor& x, at::Tensor& residual, bool first, const at::Ten
                   const at::Tensor& gate_up_w, const at::Tensor& down_w, const at::Tensor& cos,
                   const at::Tensor& signed_sin, at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slots,
                   int64_t out_slot, int64_t num_q, int64_t num_kv, double eps, double scale) {
-  const int64_t H = x.numel(), D = cos.numel(), half = D / 2, heads = num_q + 2 * num_kv;
-  const int64_t inter = down_w.size(1), L = slots.numel();
-  check_vector(x, H, "x");
-  check_vector(residual, H, "residual");
-  check_vector(in_norm, H, "input norm");
-  check_vector(post_norm, H, "post-attention norm");
-  check_vector(cos, D, "cos");
-  check_vector(signed_sin, D, "signed sin");
-  check_matrix(qkv_w, H, "qkv");
+  const auto dtype = x.scalar_type();
+  TORCH_CHECK(is_16_or_32(dtype), "x: bf16 or fp32 values expected, got ", dtype);
+  const int64_t H = x.numel(), D = cos.numel(), heads = num_q + 2 * num_kv;
+  const int64_t inter = down_w.dim() == 2 ? down_w.size(1) : 0, L = slots.numel();
+  check_vector(x, dtype, H, "x");
+  check_vector(residual, dtype, H, "residual");
+  check_vector(in_norm, dtype, H, "input norm");
+  check_vector(post_norm, dtype, H, "post-attention norm");
+  check_vector(cos, dtype, D, "cos");
+  check_vector(signed_sin, dtype, D, "signed sin");
+  check_matrix(qkv_w, dtype, H, "qkv");
   TORCH_CHECK(qkv_w.size(0) == heads * D, "qkv: ", heads * D, " rows expected, got ", qkv_w.size(0));
-  check_matrix(o_w, num_q * D, "o_proj");
+  check_matrix(o_w, dtype, num_q * D, "o_proj");
   TORCH_CHECK(o_w.size(0) == H, "o_proj: ", H, " rows expected");
-  check_matrix(gate_up_w, H, "gate_up");
+  check_matrix(gate_up_w, dtype, H, "gate_up");
   TORCH_CHECK(gate_up_w.size(0) == 2 * inter, "gate_up: ", 2 * inter, " rows expected");
-  check_matrix(down_w, inter, "down");
+  check_matrix(down_w, dtype, inter, "down");
   TORCH_CHECK(down_w.size(0) == H, "down: ", H, " rows expected");
   for (const at::Tensor* c : {&k_cache, &v_cache})
-    TORCH_CHECK(c->scalar_type() == at::kBFloat16 && c->dim() == 3 && c->size(1) == num_kv && c->size(2) == D &&
+    TORCH_CHECK(c->scalar_type() == dtype && c->dim() == 3 && c->size(1) == num_kv && c->size(2) == D &&
                     c->stride(2) == 1 && c->stride(1) == D,
-                "kv cache: bf16 (S, ", num_kv, ", ", D, ") rows expected, got ", c->scalar_type(), " ", c->sizes());
+                "kv cache: ", dtype, " (S, ", num_kv, ", ", D, ") rows expected, got ", c->scalar_type(), " ",
+                c->sizes());
   TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 1 && slots.is_contiguous() && L >= 1,
               "slots: a contiguous int64 vector expected");
   TORCH_CHECK(num_kv > 0 && num_q % num_kv == 0 && D % 2 == 0, "heads: num_q a multiple of num_kv, even head_dim");
@@ -326,63 +436,12 @@ void decode_layer(at::Tensor& x, at::Tensor& residual, bool first, const at::Ten
   TORCH_CHECK(0 <= out_slot && out_slot < S, "out_slot ", out_slot, " outside the pool of ", S);
   const int64_t* slot = slots.data_ptr<int64_t>();
   for (int64_t l = 0; l < L; ++l) TORCH_CHECK(0 <= slot[l] && slot[l] < S, "slot ", slot[l], " outside the pool");
-
-  bf16* xp = x.data_ptr<bf16>();
-  bf16* rp = residual.data_ptr<bf16>();
-  std::vector<bf16> h(std::max(H, inter));
-  std::vector<float> sums(std::max(heads * D, 2 * inter));
-  std::vector<bf16> qkv(heads * D), attn(num_q * D);
-
-  for (int64_t i = 0; i < H; ++i) rp[i] = first ? xp[i] : bf16(f32(xp[i]) + f32(rp[i]));
-  rms_norm(rp, in_norm.data_ptr<bf16>(), h.data(), H, float(eps));
-  gemv_into(h.data(), qkv_w.data_ptr<bf16>(), sums.data(), heads * D, H);
-  for (int64_t i = 0; i < heads * D; ++i) qkv[i] = bf16(sums[i]);
-
-  // rotary on the q and k heads: x * cos + (x2 | x1) * (-sin | sin), each product and the sum rounded
-  const bf16* c = cos.data_ptr<bf16>();
-  const bf16* s = signed_sin.data_ptr<bf16>();
-  std::vector<bf16> head(D);
-  for (int64_t hd = 0; hd < num_q + num_kv; ++hd) {
-    bf16* v = qkv.data() + hd * D;
-    std::copy(v, v + D, head.begin());
-    for (int64_t j = 0; j < D; ++j) {
-      const float swapped = f32(head[(j + half) % D]);
-      v[j] = bf16(round_bf16(f32(head[j]) * f32(c[j])) + round_bf16(swapped * f32(s[j])));
-    }
-  }
-
-  // store the new k and v
-  const int64_t k_row = k_cache.stride(0), v_row = v_cache.stride(0);
-  bf16* kc = k_cache.data_ptr<bf16>();
-  bf16* vc = v_cache.data_ptr<bf16>();
-  std::copy(qkv.data() + num_q * D, qkv.data() + (num_q + num_kv) * D, kc + out_slot * k_row);
-  std::copy(qkv.data() + (num_q + num_kv) * D, qkv.data() + heads * D, vc + out_slot * v_row);
-
-  // attention per q head over the stream's L keys (attend_head)
-  const int64_t group = num_q / num_kv;
-  const auto* kbits = reinterpret_cast<const uint16_t*>(kc);
-  const auto* vbits = reinterpret_cast<const uint16_t*>(vc);
-  parallel_ranges(num_q, 1, 1, [&](int64_t h0, int64_t h1) {
-    std::vector<float> score(L), q(D), acc(D);
-    for (int64_t hq = h0; hq < h1; ++hq) {
-      const int64_t g = hq / group;
-      for (int64_t j = 0; j < D; ++j) q[j] = f32(qkv[hq * D + j]);
-      attend_head(q.data(), kbits + g * D, vbits + g * D, k_row, v_row, slot, L, D, float(scale), score.data(),
-                  acc.data());
-      for (int64_t j = 0; j < D; ++j) attn[hq * D + j] = bf16(acc[j]);
-    }
-  });
-
-  gemv_into(attn.data(), o_w.data_ptr<bf16>(), sums.data(), H, num_q * D);
-  for (int64_t i = 0; i < H; ++i) rp[i] = bf16(f32(bf16(sums[i])) + f32(rp[i]));
-  rms_norm(rp, post_norm.data_ptr<bf16>(), h.data(), H, float(eps));
-  gemv_into(h.data(), gate_up_w.data_ptr<bf16>(), sums.data(), 2 * inter, H);
-  for (int64_t i = 0; i < inter; ++i) {  // SiLU on the gate (fp32, rounded), times up (rounded)
-    const float gate = round_bf16(sums[i]), up = round_bf16(sums[inter + i]);
-    h[i] = bf16(round_bf16(gate / (1.0f + std::exp(-gate))) * up);
-  }
-  gemv_into(h.data(), down_w.data_ptr<bf16>(), sums.data(), H, inter);
-  for (int64_t i = 0; i < H; ++i) xp[i] = bf16(sums[i]);
+  if (dtype == at::kBFloat16)
+    layer<bf16>(x, residual, first, in_norm, post_norm, qkv_w, o_w, gate_up_w, down_w, cos, signed_sin, k_cache,
+                v_cache, slot, L, out_slot, num_q, num_kv, float(eps), float(scale));
+  else
+    layer<float>(x, residual, first, in_norm, post_norm, qkv_w, o_w, gate_up_w, down_w, cos, signed_sin, k_cache,
+                 v_cache, slot, L, out_slot, num_q, num_kv, float(eps), float(scale));
 }
 
 }  // namespace

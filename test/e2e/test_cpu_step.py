@@ -37,7 +37,8 @@ def test_step_is_chosen_at_build(engines, tiny_llama_path):
     assert isinstance(fast.model.step_method, CpuStep)
     assert type(modules.model.step_method) is ModuleStep
     _generate(fast, PROMPTS[:1], 1)
-    assert not fast.model.fast_layers[0].takes_row  # fp32 keeps F.linear's mm (the module path's bits)
+    assert not fast.model.fast_layers[0].takes_row  # fp32 keeps F.linear's mm for more rows (the module path's bits)
+    assert fast.model.row_weights  # and a lone fp32 row takes the kernels (DEEPINFER_CPU_FP32_ROW=kernel)
     with Engine(str(tiny_llama_path), dtype="float32", kv_cache_tokens=1024, batch_invariant=True) as inv:
         assert type(inv.model.step_method) is ModuleStep  # the invariant path keeps its own numerics
 
@@ -49,6 +50,31 @@ def test_cpu_step_tokens_equal_module_path(engines, prompts):
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     for a, b in zip(got, want):
         assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-5
+
+
+@pytest.mark.parametrize("setting", ["kernel", "mm"])
+def test_fp32_lone_row_setting(tiny_llama_path, monkeypatch, setting):
+    """DEEPINFER_CPU_FP32_ROW: 'kernel' runs a lone fp32 stream's layers as one kernel call each (tokens equal to
+    the module path's, logprobs within 1e-5: test_cpu_step_tokens_equal_module_path), 'mm' keeps torch's matmul
+    and with it the module path's bits; another value is refused."""
+    monkeypatch.setenv("DEEPINFER_CPU_FP32_ROW", setting)
+    fused = []
+    row_forward = CpuStep._row_forward
+    monkeypatch.setattr(CpuStep, "_row_forward", staticmethod(lambda *a: fused.append(1) or row_forward(*a)))
+    with Engine(str(tiny_llama_path), dtype="float32", kv_cache_tokens=1024) as engine:
+        got = _generate(engine, PROMPTS[:1], 6)
+    assert len(fused) == (5 if setting == "kernel" else 0)
+    monkeypatch.setenv("DEEPINFER_CPU_FAST_STEP", "0")
+    with Engine(str(tiny_llama_path), dtype="float32", kv_cache_tokens=1024) as modules:
+        want = _generate(modules, PROMPTS[:1], 6)
+    assert got[0].token_ids == want[0].token_ids
+    if setting == "mm":
+        assert got[0].logprobs == want[0].logprobs
+    monkeypatch.setenv("DEEPINFER_CPU_FAST_STEP", "1")
+    monkeypatch.setenv("DEEPINFER_CPU_FP32_ROW", "fast")
+    with Engine(str(tiny_llama_path), dtype="float32", kv_cache_tokens=1024) as engine:
+        (out,) = _generate(engine, PROMPTS[:1], 2)  # read at the first step: that step's requests fail with it
+    assert out.finish_reason == "error" and "DEEPINFER_CPU_FP32_ROW='fast': not one of kernel, mm" in out.error
 
 
 @pytest.mark.parametrize("copies", [1, 3], ids=["whole-qkv-rotation", "q-k-rotation"])

@@ -1,6 +1,7 @@
 """The lone-row CPU kernels (kernels/cpu/row_decode.cpp) against torch: the product, in its AVX512-BF16 and
-portable forms, and one whole layer against the eager bf16 step's operations (models/llama_step.py) on random
-weights, shapes that are not multiples of the kernels' vector widths, GQA, and scattered slots."""
+portable forms and in fp32, and one whole layer against the eager step's operations (models/llama_step.py) in
+bf16 and fp32 on random weights, shapes that are not multiples of the kernels' vector widths, GQA, and scattered
+slots."""
 from __future__ import annotations
 
 import math
@@ -28,28 +29,32 @@ def native(request, ops):
     ops.set_native_bf16(previous)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("n, k", [(300, 576), (37, 100), (5, 31), (1, 1536), (129, 64)])
-def test_gemv_within_fp32_sums_of_exact(ops, native, n, k):
+def test_gemv_within_fp32_sums_of_exact(ops, native, n, k, dtype):
     g = torch.Generator().manual_seed(n * k)
-    w, x = torch.randn(n, k, generator=g).bfloat16(), torch.randn(k, generator=g).bfloat16()
+    w, x = torch.randn(n, k, generator=g).to(dtype), torch.randn(k, generator=g).to(dtype)
     exact = w.double() @ x.double()
     sums = ops.gemv(x, w, False)
     assert sums.dtype == torch.float32 and sums.shape == (n,)
-    # fp32 sums of exact products (bf16 x bf16 fits fp32): error within k roundings of the running sum
-    bound = k * 2**-24 * (w.double().abs() @ x.double().abs()) + 1e-6
+    # fp32 sums (of exact products for bf16: bf16 x bf16 fits fp32): error within ~k roundings of the running sum
+    bound = 2 * k * 2**-24 * (w.double().abs() @ x.double().abs()) + 1e-6
     assert ((sums.double() - exact).abs() <= bound).all()
-    rounded = ops.gemv(x, w, True)
-    assert rounded.dtype == torch.bfloat16 and torch.equal(rounded, sums.bfloat16())
+    if dtype == torch.bfloat16:
+        rounded = ops.gemv(x, w, True)
+        assert rounded.dtype == torch.bfloat16 and torch.equal(rounded, sums.bfloat16())
 
 
 def test_gemv_refuses_what_it_cannot_take(ops):
     x = torch.randn(64).bfloat16()
-    with pytest.raises(RuntimeError, match=r"contiguous bf16 \(N, 64\) weight"):
-        ops.gemv(x, torch.randn(8, 64), False)  # fp32 weight
-    with pytest.raises(RuntimeError, match=r"contiguous bf16 \(N, 64\) weight"):
+    with pytest.raises(RuntimeError, match=r"contiguous BFloat16 \(N, 64\) weight expected, got Float"):
+        ops.gemv(x, torch.randn(8, 64), False)  # fp32 weight, bf16 row
+    with pytest.raises(RuntimeError, match=r"contiguous BFloat16 \(N, 64\) weight"):
         ops.gemv(x, torch.randn(64, 8).bfloat16().t(), False)  # transposed: not contiguous
-    with pytest.raises(RuntimeError, match="contiguous bf16 vector"):
-        ops.gemv(torch.randn(64), torch.randn(8, 64).bfloat16(), False)
+    with pytest.raises(RuntimeError, match="bf16 or fp32 values expected"):
+        ops.gemv(torch.ones(64, dtype=torch.int32), torch.ones(8, 64, dtype=torch.int32), False)
+    with pytest.raises(RuntimeError, match="bf16_out takes bf16 inputs"):
+        ops.gemv(torch.randn(64), torch.randn(8, 64), True)
 
 
 def _reference_layer(x, residual, first, weights, cos, signed_sin, k_cache, v_cache, slots, out_slot, num_q,
@@ -70,23 +75,24 @@ def _reference_layer(x, residual, first, weights, cos, signed_sin, k_cache, v_ca
     return F.linear(F.silu(gate) * up, down_w)[0], residual[0]
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("hidden, heads, head_dim, inter, context", [
     (576, (9, 3), 64, 1536, 200),   # the embedded default's layer
     (72, (4, 2), 18, 40, 7),        # widths below and between the vector lengths
     (64, (2, 2), 32, 96, 1),        # one key: the token itself
 ])
-def test_decode_layer_against_eager_step(ops, native, hidden, heads, head_dim, inter, context):
+def test_decode_layer_against_eager_step(ops, native, hidden, heads, head_dim, inter, context, dtype):
     num_q, num_kv = heads
     g = torch.Generator().manual_seed(hidden + context)
 
     def rand(*shape, s=1.0):
-        return (torch.randn(*shape, generator=g) * s).bfloat16()
+        return (torch.randn(*shape, generator=g) * s).to(dtype)
 
     weights = (1 + rand(hidden, s=0.1), 1 + rand(hidden, s=0.1), rand((num_q + 2 * num_kv) * head_dim, hidden, s=0.1),
                rand(hidden, num_q * head_dim, s=0.1), rand(2 * inter, hidden, s=0.1), rand(hidden, inter, s=0.1))
     angle = torch.rand(head_dim // 2, generator=g) * 6
-    cos = torch.cat([angle.cos(), angle.cos()]).bfloat16()
-    signed_sin = torch.cat([-angle.sin(), angle.sin()]).bfloat16()
+    cos = torch.cat([angle.cos(), angle.cos()]).to(dtype)
+    signed_sin = torch.cat([-angle.sin(), angle.sin()]).to(dtype)
     pool = 3 * context + 5
     k_cache, v_cache = rand(pool, num_kv, head_dim), rand(pool, num_kv, head_dim)
     slots = torch.randperm(pool, generator=g)[:context]  # a context scattered over the pool, the new token last
@@ -101,12 +107,14 @@ def test_decode_layer_against_eager_step(ops, native, hidden, heads, head_dim, i
         ops.decode_layer(x, residual, first, *weights, cos, signed_sin, kk, vk, slots, out_slot, num_q, num_kv,
                          eps, scale)
         # nothing but the new token's slot changed; its k (after rotary) and v within a rounding or two of bf16
+        # (fp32: the same operations, sums in another order)
         others = torch.ones(pool, dtype=torch.bool)
         others[out_slot] = False
         assert torch.equal(kk[others], k_cache[others]) and torch.equal(vk[others], v_cache[others])
+        rel = 2**-6 if dtype == torch.bfloat16 else 1e-4
         for got, want in ((kk[out_slot], kr[out_slot]), (vk[out_slot], vr[out_slot]),
                           (residual, want_residual), (x, want_x)):
-            tol = 2**-6 * want.float().abs() + 2**-6 * want.float().abs().max()
+            tol = rel * want.float().abs() + rel * want.float().abs().max()
             assert ((got.float() - want.float()).abs() <= tol).all(), (got - want).abs().max()
         cosine = F.cosine_similarity(x.double(), want_x.double(), dim=0)
         assert cosine > 1 - 1e-4 and math.isfinite(x.double().norm().item())
