@@ -38,6 +38,8 @@ def load(build_dir: str | os.PathLike | None = None):
         try:
             from torch.utils import cpp_extension
 
+            _ninja_on_path()
+
             source = SOURCE.read_bytes()
             name = "deepinfer_cpu_row_" + hashlib.sha256(source + torch.__version__.encode()).hexdigest()[:12]
             if build_dir is None:
@@ -63,6 +65,17 @@ def load(build_dir: str | os.PathLike | None = None):
             logger.warning("the lone-row CPU kernels are unavailable (%s); the step uses torch's products",
                            _state["error"])
         return _state["ops"]
+
+
+def _ninja_on_path() -> None:
+    """torch's builder runs `ninja` from PATH; PyPI's ninja (a dependency) may sit in a directory PATH lacks (a
+    virtualenv used without activating it): add that directory."""
+    if shutil.which("ninja") is None:
+        try:
+            import ninja
+        except ImportError:
+            return
+        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
 
 
 def error() -> str | None:
