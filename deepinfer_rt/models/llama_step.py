@@ -176,12 +176,17 @@ ROW_PRODUCTS = ("linear", "mv", "packed", "kernel")
              same values as F.linear on the CPU measured, at the cost of that copy (the model's bf16 bytes again)
     kernel   our lone-row kernels (deepinfer_kernels.cpu_row, kernels/cpu/row_decode.cpp): each weight row streamed
              once through AVX512-BF16 dot products (fp32 sums in another order: bf16 values differ from F.linear's
-             in the last bits), and a whole layer in one call where the step allows (CpuStep._row_forward); more
-             rows go through F.linear. Built on first use; where it cannot be built, `auto` leaves it out
+             in the last bits), and a whole layer in one call where the step allows (CpuStep._row_forward); up to
+             KERNEL_MAX_ROWS rows through the same product (a row's values the same whatever the row count), more
+             through F.linear. Built on first use; where it cannot be built, `auto` leaves it out
 
 Measured (bytes/s at one row, the embedded default's shapes, 2 threads): on an AMD EPYC with AVX512-BF16, F.linear
 10.6-15.1 GB/s, torch.mv 8.6-14.0, packed 21-27, kernel 28-32; on an earlier AMX machine torch.mv was about twice
 F.linear."""
+
+KERNEL_MAX_ROWS = 16
+"""Under 'kernel', products of up to this many rows (a small decode batch) go through the kernels' product, which
+reads each weight row once for all of them; more rows through F.linear."""
 
 _ROW_GEMV: dict[str, str] = {}
 """'auto': what DEEPINFER_CPU_BF16_GEMV=auto chose (choose_row_gemv), once per process."""
@@ -266,10 +271,10 @@ def _bf16_linear_fn(weight: torch.Tensor, row: str) -> Callable[[torch.Tensor], 
     if row == "kernel":
         gemv = _row_kernels().gemv
 
-        def product(x: torch.Tensor) -> torch.Tensor:
-            if x.dim() == 1:
-                return gemv(x, weight, True)
-            return gemv(x[0], weight, True).unsqueeze(0) if x.shape[0] == 1 else F.linear(x, weight)
+        def product(x: torch.Tensor) -> torch.Tensor:  # a few rows: each weight row read once for all of them
+            if x.dim() == 1 or x.shape[0] <= KERNEL_MAX_ROWS:
+                return gemv(x.contiguous(), weight, True)
+            return F.linear(x, weight)
         return product
     if row == "mv":
         def product(x: torch.Tensor) -> torch.Tensor:

@@ -6,7 +6,7 @@
 // products stream each weight row once (AVX512-BF16 dot products where the CPU has them) and the whole layer is
 // one call.
 //
-//   deepinfer_cpu::gemv(x, w, bf16_out)   x (K,) bf16, w (N, K) bf16 -> (N,) fp32 sums, or rounded to bf16
+//   deepinfer_cpu::gemv(x, w, bf16_out)   x (K,) or (M, K), w (N, K), bf16 or fp32 -> fp32 sums, or rounded to bf16
 //   deepinfer_cpu::decode_layer(...)      one layer in place: see decode_layer below
 //   deepinfer_cpu::set_native_bf16(on)    AVX512-BF16 dot products on / off (tests reach the portable form)
 //
@@ -146,27 +146,58 @@ inline float rnd(float v) { return static_cast<float>(T(v)); }
 
 // ---- one dot product per weight row: out[n] = sum_k w[n, k] * x[k] in fp32, rows n0 .. n1 - 1 ----
 
+// M input rows at once (x rows x_stride apart; out[m * out_stride + n]): each weight row is read once for all M.
+// Every (m, n) sum takes the same steps whatever M is (two chains over 64-element steps, then the tail), so a
+// row's values do not depend on how many rows share the call.
+template <int M>
 __attribute__((target("avx512f,avx512bw,avx512bf16"))) void dot_rows_avx512bf16(
-    const uint16_t* w, const uint16_t* x, float* out, int64_t n0, int64_t n1, int64_t K) {
+    const uint16_t* w, const uint16_t* x, int64_t x_stride, float* out, int64_t out_stride, int64_t n0, int64_t n1,
+    int64_t K) {
   const int64_t body = K - K % 64;
   const __mmask32 tail = K % 32 ? __mmask32((1u << (K % 32)) - 1) : __mmask32(0);
   const uint16_t* row = w + n0 * K;
   for (int64_t n = n0; n < n1; ++n, row += K) {
-    __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+    __m512 a0[M], a1[M];
+    for (int m = 0; m < M; ++m) a0[m] = a1[m] = _mm512_setzero_ps();
     int64_t k = 0;
     for (; k < body; k += 64) {  // two chains; the next rows are fetched ahead (2 KB: a row or two)
       _mm_prefetch(reinterpret_cast<const char*>(row + k + 1024), _MM_HINT_T0);
       _mm_prefetch(reinterpret_cast<const char*>(row + k + 1056), _MM_HINT_T0);
-      a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_loadu_si512(row + k), (__m512bh)_mm512_loadu_si512(x + k));
-      a1 = _mm512_dpbf16_ps(a1, (__m512bh)_mm512_loadu_si512(row + k + 32),
-                            (__m512bh)_mm512_loadu_si512(x + k + 32));
+      const __m512bh w0 = (__m512bh)_mm512_loadu_si512(row + k), w1 = (__m512bh)_mm512_loadu_si512(row + k + 32);
+      for (int m = 0; m < M; ++m) {
+        a0[m] = _mm512_dpbf16_ps(a0[m], w0, (__m512bh)_mm512_loadu_si512(x + m * x_stride + k));
+        a1[m] = _mm512_dpbf16_ps(a1[m], w1, (__m512bh)_mm512_loadu_si512(x + m * x_stride + k + 32));
+      }
     }
-    for (; k + 32 <= K; k += 32)
-      a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_loadu_si512(row + k), (__m512bh)_mm512_loadu_si512(x + k));
-    if (tail)
-      a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_maskz_loadu_epi16(tail, row + k),
-                            (__m512bh)_mm512_maskz_loadu_epi16(tail, x + k));
-    out[n] = _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
+    for (; k + 32 <= K; k += 32) {
+      const __m512bh w0 = (__m512bh)_mm512_loadu_si512(row + k);
+      for (int m = 0; m < M; ++m)
+        a0[m] = _mm512_dpbf16_ps(a0[m], w0, (__m512bh)_mm512_loadu_si512(x + m * x_stride + k));
+    }
+    if (tail) {
+      const __m512bh w0 = (__m512bh)_mm512_maskz_loadu_epi16(tail, row + k);
+      for (int m = 0; m < M; ++m)
+        a0[m] = _mm512_dpbf16_ps(a0[m], w0, (__m512bh)_mm512_maskz_loadu_epi16(tail, x + m * x_stride + k));
+    }
+    for (int m = 0; m < M; ++m) out[m * out_stride + n] = _mm512_reduce_add_ps(_mm512_add_ps(a0[m], a1[m]));
+  }
+}
+
+void dot_rows_avx512bf16(const uint16_t* w, const uint16_t* x, int64_t x_stride, int64_t rows, float* out,
+                         int64_t out_stride, int64_t n0, int64_t n1, int64_t K) {
+  for (int64_t m = 0; m < rows; m += 8) {  // eight rows at a time (16 accumulators of the 32 registers)
+    const uint16_t* xm = x + m * x_stride;
+    float* om = out + m * out_stride;
+    switch (std::min<int64_t>(8, rows - m)) {
+      case 1: dot_rows_avx512bf16<1>(w, xm, x_stride, om, out_stride, n0, n1, K); break;
+      case 2: dot_rows_avx512bf16<2>(w, xm, x_stride, om, out_stride, n0, n1, K); break;
+      case 3: dot_rows_avx512bf16<3>(w, xm, x_stride, om, out_stride, n0, n1, K); break;
+      case 4: dot_rows_avx512bf16<4>(w, xm, x_stride, om, out_stride, n0, n1, K); break;
+      case 5: dot_rows_avx512bf16<5>(w, xm, x_stride, om, out_stride, n0, n1, K); break;
+      case 6: dot_rows_avx512bf16<6>(w, xm, x_stride, om, out_stride, n0, n1, K); break;
+      case 7: dot_rows_avx512bf16<7>(w, xm, x_stride, om, out_stride, n0, n1, K); break;
+      default: dot_rows_avx512bf16<8>(w, xm, x_stride, om, out_stride, n0, n1, K); break;
+    }
   }
 }
 
@@ -277,20 +308,23 @@ bool set_native_bf16(bool enabled) {
   return previous;
 }
 
-// out (N,) fp32 <- w (N, K) @ x (K,), rows split over the workers
-void gemv_into(const bf16* x, const bf16* w, float* out, int64_t N, int64_t K) {
+// out (M, N) fp32 <- x (M, K) @ w (N, K)^T, weight rows split over the workers (M = 1: a lone row)
+void gemv_into(const bf16* x, const bf16* w, float* out, int64_t N, int64_t K, int64_t M = 1) {
   const int64_t rows = std::max<int64_t>(16, (1 << 14) / std::max<int64_t>(K, 1));  // >= ~32 KB of weight a part
   parallel_ranges(N, 4, rows, [&](int64_t n0, int64_t n1) {
-    if (use_avx512bf16())
-      dot_rows_avx512bf16(elements(w), elements(x), out, n0, n1, K);
-    else
-      dot_rows_generic(elements(w), elements(x), out, n0, n1, K);
+    if (use_avx512bf16()) {
+      dot_rows_avx512bf16(elements(w), elements(x), K, M, out, N, n0, n1, K);
+    } else {
+      for (int64_t m = 0; m < M; ++m) dot_rows_generic(elements(w), elements(x) + m * K, out + m * N, n0, n1, K);
+    }
   });
 }
 
-void gemv_into(const float* x, const float* w, float* out, int64_t N, int64_t K) {
+void gemv_into(const float* x, const float* w, float* out, int64_t N, int64_t K, int64_t M = 1) {
   const int64_t rows = std::max<int64_t>(8, (1 << 13) / std::max<int64_t>(K, 1));
-  parallel_ranges(N, 4, rows, [&](int64_t n0, int64_t n1) { dot_rows_f32(w, x, out, n0, n1, K); });
+  parallel_ranges(N, 4, rows, [&](int64_t n0, int64_t n1) {
+    for (int64_t m = 0; m < M; ++m) dot_rows_f32(w, x + m * K, out + m * N, n0, n1, K);
+  });
 }
 
 bool is_16_or_32(at::ScalarType t) { return t == at::kBFloat16 || t == at::kFloat; }
@@ -305,20 +339,23 @@ void check_vector(const at::Tensor& v, at::ScalarType dtype, int64_t n, const ch
               what, ": a contiguous ", dtype, " vector of ", n, " expected, got ", v.scalar_type(), " ", v.sizes());
 }
 
-// x (K,) and w (N, K) both bf16 or both fp32 -> (N,) fp32 sums; bf16_out: rounded to bf16 (bf16 inputs only)
+// x (K,) or (M, K) and w (N, K), both bf16 or both fp32 -> (N,) or (M, N) fp32 sums; bf16_out: rounded to bf16
+// (bf16 inputs only). A row's values are the same whatever M is.
 at::Tensor gemv(const at::Tensor& x, const at::Tensor& w, bool bf16_out) {
   TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), "deepinfer_cpu::gemv: CPU tensors expected");
-  const int64_t K = x.numel();
   const auto dtype = x.scalar_type();
   TORCH_CHECK(is_16_or_32(dtype), "deepinfer_cpu::gemv: bf16 or fp32 values expected, got ", dtype);
   TORCH_CHECK(!bf16_out || dtype == at::kBFloat16, "deepinfer_cpu::gemv: bf16_out takes bf16 inputs");
-  check_vector(x, dtype, K, "deepinfer_cpu::gemv x");
+  TORCH_CHECK((x.dim() == 1 || x.dim() == 2) && x.is_contiguous(),
+              "deepinfer_cpu::gemv x: a contiguous (K,) or (M, K) input expected, got ", x.sizes());
+  const int64_t K = x.size(-1), M = x.dim() == 2 ? x.size(0) : 1;
   check_matrix(w, dtype, K, "deepinfer_cpu::gemv w");
-  auto out = at::empty({w.size(0)}, x.options().dtype(at::kFloat));
-  if (dtype == at::kBFloat16)
-    gemv_into(x.data_ptr<bf16>(), w.data_ptr<bf16>(), out.data_ptr<float>(), w.size(0), K);
-  else
-    gemv_into(x.data_ptr<float>(), w.data_ptr<float>(), out.data_ptr<float>(), w.size(0), K);
+  auto out = at::empty(x.dim() == 2 ? std::vector<int64_t>{M, w.size(0)} : std::vector<int64_t>{w.size(0)},
+                       x.options().dtype(at::kFloat));
+  if (M > 0 && dtype == at::kBFloat16)
+    gemv_into(x.data_ptr<bf16>(), w.data_ptr<bf16>(), out.data_ptr<float>(), w.size(0), K, M);
+  else if (M > 0)
+    gemv_into(x.data_ptr<float>(), w.data_ptr<float>(), out.data_ptr<float>(), w.size(0), K, M);
   return bf16_out ? out.to(at::kBFloat16) : out;
 }
 

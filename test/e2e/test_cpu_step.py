@@ -134,8 +134,11 @@ def test_bf16_row_products_within_rounding(row):
     assert torch.equal(product(x[0]), got[0])  # the 1-D lone-stream form, as it is
     x3 = torch.randn(3, 576, generator=g).bfloat16()
     many, want = product(x3), torch.nn.functional.linear(x3, w)
-    if row == "packed":  # the packed copy serves every row count: within the same rounding as F.linear
+    if row in ("packed", "kernel"):  # the packed copy / the kernels' product serve more rows too: within the same
+        # rounding as F.linear (the kernels: each row's values as the lone row's)
         assert ((many.double() - x3.double() @ w.double().T).abs() <= 2**-7 * want.double().abs() + 1e-3).all()
+        if row == "kernel":
+            assert torch.equal(many[1], product(x3[1]))
     else:
         assert torch.equal(many, want)
 

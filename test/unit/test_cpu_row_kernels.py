@@ -152,3 +152,22 @@ def test_threads_split_rows_not_sums(ops):
     finally:
         torch.set_num_threads(previous)
     assert all(torch.equal(r, results[0]) for r in results)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gemv_rows_are_independent_of_how_many_share_the_call(ops, native, dtype):
+    """x (M, K): each row's sums are the lone row's, bit for bit, for every M (the kernel takes eight rows at a
+    time, the same steps for each), and within the fp32 sums' error of the exact product."""
+    g = torch.Generator().manual_seed(3)
+    for k in (576, 100, 31):
+        w = torch.randn(67, k, generator=g).to(dtype)
+        x = torch.randn(19, k, generator=g).to(dtype)
+        lone = torch.stack([ops.gemv(row.contiguous(), w, False) for row in x])
+        for m in (1, 2, 7, 8, 9, 16, 19):
+            got = ops.gemv(x[:m].contiguous(), w, False)
+            assert got.shape == (m, 67) and torch.equal(got, lone[:m]), (k, m)
+        exact = x.double() @ w.double().T
+        bound = 2 * k * 2**-24 * (x.double().abs() @ w.double().abs().T) + 1e-6
+        assert ((lone.double() - exact).abs() <= bound).all()
+    with pytest.raises(RuntimeError, match=r"contiguous \(K,\) or \(M, K\) input"):
+        ops.gemv(x.t(), w, False)
