@@ -1,9 +1,9 @@
-"""The lone-row CPU kernels (kernels/cpu/row_decode.cpp): built once per machine, loaded as torch ops.
+"""The CPU decode-row kernels (kernels/cpu/row_decode.cpp): built once per machine, loaded as torch ops.
 
     ops = load()          # torch.ops.deepinfer_cpu, or None where it cannot be built (no C++ compiler, no ninja)
     ops.gemv(x, w, bf16_out)
     ops.decode_layer(x, residual, first, in_norm, post_norm, qkv_w, o_w, gate_up_w, down_w, cos, signed_sin,
-                     k_cache, v_cache, slots, out_slot, num_q, num_kv, eps, scale)
+                     k_cache, v_cache, slots, slot_starts, out_slots, num_q, num_kv, eps, scale)
 
 The source is compiled with torch's C++ extension builder (a C++ compiler and ninja; about half a minute on two
 cores) into `build_dir` (DEEPINFER_CACHE/torch_extensions by default), once per source version: a later process

@@ -1,13 +1,13 @@
-// CPU kernels for a lone decode row (one stream, one token) of a 16-bit Llama layer.
+// CPU kernels for decode rows (each stream one new token; a lone stream above all) of a Llama layer, bf16 or fp32.
 //
-// At one row a layer's four products are matrix-vector products that read the whole weight once, and the rest of
-// the layer (norms, rotary, attention over the stream's keys, SiLU) is a few thousand elements. Run as torch ops
+// At a few rows a layer's four products are matrix-vector products that read the whole weight once, and the rest
+// of the layer (norms, rotary, attention over each stream's keys, SiLU) is a few thousand elements a row. Run as torch ops
 // each piece is a dispatch and, for the products, a oneDNN call that reads 15-21 GB/s of a machine's ~50; here the
 // products stream each weight row once (AVX512-BF16 dot products where the CPU has them) and the whole layer is
 // one call.
 //
 //   deepinfer_cpu::gemv(x, w, bf16_out)   x (K,) or (M, K), w (N, K), bf16 or fp32 -> fp32 sums, or rounded to bf16
-//   deepinfer_cpu::decode_layer(...)      one layer in place: see decode_layer below
+//   deepinfer_cpu::decode_layer(...)      one layer for B decode rows, in place: see decode_layer below
 //   deepinfer_cpu::set_native_bf16(on)    AVX512-BF16 dot products on / off (tests reach the portable form)
 //
 // Values follow the eager CPU step's bf16 form (models/llama_step.py): every op's result is rounded to bf16 where
@@ -373,30 +373,37 @@ template <typename T>
 void layer(at::Tensor& x, at::Tensor& residual, bool first, const at::Tensor& in_norm, const at::Tensor& post_norm,
            const at::Tensor& qkv_w, const at::Tensor& o_w, const at::Tensor& gate_up_w, const at::Tensor& down_w,
            const at::Tensor& cos, const at::Tensor& signed_sin, at::Tensor& k_cache, at::Tensor& v_cache,
-           const int64_t* slot, int64_t L, int64_t out_slot, int64_t num_q, int64_t num_kv, float eps, float scale) {
-  const int64_t H = x.numel(), D = cos.numel(), half = D / 2, heads = num_q + 2 * num_kv;
+           const int64_t* slot, const int64_t* start, const int64_t* out_slot, int64_t B, int64_t num_q,
+           int64_t num_kv, float eps, float scale) {
+  const int64_t H = x.size(1), D = cos.size(1), half = D / 2, heads = num_q + 2 * num_kv, width = heads * D;
   const int64_t inter = down_w.size(1);
-  T* xp = x.data_ptr<T>();
-  T* rp = residual.data_ptr<T>();
-  std::vector<T> h(std::max(H, inter));
-  std::vector<float> sums(std::max(heads * D, 2 * inter));
-  std::vector<T> qkv(heads * D), attn(num_q * D);
+  T* xs = x.data_ptr<T>();
+  T* rs = residual.data_ptr<T>();
+  std::vector<T> h(B * std::max(H, inter));
+  std::vector<float> sums(B * std::max(width, 2 * inter));
+  std::vector<T> qkv(B * width), attn(B * num_q * D);
 
-  for (int64_t i = 0; i < H; ++i) rp[i] = first ? xp[i] : T(f32(xp[i]) + f32(rp[i]));
-  rms_norm(rp, in_norm.data_ptr<T>(), h.data(), H, eps);
-  gemv_into(h.data(), qkv_w.data_ptr<T>(), sums.data(), heads * D, H);
-  for (int64_t i = 0; i < heads * D; ++i) qkv[i] = T(sums[i]);
+  for (int64_t b = 0; b < B; ++b) {
+    T* xp = xs + b * H;
+    T* rp = rs + b * H;
+    for (int64_t i = 0; i < H; ++i) rp[i] = first ? xp[i] : T(f32(xp[i]) + f32(rp[i]));
+    rms_norm(rp, in_norm.data_ptr<T>(), h.data() + b * H, H, eps);
+  }
+  gemv_into(h.data(), qkv_w.data_ptr<T>(), sums.data(), width, H, B);
+  for (int64_t i = 0; i < B * width; ++i) qkv[i] = T(sums[i]);
 
   // rotary on the q and k heads: x * cos + (x2 | x1) * (-sin | sin), each product and the sum rounded
-  const T* c = cos.data_ptr<T>();
-  const T* s = signed_sin.data_ptr<T>();
   std::vector<T> head(D);
-  for (int64_t hd = 0; hd < num_q + num_kv; ++hd) {
-    T* v = qkv.data() + hd * D;
-    std::copy(v, v + D, head.begin());
-    for (int64_t j = 0; j < D; ++j) {
-      const float swapped = f32(head[(j + half) % D]);
-      v[j] = T(rnd<T>(f32(head[j]) * f32(c[j])) + rnd<T>(swapped * f32(s[j])));
+  for (int64_t b = 0; b < B; ++b) {
+    const T* c = cos.data_ptr<T>() + b * D;
+    const T* s = signed_sin.data_ptr<T>() + b * D;
+    for (int64_t hd = 0; hd < num_q + num_kv; ++hd) {
+      T* v = qkv.data() + b * width + hd * D;
+      std::copy(v, v + D, head.begin());
+      for (int64_t j = 0; j < D; ++j) {
+        const float swapped = f32(head[(j + half) % D]);
+        v[j] = T(rnd<T>(f32(head[j]) * f32(c[j])) + rnd<T>(swapped * f32(s[j])));
+      }
     }
   }
 
@@ -404,55 +411,75 @@ void layer(at::Tensor& x, at::Tensor& residual, bool first, const at::Tensor& in
   const int64_t k_row = k_cache.stride(0), v_row = v_cache.stride(0);
   T* kc = k_cache.data_ptr<T>();
   T* vc = v_cache.data_ptr<T>();
-  std::copy(qkv.data() + num_q * D, qkv.data() + (num_q + num_kv) * D, kc + out_slot * k_row);
-  std::copy(qkv.data() + (num_q + num_kv) * D, qkv.data() + heads * D, vc + out_slot * v_row);
+  for (int64_t b = 0; b < B; ++b) {
+    const T* row = qkv.data() + b * width;
+    std::copy(row + num_q * D, row + (num_q + num_kv) * D, kc + out_slot[b] * k_row);
+    std::copy(row + (num_q + num_kv) * D, row + width, vc + out_slot[b] * v_row);
+  }
 
-  // attention per q head over the stream's L keys (attend_head)
+  // attention per (row, q head) over that row's keys (attend_head)
   const int64_t group = num_q / num_kv;
-  parallel_ranges(num_q, 1, 1, [&](int64_t h0, int64_t h1) {
-    std::vector<float> score(L), q(D), acc(D);
-    for (int64_t hq = h0; hq < h1; ++hq) {
-      const int64_t g = hq / group;
-      for (int64_t j = 0; j < D; ++j) q[j] = f32(qkv[hq * D + j]);
-      attend_head(q.data(), elements(kc) + g * D, elements(vc) + g * D, k_row, v_row, slot, L, D, scale,
+  parallel_ranges(B * num_q, 1, 1, [&](int64_t p0, int64_t p1) {
+    std::vector<float> score, q(D), acc(D);
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t b = p / num_q, hq = p % num_q, g = hq / group, L = start[b + 1] - start[b];
+      score.resize(L);
+      for (int64_t j = 0; j < D; ++j) q[j] = f32(qkv[b * width + hq * D + j]);
+      attend_head(q.data(), elements(kc) + g * D, elements(vc) + g * D, k_row, v_row, slot + start[b], L, D, scale,
                   score.data(), acc.data());
-      for (int64_t j = 0; j < D; ++j) attn[hq * D + j] = T(acc[j]);
+      for (int64_t j = 0; j < D; ++j) attn[(b * num_q + hq) * D + j] = T(acc[j]);
     }
   });
 
-  gemv_into(attn.data(), o_w.data_ptr<T>(), sums.data(), H, num_q * D);
-  for (int64_t i = 0; i < H; ++i) rp[i] = T(rnd<T>(sums[i]) + f32(rp[i]));
-  rms_norm(rp, post_norm.data_ptr<T>(), h.data(), H, eps);
-  gemv_into(h.data(), gate_up_w.data_ptr<T>(), sums.data(), 2 * inter, H);
-  for (int64_t i = 0; i < inter; ++i) {  // SiLU on the gate (fp32, rounded), times up (rounded)
-    const float gate = rnd<T>(sums[i]), up = rnd<T>(sums[inter + i]);
-    h[i] = T(rnd<T>(gate / (1.0f + std::exp(-gate))) * up);
+  gemv_into(attn.data(), o_w.data_ptr<T>(), sums.data(), H, num_q * D, B);
+  for (int64_t b = 0; b < B; ++b) {
+    T* rp = rs + b * H;
+    for (int64_t i = 0; i < H; ++i) rp[i] = T(rnd<T>(sums[b * H + i]) + f32(rp[i]));
+    rms_norm(rp, post_norm.data_ptr<T>(), h.data() + b * H, H, eps);
   }
-  gemv_into(h.data(), down_w.data_ptr<T>(), sums.data(), H, inter);
-  for (int64_t i = 0; i < H; ++i) xp[i] = T(sums[i]);
+  gemv_into(h.data(), gate_up_w.data_ptr<T>(), sums.data(), 2 * inter, H, B);
+  for (int64_t b = 0; b < B; ++b) {
+    const float* gu = sums.data() + b * 2 * inter;
+    for (int64_t i = 0; i < inter; ++i) {  // SiLU on the gate (fp32, rounded), times up (rounded)
+      const float gate = rnd<T>(gu[i]), up = rnd<T>(gu[inter + i]);
+      h[b * inter + i] = T(rnd<T>(gate / (1.0f + std::exp(-gate))) * up);
+    }
+  }
+  gemv_into(h.data(), down_w.data_ptr<T>(), sums.data(), H, inter, B);
+  for (int64_t i = 0; i < B * H; ++i) xs[i] = T(sums[i]);
 }
 
-// One Llama layer for a lone decode row, in place, all of it bf16 or all fp32:
+void check_rows(const at::Tensor& v, at::ScalarType dtype, int64_t B, int64_t n, const char* what) {
+  TORCH_CHECK(v.scalar_type() == dtype && v.dim() == 2 && v.is_contiguous() && v.size(0) == B && v.size(1) == n,
+              what, ": contiguous ", dtype, " rows (", B, ", ", n, ") expected, got ", v.scalar_type(), " ",
+              v.sizes());
+}
+
+// One Llama layer for B decode rows (B streams, one new token each), in place, all of it bf16 or all fp32:
 //   residual <- x (first layer) or x + residual;  h = RMSNorm(residual) -> qkv -> rotary on q and k heads;
-//   k, v stored at out_slot; attention of q over the keys at `slots` (the stream's context, the new token last);
-//   residual <- o_proj(attention) + residual;  x <- down(SiLU(gate) * up) of RMSNorm(residual).
-// cos, signed_sin (D,): the token's rotary factors (signed_sin = -sin | sin, the factors of the half-swapped head).
-// k_cache, v_cache (S, Hkv, D): the layer's pool rows.
+//   k, v stored at out_slots[b]; attention of row b's q over the keys at slots[slot_starts[b] : slot_starts[b+1]]
+//   (its stream's context, the new token last); residual <- o_proj(attention) + residual;
+//   x <- down(SiLU(gate) * up) of RMSNorm(residual).
+// x, residual (B, H); cos, signed_sin (B, D): each token's rotary factors (signed_sin = -sin | sin, the factors of
+// the half-swapped head); k_cache, v_cache (S, Hkv, D): the layer's pool rows. Each row's values are the same
+// whatever B is and whichever rows share the call.
 void decode_layer(at::Tensor& x, at::Tensor& residual, bool first, const at::Tensor& in_norm,
                   const at::Tensor& post_norm, const at::Tensor& qkv_w, const at::Tensor& o_w,
                   const at::Tensor& gate_up_w, const at::Tensor& down_w, const at::Tensor& cos,
                   const at::Tensor& signed_sin, at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slots,
-                  int64_t out_slot, int64_t num_q, int64_t num_kv, double eps, double scale) {
+                  const at::Tensor& slot_starts, const at::Tensor& out_slots, int64_t num_q, int64_t num_kv,
+                  double eps, double scale) {
   const auto dtype = x.scalar_type();
   TORCH_CHECK(is_16_or_32(dtype), "x: bf16 or fp32 values expected, got ", dtype);
-  const int64_t H = x.numel(), D = cos.numel(), heads = num_q + 2 * num_kv;
-  const int64_t inter = down_w.dim() == 2 ? down_w.size(1) : 0, L = slots.numel();
-  check_vector(x, dtype, H, "x");
-  check_vector(residual, dtype, H, "residual");
+  TORCH_CHECK(x.dim() == 2 && cos.dim() == 2, "x (B, H) and cos (B, D) expected, got ", x.sizes(), " ", cos.sizes());
+  const int64_t B = x.size(0), H = x.size(1), D = cos.size(1), heads = num_q + 2 * num_kv;
+  const int64_t inter = down_w.dim() == 2 ? down_w.size(1) : 0;
+  check_rows(x, dtype, B, H, "x");
+  check_rows(residual, dtype, B, H, "residual");
   check_vector(in_norm, dtype, H, "input norm");
   check_vector(post_norm, dtype, H, "post-attention norm");
-  check_vector(cos, dtype, D, "cos");
-  check_vector(signed_sin, dtype, D, "signed sin");
+  check_rows(cos, dtype, B, D, "cos");
+  check_rows(signed_sin, dtype, B, D, "signed sin");
   check_matrix(qkv_w, dtype, H, "qkv");
   TORCH_CHECK(qkv_w.size(0) == heads * D, "qkv: ", heads * D, " rows expected, got ", qkv_w.size(0));
   check_matrix(o_w, dtype, num_q * D, "o_proj");
@@ -466,19 +493,28 @@ void decode_layer(at::Tensor& x, at::Tensor& residual, bool first, const at::Ten
                     c->stride(2) == 1 && c->stride(1) == D,
                 "kv cache: ", dtype, " (S, ", num_kv, ", ", D, ") rows expected, got ", c->scalar_type(), " ",
                 c->sizes());
-  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 1 && slots.is_contiguous() && L >= 1,
-              "slots: a contiguous int64 vector expected");
+  for (const at::Tensor* t : {&slots, &slot_starts, &out_slots})
+    TORCH_CHECK(t->scalar_type() == at::kLong && t->dim() == 1 && t->is_contiguous(),
+                "slots, slot_starts, out_slots: contiguous int64 vectors expected");
+  TORCH_CHECK(slot_starts.numel() == B + 1 && out_slots.numel() == B, "slot_starts: B + 1 = ", B + 1,
+              " entries and out_slots: B = ", B, " expected");
   TORCH_CHECK(num_kv > 0 && num_q % num_kv == 0 && D % 2 == 0, "heads: num_q a multiple of num_kv, even head_dim");
-  const int64_t S = k_cache.size(0);
-  TORCH_CHECK(0 <= out_slot && out_slot < S, "out_slot ", out_slot, " outside the pool of ", S);
+  const int64_t S = k_cache.size(0), total = slots.numel();
   const int64_t* slot = slots.data_ptr<int64_t>();
-  for (int64_t l = 0; l < L; ++l) TORCH_CHECK(0 <= slot[l] && slot[l] < S, "slot ", slot[l], " outside the pool");
+  const int64_t* start = slot_starts.data_ptr<int64_t>();
+  const int64_t* out_slot = out_slots.data_ptr<int64_t>();
+  TORCH_CHECK(start[0] == 0 && start[B] == total, "slot_starts: from 0 to the ", total, " slots expected");
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(start[b + 1] > start[b], "slot_starts: row ", b, " has no keys");
+    TORCH_CHECK(0 <= out_slot[b] && out_slot[b] < S, "out_slot ", out_slot[b], " outside the pool of ", S);
+  }
+  for (int64_t l = 0; l < total; ++l) TORCH_CHECK(0 <= slot[l] && slot[l] < S, "slot ", slot[l], " outside the pool");
   if (dtype == at::kBFloat16)
     layer<bf16>(x, residual, first, in_norm, post_norm, qkv_w, o_w, gate_up_w, down_w, cos, signed_sin, k_cache,
-                v_cache, slot, L, out_slot, num_q, num_kv, float(eps), float(scale));
+                v_cache, slot, start, out_slot, B, num_q, num_kv, float(eps), float(scale));
   else
     layer<float>(x, residual, first, in_norm, post_norm, qkv_w, o_w, gate_up_w, down_w, cos, signed_sin, k_cache,
-                 v_cache, slot, L, out_slot, num_q, num_kv, float(eps), float(scale));
+                 v_cache, slot, start, out_slot, B, num_q, num_kv, float(eps), float(scale));
 }
 
 }  // namespace
@@ -489,8 +525,8 @@ TORCH_LIBRARY(deepinfer_cpu, m) {
   m.def(
       "decode_layer(Tensor(a!) x, Tensor(b!) residual, bool first, Tensor in_norm, Tensor post_norm, "
       "Tensor qkv_w, Tensor o_w, Tensor gate_up_w, Tensor down_w, Tensor cos, Tensor signed_sin, "
-      "Tensor(c!) k_cache, Tensor(d!) v_cache, Tensor slots, int out_slot, int num_q, int num_kv, float eps, "
-      "float scale) -> ()");
+      "Tensor(c!) k_cache, Tensor(d!) v_cache, Tensor slots, Tensor slot_starts, Tensor out_slots, int num_q, "
+      "int num_kv, float eps, float scale) -> ()");
 }
 
 TORCH_LIBRARY_FRAGMENT(deepinfer_cpu, m) { m.impl("set_native_bf16", &set_native_bf16); }

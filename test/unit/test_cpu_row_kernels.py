@@ -104,8 +104,10 @@ def test_decode_layer_against_eager_step(ops, native, hidden, heads, head_dim, i
         want_x, want_residual = _reference_layer(x, residual, first, weights, cos, signed_sin, kr, vr, slots,
                                                  out_slot, num_q, num_kv, eps, scale)
         kk, vk = k_cache.clone(), v_cache.clone()
-        ops.decode_layer(x, residual, first, *weights, cos, signed_sin, kk, vk, slots, out_slot, num_q, num_kv,
-                         eps, scale)
+        x, residual = x[None], residual[None]  # one row
+        ops.decode_layer(x, residual, first, *weights, cos[None], signed_sin[None], kk, vk, slots,
+                         torch.tensor([0, context]), torch.tensor([out_slot]), num_q, num_kv, eps, scale)
+        x, residual = x[0], residual[0]
         # nothing but the new token's slot changed; its k (after rotary) and v within a rounding or two of bf16
         # (fp32: the same operations, sums in another order)
         others = torch.ones(pool, dtype=torch.bool)
@@ -125,17 +127,65 @@ def test_decode_layer_refuses_bad_input(ops):
     weights = (torch.ones(hidden).bfloat16(), torch.ones(hidden).bfloat16(),
                torch.zeros(4 * d, hidden).bfloat16(), torch.zeros(hidden, 2 * d).bfloat16(),
                torch.zeros(64, hidden).bfloat16(), torch.zeros(hidden, 32).bfloat16())
-    cos, sin = torch.ones(d).bfloat16(), torch.zeros(d).bfloat16()
+    cos, sin = torch.ones(1, d).bfloat16(), torch.zeros(1, d).bfloat16()
     k, v = torch.zeros(8, 1, d).bfloat16(), torch.zeros(8, 1, d).bfloat16()
-    x, r = torch.zeros(hidden).bfloat16(), torch.zeros(hidden).bfloat16()
+    x, r = torch.zeros(1, hidden).bfloat16(), torch.zeros(1, hidden).bfloat16()
+    one, first = torch.tensor([0]), torch.tensor([0, 1])
+
+    def call(slots=one, starts=first, out=one, kc=k, num_q=2, xx=x):
+        ops.decode_layer(xx, r, True, *weights, cos, sin, kc, v, slots, starts, out, num_q, 1, 1e-5, 0.1)
+
     with pytest.raises(RuntimeError, match="slot 9 outside the pool"):
-        ops.decode_layer(x, r, True, *weights, cos, sin, k, v, torch.tensor([0, 9]), 0, 2, 1, 1e-5, 0.1)
+        call(slots=torch.tensor([0, 9]), starts=torch.tensor([0, 2]))
     with pytest.raises(RuntimeError, match="out_slot 8 outside the pool"):
-        ops.decode_layer(x, r, True, *weights, cos, sin, k, v, torch.tensor([0]), 8, 2, 1, 1e-5, 0.1)
+        call(out=torch.tensor([8]))
     with pytest.raises(RuntimeError, match="kv cache"):
-        ops.decode_layer(x, r, True, *weights, cos, sin, k.float(), v, torch.tensor([0]), 0, 2, 1, 1e-5, 0.1)
+        call(kc=k.float())
     with pytest.raises(RuntimeError, match="qkv"):
-        ops.decode_layer(x, r, True, *weights, cos, sin, k, v, torch.tensor([0]), 0, 3, 1, 1e-5, 0.1)
+        call(num_q=3)
+    with pytest.raises(RuntimeError, match="slot_starts: from 0 to the 1 slots"):
+        call(starts=torch.tensor([0, 2]))
+    with pytest.raises(RuntimeError, match="slot_starts: B . 1 = 2 entries"):
+        call(starts=torch.tensor([0]))
+    with pytest.raises(RuntimeError, match="contiguous int64 vectors"):
+        call(slots=torch.tensor([0], dtype=torch.int32))
+    with pytest.raises(RuntimeError, match="x .B, H. and cos .B, D. expected"):
+        call(xx=x[0])
+    assert torch.equal(k, torch.zeros_like(k))  # nothing was written by a refused call
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_decode_layer_rows_are_each_row_alone(ops, dtype):
+    """B rows in one call (each its own context, slots and position): every row's x, residual and K/V are the ones
+    it gets alone, bit for bit."""
+    hidden, (num_q, num_kv), d, inter = 96, (4, 2), 16, 80
+    g = torch.Generator().manual_seed(11)
+
+    def rand(*shape, s=0.1):
+        return (torch.randn(*shape, generator=g) * s).to(dtype)
+
+    weights = (1 + rand(hidden), 1 + rand(hidden), rand((num_q + 2 * num_kv) * d, hidden), rand(hidden, num_q * d),
+               rand(2 * inter, hidden), rand(hidden, inter))
+    rows, pool = 11, 400
+    cos, signed_sin = rand(rows, d, s=1.0), rand(rows, d, s=1.0)
+    k_cache, v_cache = rand(pool, num_kv, d, s=1.0), rand(pool, num_kv, d, s=1.0)
+    perm = torch.randperm(pool, generator=g)
+    lens = [1, 5, 17, 3, 40, 2, 9, 1, 33, 8, 60]
+    contexts, at = [], 0
+    for n in lens:
+        contexts.append(perm[at:at + n])
+        at += n
+    x, residual = rand(rows, hidden, s=1.0), rand(rows, hidden, s=1.0)
+    out_slots = torch.stack([c[-1] for c in contexts])
+    kb, vb, xb, rb = k_cache.clone(), v_cache.clone(), x.clone(), residual.clone()
+    ops.decode_layer(xb, rb, False, *weights, cos, signed_sin, kb, vb, torch.cat(contexts),
+                     torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()]), out_slots, num_q, num_kv, 1e-5, 0.25)
+    for i, c in enumerate(contexts):
+        k1, v1, x1, r1 = k_cache.clone(), v_cache.clone(), x[i:i + 1].clone(), residual[i:i + 1].clone()
+        ops.decode_layer(x1, r1, False, *weights, cos[i:i + 1], signed_sin[i:i + 1], k1, v1, c,
+                         torch.tensor([0, len(c)]), out_slots[i:i + 1], num_q, num_kv, 1e-5, 0.25)
+        assert torch.equal(x1[0], xb[i]) and torch.equal(r1[0], rb[i]), i
+        assert torch.equal(k1[c[-1]], kb[c[-1]]) and torch.equal(v1[c[-1]], vb[c[-1]]), i
 
 
 def test_threads_split_rows_not_sums(ops):
