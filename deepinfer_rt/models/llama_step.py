@@ -192,6 +192,10 @@ kernels' product, which reads each weight row once for all of them; more through
 2-core EPYC, decode tok/s with the fused rows against F.linear's: batch 4 181 / 92, 8 228 / 121, 16 242 / 160,
 32 236 / 194, 64 251 / 198."""
 
+FP32_KERNEL_MAX_ROWS = 16
+"""The same for fp32 decode rows, whose product in the kernels takes one input row at a time (no AVX512-BF16 pairs
+to share a weight load): fp32 decode tok/s against torch's mm, batch 8 99 / 77, 16 127 / 115, 32 128 / 144."""
+
 _ROW_GEMV: dict[str, str] = {}
 """'auto': what DEEPINFER_CPU_BF16_GEMV=auto chose (choose_row_gemv), once per process."""
 
@@ -403,7 +407,8 @@ class CpuStep(ModuleStep):
         x = F.embedding(batch.input_ids, trunk.embed_tokens.weight)
         t = x.shape[0]
         as_row = t == 1 and layers[0].takes_row
-        if (t <= KERNEL_MAX_ROWS and t == len(batch.q_lens) and getattr(model, "row_weights", None)
+        most = KERNEL_MAX_ROWS if x.dtype == torch.bfloat16 else FP32_KERNEL_MAX_ROWS
+        if (t <= most and t == len(batch.q_lens) and getattr(model, "row_weights", None)
                 and _row_kernel_fits(batch, x.dtype)):  # decode rows only (every sequence one new token)
             return self._row_forward(model, batch, x)
         if as_row:  # a lone row stays 1-D through the layers (mv takes it as it is)

@@ -308,6 +308,8 @@ bool set_native_bf16(bool enabled) {
   return previous;
 }
 
+constexpr int64_t kBlockRows = 16;
+
 // out (M, N) fp32 <- x (M, K) @ w (N, K)^T, weight rows split over the workers (M = 1: a lone row)
 void gemv_into(const bf16* x, const bf16* w, float* out, int64_t N, int64_t K, int64_t M = 1) {
   const int64_t rows = std::max<int64_t>(16, (1 << 14) / std::max<int64_t>(K, 1));  // >= ~32 KB of weight a part
@@ -315,7 +317,9 @@ void gemv_into(const bf16* x, const bf16* w, float* out, int64_t N, int64_t K, i
     if (use_avx512bf16()) {
       dot_rows_avx512bf16(elements(w), elements(x), K, M, out, N, n0, n1, K);
     } else {
-      for (int64_t m = 0; m < M; ++m) dot_rows_generic(elements(w), elements(x) + m * K, out + m * N, n0, n1, K);
+      for (int64_t b = n0; b < n1; b += kBlockRows)  // a block of weight rows stays in cache across the M inputs
+        for (int64_t m = 0; m < M; ++m)
+          dot_rows_generic(elements(w), elements(x) + m * K, out + m * N, b, std::min(n1, b + kBlockRows), K);
     }
   });
 }
@@ -323,7 +327,8 @@ void gemv_into(const bf16* x, const bf16* w, float* out, int64_t N, int64_t K, i
 void gemv_into(const float* x, const float* w, float* out, int64_t N, int64_t K, int64_t M = 1) {
   const int64_t rows = std::max<int64_t>(8, (1 << 13) / std::max<int64_t>(K, 1));
   parallel_ranges(N, 4, rows, [&](int64_t n0, int64_t n1) {
-    for (int64_t m = 0; m < M; ++m) dot_rows_f32(w, x + m * K, out + m * N, n0, n1, K);
+    for (int64_t b = n0; b < n1; b += kBlockRows)  // a block of weight rows stays in cache across the M inputs
+      for (int64_t m = 0; m < M; ++m) dot_rows_f32(w, x + m * K, out + m * N, b, std::min(n1, b + kBlockRows), K);
   });
 }
 
