@@ -41,6 +41,18 @@ def quantize_q4_1(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tor
     return codes.view(n, k), d.half(), lo.half()
 
 
+def kernel_rows(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A Q4_1 weight in the form the CPU decode-row kernels read (kernels/cpu/row_decode.cpp, `q4_gemv`,
+    `decode_layer_q4`): codes packed two to a byte as GGUF packs a block (byte j of a block: code j in the low
+    nibble, code j + 16 in the high one), d as fp32, and c = m - 16 d in fp32 (the kernels sum (16 + q) * x per
+    block: the codes 16 + q are exact bf16 values)."""
+    n, k = codes.shape
+    blocks = codes.view(n, k // GROUP, 2, GROUP // 2)
+    packed = (blocks[:, :, 0] | (blocks[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
+    scale = d.float().contiguous()
+    return packed, scale, (m.float() - 16 * scale).contiguous()
+
+
 def dequantize_q4_1(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
     """The (N, K) float32 matrix a Q4_1 weight stands for."""
     n, k = codes.shape
@@ -59,6 +71,7 @@ class Q4WeightOnlyLinear(WeightOnlyLinear):
         # activations' dtype: converting them at each call cost as much as the 4-bit matmul itself).
         scales_zeros = torch.stack([d.float(), m.float() + 8 * d.float()], dim=-1).transpose(0, 1).contiguous()
         layer.q4_scales_zeros = scales_zeros.to(layer.weight.dtype)
+        layer.q4_rows = kernel_rows(codes, d, m)  # the decode-row kernels' form (models/llama_step.py)
         layer.weight.data = layer.weight.data.new_empty(0)  # the dense copy is not kept
 
     def packed_mm(self, layer: nn.Module, x2: torch.Tensor) -> torch.Tensor:

@@ -196,6 +196,14 @@ FP32_KERNEL_MAX_ROWS = 16
 """The same for fp32 decode rows, whose product in the kernels takes one input row at a time (no AVX512-BF16 pairs
 to share a weight load): fp32 decode tok/s against torch's mm, batch 8 99 / 77, 16 127 / 115, 32 128 / 144."""
 
+Q4_KERNEL_MAX_ROWS = 3
+"""A Q4_1 model's decode step of at most this many rows runs each layer as one kernel call over the 4-bit codes
+(deepinfer_cpu::decode_layer_q4, DEEPINFER_CPU_Q4_ROW=kernel); a step of more rows (up to KERNEL_MAX_ROWS) runs
+the same fused layer over the linears' dequantized bf16 copies (WeightOnlyLinear.dense_in, the copy prefill
+GEMMs use), where expanding the codes again for every row costs more than reading 16-bit weights. The 30 layers'
+four products of the embedded default's shapes, bf16, 2-core EPYC, codes against 16-bit weights: 1 row 3.6 / 7.7
+ms, 2 rows 5.4 / 7.1, 4 rows 7.9 / 7.4, 8 rows 15.0 / 9.8."""
+
 _ROW_GEMV: dict[str, str] = {}
 """'auto': what DEEPINFER_CPU_BF16_GEMV=auto chose (choose_row_gemv), once per process."""
 
@@ -319,6 +327,7 @@ def _layer_list(model) -> list[_Layer]:
                              *(_linear_fn(lin, row) for lin in linears), attn.qkv_proj.weight))
         layers[-1].takes_row = takes_row
     model.row_weights = _row_weights(model) if row == "kernel" else None
+    model.row_weights_q4 = _q4_row_weights(model)
     if _fp32_takes_kernel(model):
         model.row_weights = _row_weights(model)
         model.head_fn = _fp32_head_fn(head.weight) if head.bias is None and type(model.logits_method) \
@@ -359,6 +368,47 @@ def _row_weights(model) -> list[tuple[torch.Tensor, ...]] | None:
             return None
         out.append(weights)
     return out
+
+
+def _q4_linears(model) -> list[tuple[torch.nn.Module, ...]] | None:
+    """Per layer (qkv, o, gate_up, down) where every one is a Q4_1 linear without bias, else None."""
+    from deepinfer_rt.layers.q4 import Q4WeightOnlyLinear
+
+    out = []
+    for layer in model.model.layers:
+        linears = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+        if not all(type(lin.method) is Q4WeightOnlyLinear and lin.bias is None for lin in linears):
+            return None
+        out.append(linears)
+    return out or None
+
+
+def _q4_row_weights(model) -> list[tuple] | None:
+    """Per layer (input norm, post norm, then qkv, o, gate_up, down each as [codes, d, c]: layers/q4.kernel_rows)
+    for deepinfer_cpu::decode_layer_q4, or None: not every linear Q4_1, DEEPINFER_CPU_Q4_ROW=torch, the kernels
+    not built, or the model dtype neither bf16 nor fp32."""
+    setting = get_env().cpu_q4_row
+    if setting not in ("kernel", "torch"):
+        raise ValueError(f"DEEPINFER_CPU_Q4_ROW={setting!r}: not one of kernel, torch")
+    linears = _q4_linears(model)
+    dtype = model.model.embed_tokens.weight.dtype
+    if linears is None or setting != "kernel" or dtype not in (torch.bfloat16, torch.float32) \
+            or _row_kernels() is None:
+        return None
+    return [(layer.input_layernorm.weight, layer.post_attention_layernorm.weight, *(list(lin.q4_rows) for lin in lins))
+            for layer, lins in zip(model.model.layers, linears)]
+
+
+def _dequantized_row_weights(model) -> list[tuple[torch.Tensor, ...]]:
+    """A Q4_1 model's layers for deepinfer_cpu::decode_layer over its linears' dequantized copies in the model dtype
+    (made once and kept, WeightOnlyLinear.dense_in; the copies prefill already makes), or [] where those copies are
+    not kept (DEEPINFER_CPU_DENSE_COPY=0)."""
+    if not get_env().cpu_dense_copy:
+        return []
+    dtype = model.model.embed_tokens.weight.dtype
+    return [(layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
+             *(lin.method.dense_in(lin, dtype) for lin in lins))
+            for layer, lins in zip(model.model.layers, _q4_linears(model))]
 
 
 def _row_kernel_fits(batch: ForwardBatch, dtype: torch.dtype) -> bool:
@@ -408,9 +458,14 @@ class CpuStep(ModuleStep):
         t = x.shape[0]
         as_row = t == 1 and layers[0].takes_row
         most = KERNEL_MAX_ROWS if x.dtype == torch.bfloat16 else FP32_KERNEL_MAX_ROWS
-        if (t <= most and t == len(batch.q_lens) and getattr(model, "row_weights", None)
-                and _row_kernel_fits(batch, x.dtype)):  # decode rows only (every sequence one new token)
-            return self._row_forward(model, batch, x)
+        if t <= most and t == len(batch.q_lens) and _row_kernel_fits(batch, x.dtype):  # decode rows only
+            q4 = model.row_weights_q4
+            if q4 is not None and t <= Q4_KERNEL_MAX_ROWS:
+                return self._row_forward(model, batch, x, q4, _row_kernels().decode_layer_q4)
+            if q4 is not None and model.row_weights is None:
+                model.row_weights = _dequantized_row_weights(model)
+            if model.row_weights:
+                return self._row_forward(model, batch, x, model.row_weights, _row_kernels().decode_layer)
         if as_row:  # a lone row stays 1-D through the layers (mv takes it as it is)
             x = x.view(-1)
         shape = x.shape
@@ -431,12 +486,12 @@ class CpuStep(ModuleStep):
 
 
     @staticmethod
-    def _row_forward(model, batch: ForwardBatch, x: torch.Tensor) -> torch.Tensor:
+    def _row_forward(model, batch: ForwardBatch, x: torch.Tensor, layer_weights: list[tuple],
+                     decode_layer: Callable) -> torch.Tensor:
         """Decode rows (bf16 or fp32; every sequence one new token, at most KERNEL_MAX_ROWS of them) through one
-        kernel call per layer (deepinfer_cpu::decode_layer: norms, products, rotary, the K/V writes and each row's
-        attention over its sequence's slots), then the final norm. x (B, H)."""
+        kernel call per layer (deepinfer_cpu::decode_layer, or decode_layer_q4 over 4-bit weights: norms, products,
+        rotary, the K/V writes and each row's attention over its sequence's slots), then the final norm. x (B, H)."""
         config, pool, rope = model.config, batch.pool, batch.model_meta
-        decode_layer = _row_kernels().decode_layer
         rows = x.shape[0]
         cos, signed_sin = rope.cos.reshape(rows, -1), rope.signed_sin.reshape(rows, -1)
         if rows == 1:
@@ -447,7 +502,7 @@ class CpuStep(ModuleStep):
             starts = torch.tensor([0, *itertools.accumulate(batch.kv_lens)])
         eps, scale, num_q, num_kv = config.rms_norm_eps, config.head_dim**-0.5, config.num_heads, config.num_kv_heads
         residual = torch.empty_like(x)
-        for i, weights in enumerate(model.row_weights):
+        for i, weights in enumerate(layer_weights):
             decode_layer(x, residual, i == 0, *weights, cos, signed_sin, pool.k[i], pool.v[i], slots, starts,
                          batch.out_slots, num_q, num_kv, eps, scale)
         return _rms_norm(x.add_(residual), model.model.norm.weight, eps)

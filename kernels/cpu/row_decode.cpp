@@ -32,6 +32,7 @@
 #include <functional>
 #include <mutex>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -332,6 +333,164 @@ void gemv_into(const float* x, const float* w, float* out, int64_t N, int64_t K,
   });
 }
 
+// ---- 4-bit weights (GGUF's Q4_1 blocks) ----
+//
+// A Q4_1 weight row is K / 32 blocks; block g holds 32 codes q in 0..15, packed as GGUF packs them (byte j: q[j] in
+// the low nibble, q[j + 16] in the high one), and stands for d_g * q + m_g. The products take d_g and
+// c_g = m_g - 16 d_g in fp32 (made at load) and compute
+//     y = sum_g d_g * S_g + c_g * X_g,   S_g = sum_j (16 + q_j) x_j,   X_g = sum_j x_j
+// which is sum_g sum_j (d_g q_j + m_g) x_j: with AVX512-BF16 each block's codes become the bf16 values 16 + q
+// (exact: the bits 0x4180 | q << 3) and S_g is one dot-product instruction against the block's 32 bf16 inputs.
+struct Mat {
+  const void* dense = nullptr;     // (N, K) of the activations' type
+  const uint8_t* codes = nullptr;  // Q4_1: (N, K / 2) packed codes
+  const float* d = nullptr;        // Q4_1: (N, K / 32) scales
+  const float* c = nullptr;        // Q4_1: (N, K / 32) m - 16 d
+  int64_t N = 0, K = 0;
+};
+
+constexpr int64_t kGroup = 32;
+
+// x (M, K) -> the block sums X (M, K / 32) in fp32
+template <typename T>
+void block_sums(const T* x, float* out, int64_t M, int64_t K) {
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t g = 0; g < K / kGroup; ++g) {
+      float s = 0;
+      for (int64_t j = 0; j < kGroup; ++j) s += f32(x[m * K + g * kGroup + j]);
+      out[m * (K / kGroup) + g] = s;
+    }
+}
+
+// sum_g c_g X_g for one weight row and one input row, 16 blocks a step
+__attribute__((target("avx512f"))) inline float offsets_avx512(const float* c, const float* xsum, int64_t G) {
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t g = 0; g < G; g += 16) {
+    const __mmask16 take = G - g >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (G - g)) - 1);
+    acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(take, c + g), _mm512_maskz_loadu_ps(take, xsum + g), acc);
+  }
+  return _mm512_reduce_add_ps(acc);
+}
+
+template <int M>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void q4_rows_avx512bf16(
+    const Mat& w, const uint16_t* x, const float* xsum, float* out, int64_t out_stride, int64_t n0, int64_t n1) {
+  const int64_t K = w.K, G = K / kGroup;
+  const __m512i base = _mm512_set1_epi16(0x4180);  // bf16 16.0: the code q lands in the mantissa's top bits
+  const __m512i mask = _mm512_set1_epi16(0x78);
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = w.codes + n * (K / 2);
+    const float* d = w.d + n * G;
+    __m512 a0[M], a1[M];
+    for (int m = 0; m < M; ++m) a0[m] = a1[m] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < G; ++g) {  // blocks alternate between two chains
+      if ((g & 3) == 0) _mm_prefetch(reinterpret_cast<const char*>(row + g * 16 + 768), _MM_HINT_T0);
+      // the block's 16 bytes as 16-bit words b; q[j] << 3 = (b << 3) & 0x78, q[j + 16] << 3 = (b >> 1) & 0x78
+      const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + g * 16)));
+      const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_slli_epi16(b, 3)), _mm256_srli_epi16(b, 1), 1);
+      const __m512bh wq = (__m512bh)_mm512_ternarylogic_epi32(both, mask, base, 0xEA);  // (both & mask) | base
+      const __m512 dg = _mm512_set1_ps(d[g]);
+      for (int m = 0; m < M; ++m) {
+        const __m512 s = _mm512_dpbf16_ps(_mm512_setzero_ps(), wq,
+                                          (__m512bh)_mm512_loadu_si512(x + m * K + g * kGroup));
+        if (g & 1)
+          a1[m] = _mm512_fmadd_ps(dg, s, a1[m]);
+        else
+          a0[m] = _mm512_fmadd_ps(dg, s, a0[m]);
+      }
+    }
+    for (int m = 0; m < M; ++m)
+      out[m * out_stride + n] = _mm512_reduce_add_ps(_mm512_add_ps(a0[m], a1[m])) +
+                                offsets_avx512(w.c + n * G, xsum + m * G, G);
+  }
+}
+
+void q4_rows_avx512bf16(const Mat& w, const uint16_t* x, const float* xsum, int64_t rows, float* out,
+                        int64_t out_stride, int64_t n0, int64_t n1) {
+  const int64_t K = w.K, G = K / kGroup;
+  for (int64_t m = 0; m < rows; m += 8) {  // eight rows at a time: each block's codes widened once for all
+    const uint16_t* xm = x + m * K;
+    const float* sm = xsum + m * G;
+    float* om = out + m * out_stride;
+    switch (std::min<int64_t>(8, rows - m)) {
+      case 1: q4_rows_avx512bf16<1>(w, xm, sm, om, out_stride, n0, n1); break;
+      case 2: q4_rows_avx512bf16<2>(w, xm, sm, om, out_stride, n0, n1); break;
+      case 3: q4_rows_avx512bf16<3>(w, xm, sm, om, out_stride, n0, n1); break;
+      case 4: q4_rows_avx512bf16<4>(w, xm, sm, om, out_stride, n0, n1); break;
+      case 5: q4_rows_avx512bf16<5>(w, xm, sm, om, out_stride, n0, n1); break;
+      case 6: q4_rows_avx512bf16<6>(w, xm, sm, om, out_stride, n0, n1); break;
+      case 7: q4_rows_avx512bf16<7>(w, xm, sm, om, out_stride, n0, n1); break;
+      default: q4_rows_avx512bf16<8>(w, xm, sm, om, out_stride, n0, n1); break;
+    }
+  }
+}
+
+// Elsewhere, and for fp32 activations: the same sums in 16 fp32 lanes, vectorized per target by the compiler.
+template <typename E>
+inline void q4_rows(const Mat& w, const E* x, const float* xsum, float* out, int64_t n0, int64_t n1) {
+  const int64_t K = w.K, G = K / kGroup;
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = w.codes + n * (K / 2);
+    const float* d = w.d + n * G;
+    const float* c = w.c + n * G;
+    float acc[16] = {0};
+    float offsets = 0;
+    for (int64_t g = 0; g < G; ++g) {
+      const uint8_t* b = row + g * 16;
+      const E* xg = x + g * kGroup;
+      for (int j = 0; j < 16; ++j)
+        acc[j] += d[g] * (float(16 + (b[j] & 15)) * f32(xg[j]) + float(16 + (b[j] >> 4)) * f32(xg[16 + j]));
+      offsets += c[g] * xsum[g];
+    }
+    for (int w = 8; w >= 1; w /= 2)
+      for (int j = 0; j < w; ++j) acc[j] += acc[j + w];
+    out[n] = acc[0] + offsets;
+  }
+}
+
+__attribute__((target_clones("avx512f", "avx2", "default"))) void q4_rows_generic(
+    const Mat& w, const uint16_t* x, const float* xsum, float* out, int64_t n0, int64_t n1) {
+  q4_rows(w, x, xsum, out, n0, n1);
+}
+
+__attribute__((target_clones("avx512f", "avx2", "default"))) void q4_rows_f32(
+    const Mat& w, const float* x, const float* xsum, float* out, int64_t n0, int64_t n1) {
+  q4_rows(w, x, xsum, out, n0, n1);
+}
+
+// out (M, N) fp32 <- x (M, K) times the Q4_1 weight w, weight rows split over the workers
+template <typename T>
+void q4_into(const T* x, const Mat& w, float* out, int64_t M) {
+  const int64_t N = w.N, K = w.K, G = K / kGroup;
+  std::vector<float> xsum(M * G);
+  block_sums(x, xsum.data(), M, K);
+  const int64_t rows = std::max<int64_t>(16, (1 << 15) / std::max<int64_t>(K, 1));  // >= ~16 KB of codes a part
+  parallel_ranges(N, 4, rows, [&](int64_t n0, int64_t n1) {
+    if constexpr (std::is_same_v<T, bf16>) {
+      if (use_avx512bf16()) {
+        q4_rows_avx512bf16(w, elements(x), xsum.data(), M, out, N, n0, n1);
+        return;
+      }
+    }
+    for (int64_t b = n0; b < n1; b += kBlockRows)  // a block of weight rows stays in cache across the M inputs
+      for (int64_t m = 0; m < M; ++m) {
+        if constexpr (std::is_same_v<T, bf16>)
+          q4_rows_generic(w, elements(x) + m * K, xsum.data() + m * G, out + m * N, b, std::min(n1, b + kBlockRows));
+        else
+          q4_rows_f32(w, x + m * K, xsum.data() + m * G, out + m * N, b, std::min(n1, b + kBlockRows));
+      }
+  });
+}
+
+// out (M, N) <- x (M, K) @ w^T for a dense or Q4_1 weight
+template <typename T>
+void product(const T* x, const Mat& w, float* out, int64_t M) {
+  if (w.codes != nullptr)
+    q4_into(x, w, out, M);
+  else
+    gemv_into(x, static_cast<const T*>(w.dense), out, w.N, w.K, M);
+}
+
 bool is_16_or_32(at::ScalarType t) { return t == at::kBFloat16 || t == at::kFloat; }
 
 void check_matrix(const at::Tensor& w, at::ScalarType dtype, int64_t K, const char* what) {
@@ -376,12 +535,11 @@ void rms_norm(const T* x, const T* weight, T* out, int64_t n, float eps) {
 
 template <typename T>
 void layer(at::Tensor& x, at::Tensor& residual, bool first, const at::Tensor& in_norm, const at::Tensor& post_norm,
-           const at::Tensor& qkv_w, const at::Tensor& o_w, const at::Tensor& gate_up_w, const at::Tensor& down_w,
-           const at::Tensor& cos, const at::Tensor& signed_sin, at::Tensor& k_cache, at::Tensor& v_cache,
+           const Mat& qkv_w, const Mat& o_w, const Mat& gate_up_w, const Mat& down_w, const at::Tensor& cos, const at::Tensor& signed_sin, at::Tensor& k_cache, at::Tensor& v_cache,
            const int64_t* slot, const int64_t* start, const int64_t* out_slot, int64_t B, int64_t num_q,
            int64_t num_kv, float eps, float scale) {
   const int64_t H = x.size(1), D = cos.size(1), half = D / 2, heads = num_q + 2 * num_kv, width = heads * D;
-  const int64_t inter = down_w.size(1);
+  const int64_t inter = down_w.K;
   T* xs = x.data_ptr<T>();
   T* rs = residual.data_ptr<T>();
   std::vector<T> h(B * std::max(H, inter));
@@ -394,7 +552,7 @@ void layer(at::Tensor& x, at::Tensor& residual, bool first, const at::Tensor& in
     for (int64_t i = 0; i < H; ++i) rp[i] = first ? xp[i] : T(f32(xp[i]) + f32(rp[i]));
     rms_norm(rp, in_norm.data_ptr<T>(), h.data() + b * H, H, eps);
   }
-  gemv_into(h.data(), qkv_w.data_ptr<T>(), sums.data(), width, H, B);
+  product(h.data(), qkv_w, sums.data(), B);
   for (int64_t i = 0; i < B * width; ++i) qkv[i] = T(sums[i]);
 
   // rotary on the q and k heads: x * cos + (x2 | x1) * (-sin | sin), each product and the sum rounded
@@ -436,13 +594,13 @@ void layer(at::Tensor& x, at::Tensor& residual, bool first, const at::Tensor& in
     }
   });
 
-  gemv_into(attn.data(), o_w.data_ptr<T>(), sums.data(), H, num_q * D, B);
+  product(attn.data(), o_w, sums.data(), B);
   for (int64_t b = 0; b < B; ++b) {
     T* rp = rs + b * H;
     for (int64_t i = 0; i < H; ++i) rp[i] = T(rnd<T>(sums[b * H + i]) + f32(rp[i]));
     rms_norm(rp, post_norm.data_ptr<T>(), h.data() + b * H, H, eps);
   }
-  gemv_into(h.data(), gate_up_w.data_ptr<T>(), sums.data(), 2 * inter, H, B);
+  product(h.data(), gate_up_w, sums.data(), B);
   for (int64_t b = 0; b < B; ++b) {
     const float* gu = sums.data() + b * 2 * inter;
     for (int64_t i = 0; i < inter; ++i) {  // SiLU on the gate (fp32, rounded), times up (rounded)
@@ -450,7 +608,7 @@ void layer(at::Tensor& x, at::Tensor& residual, bool first, const at::Tensor& in
       h[b * inter + i] = T(rnd<T>(gate / (1.0f + std::exp(-gate))) * up);
     }
   }
-  gemv_into(h.data(), down_w.data_ptr<T>(), sums.data(), H, inter, B);
+  product(h.data(), down_w, sums.data(), B);
   for (int64_t i = 0; i < B * H; ++i) xs[i] = T(sums[i]);
 }
 
@@ -468,31 +626,76 @@ void check_rows(const at::Tensor& v, at::ScalarType dtype, int64_t B, int64_t n,
 // x, residual (B, H); cos, signed_sin (B, D): each token's rotary factors (signed_sin = -sin | sin, the factors of
 // the half-swapped head); k_cache, v_cache (S, Hkv, D): the layer's pool rows. Each row's values are the same
 // whatever B is and whichever rows share the call.
-void decode_layer(at::Tensor& x, at::Tensor& residual, bool first, const at::Tensor& in_norm,
-                  const at::Tensor& post_norm, const at::Tensor& qkv_w, const at::Tensor& o_w,
-                  const at::Tensor& gate_up_w, const at::Tensor& down_w, const at::Tensor& cos,
-                  const at::Tensor& signed_sin, at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slots,
-                  const at::Tensor& slot_starts, const at::Tensor& out_slots, int64_t num_q, int64_t num_kv,
-                  double eps, double scale) {
+// A dense weight (N, K) of the activations' type, as a Mat
+Mat dense_mat(const at::Tensor& w, at::ScalarType dtype, int64_t K, const char* what) {
+  check_matrix(w, dtype, K, what);
+  Mat m;
+  m.dense = w.data_ptr();
+  m.N = w.size(0);
+  m.K = K;
+  return m;
+}
+
+// A Q4_1 weight given as [codes (N, K / 2) uint8, d (N, K / 32) fp32, c (N, K / 32) fp32], as a Mat
+Mat q4_mat(at::TensorList parts, int64_t K, const char* what) {
+  TORCH_CHECK(parts.size() == 3, what, ": a Q4_1 weight is [codes, d, c], got ", parts.size(), " tensors");
+  const at::Tensor &codes = parts[0], &d = parts[1], &c = parts[2];
+  TORCH_CHECK(K % kGroup == 0, what, ": Q4_1 needs K a multiple of ", kGroup, ", got ", K);
+  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.dim() == 2 && codes.is_contiguous() &&
+                  codes.size(1) == K / 2,
+              what, ": contiguous uint8 codes (N, ", K / 2, ") expected, got ", codes.scalar_type(), " ",
+              codes.sizes());
+  for (const at::Tensor* t : {&d, &c})
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->dim() == 2 && t->is_contiguous() &&
+                    t->size(0) == codes.size(0) && t->size(1) == K / kGroup,
+                what, ": contiguous fp32 scales (", codes.size(0), ", ", K / kGroup, ") expected, got ",
+                t->scalar_type(), " ", t->sizes());
+  Mat m;
+  m.codes = codes.data_ptr<uint8_t>();
+  m.d = d.data_ptr<float>();
+  m.c = c.data_ptr<float>();
+  m.N = codes.size(0);
+  m.K = K;
+  return m;
+}
+
+// x (K,) or (M, K) bf16 or fp32, and a Q4_1 weight -> (N,) or (M, N) fp32 sums; bf16_out: rounded to bf16
+at::Tensor q4_gemv(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& d, const at::Tensor& c,
+                   bool bf16_out) {
   const auto dtype = x.scalar_type();
-  TORCH_CHECK(is_16_or_32(dtype), "x: bf16 or fp32 values expected, got ", dtype);
-  TORCH_CHECK(x.dim() == 2 && cos.dim() == 2, "x (B, H) and cos (B, D) expected, got ", x.sizes(), " ", cos.sizes());
+  TORCH_CHECK(x.device().is_cpu() && is_16_or_32(dtype), "deepinfer_cpu::q4_gemv: bf16 or fp32 CPU values expected");
+  TORCH_CHECK(!bf16_out || dtype == at::kBFloat16, "deepinfer_cpu::q4_gemv: bf16_out takes bf16 inputs");
+  TORCH_CHECK((x.dim() == 1 || x.dim() == 2) && x.is_contiguous(),
+              "deepinfer_cpu::q4_gemv x: a contiguous (K,) or (M, K) input expected, got ", x.sizes());
+  const int64_t K = x.size(-1), M = x.dim() == 2 ? x.size(0) : 1;
+  const Mat w = q4_mat({codes, d, c}, K, "deepinfer_cpu::q4_gemv w");
+  auto out = at::empty(x.dim() == 2 ? std::vector<int64_t>{M, w.N} : std::vector<int64_t>{w.N},
+                       x.options().dtype(at::kFloat));
+  if (M > 0 && dtype == at::kBFloat16)
+    q4_into(x.data_ptr<bf16>(), w, out.data_ptr<float>(), M);
+  else if (M > 0)
+    q4_into(x.data_ptr<float>(), w, out.data_ptr<float>(), M);
+  return bf16_out ? out.to(at::kBFloat16) : out;
+}
+
+// The checks and the call shared by both forms of decode_layer; weights already checked into Mats.
+void decode_layer_mats(at::Tensor& x, at::Tensor& residual, bool first, const at::Tensor& in_norm,
+                       const at::Tensor& post_norm, const Mat& qkv_w, const Mat& o_w, const Mat& gate_up_w,
+                       const Mat& down_w, const at::Tensor& cos, const at::Tensor& signed_sin, at::Tensor& k_cache,
+                       at::Tensor& v_cache, const at::Tensor& slots, const at::Tensor& slot_starts,
+                       const at::Tensor& out_slots, int64_t num_q, int64_t num_kv, double eps, double scale) {
+  const auto dtype = x.scalar_type();
   const int64_t B = x.size(0), H = x.size(1), D = cos.size(1), heads = num_q + 2 * num_kv;
-  const int64_t inter = down_w.dim() == 2 ? down_w.size(1) : 0;
-  check_rows(x, dtype, B, H, "x");
+  const int64_t inter = down_w.K;
   check_rows(residual, dtype, B, H, "residual");
   check_vector(in_norm, dtype, H, "input norm");
   check_vector(post_norm, dtype, H, "post-attention norm");
   check_rows(cos, dtype, B, D, "cos");
   check_rows(signed_sin, dtype, B, D, "signed sin");
-  check_matrix(qkv_w, dtype, H, "qkv");
-  TORCH_CHECK(qkv_w.size(0) == heads * D, "qkv: ", heads * D, " rows expected, got ", qkv_w.size(0));
-  check_matrix(o_w, dtype, num_q * D, "o_proj");
-  TORCH_CHECK(o_w.size(0) == H, "o_proj: ", H, " rows expected");
-  check_matrix(gate_up_w, dtype, H, "gate_up");
-  TORCH_CHECK(gate_up_w.size(0) == 2 * inter, "gate_up: ", 2 * inter, " rows expected");
-  check_matrix(down_w, dtype, inter, "down");
-  TORCH_CHECK(down_w.size(0) == H, "down: ", H, " rows expected");
+  TORCH_CHECK(qkv_w.N == heads * D, "qkv: ", heads * D, " rows expected, got ", qkv_w.N);
+  TORCH_CHECK(o_w.N == H, "o_proj: ", H, " rows expected");
+  TORCH_CHECK(gate_up_w.N == 2 * inter, "gate_up: ", 2 * inter, " rows expected");
+  TORCH_CHECK(down_w.N == H, "down: ", H, " rows expected");
   for (const at::Tensor* c : {&k_cache, &v_cache})
     TORCH_CHECK(c->scalar_type() == dtype && c->dim() == 3 && c->size(1) == num_kv && c->size(2) == D &&
                     c->stride(2) == 1 && c->stride(1) == D,
@@ -522,14 +725,74 @@ void decode_layer(at::Tensor& x, at::Tensor& residual, bool first, const at::Ten
                  v_cache, slot, start, out_slot, B, num_q, num_kv, float(eps), float(scale));
 }
 
+void check_qkv(const Mat& qkv, int64_t num_q, int64_t num_kv, int64_t D) {
+  TORCH_CHECK(qkv.N == (num_q + 2 * num_kv) * D, "qkv: ", (num_q + 2 * num_kv) * D, " rows expected, got ", qkv.N);
+}
+
+void check_layer_input(const at::Tensor& x, const at::Tensor& cos) {
+  TORCH_CHECK(is_16_or_32(x.scalar_type()), "x: bf16 or fp32 values expected, got ", x.scalar_type());
+  TORCH_CHECK(x.dim() == 2 && cos.dim() == 2, "x (B, H) and cos (B, D) expected, got ", x.sizes(), " ", cos.sizes());
+  check_rows(x, x.scalar_type(), x.size(0), x.size(1), "x");
+}
+
+// One Llama layer for B decode rows (B streams, one new token each), in place, all of it bf16 or all fp32:
+//   residual <- x (first layer) or x + residual;  h = RMSNorm(residual) -> qkv -> rotary on q and k heads;
+//   k, v stored at out_slots[b]; attention of row b's q over the keys at slots[slot_starts[b] : slot_starts[b+1]]
+//   (its stream's context, the new token last); residual <- o_proj(attention) + residual;
+//   x <- down(SiLU(gate) * up) of RMSNorm(residual).
+// x, residual (B, H); cos, signed_sin (B, D): each token's rotary factors (signed_sin = -sin | sin, the factors of
+// the half-swapped head); k_cache, v_cache (S, Hkv, D): the layer's pool rows. Each row's values are the same
+// whatever B is and whichever rows share the call.
+void decode_layer(at::Tensor& x, at::Tensor& residual, bool first, const at::Tensor& in_norm,
+                  const at::Tensor& post_norm, const at::Tensor& qkv_w, const at::Tensor& o_w,
+                  const at::Tensor& gate_up_w, const at::Tensor& down_w, const at::Tensor& cos,
+                  const at::Tensor& signed_sin, at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slots,
+                  const at::Tensor& slot_starts, const at::Tensor& out_slots, int64_t num_q, int64_t num_kv,
+                  double eps, double scale) {
+  check_layer_input(x, cos);
+  const auto dtype = x.scalar_type();
+  const int64_t H = x.size(1), D = cos.size(1);
+  const int64_t inter = down_w.dim() == 2 ? down_w.size(1) : 0;
+  const Mat qkv = dense_mat(qkv_w, dtype, H, "qkv");  // made in order: a call's first fault is the one reported
+  check_qkv(qkv, num_q, num_kv, D);
+  const Mat o = dense_mat(o_w, dtype, num_q * D, "o_proj"), gate_up = dense_mat(gate_up_w, dtype, H, "gate_up");
+  const Mat down = dense_mat(down_w, dtype, inter, "down");
+  decode_layer_mats(x, residual, first, in_norm, post_norm, qkv, o, gate_up, down, cos, signed_sin, k_cache, v_cache,
+                    slots, slot_starts, out_slots, num_q, num_kv, eps, scale);
+}
+
+// The same layer with Q4_1 weights, each given as [codes, d, c] (q4_mat); activations bf16 or fp32.
+void decode_layer_q4(at::Tensor& x, at::Tensor& residual, bool first, const at::Tensor& in_norm,
+                     const at::Tensor& post_norm, at::TensorList qkv_w, at::TensorList o_w, at::TensorList gate_up_w,
+                     at::TensorList down_w, const at::Tensor& cos, const at::Tensor& signed_sin, at::Tensor& k_cache,
+                     at::Tensor& v_cache, const at::Tensor& slots, const at::Tensor& slot_starts,
+                     const at::Tensor& out_slots, int64_t num_q, int64_t num_kv, double eps, double scale) {
+  check_layer_input(x, cos);
+  const int64_t H = x.size(1), D = cos.size(1);
+  TORCH_CHECK(down_w.size() == 3 && down_w[0].dim() == 2, "down: a Q4_1 weight is [codes, d, c]");
+  const int64_t inter = down_w[0].size(1) * 2;
+  const Mat qkv = q4_mat(qkv_w, H, "qkv");
+  check_qkv(qkv, num_q, num_kv, D);
+  const Mat o = q4_mat(o_w, num_q * D, "o_proj"), gate_up = q4_mat(gate_up_w, H, "gate_up");
+  const Mat down = q4_mat(down_w, inter, "down");
+  decode_layer_mats(x, residual, first, in_norm, post_norm, qkv, o, gate_up, down, cos, signed_sin, k_cache, v_cache,
+                    slots, slot_starts, out_slots, num_q, num_kv, eps, scale);
+}
+
 }  // namespace
 
 TORCH_LIBRARY(deepinfer_cpu, m) {
   m.def("gemv(Tensor x, Tensor w, bool bf16_out) -> Tensor");
   m.def("set_native_bf16(bool enabled) -> bool");
+  m.def("q4_gemv(Tensor x, Tensor codes, Tensor d, Tensor c, bool bf16_out) -> Tensor");
   m.def(
       "decode_layer(Tensor(a!) x, Tensor(b!) residual, bool first, Tensor in_norm, Tensor post_norm, "
       "Tensor qkv_w, Tensor o_w, Tensor gate_up_w, Tensor down_w, Tensor cos, Tensor signed_sin, "
+      "Tensor(c!) k_cache, Tensor(d!) v_cache, Tensor slots, Tensor slot_starts, Tensor out_slots, int num_q, "
+      "int num_kv, float eps, float scale) -> ()");
+  m.def(
+      "decode_layer_q4(Tensor(a!) x, Tensor(b!) residual, bool first, Tensor in_norm, Tensor post_norm, "
+      "Tensor[] qkv_w, Tensor[] o_w, Tensor[] gate_up_w, Tensor[] down_w, Tensor cos, Tensor signed_sin, "
       "Tensor(c!) k_cache, Tensor(d!) v_cache, Tensor slots, Tensor slot_starts, Tensor out_slots, int num_q, "
       "int num_kv, float eps, float scale) -> ()");
 }
@@ -539,4 +802,6 @@ TORCH_LIBRARY_FRAGMENT(deepinfer_cpu, m) { m.impl("set_native_bf16", &set_native
 TORCH_LIBRARY_IMPL(deepinfer_cpu, CPU, m) {
   m.impl("gemv", &gemv);
   m.impl("decode_layer", &decode_layer);
+  m.impl("decode_layer_q4", &decode_layer_q4);
+  m.impl("q4_gemv", &q4_gemv);
 }
