@@ -121,3 +121,43 @@ def test_packed_fn_equals_packed_mm(tiny_llama_path, quantization):
             for rows in (1, 3):
                 x = torch.randn(rows, k, generator=g).bfloat16()
                 assert torch.equal(method.packed_fn(layer)(x), method.packed_mm(layer, x))
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_q4_decode_rows_take_the_kernels(tiny_llama_path, monkeypatch, dtype):
+    """DEEPINFER_CPU_Q4_ROW=kernel (default): a lone stream's and a 3-row batch's decode steps run each layer as one
+    kernel call over the 4-bit codes (decode_layer_q4), a 5-row batch's over the dequantized copies (decode_layer);
+    tokens equal those of torch's 4-bit matmul (DEEPINFER_CPU_Q4_ROW=torch), logprobs within fp32's / bf16's
+    rounding of them. Another value is refused."""
+    from deepinfer_kernels import cpu_row
+    from deepinfer_rt import SamplingParams
+    from deepinfer_rt.models.llama_step import CpuStep
+
+    ops = cpu_row.load()
+    assert ops is not None, cpu_row.error()
+    prompts = ["The capital of France is", "Hello", "1, 2, 3, 4, 5, 6, 7, 8,", "def f(x):", "a b c d"]
+    sp = SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True, logprobs=True)
+    row_forward, calls = CpuStep._row_forward, []
+    monkeypatch.setattr(CpuStep, "_row_forward",
+                        staticmethod(lambda *a: calls.append((a[2].shape[0], a[4])) or row_forward(*a)))
+    results = {}
+    for setting in ("torch", "kernel"):
+        monkeypatch.setenv("DEEPINFER_CPU_Q4_ROW", setting)
+        calls.clear()
+        with Engine(str(tiny_llama_path), dtype=dtype, kv_cache_tokens=1024, quantization="q4_1") as engine:
+            results[setting] = [engine.generate(group, sampling_params=sp) for group in
+                                (prompts[:1], prompts[:3], prompts)]
+        if setting == "torch":
+            assert calls == []
+        else:  # 7 decode steps of each group
+            assert calls.count((1, ops.decode_layer_q4)) == 7 and calls.count((3, ops.decode_layer_q4)) == 7
+            assert calls.count((5, ops.decode_layer)) == 7
+    tol = 1e-4 if dtype == "float32" else 0.1
+    for want_group, got_group in zip(results["torch"], results["kernel"]):
+        for want, got in zip(want_group, got_group):
+            assert got.token_ids[:4] == want.token_ids[:4]
+            assert max(abs(x - y) for x, y in zip(got.logprobs[:4], want.logprobs[:4])) < tol
+    monkeypatch.setenv("DEEPINFER_CPU_Q4_ROW", "fast")
+    with Engine(str(tiny_llama_path), dtype=dtype, kv_cache_tokens=1024, quantization="q4_1") as engine:
+        with pytest.raises(ValueError, match="DEEPINFER_CPU_Q4_ROW='fast'"):
+            engine.model.step_method.forward(engine.model, None)

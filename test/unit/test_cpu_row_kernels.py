@@ -221,3 +221,120 @@ def test_gemv_rows_are_independent_of_how_many_share_the_call(ops, native, dtype
         assert ((lone.double() - exact).abs() <= bound).all()
     with pytest.raises(RuntimeError, match=r"contiguous \(K,\) or \(M, K\) input"):
         ops.gemv(x.t(), w, False)
+
+
+def _q4(weight):
+    """A float weight quantized to Q4_1 -> (the kernels' [codes, d, c], the matrix it stands for in fp32)."""
+    from deepinfer_rt.layers.q4 import dequantize_q4_1, kernel_rows, quantize_q4_1
+
+    codes, d, m = quantize_q4_1(weight)
+    return list(kernel_rows(codes, d, m)), dequantize_q4_1(codes, d, m)
+
+
+def test_q4_kernel_rows_pack_as_gguf_does():
+    """Byte j of a block holds code j (low nibble) and code j + 16 (high nibble); c = m - 16 d."""
+    from deepinfer_rt.layers.q4 import kernel_rows
+
+    codes = torch.arange(64, dtype=torch.uint8).remainder(16).view(1, 64)
+    d, m = torch.tensor([[0.5, 2.0]]).half(), torch.tensor([[-1.0, 3.0]]).half()
+    packed, scale, c = kernel_rows(codes, d, m)
+    assert packed.shape == (1, 32) and packed.dtype == torch.uint8
+    assert packed[0, 0] == 0 | (0 << 4) and packed[0, 1] == 1 | (1 << 4) and packed[0, 15] == 15 | (15 << 4)
+    block = torch.randint(0, 16, (1, 32), dtype=torch.uint8)
+    p = kernel_rows(block, d[:, :1], m[:, :1])[0][0]
+    assert torch.equal(torch.cat([p & 15, p >> 4]), block[0])
+    assert torch.equal(scale, d.float()) and torch.equal(c, m.float() - 16 * d.float())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("n, k", [(300, 576), (37, 64), (1, 1536), (129, 32)])
+def test_q4_gemv_within_fp32_sums_of_exact(ops, native, n, k, dtype):
+    """The 4-bit product against the exact product with the dequantized matrix, within fp32 sums' error; each row's
+    values the same whatever rows share the call."""
+    g = torch.Generator().manual_seed(n + k)
+    q4, dense = _q4(torch.randn(n, k, generator=g) * 0.1)
+    x = torch.randn(9, k, generator=g).to(dtype)
+    exact = x.double() @ dense.double().T
+    # products and per-block sums in fp32 (the codes enter as 16 + q: about 5 bits more of cancellation)
+    bound = 64 * k * 2**-24 * (x.double().abs() @ (dense.double().abs() + 16 * q4[1].double().abs()
+                                                   .repeat_interleave(32, dim=1)).T) + 1e-6
+    lone = torch.stack([ops.q4_gemv(row.contiguous(), *q4, False) for row in x])
+    assert lone.dtype == torch.float32 and lone.shape == (9, n)
+    assert ((lone.double() - exact).abs() <= bound).all(), (lone.double() - exact).abs().max()
+    for m in (2, 8, 9):
+        assert torch.equal(ops.q4_gemv(x[:m].contiguous(), *q4, False), lone[:m]), m
+    if dtype == torch.bfloat16:
+        assert torch.equal(ops.q4_gemv(x[0].contiguous(), *q4, True), lone[0].bfloat16())
+
+
+def test_q4_gemv_refuses_what_it_cannot_take(ops):
+    q4, _ = _q4(torch.randn(8, 64))
+    x = torch.randn(64).bfloat16()
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        ops.q4_gemv(torch.randn(48).bfloat16(), q4[0][:, :24].contiguous(), q4[1], q4[2], False)
+    with pytest.raises(RuntimeError, match=r"contiguous uint8 codes \(N, 32\)"):
+        ops.q4_gemv(x, q4[0].to(torch.int8), q4[1], q4[2], False)
+    with pytest.raises(RuntimeError, match=r"contiguous fp32 scales \(8, 2\)"):
+        ops.q4_gemv(x, q4[0], q4[1].half(), q4[2], False)
+    with pytest.raises(RuntimeError, match=r"contiguous fp32 scales \(8, 2\)"):
+        ops.q4_gemv(x, q4[0], q4[1], q4[2][:4], False)
+    with pytest.raises(RuntimeError, match="bf16_out takes bf16 inputs"):
+        ops.q4_gemv(x.float(), *q4, True)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_decode_layer_q4_against_eager_step(ops, native, dtype):
+    """A layer over Q4_1 weights against the eager step's operations over the dequantized matrices (the
+    embedded default's widths), rows each alone bit for bit, and a refused call that writes nothing."""
+    hidden, (num_q, num_kv), head_dim, inter, context = 576, (9, 3), 64, 1536, 50
+    g = torch.Generator().manual_seed(5)
+
+    def rand(*shape, s=1.0):
+        return (torch.randn(*shape, generator=g) * s).to(dtype)
+
+    shapes = [((num_q + 2 * num_kv) * head_dim, hidden), (hidden, num_q * head_dim), (2 * inter, hidden),
+              (hidden, inter)]
+    q4, dense = zip(*(_q4(torch.randn(*shape, generator=g) * 0.1) for shape in shapes))
+    norms = (1 + rand(hidden, s=0.1), 1 + rand(hidden, s=0.1))
+    angle = torch.rand(head_dim // 2, generator=g) * 6
+    cos = torch.cat([angle.cos(), angle.cos()]).to(dtype)
+    signed_sin = torch.cat([-angle.sin(), angle.sin()]).to(dtype)
+    pool = 3 * context + 5
+    k_cache, v_cache = rand(pool, num_kv, head_dim), rand(pool, num_kv, head_dim)
+    slots = torch.randperm(pool, generator=g)[:context]
+    out_slot = int(slots[-1])
+    eps, scale = 1e-5, head_dim**-0.5
+    x, residual = rand(hidden), rand(hidden)
+    kr, vr = k_cache.clone(), v_cache.clone()
+    want_x, want_residual = _reference_layer(x, residual, False, (*norms, *(w.to(dtype) for w in dense)), cos,
+                                             signed_sin, kr, vr, slots, out_slot, num_q, num_kv, eps, scale)
+    kk, vk = k_cache.clone(), v_cache.clone()
+    xk, rk = x[None].clone(), residual[None].clone()
+    ops.decode_layer_q4(xk, rk, False, *norms, *q4, cos[None], signed_sin[None], kk, vk, slots,
+                        torch.tensor([0, context]), torch.tensor([out_slot]), num_q, num_kv, eps, scale)
+    # bf16: the reference rounds each dequantized weight to bf16, the kernel multiplies by it exactly
+    rel = 2**-5 if dtype == torch.bfloat16 else 1e-4
+    for got, want in ((kk[out_slot], kr[out_slot]), (vk[out_slot], vr[out_slot]), (rk[0], want_residual),
+                      (xk[0], want_x)):
+        tol = rel * want.float().abs() + rel * want.float().abs().max()
+        assert ((got.float() - want.float()).abs() <= tol).all(), (got - want).abs().max()
+    assert F.cosine_similarity(xk[0].double(), want_x.double(), dim=0) > 1 - 1e-3
+
+    # two rows in one call: each one's values are those it gets alone
+    x2, r2 = torch.stack([x, rand(hidden)]), torch.stack([residual, rand(hidden)])
+    other = torch.randperm(pool, generator=g)[:7]
+    kb, vb, xb, rb = k_cache.clone(), v_cache.clone(), x2.clone(), r2.clone()
+    ops.decode_layer_q4(xb, rb, False, *norms, *q4, torch.stack([cos, cos.flip(0)]),
+                        torch.stack([signed_sin, signed_sin.flip(0)]), kb, vb, torch.cat([slots, other]),
+                        torch.tensor([0, context, context + 7]), torch.tensor([out_slot, int(other[-1])]),
+                        num_q, num_kv, eps, scale)
+    assert torch.equal(xb[0], xk[0]) and torch.equal(rb[0], rk[0]) and torch.equal(kb[out_slot], kk[out_slot])
+
+    with pytest.raises(RuntimeError, match="down: a Q4_1 weight is"):
+        ops.decode_layer_q4(xk, rk, False, *norms, *q4[:3], q4[3][:2], cos[None], signed_sin[None], kk, vk, slots,
+                            torch.tensor([0, context]), torch.tensor([out_slot]), num_q, num_kv, eps, scale)
+    kc = k_cache.clone()
+    with pytest.raises(RuntimeError, match="qkv: 1024 rows expected, got 960"):
+        ops.decode_layer_q4(xk, rk, False, *norms, *q4, cos[None], signed_sin[None], kc, vk, slots,
+                            torch.tensor([0, context]), torch.tensor([out_slot]), num_q + 1, num_kv, eps, scale)
+    assert torch.equal(kc, k_cache)
