@@ -12,6 +12,10 @@ shipped weights (test/e2e/test_cpu_q4.py checks every Q4_1 tensor of the file).
 The GEMM is torch's CPU int4 weight-pack matmul (aten._weight_int4pack_mm_for_cpu), which computes
 (q - 8) * scale + zero per group: scale = d, zero = m + 8 d, in the activation dtype (bf16 rounds fp16 scales).
 Inputs of more than Q4_MM_MAX_ROWS rows multiply by the dequantized weight, kept once made, as layers/int8.py does.
+
+The CPU step's decode rows (models/llama_step.py) take the decode-row kernels instead (kernels/cpu/row_decode.cpp):
+they read each layer's codes packed as GGUF packs them, with d and m - 16 d in fp32 (`kernel_rows`), and multiply
+by the dequantized values in fp32 sums.
 """
 from __future__ import annotations
 

@@ -34,7 +34,10 @@ decode-row kernels (deepinfer_kernels.cpu_row, kernels/cpu/row_decode.cpp) where
 The kernel takes the same operations and roundings, but sums in another order, so such a step's values differ
 from the module path's in the last bits (tokens equal in the tests; fp32 logprobs within 1e-5). On the 2-core
 AMD EPYC measured, the embedded default's lone-stream step went from ~37 to ~12 ms in bf16 and from ~65 to ~23 ms
-in fp32 (benchmark/bench_cpu_peers.py).
+in fp32 (benchmark/bench_cpu_peers.py). A Q4_1 model's step of at most Q4_KERNEL_MAX_ROWS decode rows runs the
+same layer over the 4-bit codes (decode_layer_q4, DEEPINFER_CPU_Q4_ROW), its values those of the dequantized
+weights times the rows (fp32 sums), where torch's 4-bit matmul rounds the scales to bf16 first; more rows take the
+fused layer over the dequantized bf16 copies.
 
 bf16 may differ in one place, for speed: a one-row input (a lone decode stream) of a dense linear or the dense
 head takes the product this CPU runs fastest (DEEPINFER_CPU_BF16_GEMV, `choose_row_gemv`, ROW_PRODUCTS): F.linear,

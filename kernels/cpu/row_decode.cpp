@@ -8,6 +8,8 @@
 //
 //   deepinfer_cpu::gemv(x, w, bf16_out)   x (K,) or (M, K), w (N, K), bf16 or fp32 -> fp32 sums, or rounded to bf16
 //   deepinfer_cpu::decode_layer(...)      one layer for B decode rows, in place: see decode_layer below
+//   deepinfer_cpu::q4_gemv(x, codes, d, c, bf16_out)   the product with a Q4_1 weight (see Mat below)
+//   deepinfer_cpu::decode_layer_q4(...)   decode_layer with Q4_1 weights, each [codes, d, c]
 //   deepinfer_cpu::set_native_bf16(on)    AVX512-BF16 dot products on / off (tests reach the portable form)
 //
 // Values follow the eager CPU step's bf16 form (models/llama_step.py): every op's result is rounded to bf16 where
