@@ -295,6 +295,135 @@ __attribute__((target_clones("avx512f", "avx2", "default"))) void attend_head(
   attend(q, k, v, k_row, v_row, slot, L, D, scale, score, acc);
 }
 
+// ---- attention over long contexts: keys in chunks, each chunk one task for a kv head's whole group of q heads ----
+//
+// A row's keys are cut into chunks of kChunk at fixed places (0, kChunk, 2 kChunk, ... of its slot list); each
+// (row, kv head, chunk) is a task that reads its keys and values once for every q head of the group and leaves,
+// per q head, the chunk's max score m, sum of exp(score - m) and the unnormalized sum of exp(score - m) v. The
+// chunks are then merged in order. The cut does not depend on the thread count or on the other rows, so neither
+// does a row's result.
+constexpr int64_t kChunk = 256;
+
+// 16 vectors -> one vector of their 16 horizontal sums (v[i]'s sum in lane i)
+__attribute__((target("avx512f"))) inline __m512 sums16(const __m512* v) {
+  __m512 b[4];
+  for (int q = 0; q < 4; ++q) {  // per quad: each 128-bit lane c holds lane c's sums of v[4q .. 4q + 3]
+    const __m512* w = v + 4 * q;
+    const __m512 a01 = _mm512_add_ps(_mm512_unpacklo_ps(w[0], w[1]), _mm512_unpackhi_ps(w[0], w[1]));
+    const __m512 a23 = _mm512_add_ps(_mm512_unpacklo_ps(w[2], w[3]), _mm512_unpackhi_ps(w[2], w[3]));
+    b[q] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(a01), _mm512_castps_pd(a23))),
+                         _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(a01), _mm512_castps_pd(a23))));
+  }
+  // sum the four 128-bit lanes of each b[q] into lanes 4q .. 4q + 3
+  const __m512 c01 = _mm512_add_ps(_mm512_shuffle_f32x4(b[0], b[1], 0x88), _mm512_shuffle_f32x4(b[0], b[1], 0xDD));
+  const __m512 c23 = _mm512_add_ps(_mm512_shuffle_f32x4(b[2], b[3], 0x88), _mm512_shuffle_f32x4(b[2], b[3], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(c01, c23, 0x88), _mm512_shuffle_f32x4(c01, c23, 0xDD));
+}
+
+// 16 values of a key or value row as fp32
+__attribute__((target("avx512f,avx512bw"))) inline __m512 widen16(const uint16_t* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(
+      _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+__attribute__((target("avx512f"))) inline __m512 widen16(const float* p) { return _mm512_loadu_ps(p); }
+
+// q . key for one q head (D = 16 DV), as one vector whose lanes sum to it: bf16 keys through AVX512-BF16 pairs
+// (q's values are bf16 values: the step rounds them), fp32 keys through fp32 products.
+template <int DV>
+__attribute__((target("avx512f,avx512bw,avx512bf16"))) inline __m512 qk16(const uint16_t* qb, const float*,
+                                                                           const uint16_t* key) {
+  __m512 a = _mm512_setzero_ps();
+  for (int j = 0; j < DV / 2; ++j)
+    a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_loadu_si512(key + 32 * j), (__m512bh)_mm512_loadu_si512(qb + 32 * j));
+  return a;
+}
+template <int DV>
+__attribute__((target("avx512f"))) inline __m512 qk16(const uint16_t*, const float* q, const float* key) {
+  __m512 a = _mm512_mul_ps(_mm512_loadu_ps(q), _mm512_loadu_ps(key));
+  for (int j = 1; j < DV; ++j) a = _mm512_fmadd_ps(_mm512_loadu_ps(q + 16 * j), _mm512_loadu_ps(key + 16 * j), a);
+  return a;
+}
+
+// acc[h] += p[h][l] * value_l over the chunk's keys, for H q heads at once (H * DV accumulators in registers)
+template <typename E, int DV, int H>
+__attribute__((target("avx512f,avx512bw"))) void weighted_values(const E* v, int64_t v_row, const int64_t* slot,
+                                                                 int64_t n, const float* p, int64_t p_stride,
+                                                                 float* acc, int64_t D) {
+  __m512 a[H][DV];
+  for (int h = 0; h < H; ++h)
+    for (int j = 0; j < DV; ++j) a[h][j] = _mm512_setzero_ps();
+  for (int64_t l = 0; l < n; ++l) {
+    const E* row = v + slot[l] * v_row;
+    __m512 x[DV];
+    for (int j = 0; j < DV; ++j) x[j] = widen16(row + 16 * j);
+    for (int h = 0; h < H; ++h) {
+      const __m512 w = _mm512_set1_ps(p[h * p_stride + l]);
+      for (int j = 0; j < DV; ++j) a[h][j] = _mm512_fmadd_ps(w, x[j], a[h][j]);
+    }
+  }
+  for (int h = 0; h < H; ++h)
+    for (int j = 0; j < DV; ++j) _mm512_storeu_ps(acc + h * D + 16 * j, a[h][j]);
+}
+
+template <typename E, int DV>
+__attribute__((target("avx512f,avx512bw"))) void weighted_values(const E* v, int64_t v_row, const int64_t* slot,
+                                                                 int64_t n, const float* p, int64_t p_stride,
+                                                                 float* acc, int64_t D, int G) {
+  constexpr int kMost = DV <= 4 ? 3 : 1;  // heads a pass: their accumulators and one value row fit 32 registers
+  for (int h = 0; h < G; h += kMost) {
+    const float* ph = p + h * p_stride;
+    float* ah = acc + h * D;
+    switch (std::min(kMost, G - h)) {
+      case 1: weighted_values<E, DV, 1>(v, v_row, slot, n, ph, p_stride, ah, D); break;
+      case 2: weighted_values<E, DV, (kMost >= 2 ? 2 : 1)>(v, v_row, slot, n, ph, p_stride, ah, D); break;
+      default: weighted_values<E, DV, kMost>(v, v_row, slot, n, ph, p_stride, ah, D); break;
+    }
+  }
+}
+
+// One chunk of n <= kChunk keys for the G q heads of a kv head: per head h, out_m[h] = max score, out_s[h] = sum of
+// exp(score - max), out_acc[h] (D) = sum of exp(score - max) * value. q: G rows of D values (T); qf the same in fp32.
+template <typename E, int DV>
+__attribute__((target("avx512f,avx512bw,avx512bf16"))) void attend_chunk_avx512(
+    const E* q, const float* qf, const E* k, const E* v, int64_t k_row, int64_t v_row, const int64_t* slot,
+    int64_t n, int G, float scale, float* score, float* out_m, float* out_s, float* out_acc) {
+  constexpr int64_t D = 16 * DV;
+  for (int64_t l0 = 0; l0 < n; l0 += 16) {  // scores, 16 keys a block, their sums reduced together
+    const int64_t count = std::min<int64_t>(16, n - l0);
+    for (int h = 0; h < G; ++h) {
+      __m512 dots[16];
+      for (int64_t i = 0; i < 16; ++i)
+        dots[i] = i < count ? qk16<DV>(reinterpret_cast<const uint16_t*>(q + h * D), qf + h * D,
+                                       k + slot[l0 + i] * k_row)
+                            : _mm512_setzero_ps();
+      _mm512_mask_storeu_ps(score + h * kChunk + l0, __mmask16((1u << count) - 1),
+                            _mm512_mul_ps(sums16(dots), _mm512_set1_ps(scale)));
+    }
+  }
+  for (int h = 0; h < G; ++h) {
+    float* sh = score + h * kChunk;
+    float top = -INFINITY;
+    for (int64_t l = 0; l < n; ++l) top = std::max(top, sh[l]);
+    float total = 0;
+    for (int64_t l = 0; l < n; ++l) sh[l] = exp_nonpositive(sh[l] - top);
+    for (int64_t l = 0; l < n; ++l) total += sh[l];
+    out_m[h] = top;
+    out_s[h] = total;
+  }
+  weighted_values<E, DV>(v, v_row, slot, n, score, kChunk, out_acc, D, G);
+}
+
+template <typename E>
+void attend_chunk(const E* q, const float* qf, const E* k, const E* v, int64_t k_row, int64_t v_row,
+                  const int64_t* slot, int64_t n, int64_t D, int G, float scale, float* score, float* m, float* s,
+                  float* acc) {
+  switch (D) {
+    case 32: attend_chunk_avx512<E, 2>(q, qf, k, v, k_row, v_row, slot, n, G, scale, score, m, s, acc); break;
+    case 64: attend_chunk_avx512<E, 4>(q, qf, k, v, k_row, v_row, slot, n, G, scale, score, m, s, acc); break;
+    default: attend_chunk_avx512<E, 8>(q, qf, k, v, k_row, v_row, slot, n, G, scale, score, m, s, acc); break;
+  }
+}
+
 // the element type the loops read: bf16 as its bits
 inline const uint16_t* elements(const bf16* p) { return reinterpret_cast<const uint16_t*>(p); }
 inline const float* elements(const float* p) { return p; }
@@ -304,12 +433,17 @@ bool& use_avx512bf16() {  // the CPU's AVX512-BF16 dot products where it has the
   return yes;
 }
 
-// Whether products use AVX512-BF16 from now on (only where the CPU has it); returns the previous setting.
+// Whether the hand-written AVX512 paths (AVX512-BF16 products, the chunked attention) run from now on (only where
+// the CPU has AVX512-BF16); returns the previous setting. Off, everything takes the portable loops.
 bool set_native_bf16(bool enabled) {
   const bool previous = use_avx512bf16();
   use_avx512bf16() = enabled && __builtin_cpu_supports("avx512bf16");
   return previous;
 }
+
+// The chunked attention applies where the hand-written loops do (a CPU with AVX512-BF16; its fp32 form uses
+// AVX512F alone), for head sizes of 32, 64 or 128.
+bool chunked_attention_applies(int64_t D) { return use_avx512bf16() && (D == 32 || D == 64 || D == 128); }
 
 constexpr int64_t kBlockRows = 16;
 
@@ -582,19 +716,62 @@ void layer(at::Tensor& x, at::Tensor& residual, bool first, const at::Tensor& in
     std::copy(row + (num_q + num_kv) * D, row + width, vc + out_slot[b] * v_row);
   }
 
-  // attention per (row, q head) over that row's keys (attend_head)
   const int64_t group = num_q / num_kv;
-  parallel_ranges(B * num_q, 1, 1, [&](int64_t p0, int64_t p1) {
-    std::vector<float> score, q(D), acc(D);
-    for (int64_t p = p0; p < p1; ++p) {
-      const int64_t b = p / num_q, hq = p % num_q, g = hq / group, L = start[b + 1] - start[b];
-      score.resize(L);
-      for (int64_t j = 0; j < D; ++j) q[j] = f32(qkv[b * width + hq * D + j]);
-      attend_head(q.data(), elements(kc) + g * D, elements(vc) + g * D, k_row, v_row, slot + start[b], L, D, scale,
-                  score.data(), acc.data());
-      for (int64_t j = 0; j < D; ++j) attn[(b * num_q + hq) * D + j] = T(acc[j]);
-    }
-  });
+  if (chunked_attention_applies(D)) {  // tasks (row, kv head, chunk of kChunk keys), then the chunks merged
+    std::vector<int64_t> first_task(B + 1, 0);
+    for (int64_t b = 0; b < B; ++b)
+      first_task[b + 1] = first_task[b] + num_kv * ((start[b + 1] - start[b] + kChunk - 1) / kChunk);
+    const int64_t tasks = first_task[B], per_task = group * (D + 2);  // per q head: m, s, acc (D)
+    std::vector<float> partial(tasks * per_task);
+    parallel_ranges(tasks, 1, 1, [&](int64_t t0, int64_t t1) {
+      std::vector<float> score(group * kChunk);
+      int64_t b = int64_t(std::upper_bound(first_task.begin(), first_task.end(), t0) - first_task.begin()) - 1;
+      for (int64_t t = t0; t < t1; ++t) {
+        while (t >= first_task[b + 1]) ++b;
+        const int64_t chunks = (first_task[b + 1] - first_task[b]) / num_kv, i = t - first_task[b];
+        const int64_t g = i / chunks, c = i % chunks, l0 = c * kChunk;
+        const int64_t n = std::min(kChunk, start[b + 1] - start[b] - l0);
+        const T* q = qkv.data() + b * width + g * group * D;
+        float* out = partial.data() + t * per_task;
+        attend_chunk(elements(q), reinterpret_cast<const float*>(q), elements(kc) + g * D, elements(vc) + g * D,
+                     k_row, v_row, slot + start[b] + l0, n, D, int(group), scale, score.data(), out, out + group,
+                     out + 2 * group);
+      }
+    });
+    parallel_ranges(B * num_q, 1, 8, [&](int64_t p0, int64_t p1) {  // merge each q head's chunks in order
+      std::vector<float> acc(D);
+      for (int64_t p = p0; p < p1; ++p) {
+        const int64_t b = p / num_q, hq = p % num_q, g = hq / group, h = hq % group;
+        const int64_t chunks = (first_task[b + 1] - first_task[b]) / num_kv;
+        const float* part = partial.data() + (first_task[b] + g * chunks) * per_task;
+        float top = -INFINITY;
+        for (int64_t c = 0; c < chunks; ++c) top = std::max(top, part[c * per_task + h]);
+        float total = 0;
+        std::fill(acc.begin(), acc.end(), 0.0f);
+        for (int64_t c = 0; c < chunks; ++c) {
+          const float* pc = part + c * per_task;
+          const float w = chunks == 1 ? 1.0f : exp_nonpositive(pc[h] - top);
+          total += w * pc[group + h];
+          const float* a = pc + 2 * group + h * D;
+          for (int64_t j = 0; j < D; ++j) acc[j] += w * a[j];
+        }
+        const float inv = 1.0f / total;
+        for (int64_t j = 0; j < D; ++j) attn[(b * num_q + hq) * D + j] = T(acc[j] * inv);
+      }
+    });
+  } else {  // attention per (row, q head) over that row's keys (attend_head)
+    parallel_ranges(B * num_q, 1, 1, [&](int64_t p0, int64_t p1) {
+      std::vector<float> score, q(D), acc(D);
+      for (int64_t p = p0; p < p1; ++p) {
+        const int64_t b = p / num_q, hq = p % num_q, g = hq / group, L = start[b + 1] - start[b];
+        score.resize(L);
+        for (int64_t j = 0; j < D; ++j) q[j] = f32(qkv[b * width + hq * D + j]);
+        attend_head(q.data(), elements(kc) + g * D, elements(vc) + g * D, k_row, v_row, slot + start[b], L, D,
+                    scale, score.data(), acc.data());
+        for (int64_t j = 0; j < D; ++j) attn[(b * num_q + hq) * D + j] = T(acc[j]);
+      }
+    });
+  }
 
   product(attn.data(), o_w, sums.data(), B);
   for (int64_t b = 0; b < B; ++b) {

@@ -80,6 +80,8 @@ def _reference_layer(x, residual, first, weights, cos, signed_sin, k_cache, v_ca
     (576, (9, 3), 64, 1536, 200),   # the embedded default's layer
     (72, (4, 2), 18, 40, 7),        # widths below and between the vector lengths
     (64, (2, 2), 32, 96, 1),        # one key: the token itself
+    (128, (8, 1), 128, 64, 1100),   # several chunks of keys (the chunked attention), one kv head for eight
+    (96, (3, 3), 64, 32, 513),      # a lone key in the last chunk, no grouping
 ])
 def test_decode_layer_against_eager_step(ops, native, hidden, heads, head_dim, inter, context, dtype):
     num_q, num_kv = heads
@@ -155,10 +157,12 @@ def test_decode_layer_refuses_bad_input(ops):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_decode_layer_rows_are_each_row_alone(ops, dtype):
+@pytest.mark.parametrize("d", [16, 64])
+def test_decode_layer_rows_are_each_row_alone(ops, native, dtype, d):
     """B rows in one call (each its own context, slots and position): every row's x, residual and K/V are the ones
-    it gets alone, bit for bit."""
-    hidden, (num_q, num_kv), d, inter = 96, (4, 2), 16, 80
+    it gets alone, bit for bit. Head size 64 takes the chunked attention (where the CPU has AVX512-BF16): contexts
+    of one chunk, one key past it, and several."""
+    hidden, (num_q, num_kv), inter = 96, (4, 2), 80
     g = torch.Generator().manual_seed(11)
 
     def rand(*shape, s=0.1):
@@ -166,11 +170,11 @@ def test_decode_layer_rows_are_each_row_alone(ops, dtype):
 
     weights = (1 + rand(hidden), 1 + rand(hidden), rand((num_q + 2 * num_kv) * d, hidden), rand(hidden, num_q * d),
                rand(2 * inter, hidden), rand(hidden, inter))
-    rows, pool = 11, 400
+    lens = [1, 5, 17, 3, 40, 2, 9, 1, 33, 8, 60] + ([256, 257, 700] if d == 64 else [])
+    rows, pool = len(lens), sum(lens) + 50
     cos, signed_sin = rand(rows, d, s=1.0), rand(rows, d, s=1.0)
     k_cache, v_cache = rand(pool, num_kv, d, s=1.0), rand(pool, num_kv, d, s=1.0)
     perm = torch.randperm(pool, generator=g)
-    lens = [1, 5, 17, 3, 40, 2, 9, 1, 33, 8, 60]
     contexts, at = [], 0
     for n in lens:
         contexts.append(perm[at:at + n])
