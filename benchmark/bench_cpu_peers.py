@@ -11,6 +11,9 @@ otherwise). Workloads (greedy, EOS ignored so every system does the same work):
     single    one ~100-token prompt, 128 new tokens          tok/s = new tokens / time
     batch     32 ~100-token prompts, 128 new tokens each     tok/s = all new tokens / time
     prefill   one 1,000-token prompt, 1 new token            tok/s = prompt tokens / time
+    long      (--long-context N) one N-token prompt, --long-new-tokens new tokens: decode tok/s at that context,
+              timed from the first new token to the last (each system's own streaming: the engine's text
+              deltas, llama.cpp's token generator, transformers' streamer)
 
 Every repeat runs every system once per workload, interleaved (the machine is shared and noisy); the figure is
 the median of the repeats. Also reported: how many of each system's single-stream tokens equal transformers'
@@ -71,6 +74,14 @@ class Ours:
         sp = SamplingParams(max_new_tokens=new_tokens, temperature=0, ignore_eos=True)
         return [o.token_ids for o in self.engine.generate(input_ids=prompts, sampling_params=sp)]
 
+    def decode_rate(self, prompt: list[int], new_tokens: int) -> float:
+        """Decode tok/s after the first new token: the time from the first text delta to the end."""
+        sp = SamplingParams(max_new_tokens=new_tokens, temperature=0, ignore_eos=True)
+        first = None
+        for _ in self.engine.stream(input_ids=prompt, sampling_params=sp):
+            first = first or time.perf_counter()
+        return (new_tokens - 1) / (time.perf_counter() - first)
+
 
 class Transformers:
     def __init__(self, name: str, dtype: torch.dtype, path: Path, pad_id: int):
@@ -88,6 +99,21 @@ class Transformers:
         out = self.model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens,
                                   min_new_tokens=new_tokens, do_sample=False, pad_token_id=self.pad_id)
         return out[:, width:].tolist()
+
+    @torch.no_grad()
+    def decode_rate(self, prompt: list[int], new_tokens: int) -> float:
+        stamps = []
+
+        class Streamer:  # generate calls put() with the prompt, then with each new token
+            def put(self, value):
+                stamps.append(time.perf_counter())
+
+            def end(self):
+                pass
+
+        self.model.generate(input_ids=torch.tensor([prompt]), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                            do_sample=False, pad_token_id=self.pad_id, streamer=Streamer())
+        return (len(stamps) - 2) / (stamps[-1] - stamps[1])
 
 
 class LlamaCpp:
@@ -123,6 +149,15 @@ class LlamaCpp:
             outs.append(tokens)
         return outs
 
+    def decode_rate(self, prompt: list[int], new_tokens: int) -> float:
+        self.llm.reset()
+        stamps = []
+        for _ in self.llm.generate(prompt, temp=0.0, reset=True):
+            stamps.append(time.perf_counter())
+            if len(stamps) == new_tokens:
+                break
+        return (len(stamps) - 1) / (stamps[-1] - stamps[0])
+
 
 def common_prefix(a: list[int], b: list[int]) -> int:
     n = 0
@@ -137,12 +172,13 @@ def report(args, systems, workloads, runs, single_tokens, notes, repeats_done: i
         "benchmark": "cpu_peers", "model": "smollm2-135m-instruct", "torch": torch.__version__,
         "threads": torch.get_num_threads(), "machine": platform.processor() or platform.machine(),
         "cpu_native_bf16": cpu_has_native_bf16(), "repeats": repeats_done, "prompt_tokens": args.prompt_tokens,
-        "new_tokens": args.new_tokens, "batch": args.batch, "prefill_tokens": args.prefill_tokens, "notes": notes,
+        "new_tokens": args.new_tokens, "batch": args.batch, "prefill_tokens": args.prefill_tokens,
+        "long_context": args.long_context, "long_new_tokens": args.long_new_tokens, "notes": notes,
         "command": "python benchmark/bench_cpu_peers.py " + " ".join(sys.argv[1:]), "systems": {},
         "load_average": os.getloadavg(),
     }
     ref = single_tokens.get("hf-fp32")
-    print(f"\n{'system':16s} {'single':>9s} {'batch':>9s} {'prefill':>9s}   (tok/s, median of {repeats_done}; "
+    print(f"\n{'system':16s} " + " ".join(f"{w:>9s}" for w in workloads) + f"   (tok/s, median of {repeats_done}; "
           "x = ratio to hf-fp32; agree = share of single-stream tokens before the first one unlike hf-fp32's)")
     for s in systems:
         med = {w: statistics.median(r) for w, r in runs[s.name].items()}
@@ -167,12 +203,16 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--prompt-tokens", type=int, default=100)
     ap.add_argument("--prefill-tokens", type=int, default=1000)
+    ap.add_argument("--long-context", type=int, default=0,
+                    help="add the 'long' workload: decode at a prompt of this many tokens (0: off)")
+    ap.add_argument("--long-new-tokens", type=int, default=128)
     ap.add_argument("--systems", default="ours-fp32,ours-bf16,ours-bf16-compiled,ours-int8,ours-q4_1,hf-fp32,hf-bf16,"
                                           "llama.cpp")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "cpu_peers.json"))
     args = ap.parse_args()
     wanted = args.systems.split(",")
-    kv_tokens = args.batch * (args.prompt_tokens + args.new_tokens) + args.prefill_tokens + 256
+    kv_tokens = (args.batch * (args.prompt_tokens + args.new_tokens) + args.prefill_tokens + 256
+                 + args.long_context + args.long_new_tokens)
     systems = []
     for name, dtype, quant in (("ours-fp32", "float32", None), ("ours-bf16", "bfloat16", None),
                                ("ours-bf16-mv", "bfloat16", None), ("ours-bf16-linear", "bfloat16", None),
@@ -214,6 +254,8 @@ def main() -> None:
     long_prompt = make_prompts(tokenizer, 1, args.prefill_tokens)
     workloads = {"single": (prompts[:1], args.new_tokens), "batch": (prompts, args.new_tokens),
                  "prefill": (long_prompt, 1)}
+    if args.long_context:
+        workloads["long"] = (make_prompts(tokenizer, 1, args.long_context), args.long_new_tokens)
     for s in systems:  # warm-up: first-call costs (allocations, oneDNN kernel selection) out of the timings
         s.generate(prompts[:2], 4)
     runs = {s.name: {w: [] for w in workloads} for s in systems}
@@ -221,6 +263,11 @@ def main() -> None:
     for rep in range(args.repeats):
         for wname, (batch, new) in workloads.items():
             for s in systems:
+                if wname == "long":
+                    rate = s.decode_rate(batch[0], new)
+                    runs[s.name][wname].append(rate)
+                    print(f"repeat {rep} {wname:8s} {s.name:16s} {rate:8.1f} tok/s", flush=True)
+                    continue
                 t = time.perf_counter()
                 out = s.generate(batch, new)
                 elapsed = time.perf_counter() - t
