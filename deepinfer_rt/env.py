@@ -187,11 +187,12 @@ class Env:
     one call of the lone-row kernels per layer, kernels/cpu/row_decode.cpp; sums in another order than torch's
     mm, so values differ from the module path's in the last bits; where the kernels cannot be built, 'mm') or
     'mm' (torch's matmul: the module path's bits)."""
-    cpu_q4_row: str
-    """DEEPINFER_CPU_Q4_ROW: how the flat CPU step runs decode rows of a Q4_1 model (quantization="q4_1"): 'kernel'
-    (default: up to 3 rows through one call of the decode-row kernels per layer reading the 4-bit codes, more rows
-    through the same call over the layers' dequantized 16-bit copies; kernels/cpu/row_decode.cpp; where the
-    kernels cannot be built, 'torch') or 'torch' (torch's 4-bit weight-pack matmul per linear)."""
+    cpu_quant_row: str
+    """DEEPINFER_CPU_QUANT_ROW: how the flat CPU step runs decode rows of a weight-only quantized model
+    (quantization="q4_1" or "int8") on a CPU with native bf16 (AVX512-BF16 / AMX): 'kernel' (default: up to 3 rows
+    through one call of the decode-row kernels per layer reading the 4-bit codes or int8 rows, more rows through
+    the same call over the layers' dequantized 16-bit copies; kernels/cpu/row_decode.cpp; where the kernels cannot
+    be built, 'torch') or 'torch' (torch's 4-bit / int8 weight-pack matmuls per linear, as on other CPUs)."""
     cpu_compile: bool
     """DEEPINFER_CPU_COMPILE=1: the flat CPU step compiled with torch.compile (inductor's C++ backend) between its
     attention calls (models/llama_compiled.py; dense weights). Default off: a first start compiles for about a
@@ -257,7 +258,7 @@ def get_env() -> Env:
         cpu_fast_step=_bool("DEEPINFER_CPU_FAST_STEP", True),
         cpu_bf16_gemv=_str("DEEPINFER_CPU_BF16_GEMV", "auto").strip().lower(),
         cpu_fp32_row=_str("DEEPINFER_CPU_FP32_ROW", "kernel").strip().lower(),
-        cpu_q4_row=_str("DEEPINFER_CPU_Q4_ROW", "kernel").strip().lower(),
+        cpu_quant_row=_str("DEEPINFER_CPU_QUANT_ROW", "kernel").strip().lower(),
         cpu_compile=_bool("DEEPINFER_CPU_COMPILE", False),
         inductor_cache_dir=Path(_str("DEEPINFER_CACHE", str(Path.home() / ".cache" / "deepinfer"))) / "inductor",
     )

@@ -5,7 +5,8 @@
     ops.decode_layer(x, residual, first, in_norm, post_norm, qkv_w, o_w, gate_up_w, down_w, cos, signed_sin,
                      k_cache, v_cache, slots, slot_starts, out_slots, num_q, num_kv, eps, scale)
     ops.q4_gemv(x, codes, d, c, bf16_out)      # Q4_1 weights in layers/q4.kernel_rows' form
-    ops.decode_layer_q4(...)                   # decode_layer, each weight [codes, d, c]
+    ops.int8_gemv(x, q, scale, bf16_out)       # per-row int8 weights (layers/int8.py)
+    ops.decode_layer_q(...)                    # decode_layer, each weight [codes, d, c] or [q, scale]
 
 The source is compiled with torch's C++ extension builder (a C++ compiler and ninja; about half a minute on two
 cores) into `build_dir` (DEEPINFER_CACHE/torch_extensions by default), once per source version: a later process

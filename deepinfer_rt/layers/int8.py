@@ -85,6 +85,8 @@ class Int8WeightOnlyLinear(WeightOnlyLinear):
         dtype = layer.weight.dtype
         layer.int8_weight, scale = quantize_rows(layer.weight.data)
         layer.int8_scale = scale.to(dtype)
+        # the decode-row kernels' form (models/llama_step.py): the scales the matmul uses, as fp32
+        layer.int8_rows = (layer.int8_weight, layer.int8_scale.float().contiguous())
         layer.weight.data = layer.weight.data.new_empty(0)  # the dense copy is not kept
 
     def packed_mm(self, layer: nn.Module, x2: torch.Tensor) -> torch.Tensor:

@@ -34,10 +34,10 @@ decode-row kernels (deepinfer_kernels.cpu_row, kernels/cpu/row_decode.cpp) where
 The kernel takes the same operations and roundings, but sums in another order, so such a step's values differ
 from the module path's in the last bits (tokens equal in the tests; fp32 logprobs within 1e-5). On the 2-core
 AMD EPYC measured, the embedded default's lone-stream step went from ~37 to ~12 ms in bf16 and from ~65 to ~23 ms
-in fp32 (benchmark/bench_cpu_peers.py). A Q4_1 model's step of at most Q4_KERNEL_MAX_ROWS decode rows runs the
-same layer over the 4-bit codes (decode_layer_q4, DEEPINFER_CPU_Q4_ROW), its values those of the dequantized
-weights times the rows (fp32 sums), where torch's 4-bit matmul rounds the scales to bf16 first; more rows take the
-fused layer over the dequantized bf16 copies.
+in fp32 (benchmark/bench_cpu_peers.py). A Q4_1 or int8 model's step of at most QUANT_KERNEL_MAX_ROWS decode rows
+runs the same layer over the 4-bit codes or int8 rows (decode_layer_q, DEEPINFER_CPU_QUANT_ROW), its values those
+of the dequantized weights times the rows (fp32 sums; torch's 4-bit matmul rounds the scales to bf16 first); more
+rows take the fused layer over the dequantized bf16 copies.
 
 bf16 may differ in one place, for speed: a one-row input (a lone decode stream) of a dense linear or the dense
 head takes the product this CPU runs fastest (DEEPINFER_CPU_BF16_GEMV, `choose_row_gemv`, ROW_PRODUCTS): F.linear,
@@ -67,7 +67,7 @@ import torch.nn.functional as F
 from deepinfer_kernels import reference
 from deepinfer_rt.env import get_env
 from deepinfer_rt.forward_batch import ForwardBatch
-from deepinfer_rt.layers.kernel_config import KernelConfig
+from deepinfer_rt.layers.kernel_config import KernelConfig, cpu_has_native_bf16
 from deepinfer_rt.layers.int8 import WeightOnlyLinear
 from deepinfer_rt.layers.methods import UnquantizedLinear
 from deepinfer_rt.models.base import CausalLM
@@ -199,9 +199,10 @@ FP32_KERNEL_MAX_ROWS = 16
 """The same for fp32 decode rows, whose product in the kernels takes one input row at a time (no AVX512-BF16 pairs
 to share a weight load): fp32 decode tok/s against torch's mm, batch 8 99 / 77, 16 127 / 115, 32 128 / 144."""
 
-Q4_KERNEL_MAX_ROWS = 3
-"""A Q4_1 model's decode step of at most this many rows runs each layer as one kernel call over the 4-bit codes
-(deepinfer_cpu::decode_layer_q4, DEEPINFER_CPU_Q4_ROW=kernel); a step of more rows (up to KERNEL_MAX_ROWS) runs
+QUANT_KERNEL_MAX_ROWS = 3
+"""A Q4_1 or int8 model's decode step of at most this many rows runs each layer as one kernel call over the 4-bit
+codes or int8 rows (deepinfer_cpu::decode_layer_q, DEEPINFER_CPU_QUANT_ROW=kernel); a step of more rows (up to
+KERNEL_MAX_ROWS) runs
 the same fused layer over the linears' dequantized bf16 copies (WeightOnlyLinear.dense_in, the copy prefill
 GEMMs use), where expanding the codes again for every row costs more than reading 16-bit weights. The 30 layers'
 four products of the embedded default's shapes, bf16, 2-core EPYC, codes against 16-bit weights: 1 row 3.6 / 7.7
@@ -330,7 +331,7 @@ def _layer_list(model) -> list[_Layer]:
                              *(_linear_fn(lin, row) for lin in linears), attn.qkv_proj.weight))
         layers[-1].takes_row = takes_row
     model.row_weights = _row_weights(model) if row == "kernel" else None
-    model.row_weights_q4 = _q4_row_weights(model)
+    model.row_weights_quantized = _quantized_row_weights(model)
     if _fp32_takes_kernel(model):
         model.row_weights = _row_weights(model)
         model.head_fn = _fp32_head_fn(head.weight) if head.bias is None and type(model.logits_method) \
@@ -373,32 +374,37 @@ def _row_weights(model) -> list[tuple[torch.Tensor, ...]] | None:
     return out
 
 
-def _q4_linears(model) -> list[tuple[torch.nn.Module, ...]] | None:
-    """Per layer (qkv, o, gate_up, down) where every one is a Q4_1 linear without bias, else None."""
+def _quantized_linears(model) -> list[tuple[torch.nn.Module, ...]] | None:
+    """Per layer (qkv, o, gate_up, down) where every one is a Q4_1 linear without bias, or every one an int8 linear
+    without bias; else None."""
+    from deepinfer_rt.layers.int8 import Int8WeightOnlyLinear
     from deepinfer_rt.layers.q4 import Q4WeightOnlyLinear
 
-    out = []
+    out, kinds = [], set()
     for layer in model.model.layers:
         linears = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
-        if not all(type(lin.method) is Q4WeightOnlyLinear and lin.bias is None for lin in linears):
+        kinds.update(type(lin.method) for lin in linears)
+        if any(lin.bias is not None for lin in linears):
             return None
         out.append(linears)
-    return out or None
+    return out if kinds in ({Q4WeightOnlyLinear}, {Int8WeightOnlyLinear}) else None
 
 
-def _q4_row_weights(model) -> list[tuple] | None:
-    """Per layer (input norm, post norm, then qkv, o, gate_up, down each as [codes, d, c]: layers/q4.kernel_rows)
-    for deepinfer_cpu::decode_layer_q4, or None: not every linear Q4_1, DEEPINFER_CPU_Q4_ROW=torch, the kernels
-    not built, or the model dtype neither bf16 nor fp32."""
-    setting = get_env().cpu_q4_row
+def _quantized_row_weights(model) -> list[tuple] | None:
+    """Per layer (input norm, post norm, then qkv, o, gate_up, down each as [codes, d, c] (Q4_1:
+    layers/q4.kernel_rows) or [q, scale] (int8)) for deepinfer_cpu::decode_layer_q, or None: the linears not all
+    Q4_1 or all int8, DEEPINFER_CPU_QUANT_ROW=torch, a CPU without native bf16 (where the kernels' portable loops
+    are not known to beat torch's packed matmuls), the kernels not built, or the model dtype neither bf16 nor fp32."""
+    setting = get_env().cpu_quant_row
     if setting not in ("kernel", "torch"):
-        raise ValueError(f"DEEPINFER_CPU_Q4_ROW={setting!r}: not one of kernel, torch")
-    linears = _q4_linears(model)
+        raise ValueError(f"DEEPINFER_CPU_QUANT_ROW={setting!r}: not one of kernel, torch")
+    linears = _quantized_linears(model)
     dtype = model.model.embed_tokens.weight.dtype
     if linears is None or setting != "kernel" or dtype not in (torch.bfloat16, torch.float32) \
-            or _row_kernels() is None:
+            or not cpu_has_native_bf16() or _row_kernels() is None:
         return None
-    return [(layer.input_layernorm.weight, layer.post_attention_layernorm.weight, *(list(lin.q4_rows) for lin in lins))
+    return [(layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
+             *(list(getattr(lin, "q4_rows", None) or lin.int8_rows) for lin in lins))
             for layer, lins in zip(model.model.layers, linears)]
 
 
@@ -411,7 +417,7 @@ def _dequantized_row_weights(model) -> list[tuple[torch.Tensor, ...]]:
     dtype = model.model.embed_tokens.weight.dtype
     return [(layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
              *(lin.method.dense_in(lin, dtype) for lin in lins))
-            for layer, lins in zip(model.model.layers, _q4_linears(model))]
+            for layer, lins in zip(model.model.layers, _quantized_linears(model))]
 
 
 def _row_kernel_fits(batch: ForwardBatch, dtype: torch.dtype) -> bool:
@@ -462,10 +468,10 @@ class CpuStep(ModuleStep):
         as_row = t == 1 and layers[0].takes_row
         most = KERNEL_MAX_ROWS if x.dtype == torch.bfloat16 else FP32_KERNEL_MAX_ROWS
         if t <= most and t == len(batch.q_lens) and _row_kernel_fits(batch, x.dtype):  # decode rows only
-            q4 = model.row_weights_q4
-            if q4 is not None and t <= Q4_KERNEL_MAX_ROWS:
-                return self._row_forward(model, batch, x, q4, _row_kernels().decode_layer_q4)
-            if q4 is not None and model.row_weights is None:
+            quantized = model.row_weights_quantized
+            if quantized is not None and t <= QUANT_KERNEL_MAX_ROWS:
+                return self._row_forward(model, batch, x, quantized, _row_kernels().decode_layer_q)
+            if quantized is not None and model.row_weights is None:
                 model.row_weights = _dequantized_row_weights(model)
             if model.row_weights:
                 return self._row_forward(model, batch, x, model.row_weights, _row_kernels().decode_layer)
@@ -492,7 +498,7 @@ class CpuStep(ModuleStep):
     def _row_forward(model, batch: ForwardBatch, x: torch.Tensor, layer_weights: list[tuple],
                      decode_layer: Callable) -> torch.Tensor:
         """Decode rows (bf16 or fp32; every sequence one new token, at most KERNEL_MAX_ROWS of them) through one
-        kernel call per layer (deepinfer_cpu::decode_layer, or decode_layer_q4 over 4-bit weights: norms, products,
+        kernel call per layer (deepinfer_cpu::decode_layer, or decode_layer_q over quantized weights: norms, products,
         rotary, the K/V writes and each row's attention over its sequence's slots), then the final norm. x (B, H)."""
         config, pool, rope = model.config, batch.pool, batch.model_meta
         rows = x.shape[0]

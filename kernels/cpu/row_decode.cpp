@@ -9,7 +9,8 @@
 //   deepinfer_cpu::gemv(x, w, bf16_out)   x (K,) or (M, K), w (N, K), bf16 or fp32 -> fp32 sums, or rounded to bf16
 //   deepinfer_cpu::decode_layer(...)      one layer for B decode rows, in place: see decode_layer below
 //   deepinfer_cpu::q4_gemv(x, codes, d, c, bf16_out)   the product with a Q4_1 weight (see Mat below)
-//   deepinfer_cpu::decode_layer_q4(...)   decode_layer with Q4_1 weights, each [codes, d, c]
+//   deepinfer_cpu::int8_gemv(x, q, scale, bf16_out)    the product with per-row int8 weights
+//   deepinfer_cpu::decode_layer_q(...)    decode_layer with quantized weights: each [codes, d, c] or [q, scale]
 //   deepinfer_cpu::set_native_bf16(on)    AVX512-BF16 dot products on / off (tests reach the portable form)
 //
 // Values follow the eager CPU step's bf16 form (models/llama_step.py): every op's result is rounded to bf16 where
@@ -482,6 +483,7 @@ struct Mat {
   const uint8_t* codes = nullptr;  // Q4_1: (N, K / 2) packed codes
   const float* d = nullptr;        // Q4_1: (N, K / 32) scales
   const float* c = nullptr;        // Q4_1: (N, K / 32) m - 16 d
+  const int8_t* q8 = nullptr;      // int8 rows: (N, K), each row times its scale d[n]
   int64_t N = 0, K = 0;
 };
 
@@ -618,11 +620,106 @@ void q4_into(const T* x, const Mat& w, float* out, int64_t M) {
   });
 }
 
-// out (M, N) <- x (M, K) @ w^T for a dense or Q4_1 weight
+// ---- int8 rows (quantization="int8": per output row symmetric int8, layers/int8.py) ----
+// out[m, n] = d[n] * sum_k q[n, k] x[m, k], the inputs widened to fp32 once and the codes to fp32 as they stream.
+template <int M>
+__attribute__((target("avx512f,avx512bw,avx512vl"))) void int8_rows_avx512(const Mat& w, const float* x, float* out,
+                                                                           int64_t out_stride, int64_t n0, int64_t n1) {
+  const int64_t K = w.K, body = K - K % 32;
+  const __mmask16 tail = K % 16 ? __mmask16((1u << (K % 16)) - 1) : __mmask16(0);
+  for (int64_t n = n0; n < n1; ++n) {
+    const int8_t* row = w.q8 + n * K;
+    __m512 a0[M], a1[M];
+    for (int m = 0; m < M; ++m) a0[m] = a1[m] = _mm512_setzero_ps();
+    int64_t k = 0;
+    for (; k < body; k += 32) {
+      _mm_prefetch(reinterpret_cast<const char*>(row + k + 1024), _MM_HINT_T0);
+      const __m512 w0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + k))));
+      const __m512 w1 =
+          _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + k + 16))));
+      for (int m = 0; m < M; ++m) {
+        a0[m] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(x + m * K + k), a0[m]);
+        a1[m] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(x + m * K + k + 16), a1[m]);
+      }
+    }
+    for (; k + 16 <= K; k += 16) {
+      const __m512 w0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + k))));
+      for (int m = 0; m < M; ++m) a0[m] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(x + m * K + k), a0[m]);
+    }
+    if (tail) {
+      const __m512 w0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(tail, row + k)));
+      for (int m = 0; m < M; ++m) a0[m] = _mm512_fmadd_ps(w0, _mm512_maskz_loadu_ps(tail, x + m * K + k), a0[m]);
+    }
+    for (int m = 0; m < M; ++m) out[m * out_stride + n] = w.d[n] * _mm512_reduce_add_ps(_mm512_add_ps(a0[m], a1[m]));
+  }
+}
+
+void int8_rows_avx512(const Mat& w, const float* x, int64_t rows, float* out, int64_t out_stride, int64_t n0,
+                      int64_t n1) {
+  for (int64_t m = 0; m < rows; m += 8) {
+    const float* xm = x + m * w.K;
+    float* om = out + m * out_stride;
+    switch (std::min<int64_t>(8, rows - m)) {
+      case 1: int8_rows_avx512<1>(w, xm, om, out_stride, n0, n1); break;
+      case 2: int8_rows_avx512<2>(w, xm, om, out_stride, n0, n1); break;
+      case 3: int8_rows_avx512<3>(w, xm, om, out_stride, n0, n1); break;
+      case 4: int8_rows_avx512<4>(w, xm, om, out_stride, n0, n1); break;
+      case 5: int8_rows_avx512<5>(w, xm, om, out_stride, n0, n1); break;
+      case 6: int8_rows_avx512<6>(w, xm, om, out_stride, n0, n1); break;
+      case 7: int8_rows_avx512<7>(w, xm, om, out_stride, n0, n1); break;
+      default: int8_rows_avx512<8>(w, xm, om, out_stride, n0, n1); break;
+    }
+  }
+}
+
+// Elsewhere: 16 fp32 lanes per row, vectorized per target by the compiler.
+__attribute__((target_clones("avx512f", "avx2", "default"))) void int8_rows_generic(
+    const Mat& w, const float* x, float* out, int64_t n0, int64_t n1) {
+  const int64_t K = w.K;
+  for (int64_t n = n0; n < n1; ++n) {
+    const int8_t* row = w.q8 + n * K;
+    float lanes[16] = {0};
+    int64_t k = 0;
+    for (; k + 16 <= K; k += 16)
+      for (int j = 0; j < 16; ++j) lanes[j] += float(row[k + j]) * x[k + j];
+    float rest = 0;
+    for (; k < K; ++k) rest += float(row[k]) * x[k];
+    for (int h = 8; h >= 1; h /= 2)
+      for (int j = 0; j < h; ++j) lanes[j] += lanes[j + h];
+    out[n] = w.d[n] * (lanes[0] + rest);
+  }
+}
+
+template <typename T>
+void int8_into(const T* x, const Mat& w, float* out, int64_t M) {
+  const int64_t N = w.N, K = w.K;
+  std::vector<float> widened;
+  const float* xf;
+  if constexpr (std::is_same_v<T, float>) {
+    xf = x;
+  } else {
+    widened.resize(M * K);
+    for (int64_t i = 0; i < M * K; ++i) widened[i] = f32(x[i]);
+    xf = widened.data();
+  }
+  const int64_t rows = std::max<int64_t>(16, (1 << 15) / std::max<int64_t>(K, 1));  // >= ~32 KB of codes a part
+  parallel_ranges(N, 4, rows, [&](int64_t n0, int64_t n1) {
+    if (use_avx512bf16()) {
+      int8_rows_avx512(w, xf, M, out, N, n0, n1);
+      return;
+    }
+    for (int64_t b = n0; b < n1; b += kBlockRows)
+      for (int64_t m = 0; m < M; ++m) int8_rows_generic(w, xf + m * K, out + m * N, b, std::min(n1, b + kBlockRows));
+  });
+}
+
+// out (M, N) <- x (M, K) @ w^T for a dense, Q4_1 or int8 weight
 template <typename T>
 void product(const T* x, const Mat& w, float* out, int64_t M) {
   if (w.codes != nullptr)
     q4_into(x, w, out, M);
+  else if (w.q8 != nullptr)
+    int8_into(x, w, out, M);
   else
     gemv_into(x, static_cast<const T*>(w.dense), out, w.N, w.K, M);
 }
@@ -838,6 +935,37 @@ Mat q4_mat(at::TensorList parts, int64_t K, const char* what) {
   return m;
 }
 
+// An int8 weight given as [q (N, K) int8, scale (N,) fp32], as a Mat
+Mat int8_mat(at::TensorList parts, int64_t K, const char* what) {
+  TORCH_CHECK(parts.size() == 2, what, ": an int8 weight is [q, scale], got ", parts.size(), " tensors");
+  check_matrix(parts[0], at::kChar, K, what);
+  check_vector(parts[1], at::kFloat, parts[0].size(0), what);
+  Mat m;
+  m.q8 = parts[0].data_ptr<int8_t>();
+  m.d = parts[1].data_ptr<float>();
+  m.N = parts[0].size(0);
+  m.K = K;
+  return m;
+}
+
+// x (K,) or (M, K) bf16 or fp32, and an int8 weight [q, scale] -> (N,) or (M, N) fp32; bf16_out: rounded to bf16
+at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale, bool bf16_out) {
+  const auto dtype = x.scalar_type();
+  TORCH_CHECK(x.device().is_cpu() && is_16_or_32(dtype), "deepinfer_cpu::int8_gemv: bf16 or fp32 CPU values expected");
+  TORCH_CHECK(!bf16_out || dtype == at::kBFloat16, "deepinfer_cpu::int8_gemv: bf16_out takes bf16 inputs");
+  TORCH_CHECK((x.dim() == 1 || x.dim() == 2) && x.is_contiguous(),
+              "deepinfer_cpu::int8_gemv x: a contiguous (K,) or (M, K) input expected, got ", x.sizes());
+  const int64_t K = x.size(-1), M = x.dim() == 2 ? x.size(0) : 1;
+  const Mat w = int8_mat({q, scale}, K, "deepinfer_cpu::int8_gemv w");
+  auto out = at::empty(x.dim() == 2 ? std::vector<int64_t>{M, w.N} : std::vector<int64_t>{w.N},
+                       x.options().dtype(at::kFloat));
+  if (M > 0 && dtype == at::kBFloat16)
+    int8_into(x.data_ptr<bf16>(), w, out.data_ptr<float>(), M);
+  else if (M > 0)
+    int8_into(x.data_ptr<float>(), w, out.data_ptr<float>(), M);
+  return bf16_out ? out.to(at::kBFloat16) : out;
+}
+
 // x (K,) or (M, K) bf16 or fp32, and a Q4_1 weight -> (N,) or (M, N) fp32 sums; bf16_out: rounded to bf16
 at::Tensor q4_gemv(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& d, const at::Tensor& c,
                    bool bf16_out) {
@@ -940,20 +1068,26 @@ void decode_layer(at::Tensor& x, at::Tensor& residual, bool first, const at::Ten
                     slots, slot_starts, out_slots, num_q, num_kv, eps, scale);
 }
 
-// The same layer with Q4_1 weights, each given as [codes, d, c] (q4_mat); activations bf16 or fp32.
-void decode_layer_q4(at::Tensor& x, at::Tensor& residual, bool first, const at::Tensor& in_norm,
-                     const at::Tensor& post_norm, at::TensorList qkv_w, at::TensorList o_w, at::TensorList gate_up_w,
-                     at::TensorList down_w, const at::Tensor& cos, const at::Tensor& signed_sin, at::Tensor& k_cache,
-                     at::Tensor& v_cache, const at::Tensor& slots, const at::Tensor& slot_starts,
-                     const at::Tensor& out_slots, int64_t num_q, int64_t num_kv, double eps, double scale) {
+// The same layer with quantized weights: each [codes, d, c] (Q4_1, q4_mat) or [q, scale] (int8 rows, int8_mat);
+// activations bf16 or fp32.
+Mat quantized_mat(at::TensorList parts, int64_t K, const char* what) {
+  return parts.size() == 2 ? int8_mat(parts, K, what) : q4_mat(parts, K, what);
+}
+
+void decode_layer_q(at::Tensor& x, at::Tensor& residual, bool first, const at::Tensor& in_norm,
+                    const at::Tensor& post_norm, at::TensorList qkv_w, at::TensorList o_w, at::TensorList gate_up_w,
+                    at::TensorList down_w, const at::Tensor& cos, const at::Tensor& signed_sin, at::Tensor& k_cache,
+                    at::Tensor& v_cache, const at::Tensor& slots, const at::Tensor& slot_starts,
+                    const at::Tensor& out_slots, int64_t num_q, int64_t num_kv, double eps, double scale) {
   check_layer_input(x, cos);
   const int64_t H = x.size(1), D = cos.size(1);
-  TORCH_CHECK(down_w.size() == 3 && down_w[0].dim() == 2, "down: a Q4_1 weight is [codes, d, c]");
-  const int64_t inter = down_w[0].size(1) * 2;
-  const Mat qkv = q4_mat(qkv_w, H, "qkv");
+  TORCH_CHECK((down_w.size() == 3 || down_w.size() == 2) && down_w[0].dim() == 2,
+              "down: a quantized weight is [codes, d, c] (Q4_1) or [q, scale] (int8)");
+  const int64_t inter = down_w.size() == 3 ? down_w[0].size(1) * 2 : down_w[0].size(1);
+  const Mat qkv = quantized_mat(qkv_w, H, "qkv");
   check_qkv(qkv, num_q, num_kv, D);
-  const Mat o = q4_mat(o_w, num_q * D, "o_proj"), gate_up = q4_mat(gate_up_w, H, "gate_up");
-  const Mat down = q4_mat(down_w, inter, "down");
+  const Mat o = quantized_mat(o_w, num_q * D, "o_proj"), gate_up = quantized_mat(gate_up_w, H, "gate_up");
+  const Mat down = quantized_mat(down_w, inter, "down");
   decode_layer_mats(x, residual, first, in_norm, post_norm, qkv, o, gate_up, down, cos, signed_sin, k_cache, v_cache,
                     slots, slot_starts, out_slots, num_q, num_kv, eps, scale);
 }
@@ -964,13 +1098,14 @@ TORCH_LIBRARY(deepinfer_cpu, m) {
   m.def("gemv(Tensor x, Tensor w, bool bf16_out) -> Tensor");
   m.def("set_native_bf16(bool enabled) -> bool");
   m.def("q4_gemv(Tensor x, Tensor codes, Tensor d, Tensor c, bool bf16_out) -> Tensor");
+  m.def("int8_gemv(Tensor x, Tensor q, Tensor scale, bool bf16_out) -> Tensor");
   m.def(
       "decode_layer(Tensor(a!) x, Tensor(b!) residual, bool first, Tensor in_norm, Tensor post_norm, "
       "Tensor qkv_w, Tensor o_w, Tensor gate_up_w, Tensor down_w, Tensor cos, Tensor signed_sin, "
       "Tensor(c!) k_cache, Tensor(d!) v_cache, Tensor slots, Tensor slot_starts, Tensor out_slots, int num_q, "
       "int num_kv, float eps, float scale) -> ()");
   m.def(
-      "decode_layer_q4(Tensor(a!) x, Tensor(b!) residual, bool first, Tensor in_norm, Tensor post_norm, "
+      "decode_layer_q(Tensor(a!) x, Tensor(b!) residual, bool first, Tensor in_norm, Tensor post_norm, "
       "Tensor[] qkv_w, Tensor[] o_w, Tensor[] gate_up_w, Tensor[] down_w, Tensor cos, Tensor signed_sin, "
       "Tensor(c!) k_cache, Tensor(d!) v_cache, Tensor slots, Tensor slot_starts, Tensor out_slots, int num_q, "
       "int num_kv, float eps, float scale) -> ()");
@@ -981,6 +1116,7 @@ TORCH_LIBRARY_FRAGMENT(deepinfer_cpu, m) { m.impl("set_native_bf16", &set_native
 TORCH_LIBRARY_IMPL(deepinfer_cpu, CPU, m) {
   m.impl("gemv", &gemv);
   m.impl("decode_layer", &decode_layer);
-  m.impl("decode_layer_q4", &decode_layer_q4);
+  m.impl("decode_layer_q", &decode_layer_q);
   m.impl("q4_gemv", &q4_gemv);
+  m.impl("int8_gemv", &int8_gemv);
 }

@@ -198,3 +198,52 @@ def test_cpu_step_bf16_within_tolerance_of_module_path(tiny_llama_path, monkeypa
     for a, b in zip(got, want):
         assert a.token_ids[:2] == b.token_ids[:2]
         assert max(abs(x - y) for x, y in zip(a.logprobs[:2], b.logprobs[:2])) < 0.1
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("quantization", ["q4_1", "int8"])
+def test_quantized_decode_rows_take_the_kernels(tiny_llama_path, monkeypatch, dtype, quantization):
+    """DEEPINFER_CPU_QUANT_ROW=kernel (default), on a CPU with native bf16: a lone stream's and a 3-row batch's
+    decode steps run each layer as one kernel call over the 4-bit codes or int8 rows (decode_layer_q), a 5-row
+    batch's over the dequantized copies (decode_layer); elsewhere the step keeps torch's packed matmuls. Tokens equal
+    those of torch's packed matmuls (DEEPINFER_CPU_QUANT_ROW=torch), logprobs within fp32's / bf16's rounding of
+    them. Another value is refused."""
+    from deepinfer_kernels import cpu_row
+    from deepinfer_rt.layers.kernel_config import cpu_has_native_bf16
+
+    ops = cpu_row.load()
+    assert ops is not None, cpu_row.error()
+    prompts = ["The capital of France is", "Hello", "1, 2, 3, 4, 5, 6, 7, 8,", "def f(x):", "a b c d"]
+    sp = SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True, logprobs=True, top_logprobs=4)
+    row_forward, calls = CpuStep._row_forward, []
+    monkeypatch.setattr(CpuStep, "_row_forward",
+                        staticmethod(lambda *a: calls.append((a[2].shape[0], a[4])) or row_forward(*a)))
+    results = {}
+    for setting in ("torch", "kernel"):
+        monkeypatch.setenv("DEEPINFER_CPU_QUANT_ROW", setting)
+        calls.clear()
+        with Engine(str(tiny_llama_path), dtype=dtype, kv_cache_tokens=1024, quantization=quantization) as engine:
+            results[setting] = [engine.generate(group, sampling_params=sp) for group in
+                                (prompts[:1], prompts[:3], prompts)]
+        if setting == "torch" or not cpu_has_native_bf16():
+            assert calls == []
+        else:  # 7 decode steps of each group
+            assert calls.count((1, ops.decode_layer_q)) == 7 and calls.count((3, ops.decode_layer_q)) == 7
+            assert calls.count((5, ops.decode_layer)) == 7 and len(calls) == 21
+    # the same tokens, the chosen logprobs within the tolerance; where bf16 picks another token, it was a near tie
+    # on both sides (the tiny random model's logits are nearly flat: ties within a bf16 step are common)
+    tol = 1e-4 if dtype == "float32" else 0.05
+    diverged = 0
+    for want_group, got_group in zip(results["torch"], results["kernel"]):
+        for want, got in zip(want_group, got_group):
+            for i, (a, b) in enumerate(zip(got.token_ids, want.token_ids)):
+                assert abs(got.logprobs[i] - want.logprobs[i]) < tol, (i, got.logprobs[i], want.logprobs[i])
+                if a != b:
+                    assert dtype == "bfloat16" and dict(want.top_logprobs[i]).get(a, -1e9) > want.logprobs[i] - tol
+                    diverged += 1
+                    break
+    assert diverged <= 3, diverged
+    monkeypatch.setenv("DEEPINFER_CPU_QUANT_ROW", "fast")
+    with Engine(str(tiny_llama_path), dtype=dtype, kv_cache_tokens=1024, quantization=quantization) as engine:
+        with pytest.raises(ValueError, match="DEEPINFER_CPU_QUANT_ROW='fast'"):
+            engine.model.step_method.forward(engine.model, None)

@@ -286,9 +286,39 @@ def test_q4_gemv_refuses_what_it_cannot_take(ops):
         ops.q4_gemv(x.float(), *q4, True)
 
 
+def _int8(weight):
+    """A float weight quantized to per-row int8 -> (the kernels' [q, scale], the matrix it stands for in fp32)."""
+    from deepinfer_rt.layers.int8 import quantize_rows
+
+    q, scale = quantize_rows(weight)
+    return [q, scale], q.float() * scale[:, None]
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_decode_layer_q4_against_eager_step(ops, native, dtype):
-    """A layer over Q4_1 weights against the eager step's operations over the dequantized matrices (the
+@pytest.mark.parametrize("n, k", [(300, 576), (37, 100), (1, 1536), (129, 31)])
+def test_int8_gemv_within_fp32_sums_of_exact(ops, native, n, k, dtype):
+    g = torch.Generator().manual_seed(n * k)
+    parts, dense = _int8(torch.randn(n, k, generator=g))
+    x = torch.randn(9, k, generator=g).to(dtype)
+    exact = x.double() @ dense.double().T
+    bound = 2 * k * 2**-24 * (x.double().abs() @ dense.double().abs().T) + 1e-6
+    lone = torch.stack([ops.int8_gemv(row.contiguous(), *parts, False) for row in x])
+    assert lone.dtype == torch.float32 and lone.shape == (9, n)
+    assert ((lone.double() - exact).abs() <= bound).all(), (lone.double() - exact).abs().max()
+    for m in (2, 8, 9):
+        assert torch.equal(ops.int8_gemv(x[:m].contiguous(), *parts, False), lone[:m]), m
+    if dtype == torch.bfloat16:
+        assert torch.equal(ops.int8_gemv(x[0].contiguous(), *parts, True), lone[0].bfloat16())
+    with pytest.raises(RuntimeError, match=r"contiguous Char \(N, \d+\) weight expected"):
+        ops.int8_gemv(x[0].contiguous(), parts[0].float(), parts[1], False)
+    with pytest.raises(RuntimeError, match="contiguous Float vector"):
+        ops.int8_gemv(x[0].contiguous(), parts[0], parts[1].bfloat16(), False)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("kind", ["q4_1", "int8"])
+def test_decode_layer_quantized_against_eager_step(ops, native, dtype, kind):
+    """A layer over Q4_1 or int8 weights against the eager step's operations over the dequantized matrices (the
     embedded default's widths), rows each alone bit for bit, and a refused call that writes nothing."""
     hidden, (num_q, num_kv), head_dim, inter, context = 576, (9, 3), 64, 1536, 50
     g = torch.Generator().manual_seed(5)
@@ -298,7 +328,8 @@ def test_decode_layer_q4_against_eager_step(ops, native, dtype):
 
     shapes = [((num_q + 2 * num_kv) * head_dim, hidden), (hidden, num_q * head_dim), (2 * inter, hidden),
               (hidden, inter)]
-    q4, dense = zip(*(_q4(torch.randn(*shape, generator=g) * 0.1) for shape in shapes))
+    quantize = _q4 if kind == "q4_1" else _int8
+    q4, dense = zip(*(quantize(torch.randn(*shape, generator=g) * 0.1) for shape in shapes))
     norms = (1 + rand(hidden, s=0.1), 1 + rand(hidden, s=0.1))
     angle = torch.rand(head_dim // 2, generator=g) * 6
     cos = torch.cat([angle.cos(), angle.cos()]).to(dtype)
@@ -314,7 +345,7 @@ def test_decode_layer_q4_against_eager_step(ops, native, dtype):
                                              signed_sin, kr, vr, slots, out_slot, num_q, num_kv, eps, scale)
     kk, vk = k_cache.clone(), v_cache.clone()
     xk, rk = x[None].clone(), residual[None].clone()
-    ops.decode_layer_q4(xk, rk, False, *norms, *q4, cos[None], signed_sin[None], kk, vk, slots,
+    ops.decode_layer_q(xk, rk, False, *norms, *q4, cos[None], signed_sin[None], kk, vk, slots,
                         torch.tensor([0, context]), torch.tensor([out_slot]), num_q, num_kv, eps, scale)
     # bf16: the reference rounds each dequantized weight to bf16, the kernel multiplies by it exactly
     rel = 2**-5 if dtype == torch.bfloat16 else 1e-4
@@ -328,17 +359,17 @@ def test_decode_layer_q4_against_eager_step(ops, native, dtype):
     x2, r2 = torch.stack([x, rand(hidden)]), torch.stack([residual, rand(hidden)])
     other = torch.randperm(pool, generator=g)[:7]
     kb, vb, xb, rb = k_cache.clone(), v_cache.clone(), x2.clone(), r2.clone()
-    ops.decode_layer_q4(xb, rb, False, *norms, *q4, torch.stack([cos, cos.flip(0)]),
+    ops.decode_layer_q(xb, rb, False, *norms, *q4, torch.stack([cos, cos.flip(0)]),
                         torch.stack([signed_sin, signed_sin.flip(0)]), kb, vb, torch.cat([slots, other]),
                         torch.tensor([0, context, context + 7]), torch.tensor([out_slot, int(other[-1])]),
                         num_q, num_kv, eps, scale)
     assert torch.equal(xb[0], xk[0]) and torch.equal(rb[0], rk[0]) and torch.equal(kb[out_slot], kk[out_slot])
 
-    with pytest.raises(RuntimeError, match="down: a Q4_1 weight is"):
-        ops.decode_layer_q4(xk, rk, False, *norms, *q4[:3], q4[3][:2], cos[None], signed_sin[None], kk, vk, slots,
+    with pytest.raises(RuntimeError, match="down: a quantized weight is"):
+        ops.decode_layer_q(xk, rk, False, *norms, *q4[:3], q4[3][:1], cos[None], signed_sin[None], kk, vk, slots,
                             torch.tensor([0, context]), torch.tensor([out_slot]), num_q, num_kv, eps, scale)
     kc = k_cache.clone()
     with pytest.raises(RuntimeError, match="qkv: 1024 rows expected, got 960"):
-        ops.decode_layer_q4(xk, rk, False, *norms, *q4, cos[None], signed_sin[None], kc, vk, slots,
+        ops.decode_layer_q(xk, rk, False, *norms, *q4, cos[None], signed_sin[None], kc, vk, slots,
                             torch.tensor([0, context]), torch.tensor([out_slot]), num_q + 1, num_kv, eps, scale)
     assert torch.equal(kc, k_cache)
