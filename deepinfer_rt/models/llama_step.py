@@ -202,11 +202,11 @@ to share a weight load): fp32 decode tok/s against torch's mm, batch 8 99 / 77, 
 QUANT_KERNEL_MAX_ROWS = 3
 """A Q4_1 or int8 model's decode step of at most this many rows runs each layer as one kernel call over the 4-bit
 codes or int8 rows (deepinfer_cpu::decode_layer_q, DEEPINFER_CPU_QUANT_ROW=kernel); a step of more rows (up to
-KERNEL_MAX_ROWS) runs
-the same fused layer over the linears' dequantized bf16 copies (WeightOnlyLinear.dense_in, the copy prefill
-GEMMs use), where expanding the codes again for every row costs more than reading 16-bit weights. The 30 layers'
-four products of the embedded default's shapes, bf16, 2-core EPYC, codes against 16-bit weights: 1 row 3.6 / 7.7
-ms, 2 rows 5.4 / 7.1, 4 rows 7.9 / 7.4, 8 rows 15.0 / 9.8."""
+KERNEL_MAX_ROWS) runs the same fused layer over the linears' dequantized bf16 copies (WeightOnlyLinear.dense_in,
+the copies prefill GEMMs use), where expanding the codes again for every row costs more than reading 16-bit
+weights. The 30 layers' four products of the embedded default's shapes, bf16, 2-core EPYC, against 16-bit
+weights: Q4_1 codes 1 row 3.6 / 7.7 ms, 2 rows 5.4 / 7.1, 4 rows 7.9 / 7.4, 8 rows 15.0 / 9.8; int8 rows 1 row
+4.5 / 7.9, 2 rows 4.8 / 8.2, 4 rows 9.2 / 9.0."""
 
 _ROW_GEMV: dict[str, str] = {}
 """'auto': what DEEPINFER_CPU_BF16_GEMV=auto chose (choose_row_gemv), once per process."""
@@ -409,9 +409,9 @@ def _quantized_row_weights(model) -> list[tuple] | None:
 
 
 def _dequantized_row_weights(model) -> list[tuple[torch.Tensor, ...]]:
-    """A Q4_1 model's layers for deepinfer_cpu::decode_layer over its linears' dequantized copies in the model dtype
-    (made once and kept, WeightOnlyLinear.dense_in; the copies prefill already makes), or [] where those copies are
-    not kept (DEEPINFER_CPU_DENSE_COPY=0)."""
+    """A Q4_1 or int8 model's layers for deepinfer_cpu::decode_layer over its linears' dequantized copies in the
+    model dtype (made once and kept, WeightOnlyLinear.dense_in; the copies prefill already makes), or [] where those
+    copies are not kept (DEEPINFER_CPU_DENSE_COPY=0)."""
     if not get_env().cpu_dense_copy:
         return []
     dtype = model.model.embed_tokens.weight.dtype
