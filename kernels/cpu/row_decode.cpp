@@ -187,22 +187,30 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"))) void dot_rows_avx512bf16(
   }
 }
 
-void dot_rows_avx512bf16(const uint16_t* w, const uint16_t* x, int64_t x_stride, int64_t rows, float* out,
-                         int64_t out_stride, int64_t n0, int64_t n1, int64_t K) {
-  for (int64_t m = 0; m < rows; m += 8) {  // eight rows at a time (16 accumulators of the 32 registers)
-    const uint16_t* xm = x + m * x_stride;
-    float* om = out + m * out_stride;
+// fn(std::integral_constant<int, M>, m) for the input rows m .. m + M - 1, eight at a time (the products' row
+// counts are template arguments, so each count's accumulators stay in registers: 16 of the 32 at eight rows)
+template <typename Fn>
+void in_eights(int64_t rows, Fn&& fn) {
+  using std::integral_constant;
+  for (int64_t m = 0; m < rows; m += 8) {
     switch (std::min<int64_t>(8, rows - m)) {
-      case 1: dot_rows_avx512bf16<1>(w, xm, x_stride, om, out_stride, n0, n1, K); break;
-      case 2: dot_rows_avx512bf16<2>(w, xm, x_stride, om, out_stride, n0, n1, K); break;
-      case 3: dot_rows_avx512bf16<3>(w, xm, x_stride, om, out_stride, n0, n1, K); break;
-      case 4: dot_rows_avx512bf16<4>(w, xm, x_stride, om, out_stride, n0, n1, K); break;
-      case 5: dot_rows_avx512bf16<5>(w, xm, x_stride, om, out_stride, n0, n1, K); break;
-      case 6: dot_rows_avx512bf16<6>(w, xm, x_stride, om, out_stride, n0, n1, K); break;
-      case 7: dot_rows_avx512bf16<7>(w, xm, x_stride, om, out_stride, n0, n1, K); break;
-      default: dot_rows_avx512bf16<8>(w, xm, x_stride, om, out_stride, n0, n1, K); break;
+      case 1: fn(integral_constant<int, 1>{}, m); break;
+      case 2: fn(integral_constant<int, 2>{}, m); break;
+      case 3: fn(integral_constant<int, 3>{}, m); break;
+      case 4: fn(integral_constant<int, 4>{}, m); break;
+      case 5: fn(integral_constant<int, 5>{}, m); break;
+      case 6: fn(integral_constant<int, 6>{}, m); break;
+      case 7: fn(integral_constant<int, 7>{}, m); break;
+      default: fn(integral_constant<int, 8>{}, m); break;
     }
   }
+}
+
+void dot_rows_avx512bf16(const uint16_t* w, const uint16_t* x, int64_t x_stride, int64_t rows, float* out,
+                         int64_t out_stride, int64_t n0, int64_t n1, int64_t K) {
+  in_eights(rows, [&](auto M, int64_t m) {
+    dot_rows_avx512bf16<decltype(M)::value>(w, x + m * x_stride, x_stride, out + m * out_stride, out_stride, n0, n1, K);
+  });
 }
 
 // Elsewhere, and for fp32 weights: values widened to fp32 and multiplied-added in 16 lanes, vectorized per target
@@ -546,21 +554,9 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void q4_rows_avx
 void q4_rows_avx512bf16(const Mat& w, const uint16_t* x, const float* xsum, int64_t rows, float* out,
                         int64_t out_stride, int64_t n0, int64_t n1) {
   const int64_t K = w.K, G = K / kGroup;
-  for (int64_t m = 0; m < rows; m += 8) {  // eight rows at a time: each block's codes widened once for all
-    const uint16_t* xm = x + m * K;
-    const float* sm = xsum + m * G;
-    float* om = out + m * out_stride;
-    switch (std::min<int64_t>(8, rows - m)) {
-      case 1: q4_rows_avx512bf16<1>(w, xm, sm, om, out_stride, n0, n1); break;
-      case 2: q4_rows_avx512bf16<2>(w, xm, sm, om, out_stride, n0, n1); break;
-      case 3: q4_rows_avx512bf16<3>(w, xm, sm, om, out_stride, n0, n1); break;
-      case 4: q4_rows_avx512bf16<4>(w, xm, sm, om, out_stride, n0, n1); break;
-      case 5: q4_rows_avx512bf16<5>(w, xm, sm, om, out_stride, n0, n1); break;
-      case 6: q4_rows_avx512bf16<6>(w, xm, sm, om, out_stride, n0, n1); break;
-      case 7: q4_rows_avx512bf16<7>(w, xm, sm, om, out_stride, n0, n1); break;
-      default: q4_rows_avx512bf16<8>(w, xm, sm, om, out_stride, n0, n1); break;
-    }
-  }
+  in_eights(rows, [&](auto M, int64_t m) {  // each block's codes widened once for the eight rows
+    q4_rows_avx512bf16<decltype(M)::value>(w, x + m * K, xsum + m * G, out + m * out_stride, out_stride, n0, n1);
+  });
 }
 
 // Elsewhere, and for fp32 activations: the same sums in 16 fp32 lanes, vectorized per target by the compiler.
@@ -656,20 +652,9 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void int8_rows_avx512(const
 
 void int8_rows_avx512(const Mat& w, const float* x, int64_t rows, float* out, int64_t out_stride, int64_t n0,
                       int64_t n1) {
-  for (int64_t m = 0; m < rows; m += 8) {
-    const float* xm = x + m * w.K;
-    float* om = out + m * out_stride;
-    switch (std::min<int64_t>(8, rows - m)) {
-      case 1: int8_rows_avx512<1>(w, xm, om, out_stride, n0, n1); break;
-      case 2: int8_rows_avx512<2>(w, xm, om, out_stride, n0, n1); break;
-      case 3: int8_rows_avx512<3>(w, xm, om, out_stride, n0, n1); break;
-      case 4: int8_rows_avx512<4>(w, xm, om, out_stride, n0, n1); break;
-      case 5: int8_rows_avx512<5>(w, xm, om, out_stride, n0, n1); break;
-      case 6: int8_rows_avx512<6>(w, xm, om, out_stride, n0, n1); break;
-      case 7: int8_rows_avx512<7>(w, xm, om, out_stride, n0, n1); break;
-      default: int8_rows_avx512<8>(w, xm, om, out_stride, n0, n1); break;
-    }
-  }
+  in_eights(rows, [&](auto M, int64_t m) {
+    int8_rows_avx512<decltype(M)::value>(w, x + m * w.K, out + m * out_stride, out_stride, n0, n1);
+  });
 }
 
 // Elsewhere: 16 fp32 lanes per row, vectorized per target by the compiler.
