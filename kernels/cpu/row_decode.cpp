@@ -879,6 +879,216 @@ void check_rows(const at::Tensor& v, at::ScalarType dtype, int64_t B, int64_t n,
               v.sizes());
 }
 
+// ---- attention of a many-token step (prefill, mixed steps): bf16, causal, each sequence's keys at its slots ----
+//
+// Per (sequence, kv head) the keys are packed once in pairs along D (Kp[block of 16 keys][pair p][key] = the key's
+// elements 2p, 2p + 1 as one 32-bit word), so that one AVX512-BF16 instruction adds a query pair's products for 16
+// keys into 16 lanes with no horizontal sums, and the values are widened to fp32 once. A task is a kv head and a tile
+// of kQTile query positions, for all the group's q heads: its scores (fp32) for the keys its last position sees,
+// the causal mask, an exact softmax per row (one max, one sum), and the values weighted in fp32.
+constexpr int64_t kQTile = 16;
+
+// scores of R query rows (q pairs as 32-bit words, rows q_stride words apart) against KB blocks of 16 keys
+template <int R, int KB>
+__attribute__((target("avx512f,avx512bw,avx512bf16"))) void qk_tile(const uint32_t* q, int64_t q_stride,
+                                                                     const uint32_t* kp, int64_t pairs, float scale,
+                                                                     float* s, int64_t s_stride) {
+  __m512 acc[R][KB];
+  for (int r = 0; r < R; ++r)
+    for (int b = 0; b < KB; ++b) acc[r][b] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < pairs; ++p) {
+    __m512bh k[KB];
+    for (int b = 0; b < KB; ++b) k[b] = (__m512bh)_mm512_loadu_si512(kp + (b * pairs + p) * 16);
+    for (int r = 0; r < R; ++r) {
+      const __m512bh qr = (__m512bh)_mm512_set1_epi32(int(q[r * q_stride + p]));
+      for (int b = 0; b < KB; ++b) acc[r][b] = _mm512_dpbf16_ps(acc[r][b], k[b], qr);
+    }
+  }
+  const __m512 sc = _mm512_set1_ps(scale);
+  for (int r = 0; r < R; ++r)
+    for (int b = 0; b < KB; ++b) _mm512_storeu_ps(s + r * s_stride + 16 * b, _mm512_mul_ps(acc[r][b], sc));
+}
+
+// out[r] (D = 16 DV fp32) = sum over keys l < n[r] of p[r][l] * v[l], R rows at once
+template <int R, int DV>
+__attribute__((target("avx512f"))) void pv_tile(const float* p, int64_t p_stride, const int64_t* n, const float* v,
+                                                 float* out, int64_t out_stride) {
+  __m512 acc[R][DV];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < DV; ++j) acc[r][j] = _mm512_setzero_ps();
+  int64_t most = 0;
+  for (int r = 0; r < R; ++r) most = std::max(most, n[r]);
+  for (int64_t l = 0; l < most; ++l) {  // rows past their own keys add p = 0 (their masked scores)
+    __m512 x[DV];
+    for (int j = 0; j < DV; ++j) x[j] = _mm512_loadu_ps(v + l * 16 * DV + 16 * j);
+    for (int r = 0; r < R; ++r) {
+      const __m512 w = _mm512_set1_ps(p[r * p_stride + l]);
+      for (int j = 0; j < DV; ++j) acc[r][j] = _mm512_fmadd_ps(w, x[j], acc[r][j]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < DV; ++j) _mm512_storeu_ps(out + r * out_stride + 16 * j, acc[r][j]);
+}
+
+// one row's softmax over its n scores (of `width`): exp(s - max) in place, 0 past n; returns the sum
+__attribute__((target("avx512f,avx512bw"))) float softmax_row(float* s, int64_t n, int64_t width) {
+  float top = -INFINITY;
+  for (int64_t l = 0; l < n; ++l) top = std::max(top, s[l]);
+  for (int64_t l = 0; l < n; ++l) s[l] = exp_nonpositive(s[l] - top);
+  float lanes[16] = {0}, total = 0;
+  int64_t l = 0;
+  for (; l + 16 <= n; l += 16)
+    for (int j = 0; j < 16; ++j) lanes[j] += s[l + j];
+  for (; l < n; ++l) total += s[l];
+  for (int w = 8; w >= 1; w /= 2)
+    for (int j = 0; j < w; ++j) lanes[j] += lanes[j + w];
+  for (int64_t z = n; z < width; ++z) s[z] = 0.0f;
+  return total + lanes[0];
+}
+
+template <int DV>
+void prefill_sequence(const bf16* q, int64_t q_row, int64_t num_q, const bf16* kc, const bf16* vc, int64_t k_row,
+                      int64_t v_row, const int64_t* slot, int64_t L, int64_t Q, int64_t num_kv, float scale,
+                      bf16* out) {
+  constexpr int64_t D = 16 * DV, pairs = D / 2;
+  const int64_t group = num_q / num_kv, blocks = (L + 15) / 16, offset = L - Q;
+  std::vector<uint32_t> kp(num_kv * blocks * pairs * 16);
+  std::vector<float> vf(num_kv * blocks * 16 * D);
+  parallel_ranges(num_kv * blocks, 1, 4, [&](int64_t t0, int64_t t1) {  // pack: keys in pairs, values widened
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t g = t / blocks, b = t % blocks;
+      uint32_t* kb = kp.data() + t * pairs * 16;
+      float* vb = vf.data() + (g * blocks + b) * 16 * D;
+      for (int64_t i = 0; i < 16; ++i) {
+        const int64_t l = b * 16 + i;
+        if (l >= L) {
+          for (int64_t p = 0; p < pairs; ++p) kb[p * 16 + i] = 0;
+          std::fill(vb + i * D, vb + (i + 1) * D, 0.0f);
+          continue;
+        }
+        const uint32_t* key = reinterpret_cast<const uint32_t*>(kc + slot[l] * k_row + g * D);
+        for (int64_t p = 0; p < pairs; ++p) kb[p * 16 + i] = key[p];
+        const bf16* val = vc + slot[l] * v_row + g * D;
+        for (int64_t d = 0; d < D; ++d) vb[i * D + d] = f32(val[d]);
+      }
+    }
+  });
+  const int64_t tiles = (Q + kQTile - 1) / kQTile, tasks = num_kv * tiles;
+  const int parts = int(std::min<int64_t>(at::get_num_threads(), tasks));
+  workers()->run(parts, [&](int part, int count) {  // tasks dealt round robin: the causal tiles' sizes balance
+    std::vector<uint32_t> qbuf(group * kQTile * pairs);
+    std::vector<float> sc, o(group * kQTile * D);
+    std::vector<int64_t> n(group * kQTile);
+    for (int64_t t = part; t < tasks; t += count) {
+      const int64_t g = t % num_kv, j0 = t / num_kv * kQTile, j1 = std::min(Q, j0 + kQTile);
+      const int64_t rows = (j1 - j0) * group, keys = offset + j1, width = (keys + 15) / 16 * 16;
+      for (int64_t j = j0; j < j1; ++j)  // row r = (position - j0) * group + head in group
+        for (int64_t h = 0; h < group; ++h) {
+          const int64_t r = (j - j0) * group + h;
+          std::memcpy(qbuf.data() + r * pairs, q + j * q_row + (g * group + h) * D, D * sizeof(bf16));
+          n[r] = offset + j + 1;
+        }
+      sc.resize(rows * width);
+      const uint32_t* kg = kp.data() + g * blocks * pairs * 16;
+      for (int64_t r = 0; r < rows; r += 4)
+        for (int64_t b = 0; b < width / 16; b += 2) {
+          const uint32_t* qr = qbuf.data() + r * pairs;
+          const uint32_t* kb = kg + b * pairs * 16;
+          float* sr = sc.data() + r * width + b * 16;
+          const int rr = int(std::min<int64_t>(4, rows - r)), bb = int(std::min<int64_t>(2, width / 16 - b));
+          switch (rr * 2 + bb - 3) {  // (rows, blocks): (1,1) .. (4,2)
+            case 0: qk_tile<1, 1>(qr, pairs, kb, pairs, scale, sr, width); break;
+            case 1: qk_tile<1, 2>(qr, pairs, kb, pairs, scale, sr, width); break;
+            case 2: qk_tile<2, 1>(qr, pairs, kb, pairs, scale, sr, width); break;
+            case 3: qk_tile<2, 2>(qr, pairs, kb, pairs, scale, sr, width); break;
+            case 4: qk_tile<3, 1>(qr, pairs, kb, pairs, scale, sr, width); break;
+            case 5: qk_tile<3, 2>(qr, pairs, kb, pairs, scale, sr, width); break;
+            case 6: qk_tile<4, 1>(qr, pairs, kb, pairs, scale, sr, width); break;
+            default: qk_tile<4, 2>(qr, pairs, kb, pairs, scale, sr, width); break;
+          }
+        }
+      std::vector<float> total(rows);
+      for (int64_t r = 0; r < rows; ++r) total[r] = softmax_row(sc.data() + r * width, n[r], width);
+      const float* vg = vf.data() + g * blocks * 16 * D;
+      constexpr int kRows = DV <= 4 ? 4 : 2;  // accumulators: rows x DV vectors of the 32 registers
+      for (int64_t r = 0; r < rows; r += kRows) {
+        const float* pr = sc.data() + r * width;
+        switch (std::min<int64_t>(kRows, rows - r)) {
+          case 1: pv_tile<1, DV>(pr, width, n.data() + r, vg, o.data() + r * D, D); break;
+          case 2: pv_tile<(kRows >= 2 ? 2 : 1), DV>(pr, width, n.data() + r, vg, o.data() + r * D, D); break;
+          case 3: pv_tile<(kRows >= 3 ? 3 : 1), DV>(pr, width, n.data() + r, vg, o.data() + r * D, D); break;
+          default: pv_tile<kRows, DV>(pr, width, n.data() + r, vg, o.data() + r * D, D); break;
+        }
+      }
+      for (int64_t j = j0; j < j1; ++j)
+        for (int64_t h = 0; h < group; ++h) {
+          const int64_t r = (j - j0) * group + h;
+          const float inv = 1.0f / total[r];
+          bf16* dst = out + (j * num_q + g * group + h) * D;
+          for (int64_t d = 0; d < D; ++d) dst[d] = bf16(o[r * D + d] * inv);
+        }
+    }
+  });
+}
+
+// Attention of a step's query rows, each sequence causal over its keys: q (T, Hq, D) bf16 (rows any stride), the
+// layer's pool k_cache, v_cache (S, Hkv, D) bf16 holding every key already (the step's own written first); sequence
+// i's keys are slots[seq_starts[i] : seq_starts[i + 1]], its q_lens[i] queries the next rows of q, the last keys'.
+// -> (T, Hq, D) bf16. Head sizes 64 and 128, on a CPU with AVX512-BF16 (prefill_attention_applies).
+at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                             const at::Tensor& slots, const at::Tensor& seq_starts, const at::Tensor& q_lens,
+                             double scale) {
+  TORCH_CHECK(use_avx512bf16(), "prefill_attention: this CPU has no AVX512-BF16 (or it is switched off)");
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2),
+              "prefill_attention: q (T, Hq, D) bf16 with each row's heads contiguous expected, got ",
+              q.scalar_type(), " ", q.sizes(), " strides ", q.strides());
+  const int64_t T = q.size(0), num_q = q.size(1), D = q.size(2);
+  TORCH_CHECK(D == 64 || D == 128, "prefill_attention: head size 64 or 128 expected, got ", D);
+  for (const at::Tensor* c : {&k_cache, &v_cache})
+    TORCH_CHECK(c->scalar_type() == at::kBFloat16 && c->dim() == 3 && c->size(2) == D && c->stride(2) == 1 &&
+                    c->stride(1) == D,
+                "prefill_attention: kv cache bf16 (S, Hkv, ", D, ") rows expected, got ", c->scalar_type(), " ",
+                c->sizes());
+  const int64_t num_kv = k_cache.size(1), S = k_cache.size(0);
+  TORCH_CHECK(v_cache.size(1) == num_kv && num_kv > 0 && num_q % num_kv == 0,
+              "prefill_attention: q heads a multiple of kv heads expected");
+  for (const at::Tensor* t : {&slots, &seq_starts, &q_lens})
+    TORCH_CHECK(t->scalar_type() == at::kLong && t->dim() == 1 && t->is_contiguous(),
+                "prefill_attention: slots, seq_starts, q_lens: contiguous int64 vectors expected");
+  const int64_t seqs = q_lens.numel();
+  TORCH_CHECK(seq_starts.numel() == seqs + 1, "prefill_attention: seq_starts: ", seqs + 1, " entries expected");
+  const int64_t* starts = seq_starts.data_ptr<int64_t>();
+  const int64_t* ql = q_lens.data_ptr<int64_t>();
+  const int64_t* sl = slots.data_ptr<int64_t>();
+  TORCH_CHECK(starts[0] == 0 && starts[seqs] == slots.numel(), "prefill_attention: seq_starts from 0 to the ",
+              slots.numel(), " slots expected");
+  int64_t rows = 0;
+  for (int64_t i = 0; i < seqs; ++i) {
+    TORCH_CHECK(ql[i] >= 1 && ql[i] <= starts[i + 1] - starts[i], "prefill_attention: sequence ", i, " has ", ql[i],
+                " queries for ", starts[i + 1] - starts[i], " keys");
+    rows += ql[i];
+  }
+  TORCH_CHECK(rows == T, "prefill_attention: q_lens add up to ", rows, ", q has ", T, " rows");
+  for (int64_t l = 0; l < slots.numel(); ++l)
+    TORCH_CHECK(0 <= sl[l] && sl[l] < S, "prefill_attention: slot ", sl[l], " outside the pool of ", S);
+  auto out = at::empty({T, num_q, D}, q.options());
+  const bf16* qp = q.data_ptr<bf16>();
+  bf16* op = out.data_ptr<bf16>();
+  for (int64_t i = 0, row = 0; i < seqs; row += ql[i], ++i) {
+    const int64_t L = starts[i + 1] - starts[i];
+    if (D == 64)
+      prefill_sequence<4>(qp + row * q.stride(0), q.stride(0), num_q, k_cache.data_ptr<bf16>(),
+                          v_cache.data_ptr<bf16>(), k_cache.stride(0), v_cache.stride(0), sl + starts[i], L, ql[i],
+                          num_kv, float(scale), op + row * num_q * D);
+    else
+      prefill_sequence<8>(qp + row * q.stride(0), q.stride(0), num_q, k_cache.data_ptr<bf16>(),
+                          v_cache.data_ptr<bf16>(), k_cache.stride(0), v_cache.stride(0), sl + starts[i], L, ql[i],
+                          num_kv, float(scale), op + row * num_q * D);
+  }
+  return out;
+}
+
+
 // One Llama layer for B decode rows (B streams, one new token each), in place, all of it bf16 or all fp32:
 //   residual <- x (first layer) or x + residual;  h = RMSNorm(residual) -> qkv -> rotary on q and k heads;
 //   k, v stored at out_slots[b]; attention of row b's q over the keys at slots[slot_starts[b] : slot_starts[b+1]]
@@ -1084,6 +1294,8 @@ TORCH_LIBRARY(deepinfer_cpu, m) {
   m.def("set_native_bf16(bool enabled) -> bool");
   m.def("q4_gemv(Tensor x, Tensor codes, Tensor d, Tensor c, bool bf16_out) -> Tensor");
   m.def("int8_gemv(Tensor x, Tensor q, Tensor scale, bool bf16_out) -> Tensor");
+  m.def("prefill_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor slots, Tensor seq_starts, "
+        "Tensor q_lens, float scale) -> Tensor");
   m.def(
       "decode_layer(Tensor(a!) x, Tensor(b!) residual, bool first, Tensor in_norm, Tensor post_norm, "
       "Tensor qkv_w, Tensor o_w, Tensor gate_up_w, Tensor down_w, Tensor cos, Tensor signed_sin, "
@@ -1104,4 +1316,5 @@ TORCH_LIBRARY_IMPL(deepinfer_cpu, CPU, m) {
   m.impl("decode_layer_q", &decode_layer_q);
   m.impl("q4_gemv", &q4_gemv);
   m.impl("int8_gemv", &int8_gemv);
+  m.impl("prefill_attention", &prefill_attention);
 }

@@ -373,3 +373,46 @@ def test_decode_layer_quantized_against_eager_step(ops, native, dtype, kind):
         ops.decode_layer_q(xk, rk, False, *norms, *q4, cos[None], signed_sin[None], kc, vk, slots,
                             torch.tensor([0, context]), torch.tensor([out_slot]), num_q + 1, num_kv, eps, scale)
     assert torch.equal(kc, k_cache)
+
+
+def test_prefill_attention_against_sdpa(ops):
+    """A step's causal attention over each sequence's scattered slots (new prompts, prompt chunks after a cached
+    prefix, one-token decode rows) against SDPA in float64 with the same mask: within bf16's rounding of the
+    output. Refuses what it cannot take."""
+    if not ops.set_native_bf16(True):
+        pytest.skip("this CPU has no AVX512-BF16: the kernel is not used here")
+    g = torch.Generator().manual_seed(4)
+    for (num_q, num_kv, d), seqs in (((9, 3, 64), [(100, 100)]),
+                                     ((9, 3, 64), [(37, 5), (300, 300), (1, 1), (700, 250)]),
+                                     ((8, 1, 128), [(200, 33), (17, 17)]),
+                                     ((4, 4, 64), [(40, 1), (65, 1)])):
+        pool = sum(n for n, _ in seqs) + 10
+        k_cache = torch.randn(pool, num_kv, d, generator=g).bfloat16()
+        v_cache = torch.randn(pool, num_kv, d, generator=g).bfloat16()
+        perm, slots, at = torch.randperm(pool, generator=g), [], 0
+        for n, _ in seqs:
+            slots.append(perm[at:at + n])
+            at += n
+        rows = sum(m for _, m in seqs)
+        q = torch.randn(rows, num_q + 2 * num_kv, d, generator=g).bfloat16()[:, :num_q]  # a view, as the step's
+        starts = torch.tensor([0, *torch.tensor([n for n, _ in seqs]).cumsum(0).tolist()])
+        out = ops.prefill_attention(q, k_cache, v_cache, torch.cat(slots), starts, torch.tensor([m for _, m in seqs]),
+                                    d**-0.5)
+        assert out.shape == (rows, num_q, d) and out.dtype == torch.bfloat16
+        row = 0
+        for (n, m), s in zip(seqs, slots):
+            keys, values = k_cache[s].double().transpose(0, 1), v_cache[s].double().transpose(0, 1)
+            mask = torch.ones(m, n, dtype=torch.bool).tril(n - m)
+            want = F.scaled_dot_product_attention(q[row:row + m].double().transpose(0, 1)[None], keys[None],
+                                                  values[None], attn_mask=mask, scale=d**-0.5,
+                                                  enable_gqa=True)[0].transpose(0, 1)
+            assert ((out[row:row + m].double() - want).abs() <= 2**-8 * want.abs() + 1e-3).all()
+            row += m
+    with pytest.raises(RuntimeError, match="sequence 0 has 5 queries for 4 keys"):
+        ops.prefill_attention(q[:5], k_cache, v_cache, torch.arange(4), torch.tensor([0, 4]), torch.tensor([5]), 0.1)
+    with pytest.raises(RuntimeError, match="head size 64 or 128"):
+        ops.prefill_attention(torch.zeros(1, 2, 32).bfloat16(), k_cache, v_cache, torch.arange(1),
+                              torch.tensor([0, 1]), torch.tensor([1]), 0.1)
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        ops.prefill_attention(q[:1], k_cache, v_cache, torch.tensor([pool]), torch.tensor([0, 1]), torch.tensor([1]),
+                              0.1)
