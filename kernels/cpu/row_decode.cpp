@@ -909,41 +909,66 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"))) void qk_tile(const uint32
     for (int b = 0; b < KB; ++b) _mm512_storeu_ps(s + r * s_stride + 16 * b, _mm512_mul_ps(acc[r][b], sc));
 }
 
-// out[r] (D = 16 DV fp32) = sum over keys l < n[r] of p[r][l] * v[l], R rows at once
+// out[r] (D = 16 DV fp32) = sum over keys l < n[r] of p[r][l] * v[l], R rows at once: p as bf16 pairs of keys
+// (32-bit words), v packed in the same pairs (vp[key pair][d] = v[2 lp][d], v[2 lp + 1][d]), one AVX512-BF16
+// instruction a pair of keys and 16 of the head's elements
 template <int R, int DV>
-__attribute__((target("avx512f"))) void pv_tile(const float* p, int64_t p_stride, const int64_t* n, const float* v,
-                                                 float* out, int64_t out_stride) {
+__attribute__((target("avx512f,avx512bw,avx512bf16"))) void pv_tile(const uint32_t* p, int64_t p_stride,
+                                                                     const int64_t* n, const uint32_t* vp, float* out,
+                                                                     int64_t out_stride) {
+  constexpr int64_t D = 16 * DV;
   __m512 acc[R][DV];
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < DV; ++j) acc[r][j] = _mm512_setzero_ps();
   int64_t most = 0;
   for (int r = 0; r < R; ++r) most = std::max(most, n[r]);
-  for (int64_t l = 0; l < most; ++l) {  // rows past their own keys add p = 0 (their masked scores)
-    __m512 x[DV];
-    for (int j = 0; j < DV; ++j) x[j] = _mm512_loadu_ps(v + l * 16 * DV + 16 * j);
+  for (int64_t lp = 0; lp < (most + 1) / 2; ++lp) {  // rows past their own keys add p = 0 (their masked scores)
+    __m512bh x[DV];
+    for (int j = 0; j < DV; ++j) x[j] = (__m512bh)_mm512_loadu_si512(vp + lp * D + 16 * j);
     for (int r = 0; r < R; ++r) {
-      const __m512 w = _mm512_set1_ps(p[r * p_stride + l]);
-      for (int j = 0; j < DV; ++j) acc[r][j] = _mm512_fmadd_ps(w, x[j], acc[r][j]);
+      const __m512bh w = (__m512bh)_mm512_set1_epi32(int(p[r * p_stride + lp]));
+      for (int j = 0; j < DV; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], x[j], w);
     }
   }
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < DV; ++j) _mm512_storeu_ps(out + r * out_stride + 16 * j, acc[r][j]);
 }
 
+// exp_nonpositive on 16 lanes
+__attribute__((target("avx512f"))) inline __m512 exp16_nonpositive(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
+  __m512 p = _mm512_set1_ps(1.0f / 720);
+  for (const float c : {1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f}) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+}
+
 // one row's softmax over its n scores (of `width`): exp(s - max) in place, 0 past n; returns the sum
 __attribute__((target("avx512f,avx512bw"))) float softmax_row(float* s, int64_t n, int64_t width) {
-  float top = -INFINITY;
-  for (int64_t l = 0; l < n; ++l) top = std::max(top, s[l]);
-  for (int64_t l = 0; l < n; ++l) s[l] = exp_nonpositive(s[l] - top);
-  float lanes[16] = {0}, total = 0;
-  int64_t l = 0;
-  for (; l + 16 <= n; l += 16)
-    for (int j = 0; j < 16; ++j) lanes[j] += s[l + j];
-  for (; l < n; ++l) total += s[l];
-  for (int w = 8; w >= 1; w /= 2)
-    for (int j = 0; j < w; ++j) lanes[j] += lanes[j + w];
-  for (int64_t z = n; z < width; ++z) s[z] = 0.0f;
-  return total + lanes[0];
+  __m512 most = _mm512_set1_ps(-INFINITY);
+  for (int64_t l = 0; l < n; l += 16) {
+    const __mmask16 take = n - l >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - l)) - 1);
+    most = _mm512_mask_max_ps(most, take, most, _mm512_maskz_loadu_ps(take, s + l));
+  }
+  const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(most));
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t l = 0; l < width; l += 16) {  // width: a multiple of 16; past n, 0
+    const __mmask16 take = n - l >= 16 ? __mmask16(0xFFFF) : n > l ? __mmask16((1u << (n - l)) - 1) : __mmask16(0);
+    const __m512 e = _mm512_maskz_mov_ps(take, exp16_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(take, s + l), top)));
+    _mm512_storeu_ps(s + l, e);
+    sum = _mm512_add_ps(sum, e);
+  }
+  return _mm512_reduce_add_ps(sum);
+}
+
+// n (a multiple of 16) fp32 values rounded to bf16 (to nearest even), 16 an instruction
+__attribute__((target("avx512f,avx512bw,avx512bf16"))) void to_bf16(const float* x, int64_t n, uint16_t* out) {
+  for (int64_t i = 0; i < n; i += 16)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x + i)));
 }
 
 template <int DV>
@@ -952,31 +977,30 @@ void prefill_sequence(const bf16* q, int64_t q_row, int64_t num_q, const bf16* k
                       bf16* out) {
   constexpr int64_t D = 16 * DV, pairs = D / 2;
   const int64_t group = num_q / num_kv, blocks = (L + 15) / 16, offset = L - Q;
-  std::vector<uint32_t> kp(num_kv * blocks * pairs * 16);
-  std::vector<float> vf(num_kv * blocks * 16 * D);
+  std::vector<uint32_t> kp(num_kv * blocks * pairs * 16), vp(num_kv * blocks * 8 * D);
   parallel_ranges(num_kv * blocks, 1, 4, [&](int64_t t0, int64_t t1) {  // pack: keys in pairs, values widened
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t g = t / blocks, b = t % blocks;
       uint32_t* kb = kp.data() + t * pairs * 16;
-      float* vb = vf.data() + (g * blocks + b) * 16 * D;
+      uint16_t* vb = reinterpret_cast<uint16_t*>(vp.data() + (g * blocks + b) * 8 * D);  // 8 key pairs x D
       for (int64_t i = 0; i < 16; ++i) {
         const int64_t l = b * 16 + i;
         if (l >= L) {
           for (int64_t p = 0; p < pairs; ++p) kb[p * 16 + i] = 0;
-          std::fill(vb + i * D, vb + (i + 1) * D, 0.0f);
+          for (int64_t d = 0; d < D; ++d) vb[((i / 2) * D + d) * 2 + i % 2] = 0;
           continue;
         }
         const uint32_t* key = reinterpret_cast<const uint32_t*>(kc + slot[l] * k_row + g * D);
         for (int64_t p = 0; p < pairs; ++p) kb[p * 16 + i] = key[p];
-        const bf16* val = vc + slot[l] * v_row + g * D;
-        for (int64_t d = 0; d < D; ++d) vb[i * D + d] = f32(val[d]);
+        const uint16_t* val = reinterpret_cast<const uint16_t*>(vc + slot[l] * v_row + g * D);
+        for (int64_t d = 0; d < D; ++d) vb[((i / 2) * D + d) * 2 + i % 2] = val[d];
       }
     }
   });
   const int64_t tiles = (Q + kQTile - 1) / kQTile, tasks = num_kv * tiles;
   const int parts = int(std::min<int64_t>(at::get_num_threads(), tasks));
   workers()->run(parts, [&](int part, int count) {  // tasks dealt round robin: the causal tiles' sizes balance
-    std::vector<uint32_t> qbuf(group * kQTile * pairs);
+    std::vector<uint32_t> qbuf(group * kQTile * pairs), pb;
     std::vector<float> sc, o(group * kQTile * D);
     std::vector<int64_t> n(group * kQTile);
     for (int64_t t = part; t < tasks; t += count) {
@@ -1008,16 +1032,20 @@ void prefill_sequence(const bf16* q, int64_t q_row, int64_t num_q, const bf16* k
           }
         }
       std::vector<float> total(rows);
-      for (int64_t r = 0; r < rows; ++r) total[r] = softmax_row(sc.data() + r * width, n[r], width);
-      const float* vg = vf.data() + g * blocks * 16 * D;
+      pb.resize(rows * width / 2);
+      for (int64_t r = 0; r < rows; ++r) {  // the weights as bf16 pairs of keys (their sum kept in fp32)
+        total[r] = softmax_row(sc.data() + r * width, n[r], width);
+        to_bf16(sc.data() + r * width, width, reinterpret_cast<uint16_t*>(pb.data() + r * width / 2));
+      }
+      const uint32_t* vg = vp.data() + g * blocks * 8 * D;
       constexpr int kRows = DV <= 4 ? 4 : 2;  // accumulators: rows x DV vectors of the 32 registers
       for (int64_t r = 0; r < rows; r += kRows) {
-        const float* pr = sc.data() + r * width;
+        const uint32_t* pr = pb.data() + r * width / 2;
         switch (std::min<int64_t>(kRows, rows - r)) {
-          case 1: pv_tile<1, DV>(pr, width, n.data() + r, vg, o.data() + r * D, D); break;
-          case 2: pv_tile<(kRows >= 2 ? 2 : 1), DV>(pr, width, n.data() + r, vg, o.data() + r * D, D); break;
-          case 3: pv_tile<(kRows >= 3 ? 3 : 1), DV>(pr, width, n.data() + r, vg, o.data() + r * D, D); break;
-          default: pv_tile<kRows, DV>(pr, width, n.data() + r, vg, o.data() + r * D, D); break;
+          case 1: pv_tile<1, DV>(pr, width / 2, n.data() + r, vg, o.data() + r * D, D); break;
+          case 2: pv_tile<(kRows >= 2 ? 2 : 1), DV>(pr, width / 2, n.data() + r, vg, o.data() + r * D, D); break;
+          case 3: pv_tile<(kRows >= 3 ? 3 : 1), DV>(pr, width / 2, n.data() + r, vg, o.data() + r * D, D); break;
+          default: pv_tile<kRows, DV>(pr, width / 2, n.data() + r, vg, o.data() + r * D, D); break;
         }
       }
       for (int64_t j = j0; j < j1; ++j)

@@ -377,8 +377,8 @@ def test_decode_layer_quantized_against_eager_step(ops, native, dtype, kind):
 
 def test_prefill_attention_against_sdpa(ops):
     """A step's causal attention over each sequence's scattered slots (new prompts, prompt chunks after a cached
-    prefix, one-token decode rows) against SDPA in float64 with the same mask: within bf16's rounding of the
-    output. Refuses what it cannot take."""
+    prefix, one-token decode rows) against SDPA in float64 with the same mask: its error no larger than bf16 SDPA's
+    (both round the weights to bf16 before multiplying the values). Refuses what it cannot take."""
     if not ops.set_native_bf16(True):
         pytest.skip("this CPU has no AVX512-BF16: the kernel is not used here")
     g = torch.Generator().manual_seed(4)
@@ -401,12 +401,18 @@ def test_prefill_attention_against_sdpa(ops):
         assert out.shape == (rows, num_q, d) and out.dtype == torch.bfloat16
         row = 0
         for (n, m), s in zip(seqs, slots):
-            keys, values = k_cache[s].double().transpose(0, 1), v_cache[s].double().transpose(0, 1)
             mask = torch.ones(m, n, dtype=torch.bool).tril(n - m)
-            want = F.scaled_dot_product_attention(q[row:row + m].double().transpose(0, 1)[None], keys[None],
-                                                  values[None], attn_mask=mask, scale=d**-0.5,
-                                                  enable_gqa=True)[0].transpose(0, 1)
-            assert ((out[row:row + m].double() - want).abs() <= 2**-8 * want.abs() + 1e-3).all()
+
+            def sdpa(dtype):
+                return F.scaled_dot_product_attention(
+                    q[row:row + m].to(dtype).transpose(0, 1)[None], k_cache[s].to(dtype).transpose(0, 1)[None],
+                    v_cache[s].to(dtype).transpose(0, 1)[None], attn_mask=mask, scale=d**-0.5,
+                    enable_gqa=True)[0].transpose(0, 1).double()
+
+            want = sdpa(torch.float64)
+            ours, theirs = (out[row:row + m].double() - want).abs(), (sdpa(torch.bfloat16) - want).abs()
+            assert ours.max() <= 1.25 * theirs.max() + 1e-4 and ours.mean() <= 1.25 * theirs.mean() + 1e-5
+            assert (ours <= 2**-6 * want.abs() + 1e-2).all()
             row += m
     with pytest.raises(RuntimeError, match="sequence 0 has 5 queries for 4 keys"):
         ops.prefill_attention(q[:5], k_cache, v_cache, torch.arange(4), torch.tensor([0, 4]), torch.tensor([5]), 0.1)
