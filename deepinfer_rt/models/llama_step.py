@@ -50,7 +50,9 @@ Batch-invariant mode never takes this step.
 Aten ops a lone decode stream dispatches (benchmark/profile_cpu_decode.py --count-ops, embedded default):
 Q4_1 1,186 (39.5 a layer; was 1,282), bf16 1,190 (was 1,524), fp32 1,121 (was 1,158).
 
-Attention still goes through the batch's backend (batch.attention): the KV pool's contract is unchanged.
+Attention goes through the batch's backend (batch.attention), except a bf16 step on a CPU with AVX512-BF16, whose
+attention is the kernels' (CpuStep._attention_fn; the backend still stores the new k/v, the pool's contract is
+unchanged).
 """
 from __future__ import annotations
 
@@ -207,6 +209,13 @@ the copies prefill GEMMs use), where expanding the codes again for every row cos
 weights. The 30 layers' four products of the embedded default's shapes, bf16, 2-core EPYC, against 16-bit
 weights: Q4_1 codes 1 row 3.6 / 7.7 ms, 2 rows 5.4 / 7.1, 4 rows 7.9 / 7.4, 8 rows 15.0 / 9.8; int8 rows 1 row
 4.5 / 7.9, 2 rows 4.8 / 8.2, 4 rows 9.2 / 9.0."""
+
+PREFILL_ATTENTION_MIN_ROWS = 16
+PREFILL_ATTENTION_MAX_SEQS = 16
+"""A bf16 step takes the kernels' attention (CpuStep._attention_fn) when some sequence brings at least
+PREFILL_ATTENTION_MIN_ROWS new tokens and the step holds at most PREFILL_ATTENTION_MAX_SEQS sequences: the kernel
+packs each sequence's keys and runs it apart, which pays for a prompt's queries but not for a batch of one-token
+decode rows (those keep the backend, or the fused decode rows)."""
 
 _ROW_GEMV: dict[str, str] = {}
 """'auto': what DEEPINFER_CPU_BF16_GEMV=auto chose (choose_row_gemv), once per process."""
@@ -517,6 +526,7 @@ class CpuStep(ModuleStep):
         embedded default's heads, 2-core EPYC: 6.2 against SDPA's 11.6 ms a layer, 4K: 93 against 140."""
         ops = model.attention_ops
         if (ops is None or dtype != torch.bfloat16 or model.config.head_dim not in (64, 128)
+                or len(batch.q_lens) > PREFILL_ATTENTION_MAX_SEQS or max(batch.q_lens) < PREFILL_ATTENTION_MIN_ROWS
                 or not _row_kernel_fits(batch, dtype)):
             return batch.attention
         n = len(batch.q_lens)

@@ -247,3 +247,64 @@ def test_quantized_decode_rows_take_the_kernels(tiny_llama_path, monkeypatch, dt
     with Engine(str(tiny_llama_path), dtype=dtype, kv_cache_tokens=1024, quantization=quantization) as engine:
         with pytest.raises(ValueError, match="DEEPINFER_CPU_QUANT_ROW='fast'"):
             engine.model.step_method.forward(engine.model, None)
+
+
+@pytest.fixture(scope="module")
+def llama_head_64_path(tmp_path_factory):
+    """A tiny llama with the embedded default's head size (64), two kv heads for four q heads."""
+    from make_tiny_checkpoint import make_tiny_checkpoint
+
+    return make_tiny_checkpoint("llama", tmp_path_factory.mktemp("llama-head-64"), seed=1, hidden_size=256,
+                                num_attention_heads=4, num_key_value_heads=2, head_dim=64)
+
+
+def test_bf16_prefill_attention_takes_the_kernel(llama_head_64_path, monkeypatch):
+    """bf16 steps that bring a prompt of 16 or more tokens take the kernels' causal attention on a CPU with
+    AVX512-BF16 (CpuStep._attention_fn), also for a prompt whose first part is cached (its chunk attends the cached
+    keys); decode-only steps keep the backend. Prompt and first-token logprobs within bf16's tolerance of the
+    module path's, the first tokens equal."""
+    from deepinfer_rt.models import llama_step
+    from deepinfer_rt.models.llama_step import _cpu_has_avx512_bf16
+
+    long = "The harbour town woke slowly while the lighthouse keeper climbed the stairs. " * 12
+    prompts = [long + "Then", "Hello there, how are you today? I am fine, thank you. And you, my friend?",
+               long + "After that the boats came home one by one, their holds full of silver fish and stories."]
+    scored = SamplingParams(max_new_tokens=4, temperature=0, ignore_eos=True, logprobs=True, prompt_logprobs=True)
+    plain = SamplingParams(max_new_tokens=4, temperature=0, ignore_eos=True, logprobs=True)  # prefix cache on
+    took = []
+    kernels = llama_step._row_kernels()
+
+    class Counting:  # the kernels, with the attention's calls counted (query rows of each)
+        def __getattr__(self, name):
+            return getattr(kernels, name)
+
+        @staticmethod
+        def prefill_attention(*args):
+            took.append(args[0].shape[0])
+            return kernels.prefill_attention(*args)
+
+    monkeypatch.setattr(llama_step, "_row_kernels", lambda: Counting())
+
+    def run(engine):  # the third prompt's first part is the first's, cached
+        return ([engine.generate(p, sampling_params=scored)[0] for p in prompts[:2]]
+                + [engine.generate(prompts[2], sampling_params=plain)[0]])
+
+    with Engine(str(llama_head_64_path), dtype="bfloat16", kv_cache_tokens=4096) as fast:
+        got = run(fast)
+        native = fast.model.attention_ops is not None
+        layers = fast.model.config.num_layers
+    assert native == _cpu_has_avx512_bf16()
+    if native:  # each layer of each prefill, the third's only past its cached prefix
+        lens = [o.prompt_tokens for o in got]
+        assert got[2].cached_tokens > 0 and lens[1] >= 16 and lens[2] - got[2].cached_tokens >= 16
+        assert took == [n for n in (lens[0], lens[1], lens[2] - got[2].cached_tokens) for _ in range(layers)]
+    else:
+        assert took == []
+    monkeypatch.setenv("DEEPINFER_CPU_FAST_STEP", "0")
+    with Engine(str(llama_head_64_path), dtype="bfloat16", kv_cache_tokens=4096) as modules:
+        want = run(modules)
+    for a, b in zip(got, want):
+        assert a.token_ids[:2] == b.token_ids[:2]
+        errors = [abs(x - y) for x, y in zip((a.prompt_logprobs or [None])[1:] + a.logprobs[:2],
+                                             (b.prompt_logprobs or [None])[1:] + b.logprobs[:2])]
+        assert max(errors) < 0.1, max(errors)
