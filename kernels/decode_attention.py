@@ -176,9 +176,14 @@ def _fixed_split_kernel(Q, QT, K, V, KS, VS, PageTable, TableRows, SeqLens, Part
 
 @triton.jit
 def _merge_splits_kernel(PartO, PartLse, O, stride_ob, stride_oh, NUM_HEADS: tl.constexpr,
-                         NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, DV: tl.constexpr):
+                         NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr):
+    """One (row, head, BLOCK_D output columns): the splits' partial outputs weighted by their log-sum-exp. The
+    columns are split over programs so that a program's tile (BLOCK_S x BLOCK_D fp32) stays in registers: MLA at
+    batch 1 merges up to 128 splits of 512 columns, which as one tile per head spilled and ran one program per
+    head (16 of the GPU's 132 multiprocessors)."""
     b = tl.program_id(0)
     h = tl.program_id(1)
+    d0 = tl.program_id(2) * BLOCK_D
     offs_s = tl.arange(0, BLOCK_S)
     smask = offs_s < NUM_SPLITS
     base = (b * NUM_HEADS + h) * NUM_SPLITS
@@ -186,13 +191,25 @@ def _merge_splits_kernel(PartO, PartLse, O, stride_ob, stride_oh, NUM_HEADS: tl.
     m = tl.max(lse, 0)
     m = tl.where(m == float("-inf"), 0.0, m)
     w = tl.exp2(lse - m)  # 0 for empty splits
-    offs_d = tl.arange(0, DV)
+    offs_d = d0 + tl.arange(0, BLOCK_D)
+    dmask = offs_d < DV
     # Empty splits (past a short row's end: the grid is sized for long ones) are never read.
     full = smask & (lse > float("-inf"))
-    parts = tl.load(PartO + (base + offs_s)[:, None] * DV + offs_d[None, :], mask=full[:, None], other=0.0)
+    parts = tl.load(PartO + (base + offs_s)[:, None] * DV + offs_d[None, :], mask=full[:, None] & dmask[None, :],
+                    other=0.0)
     total = tl.sum(w, 0)
     out = tl.sum(parts * w[:, None], 0) / tl.where(total == 0.0, 1.0, total)
-    tl.store(O + b * stride_ob + h * stride_oh + offs_d, out.to(O.dtype.element_ty))
+    tl.store(O + b * stride_ob + h * stride_oh + offs_d, out.to(O.dtype.element_ty), mask=dmask)
+
+
+MERGE_TILE = 4096
+"""fp32 values of partial outputs one merge program holds (BLOCK_S x BLOCK_D): 32 a thread at 4 warps."""
+
+
+def merge_block_d(num_splits: int, dv: int) -> int:
+    """The merge's output columns per program: as many as keep its tile within MERGE_TILE, at least 16."""
+    block_s = max(2, triton.next_power_of_2(num_splits))
+    return max(16, min(triton.next_power_of_2(dv), MERGE_TILE // block_s))
 
 
 @triton.jit
@@ -322,9 +339,10 @@ def paged_decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Te
         NUM_SPLITS=num_splits, **layout, num_warps=num_warps, num_stages=num_stages)
     if num_splits == 1:
         return out
-    _merge_splits_kernel[(bsz, hq)](part_o, part_lse, out, out.stride(0), out.stride(1), NUM_HEADS=hq,
-                                    NUM_SPLITS=num_splits, BLOCK_S=max(2, triton.next_power_of_2(num_splits)),
-                                    DV=dv, num_warps=4)
+    block_d = merge_block_d(num_splits, dv)
+    _merge_splits_kernel[(bsz, hq, triton.cdiv(dv, block_d))](
+        part_o, part_lse, out, out.stride(0), out.stride(1), NUM_HEADS=hq, NUM_SPLITS=num_splits,
+        BLOCK_S=max(2, triton.next_power_of_2(num_splits)), DV=dv, BLOCK_D=block_d, num_warps=4)
     return out
 
 

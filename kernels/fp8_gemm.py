@@ -281,13 +281,97 @@ def fp8_scaled_mm(xq: torch.Tensor, x_scale: torch.Tensor, m: int, weight: torch
     return y if bias is None else y + bias
 
 
+# ---- a few rows (decode at batch 1): the GEMV, activations quantized in the kernel ----
+
+@triton.jit
+def _fp8_gemv_kernel(X, W, WS, B, Y, M, N, K, stride_xm, stride_wn, stride_wsn, stride_ym,
+                     HAS_BIAS: tl.constexpr, GROUP_N: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr, IS_INTERPRETED: tl.constexpr):
+    """All M (<= ROWS) rows of x against BLOCK_N weight rows, on the CUDA cores: each K block of x quantized as
+    deepinfer_kernels.fp8_quant does (the same values), every product e4m3 x e4m3 (exact in fp32) times its
+    row's and block's scales, added into an fp32 (ROWS, BLOCK_N, BLOCK_K) accumulator reduced over K once at the
+    end. The weight is read once for all rows; many narrow programs keep the memory system busy where the tiled
+    GEMM's 16-row tensor-core tiles leave most multiprocessors idle at one row."""
+    pid_n = tl.program_id(0)
+    offs_r = tl.arange(0, ROWS)
+    rmask = offs_r < M
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    x_ptrs = X + offs_r.to(tl.int64)[:, None] * stride_xm + offs_k[None, :]
+    w_ptrs = W + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
+    ws_ptrs = WS + (offs_n // GROUP_N) * stride_wsn
+    acc = tl.zeros([ROWS, BLOCK_N, BLOCK_K], tl.float32)
+    for kb in range(0, tl.cdiv(K, BLOCK_K)):
+        kmask = offs_k < K - kb * BLOCK_K
+        x = tl.load(x_ptrs, mask=rmask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
+        x_scale = tl.maximum(tl.max(tl.abs(x), axis=1), MIN_AMAX) / FP8_MAX
+        v = tl.clamp(x / x_scale[:, None], -FP8_MAX, FP8_MAX)
+        if IS_INTERPRETED:  # as fp8_quant's interpreter path: e4m3's grid in fp32, magnitudes then the sign
+            ulp = tl.exp2(tl.floor(tl.log2(tl.maximum(tl.abs(v), 0.015625))) - 3.0)
+            rounded = tl.floor(tl.abs(v) / ulp + 0.5) * ulp
+            v = tl.where(v < 0, -rounded, rounded)
+        else:
+            v = v.to(tl.float8e4nv).to(tl.float32)
+        w = tl.load(w_ptrs, mask=nmask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
+        w_scale = tl.load(ws_ptrs + kb, mask=nmask, other=0.0)
+        scale = x_scale[:, None] * w_scale[None, :]  # (ROWS, BLOCK_N)
+        acc += v[:, None, :] * w[None, :, :] * scale[:, :, None]
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    out = tl.sum(acc, axis=2)
+    if HAS_BIAS:
+        out += tl.load(B + offs_n, mask=nmask, other=0.0).to(tl.float32)[None, :]
+    tl.store(Y + offs_r.to(tl.int64)[:, None] * stride_ym + offs_n[None, :], out.to(Y.dtype.element_ty),
+             mask=rmask[:, None] & nmask[None, :])
+
+
+GEMV_MAX_ROWS = 4
+"""The most rows the GEMV takes (its accumulator holds ROWS x BLOCK_N x BLOCK_K fp32 values)."""
+GEMV_CONFIGS = [triton.Config(dict(BLOCK_N=bn), num_warps=w, num_stages=s)
+                for bn, w, s in ((8, 4, 3), (16, 4, 3), (16, 4, 4), (32, 4, 3), (16, 8, 3))]
+"""The GEMV's autotuned tiles, keyed by (N, K, ROWS)."""
+_fp8_gemv_tuned = triton.autotune(GEMV_CONFIGS, key=["N", "K", "ROWS"])(_fp8_gemv_kernel)
+
+
+def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor, group_n: int, block_k: int,
+             bias: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
+    """The gemv path: x (..., K) of at most GEMV_MAX_ROWS rows, the rest as fp8_block_gemm's. The activations take
+    the values of deepinfer_kernels.fp8_quant; each product is scaled on its own before the fp32 sum, so the result
+    differs from the other paths by rounding only. config: fixed BLOCK_N / num_warps / num_stages (tests)."""
+    k = x.shape[-1]
+    x2 = x.reshape(-1, k)
+    if x2.stride(1) != 1:
+        x2 = x2.contiguous()
+    m, n = x2.shape[0], weight.shape[0]
+    if m > GEMV_MAX_ROWS:
+        raise ValueError(f"fp8_gemv takes at most {GEMV_MAX_ROWS} rows, got {m}")
+    assert weight.shape[1] == k and weight.dtype == torch.float8_e4m3fn and weight.stride(1) == 1
+    assert weight_scale_inv.shape == (triton.cdiv(n, group_n), triton.cdiv(k, block_k))
+    y = x.new_empty(m, n)
+    if m == 0:
+        return y.view(*x.shape[:-1], n)
+    args = (x2, weight, weight_scale_inv, bias if bias is not None else weight_scale_inv, y, m, n, k, x2.stride(0),
+            weight.stride(0), weight_scale_inv.stride(0), y.stride(0))
+    flags = dict(HAS_BIAS=bias is not None, GROUP_N=group_n, ROWS=max(2, triton.next_power_of_2(m)),
+                 BLOCK_K=block_k, IS_INTERPRETED=x.device.type == "cpu")
+    if config is None and x.device.type == "cpu":
+        config = dict(BLOCK_N=16, num_warps=4, num_stages=1)
+    if config is not None:
+        _fp8_gemv_kernel[(triton.cdiv(n, config["BLOCK_N"]),)](*args, **flags, **config)
+    else:
+        _fp8_gemv_tuned[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](*args, **flags)
+    return y.view(*x.shape[:-1], n)
+
+
 # ---- the path switch (DEEPINFER_FP8_GEMM, read where the layer's method is built) ----
 
-FP8_GEMM_PATHS = ("triton", "scaled_mm", "tiled", "auto")
+FP8_GEMM_PATHS = ("triton", "scaled_mm", "tiled", "gemv", "auto")
 """triton: the fused kernel above (activations quantized in every N tile); scaled_mm: path A (torch's block-scaled
-GEMM, the tiled path for shapes it does not take); tiled: path B; auto: per row count from AUTO_PATHS."""
+GEMM, the tiled path for shapes it does not take); tiled: path B; gemv: the GEMV above (up to GEMV_MAX_ROWS rows,
+the tiled path beyond); auto: per row count from AUTO_PATHS."""
 
-AUTO_PATHS: tuple[tuple[int, str], ...] = ((1, "tiled"), (1 << 62, "scaled_mm"))
+AUTO_PATHS: tuple[tuple[int, str], ...] = ((1, "gemv"), (1 << 62, "scaled_mm"))
 """(largest M, path) rows, first match wins: `auto`'s choice (the default), from an H200 run of
 `benchmark/bench_fp8_gemm.py` (results/gpu_fp8_gemm_h200.json, V2-Lite and V3 shapes, M = 1 / 64 / 2048 / 8192).
 At M >= 2048 scaled_mm reads 0.72-0.89 of the FP8 rate (tiled 0.35-0.50, the fused kernel 0.18-0.27) and beats
@@ -314,6 +398,8 @@ def fp8_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tens
         path = auto_path(x.numel() // x.shape[-1])
     if path == "triton":
         return fp8_block_gemm(x, weight, weight_scale_inv, group_n, block_k, bias)
+    if path == "gemv" and x.numel() // x.shape[-1] <= GEMV_MAX_ROWS:
+        return fp8_gemv(x, weight, weight_scale_inv, group_n, block_k, bias)
     k, n = x.shape[-1], weight.shape[0]
     x2 = x.reshape(-1, k)
     m = x2.shape[0]
@@ -326,7 +412,7 @@ def fp8_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tens
         if reason is None and scaled_mm_shape_unsupported(n, k, group_n, block_k, x.dtype) is None:
             xq, xs = quantize_fp8_token_groups(x2, block_k, SCALED_MM_ROW_MULTIPLE)
             return fp8_scaled_mm(xq, xs, m, weight, weight_scale_inv, x.dtype, bias).view(*x.shape[:-1], n)
-    elif path != "tiled":
+    elif path not in ("tiled", "gemv"):
         raise ValueError(f"FP8 GEMM path {path!r} is not one of {FP8_GEMM_PATHS}")
     xq, xs = quantize_fp8_token_groups(x2, block_k)
     return fp8_tiled_gemm(xq, xs, m, weight, weight_scale_inv, group_n, block_k, x.dtype,

@@ -1,19 +1,22 @@
-"""Fused mixture-of-experts with block-scaled FP8 expert weights (DeepSeek-V3/R1 release format) in Triton: the
-W8A8 scheme of deepinfer_kernels.fp8_gemm inside the grouped GEMMs of deepinfer_kernels.fused_moe.
+"""Fused mixture-of-experts with block-scaled FP8 expert weights (DeepSeek-V3/R1 release format) in Triton: W8A8
+grouped GEMMs over (token, slot) pairs sorted by expert, as in deepinfer_kernels.fused_moe.
 
     gate_up (E, 2I, H) float8_e4m3fn, scale (E, 2 ceil(I/bn), ceil(H/bk)) float32: gate's row blocks, then up's
     down    (E, H, I)  float8_e4m3fn, scale (E, ceil(H/bn), ceil(I/bk)) float32
 
-Rows are (token, slot) pairs sorted by expert as in fused_moe (moe_align, or one block per pair for a few
-pairs). Each K step is one BLOCK_K = bk slice: the pair's activations are quantized there per row (amax / 448,
-the releases' dynamic scheme: the token's bk-channel group), one fp8 tensor-core dot with the weight tile, then
-scaled by the row's activation scale and each column's weight block scale, into an fp32 accumulator:
+The activations are quantized once before each GEMM (deepinfer_kernels.fp8_quant: per token, or per pair for
+down, and per bk-channel group, amax / 448, the releases' dynamic scheme), not again inside every N tile: the
+K loop then only streams e4m3 bytes and their scales, and software pipelining keeps the weight loads in flight.
+Each K step is one BLOCK_K = bk slice: one fp8 tensor-core dot of exact products summed in fp32, scaled by the
+row's activation scale and each column's weight block scale, into an fp32 accumulator:
 
-    acc[m, n] += dot(q(a)[m, k0:k0+bk], w[e, n, k0:k0+bk]) * s_a[m] * s_w[e, n / bn, k0 / bk]
+    acc[m, n] += dot(q(a)[m, k0:k0+bk], w[e, n, k0:k0+bk]) * s_a[m, k0 / bk] * s_w[e, n / bn, k0 / bk]
 
-gate_up writes h = silu(gate) * up in x's dtype; down quantizes h the same way, scales each pair's fp32 result
-by its top-k weight, and the k slots of a token are summed in slot order (fused_moe.combine_slots). No split-K. The
-torch form is deepinfer_kernels.reference.fused_moe_fp8.
+gate_up writes h = silu(gate) * up in x's dtype; h is quantized the same way for down, which scales each pair's
+fp32 result by its top-k weight; the k slots of a token are summed in slot order (fused_moe.combine_slots). No
+split-K. On the GPU the N tile, warps and stages are autotuned per (N, K, pair-count bucket, rows per block) as in
+fused_moe; BLOCK_K is the scale block. The torch form is deepinfer_kernels.reference.fused_moe_fp8 (the same
+activation values: fp8_quant reproduces the quantization the kernels once did per tile).
 """
 from __future__ import annotations
 
@@ -21,34 +24,24 @@ import torch
 import triton
 import triton.language as tl
 
-from deepinfer_kernels.fused_moe import combine_slots, pair_blocks, pair_rows
-
-FP8_MAX = tl.constexpr(448.0)
-MIN_AMAX = tl.constexpr(1e-12)
+from deepinfer_kernels.fp8_quant import quantize_fp8_token_groups
+from deepinfer_kernels.fused_moe import _even_k, combine_slots, pair_blocks, pair_rows
 
 
 @triton.jit
-def _quantize_rows(a):
-    """a (M, BK) fp32 -> (values on e4m3's range, per-row scale amax / 448)."""
-    scale = tl.maximum(tl.max(tl.abs(a), axis=1), MIN_AMAX) / FP8_MAX
-    return tl.clamp(a / scale[:, None], -FP8_MAX, FP8_MAX), scale
-
-
-@triton.jit
-def _dot_fp8(v, w, IS_INTERPRETED: tl.constexpr):
-    """v (M, BK) fp32 on e4m3's range, w (BK, N) float8 -> the fp32 dot of e4m3(v) and w."""
+def _dot_fp8(a, w, IS_INTERPRETED: tl.constexpr):
+    """a (M, BK) float8, w (BK, N) float8 -> their fp32 dot (the interpreter dots exact fp32 copies)."""
     if IS_INTERPRETED:
-        # As in fp8_gemm: the interpreter's fp32 -> e4m3 cast can drop a carry; round to the grid in fp32.
-        ulp = tl.exp2(tl.floor(tl.log2(tl.maximum(tl.abs(v), 0.015625))) - 3.0)
-        return tl.dot(tl.floor(v / ulp + 0.5) * ulp, w.to(tl.float32))
-    return tl.dot(v.to(tl.float8e4nv), w)
+        return tl.dot(a.to(tl.float32), w.to(tl.float32))
+    return tl.dot(a, w)
 
 
-@triton.jit(do_not_specialize=["num_pairs"])
-def _gate_up_fp8(X, W, WS, H, SortedPairs, BlockExpert, NumPadded, num_pairs, top_k, N, K, up_row0,
-                 stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_hm,
+# num_pairs and pairs_bucket (the autotuner's key only) are never specialised, as in fused_moe.
+@triton.jit(do_not_specialize=["num_pairs", "pairs_bucket"])
+def _gate_up_fp8(XQ, XS, W, WS, H, SortedPairs, BlockExpert, NumPadded, num_pairs, pairs_bucket, top_k, N, K,
+                 up_row0, stride_xm, stride_xsg, stride_we, stride_wn, stride_se, stride_sn, stride_hm,
                  GROUP_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 PER_PAIR: tl.constexpr, IS_INTERPRETED: tl.constexpr):
+                 PER_PAIR: tl.constexpr, EVEN_K: tl.constexpr, IS_INTERPRETED: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pair, e, valid = pair_rows(SortedPairs, BlockExpert, NumPadded, pid_m, num_pairs, BLOCK_M, PER_PAIR)
@@ -58,7 +51,8 @@ def _gate_up_fp8(X, W, WS, H, SortedPairs, BlockExpert, NumPadded, num_pairs, to
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         nmask = offs_n < N
         offs_k = tl.arange(0, BLOCK_K)
-        a_ptrs = X + tok[:, None] * stride_xm + offs_k[None, :]
+        a_ptrs = XQ + tok[:, None] * stride_xm + offs_k[None, :]
+        as_ptrs = XS + tok
         g_ptrs = W + e * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]  # (K, N) tiles
         u_ptrs = g_ptrs + N * stride_wn
         gs_ptrs = WS + e * stride_se + (offs_n // GROUP_N) * stride_sn
@@ -66,15 +60,20 @@ def _gate_up_fp8(X, W, WS, H, SortedPairs, BlockExpert, NumPadded, num_pairs, to
         acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         for kb in range(0, tl.cdiv(K, BLOCK_K)):
-            kmask = offs_k < K - kb * BLOCK_K
-            a = tl.load(a_ptrs, mask=mmask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
-            v, a_scale = _quantize_rows(a)
-            g = tl.load(g_ptrs, mask=kmask[:, None] & nmask[None, :], other=0.0)
-            u = tl.load(u_ptrs, mask=kmask[:, None] & nmask[None, :], other=0.0)
+            if EVEN_K:  # no mask along K: the loads stay vectorised
+                a = tl.load(a_ptrs, mask=mmask[:, None], other=0.0)
+                g = tl.load(g_ptrs, mask=nmask[None, :], other=0.0)
+                u = tl.load(u_ptrs, mask=nmask[None, :], other=0.0)
+            else:
+                kmask = offs_k < K - kb * BLOCK_K
+                a = tl.load(a_ptrs, mask=mmask[:, None] & kmask[None, :], other=0.0)
+                g = tl.load(g_ptrs, mask=kmask[:, None] & nmask[None, :], other=0.0)
+                u = tl.load(u_ptrs, mask=kmask[:, None] & nmask[None, :], other=0.0)
+            a_scale = tl.load(as_ptrs + kb * stride_xsg, mask=mmask, other=0.0)
             g_scale = tl.load(gs_ptrs + kb, mask=nmask, other=0.0)
             u_scale = tl.load(us_ptrs + kb, mask=nmask, other=0.0)
-            acc_g += _dot_fp8(v, g, IS_INTERPRETED) * a_scale[:, None] * g_scale[None, :]
-            acc_u += _dot_fp8(v, u, IS_INTERPRETED) * a_scale[:, None] * u_scale[None, :]
+            acc_g += _dot_fp8(a, g, IS_INTERPRETED) * a_scale[:, None] * g_scale[None, :]
+            acc_u += _dot_fp8(a, u, IS_INTERPRETED) * a_scale[:, None] * u_scale[None, :]
             a_ptrs += BLOCK_K
             g_ptrs += BLOCK_K
             u_ptrs += BLOCK_K
@@ -83,11 +82,11 @@ def _gate_up_fp8(X, W, WS, H, SortedPairs, BlockExpert, NumPadded, num_pairs, to
                  mask=mmask[:, None] & nmask[None, :])
 
 
-@triton.jit(do_not_specialize=["num_pairs"])
-def _down_fp8(A, W, WS, Y, TopkWeights, SortedPairs, BlockExpert, NumPadded, num_pairs, N, K,
-              stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_ym,
+@triton.jit(do_not_specialize=["num_pairs", "pairs_bucket"])
+def _down_fp8(AQ, AS, W, WS, Y, TopkWeights, SortedPairs, BlockExpert, NumPadded, num_pairs, pairs_bucket, N, K,
+              stride_am, stride_asg, stride_we, stride_wn, stride_se, stride_sn, stride_ym,
               GROUP_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-              PER_PAIR: tl.constexpr, IS_INTERPRETED: tl.constexpr):
+              PER_PAIR: tl.constexpr, EVEN_K: tl.constexpr, IS_INTERPRETED: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pair, e, valid = pair_rows(SortedPairs, BlockExpert, NumPadded, pid_m, num_pairs, BLOCK_M, PER_PAIR)
@@ -97,17 +96,22 @@ def _down_fp8(A, W, WS, Y, TopkWeights, SortedPairs, BlockExpert, NumPadded, num
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         nmask = offs_n < N
         offs_k = tl.arange(0, BLOCK_K)
-        a_ptrs = A + pair64[:, None] * stride_am + offs_k[None, :]
+        a_ptrs = AQ + pair64[:, None] * stride_am + offs_k[None, :]
+        as_ptrs = AS + pair64
         w_ptrs = W + e * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
         ws_ptrs = WS + e * stride_se + (offs_n // GROUP_N) * stride_sn
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         for kb in range(0, tl.cdiv(K, BLOCK_K)):
-            kmask = offs_k < K - kb * BLOCK_K
-            a = tl.load(a_ptrs, mask=mmask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
-            v, a_scale = _quantize_rows(a)
-            w = tl.load(w_ptrs, mask=kmask[:, None] & nmask[None, :], other=0.0)
+            if EVEN_K:
+                a = tl.load(a_ptrs, mask=mmask[:, None], other=0.0)
+                w = tl.load(w_ptrs, mask=nmask[None, :], other=0.0)
+            else:
+                kmask = offs_k < K - kb * BLOCK_K
+                a = tl.load(a_ptrs, mask=mmask[:, None] & kmask[None, :], other=0.0)
+                w = tl.load(w_ptrs, mask=kmask[:, None] & nmask[None, :], other=0.0)
+            a_scale = tl.load(as_ptrs + kb * stride_asg, mask=mmask, other=0.0)
             w_scale = tl.load(ws_ptrs + kb, mask=nmask, other=0.0)
-            acc += _dot_fp8(v, w, IS_INTERPRETED) * a_scale[:, None] * w_scale[None, :]
+            acc += _dot_fp8(a, w, IS_INTERPRETED) * a_scale[:, None] * w_scale[None, :]
             a_ptrs += BLOCK_K
             w_ptrs += BLOCK_K
         acc *= tl.load(TopkWeights + pair64, mask=mmask, other=0.0)[:, None]
@@ -115,12 +119,22 @@ def _down_fp8(A, W, WS, Y, TopkWeights, SortedPairs, BlockExpert, NumPadded, num
                  mask=mmask[:, None] & nmask[None, :])
 
 
-def _tiles(num_pairs: int) -> dict:
-    """Fixed tiles (no autotuning yet: the H200 sweep is a GPU check to run): narrow N tiles when few pairs
-    stream each expert's weights."""
-    if num_pairs <= 64:
-        return dict(BLOCK_N=32, num_warps=4, num_stages=4)
-    return dict(BLOCK_N=64, num_warps=4, num_stages=3)
+TUNE_CONFIGS = ((32, 4, 4), (64, 4, 3), (64, 4, 5), (128, 4, 3), (128, 4, 4), (128, 8, 4), (256, 8, 3),
+                (64, 8, 4))
+"""(BLOCK_N, num_warps, num_stages) the autotuner tries on the GPU; BLOCK_K is the scale block. A config that
+runs out of shared memory at BLOCK_M 128 (prefill) is scored as infinitely slow, and (32, 4, 4) always fits."""
+
+
+def _tuned(kernel):
+    configs = [triton.Config(dict(BLOCK_N=bn), num_warps=w, num_stages=st) for bn, w, st in TUNE_CONFIGS]
+    return triton.autotune(configs, key=["N", "K", "pairs_bucket", "BLOCK_M", "PER_PAIR"], warmup=5,
+                           rep=20)(_even_k(kernel))
+
+
+_gate_up_fp8_tuned, _down_fp8_tuned = _tuned(_gate_up_fp8), _tuned(_down_fp8)
+_gate_up_fp8_fixed, _down_fp8_fixed = _even_k(_gate_up_fp8), _even_k(_down_fp8)
+INTERPRETED_TILES = dict(BLOCK_N=32, num_warps=4, num_stages=1)
+"""The tile of interpreted (CPU) runs, where there is nothing to tune."""
 
 
 def fused_moe_fp8(x: torch.Tensor, gate_up: torch.Tensor, gate_up_scale: torch.Tensor, down: torch.Tensor,
@@ -129,7 +143,7 @@ def fused_moe_fp8(x: torch.Tensor, gate_up: torch.Tensor, gate_up_scale: torch.T
     """x (T, H) 16/32-bit; FP8 experts with their block scales (module docstring); weights (T, k) fp32; ids
     (T, k) -> sum_k weights * down(silu(gate x) * up x), (T, H) in x's dtype. block = (bn, bk) of the weight
     scales; bk (a power of two >= 16) is also the activations' quantization group. config: fixed BLOCK_N /
-    num_warps / num_stages (tests)."""
+    num_warps / num_stages instead of the autotuner (tests, sweeps)."""
     t, k = ids.shape
     e, two_i, hidden = gate_up.shape
     inter = two_i // 2
@@ -145,18 +159,27 @@ def fused_moe_fp8(x: torch.Tensor, gate_up: torch.Tensor, gate_up_scale: torch.T
     if not all(a.is_contiguous() for a in (x, gate_up, down, gate_up_scale, down_scale)):
         raise ValueError("fused_moe_fp8 needs contiguous x, expert weights and scales")
     num_pairs = t * k
+    interpreted = x.device.type == "cpu"
+    if config is None and interpreted:
+        config = INTERPRETED_TILES
+    if config is None:
+        gate_up_kernel, down_kernel, config = _gate_up_fp8_tuned, _down_fp8_tuned, {}
+    else:
+        gate_up_kernel, down_kernel, config = _gate_up_fp8_fixed, _down_fp8_fixed, dict(config)
     blocks = pair_blocks(ids, e)
-    config = dict(config or _tiles(num_pairs))
+    bucket = triton.next_power_of_2(num_pairs)
     common = dict(GROUP_N=bn, BLOCK_M=blocks.block_m, BLOCK_K=bk, PER_PAIR=blocks.per_pair,
-                  IS_INTERPRETED=x.device.type == "cpu", **config)
+                  IS_INTERPRETED=interpreted, **config)
+    xq, xs = quantize_fp8_token_groups(x, bk)
     h = x.new_empty(num_pairs, inter)
     y = x.new_empty(num_pairs, hidden)
-    _gate_up_fp8[(blocks.num_blocks, triton.cdiv(inter, config["BLOCK_N"]))](
-        x, gate_up, gate_up_scale, h, *blocks.tensors, num_pairs, k, inter, hidden,
-        triton.cdiv(inter, bn), x.stride(0), gate_up.stride(0), gate_up.stride(1), gate_up_scale.stride(0),
-        gate_up_scale.stride(1), h.stride(0), **common)
-    _down_fp8[(blocks.num_blocks, triton.cdiv(hidden, config["BLOCK_N"]))](
-        h, down, down_scale, y, weights.flatten().float().contiguous(), *blocks.tensors,
-        num_pairs, hidden, inter, h.stride(0), down.stride(0), down.stride(1), down_scale.stride(0),
-        down_scale.stride(1), y.stride(0), **common)
+    gate_up_kernel[lambda meta: (blocks.num_blocks, triton.cdiv(inter, meta["BLOCK_N"]))](
+        xq, xs, gate_up, gate_up_scale, h, *blocks.tensors, num_pairs, bucket, k, inter, hidden,
+        triton.cdiv(inter, bn), xq.stride(0), xs.stride(1), gate_up.stride(0), gate_up.stride(1),
+        gate_up_scale.stride(0), gate_up_scale.stride(1), h.stride(0), **common)
+    hq, hs = quantize_fp8_token_groups(h, bk)
+    down_kernel[lambda meta: (blocks.num_blocks, triton.cdiv(hidden, meta["BLOCK_N"]))](
+        hq, hs, down, down_scale, y, weights.flatten().float().contiguous(), *blocks.tensors,
+        num_pairs, bucket, hidden, inter, hq.stride(0), hs.stride(1), down.stride(0), down.stride(1),
+        down_scale.stride(0), down_scale.stride(1), y.stride(0), **common)
     return combine_slots(y, t, k, hidden)

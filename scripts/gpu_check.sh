@@ -5,11 +5,11 @@
 # `determinism` stage (batch-invariant mode on vs off, SmolLM2- and V2-Lite-shaped) and the `host` stage (host
 # time per decode step, overlap off and on, V2-Lite shape), the `moe_invariant` stage (batch-invariant fused
 # MoE beside the default one, V2-Lite shapes) and the `mxfp4` stage (the fused MXFP4 MoE beside the bf16 one at
-# V4-Flash expert shapes), `v4` (bench_v4 at V4-Flash width), `fp8` (bench_fp8: FP8 beside bf16), `fp8_gemm` (bench_fp8_gemm: the FP8 GEMM's paths beside bf16 cuBLAS), `longctx`
+# V4-Flash expert shapes), `v4` (bench_v4 at V4-Flash width), `fp8` (bench_fp8: FP8 beside bf16), `fp8_gemm` (bench_fp8_gemm: the FP8 GEMM's paths beside bf16 cuBLAS), `moe_fp8` (bench_moe_fp8: the FP8 fused MoE beside the bf16 one), `longctx`
 # (bench_gpu at long contexts), `ep1` (the EP worker pool at one rank beside the in-process engine) and `v4sweep`
 # (bench_v4_sweep: V4-Flash / V4.1-Flash-shaped decode sweep beside the V4 floor, bf16 and release format) run when named.
 # Logs and JSON land in $OUT. Stage time limits (seconds): BENCH_S, TEST_S, KERNEL_BENCH_S, EP_S, DET_S, HOST_S,
-# MOE_BI_S, MXFP4_S, V4_S, FP8_S, FP8_GEMM_S, LONGCTX_S, EP1_S, V4SWEEP_S. TEST_ARGS: the pytest targets of the tests stage (default test/gpu); KERNEL_BENCH_ARGS: extra
+# MOE_BI_S, MXFP4_S, V4_S, FP8_S, FP8_GEMM_S, MOE_FP8_S, LONGCTX_S, EP1_S, V4SWEEP_S. TEST_ARGS: the pytest targets of the tests stage (default test/gpu); KERNEL_BENCH_ARGS: extra
 # arguments of the kernel micro-benchmark (e.g. --only moe). TEST_JOBS>1: one pytest process per test file or node id, that
 # many at once; PYTEST_ARGS: extra pytest options (e.g. -o faulthandler_timeout=120 to dump a stuck test's stacks).
 #   device tool:  run(command="bash scripts/gpu_check.sh", carry=[".whl"])          (one H200)
@@ -85,6 +85,12 @@ fi
 if [[ $STAGES == *,fp8,* ]]; then  # FP8 beside bf16 (V2-Lite), a full-width V3 in FP8, weight bytes per GPU
   timeout "${FP8_S:-300}" python3 benchmark/bench_fp8.py --out "$OUT/fp8_h200.json" ${FP8_ARGS:-} > "$OUT/fp8.log" 2>&1
   tail -n 12 "$OUT/fp8.log"
+fi
+if [[ $STAGES == *,moe_fp8,* ]]; then  # the FP8 fused MoE (tiles, autotuned) beside the bf16 one, V2-Lite experts
+  timeout "${MOE_FP8_S:-240}" python3 benchmark/bench_moe_fp8.py --out "$OUT/gpu_moe_fp8_h200.json" ${MOE_FP8_ARGS:-} \
+    > "$OUT/moe_fp8.log" 2>&1
+  echo "moe_fp8 rc=$?"
+  grep -E "^T=" "$OUT/moe_fp8.log" | grep -v " N[0-9]" ; tail -n 2 "$OUT/moe_fp8.log"
 fi
 if [[ $STAGES == *,fp8_gemm,* ]]; then  # the FP8 GEMM's paths (fused, tiled, scaled_mm) beside bf16 cuBLAS
   timeout "${FP8_GEMM_S:-240}" python3 benchmark/bench_fp8_gemm.py --out "$OUT/gpu_fp8_gemm_h200.json" \

@@ -205,9 +205,10 @@ _LONG_DECODE = textwrap.dedent("""
     seq_lens = torch.tensor(lens, dtype=torch.int32)
     q = torch.randn(len(lens), hq, d, generator=g)
     ref = da.paged_decode_attention_ref(q, k, v, table, rows, seq_lens, ps, d**-0.5)
-    for splits in (1, 4, 32):
+    for splits in (1, 4, 32, 256):  # 256: the merge splits each head's 32 columns over two programs
         out = da.paged_decode_attention(q, k, v, table, rows, seq_lens, ps, d**-0.5, splits, block_n=16)
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    assert da.merge_block_d(256, 32) == 16 and da.merge_block_d(128, 512) == 32 and da.merge_block_d(4, 64) == 64
     assert da.num_splits_for(1, 1, 132, 576) == 128 and da.num_splits_for(16, 1, 132, 576) == 16
     backend = object.__new__(TritonBackend)
     backend.num_sms = 4
