@@ -1,6 +1,6 @@
 """The block-scaled FP8 GEMM's paths side by side (deepinfer_kernels.fp8_gemm): today's fused Triton kernel (`triton`),
 activations quantized once then the autotuned tiled Triton GEMM (`tiled`), the same activations into torch's
-block-scaled scaled_mm (`scaled_mm`, cuBLASLt on SM90), the few-row GEMV (`gemv`, M <= 4), and cuBLAS bf16 on the dequantized weight, at
+block-scaled scaled_mm (`scaled_mm`, cuBLASLt on SM90), and cuBLAS bf16 on the dequantized weight, at
 DeepSeek-V2-Lite and full-width V3 projection shapes, M = 1 / 64 / 2048 / 8192 rows. Each row gives the time of
 every path (CUDA-graph replays, so decode sizes are not launch-bound), its FLOP/s over the FP8 matmul rate measured
 in the same run (torch._scaled_mm, 8192^3, tensor-wise scales) and the floor max(weight bytes / read bandwidth,
@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 import triton
 
-from deepinfer_kernels.fp8_gemm import GEMV_MAX_ROWS, fp8_gemm, scaled_mm_shape_unsupported, scaled_mm_unsupported
+from deepinfer_kernels.fp8_gemm import fp8_gemm, scaled_mm_shape_unsupported, scaled_mm_unsupported
 from deepinfer_kernels.reference import dequantize_fp8_blocks, quantize_fp8_blocks
 
 SHAPES = {  # (N, K)
@@ -34,8 +34,7 @@ SHAPES = {  # (N, K)
     "v3_dense_gate_up": (2 * 18432, 7168), "v3_dense_down": (7168, 18432),
 }
 ROWS = (1, 64, 2048, 8192)
-FP8_PATHS = ("triton", "tiled", "scaled_mm", "gemv")
-"""`gemv` runs only where M <= fp8_gemm.GEMV_MAX_ROWS."""
+FP8_PATHS = ("triton", "tiled", "scaled_mm")
 
 
 def _seconds(fn, device: str) -> float:
@@ -111,8 +110,6 @@ def gemm_rows(device: str, ceil: dict, shapes: dict, rows: tuple[int, ...], skip
             for path in FP8_PATHS:
                 if path == "scaled_mm" and (skip_scaled_mm or shape_reason):
                     row["scaled_mm_skipped"] = skip_scaled_mm or f"{shape_reason} (the tiled path runs it)"
-                    continue
-                if path == "gemv" and m > GEMV_MAX_ROWS:
                     continue
                 seconds = per_call(lambda i: fp8_gemm(x, *fp8_weights[i], 128, 128, path=path))
                 row[f"{path}_us"] = seconds * 1e6

@@ -128,9 +128,8 @@ class Env:
     """DEEPINFER_FP8_GEMM: the block-scaled FP8 GEMM of FP8 linears on CUDA (deepinfer_kernels.fp8_gemm): 'auto'
     (default: per row count, from fp8_gemm.AUTO_PATHS, measured on an H200), 'triton' (the fused kernel,
     activations quantized in every N tile), 'tiled' (activations quantized once, then a Triton GEMM with
-    autotuned large tiles), 'gemv' (up to 4 rows: many narrow CUDA-core programs; the tiled path above) or
-    'scaled_mm' (torch's cuBLASLt block-scaled GEMM on SM90, torch >= 2.10; the tiled path for shapes it does not
-    take)."""
+    autotuned large tiles) or 'scaled_mm' (torch's cuBLASLt block-scaled GEMM on SM90, torch >= 2.10; the tiled
+    path for shapes it does not take)."""
     mla_mha_prefill: bool | None
     """DEEPINFER_MLA_MHA_PREFILL: MLA prefill chunks in the standard (expanded K/V) form. Unset = on for the
     Triton backend, for chunks of at least deepinfer_rt.layers.mla_prefill.MHA_MIN_QUERIES new tokens; 1 = every

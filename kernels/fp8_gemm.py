@@ -31,21 +31,27 @@ from deepinfer_kernels.fp8_quant import FP8_MAX, MIN_AMAX, quantize_fp8_token_gr
 
 
 @triton.jit
-def _fp8_block_gemm_kernel(X, W, WS, B, Y, M, N, K, stride_xm, stride_wn, stride_wsn, stride_ym,
+def _fp8_block_gemm_kernel(X, W, WS, B, Y, P, M, N, K, kb_per_split, stride_xm, stride_wn, stride_wsn, stride_ym,
                            HAS_BIAS: tl.constexpr, GROUP_N: tl.constexpr, BLOCK_M: tl.constexpr,
-                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IS_INTERPRETED: tl.constexpr):
+                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+                           IS_INTERPRETED: tl.constexpr):
+    """Program (m tile, n tile, split): K blocks [split * kb_per_split, (split + 1) * kb_per_split). One split
+    writes Y; several write fp32 partial sums to P (SPLIT_K, M, N), which _split_k_sum_kernel adds in split order."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
+    pid_s = tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     mmask = offs_m < M
     nmask = offs_n < N
-    x_ptrs = X + offs_m.to(tl.int64)[:, None] * stride_xm + offs_k[None, :]
-    w_ptrs = W + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
+    kb0 = pid_s * kb_per_split
+    kb1 = tl.minimum(tl.cdiv(K, BLOCK_K), kb0 + kb_per_split)
+    x_ptrs = X + offs_m.to(tl.int64)[:, None] * stride_xm + kb0 * BLOCK_K + offs_k[None, :]
+    w_ptrs = W + offs_n.to(tl.int64)[:, None] * stride_wn + kb0 * BLOCK_K + offs_k[None, :]
     ws_ptrs = WS + (offs_n // GROUP_N) * stride_wsn
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for kb in range(0, tl.cdiv(K, BLOCK_K)):
+    for kb in range(kb0, kb1):
         kmask = offs_k < K - kb * BLOCK_K
         x = tl.load(x_ptrs, mask=mmask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
         amax = tl.maximum(tl.max(tl.abs(x), axis=1), MIN_AMAX)  # (BLOCK_M,)
@@ -64,10 +70,45 @@ def _fp8_block_gemm_kernel(X, W, WS, B, Y, M, N, K, stride_xm, stride_wn, stride
         acc += part * x_scale[:, None] * w_scale[None, :]
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
+    if SPLIT_K == 1:
+        if HAS_BIAS:
+            acc += tl.load(B + offs_n, mask=nmask, other=0.0).to(tl.float32)[None, :]
+        tl.store(Y + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :], acc.to(Y.dtype.element_ty),
+                 mask=mmask[:, None] & nmask[None, :])
+    else:
+        tl.store(P + (pid_s * M + offs_m.to(tl.int64))[:, None] * N + offs_n[None, :], acc,
+                 mask=mmask[:, None] & nmask[None, :])
+
+
+@triton.jit
+def _split_k_sum_kernel(P, B, Y, M, N, stride_ym, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
+                        BLOCK: tl.constexpr):
+    """y[m, n] = p[0, m, n] + p[1, m, n] + ... (+ bias): fp32 adds in split order, one rounding at the store."""
+    m = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < N
+    acc = tl.load(P + m * N + offs, mask=mask, other=0.0)
+    for s in tl.static_range(1, SPLIT_K):
+        acc += tl.load(P + (s * M + m) * N + offs, mask=mask, other=0.0)
     if HAS_BIAS:
-        acc += tl.load(B + offs_n, mask=nmask, other=0.0).to(tl.float32)[None, :]
-    tl.store(Y + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :], acc.to(Y.dtype.element_ty),
-             mask=mmask[:, None] & nmask[None, :])
+        acc += tl.load(B + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(Y + m * stride_ym + offs, acc.to(Y.dtype.element_ty), mask=mask)
+
+
+SPLIT_K_MAX_ROWS = 16
+"""Row counts up to this split K on the GPU (split_k_for): at decode sizes a GEMM has too few output tiles to keep
+the multiprocessors busy, and each one's K loop is a chain of dependent loads."""
+
+
+def split_k_for(m: int, n: int, k: int, block_m: int, block_n: int, block_k: int, num_sms: int) -> int:
+    """Splits of K for the fused kernel: about four programs per multiprocessor, a power of two, each split at
+    least two K blocks; 1 above SPLIT_K_MAX_ROWS rows."""
+    if m > SPLIT_K_MAX_ROWS:
+        return 1
+    tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
+    want = max(1, 4 * num_sms // tiles)
+    split = 1 << (want.bit_length() - 1)
+    return max(1, min(split, triton.cdiv(k, block_k) // 2))
 
 
 def _config(m: int) -> dict:
@@ -84,10 +125,13 @@ def _config(m: int) -> dict:
 
 
 def fp8_block_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor, group_n: int,
-                   block_k: int, bias: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
+                   block_k: int, bias: torch.Tensor | None = None, config: dict | None = None,
+                   split_k: int | None = None) -> torch.Tensor:
     """x (..., K) 16/32-bit, weight (N, K) float8_e4m3fn, weight_scale_inv (ceil(N/group_n), ceil(K/block_k))
     float32 -> (..., N) in x's dtype. block_k is the weights' column block and the activations' group (a power
-    of two >= 16). config: fixed BLOCK_M / BLOCK_N / num_warps / num_stages (the interpreter test)."""
+    of two >= 16). config: fixed BLOCK_M / BLOCK_N / num_warps / num_stages (the interpreter test). split_k: K
+    split over that many programs per output tile, their fp32 partial sums added in order by a second kernel
+    (None: split_k_for on the GPU, 1 elsewhere)."""
     k = x.shape[-1]
     x2 = x.reshape(-1, k)
     if x2.stride(1) != 1:
@@ -99,11 +143,24 @@ def fp8_block_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torc
     if m == 0:
         return y.view(*x.shape[:-1], n)
     config = dict(config or _config(m))
-    grid = (triton.cdiv(m, config["BLOCK_M"]), triton.cdiv(n, config["BLOCK_N"]))
+    num_kb = triton.cdiv(k, block_k)
+    if split_k is None:
+        split_k = 1 if x.device.type != "cuda" else split_k_for(
+            m, n, k, config["BLOCK_M"], config["BLOCK_N"], block_k,
+            torch.cuda.get_device_properties(x.device).multi_processor_count)
+    kb_per_split = triton.cdiv(num_kb, max(1, split_k))
+    split_k = triton.cdiv(num_kb, kb_per_split)  # no empty split
+    part = torch.empty(split_k, m, n, dtype=torch.float32, device=x.device) if split_k > 1 else y
+    grid = (triton.cdiv(m, config["BLOCK_M"]), triton.cdiv(n, config["BLOCK_N"]), split_k)
+    bias_arg = bias if bias is not None else weight_scale_inv
     _fp8_block_gemm_kernel[grid](
-        x2, weight, weight_scale_inv, bias if bias is not None else weight_scale_inv, y, m, n, k,
-        x2.stride(0), weight.stride(0), weight_scale_inv.stride(0), y.stride(0), HAS_BIAS=bias is not None,
-        GROUP_N=group_n, BLOCK_K=block_k, IS_INTERPRETED=x.device.type == "cpu", **config)
+        x2, weight, weight_scale_inv, bias_arg, y, part, m, n, k, kb_per_split, x2.stride(0), weight.stride(0),
+        weight_scale_inv.stride(0), y.stride(0), HAS_BIAS=bias is not None, GROUP_N=group_n, BLOCK_K=block_k,
+        SPLIT_K=split_k, IS_INTERPRETED=x.device.type == "cpu", **config)
+    if split_k > 1:
+        block = min(1024, triton.next_power_of_2(n))
+        _split_k_sum_kernel[(m, triton.cdiv(n, block))](part, bias_arg, y, m, n, y.stride(0),
+                                                         HAS_BIAS=bias is not None, SPLIT_K=split_k, BLOCK=block)
     return y.view(*x.shape[:-1], n)
 
 
@@ -281,97 +338,13 @@ def fp8_scaled_mm(xq: torch.Tensor, x_scale: torch.Tensor, m: int, weight: torch
     return y if bias is None else y + bias
 
 
-# ---- a few rows (decode at batch 1): the GEMV, activations quantized in the kernel ----
-
-@triton.jit
-def _fp8_gemv_kernel(X, W, WS, B, Y, M, N, K, stride_xm, stride_wn, stride_wsn, stride_ym,
-                     HAS_BIAS: tl.constexpr, GROUP_N: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr, IS_INTERPRETED: tl.constexpr):
-    """All M (<= ROWS) rows of x against BLOCK_N weight rows, on the CUDA cores: each K block of x quantized as
-    deepinfer_kernels.fp8_quant does (the same values), every product e4m3 x e4m3 (exact in fp32) times its
-    row's and block's scales, added into an fp32 (ROWS, BLOCK_N, BLOCK_K) accumulator reduced over K once at the
-    end. The weight is read once for all rows; many narrow programs keep the memory system busy where the tiled
-    GEMM's 16-row tensor-core tiles leave most multiprocessors idle at one row."""
-    pid_n = tl.program_id(0)
-    offs_r = tl.arange(0, ROWS)
-    rmask = offs_r < M
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    nmask = offs_n < N
-    offs_k = tl.arange(0, BLOCK_K)
-    x_ptrs = X + offs_r.to(tl.int64)[:, None] * stride_xm + offs_k[None, :]
-    w_ptrs = W + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
-    ws_ptrs = WS + (offs_n // GROUP_N) * stride_wsn
-    acc = tl.zeros([ROWS, BLOCK_N, BLOCK_K], tl.float32)
-    for kb in range(0, tl.cdiv(K, BLOCK_K)):
-        kmask = offs_k < K - kb * BLOCK_K
-        x = tl.load(x_ptrs, mask=rmask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
-        x_scale = tl.maximum(tl.max(tl.abs(x), axis=1), MIN_AMAX) / FP8_MAX
-        v = tl.clamp(x / x_scale[:, None], -FP8_MAX, FP8_MAX)
-        if IS_INTERPRETED:  # as fp8_quant's interpreter path: e4m3's grid in fp32, magnitudes then the sign
-            ulp = tl.exp2(tl.floor(tl.log2(tl.maximum(tl.abs(v), 0.015625))) - 3.0)
-            rounded = tl.floor(tl.abs(v) / ulp + 0.5) * ulp
-            v = tl.where(v < 0, -rounded, rounded)
-        else:
-            v = v.to(tl.float8e4nv).to(tl.float32)
-        w = tl.load(w_ptrs, mask=nmask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
-        w_scale = tl.load(ws_ptrs + kb, mask=nmask, other=0.0)
-        scale = x_scale[:, None] * w_scale[None, :]  # (ROWS, BLOCK_N)
-        acc += v[:, None, :] * w[None, :, :] * scale[:, :, None]
-        x_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
-    out = tl.sum(acc, axis=2)
-    if HAS_BIAS:
-        out += tl.load(B + offs_n, mask=nmask, other=0.0).to(tl.float32)[None, :]
-    tl.store(Y + offs_r.to(tl.int64)[:, None] * stride_ym + offs_n[None, :], out.to(Y.dtype.element_ty),
-             mask=rmask[:, None] & nmask[None, :])
-
-
-GEMV_MAX_ROWS = 4
-"""The most rows the GEMV takes (its accumulator holds ROWS x BLOCK_N x BLOCK_K fp32 values)."""
-GEMV_CONFIGS = [triton.Config(dict(BLOCK_N=bn), num_warps=w, num_stages=s)
-                for bn, w, s in ((8, 4, 3), (16, 4, 3), (16, 4, 4), (32, 4, 3), (16, 8, 3))]
-"""The GEMV's autotuned tiles, keyed by (N, K, ROWS)."""
-_fp8_gemv_tuned = triton.autotune(GEMV_CONFIGS, key=["N", "K", "ROWS"])(_fp8_gemv_kernel)
-
-
-def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor, group_n: int, block_k: int,
-             bias: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
-    """The gemv path: x (..., K) of at most GEMV_MAX_ROWS rows, the rest as fp8_block_gemm's. The activations take
-    the values of deepinfer_kernels.fp8_quant; each product is scaled on its own before the fp32 sum, so the result
-    differs from the other paths by rounding only. config: fixed BLOCK_N / num_warps / num_stages (tests)."""
-    k = x.shape[-1]
-    x2 = x.reshape(-1, k)
-    if x2.stride(1) != 1:
-        x2 = x2.contiguous()
-    m, n = x2.shape[0], weight.shape[0]
-    if m > GEMV_MAX_ROWS:
-        raise ValueError(f"fp8_gemv takes at most {GEMV_MAX_ROWS} rows, got {m}")
-    assert weight.shape[1] == k and weight.dtype == torch.float8_e4m3fn and weight.stride(1) == 1
-    assert weight_scale_inv.shape == (triton.cdiv(n, group_n), triton.cdiv(k, block_k))
-    y = x.new_empty(m, n)
-    if m == 0:
-        return y.view(*x.shape[:-1], n)
-    args = (x2, weight, weight_scale_inv, bias if bias is not None else weight_scale_inv, y, m, n, k, x2.stride(0),
-            weight.stride(0), weight_scale_inv.stride(0), y.stride(0))
-    flags = dict(HAS_BIAS=bias is not None, GROUP_N=group_n, ROWS=max(2, triton.next_power_of_2(m)),
-                 BLOCK_K=block_k, IS_INTERPRETED=x.device.type == "cpu")
-    if config is None and x.device.type == "cpu":
-        config = dict(BLOCK_N=16, num_warps=4, num_stages=1)
-    if config is not None:
-        _fp8_gemv_kernel[(triton.cdiv(n, config["BLOCK_N"]),)](*args, **flags, **config)
-    else:
-        _fp8_gemv_tuned[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](*args, **flags)
-    return y.view(*x.shape[:-1], n)
-
-
 # ---- the path switch (DEEPINFER_FP8_GEMM, read where the layer's method is built) ----
 
-FP8_GEMM_PATHS = ("triton", "scaled_mm", "tiled", "gemv", "auto")
+FP8_GEMM_PATHS = ("triton", "scaled_mm", "tiled", "auto")
 """triton: the fused kernel above (activations quantized in every N tile); scaled_mm: path A (torch's block-scaled
-GEMM, the tiled path for shapes it does not take); tiled: path B; gemv: the GEMV above (up to GEMV_MAX_ROWS rows,
-the tiled path beyond); auto: per row count from AUTO_PATHS."""
+GEMM, the tiled path for shapes it does not take); tiled: path B; auto: per row count from AUTO_PATHS."""
 
-AUTO_PATHS: tuple[tuple[int, str], ...] = ((1, "gemv"), (1 << 62, "scaled_mm"))
+AUTO_PATHS: tuple[tuple[int, str], ...] = ((SPLIT_K_MAX_ROWS, "triton"), (1 << 62, "scaled_mm"))
 """(largest M, path) rows, first match wins: `auto`'s choice (the default), from an H200 run of
 `benchmark/bench_fp8_gemm.py` (results/gpu_fp8_gemm_h200.json, V2-Lite and V3 shapes, M = 1 / 64 / 2048 / 8192).
 At M >= 2048 scaled_mm reads 0.72-0.89 of the FP8 rate (tiled 0.35-0.50, the fused kernel 0.18-0.27) and beats
@@ -398,8 +371,6 @@ def fp8_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tens
         path = auto_path(x.numel() // x.shape[-1])
     if path == "triton":
         return fp8_block_gemm(x, weight, weight_scale_inv, group_n, block_k, bias)
-    if path == "gemv" and x.numel() // x.shape[-1] <= GEMV_MAX_ROWS:
-        return fp8_gemv(x, weight, weight_scale_inv, group_n, block_k, bias)
     k, n = x.shape[-1], weight.shape[0]
     x2 = x.reshape(-1, k)
     m = x2.shape[0]
@@ -412,7 +383,7 @@ def fp8_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tens
         if reason is None and scaled_mm_shape_unsupported(n, k, group_n, block_k, x.dtype) is None:
             xq, xs = quantize_fp8_token_groups(x2, block_k, SCALED_MM_ROW_MULTIPLE)
             return fp8_scaled_mm(xq, xs, m, weight, weight_scale_inv, x.dtype, bias).view(*x.shape[:-1], n)
-    elif path not in ("tiled", "gemv"):
+    elif path != "tiled":
         raise ValueError(f"FP8 GEMM path {path!r} is not one of {FP8_GEMM_PATHS}")
     xq, xs = quantize_fp8_token_groups(x2, block_k)
     return fp8_tiled_gemm(xq, xs, m, weight, weight_scale_inv, group_n, block_k, x.dtype,

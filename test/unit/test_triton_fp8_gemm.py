@@ -39,6 +39,14 @@ _GEMM = textwrap.dedent("""
         rows = s.repeat_interleave(128, dim=0)[:n].contiguous()
         y1 = fp8_block_gemm(x, q, rows, 1, 128, bias, config=dict(BLOCK_M=bm, BLOCK_N=bn))
         assert (y1 - y).abs().max() <= 1e-5 * want.abs().max()
+        # K split over programs (fp32 partial sums added in split order by a second kernel): the same sum.
+        for split in (2, 3):
+            ys = fp8_block_gemm(x, q, s, 128, 128, bias, config=dict(BLOCK_M=bm, BLOCK_N=bn), split_k=split)
+            assert (ys - want).abs().max() <= 1e-5 * want.abs().max(), (m, n, k, split)
+    from deepinfer_kernels.fp8_gemm import split_k_for
+    assert split_k_for(1, 2048, 2048, 16, 32, 128, 132) == 8  # 64 tiles, 16 K blocks
+    assert split_k_for(1, 2048, 256, 16, 32, 128, 132) == 1  # two K blocks: no split of one block each
+    assert split_k_for(17, 2048, 2048, 16, 32, 128, 132) == 1  # more rows than SPLIT_K_MAX_ROWS
     print("ok")
 """)
 
@@ -100,5 +108,5 @@ def test_fp8_gemm_switch_refuses_unknown_path(monkeypatch):
     from deepinfer_rt.layers.fp8 import weight_linear_method
     from deepinfer_rt.layers.kernel_config import KernelConfig
 
-    with pytest.raises(ValueError, match="DEEPINFER_FP8_GEMM='cutlass': not one of triton, scaled_mm, tiled, gemv, auto"):
+    with pytest.raises(ValueError, match="DEEPINFER_FP8_GEMM='cutlass': not one of triton, scaled_mm, tiled, auto"):
         weight_linear_method(KernelConfig(device_type="cuda", quantization="fp8", is_checkpoint_quantized=True))

@@ -66,10 +66,11 @@ _TILED = textwrap.dedent("""
         rows = s.repeat_interleave(128, dim=0)[:n].contiguous()  # per-row scales (GROUP_N = 1)
         y1 = fp8_tiled_gemm(xq, xs, m, q, rows, 1, 128, x.dtype, bias, config=config)
         assert (y1 - want).abs().max() <= 1e-5 * want.abs().max(), (m, n, k)
-    # The switch: `auto` by default (the GEMV at one row, scaled_mm above, tiled where scaled_mm cannot run), a clear
+    # The switch: `auto` by default (the fused kernel, K split, up to 16 rows, scaled_mm above, tiled where
+    # scaled_mm cannot run), a clear
     # refusal of an explicit scaled_mm off CUDA and of an unknown path.
-    assert FP8_GEMM_PATHS == ("triton", "scaled_mm", "tiled", "gemv", "auto")
-    assert auto_path(1) == "gemv" and auto_path(2) == auto_path(10**6) == "scaled_mm"
+    assert FP8_GEMM_PATHS == ("triton", "scaled_mm", "tiled", "auto")
+    assert auto_path(1) == auto_path(16) == "triton" and auto_path(17) == auto_path(10**6) == "scaled_mm"
     x = torch.randn(2, 3, 256, generator=g)
     q, s = quantize_fp8_blocks(torch.randn(128, 256, generator=g))
     assert torch.equal(fp8_gemm(x, q, s, 128, 128, path="auto"), fp8_gemm(x, q, s, 128, 128))
@@ -83,43 +84,6 @@ _TILED = textwrap.dedent("""
                                                                                   4096, 8192, 8192]
     print("ok")
 """)
-
-
-_GEMV = textwrap.dedent("""
-    import torch
-    from deepinfer_kernels.fp8_gemm import fp8_gemm, fp8_gemv, GEMV_MAX_ROWS
-    from deepinfer_kernels.reference import fp8_block_gemm as ref, quantize_fp8_blocks
-    g = torch.Generator().manual_seed(2)
-    for m, n, k in ((1, 200, 256), (3, 96, 384), (4, 40, 200)):
-        w = torch.randn(n, k, generator=g) * 0.05
-        w[:, :128] *= 20  # blocks of very different scales
-        q, s = quantize_fp8_blocks(w)
-        x = torch.randn(m, k, generator=g)
-        x[0, 128:] = 0  # a zero activation group
-        bias = torch.randn(n, generator=g)
-        want = ref(x, q, s) + bias
-        y = fp8_gemv(x, q, s, 128, 128, bias)
-        assert y.shape == (m, n) and y.dtype == x.dtype
-        assert (y - want).abs().max() <= 1e-5 * want.abs().max(), (m, n, k, (y - want).abs().max())
-        rows = s.repeat_interleave(128, dim=0)[:n].contiguous()  # per-row scales (GROUP_N = 1)
-        y1 = fp8_gemv(x, q, rows, 1, 128, bias)
-        assert (y1 - want).abs().max() <= 1e-5 * want.abs().max(), (m, n, k)
-        assert torch.equal(fp8_gemm(x, q, s, 128, 128, bias, path="gemv"), y)
-    x = torch.randn(GEMV_MAX_ROWS + 2, 256, generator=g)
-    q, s = quantize_fp8_blocks(torch.randn(64, 256, generator=g))
-    try:
-        fp8_gemv(x, q, s, 128, 128)
-        raise AssertionError("fp8_gemv took more rows than it holds")
-    except ValueError as e:
-        assert "at most" in str(e)
-    # More rows than the GEMV takes: the tiled path runs them.
-    assert torch.equal(fp8_gemm(x, q, s, 128, 128, path="gemv"), fp8_gemm(x, q, s, 128, 128, path="tiled"))
-    print("ok")
-""")
-
-
-def test_gemv_matches_reference_and_hands_larger_m_to_tiled():
-    assert _interpret(_GEMV).strip().endswith("ok")
 
 
 def test_quantizer_matches_reference_and_fused_kernel_bitwise():
