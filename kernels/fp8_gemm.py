@@ -344,7 +344,7 @@ FP8_GEMM_PATHS = ("triton", "scaled_mm", "tiled", "auto")
 """triton: the fused kernel above (activations quantized in every N tile); scaled_mm: path A (torch's block-scaled
 GEMM, the tiled path for shapes it does not take); tiled: path B; auto: per row count from AUTO_PATHS."""
 
-AUTO_PATHS: tuple[tuple[int, str], ...] = ((SPLIT_K_MAX_ROWS, "triton"), (1 << 62, "scaled_mm"))
+AUTO_PATHS: tuple[tuple[int, str], ...] = ((1, "tiled"), (1 << 62, "scaled_mm"))
 """(largest M, path) rows, first match wins: `auto`'s choice (the default), from an H200 run of
 `benchmark/bench_fp8_gemm.py` (results/gpu_fp8_gemm_h200.json, V2-Lite and V3 shapes, M = 1 / 64 / 2048 / 8192).
 At M >= 2048 scaled_mm reads 0.72-0.89 of the FP8 rate (tiled 0.35-0.50, the fused kernel 0.18-0.27) and beats
@@ -354,7 +354,11 @@ take a GEMM (N or K not a multiple of 128, 32 x 32 blocks) the tiled path runs i
 cuBLAS bf16's time (V2-Lite's dense down, K = 10944: 33.5 against 14.3 us): zero-padding such weights to 128 at
 load would give them scaled_mm. (That run's floor used a low copy bandwidth and weights small enough to stay in
 L2, so its decode fractions of the floor read high; the benchmark now takes the read bandwidth and rotates weight
-copies past L2.)"""
+copies past L2.) On an H100 (results/gpu_fp8_gemm_gemv_h100.json) every path
+takes 9-12 us at one row on V2-Lite's shapes whose floor is 1.4-3.8 us: too few output tiles, each a chain of 16
+dependent K steps. The fused path now splits K at up to SPLIT_K_MAX_ROWS rows (split_k_for) to answer that; it has
+run only in the interpreter so far, so `auto` keeps the measured table until a GPU run of bench_fp8_gemm.py
+compares it (DEEPINFER_FP8_GEMM=triton takes it)."""
 
 
 def auto_path(m: int) -> str:
