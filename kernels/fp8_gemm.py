@@ -259,6 +259,26 @@ def fp8_tiled_gemm(xq: torch.Tensor, x_scale: torch.Tensor, m: int, weight: torc
     return y
 
 
+INVARIANT_TILE = dict(BLOCK_M=64, BLOCK_N=128, GROUP_M=8, num_warps=4, num_stages=4)
+"""Batch-invariant mode's one tile of the tiled GEMM (one of TILED_CONFIGS), whatever the row count."""
+
+
+def fp8_invariant_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor, group_n: int,
+                       block_k: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x @ dequant(weight).T with each row's result bitwise the same whatever other rows x holds (batch-
+    invariant mode): activations quantized per row (fp8_quant), then the tiled GEMM with INVARIANT_TILE: no
+    autotuning, no row-count-dependent path or split, each row's dot over the same K steps."""
+    k, n = x.shape[-1], weight.shape[0]
+    x2 = x.reshape(-1, k)
+    m = x2.shape[0]
+    if m == 0:
+        return x.new_empty(*x.shape[:-1], n)
+    xq, xs = quantize_fp8_token_groups(x2, block_k)
+    config = INTERPRETER_TILE if x.device.type == "cpu" else INVARIANT_TILE
+    return fp8_tiled_gemm(xq, xs, m, weight, weight_scale_inv, group_n, block_k, x.dtype, bias,
+                          config=config).view(*x.shape[:-1], n)
+
+
 def _round_up(a: int, b: int) -> int:
     return triton.cdiv(a, b) * b
 

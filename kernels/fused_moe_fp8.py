@@ -15,7 +15,7 @@ row's activation scale and each column's weight block scale, into an fp32 accumu
 gate_up writes h = silu(gate) * up in x's dtype; h is quantized the same way for down, which scales each pair's
 fp32 result by its top-k weight; the k slots of a token are summed in slot order (fused_moe.combine_slots). No
 split-K. On the GPU the N tile, warps and stages are autotuned per (N, K, pair-count bucket, rows per block) as in
-fused_moe; BLOCK_K is the scale block. The torch form is deepinfer_kernels.reference.fused_moe_fp8 (the same
+fused_moe; BLOCK_K is the scale block. Batch-invariant mode takes one fixed configuration (INVARIANT_TILES). The torch form is deepinfer_kernels.reference.fused_moe_fp8 (the same
 activation values: fp8_quant reproduces the quantization the kernels once did per tile).
 """
 from __future__ import annotations
@@ -135,15 +135,21 @@ _gate_up_fp8_tuned, _down_fp8_tuned = _tuned(_gate_up_fp8), _tuned(_down_fp8)
 _gate_up_fp8_fixed, _down_fp8_fixed = _even_k(_gate_up_fp8), _even_k(_down_fp8)
 INTERPRETED_TILES = dict(BLOCK_N=32, num_warps=4, num_stages=1)
 """The tile of interpreted (CPU) runs, where there is nothing to tune."""
+INVARIANT_TILES = dict(BLOCK_M=32, BLOCK_N=64, num_warps=4, num_stages=3)
+"""Batch-invariant mode's one configuration, whatever the batch (one of TUNE_CONFIGS, at fused_moe's invariant
+BLOCK_M): pairs always sorted into 32-row blocks, the same tiles and K steps for every pair."""
 
 
 def fused_moe_fp8(x: torch.Tensor, gate_up: torch.Tensor, gate_up_scale: torch.Tensor, down: torch.Tensor,
                   down_scale: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-                  block: tuple[int, int] = (128, 128), config: dict | None = None) -> torch.Tensor:
+                  block: tuple[int, int] = (128, 128), config: dict | None = None,
+                  batch_invariant: bool = False) -> torch.Tensor:
     """x (T, H) 16/32-bit; FP8 experts with their block scales (module docstring); weights (T, k) fp32; ids
     (T, k) -> sum_k weights * down(silu(gate x) * up x), (T, H) in x's dtype. block = (bn, bk) of the weight
     scales; bk (a power of two >= 16) is also the activations' quantization group. config: fixed BLOCK_N /
-    num_warps / num_stages instead of the autotuner (tests, sweeps)."""
+    num_warps / num_stages instead of the autotuner (tests, sweeps). batch_invariant: each token's result bitwise
+    the same in any batch (INVARIANT_TILES; every quantization is per token or per pair, a row of a tile's dot
+    depends on its own inputs only, and the slots are summed in order)."""
     t, k = ids.shape
     e, two_i, hidden = gate_up.shape
     inter = two_i // 2
@@ -160,13 +166,17 @@ def fused_moe_fp8(x: torch.Tensor, gate_up: torch.Tensor, gate_up_scale: torch.T
         raise ValueError("fused_moe_fp8 needs contiguous x, expert weights and scales")
     num_pairs = t * k
     interpreted = x.device.type == "cpu"
-    if config is None and interpreted:
+    block_m = None
+    if batch_invariant:
+        config = dict(INVARIANT_TILES)
+        block_m = config.pop("BLOCK_M")
+    elif config is None and interpreted:
         config = INTERPRETED_TILES
     if config is None:
         gate_up_kernel, down_kernel, config = _gate_up_fp8_tuned, _down_fp8_tuned, {}
     else:
         gate_up_kernel, down_kernel, config = _gate_up_fp8_fixed, _down_fp8_fixed, dict(config)
-    blocks = pair_blocks(ids, e)
+    blocks = pair_blocks(ids, e, block_m)
     bucket = triton.next_power_of_2(num_pairs)
     common = dict(GROUP_N=bn, BLOCK_M=blocks.block_m, BLOCK_K=bk, PER_PAIR=blocks.per_pair,
                   IS_INTERPRETED=interpreted, **config)

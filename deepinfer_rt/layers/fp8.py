@@ -9,14 +9,14 @@ after another (`scale_offsets`): the layout of the merged weight's blocks when e
 a block boundary (V3's), and still correct when one does not (q_lora_rank = 192 with 128-row blocks). Fused
 routed experts (E, N, K) keep (E, ceil(N/bn), ceil(K/bk)) per projection, gate's then up's for gate_up.
 
-    Fp8BlockLinear    CUDA, not batch-invariant: float8 weights + scales on the device, the W8A8 block GEMM
-                      (deepinfer_kernels.fp8_gemm; DEEPINFER_FP8_GEMM picks its path); activations quantized per
-                      token and bk-channel group
-    Fp8DequantLinear  elsewhere (CPU, batch-invariant mode, MLA's kv_b whose per-head slices feed the absorbed
+    Fp8BlockLinear    CUDA: float8 weights + scales on the device, the W8A8 block GEMM (deepinfer_kernels.fp8_gemm;
+                      DEEPINFER_FP8_GEMM picks its path; batch-invariant mode one fixed tile); activations quantized
+                      per token and bk-channel group
+    Fp8DequantLinear  elsewhere (CPU, MLA's kv_b whose per-head slices feed the absorbed
                       matmuls): dequantized once at load to the engine dtype, fp32 math of value x scale, rounded
                       once; then the unquantized method it wraps runs
-    Fp8BlockExperts   routed experts (layers/moe.py) on CUDA, not batch-invariant: float8 + scales for the FP8
-                      fused MoE (deepinfer_kernels.fused_moe_fp8, W8A8)
+    Fp8BlockExperts   routed experts (layers/moe.py) on CUDA: float8 + scales for the FP8 fused MoE
+                      (deepinfer_kernels.fused_moe_fp8, W8A8; batch-invariant mode one fixed configuration)
     Fp8DequantExperts routed experts elsewhere, and DeepSeek-V4's (its own expert loop): dequantized at load
 
 With a 16/32-bit checkpoint (Engine(quantization="fp8"), load_format="dummy") the weights load as they are and
@@ -196,16 +196,20 @@ class Fp8BlockLinear(Fp8LinearMethod):
     is_quantized = True
 
     def __init__(self, block: tuple[int, int], is_checkpoint_quantized: bool, scale_fmt: str = "float32",
-                 gemm_path: str = "auto"):
+                 gemm_path: str = "auto", is_batch_invariant: bool = False):
         super().__init__(block, is_checkpoint_quantized, scale_fmt)
         self.gemm_path = fp8_gemm_path(gemm_path)
+        self.is_batch_invariant = is_batch_invariant
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         raise NotImplementedError("Fp8BlockLinear runs a layer's own weights and scales (apply)")
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        from deepinfer_kernels.fp8_gemm import fp8_gemm
+        from deepinfer_kernels.fp8_gemm import fp8_gemm, fp8_invariant_gemm
 
+        if self.is_batch_invariant:  # one tile whatever the batch (DEEPINFER_FP8_GEMM does not apply)
+            return fp8_invariant_gemm(x, layer.weight, layer.weight_scale_inv, layer.scale_group_n, self.block[1],
+                                      layer.bias)
         return fp8_gemm(x, layer.weight, layer.weight_scale_inv, layer.scale_group_n, self.block[1], layer.bias,
                         self.gemm_path)
 
@@ -245,8 +249,9 @@ def _weight_linear_method(config: KernelConfig, gemm_path: str) -> LinearMethod:
         return Q4WeightOnlyLinear()
     if config.quantization != "fp8":
         return linear_method(config)
-    if config.is_triton and not config.is_batch_invariant:
-        return Fp8BlockLinear(config.weight_block_size, config.is_checkpoint_quantized, config.scale_fmt, gemm_path)
+    if config.is_triton:
+        return Fp8BlockLinear(config.weight_block_size, config.is_checkpoint_quantized, config.scale_fmt, gemm_path,
+                              config.is_batch_invariant)
     return dense_linear_method(config)
 
 
@@ -327,7 +332,7 @@ class Fp8DequantExperts(ExpertWeights):
 
 
 class Fp8BlockExperts(Fp8DequantExperts):
-    """CUDA, not batch-invariant: float8 routed experts and their float32 block scales stay on the device for the
+    """CUDA: float8 routed experts and their float32 block scales stay on the device for the
     FP8 fused MoE (deepinfer_kernels.fused_moe_fp8, layers/moe.py Fp8FusedExperts); a 16/32-bit checkpoint is
     quantized at load per projection (gate's and up's blocks apart), as scripts/quantize_checkpoint.py would."""
 
@@ -360,7 +365,6 @@ class Fp8BlockExperts(Fp8DequantExperts):
 
 
 def is_fp8_fused_experts(config: KernelConfig) -> bool:
-    """Whether layers/moe.py's routed experts run the FP8 fused MoE (FP8 weights kept): CUDA with Triton, not
-    batch-invariant, FP8 (not MXFP4) experts."""
-    return (config.quantization == "fp8" and config.is_triton and not config.is_batch_invariant
-            and config.expert_dtype == "fp8")
+    """Whether layers/moe.py's routed experts run the FP8 fused MoE (FP8 weights kept): CUDA with Triton, FP8 (not
+    MXFP4) experts; in batch-invariant mode with its one fixed configuration."""
+    return config.quantization == "fp8" and config.is_triton and config.expert_dtype == "fp8"

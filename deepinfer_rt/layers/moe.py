@@ -301,23 +301,25 @@ class FusedExperts(ExpertsMethod):
 
 class Fp8FusedExperts(ExpertsMethod):
     """The FP8 fused MoE (deepinfer_kernels.fused_moe_fp8): float8 experts with float32 block scales, activations
-    quantized per token and block[1] channels inside the kernel (W8A8). The shared experts keep their own FP8
-    GEMMs (no joint launch)."""
+    quantized once per token (per pair for down) and block[1] channels (W8A8); batch-invariant mode runs its one
+    fixed configuration. The shared experts keep their own FP8 GEMMs (no joint launch)."""
 
-    def __init__(self, block: tuple[int, int]):
+    def __init__(self, block: tuple[int, int], is_batch_invariant: bool = False):
         self.block = block
+        self.is_batch_invariant = is_batch_invariant
 
     def apply_experts(self, experts: nn.Module, x: torch.Tensor, weights: torch.Tensor,
                       ids: torch.Tensor) -> torch.Tensor:
         from deepinfer_kernels.fused_moe_fp8 import fused_moe_fp8
 
         return fused_moe_fp8(x.contiguous(), experts.gate_up_proj, experts.gate_up_proj_scale_inv,
-                             experts.down_proj, experts.down_proj_scale_inv, weights, ids, self.block)
+                             experts.down_proj, experts.down_proj_scale_inv, weights, ids, self.block,
+                             batch_invariant=self.is_batch_invariant)
 
 
 def experts_method(config: KernelConfig) -> ExpertsMethod:
     if is_fp8_fused_experts(config):
-        return Fp8FusedExperts(config.weight_block_size)
+        return Fp8FusedExperts(config.weight_block_size, config.is_batch_invariant)
     if config.is_triton:
         return FusedExperts(config.is_batch_invariant)
     return TorchExperts(linear_method(config), activation_method(config), config.is_batch_invariant)

@@ -185,6 +185,30 @@ def test_fused_moe_fp8_v2_lite_experts(t):
     assert rel_err(y, bf16) <= 0.06
 
 
+def test_batch_invariant_fp8_moe_and_gemm_bitwise():
+    """Batch-invariant mode's FP8 paths compiled: the fused MoE (INVARIANT_TILES) and the tiled GEMM
+    (INVARIANT_TILE) give each token the same bits alone and in batches of 64 / 300 tokens, V2-Lite shapes."""
+    from deepinfer_kernels.fp8_gemm import fp8_invariant_gemm
+    from deepinfer_kernels.fused_moe_fp8 import fused_moe_fp8
+    from deepinfer_kernels.reference import fp8_block_gemm as ref_gemm, quantize_fp8_blocks
+
+    c = V2_LITE_EXPERTS
+    q_gu, s_gu, qd, sd = _fp8_experts(c["e"], c["hidden"], c["inter"], seed=5)
+    g = torch.Generator(device=DEV).manual_seed(6)
+    x = torch.randn(300, c["hidden"], device=DEV, generator=g).bfloat16()
+    ids = torch.rand(300, c["e"], device=DEV, generator=g).topk(c["k"], dim=-1).indices
+    w = torch.rand(300, c["k"], device=DEV, generator=g)
+    full = fused_moe_fp8(x, q_gu, s_gu, qd, sd, w, ids, batch_invariant=True)
+    for rows in (slice(0, 1), slice(7, 71), slice(0, 300, 5)):
+        assert torch.equal(fused_moe_fp8(x[rows], q_gu, s_gu, qd, sd, w[rows], ids[rows], batch_invariant=True),
+                           full[rows]), rows
+    qw, sw = quantize_fp8_blocks(torch.randn(3072 + 576, c["hidden"], device=DEV, generator=g) * 0.02)
+    y = fp8_invariant_gemm(x, qw, sw, 128, 128)
+    assert rel_err(y, ref_gemm(x.float(), qw, sw)) <= 5e-3
+    for rows in (slice(0, 1), slice(7, 71), slice(0, 300, 5)):
+        assert torch.equal(fp8_invariant_gemm(x[rows], qw, sw, 128, 128), y[rows]), rows
+
+
 def test_fused_moe_fp8_timing_vs_bf16():
     """Printed, not asserted: the FP8 fused MoE beside the bf16 one on the dequantized experts (V2-Lite)."""
     from triton.testing import do_bench

@@ -32,9 +32,11 @@ def test_method_selection():
     assert isinstance(dense_linear_method(fp8_cuda), Fp8DequantLinear)  # MLA's kv_b
     assert isinstance(expert_weights_method(fp8_cuda), Fp8DequantExperts)
     invariant = KernelConfig(device_type="cuda", is_batch_invariant=True).for_checkpoint(V3)
-    method = weight_linear_method(invariant)
-    assert isinstance(method, Fp8DequantLinear) and isinstance(method.inner, methods.InvariantLinear)
-    assert method.is_batch_invariant
+    method = weight_linear_method(invariant)  # FP8 kept, the GEMM's one fixed tile
+    assert isinstance(method, Fp8BlockLinear) and method.is_batch_invariant
+    assert not weight_linear_method(fp8_cuda).is_batch_invariant
+    kv_b = dense_linear_method(invariant)  # dequantized, then the invariant matmul
+    assert isinstance(kv_b, Fp8DequantLinear) and isinstance(kv_b.inner, methods.InvariantLinear)
     online = KernelConfig.from_env("cpu", quantization="fp8")
     assert online.quantization == "fp8" and not online.is_checkpoint_quantized
     with pytest.raises(ValueError, match="quantization"):

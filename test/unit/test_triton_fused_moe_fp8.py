@@ -115,3 +115,49 @@ def test_routed_experts_keep_fp8_and_run_the_kernel():
 
 def test_fused_moe_fp8_equals_torch_form():
     assert _interpret(_FUSED_MOE_FP8).strip().endswith("ok")
+
+
+# Batch-invariant mode keeps FP8 weights: the fused MoE with its one configuration and the tiled GEMM with its one
+# tile give each token the same bits alone and inside batches of other tokens, and the methods a batch-invariant
+# CUDA config builds take them.
+_INVARIANT_FP8 = textwrap.dedent("""
+    import torch
+    from deepinfer_kernels.fp8_gemm import fp8_invariant_gemm
+    from deepinfer_kernels.fused_moe_fp8 import fused_moe_fp8
+    from deepinfer_kernels.reference import fp8_block_gemm as ref_gemm, fused_moe_fp8 as ref, quantize_fp8_blocks
+    from deepinfer_rt.layers.fp8 import Fp8BlockLinear, weight_linear_method
+    from deepinfer_rt.layers.kernel_config import KernelConfig
+    from deepinfer_rt.layers.moe import Fp8FusedExperts, experts_method
+    g = torch.Generator().manual_seed(3)
+    e, hidden, inter, k, t = 6, 160, 200, 2, 40
+    gate, up = torch.randn(e, inter, hidden, generator=g) * 0.05, torch.randn(e, inter, hidden, generator=g) * 0.05
+    down = torch.randn(e, hidden, inter, generator=g) * 0.05
+    (qg, sg), (qu, su), (qd, sd) = (quantize_fp8_blocks(w) for w in (gate, up, down))
+    q_gu, s_gu = torch.cat([qg, qu], dim=1), torch.cat([sg, su], dim=1)
+    x = torch.randn(t, hidden, generator=g)
+    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
+    w = torch.rand(t, k, generator=g)
+    full = fused_moe_fp8(x, q_gu, s_gu, qd, sd, w, ids, batch_invariant=True)
+    want = ref(x, q_gu, s_gu, qd, sd, w, ids)
+    assert (full - want).abs().max() <= 1e-5 * want.abs().max()
+    for rows in ([0], [5, 17], list(range(3, 40, 3))):
+        part = fused_moe_fp8(x[rows], q_gu, s_gu, qd, sd, w[rows], ids[rows], batch_invariant=True)
+        assert torch.equal(part, full[rows]), rows
+    qw, sw = quantize_fp8_blocks(torch.randn(200, hidden, generator=g) * 0.05)
+    bias = torch.randn(200, generator=g)
+    y = fp8_invariant_gemm(x, qw, sw, 128, 128, bias)
+    want = ref_gemm(x, qw, sw) + bias
+    assert (y - want).abs().max() <= 1e-5 * want.abs().max()
+    for rows in ([0], [5, 17], list(range(1, 40, 2))):
+        assert torch.equal(fp8_invariant_gemm(x[rows], qw, sw, 128, 128, bias), y[rows]), rows
+    config = KernelConfig(device_type="cuda", quantization="fp8", is_checkpoint_quantized=True,
+                          is_batch_invariant=True)
+    linear, experts = weight_linear_method(config), experts_method(config)
+    assert isinstance(linear, Fp8BlockLinear) and linear.is_batch_invariant
+    assert isinstance(experts, Fp8FusedExperts) and experts.is_batch_invariant
+    print("ok")
+""")
+
+
+def test_batch_invariant_fp8_moe_and_gemm_bitwise_in_any_batch():
+    assert _interpret(_INVARIANT_FP8).strip().endswith("ok")
