@@ -177,7 +177,7 @@ class Env:
     path) instead of the flat CPU step (models/llama_step.py). Default on."""
     cpu_bf16_gemv: str
     """DEEPINFER_CPU_BF16_GEMV: how the flat CPU step multiplies a lone bf16 row (a single decode stream) by a dense
-    weight (models/llama_step.py ROW_PRODUCTS): 'linear' (F.linear, the module path's op), 'mv' (torch.mv), 'packed'
+    weight (models/cpu_row_products.py ROW_PRODUCTS): 'linear' (F.linear, the module path's op), 'mv' (torch.mv), 'packed'
     (oneDNN over a copy of each weight packed for one row: the model's bf16 bytes again in memory), 'kernel' (the
     lone-row kernels, kernels/cpu/row_decode.cpp: a whole layer in one call) or 'auto'
     (default: each timed once on the model's gate_up weight at the first step; F.linear kept unless another is at

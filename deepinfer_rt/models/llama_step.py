@@ -40,7 +40,7 @@ of the dequantized weights times the rows (fp32 sums; torch's 4-bit matmul round
 rows take the fused layer over the dequantized bf16 copies.
 
 bf16 may differ in one place, for speed: a one-row input (a lone decode stream) of a dense linear or the dense
-head takes the product this CPU runs fastest (DEEPINFER_CPU_BF16_GEMV, `choose_row_gemv`, ROW_PRODUCTS): F.linear,
+head takes the product this CPU runs fastest (DEEPINFER_CPU_BF16_GEMV; models/cpu_row_products.py): F.linear,
 oneDNN over a weight copy packed for one row (the same values), or torch's bf16 GEMV (torch.mv), whose sums run in
 another order, so bf16 results then differ from the module path's in the last bits (logprobs within bf16's
 tolerance: test/e2e/test_cpu_step.py). Every layer's bf16 linears take the lone row as a 1-D vector from the
@@ -58,23 +58,20 @@ from __future__ import annotations
 
 import functools
 import itertools
-import logging
-import time
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
-from deepinfer_kernels import reference
 from deepinfer_rt.env import get_env
 from deepinfer_rt.forward_batch import ForwardBatch
 from deepinfer_rt.layers.kernel_config import KernelConfig, cpu_has_native_bf16
 from deepinfer_rt.layers.int8 import WeightOnlyLinear
 from deepinfer_rt.layers.methods import UnquantizedLinear
 from deepinfer_rt.models.base import CausalLM
+from deepinfer_rt.models.cpu_row_products import KERNEL_MAX_ROWS, bf16_linear_fn, choose_row_gemv, row_kernels
 
-logger = logging.getLogger("deepinfer_rt")
 
 
 class ModuleStep:
@@ -160,7 +157,7 @@ def _linear_fn(linear: torch.nn.Module, row: str = "linear") -> Callable[[torch.
     if type(method) is UnquantizedLinear:
         weight, bias = linear.weight, linear.bias
         if weight.dtype == torch.bfloat16 and bias is None:
-            return _bf16_linear_fn(weight, row)
+            return bf16_linear_fn(weight, row)
         if bias is None:  # F.linear's own decomposition (t, mm) with the transpose made once: the same bits
             weight_t = weight.t()
             return lambda x: torch.mm(x, weight_t)
@@ -170,32 +167,6 @@ def _linear_fn(linear: torch.nn.Module, row: str = "linear") -> Callable[[torch.
         return lambda x: packed(x) if x.shape[0] <= max_rows else apply(linear, x)
     return functools.partial(method.apply, linear)
 
-
-ROW_PRODUCTS = ("linear", "mv", "packed", "kernel")
-"""How a lone bf16 row (a single decode stream) is multiplied by a dense weight in the flat CPU step:
-
-    linear   F.linear, the module path's op (oneDNN's matmul)
-    mv       torch.mv, torch's bf16 GEMV: fp32 sums in another order, so bf16 values differ from F.linear's in the
-             last bit
-    packed   oneDNN's inner product over a copy of the weight reordered once for one row
-             (torch.ops.mkldnn._reorder_linear_weight / _linear_pointwise), for every row count once chosen: the
-             same values as F.linear on the CPU measured, at the cost of that copy (the model's bf16 bytes again)
-    kernel   our lone-row kernels (deepinfer_kernels.cpu_row, kernels/cpu/row_decode.cpp): each weight row streamed
-             once through AVX512-BF16 dot products (fp32 sums in another order: bf16 values differ from F.linear's
-             in the last bits), and a decode step's whole layer in one call where the step allows
-             (CpuStep._row_forward); up to KERNEL_MAX_ROWS rows through the same product (a row's values the same
-             whatever the row count), more through F.linear. Built on first use; where it cannot be built, `auto` leaves it out
-
-Measured (bytes/s at one row, the embedded default's shapes, 2 threads): on an AMD EPYC with AVX512-BF16, F.linear
-10.6-15.1 GB/s, torch.mv 8.6-14.0, packed 21-27, kernel 28-32; on an earlier AMX machine torch.mv was about twice
-F.linear."""
-
-KERNEL_MAX_ROWS = 64
-"""Under 'kernel' (and for fp32 under DEEPINFER_CPU_FP32_ROW=kernel), a step of at most this many decode rows runs
-each layer as one kernel call (CpuStep._row_forward), and bf16 products of at most this many rows go through the
-kernels' product, which reads each weight row once for all of them; more through F.linear. Embedded default, bf16,
-2-core EPYC, decode tok/s with the fused rows against F.linear's: batch 4 181 / 92, 8 228 / 121, 16 242 / 160,
-32 236 / 194, 64 251 / 198."""
 
 FP32_KERNEL_MAX_ROWS = 16
 """The same for fp32 decode rows, whose product in the kernels takes one input row at a time (no AVX512-BF16 pairs
@@ -217,103 +188,6 @@ PREFILL_ATTENTION_MIN_ROWS new tokens and the step holds at most PREFILL_ATTENTI
 packs each sequence's keys and runs it apart, which pays for a prompt's queries but not for a batch of one-token
 decode rows (those keep the backend, or the fused decode rows)."""
 
-_ROW_GEMV: dict[str, str] = {}
-"""'auto': what DEEPINFER_CPU_BF16_GEMV=auto chose (choose_row_gemv), once per process."""
-
-ROW_GEMV_MARGIN = 1.15
-"""`auto` leaves F.linear only for a product at least this much faster, so that a near tie (where timing noise
-could pick either, and with it which bf16 bits a run produces) always goes to F.linear, the module path's op."""
-
-
-def _time_row_product(fn, reps: int = 4, rounds: int = 5) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(rounds):
-        start = time.perf_counter()
-        for _ in range(reps):
-            fn()
-        best = min(best, time.perf_counter() - start)
-    return best
-
-
-def _packed_available() -> bool:
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-
-
-def _pack_for_row(weight: torch.Tensor) -> torch.Tensor:
-    return torch.ops.mkldnn._reorder_linear_weight(weight, 1)
-
-
-def _packed_product(packed: torch.Tensor, x2: torch.Tensor) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x2, packed, None, "none", [], "")
-
-
-def _row_kernels():
-    from deepinfer_kernels import cpu_row
-
-    return cpu_row.load()
-
-
-def choose_row_gemv(weight: torch.Tensor, setting: str) -> str:
-    """One of ROW_PRODUCTS for a lone bf16 row: DEEPINFER_CPU_BF16_GEMV as given, or under 'auto' each timed on
-    `weight` (the model's gate_up, its largest per-layer product), best of five rounds, and F.linear kept unless
-    another is ROW_GEMV_MARGIN times faster (then the fastest). `auto` measures once per process."""
-    if setting not in ("auto",) + ROW_PRODUCTS:
-        raise ValueError(f"DEEPINFER_CPU_BF16_GEMV={setting!r}: not one of auto, {', '.join(ROW_PRODUCTS)}")
-    if setting == "packed" and not _packed_available():
-        raise ValueError("DEEPINFER_CPU_BF16_GEMV=packed: this torch build has no oneDNN (mkldnn) linear ops")
-    if setting == "kernel" and _row_kernels() is None:
-        from deepinfer_kernels import cpu_row
-
-        raise ValueError(f"DEEPINFER_CPU_BF16_GEMV=kernel: the lone-row CPU kernels cannot be built here "
-                         f"({cpu_row.error()})")
-    if setting != "auto":
-        return setting
-    if "auto" not in _ROW_GEMV:
-        row = torch.ones(weight.shape[1], dtype=weight.dtype)
-        times = {"linear": _time_row_product(lambda: F.linear(row, weight)),
-                 "mv": _time_row_product(lambda: torch.mv(weight, row))}
-        if _packed_available():
-            packed, row2 = _pack_for_row(weight), row.view(1, -1)
-            times["packed"] = _time_row_product(lambda: _packed_product(packed, row2))
-        ops = _row_kernels()
-        if ops is not None:
-            times["kernel"] = _time_row_product(lambda: ops.gemv(row, weight, True))
-        fastest = min(times, key=times.get)
-        _ROW_GEMV["auto"] = fastest if times["linear"] >= ROW_GEMV_MARGIN * times[fastest] else "linear"
-        logger.info("lone bf16 rows take %s (gate_up %s, us per 4 products: %s)", _ROW_GEMV["auto"],
-                    tuple(weight.shape), ", ".join(f"{k} {v * 1e6:.0f}" for k, v in times.items()))
-    return _ROW_GEMV["auto"]
-
-
-def _bf16_linear_fn(weight: torch.Tensor, row: str) -> Callable[[torch.Tensor], torch.Tensor]:
-    """x (T, K) or a lone row (K,) -> x @ weight.T in bf16: one row through the `row` product (ROW_PRODUCTS), more
-    rows through F.linear, or under `packed` through the packed copy too (on the AMD EPYC measured: 4.7 against 8.4
-    ms at 4 rows of 30 gate_up weights, 35 against 40 ms at 1,024 rows, values equal to F.linear's). A 1-D row
-    (the step's lone-stream form) goes as it is: no select / unsqueeze."""
-    if row == "packed":
-        packed = _pack_for_row(weight)
-
-        def product(x: torch.Tensor) -> torch.Tensor:  # any row count: 1.05-1.8x F.linear up to 1K rows here
-            return _packed_product(packed, x.view(1, -1)).view(-1) if x.dim() == 1 else _packed_product(packed, x)
-        return product
-    if row == "kernel":
-        gemv = _row_kernels().gemv
-
-        def product(x: torch.Tensor) -> torch.Tensor:  # a few rows: each weight row read once for all of them
-            if x.dim() == 1 or x.shape[0] <= KERNEL_MAX_ROWS:
-                return gemv(x.contiguous(), weight, True)
-            return F.linear(x, weight)
-        return product
-    if row == "mv":
-        def product(x: torch.Tensor) -> torch.Tensor:
-            if x.dim() == 1:
-                return torch.mv(weight, x)
-            return torch.mv(weight, x[0]).unsqueeze(0) if x.shape[0] == 1 else F.linear(x, weight)
-        return product
-    return lambda x: F.linear(x, weight)
-
-
 def _takes_row(linear: torch.nn.Module) -> bool:
     return type(linear.method) is UnquantizedLinear and linear.weight.dtype == torch.bfloat16 and linear.bias is None
 
@@ -330,7 +204,7 @@ def _layer_list(model) -> list[_Layer]:
         row = choose_row_gemv(model.model.layers[0].mlp.gate_up_proj.weight, get_env().cpu_bf16_gemv)
     model.row_product = row
     head = model.lm_head
-    model.head_fn = (_bf16_linear_fn(head.weight, row) if head.bias is None and type(model.logits_method)
+    model.head_fn = (bf16_linear_fn(head.weight, row) if head.bias is None and type(model.logits_method)
                      is UnquantizedLinear and head.weight.dtype == torch.bfloat16 else None)
     layers = []
     for i, layer in enumerate(model.model.layers):
@@ -342,7 +216,7 @@ def _layer_list(model) -> list[_Layer]:
     model.row_weights = _row_weights(model) if row == "kernel" else None
     model.row_weights_quantized = _quantized_row_weights(model)
     # bf16 steps' attention through the kernels where they build and the CPU has AVX512-BF16 (CpuStep._attention_fn)
-    model.attention_ops = (_row_kernels() if model.model.embed_tokens.weight.dtype == torch.bfloat16
+    model.attention_ops = (row_kernels() if model.model.embed_tokens.weight.dtype == torch.bfloat16
                            and _cpu_has_avx512_bf16() else None)
     if _fp32_takes_kernel(model):
         model.row_weights = _row_weights(model)
@@ -361,11 +235,11 @@ def _fp32_takes_kernel(model) -> bool:
         type(lin.method) is UnquantizedLinear and lin.weight.dtype == torch.float32 and lin.bias is None
         for layer in model.model.layers for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
                                                     layer.mlp.gate_up_proj, layer.mlp.down_proj))
-    return bool(dense) and setting == "kernel" and _row_kernels() is not None
+    return bool(dense) and setting == "kernel" and row_kernels() is not None
 
 
 def _fp32_head_fn(weight: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
-    gemv = _row_kernels().gemv
+    gemv = row_kernels().gemv
     return lambda x: gemv(x.view(-1), weight, False).view(1, -1) if x.shape[0] == 1 else F.linear(x, weight)
 
 
@@ -413,7 +287,7 @@ def _quantized_row_weights(model) -> list[tuple] | None:
     linears = _quantized_linears(model)
     dtype = model.model.embed_tokens.weight.dtype
     if linears is None or setting != "kernel" or dtype not in (torch.bfloat16, torch.float32) \
-            or not cpu_has_native_bf16() or _row_kernels() is None:
+            or not cpu_has_native_bf16() or row_kernels() is None:
         return None
     return [(layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
              *(list(getattr(lin, "q4_rows", None) or lin.int8_rows) for lin in lins))
@@ -492,11 +366,11 @@ class CpuStep(ModuleStep):
         if t <= most and t == len(batch.q_lens) and _row_kernel_fits(batch, x.dtype):  # decode rows only
             quantized = model.row_weights_quantized
             if quantized is not None and t <= QUANT_KERNEL_MAX_ROWS:
-                return self._row_forward(model, batch, x, quantized, _row_kernels().decode_layer_q)
+                return self._row_forward(model, batch, x, quantized, row_kernels().decode_layer_q)
             if quantized is not None and model.row_weights is None:
                 model.row_weights = _dequantized_row_weights(model)
             if model.row_weights:
-                return self._row_forward(model, batch, x, model.row_weights, _row_kernels().decode_layer)
+                return self._row_forward(model, batch, x, model.row_weights, row_kernels().decode_layer)
         attend = self._attention_fn(model, batch, x.dtype)
         if as_row:  # a lone row stays 1-D through the layers (mv takes it as it is)
             x = x.view(-1)

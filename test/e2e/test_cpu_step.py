@@ -116,15 +116,15 @@ def test_rms_norm_equals_reference_bitwise(dtype):
 
 @pytest.mark.parametrize("row", ["mv", "linear", "packed", "kernel"])
 def test_bf16_row_products_within_rounding(row):
-    """Each lone-row product (llama_step.ROW_PRODUCTS) against F.linear: all accumulate in fp32, torch.mv in another
+    """Each lone-row product (cpu_row_products.ROW_PRODUCTS) against F.linear: all accumulate in fp32, torch.mv in another
     order, so they agree to about one bf16 rounding of the output (the packed product and F.linear are one library's
     kernels: equal on the CPU measured, not asserted); the 1-D row gives the 2-D row's values; more rows are
     F.linear itself, or the packed copy again under `packed`."""
-    from deepinfer_rt.models.llama_step import _bf16_linear_fn
+    from deepinfer_rt.models.cpu_row_products import bf16_linear_fn
 
     g = torch.Generator().manual_seed(0)
     w = (torch.randn(300, 576, generator=g) * 0.05).bfloat16()
-    product = _bf16_linear_fn(w, row)
+    product = bf16_linear_fn(w, row)
     x = torch.randn(1, 576, generator=g).bfloat16()
     exact = x.double() @ w.double().T
     got, ref = product(x), torch.nn.functional.linear(x, w)
@@ -148,29 +148,29 @@ def test_row_gemv_choice(monkeypatch):
     process and leaves F.linear only for one ROW_GEMV_MARGIN faster; 'kernel' where the kernels cannot be built
     is refused under its name and left out of 'auto'; an unknown value is refused."""
     from deepinfer_kernels import cpu_row
-    from deepinfer_rt.models import llama_step
+    from deepinfer_rt.models import cpu_row_products as products
 
-    monkeypatch.setattr(llama_step, "_ROW_GEMV", {})
+    monkeypatch.setattr(products, "_ROW_GEMV", {})
     w = torch.randn(64, 32).bfloat16()
-    assert [llama_step.choose_row_gemv(w, r) for r in llama_step.ROW_PRODUCTS] == list(llama_step.ROW_PRODUCTS)
+    assert [products.choose_row_gemv(w, r) for r in products.ROW_PRODUCTS] == list(products.ROW_PRODUCTS)
     # per round: F.linear, torch.mv, packed, kernel; a near tie (1.1x: F.linear), then the kernel 1.25x the fastest
     timings = iter([1.1, 1.0, 1.05, 1.2, 1.25, 1.2, 1.1, 1.0])
     calls = []
-    monkeypatch.setattr(llama_step, "_time_row_product", lambda fn: calls.append(fn) or next(timings))
-    assert llama_step.choose_row_gemv(w, "auto") == "linear"
-    assert llama_step.choose_row_gemv(w, "auto") == "linear" and len(calls) == 4  # measured once, kept
-    monkeypatch.setattr(llama_step, "_ROW_GEMV", {})
-    assert llama_step.choose_row_gemv(w, "auto") == "kernel" and len(calls) == 8
+    monkeypatch.setattr(products, "_time_row_product", lambda fn: calls.append(fn) or next(timings))
+    assert products.choose_row_gemv(w, "auto") == "linear"
+    assert products.choose_row_gemv(w, "auto") == "linear" and len(calls) == 4  # measured once, kept
+    monkeypatch.setattr(products, "_ROW_GEMV", {})
+    assert products.choose_row_gemv(w, "auto") == "kernel" and len(calls) == 8
     # no compiler here: 'kernel' is refused by name, and 'auto' times the other three
-    monkeypatch.setattr(llama_step, "_row_kernels", lambda: None)
+    monkeypatch.setattr(products, "row_kernels", lambda: None)
     monkeypatch.setattr(cpu_row, "error", lambda: "CalledProcessError: no C++ compiler")
     with pytest.raises(ValueError, match="DEEPINFER_CPU_BF16_GEMV=kernel: .* cannot be built here .*no C.. compiler"):
-        llama_step.choose_row_gemv(w, "kernel")
-    monkeypatch.setattr(llama_step, "_ROW_GEMV", {})
+        products.choose_row_gemv(w, "kernel")
+    monkeypatch.setattr(products, "_ROW_GEMV", {})
     timings = iter([1.25, 1.2, 1.0])
-    assert llama_step.choose_row_gemv(w, "auto") == "packed" and len(calls) == 11
+    assert products.choose_row_gemv(w, "auto") == "packed" and len(calls) == 11
     with pytest.raises(ValueError, match="DEEPINFER_CPU_BF16_GEMV='gemm': not one of auto, linear, mv, packed, kernel"):
-        llama_step.choose_row_gemv(w, "gemm")
+        products.choose_row_gemv(w, "gemm")
 
 
 @pytest.mark.parametrize("gemv", ["mv", "linear", "packed", "kernel"])
@@ -272,7 +272,7 @@ def test_bf16_prefill_attention_takes_the_kernel(llama_head_64_path, monkeypatch
     scored = SamplingParams(max_new_tokens=4, temperature=0, ignore_eos=True, logprobs=True, prompt_logprobs=True)
     plain = SamplingParams(max_new_tokens=4, temperature=0, ignore_eos=True, logprobs=True)  # prefix cache on
     took = []
-    kernels = llama_step._row_kernels()
+    kernels = llama_step.row_kernels()
 
     class Counting:  # the kernels, with the attention's calls counted (query rows of each)
         def __getattr__(self, name):
@@ -283,7 +283,7 @@ def test_bf16_prefill_attention_takes_the_kernel(llama_head_64_path, monkeypatch
             took.append(args[0].shape[0])
             return kernels.prefill_attention(*args)
 
-    monkeypatch.setattr(llama_step, "_row_kernels", lambda: Counting())
+    monkeypatch.setattr(llama_step, "row_kernels", lambda: Counting())
 
     def run(engine):  # the third prompt's first part is the first's, cached
         return ([engine.generate(p, sampling_params=scored)[0] for p in prompts[:2]]
