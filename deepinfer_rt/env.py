@@ -127,8 +127,8 @@ class Env:
     fp8_gemm: str
     """DEEPINFER_FP8_GEMM: the block-scaled FP8 GEMM of FP8 linears on CUDA (deepinfer_kernels.fp8_gemm): 'auto'
     (default: per row count, from fp8_gemm.AUTO_PATHS, measured on an H200), 'triton' (the fused kernel,
-    activations quantized in every N tile, K split over programs at up to 16 rows), 'tiled' (activations quantized once, then a Triton GEMM with
-    autotuned large tiles) or 'scaled_mm' (torch's cuBLASLt block-scaled GEMM on SM90, torch >= 2.10; the tiled
+    activations quantized in every N tile, K split over programs at up to 16 rows), 'tiled' (activations
+    quantized once, then a Triton GEMM with autotuned large tiles) or 'scaled_mm' (torch's cuBLASLt block-scaled GEMM on SM90, torch >= 2.10; the tiled
     path for shapes it does not take)."""
     mla_mha_prefill: bool | None
     """DEEPINFER_MLA_MHA_PREFILL: MLA prefill chunks in the standard (expanded K/V) form. Unset = on for the
@@ -177,8 +177,8 @@ class Env:
     path) instead of the flat CPU step (models/llama_step.py). Default on."""
     cpu_bf16_gemv: str
     """DEEPINFER_CPU_BF16_GEMV: how the flat CPU step multiplies a lone bf16 row (a single decode stream) by a dense
-    weight (models/cpu_row_products.py ROW_PRODUCTS): 'linear' (F.linear, the module path's op), 'mv' (torch.mv), 'packed'
-    (oneDNN over a copy of each weight packed for one row: the model's bf16 bytes again in memory), 'kernel' (the
+    weight (models/cpu_row_products.py ROW_PRODUCTS): 'linear' (F.linear, the module path's op), 'mv' (torch.mv),
+    'packed' (oneDNN over a copy of each weight packed for one row: the model's bf16 bytes again in memory), 'kernel' (the
     lone-row kernels, kernels/cpu/row_decode.cpp: a whole layer in one call) or 'auto'
     (default: each timed once on the model's gate_up weight at the first step; F.linear kept unless another is at
     least 1.15x faster)."""

@@ -263,6 +263,14 @@ INVARIANT_TILE = dict(BLOCK_M=64, BLOCK_N=128, GROUP_M=8, num_warps=4, num_stage
 """Batch-invariant mode's one tile of the tiled GEMM (one of TILED_CONFIGS), whatever the row count."""
 
 
+def _quantized_tiled_gemm(x2: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor, group_n: int,
+                          block_k: int, bias: torch.Tensor | None, config: dict | None = None) -> torch.Tensor:
+    """x2 (M, K) quantized per row and block_k group (fp8_quant), then the tiled GEMM (config: fixed tiles, or the
+    autotuner's) -> (M, N) in x2's dtype."""
+    xq, xs = quantize_fp8_token_groups(x2, block_k)
+    return fp8_tiled_gemm(xq, xs, x2.shape[0], weight, weight_scale_inv, group_n, block_k, x2.dtype, bias, config)
+
+
 def fp8_invariant_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor, group_n: int,
                        block_k: int, bias: torch.Tensor | None = None) -> torch.Tensor:
     """y = x @ dequant(weight).T with each row's result bitwise the same whatever other rows x holds (batch-
@@ -270,13 +278,10 @@ def fp8_invariant_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: 
     autotuning, no row-count-dependent path or split, each row's dot over the same K steps."""
     k, n = x.shape[-1], weight.shape[0]
     x2 = x.reshape(-1, k)
-    m = x2.shape[0]
-    if m == 0:
+    if x2.shape[0] == 0:
         return x.new_empty(*x.shape[:-1], n)
-    xq, xs = quantize_fp8_token_groups(x2, block_k)
     config = INTERPRETER_TILE if x.device.type == "cpu" else INVARIANT_TILE
-    return fp8_tiled_gemm(xq, xs, m, weight, weight_scale_inv, group_n, block_k, x.dtype, bias,
-                          config=config).view(*x.shape[:-1], n)
+    return _quantized_tiled_gemm(x2, weight, weight_scale_inv, group_n, block_k, bias, config).view(*x.shape[:-1], n)
 
 
 def _round_up(a: int, b: int) -> int:
@@ -409,6 +414,4 @@ def fp8_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tens
             return fp8_scaled_mm(xq, xs, m, weight, weight_scale_inv, x.dtype, bias).view(*x.shape[:-1], n)
     elif path != "tiled":
         raise ValueError(f"FP8 GEMM path {path!r} is not one of {FP8_GEMM_PATHS}")
-    xq, xs = quantize_fp8_token_groups(x2, block_k)
-    return fp8_tiled_gemm(xq, xs, m, weight, weight_scale_inv, group_n, block_k, x.dtype,
-                          bias).view(*x.shape[:-1], n)
+    return _quantized_tiled_gemm(x2, weight, weight_scale_inv, group_n, block_k, bias).view(*x.shape[:-1], n)

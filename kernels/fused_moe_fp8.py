@@ -15,8 +15,9 @@ row's activation scale and each column's weight block scale, into an fp32 accumu
 gate_up writes h = silu(gate) * up in x's dtype; h is quantized the same way for down, which scales each pair's
 fp32 result by its top-k weight; the k slots of a token are summed in slot order (fused_moe.combine_slots). No
 split-K. On the GPU the N tile, warps and stages are autotuned per (N, K, pair-count bucket, rows per block) as in
-fused_moe; BLOCK_K is the scale block. Batch-invariant mode takes one fixed configuration (INVARIANT_TILES). The torch form is deepinfer_kernels.reference.fused_moe_fp8 (the same
-activation values: fp8_quant reproduces the quantization the kernels once did per tile).
+fused_moe; BLOCK_K is the scale block. Batch-invariant mode takes one fixed configuration (INVARIANT_TILES). The
+torch form is deepinfer_kernels.reference.fused_moe_fp8 (the same activation values: fp8_quant reproduces the
+quantization the kernels once did per tile).
 """
 from __future__ import annotations
 
