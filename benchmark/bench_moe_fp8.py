@@ -8,8 +8,9 @@ at V2-Lite's expert shapes (64 experts of 2048 x 1408, top-6, uniform routing), 
 
 Each timing replays a graph of `--copies` calls over as many copies of the experts, so no call finds its weights
 in L2 from the one before. The floor is the touched experts' weight bytes (FP8: one byte a weight and the fp32
-block scales) over the copy bandwidth measured in the same run (`fraction_of_floor`); at prefill sizes the
-FLOP rate is also given beside the FP8 matmul rate (torch._scaled_mm, 8192^3) of the same run.
+block scales) over the streaming bandwidth measured in the same run (bench_fp8_gemm.ceilings: the larger of the
+copy and read-only rates, best of three; `fraction_of_floor`); the FLOP rate is also given beside the FP8 matmul
+rate (torch._scaled_mm, 8192^3) of the same run. (results/gpu_moe_fp8_h100.json was measured against the copy rate.)
 
     python benchmark/bench_moe_fp8.py --out benchmark/results/gpu_moe_fp8_h200.json
 """
@@ -24,13 +25,11 @@ from pathlib import Path
 import torch
 import triton
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_fp8_gemm import ceilings  # noqa: E402
+from bench_kernels import _graph_time  # noqa: E402
+
 E, HIDDEN, INTER, TOPK = 64, 2048, 1408, 6
-
-
-def _graph_time(fn, calls: int) -> float:
-    fn()  # compile (and autotune) outside the capture
-    torch.cuda.synchronize()
-    return triton.testing.do_bench_cudagraph(fn, rep=60, return_mode="median") / 1e3 / calls
 
 
 def _load(path: str):
@@ -38,19 +37,6 @@ def _load(path: str):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module.fused_moe_fp8
-
-
-def ceilings() -> dict:
-    src = torch.empty(2 ** 30, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    copy = 2 * src.numel() / (triton.testing.do_bench(lambda: dst.copy_(src), rep=100, return_mode="median") / 1e3)
-    n = 8192
-    a = torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn)
-    b = torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn)
-    one = torch.ones((), device="cuda")
-    s = triton.testing.do_bench(lambda: torch._scaled_mm(a, b.t(), scale_a=one, scale_b=one,
-                                                         out_dtype=torch.bfloat16), rep=100) / 1e3
-    return {"copy_bytes_per_s": copy, "fp8_matmul_flop_per_s": 2 * n ** 3 / s}
 
 
 def main() -> None:
@@ -68,8 +54,8 @@ def main() -> None:
 
     result = {"command": " ".join(sys.argv), "device": torch.cuda.get_device_name(), "torch": torch.__version__,
               "triton": triton.__version__, "shape": dict(experts=E, hidden=HIDDEN, inter=INTER, top_k=TOPK),
-              "ceilings": ceilings(), "rows": []}
-    copy_bw = result["ceilings"]["copy_bytes_per_s"]
+              "ceilings": ceilings("cuda"), "rows": []}
+    stream_bw = result["ceilings"]["stream_bytes_per_s"]
     print(result["ceilings"], flush=True)
     baseline = _load(args.baseline) if args.baseline else None
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -105,13 +91,13 @@ def main() -> None:
         times = {}
         for name, fn in systems.items():
             try:
-                times[name] = _graph_time(fn, args.copies)
+                times[name] = _graph_time(fn) / args.copies
             except Exception as exc:  # a fixed tile out of shared memory: not a candidate
                 print(f"T={t} {name}: {type(exc).__name__}", flush=True)
                 continue
             weight_bytes = touched * 3 * INTER * HIDDEN * 2 if name == "bf16" else fp8_bytes
             row = {"tokens": t, "system": name, "experts_touched": touched, "us": times[name] * 1e6,
-                   "fraction_of_floor": weight_bytes / times[name] / copy_bw,
+                   "fraction_of_floor": weight_bytes / times[name] / stream_bw,
                    "fraction_of_fp8_matmul_rate": flops / times[name] / result["ceilings"]["fp8_matmul_flop_per_s"]}
             if "bf16" in times and name != "bf16":
                 row["speedup_over_bf16"] = times["bf16"] / times[name]
