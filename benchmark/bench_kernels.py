@@ -19,6 +19,8 @@ GEMMs at V2-Lite decode batches over tile configurations;
 tiles and each candidate configuration side by side, beside the bf16 fused MoE on the same weights dequantized,
 as fractions of the read-only bandwidth over the touched experts' bytes (0.53 per weight with the e8m0 scales,
 against 2), routings rotated between launches so that L2 holds no previous launch's experts.
+`--only mla_prefix`: a V2-Lite-shaped MLA prefill chunk of 8K tokens over an 8K / 24K / 56K cached prefix, flash with
+the bottom-right causal mask against layers.mla_prefill.prefix_split_attention, as fractions of the bf16 matmul rate.
 """
 from __future__ import annotations
 
@@ -387,6 +389,47 @@ def moe_invariant_rows(device: str, copy_bw: float, mm_rate: float) -> list[dict
     return rows
 
 
+def mla_prefix_rows(mm_rate: float) -> list[dict]:
+    """A V2-Lite-shaped MLA prefill chunk (16 heads, q.k 192, v 128) of 8K new tokens over a cached prefix: one
+    flash call with the bottom-right causal mask (V padded to 192, as the engine feeds flash) against
+    prefix_split_attention (two cuDNN calls merged by log-sum-exp), V padded and at its own 128."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention.bias import causal_lower_right
+
+    from deepinfer_rt.layers.mla_prefill import prefix_split_attention
+
+    heads, qk, dv, n = 16, 192, 128, 8192
+    rows = []
+    for prefix in (8192, 24576, 57344):
+        g = torch.Generator(device="cuda").manual_seed(prefix)
+        q = torch.randn(1, heads, n, qk, dtype=torch.bfloat16, device="cuda", generator=g)
+        k = torch.randn(1, heads, prefix + n, qk, dtype=torch.bfloat16, device="cuda", generator=g)
+        v = torch.randn(1, heads, prefix + n, dv, dtype=torch.bfloat16, device="cuda", generator=g)
+        v_pad = torch.nn.functional.pad(v, (0, qk - dv))
+        mask = causal_lower_right(n, prefix + n)
+
+        def flash():
+            with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+                return torch.nn.functional.scaled_dot_product_attention(q, k, v_pad, attn_mask=mask, scale=0.1)
+
+        flops = 2 * heads * n * (prefix + n / 2) * (qk + dv)
+        ref = flash()[..., :dv].float()
+        row = {"kernel": "mla_prefix_chunk", "new_tokens": n, "prefix": prefix, "flops": flops,
+               "flash_masked_us": _time(flash) * 1e6}
+        for name, vv in (("split_cudnn_padded", v_pad), ("split_cudnn_v128", v)):
+            try:
+                out = prefix_split_attention(q, k, vv, 0.1)[..., :dv].float()
+                row[name + "_max_abs_diff_to_flash"] = (out - ref).abs().max().item()
+                row[name + "_us"] = _time(lambda: prefix_split_attention(q, k, vv, 0.1)) * 1e6
+            except RuntimeError as e:  # the cuDNN build may not take this head-dim pair
+                row[name + "_error"] = str(e).splitlines()[0][:300]
+        for key in [k for k in row if k.endswith("_us")]:
+            row[key.replace("_us", "_fraction_of_matmul_rate")] = flops / (row[key] / 1e6) / mm_rate
+        print({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}, flush=True)
+        rows.append(row)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="benchmark/results/gpu_kernels_h200.json")
@@ -394,7 +437,7 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--batches", default="1,16,64,256,2048", help="--only mxfp4: token counts, comma-separated")
     parser.add_argument("--only", choices=["kernels", "moe", "dense", "moe_invariant", "router", "moe_sweep",
-                                           "decode_sweep", "mxfp4"],
+                                           "decode_sweep", "mxfp4", "mla_prefix"],
                         default="kernels",
                         help="kernels: the default fused MoE (decode and prefill sizes, shared experts joined or "
                              "apart) and the decode attention variants, the dense decode projections; moe / dense: only those")
@@ -410,8 +453,10 @@ def main() -> None:
                                               "matmul_flop_per_s": mm_rate, "rows": rows}, indent=1))
         return
     copy_bw, mm_rate = ceilings("cuda", 1 << 29)
-    if args.only in ("router", "moe_sweep", "decode_sweep", "mxfp4"):
-        if args.only == "mxfp4":
+    if args.only in ("router", "moe_sweep", "decode_sweep", "mxfp4", "mla_prefix"):
+        if args.only == "mla_prefix":
+            rows = mla_prefix_rows(mm_rate)
+        elif args.only == "mxfp4":
             from bench_mxfp4 import mxfp4_moe_rows
 
             rows = mxfp4_moe_rows(copy_bw, tuple(int(b) for b in args.batches.split(",")))

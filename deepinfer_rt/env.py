@@ -134,6 +134,11 @@ class Env:
     """DEEPINFER_MLA_MHA_PREFILL: MLA prefill chunks in the standard (expanded K/V) form. Unset = on for the
     Triton backend, for chunks of at least deepinfer_rt.layers.mla_prefill.MHA_MIN_QUERIES new tokens; 1 = every
     chunk of more than one new token, on any backend (CPU tests); 0 = never. Never in batch-invariant mode."""
+    mla_prefix_split: bool | None
+    """DEEPINFER_MLA_PREFIX_SPLIT: a standard-form MLA prefill chunk over a cached prefix attends as two kernels
+    with no mask, the prefix keys and its own keys (causal), merged by their log-sum-exps (cuDNN's SDPA on CUDA,
+    which takes no bottom-right causal mask). Unset = on for CUDA in 16-bit dtypes; 1 = also elsewhere (CPU
+    tests); 0 = one masked SDPA call (flash)."""
     v41_yoco_truncation: bool
     """DEEPINFER_V41_YOCO_TRUNCATION=1: DeepSeek-V4.1 prefill chunks run the YOCO consumer layers only for their last
     sliding window of queries (their KV still comes from every token's shared hidden); the other rows' outputs are
@@ -244,6 +249,7 @@ def get_env() -> Env:
         skinny_gemm=_bool("DEEPINFER_SKINNY_GEMM", True),
         fp8_gemm=_str("DEEPINFER_FP8_GEMM", "auto").strip().lower(),
         mla_mha_prefill=_optional_bool("DEEPINFER_MLA_MHA_PREFILL"),
+        mla_prefix_split=_optional_bool("DEEPINFER_MLA_PREFIX_SPLIT"),
         max_body_bytes=_int("DEEPINFER_MAX_BODY_BYTES", 16 << 20),
         json_offload_bytes=_int("DEEPINFER_JSON_OFFLOAD_BYTES", 256 << 10),
         max_json_depth=_int("DEEPINFER_MAX_JSON_DEPTH", 64),

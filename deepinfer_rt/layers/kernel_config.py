@@ -40,6 +40,10 @@ class KernelConfig:
     """DEEPINFER_MLA_MHA_PREFILL: MLA prefill chunks in the standard form. None = where the attention backend
     prefers it (Triton), for chunks of at least layers.mla_prefill.MHA_MIN_QUERIES new tokens; True = every chunk
     of more than one new token, on any backend; False = never. Never in batch-invariant mode."""
+    mla_prefix_split: bool | None = None
+    """DEEPINFER_MLA_PREFIX_SPLIT: a standard-form MLA chunk over a cached prefix attends to the prefix and to its
+    own keys as two unmasked / causal kernels merged by log-sum-exp (layers.mla_prefill.prefix_split_attention).
+    None = on CUDA for 16-bit activations (cuDNN); True = on any device; False = never."""
     is_cpu_fast_step: bool = True
     """DEEPINFER_CPU_FAST_STEP: Llama-family trunks on CPU run the flat step (models/llama_step.py) rather than
     the modules (never in batch-invariant mode)."""
@@ -85,6 +89,7 @@ class KernelConfig:
         env = get_env()
         return cls(device_type=torch.device(device).type, is_batch_invariant=batch_invariant,
                    is_skinny_gemm=env.skinny_gemm, mla_mha_prefill=env.mla_mha_prefill,
+                   mla_prefix_split=env.mla_prefix_split,
                    moe_router_skew=env.moe_router_skew, quantization=quantization,
                    is_cpu_fast_step=env.cpu_fast_step, is_cpu_compile=env.cpu_compile)
 

@@ -120,6 +120,9 @@ class MLAttention(nn.Module):
         self.is_padded_prefill = kernel_config.device_type == "cuda" and self.v_dim <= self.nope_dim + self.rope_dim
         """Whether the standard-form prefill expands K and V at the attention's head width through
         `padded_kv_b` (CUDA: flash attention takes one head dim for q, k and v)."""
+        self.prefix_split = kernel_config.mla_prefix_split
+        """Chunks over a cached prefix: two unmasked / causal SDPA calls merged by log-sum-exp (None: on CUDA in
+        16-bit dtypes, where cuDNN runs both; layers.mla_prefill.prefix_split_attention)."""
         self.is_padded_kv_b_prebuilt = (kernel_config.is_triton and kernel_config.mla_mha_prefill is not False
                                         and not kernel_config.is_batch_invariant)
         """Whether `process_weights_after_loading` builds `padded_kv_b` (where the standard form can run)."""

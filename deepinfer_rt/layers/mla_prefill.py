@@ -144,6 +144,48 @@ def standard_attention(layer: nn.Module, q: torch.Tensor, kv_rows: torch.Tensor,
         k_nope, v = layer.kv_b_proj(latent).view(num_kv, heads, -1).split([layer.nope_dim, layer.v_dim], dim=-1)
         k = torch.cat([k_nope, k_pe[:, None].expand(num_kv, heads, layer.rope_dim)], dim=-1)  # (L, H, qk_dim)
     # 4-D (1, H, len, dim): the fused kernels take only batched inputs.
-    o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-                                       attn_mask=mask, is_causal=mask is None, scale=layer.scale)
+    q4, k4, v4 = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
+    if mask is not None and is_prefix_split(layer.prefix_split, q):
+        o = prefix_split_attention(q4, k4, v4, layer.scale)
+    else:
+        o = F.scaled_dot_product_attention(q4, k4, v4, attn_mask=mask, is_causal=mask is None, scale=layer.scale)
     return o[0, ..., : layer.v_dim].transpose(0, 1)
+
+
+def is_prefix_split(mode: bool | None, q: torch.Tensor) -> bool:
+    """Whether a chunk over a cached prefix takes prefix_split_attention (KernelConfig.mla_prefix_split): None
+    means on CUDA for 16-bit q, where cuDNN's kernel runs both halves."""
+    if mode is None:
+        return q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)
+    return mode
+
+
+def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
+                       scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """SDPA of (1, H, n, d) q over (1, H, L, d) k / (1, H, L, dv) v, causal from the top left when is_causal,
+    with the rows' natural log-sum-exps of the scaled scores: (out (1, H, n, dv), lse (1, H, n) fp32). CUDA:
+    cuDNN's kernel (16-bit); CPU: torch's flash kernel for CPU."""
+    if q.is_cuda:
+        out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, is_causal, False,
+                                                                       scale=scale)[:2]
+    else:  # this kernel takes one head size: V is padded to q's (tests; MLA's v is never wider than q.k)
+        dv = v.shape[-1]
+        v = F.pad(v, (0, q.shape[-1] - dv)) if dv < q.shape[-1] else v
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, is_causal,
+                                                                              scale=scale)[:2]
+        out = out[..., :dv]
+    return out, lse.reshape(q.shape[:3])
+
+
+def prefix_split_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention aligned to the last key (a chunk of n queries over L > n keys, the first L - n a cached
+    prefix) as two maskless kernels: every query over the prefix keys, and the chunk over its own n keys causal
+    from the top left; the two partial outputs are weighted by exp(lse_part - lse_all). Torch routes a
+    bottom-right causal mask only to its flash / memory-efficient kernels; cuDNN's (faster on Hopper) takes no
+    such mask but runs both parts. (1, H, n, d), (1, H, L, d), (1, H, L, dv) -> (1, H, n, dv) in q's dtype."""
+    prefix = k.shape[2] - q.shape[2]
+    o_pre, lse_pre = attention_with_lse(q, k[:, :, :prefix], v[:, :, :prefix], False, scale)
+    o_own, lse_own = attention_with_lse(q, k[:, :, prefix:], v[:, :, prefix:], True, scale)
+    lse = torch.logaddexp(lse_pre, lse_own)
+    w_pre, w_own = torch.exp(lse_pre - lse)[..., None], torch.exp(lse_own - lse)[..., None]
+    return (o_pre.float() * w_pre + o_own.float() * w_own).to(q.dtype)

@@ -75,3 +75,21 @@ def test_gpu_engine_mha_prefill_matches_cpu_reference(tmp_path_factory, monkeypa
     for o, r in zip(out, ref):
         assert o.token_ids == r.token_ids
         assert max(abs(a - b) for a, b in zip(o.logprobs, r.logprobs)) < 2e-2
+
+
+@pytest.mark.parametrize("n, prefix", [(64, 1), (512, 1536), (1000, 3000)])
+def test_gpu_prefix_split_attention_matches_masked_sdpa(n, prefix):
+    """cuDNN's two calls merged by log-sum-exp against one masked SDPA in fp32, V2-Lite head dims (V padded to
+    q.k's 192, as the engine's padded prefill feeds it)."""
+    from torch.nn.attention.bias import causal_lower_right
+
+    g = torch.Generator(device=CUDA).manual_seed(n)
+    q, k, v = (torch.randn(1, 16, length, 192, device=CUDA, generator=g, dtype=torch.bfloat16)
+               for length in (n, prefix + n, prefix + n))
+    v[..., 128:] = 0
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q.float(), k.float(), v.float(), attn_mask=causal_lower_right(n, prefix + n), scale=0.07)
+    got = mla_prefill.prefix_split_attention(q, k, v, 0.07)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2)
+    assert got[..., 128:].abs().max() == 0

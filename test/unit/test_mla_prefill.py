@@ -7,7 +7,8 @@ from mla_cases import CASES, both_forms, load_layer, make_batch
 
 from deepinfer_rt.layers.attention.torch_ref import TorchRefBackend
 from deepinfer_rt.layers.kernel_config import KernelConfig
-from deepinfer_rt.layers.mla_prefill import build_plan, min_mha_queries
+from deepinfer_rt.layers.attention.torch_ref import causal_mask
+from deepinfer_rt.layers.mla_prefill import build_plan, is_prefix_split, min_mha_queries, prefix_split_attention
 
 
 @pytest.fixture(scope="module")
@@ -22,6 +23,35 @@ def test_mha_form_matches_absorbed(layer_pool, case, min_queries):
     absorbed, mha = both_forms(layer, pool, TorchRefBackend(), CASES[case], min_queries)
     assert absorbed.abs().max() > 1e-3  # a real signal, not an all-zero output
     torch.testing.assert_close(mha, absorbed, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("case", ["chunk_after_prefix", "mixed"])
+def test_prefix_split_matches_absorbed(layer_pool, monkeypatch, case):
+    """Chunks over a prefix attending as prefix + own keys merged by log-sum-exp give the absorbed output."""
+    layer, pool = layer_pool
+    monkeypatch.setattr(layer, "prefix_split", True)
+    absorbed, mha = both_forms(layer, pool, TorchRefBackend(), CASES[case], 2)
+    torch.testing.assert_close(mha, absorbed, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("n, prefix, dv", [(1, 5, 16), (7, 1, 24), (16, 48, 16), (33, 100, 8), (4, 9, 24)])
+def test_prefix_split_attention_matches_masked_sdpa(n, prefix, dv):
+    g = torch.Generator().manual_seed(n * 1000 + prefix)
+    heads, d = 3, 24
+    q = torch.randn(1, heads, n, d, generator=g)
+    k = torch.randn(1, heads, prefix + n, d, generator=g) * 2
+    v = torch.randn(1, heads, prefix + n, dv, generator=g)
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=causal_mask(n, prefix + n, q.device),
+                                                            scale=0.3)
+    got = prefix_split_attention(q, k, v, 0.3)
+    assert got.shape == want.shape and got.dtype == q.dtype
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_prefix_split_policy():
+    cpu32, cpu16 = torch.zeros(1), torch.zeros(1, dtype=torch.bfloat16)
+    assert not is_prefix_split(None, cpu32) and not is_prefix_split(None, cpu16)
+    assert is_prefix_split(True, cpu32) and not is_prefix_split(False, cpu16)
 
 
 def test_plan_splits_rows(layer_pool):
