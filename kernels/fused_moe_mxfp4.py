@@ -273,6 +273,93 @@ def _down_mxfp4_g(A, W, WS, Y, TopkWeights, SortedPairs, BlockExpert, NumPadded,
                  mask=mmask[:, None] & nmask[None, :])
 
 
+@triton.jit
+def _mx_scaled_acc(a, w_ptrs, s_ptrs, jmask, gmask, nmask, acc, FMT: tl.constexpr):
+    """acc += a (BLOCK_M, BLOCK_K, element order) x the weight K tile through tl.dot_scaled: w_ptrs a
+    (BLOCK_K / 2, BLOCK_N) tile of packed bytes (element 2j low), s_ptrs the (BLOCK_N, BLOCK_K / 32) e8m0 bytes.
+    Triton's own upcast to a's format (Hopper has no FP4 MMA) replaces the hand decode."""
+    w = tl.load(w_ptrs, mask=jmask[:, None] & nmask[None, :], other=0).to(tl.uint8, bitcast=True)
+    s = tl.load(s_ptrs, mask=nmask[:, None] & gmask[None, :], other=127)
+    return tl.dot_scaled(a, None, FMT, w, s, "e2m1", acc, fast_math=True)
+
+
+@triton.jit(do_not_specialize=["num_pairs"])
+def _gate_up_mxfp4_s(X, W, WS, H, SortedPairs, BlockExpert, NumPadded, num_pairs, top_k, N, K, limit,
+                     stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_hm,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PER_PAIR: tl.constexpr,
+                     FMT: tl.constexpr):
+    """_gate_up_mxfp4 through tl.dot_scaled (_mx_scaled_acc); 16-bit activations."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pair, e, valid = pair_rows(SortedPairs, BlockExpert, NumPadded, pid_m, num_pairs, BLOCK_M, PER_PAIR)
+    if valid:
+        mmask = pair < num_pairs
+        tok = (pair // top_k).to(tl.int64)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        nmask = offs_n < N
+        offs_k = tl.arange(0, BLOCK_K)
+        offs_j = tl.arange(0, BLOCK_K // 2)
+        offs_g = tl.arange(0, BLOCK_K // 32)
+        a_ptrs = X + tok[:, None] * stride_xm + offs_k[None, :]
+        rows = offs_n.to(tl.int64)
+        g_ptrs = W + e * stride_we + rows[None, :] * stride_wn + offs_j[:, None]  # (K/2, N) view of W_gate^T
+        u_ptrs = g_ptrs + N * stride_wn
+        gs_ptrs = WS + e * stride_se + rows[:, None] * stride_sn + offs_g[None, :]  # (N, K/32)
+        us_ptrs = gs_ptrs + N * stride_sn
+        acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            a = tl.load(a_ptrs, mask=mmask[:, None] & (offs_k < K - k0)[None, :], other=0.0)
+            jmask = offs_j < (K - k0) // 2
+            gmask = offs_g < (K - k0) // 32
+            acc_g = _mx_scaled_acc(a, g_ptrs, gs_ptrs, jmask, gmask, nmask, acc_g, FMT)
+            acc_u = _mx_scaled_acc(a, u_ptrs, us_ptrs, jmask, gmask, nmask, acc_u, FMT)
+            a_ptrs += BLOCK_K
+            g_ptrs += BLOCK_K // 2
+            u_ptrs += BLOCK_K // 2
+            gs_ptrs += BLOCK_K // 32
+            us_ptrs += BLOCK_K // 32
+        gate = tl.minimum(acc_g, limit)
+        up = tl.minimum(tl.maximum(acc_u, -limit), limit)
+        h = gate / (1.0 + tl.exp(-gate)) * up
+        tl.store(H + pair.to(tl.int64)[:, None] * stride_hm + offs_n[None, :], h.to(H.dtype.element_ty),
+                 mask=mmask[:, None] & nmask[None, :])
+
+
+@triton.jit(do_not_specialize=["num_pairs"])
+def _down_mxfp4_s(A, W, WS, Y, TopkWeights, SortedPairs, BlockExpert, NumPadded, num_pairs, N, K,
+                  stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_ym,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PER_PAIR: tl.constexpr,
+                  FMT: tl.constexpr):
+    """_down_mxfp4 through tl.dot_scaled (_mx_scaled_acc); 16-bit activations."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pair, e, valid = pair_rows(SortedPairs, BlockExpert, NumPadded, pid_m, num_pairs, BLOCK_M, PER_PAIR)
+    if valid:
+        mmask = pair < num_pairs
+        pair64 = pair.to(tl.int64)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        nmask = offs_n < N
+        offs_k = tl.arange(0, BLOCK_K)
+        offs_j = tl.arange(0, BLOCK_K // 2)
+        offs_g = tl.arange(0, BLOCK_K // 32)
+        a_ptrs = A + pair64[:, None] * stride_am + offs_k[None, :]
+        rows = offs_n.to(tl.int64)
+        w_ptrs = W + e * stride_we + rows[None, :] * stride_wn + offs_j[:, None]
+        s_ptrs = WS + e * stride_se + rows[:, None] * stride_sn + offs_g[None, :]
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            a = tl.load(a_ptrs, mask=mmask[:, None] & (offs_k < K - k0)[None, :], other=0.0)
+            acc = _mx_scaled_acc(a, w_ptrs, s_ptrs, offs_j < (K - k0) // 2, offs_g < (K - k0) // 32, nmask, acc,
+                                 FMT)
+            a_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K // 2
+            s_ptrs += BLOCK_K // 32
+        acc *= tl.load(TopkWeights + pair64, mask=mmask, other=0.0)[:, None]
+        tl.store(Y + pair64[:, None] * stride_ym + offs_n[None, :], acc.to(Y.dtype.element_ty),
+                 mask=mmask[:, None] & nmask[None, :])
+
+
 # (most pairs, tiles) rows for 16-bit activations, first match wins: the fastest per batch in H200 runs of
 # benchmark/bench_kernels.py --only mxfp4 (V4-Flash experts, top-8, results/gpu_mxfp4_moe_h200.json). Up to 16
 # tokens the GEMV form: 88 / 1,152 us at 1 / 16 tokens, against 109 / 1,205 for the best group tiles and 119 / 1,488
@@ -293,6 +380,11 @@ MXFP4_CANDIDATES = {
     "group_n128_k128_w8": dict(BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=3, decode="group", JOIN=False),
     "group_n128_k256_w8": dict(BLOCK_N=128, BLOCK_K=256, num_warps=8, num_stages=2, decode="group", JOIN=False),
     "group_n64_k128_w4_s5": dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=5, decode="group", JOIN=False),
+    "scaled_n32_k128": dict(BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=4, decode="scaled"),
+    "scaled_n64_k128": dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4, decode="scaled"),
+    "scaled_n64_k256": dict(BLOCK_N=64, BLOCK_K=256, num_warps=4, num_stages=3, decode="scaled"),
+    "scaled_n128_k128_w8": dict(BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=3, decode="scaled"),
+    "scaled_n128_k256_w8": dict(BLOCK_N=128, BLOCK_K=256, num_warps=8, num_stages=3, decode="scaled"),
     "gemv_n32_k256": dict(BLOCK_N=32, BLOCK_K=256, num_warps=4, num_stages=3, decode="gemv"),
     "gemv_n16_k512": dict(BLOCK_N=16, BLOCK_K=512, num_warps=4, num_stages=3, decode="gemv"),
     "gemv_n64_k128": dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4, decode="gemv"),
@@ -351,7 +443,8 @@ def fused_moe_mxfp4(x: torch.Tensor, gate_up: torch.Tensor, gate_up_scale: torch
     config: fixed BLOCK_N / BLOCK_K (a power of two >= 32) / num_warps / num_stages, decode "group" (default:
     _mx_group_tile), "exp2" (the legacy per-element decode, _mx_tile) or "gemv" (one program row per pair, fp32
     products on the CUDA cores: deepinfer_kernels.fused_moe_mxfp4_gemv), JOIN (group decode: one dot over the
-    re-interleaved tile instead of two over the even and odd columns); None: _tiles."""
+    re-interleaved tile instead of two over the even and odd columns), "scaled" (tl.dot_scaled: Triton's own
+    upcast of e2m1 x e8m0 to the activations' 16-bit format); None: _tiles."""
     t, k = ids.shape
     hidden = x.shape[1]
     inter = check_mxfp4_experts(gate_up, gate_up_scale, down, down_scale, hidden)
@@ -362,8 +455,10 @@ def fused_moe_mxfp4(x: torch.Tensor, gate_up: torch.Tensor, gate_up_scale: torch
     num_pairs = t * k
     config = dict(config or _tiles(num_pairs, x.dtype))
     decode = config.pop("decode", "group")
-    if decode not in ("group", "exp2", "gemv"):
-        raise ValueError(f"fused_moe_mxfp4: decode must be 'group', 'exp2' or 'gemv', got {decode!r}")
+    if decode not in ("group", "exp2", "gemv", "scaled"):
+        raise ValueError(f"fused_moe_mxfp4: decode must be 'group', 'exp2', 'gemv' or 'scaled', got {decode!r}")
+    if decode == "scaled" and x.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"fused_moe_mxfp4: decode 'scaled' (tl.dot_scaled) takes bf16 / fp16 activations, got {x.dtype}")
     if config["BLOCK_K"] % MX_BLOCK or config["BLOCK_K"] & (config["BLOCK_K"] - 1):
         raise ValueError(f"fused_moe_mxfp4: BLOCK_K {config['BLOCK_K']} must be a power of two >= {MX_BLOCK}")
     limit = float("inf") if swiglu_limit is None else float(swiglu_limit)
@@ -375,14 +470,21 @@ def fused_moe_mxfp4(x: torch.Tensor, gate_up: torch.Tensor, gate_up_scale: torch
         gemv_experts(x, gate_up, gate_up_scale, down, down_scale, weights, ids, limit, h, y, config)
         return combine_slots(y, t, k, hidden)
     blocks = pair_blocks(ids, e)
-    if decode == "exp2":
+    if decode == "scaled":
+        if config.pop("JOIN", False):
+            raise ValueError("fused_moe_mxfp4: JOIN needs the group decode")
+        gate_up_kernel, down_kernel = _gate_up_mxfp4_s, _down_mxfp4_s
+        common = dict(BLOCK_M=blocks.block_m, PER_PAIR=blocks.per_pair,
+                      FMT="bf16" if x.dtype == torch.bfloat16 else "fp16", **config)
+    elif decode == "exp2":
         if config.pop("JOIN", False):
             raise ValueError("fused_moe_mxfp4: JOIN needs the group decode")
         gate_up_kernel, down_kernel = _gate_up_mxfp4, _down_mxfp4
     else:
         config.setdefault("JOIN", False)
         gate_up_kernel, down_kernel = _gate_up_mxfp4_g, _down_mxfp4_g
-    common = dict(BLOCK_M=blocks.block_m, PER_PAIR=blocks.per_pair, IEEE=x.dtype == torch.float32, **config)
+    if decode != "scaled":
+        common = dict(BLOCK_M=blocks.block_m, PER_PAIR=blocks.per_pair, IEEE=x.dtype == torch.float32, **config)
     gate_up_kernel[(blocks.num_blocks, triton.cdiv(inter, config["BLOCK_N"]))](
         x, gate_up, gate_up_scale, h, *blocks.tensors, num_pairs, k, inter, hidden, limit,
         x.stride(0), gate_up.stride(0), gate_up.stride(1), gate_up_scale.stride(0), gate_up_scale.stride(1),

@@ -83,7 +83,9 @@ def test_matches_fp32_clamped_reference(experts, t):
 
 @pytest.mark.parametrize("name", ["legacy", "group_n32_k128", "group_n64_k256", "group_n64_k256_join",
                                   "group_n128_k128_w8", "group_n128_k256_w8", "group_n64_k128_w4_s5",
-                                  "gemv_n32_k256", "gemv_n16_k512", "gemv_n64_k128", "gemv_n32_k512_w8"])
+                                  "gemv_n32_k256", "gemv_n16_k512", "gemv_n64_k128", "gemv_n32_k512_w8",
+                                  "scaled_n32_k128", "scaled_n64_k128", "scaled_n64_k256", "scaled_n128_k128_w8",
+                                  "scaled_n128_k256_w8"])
 @pytest.mark.parametrize("t", [1, 64, 300])
 def test_every_benchmarked_configuration_matches_the_bf16_fused_moe(experts, name, t):
     """The legacy exp2 decode and each configuration bench_kernels.py --only mxfp4 times, compiled at V4-Flash
