@@ -284,6 +284,22 @@ def bench_prefill(engine: Engine, context: int, num_seqs: int, matmul_rate: floa
             "profile": _profile(lambda: engine.generate(input_ids=prompts, sampling_params=params))}
 
 
+def bench_prefill_unsplit(engine: Engine, context: int, ceil: dict, vocab: int) -> dict:
+    """bench_prefill with every MLA layer's chunks over a cached prefix in one masked SDPA call (flash) instead of
+    prefix_split_attention: the same engine, the A/B of --prefill-split-ab."""
+    from deepinfer_rt.layers.mla import MLAttention
+
+    layers = [m for m in engine.model.modules() if isinstance(m, MLAttention)]
+    before = [m.prefix_split for m in layers]
+    for m in layers:
+        m.prefix_split = False
+    try:
+        return dict(bench_prefill(engine, context, 4, ceil["bf16_matmul_flop_per_s"], vocab), mla_prefix_split=False)
+    finally:
+        for m, b in zip(layers, before):
+            m.prefix_split = b
+
+
 class _StepClock:
     """A transformers streamer that timestamps each generation step (after the GPU finishes it)."""
 
@@ -373,6 +389,9 @@ def run_model(name: str, spec: dict, args, ceil: dict, result: dict, save) -> No
             if context in args.prefill_contexts:
                 section["prefill"].append(bench_prefill(engine, context, 4, ceil["bf16_matmul_flop_per_s"], vocab))
                 print(name, {k: v for k, v in section["prefill"][-1].items() if k != "profile"}, flush=True)
+                if args.prefill_split_ab:
+                    section["prefill"].append(bench_prefill_unsplit(engine, context, ceil, vocab))
+                    print(name, {k: v for k, v in section["prefill"][-1].items() if k != "profile"}, flush=True)
         finally:
             engine.shutdown()
             del engine
@@ -398,6 +417,9 @@ def main() -> None:
     parser.add_argument("--profile-steps", type=int, default=4, help="real engine steps profiled per batch")
     parser.add_argument("--contexts", type=int, nargs="+", default=[2048], help="prompt tokens per request")
     parser.add_argument("--context", type=int, help="one context (same as --contexts N)")
+    parser.add_argument("--prefill-split-ab", action="store_true",
+                        help="MLA models: measure each prefill again with chunks over a prefix in one masked "
+                             "SDPA call (mla_prefix_split off)")
     parser.add_argument("--prefill-contexts", type=int, nargs="*", default=[2048, 32768],
                         help="contexts whose 4-prompt prefill is measured too")
     parser.add_argument("--plot", action="store_true", help="draw the fraction of the floor against context")
