@@ -360,15 +360,16 @@ def _down_mxfp4_s(A, W, WS, Y, TopkWeights, SortedPairs, BlockExpert, NumPadded,
                  mask=mmask[:, None] & nmask[None, :])
 
 
-# (most pairs, tiles) rows for 16-bit activations, first match wins: the fastest per batch in H200 runs of
-# benchmark/bench_kernels.py --only mxfp4 (V4-Flash experts, top-8, results/gpu_mxfp4_moe_h200.json). Up to 16
-# tokens the GEMV form: 88 / 1,152 us at 1 / 16 tokens, against 109 / 1,205 for the best group tiles and 119 / 1,488
-# for the first table. From 64 tokens the group decode (_mx_group_tile) at 64 x 128 with 5 stages: 2,623 / 3,701 /
-# 7,239 us at 64 / 256 / 2048 tokens against 3,100 / 4,069 / 12,891 (the GEMV form decodes each expert once per
-# pair: 4,554 us at 64). 0.22-0.29 of the read bandwidth at 1-64 tokens: the decode, not the bytes, bounds it.
+# (most pairs, tiles) rows for 16-bit activations, first match wins: the fastest per batch in runs of
+# benchmark/bench_kernels.py --only mxfp4 (V4-Flash experts, top-8). Up to 16 tokens the GEMV form (H200,
+# results/gpu_mxfp4_moe_h200.json): 88 / 1,152 us at 1 / 16 tokens, against 109 / 1,205 for the best group tiles.
+# Above, tl.dot_scaled (Triton's own e2m1 x e8m0 upcast) at 64 x 128 (H100, results/gpu_mxfp4_moe_h100.json):
+# 1,988 / 2,920 us at 64 / 256 tokens against 2,595 / 3,635 for the hand group decode at 64 x 128 with 5 stages
+# (the previous row) and 3,631 / 4,209 for the bf16 fused MoE on the same weights; 0.50 / 0.38 of the read
+# bandwidth: the upcast, not the bytes, still bounds it.
 TILE_TABLE = (
     (128, dict(BLOCK_N=32, BLOCK_K=256, num_warps=4, num_stages=3, decode="gemv")),
-    (None, dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=5, decode="group", JOIN=False)),
+    (None, dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4, decode="scaled")),
 )
 # fp32 (CUDA cores, and the interpreter): narrow K tiles for the registers.
 FP32_TILES = dict(BLOCK_N=32, BLOCK_K=32, num_warps=4, num_stages=2, decode="group", JOIN=False)
