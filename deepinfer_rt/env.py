@@ -126,7 +126,7 @@ class Env:
     batch-invariant mode."""
     fp8_gemm: str
     """DEEPINFER_FP8_GEMM: the block-scaled FP8 GEMM of FP8 linears on CUDA (deepinfer_kernels.fp8_gemm): 'auto'
-    (default: per row count, from fp8_gemm.AUTO_PATHS, measured on an H200), 'triton' (the fused kernel,
+    (default: per row count and output width, fp8_gemm.auto_path, measured on an H200 and an H100), 'triton' (the fused kernel,
     activations quantized in every N tile, K split over programs at up to 16 rows), 'tiled' (activations
     quantized once, then a Triton GEMM with autotuned large tiles) or 'scaled_mm' (torch's cuBLASLt block-scaled GEMM on SM90, torch >= 2.10; the tiled
     path for shapes it does not take)."""

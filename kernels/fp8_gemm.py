@@ -381,12 +381,23 @@ load would give them scaled_mm. (That run's floor used a low copy bandwidth and 
 L2, so its decode fractions of the floor read high; the benchmark now takes the read bandwidth and rotates weight
 copies past L2.) On an H100 (results/gpu_fp8_gemm_gemv_h100.json) every path
 takes 9-12 us at one row on V2-Lite's shapes whose floor is 1.4-3.8 us: too few output tiles, each a chain of 16
-dependent K steps. The fused path now splits K at up to SPLIT_K_MAX_ROWS rows (split_k_for) to answer that; it has
-run only in the interpreter so far, so `auto` keeps the measured table until a GPU run of bench_fp8_gemm.py
-compares it (DEEPINFER_FP8_GEMM=triton takes it)."""
+dependent K steps. The fused path now splits K at up to SPLIT_K_MAX_ROWS rows (split_k_for) to answer that.
+
+An H100 run at M = 1 / 16 (results/gpu_fp8_gemm_h100.json) splits the choice by N: where N <= SPLIT_AUTO_MAX_N the
+split fused kernel is the fastest path (V2-Lite's dense down 17.1 us against tiled 35.3, o_proj 7.1 against 9.2,
+shared down 8.4 against 11.9 and scaled_mm 15.4; V3's fused qkv_a 13.0 against 22.8; at 16 rows the same order),
+few N tiles being what held the others back; at larger N (gate_up, q_b, V3's 7168-wide outputs) the tiled path
+or scaled_mm stays ahead (V2-Lite's dense gate_up 20.4 tiled against 27.3), so AUTO_PATHS keeps them."""
+
+SPLIT_AUTO_MAX_N = 4096
+"""Widest output `auto` sends to the split fused kernel at up to SPLIT_K_MAX_ROWS rows (128 x 128 blocks)."""
 
 
-def auto_path(m: int) -> str:
+def auto_path(m: int, n: int = 1 << 62, block: tuple[int, int] = (128, 128)) -> str:
+    """`auto`'s path for an M x N GEMM of `block` (rows, columns) scale blocks: the split fused kernel for few
+    rows and narrow outputs (measured at 128 x 128 blocks), else AUTO_PATHS."""
+    if m <= SPLIT_K_MAX_ROWS and n <= SPLIT_AUTO_MAX_N and block == (128, 128):
+        return "triton"
     return next(path for largest, path in AUTO_PATHS if m <= largest)
 
 
@@ -397,7 +408,7 @@ def fp8_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tens
     under `auto`, runs the tiled path; an explicit scaled_mm on a build or device without it raises."""
     is_auto = path == "auto"
     if is_auto:
-        path = auto_path(x.numel() // x.shape[-1])
+        path = auto_path(x.numel() // x.shape[-1], weight.shape[0], (group_n, block_k))
     if path == "triton":
         return fp8_block_gemm(x, weight, weight_scale_inv, group_n, block_k, bias)
     k, n = x.shape[-1], weight.shape[0]
