@@ -13,7 +13,8 @@ smoke run, no timing worth reading) the peer is RoutedExperts' torch path, since
 
 `--only router`: the router GEMM as cast + cuBLAS, the FMA kernel and the bf16-pieces tensor-core kernel;
 `--only moe_sweep`: the fused MoE's grouped GEMMs at prefill size, one row per tile configuration;
-`--only decode_sweep`: GQA decode attention (SmolLM2 shape) over splits and tiles, then the fused MoE's grouped
+`--only decode_sweep`: GQA decode attention (SmolLM2 shape; batch 1 / 4 up to 256 splits) over splits and tiles
+(`--context 32768` for the long-context rows), then the fused MoE's grouped
 GEMMs at V2-Lite decode batches over tile configurations;
 `--only mxfp4` (rows in bench_mxfp4.py): the fused MXFP4 MoE at V4-Flash's expert shapes (256 experts of 4096 x 2048, top-8), legacy
 tiles and each candidate configuration side by side, beside the bf16 fused MoE on the same weights dequantized,
@@ -315,11 +316,12 @@ def gqa_decode_sweep_rows(context: int, copy_bw: float) -> list[dict]:
     sequence, over split counts and tiles, graph-timed, as KV bytes over the copy bandwidth."""
     rows = []
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
-    for batch in (16, 64, 256):
+    for batch in (1, 4, 16, 64, 256):
         q, k, table, rows_, lens = _decode_inputs(batch, context, 9, 3, 64)
         v = torch.randn_like(k)
         engine = num_splits_for(batch, 3, num_sms, 64)
-        for splits, block_n, stages in itertools.product((1, 2, 4, 8, 16, 32), (32, 64, 128), (2, 3)):
+        split_counts = (1, 2, 4, 8, 16, 32) + ((64, 128, 256) if batch <= 4 else ())  # one long request: more splits
+        for splits, block_n, stages in itertools.product(split_counts, (32, 64, 128), (2, 3)):
             try:
                 s = _graph_time(lambda: paged_decode_attention(q, k, v, table, rows_, lens, 1, 0.125, splits,
                                                                block_n=block_n, num_stages=stages))
