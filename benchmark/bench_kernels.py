@@ -16,8 +16,8 @@ smoke run, no timing worth reading) the peer is RoutedExperts' torch path, since
 `--only decode_sweep`: GQA decode attention (SmolLM2 shape; batch 1 / 4 up to 256 splits) over splits and tiles
 (`--context 32768` for the long-context rows), then the fused MoE's grouped
 GEMMs at V2-Lite decode batches over tile configurations;
-`--only mxfp4` (rows in bench_mxfp4.py): the fused MXFP4 MoE at V4-Flash's expert shapes (256 experts of 4096 x 2048, top-8), legacy
-tiles and each candidate configuration side by side, beside the bf16 fused MoE on the same weights dequantized,
+`--only mxfp4` (rows in bench_mxfp4.py): the fused MXFP4 MoE at V4-Flash's expert shapes (256 experts of 4096 x 2048, top-8),
+each candidate configuration and the default side by side, beside the bf16 fused MoE on the same weights dequantized,
 as fractions of the read-only bandwidth over the touched experts' bytes (0.53 per weight with the e8m0 scales,
 against 2), routings rotated between launches so that L2 holds no previous launch's experts.
 `--only mla_prefix`: a V2-Lite-shaped MLA prefill chunk of 8K tokens over an 8K / 24K / 56K cached prefix, flash with

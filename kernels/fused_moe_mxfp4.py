@@ -17,11 +17,12 @@ into element order, the activations are read as their even and odd columns, and 
 
     acc[m, n] += dot(x[m, k0 + 2j], lo(w[n, k0/2 + j]) s) + dot(x[m, k0 + 2j + 1], hi(w[n, k0/2 + j]) s)
 
-with s = 2^(b - 127) of the scale column (k0 + 2j) / 32 (one per 16 bytes). The default ("group") decode,
-_mx_group_tile, views a K tile as (BLOCK_K / 32 groups, 16 bytes, BLOCK_N): 16-byte loads, one scale byte per
+with s = 2^(b - 127) of the scale column (k0 + 2j) / 32 (one per 16 bytes). The hand ("group") decode,
+_mx_group_tile (fp32 activations, and a benchmark candidate), views a K tile as (BLOCK_K / 32 groups, 16 bytes, BLOCK_N): 16-byte loads, one scale byte per
 group broadcast over its 16 bytes, and each code turned into its value by integer bit placement into fp16 and one
 fp32 multiply (no exp2 per element); JOIN interleaves the even and odd operands back into element order for one
-dot. The first release's decode ("exp2": _mx_tile, a scale load and two exp2 per element) stays selectable. gate_up writes h = clamped SwiGLU
+dot. The "scaled" form hands the packed bytes and scale bytes to tl.dot_scaled, whose upcast Triton writes itself
+(the default above 128 pairs, measured faster). gate_up writes h = clamped SwiGLU
 (V4's: silu(min(gate, limit)) * clamp(up, -limit, limit)) in x's dtype; down scales each (token, slot) pair's fp32
 result by its top-k weight, and a token's k slots are summed in slot order (fused_moe.combine_slots). The torch form
 (and the CPU path) is the dequantize-at-load one: layers/mxfp4.py Mxfp4DequantExperts.
@@ -39,114 +40,12 @@ MX_BLOCK = 32
 
 
 @triton.jit
-def _e2m1(code):
-    """e2m1 codes (int32, 0..15) -> fp32 values."""
-    mag = code & 7
-    exp = mag >> 1
-    man = (mag & 1).to(tl.float32)
-    val = tl.where(exp == 0, man * 0.5, (1.0 + man * 0.5) * tl.exp2((exp - 1).to(tl.float32)))
-    return tl.where((code & 8) != 0, -val, val)
-
-
-@triton.jit
-def _mx_tile(w_ptrs, s_ptrs, mask, DTYPE: tl.constexpr):
-    """A (BLOCK_K/2, BLOCK_N) tile of packed bytes and the e8m0 byte of each -> the even and the odd elements'
-    weights in DTYPE (exact: value x a power of two)."""
-    b = tl.load(w_ptrs, mask=mask, other=0).to(tl.int32) & 0xFF
-    s = tl.load(s_ptrs, mask=mask, other=127).to(tl.int32) & 0xFF
-    scale = tl.exp2((s - 127).to(tl.float32))
-    return (_e2m1(b & 15) * scale).to(DTYPE), (_e2m1(b >> 4) * scale).to(DTYPE)
-
-
-@triton.jit
 def _dot2(a_even, a_odd, w_even, w_odd, acc, IEEE: tl.constexpr):
     if IEEE:  # fp32 activations: full fp32 products (TF32 would drift from the CPU reference)
         acc = tl.dot(a_even, w_even, acc, input_precision="ieee")
         return tl.dot(a_odd, w_odd, acc, input_precision="ieee")
     acc = tl.dot(a_even, w_even, acc)
     return tl.dot(a_odd, w_odd, acc)
-
-
-@triton.jit(do_not_specialize=["num_pairs"])
-def _gate_up_mxfp4(X, W, WS, H, SortedPairs, BlockExpert, NumPadded, num_pairs, top_k, N, K, limit,
-                   stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_hm,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PER_PAIR: tl.constexpr,
-                   IEEE: tl.constexpr):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    pair, e, valid = pair_rows(SortedPairs, BlockExpert, NumPadded, pid_m, num_pairs, BLOCK_M, PER_PAIR)
-    if valid:
-        HALF: tl.constexpr = BLOCK_K // 2
-        mmask = pair < num_pairs
-        tok = (pair // top_k).to(tl.int64)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        nmask = offs_n < N
-        offs_j = tl.arange(0, HALF)  # packed byte j holds elements 2j (low nibble) and 2j + 1
-        a_ptrs = X + tok[:, None] * stride_xm + 2 * offs_j[None, :]
-        rows = offs_n[None, :].to(tl.int64)
-        g_ptrs = W + e * stride_we + rows * stride_wn + offs_j[:, None]  # (K/2, N) view of W_gate^T
-        u_ptrs = g_ptrs + N * stride_wn
-        gs_ptrs = WS + e * stride_se + rows * stride_sn + (offs_j // 16)[:, None]
-        us_ptrs = gs_ptrs + N * stride_sn
-        acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        dtype = X.dtype.element_ty
-        for k0 in range(0, K, BLOCK_K):
-            jmask = offs_j < (K - k0) // 2
-            amask = mmask[:, None] & jmask[None, :]
-            a_even = tl.load(a_ptrs, mask=amask, other=0.0)
-            a_odd = tl.load(a_ptrs + 1, mask=amask, other=0.0)
-            wmask = jmask[:, None] & nmask[None, :]
-            g_even, g_odd = _mx_tile(g_ptrs, gs_ptrs, wmask, dtype)
-            u_even, u_odd = _mx_tile(u_ptrs, us_ptrs, wmask, dtype)
-            acc_g = _dot2(a_even, a_odd, g_even, g_odd, acc_g, IEEE)
-            acc_u = _dot2(a_even, a_odd, u_even, u_odd, acc_u, IEEE)
-            a_ptrs += BLOCK_K
-            g_ptrs += HALF
-            u_ptrs += HALF
-            gs_ptrs += BLOCK_K // 32
-            us_ptrs += BLOCK_K // 32
-        gate = tl.minimum(acc_g, limit)
-        up = tl.minimum(tl.maximum(acc_u, -limit), limit)
-        h = gate / (1.0 + tl.exp(-gate)) * up
-        tl.store(H + pair.to(tl.int64)[:, None] * stride_hm + offs_n[None, :], h.to(H.dtype.element_ty),
-                 mask=mmask[:, None] & nmask[None, :])
-
-
-@triton.jit(do_not_specialize=["num_pairs"])
-def _down_mxfp4(A, W, WS, Y, TopkWeights, SortedPairs, BlockExpert, NumPadded, num_pairs, N, K,
-                stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_ym,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PER_PAIR: tl.constexpr,
-                IEEE: tl.constexpr):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    pair, e, valid = pair_rows(SortedPairs, BlockExpert, NumPadded, pid_m, num_pairs, BLOCK_M, PER_PAIR)
-    if valid:
-        HALF: tl.constexpr = BLOCK_K // 2
-        mmask = pair < num_pairs
-        pair64 = pair.to(tl.int64)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        nmask = offs_n < N
-        offs_j = tl.arange(0, HALF)
-        a_ptrs = A + pair64[:, None] * stride_am + 2 * offs_j[None, :]
-        rows = offs_n[None, :].to(tl.int64)
-        w_ptrs = W + e * stride_we + rows * stride_wn + offs_j[:, None]
-        s_ptrs = WS + e * stride_se + rows * stride_sn + (offs_j // 16)[:, None]
-        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        dtype = A.dtype.element_ty
-        for k0 in range(0, K, BLOCK_K):
-            jmask = offs_j < (K - k0) // 2
-            amask = mmask[:, None] & jmask[None, :]
-            a_even = tl.load(a_ptrs, mask=amask, other=0.0)
-            a_odd = tl.load(a_ptrs + 1, mask=amask, other=0.0)
-            w_even, w_odd = _mx_tile(w_ptrs, s_ptrs, jmask[:, None] & nmask[None, :], dtype)
-            acc = _dot2(a_even, a_odd, w_even, w_odd, acc, IEEE)
-            a_ptrs += BLOCK_K
-            w_ptrs += HALF
-            s_ptrs += BLOCK_K // 32
-        acc *= tl.load(TopkWeights + pair64, mask=mmask, other=0.0)[:, None]
-        tl.store(Y + pair64[:, None] * stride_ym + offs_n[None, :], acc.to(Y.dtype.element_ty),
-                 mask=mmask[:, None] & nmask[None, :])
 
 
 @triton.jit
@@ -393,14 +292,6 @@ MXFP4_CANDIDATES = {
 }
 
 
-def legacy_tiles(num_pairs: int, dtype: torch.dtype) -> dict:
-    """The first release's tiles and per-element exp2 decode (_mx_tile), kept selectable for comparison."""
-    block_k = 32 if dtype == torch.float32 else 128
-    if num_pairs <= 64:
-        return dict(BLOCK_N=32, BLOCK_K=block_k, num_warps=4, num_stages=4, decode="exp2")
-    return dict(BLOCK_N=64, BLOCK_K=block_k, num_warps=4, num_stages=3, decode="exp2")
-
-
 def _tiles(num_pairs: int, dtype: torch.dtype) -> dict:
     """The tiles for a launch: FP32_TILES for fp32, else TILE_TABLE's first row whose bound covers num_pairs."""
     if dtype == torch.float32:
@@ -441,11 +332,11 @@ def fused_moe_mxfp4(x: torch.Tensor, gate_up: torch.Tensor, gate_up_scale: torch
                     swiglu_limit: float | None = None, config: dict | None = None) -> torch.Tensor:
     """x (T, H) 16/32-bit; MXFP4 experts (module docstring); weights (T, k) fp32; ids (T, k) -> sum_k weights *
     down(swiglu(gate x, up x)), (T, H) in x's dtype; swiglu_limit clamps as V4's experts do (None: plain SwiGLU).
-    config: fixed BLOCK_N / BLOCK_K (a power of two >= 32) / num_warps / num_stages, decode "group" (default:
-    _mx_group_tile), "exp2" (the legacy per-element decode, _mx_tile) or "gemv" (one program row per pair, fp32
-    products on the CUDA cores: deepinfer_kernels.fused_moe_mxfp4_gemv), JOIN (group decode: one dot over the
-    re-interleaved tile instead of two over the even and odd columns), "scaled" (tl.dot_scaled: Triton's own
-    upcast of e2m1 x e8m0 to the activations' 16-bit format); None: _tiles."""
+    config: fixed BLOCK_N / BLOCK_K (a power of two >= 32) / num_warps / num_stages, decode "group" (the hand
+    decode, _mx_group_tile; JOIN: one dot over the re-interleaved tile instead of two over the even and odd
+    columns), "scaled" (tl.dot_scaled: Triton's own upcast of e2m1 x e8m0 to the activations' 16-bit format) or
+    "gemv" (one program row per pair, fp32 products on the CUDA cores: deepinfer_kernels.fused_moe_mxfp4_gemv);
+    None: _tiles."""
     t, k = ids.shape
     hidden = x.shape[1]
     inter = check_mxfp4_experts(gate_up, gate_up_scale, down, down_scale, hidden)
@@ -456,8 +347,10 @@ def fused_moe_mxfp4(x: torch.Tensor, gate_up: torch.Tensor, gate_up_scale: torch
     num_pairs = t * k
     config = dict(config or _tiles(num_pairs, x.dtype))
     decode = config.pop("decode", "group")
-    if decode not in ("group", "exp2", "gemv", "scaled"):
-        raise ValueError(f"fused_moe_mxfp4: decode must be 'group', 'exp2', 'gemv' or 'scaled', got {decode!r}")
+    if decode not in ("group", "gemv", "scaled"):
+        raise ValueError(f"fused_moe_mxfp4: decode must be 'group', 'scaled' or 'gemv', got {decode!r}")
+    if decode != "group" and config.get("JOIN"):
+        raise ValueError("fused_moe_mxfp4: JOIN needs the group decode")
     if decode == "scaled" and x.dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"fused_moe_mxfp4: decode 'scaled' (tl.dot_scaled) takes bf16 / fp16 activations, got {x.dtype}")
     if config["BLOCK_K"] % MX_BLOCK or config["BLOCK_K"] & (config["BLOCK_K"] - 1):
@@ -466,26 +359,18 @@ def fused_moe_mxfp4(x: torch.Tensor, gate_up: torch.Tensor, gate_up_scale: torch
     h = x.new_empty(num_pairs, inter)
     y = x.new_empty(num_pairs, hidden)
     if decode == "gemv":  # one program row per (token, slot) pair, in pair order: no sort, no padding
-        if config.pop("JOIN", False):
-            raise ValueError("fused_moe_mxfp4: JOIN needs the group decode")
+        config.pop("JOIN", None)
         gemv_experts(x, gate_up, gate_up_scale, down, down_scale, weights, ids, limit, h, y, config)
         return combine_slots(y, t, k, hidden)
     blocks = pair_blocks(ids, e)
+    join = config.pop("JOIN", False)
+    common = dict(BLOCK_M=blocks.block_m, PER_PAIR=blocks.per_pair, **config)
     if decode == "scaled":
-        if config.pop("JOIN", False):
-            raise ValueError("fused_moe_mxfp4: JOIN needs the group decode")
         gate_up_kernel, down_kernel = _gate_up_mxfp4_s, _down_mxfp4_s
-        common = dict(BLOCK_M=blocks.block_m, PER_PAIR=blocks.per_pair,
-                      FMT="bf16" if x.dtype == torch.bfloat16 else "fp16", **config)
-    elif decode == "exp2":
-        if config.pop("JOIN", False):
-            raise ValueError("fused_moe_mxfp4: JOIN needs the group decode")
-        gate_up_kernel, down_kernel = _gate_up_mxfp4, _down_mxfp4
+        common["FMT"] = "bf16" if x.dtype == torch.bfloat16 else "fp16"
     else:
-        config.setdefault("JOIN", False)
         gate_up_kernel, down_kernel = _gate_up_mxfp4_g, _down_mxfp4_g
-    if decode != "scaled":
-        common = dict(BLOCK_M=blocks.block_m, PER_PAIR=blocks.per_pair, IEEE=x.dtype == torch.float32, **config)
+        common.update(IEEE=x.dtype == torch.float32, JOIN=join)
     gate_up_kernel[(blocks.num_blocks, triton.cdiv(inter, config["BLOCK_N"]))](
         x, gate_up, gate_up_scale, h, *blocks.tensors, num_pairs, k, inter, hidden, limit,
         x.stride(0), gate_up.stride(0), gate_up.stride(1), gate_up_scale.stride(0), gate_up_scale.stride(1),

@@ -81,21 +81,21 @@ def test_matches_fp32_clamped_reference(experts, t):
 
 
 
-@pytest.mark.parametrize("name", ["legacy", "group_n32_k128", "group_n64_k256", "group_n64_k256_join",
+@pytest.mark.parametrize("name", ["group_n32_k128", "group_n64_k256", "group_n64_k256_join",
                                   "group_n128_k128_w8", "group_n128_k256_w8", "group_n64_k128_w4_s5",
                                   "gemv_n32_k256", "gemv_n16_k512", "gemv_n64_k128", "gemv_n32_k512_w8",
                                   "scaled_n32_k128", "scaled_n64_k128", "scaled_n64_k256", "scaled_n128_k128_w8",
                                   "scaled_n128_k256_w8"])
 @pytest.mark.parametrize("t", [1, 64, 300])
 def test_every_benchmarked_configuration_matches_the_bf16_fused_moe(experts, name, t):
-    """The legacy exp2 decode and each configuration bench_kernels.py --only mxfp4 times, compiled at V4-Flash
+    """Each configuration bench_kernels.py --only mxfp4 times, compiled at V4-Flash
     shapes, against the bf16 fused MoE (as above)."""
     from deepinfer_kernels import fused_moe_mxfp4 as mx
     from deepinfer_kernels.fused_moe import fused_moe
 
     (q_gu, s_gu, qd, sd), (d_gu, d_down) = experts
     x, weights, ids = _route(t, 7 * t)
-    config = mx.legacy_tiles(t * TOP_K, x.dtype) if name == "legacy" else mx.MXFP4_CANDIDATES[name]
+    config = mx.MXFP4_CANDIDATES[name]
     got = mx.fused_moe_mxfp4(x, q_gu, s_gu, qd, sd, weights, ids, config=config).float()
     want = fused_moe(x, d_gu, d_down, weights, ids).float()
     err = ((got - want).norm() / want.norm()).item()

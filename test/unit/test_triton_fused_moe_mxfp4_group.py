@@ -7,7 +7,7 @@
   dequantize-then-matmul: odd sizes (hidden 96 = 3 groups, so a K tail inside 64- and 128-wide K tiles; expert
   width 96, not a multiple of BLOCK_N 64), one-block-per-pair and sorted routing, the clamp reached, fp32
   (<= 1e-5 of the output's max: summation order only) and fp16 (h rounded between the GEMMs: <= 2e-3 in norm),
-  the default tiles (_tiles), the legacy exp2 decode and the GEMV form (one program row per pair, fp32 on the
+  the default tiles (_tiles) and the GEMV form (one program row per pair, fp32 on the
   CUDA cores) on the same inputs; bad decode options refused.
 """
 from __future__ import annotations
@@ -89,7 +89,6 @@ _MOE = textwrap.dedent("""
 
     two_dots = dict(BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=1, decode="group", JOIN=False)
     joined = dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=1, decode="group", JOIN=True)
-    legacy = dict(BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=1, decode="exp2")
     gemv = dict(BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=1, decode="gemv")  # K tail: a 32-wide last tile
     gemv_wide = dict(BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=1, decode="gemv")  # one tile, groups masked
     scaled = dict(BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=1, decode="scaled")  # tl.dot_scaled, K tail
@@ -97,7 +96,7 @@ _MOE = textwrap.dedent("""
     clamped = 0
     for dtype, t, lim, configs in ((torch.float32, 3, limit, (two_dots, joined, None, gemv, gemv_wide)),
                                    (torch.float32, 9, None, (joined, gemv)),
-                                   (torch.float16, 20, limit, (joined, legacy, gemv_wide, None, scaled, scaled_wide)),
+                                   (torch.float16, 20, limit, (joined, gemv_wide, None, scaled, scaled_wide)),
                                    (torch.bfloat16, 6, limit, (scaled, scaled_wide))):
         x = torch.randn(t, hidden, generator=g).to(dtype)
         ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
@@ -111,7 +110,7 @@ _MOE = textwrap.dedent("""
             clamped += int((torch.einsum("th,nh->tn", x.float(), d_gu[0]).abs() > lim).sum())
     assert clamped > 0  # the limit was reached, so the clamp was exercised
     x, w, ids = x[:3].float(), w[:3], ids[:3]
-    for bad, message in ((dict(decode="lut"), "decode must be"), (dict(legacy, JOIN=True), "JOIN needs"),
+    for bad, message in ((dict(decode="lut"), "decode must be"), (dict(scaled, JOIN=True), "JOIN needs"),
                          (dict(gemv, JOIN=True), "JOIN needs"), (scaled, "takes bf16 / fp16"),
                          (dict(two_dots, BLOCK_K=96), "power of two")):
         try:
