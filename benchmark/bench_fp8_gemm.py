@@ -5,8 +5,9 @@ DeepSeek-V2-Lite and full-width V3 projection shapes, M = 1 / 64 / 2048 / 8192 r
 every path (CUDA-graph replays, so decode sizes are not launch-bound), its FLOP/s over the FP8 matmul rate measured
 in the same run (torch._scaled_mm, 8192^3, tensor-wise scales) and the floor max(weight bytes / read bandwidth,
 FLOPs / FP8 rate); a timed call cycles over copies of the weight that overflow L2 (L2_ROTATION_BYTES). At the end:
-the `auto` table this run's timings give (fp8_gemm.AUTO_PATHS: per M, the path of least geometric-mean time over the
-shapes), to copy into kernels/fp8_gemm.py.
+the per-M table this run's timings give (the path of least geometric-mean time over the shapes), the form of
+fp8_gemm.AUTO_PATHS. auto_path's width rule (SPLIT_AUTO_MAX_N: the split fused kernel for narrow outputs at few rows)
+is read from the per-shape rows and set by hand; the table alone would send every width to one path.
 
     python benchmark/bench_fp8_gemm.py --out benchmark/results/gpu_fp8_gemm_h200.json     (H200, ~2 minutes)
     TRITON_INTERPRET=1 python benchmark/bench_fp8_gemm.py --device cpu --out /tmp/fp8_gemm_cpu.json   (smoke run)

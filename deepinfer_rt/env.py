@@ -137,8 +137,9 @@ class Env:
     mla_prefix_split: bool | None
     """DEEPINFER_MLA_PREFIX_SPLIT: a standard-form MLA prefill chunk over a cached prefix attends as two kernels
     with no mask, the prefix keys and its own keys (causal), merged by their log-sum-exps (cuDNN's SDPA on CUDA,
-    which takes no bottom-right causal mask). Unset = on for CUDA in 16-bit dtypes; 1 = also elsewhere (CPU
-    tests); 0 = one masked SDPA call (flash)."""
+    which takes no bottom-right causal mask). Unset = on for CUDA in 16-bit dtypes on Hopper or newer, for chunks
+    whose new and cached token counts are multiples of layers.mla_prefill.PREFIX_SPLIT_ALIGN (cuDNN plans one
+    kernel per shape); 1 = every chunk over a prefix, on any device (CPU tests); 0 = one masked SDPA call (flash)."""
     v41_yoco_truncation: bool
     """DEEPINFER_V41_YOCO_TRUNCATION=1: DeepSeek-V4.1 prefill chunks run the YOCO consumer layers only for their last
     sliding window of queries (their KV still comes from every token's shared hidden); the other rows' outputs are

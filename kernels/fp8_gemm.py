@@ -9,7 +9,8 @@ then scaled by the token's activation scale and the weight block's scale and add
 
     acc[m, n] += dot(q(x)[m, k0:k0+BK], w[n, k0:k0+BK]) * s_x[m, k0 / BK] * s_w[n / GROUP_N, k0 / BK]
 
-No split-K: each output is one program's sum in K order.
+At up to SPLIT_K_MAX_ROWS rows K is split over programs (split_k_for) and the fp32 partials summed in split order
+(deterministic); above, each output is one program's sum in K order.
 
 Three paths (`fp8_gemm(..., path=)`, chosen by DEEPINFER_FP8_GEMM where the layer's method is built):
 
@@ -367,7 +368,7 @@ def fp8_scaled_mm(xq: torch.Tensor, x_scale: torch.Tensor, m: int, weight: torch
 
 FP8_GEMM_PATHS = ("triton", "scaled_mm", "tiled", "auto")
 """triton: the fused kernel above (activations quantized in every N tile); scaled_mm: path A (torch's block-scaled
-GEMM, the tiled path for shapes it does not take); tiled: path B; auto: per row count from AUTO_PATHS."""
+GEMM, the tiled path for shapes it does not take); tiled: path B; auto: auto_path (rows, output width, blocks)."""
 
 AUTO_PATHS: tuple[tuple[int, str], ...] = ((1, "tiled"), (1 << 62, "scaled_mm"))
 """(largest M, path) rows, first match wins: `auto`'s choice (the default), from an H200 run of
@@ -384,7 +385,8 @@ takes 9-12 us at one row on V2-Lite's shapes whose floor is 1.4-3.8 us: too few 
 dependent K steps. The fused path now splits K at up to SPLIT_K_MAX_ROWS rows (split_k_for) to answer that.
 
 An H100 run at M = 1 / 16 (results/gpu_fp8_gemm_h100.json) splits the choice by N: where N <= SPLIT_AUTO_MAX_N the
-split fused kernel is the fastest path (V2-Lite's dense down 17.1 us against tiled 35.3, o_proj 7.1 against 9.2,
+split fused kernel is the fastest path or within 3% of it (V2-Lite's fused qkv_a at one row: 9.8 against tiled 9.5;
+dense down 17.1 us against tiled 35.3, o_proj 7.1 against 9.2,
 shared down 8.4 against 11.9 and scaled_mm 15.4; V3's fused qkv_a 13.0 against 22.8; at 16 rows the same order),
 few N tiles being what held the others back; at larger N (gate_up, q_b, V3's 7168-wide outputs) the tiled path
 or scaled_mm stays ahead (V2-Lite's dense gate_up 20.4 tiled against 27.3), so AUTO_PATHS keeps them."""

@@ -29,6 +29,8 @@ result by its top-k weight, and a token's k slots are summed in slot order (fuse
 """
 from __future__ import annotations
 
+import inspect
+
 import torch
 import triton
 import triton.language as tl
@@ -97,7 +99,8 @@ def _gate_up_mxfp4_g(X, W, WS, H, SortedPairs, BlockExpert, NumPadded, num_pairs
                      stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_hm,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PER_PAIR: tl.constexpr,
                      IEEE: tl.constexpr, JOIN: tl.constexpr):
-    """_gate_up_mxfp4 with the group-tiled decode (_mx_group_tile)."""
+    """h[pair] = clamped SwiGLU(x W_gate^T, x W_up^T) for one (row block, N tile), weights decoded by
+    _mx_group_tile."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pair, e, valid = pair_rows(SortedPairs, BlockExpert, NumPadded, pid_m, num_pairs, BLOCK_M, PER_PAIR)
@@ -141,7 +144,7 @@ def _down_mxfp4_g(A, W, WS, Y, TopkWeights, SortedPairs, BlockExpert, NumPadded,
                   stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_ym,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PER_PAIR: tl.constexpr,
                   IEEE: tl.constexpr, JOIN: tl.constexpr):
-    """_down_mxfp4 with the group-tiled decode (_mx_group_tile)."""
+    """y[pair] = top-k weight x h W_down^T for one (row block, N tile), weights decoded by _mx_group_tile."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pair, e, valid = pair_rows(SortedPairs, BlockExpert, NumPadded, pid_m, num_pairs, BLOCK_M, PER_PAIR)
@@ -187,7 +190,7 @@ def _gate_up_mxfp4_s(X, W, WS, H, SortedPairs, BlockExpert, NumPadded, num_pairs
                      stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_hm,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PER_PAIR: tl.constexpr,
                      FMT: tl.constexpr):
-    """_gate_up_mxfp4 through tl.dot_scaled (_mx_scaled_acc); 16-bit activations."""
+    """_gate_up_mxfp4_g's product through tl.dot_scaled (_mx_scaled_acc); 16-bit activations."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pair, e, valid = pair_rows(SortedPairs, BlockExpert, NumPadded, pid_m, num_pairs, BLOCK_M, PER_PAIR)
@@ -230,7 +233,7 @@ def _down_mxfp4_s(A, W, WS, Y, TopkWeights, SortedPairs, BlockExpert, NumPadded,
                   stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_ym,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PER_PAIR: tl.constexpr,
                   FMT: tl.constexpr):
-    """_down_mxfp4 through tl.dot_scaled (_mx_scaled_acc); 16-bit activations."""
+    """_down_mxfp4_g's product through tl.dot_scaled (_mx_scaled_acc); 16-bit activations."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pair, e, valid = pair_rows(SortedPairs, BlockExpert, NumPadded, pid_m, num_pairs, BLOCK_M, PER_PAIR)
@@ -265,11 +268,15 @@ def _down_mxfp4_s(A, W, WS, Y, TopkWeights, SortedPairs, BlockExpert, NumPadded,
 # Above, tl.dot_scaled (Triton's own e2m1 x e8m0 upcast) at 64 x 128 (H100, results/gpu_mxfp4_moe_h100.json):
 # 1,988 / 2,920 us at 64 / 256 tokens against 2,595 / 3,635 for the hand group decode at 64 x 128 with 5 stages
 # (the previous row) and 3,631 / 4,209 for the bf16 fused MoE on the same weights; 0.50 / 0.38 of the read
-# bandwidth: the upcast, not the bytes, still bounds it.
+# bandwidth. Measured at 64 and 256 tokens only; the row also covers 17-63 and prefill sizes.
 TILE_TABLE = (
     (128, dict(BLOCK_N=32, BLOCK_K=256, num_warps=4, num_stages=3, decode="gemv")),
     (None, dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4, decode="scaled")),
 )
+GROUP_TILES = dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=5, decode="group", JOIN=False)
+"""The table's "scaled" row where this Triton lacks tl.dot_scaled's fast_math (Triton < 3.3): the hand group decode,
+the previous default (2,595 / 3,635 us at 64 / 256 tokens in the run above)."""
+HAS_DOT_SCALED = "fast_math" in inspect.signature(tl.dot_scaled).parameters if hasattr(tl, "dot_scaled") else False
 # fp32 (CUDA cores, and the interpreter): narrow K tiles for the registers.
 FP32_TILES = dict(BLOCK_N=32, BLOCK_K=32, num_warps=4, num_stages=2, decode="group", JOIN=False)
 # Configurations a benchmark compares with the table's (the H200 sweep), by name.
@@ -296,7 +303,8 @@ def _tiles(num_pairs: int, dtype: torch.dtype) -> dict:
     """The tiles for a launch: FP32_TILES for fp32, else TILE_TABLE's first row whose bound covers num_pairs."""
     if dtype == torch.float32:
         return dict(FP32_TILES)
-    return dict(next(tiles for most, tiles in TILE_TABLE if most is None or num_pairs <= most))
+    tiles = next(tiles for most, tiles in TILE_TABLE if most is None or num_pairs <= most)
+    return dict(GROUP_TILES if tiles["decode"] == "scaled" and not HAS_DOT_SCALED else tiles)
 
 
 def _as_bytes(scale: torch.Tensor, name: str) -> torch.Tensor:

@@ -43,7 +43,8 @@ class KernelConfig:
     mla_prefix_split: bool | None = None
     """DEEPINFER_MLA_PREFIX_SPLIT: a standard-form MLA chunk over a cached prefix attends to the prefix and to its
     own keys as two unmasked / causal kernels merged by log-sum-exp (layers.mla_prefill.prefix_split_attention).
-    None = on CUDA for 16-bit activations (cuDNN); True = on any device; False = never."""
+    None = on CUDA for 16-bit activations on Hopper or newer (cuDNN), chunks aligned to PREFIX_SPLIT_ALIGN only;
+    True = every chunk over a prefix, on any device; False = never."""
     is_cpu_fast_step: bool = True
     """DEEPINFER_CPU_FAST_STEP: Llama-family trunks on CPU run the flat step (models/llama_step.py) rather than
     the modules (never in batch-invariant mode)."""

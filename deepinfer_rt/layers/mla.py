@@ -121,8 +121,8 @@ class MLAttention(nn.Module):
         """Whether the standard-form prefill expands K and V at the attention's head width through
         `padded_kv_b` (CUDA: flash attention takes one head dim for q, k and v)."""
         self.prefix_split = kernel_config.mla_prefix_split
-        """Chunks over a cached prefix: two unmasked / causal SDPA calls merged by log-sum-exp (None: on CUDA in
-        16-bit dtypes, where cuDNN runs both; layers.mla_prefill.prefix_split_attention)."""
+        """Chunks over a cached prefix: two unmasked / causal SDPA calls merged by log-sum-exp (None: where cuDNN
+        runs both fast, for aligned chunks; layers.mla_prefill.is_prefix_split)."""
         self.is_padded_kv_b_prebuilt = (kernel_config.is_triton and kernel_config.mla_mha_prefill is not False
                                         and not kernel_config.is_batch_invariant)
         """Whether `process_weights_after_loading` builds `padded_kv_b` (where the standard form can run)."""

@@ -19,6 +19,8 @@ The latents are read back from the pool after the new tokens are stored, so a ch
 """
 from __future__ import annotations
 
+import logging
+
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -34,6 +36,8 @@ from deepinfer_rt.sampler import to_device
 if TYPE_CHECKING:
     from torch.nn.attention.bias import CausalBias  # imports torch._dynamo: seconds of every process start
     from deepinfer_rt.layers.attention.base import AttentionBackend
+
+logger = logging.getLogger("deepinfer_rt")
 
 MHA_MIN_QUERIES = 64
 """Fewest new tokens of a chunk run in the standard form by default (see the module docstring)."""
@@ -145,19 +149,46 @@ def standard_attention(layer: nn.Module, q: torch.Tensor, kv_rows: torch.Tensor,
         k = torch.cat([k_nope, k_pe[:, None].expand(num_kv, heads, layer.rope_dim)], dim=-1)  # (L, H, qk_dim)
     # 4-D (1, H, len, dim): the fused kernels take only batched inputs.
     q4, k4, v4 = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
-    if mask is not None and is_prefix_split(layer.prefix_split, q):
-        o = prefix_split_attention(q4, k4, v4, layer.scale)
+    if mask is not None and is_prefix_split(layer.prefix_split, q, num_kv - q.shape[0]):
+        try:
+            o = prefix_split_attention(q4, k4, v4, layer.scale)
+        except RuntimeError as err:  # a cuDNN build or device that refuses the call: the masked form from now on
+            _refuse_prefix_split(err)
+            o = F.scaled_dot_product_attention(q4, k4, v4, attn_mask=mask, scale=layer.scale)
     else:
         o = F.scaled_dot_product_attention(q4, k4, v4, attn_mask=mask, is_causal=mask is None, scale=layer.scale)
     return o[0, ..., : layer.v_dim].transpose(0, 1)
 
 
-def is_prefix_split(mode: bool | None, q: torch.Tensor) -> bool:
-    """Whether a chunk over a cached prefix takes prefix_split_attention (KernelConfig.mla_prefix_split): None
-    means on CUDA for 16-bit q, where cuDNN's kernel runs both halves."""
-    if mode is None:
-        return q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)
-    return mode
+PREFIX_SPLIT_ALIGN = 1024
+"""By default the split takes only chunks whose new tokens and cached prefix are both multiples of this: the
+chunks of a long prompt's chunked prefill. cuDNN builds an execution plan for each new shape (costly, not yet
+measured here); aligned shapes recur across layers and requests, while a prompt's tail chunk or a prefix-cache hit
+of any length would each build new ones. Other chunks keep the one masked flash call."""
+
+_prefix_split_refused: str | None = None
+"""Why cuDNN refused a split call in this process (then every chunk takes the masked call)."""
+
+
+def _refuse_prefix_split(err: RuntimeError) -> None:
+    global _prefix_split_refused
+    if _prefix_split_refused is None:
+        _prefix_split_refused = str(err).splitlines()[0] if str(err) else type(err).__name__
+        logger.warning("MLA prefill: the two-call prefix split failed (%s); chunks over a prefix take one masked "
+                       "SDPA call from now on", _prefix_split_refused)
+
+
+def is_prefix_split(mode: bool | None, q: torch.Tensor, prefix: int) -> bool:
+    """Whether a chunk of q.shape[0] new tokens over `prefix` cached ones takes prefix_split_attention
+    (KernelConfig.mla_prefix_split). None: on CUDA for 16-bit q on Hopper or newer (cuDNN's fast kernels), for
+    chunks aligned to PREFIX_SPLIT_ALIGN, unless cuDNN refused it before; True: every chunk over a prefix."""
+    if prefix <= 0 or mode is False:
+        return False
+    if mode:
+        return True
+    return (q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and _prefix_split_refused is None
+            and q.shape[0] % PREFIX_SPLIT_ALIGN == 0 and prefix % PREFIX_SPLIT_ALIGN == 0
+            and torch.cuda.get_device_capability(q.device)[0] >= 9)
 
 
 def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
@@ -184,6 +215,8 @@ def prefix_split_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sc
     bottom-right causal mask only to its flash / memory-efficient kernels; cuDNN's (faster on Hopper) takes no
     such mask but runs both parts. (1, H, n, d), (1, H, L, d), (1, H, L, dv) -> (1, H, n, dv) in q's dtype."""
     prefix = k.shape[2] - q.shape[2]
+    if prefix <= 0:
+        return attention_with_lse(q, k, v, True, scale)[0].to(q.dtype)
     o_pre, lse_pre = attention_with_lse(q, k[:, :, :prefix], v[:, :, :prefix], False, scale)
     o_own, lse_own = attention_with_lse(q, k[:, :, prefix:], v[:, :, prefix:], True, scale)
     lse = torch.logaddexp(lse_pre, lse_own)

@@ -32,10 +32,12 @@ def v3_path(tmp_path_factory):
     return _tiny("deepseek_v3", tmp_path_factory)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype, split", [(torch.float32, None), (torch.bfloat16, None), (torch.bfloat16, True)])
 @pytest.mark.parametrize("case", list(CASES))
-def test_gpu_mha_form_matches_absorbed(v3_path, dtype, case):
+def test_gpu_mha_form_matches_absorbed(v3_path, dtype, split, case):
+    """split True: chunks over a prefix take the two cuDNN calls whatever their alignment."""
     layer, pool = load_layer(v3_path, dtype, CUDA)
+    layer.prefix_split = split
     absorbed, mha = both_forms(layer, pool, TritonBackend(CUDA), CASES[case], 2)
     assert absorbed.abs().max() > 1e-2
     torch.testing.assert_close(mha.float(), absorbed.float(), **TOLERANCE[dtype])
@@ -44,6 +46,7 @@ def test_gpu_mha_form_matches_absorbed(v3_path, dtype, case):
 def test_gpu_mha_form_takes_flash(v3_path):
     """With only the flash kernel allowed, fresh prompts and chunks over a prefix both still run."""
     layer, pool = load_layer(v3_path, torch.bfloat16, CUDA)
+    layer.prefix_split = False  # the split's cuDNN calls bypass sdpa_kernel's choice
     batch, hidden = make_batch(layer, pool, TritonBackend(CUDA), CASES["mixed"], seed=1)
     batch.mla_plan = mla_prefill.build_plan(batch, 2)
     with sdpa_kernel([SDPBackend.FLASH_ATTENTION]), torch.no_grad():

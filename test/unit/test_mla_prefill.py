@@ -49,9 +49,36 @@ def test_prefix_split_attention_matches_masked_sdpa(n, prefix, dv):
 
 
 def test_prefix_split_policy():
-    cpu32, cpu16 = torch.zeros(1), torch.zeros(1, dtype=torch.bfloat16)
-    assert not is_prefix_split(None, cpu32) and not is_prefix_split(None, cpu16)
-    assert is_prefix_split(True, cpu32) and not is_prefix_split(False, cpu16)
+    cpu32, cpu16 = torch.zeros(2048, 1), torch.zeros(2048, 1, dtype=torch.bfloat16)
+    assert not is_prefix_split(None, cpu32, 1024) and not is_prefix_split(None, cpu16, 1024)  # CUDA only
+    assert is_prefix_split(True, cpu32, 5) and not is_prefix_split(False, cpu16, 1024)
+    assert not is_prefix_split(True, cpu32, 0)  # no prefix: the plain causal call
+
+
+def test_prefix_split_without_prefix_is_causal_attention():
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 2, 9, 16, generator=g) for _ in range(3))
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.25)
+    torch.testing.assert_close(prefix_split_attention(q, k, v, 0.25), want, rtol=1e-5, atol=1e-6)
+
+
+def test_refused_split_falls_back_to_the_masked_call(layer_pool, monkeypatch, caplog):
+    """A split call that raises (a cuDNN that refuses the shapes) leaves the masked call to every later chunk,
+    with one warning; the output is unchanged."""
+    from deepinfer_rt.layers import mla_prefill
+
+    layer, pool = layer_pool
+    monkeypatch.setattr(layer, "prefix_split", True)
+    monkeypatch.setattr(mla_prefill, "_prefix_split_refused", None)
+
+    def refuse(*args):
+        raise RuntimeError("cuDNN Frontend error: No execution plans support the graph.")
+
+    monkeypatch.setattr(mla_prefill, "prefix_split_attention", refuse)
+    absorbed, mha = both_forms(layer, pool, TorchRefBackend(), CASES["mixed"], 2)
+    torch.testing.assert_close(mha, absorbed, rtol=1e-4, atol=1e-5)
+    assert mla_prefill._prefix_split_refused.startswith("cuDNN Frontend error")
+    assert sum("prefix split failed" in r.message for r in caplog.records) == 1
 
 
 def test_plan_splits_rows(layer_pool):

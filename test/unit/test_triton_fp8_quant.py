@@ -78,6 +78,13 @@ _TILED = textwrap.dedent("""
     x = torch.randn(2, 3, 256, generator=g)
     q, s = quantize_fp8_blocks(torch.randn(128, 256, generator=g))
     assert torch.equal(fp8_gemm(x, q, s, 128, 128, path="auto"), fp8_gemm(x, q, s, 128, 128))
+    # auto asks auto_path with the GEMM's rows, output width and blocks, and runs what it answers
+    import deepinfer_kernels.fp8_gemm as module
+    asked, inner = [], module.auto_path
+    module.auto_path = lambda *a: asked.append(a) or inner(*a)
+    assert torch.equal(fp8_gemm(x, q, s, 128, 128), fp8_gemm(x, q, s, 128, 128, path="triton"))
+    module.auto_path = inner
+    assert asked == [(6, 128, (128, 128))]
     for path, error in (("scaled_mm", RuntimeError), ("cutlass", ValueError)):
         try:
             fp8_gemm(x, q, s, 128, 128, path=path)

@@ -1,14 +1,16 @@
 """The group-tiled MXFP4 decode (deepinfer_kernels.fused_moe_mxfp4._mx_group_tile: e8m0 scales loaded once per
-32 elements, e2m1 codes placed as fp16 bits, no exp2 per element) through Triton's interpreter on CPU.
+32 elements, e2m1 codes placed as fp16 bits) and the tl.dot_scaled form ("scaled") through Triton's interpreter on
+CPU.
 
 - The decode alone: every byte value (both nibbles) under every e8m0 exponent 0..240 equals
   layers/quant_formats.py dequantize_mxfp4 bit for bit in fp32, and in fp16 where the value is finite in fp16.
 - The fused MoE on the group path, two dots and one (JOIN) over the re-interleaved tile, against
   dequantize-then-matmul: odd sizes (hidden 96 = 3 groups, so a K tail inside 64- and 128-wide K tiles; expert
   width 96, not a multiple of BLOCK_N 64), one-block-per-pair and sorted routing, the clamp reached, fp32
-  (<= 1e-5 of the output's max: summation order only) and fp16 (h rounded between the GEMMs: <= 2e-3 in norm),
-  the default tiles (_tiles) and the GEMV form (one program row per pair, fp32 on the
-  CUDA cores) on the same inputs; bad decode options refused.
+  (<= 1e-5 of the output's max: summation order only), fp16 and bf16 (h rounded between the GEMMs: <= 2e-3 / 1e-2
+  in norm), the default tiles (_tiles), the tl.dot_scaled form (16-bit only) and the GEMV form (one program row
+  per pair, fp32 on the CUDA cores) on the same inputs; bad decode options refused.
+- The tile table's choice of form, and its fallback where Triton lacks tl.dot_scaled's fast_math.
 """
 from __future__ import annotations
 
@@ -129,3 +131,18 @@ def test_group_decode_is_exact_for_every_byte_and_exponent():
 
 def test_group_decode_fused_moe_equals_dequantize_then_matmul():
     assert _interpret(_MOE).strip().endswith("ok")
+
+
+def test_tile_table_falls_back_to_the_group_decode_without_dot_scaled(monkeypatch):
+    """16-bit launches above the GEMV rows take tl.dot_scaled; a Triton without its fast_math (< 3.3) gets the hand
+    group decode instead; fp32 always keeps the group decode (tl.dot_scaled takes no fp32 operand)."""
+    import torch
+
+    from deepinfer_kernels import fused_moe_mxfp4 as mx
+
+    assert mx._tiles(8, torch.bfloat16)["decode"] == "gemv"
+    assert mx._tiles(4096, torch.float32)["decode"] == "group"
+    monkeypatch.setattr(mx, "HAS_DOT_SCALED", True)
+    assert mx._tiles(512, torch.bfloat16)["decode"] == "scaled"
+    monkeypatch.setattr(mx, "HAS_DOT_SCALED", False)
+    assert mx._tiles(512, torch.bfloat16) == mx.GROUP_TILES
