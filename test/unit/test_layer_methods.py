@@ -53,6 +53,9 @@ def test_default_config_is_cpu_not_invariant(monkeypatch):
     config = current_kernel_config()
     assert config.device_type == "cpu" and not config.is_batch_invariant and not config.is_triton
     assert config.mla_mha_prefill is True and config.moe_router_skew == 0.5
+    assert config.mla_prefix_split is None  # unset: the layer decides per chunk
+    monkeypatch.setenv("DEEPINFER_MLA_PREFIX_SPLIT", "0")
+    assert current_kernel_config().mla_prefix_split is False
     with pytest.raises(Exception):
         config.is_batch_invariant = True  # frozen
 
