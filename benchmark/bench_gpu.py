@@ -300,6 +300,26 @@ def bench_prefill_unsplit(engine: Engine, context: int, ceil: dict, vocab: int) 
             m.prefix_split = b
 
 
+def bench_prefill_mixed(engine: Engine, count: int, longest: int, vocab: int) -> dict:
+    """Prefill of `count` prompts of distinct lengths (uniform over [longest / 8, longest], one at a time, as an
+    extraction job over documents of many sizes meets them): wall seconds of a first pass, where every length and
+    its chunks' attention shapes are new (cuDNN plans its SDPA per shape), and of a second pass over the same
+    lengths with fresh tokens."""
+    g = torch.Generator().manual_seed(11)
+    lengths = sorted(set(torch.randint(longest // 8, longest + 1, (count,), generator=g).tolist()))
+    params = SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True)
+    passes = []
+    for _ in range(2):
+        _sync()
+        t0 = time.perf_counter()
+        for n in lengths:
+            engine.generate(input_ids=[torch.randint(0, vocab, (n,), generator=g).tolist()], sampling_params=params)
+        _sync()
+        passes.append(time.perf_counter() - t0)
+    return {"prompts": len(lengths), "tokens": sum(lengths), "first_pass_s": passes[0], "second_pass_s": passes[1],
+            "first_pass_tok_s": sum(lengths) / passes[0], "second_pass_tok_s": sum(lengths) / passes[1]}
+
+
 class _StepClock:
     """A transformers streamer that timestamps each generation step (after the GPU finishes it)."""
 
@@ -392,6 +412,10 @@ def run_model(name: str, spec: dict, args, ceil: dict, result: dict, save) -> No
                 if args.prefill_split_ab:
                     section["prefill"].append(bench_prefill_unsplit(engine, context, ceil, vocab))
                     print(name, {k: v for k, v in section["prefill"][-1].items() if k != "profile"}, flush=True)
+            if args.prefill_mixed:
+                section.setdefault("prefill_mixed", []).append(
+                    dict(bench_prefill_mixed(engine, args.prefill_mixed, context, vocab), context=context))
+                print(name, "mixed lengths", section["prefill_mixed"][-1], flush=True)
         finally:
             engine.shutdown()
             del engine
@@ -417,6 +441,9 @@ def main() -> None:
     parser.add_argument("--profile-steps", type=int, default=4, help="real engine steps profiled per batch")
     parser.add_argument("--contexts", type=int, nargs="+", default=[2048], help="prompt tokens per request")
     parser.add_argument("--context", type=int, help="one context (same as --contexts N)")
+    parser.add_argument("--prefill-mixed", type=int, default=0, metavar="N",
+                        help="also prefill N prompts of distinct lengths up to the context, twice: the first pass "
+                             "meets every attention shape new (cuDNN plans per shape)")
     parser.add_argument("--prefill-split-ab", action="store_true",
                         help="MLA models: measure each prefill again with chunks over a prefix in one masked "
                              "SDPA call (mla_prefix_split off)")
