@@ -166,6 +166,10 @@ chunks of a long prompt's chunked prefill. cuDNN builds an execution plan for ea
 measured here); aligned shapes recur across layers and requests, while a prompt's tail chunk or a prefix-cache hit
 of any length would each build new ones. Other chunks keep the one masked flash call."""
 
+MIN_CUDNN_VERSION = 90300
+"""cuDNN 9.3 or newer for the default split: public reports tie wrong log-sum-exps for large scores to older
+builds, and the merge reads them."""
+
 _prefix_split_refused: str | None = None
 """Why cuDNN refused a split call in this process (then every chunk takes the masked call)."""
 
@@ -180,15 +184,17 @@ def _refuse_prefix_split(err: RuntimeError) -> None:
 
 def is_prefix_split(mode: bool | None, q: torch.Tensor, prefix: int) -> bool:
     """Whether a chunk of q.shape[0] new tokens over `prefix` cached ones takes prefix_split_attention
-    (KernelConfig.mla_prefix_split). None: on CUDA for 16-bit q on Hopper or newer (cuDNN's fast kernels), for
-    chunks aligned to PREFIX_SPLIT_ALIGN, unless cuDNN refused it before; True: every chunk over a prefix."""
+    (KernelConfig.mla_prefix_split). None: on CUDA for 16-bit q on Hopper or newer with cuDNN >= 9.3 (its fast
+    kernels), for chunks aligned to PREFIX_SPLIT_ALIGN, unless cuDNN refused it before; True: every chunk over a
+    prefix."""
     if prefix <= 0 or mode is False:
         return False
     if mode:
         return True
     return (q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and _prefix_split_refused is None
             and q.shape[0] % PREFIX_SPLIT_ALIGN == 0 and prefix % PREFIX_SPLIT_ALIGN == 0
-            and torch.cuda.get_device_capability(q.device)[0] >= 9)
+            and torch.cuda.get_device_capability(q.device)[0] >= 9
+            and (torch.backends.cudnn.version() or 0) >= MIN_CUDNN_VERSION)
 
 
 def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
