@@ -137,7 +137,7 @@ class Env:
     mla_prefix_split: bool | None
     """DEEPINFER_MLA_PREFIX_SPLIT: a standard-form MLA prefill chunk over a cached prefix attends as two kernels
     with no mask, the prefix keys and its own keys (causal), merged by their log-sum-exps (cuDNN's SDPA on CUDA,
-    which takes no bottom-right causal mask). Unset = on for CUDA in 16-bit dtypes on Hopper or newer, for chunks
+    which takes no bottom-right causal mask). Unset = on for CUDA in 16-bit dtypes on Hopper or newer (cuDNN >= 9.3), for chunks
     whose new and cached token counts are multiples of layers.mla_prefill.PREFIX_SPLIT_ALIGN (cuDNN plans one
     kernel per shape); 1 = every chunk over a prefix, on any device (CPU tests); 0 = one masked SDPA call (flash)."""
     v41_yoco_truncation: bool
