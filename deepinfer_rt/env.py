@@ -126,10 +126,10 @@ class Env:
     batch-invariant mode."""
     fp8_gemm: str
     """DEEPINFER_FP8_GEMM: the block-scaled FP8 GEMM of FP8 linears on CUDA (deepinfer_kernels.fp8_gemm): 'auto'
-    (default: per row count and output width, fp8_gemm.auto_path, measured on an H200 and an H100), 'triton' (the fused kernel,
-    activations quantized in every N tile, K split over programs at up to 16 rows), 'tiled' (activations
-    quantized once, then a Triton GEMM with autotuned large tiles) or 'scaled_mm' (torch's cuBLASLt block-scaled GEMM on SM90, torch >= 2.10; the tiled
-    path for shapes it does not take)."""
+    (default: per row count and output width, fp8_gemm.auto_path, measured on an H200 and an H100), 'triton' (the
+    fused kernel, activations quantized in every N tile, K split over programs at up to 16 rows), 'tiled'
+    (activations quantized once, then a Triton GEMM with autotuned large tiles) or 'scaled_mm' (torch's cuBLASLt
+    block-scaled GEMM on SM90, torch >= 2.10; the tiled path for shapes it does not take)."""
     mla_mha_prefill: bool | None
     """DEEPINFER_MLA_MHA_PREFILL: MLA prefill chunks in the standard (expanded K/V) form. Unset = on for the
     Triton backend, for chunks of at least deepinfer_rt.layers.mla_prefill.MHA_MIN_QUERIES new tokens; 1 = every
@@ -137,9 +137,10 @@ class Env:
     mla_prefix_split: bool | None
     """DEEPINFER_MLA_PREFIX_SPLIT: a standard-form MLA prefill chunk over a cached prefix attends as two kernels
     with no mask, the prefix keys and its own keys (causal), merged by their log-sum-exps (cuDNN's SDPA on CUDA,
-    which takes no bottom-right causal mask). Unset = on for CUDA in 16-bit dtypes on Hopper or newer (cuDNN >= 9.3), for chunks
-    whose new and cached token counts are multiples of layers.mla_prefill.PREFIX_SPLIT_ALIGN (cuDNN plans one
-    kernel per shape); 1 = every chunk over a prefix, on any device (CPU tests); 0 = one masked SDPA call (flash)."""
+    which takes no bottom-right causal mask). Unset = on for CUDA in 16-bit dtypes on Hopper or newer (cuDNN >=
+    9.3), for chunks whose new and cached token counts are multiples of layers.mla_prefill.PREFIX_SPLIT_ALIGN (cuDNN
+    plans one kernel per shape); 1 = every chunk over a prefix, on any device (CPU tests); 0 = one masked SDPA call
+    (flash)."""
     v41_yoco_truncation: bool
     """DEEPINFER_V41_YOCO_TRUNCATION=1: DeepSeek-V4.1 prefill chunks run the YOCO consumer layers only for their last
     sliding window of queries (their KV still comes from every token's shared hidden); the other rows' outputs are
