@@ -19,6 +19,7 @@ The latents are read back from the pool after the new tokens are stored, so a ch
 """
 from __future__ import annotations
 
+import functools
 import logging
 
 from dataclasses import dataclass
@@ -149,13 +150,13 @@ def standard_attention(layer: nn.Module, q: torch.Tensor, kv_rows: torch.Tensor,
         k = torch.cat([k_nope, k_pe[:, None].expand(num_kv, heads, layer.rope_dim)], dim=-1)  # (L, H, qk_dim)
     # 4-D (1, H, len, dim): the fused kernels take only batched inputs.
     q4, k4, v4 = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
+    o = None
     if mask is not None and is_prefix_split(layer.prefix_split, q, num_kv - q.shape[0]):
         try:
             o = prefix_split_attention(q4, k4, v4, layer.scale)
         except RuntimeError as err:  # a cuDNN build or device that refuses the call: the masked form from now on
             _refuse_prefix_split(err)
-            o = F.scaled_dot_product_attention(q4, k4, v4, attn_mask=mask, scale=layer.scale)
-    else:
+    if o is None:
         o = F.scaled_dot_product_attention(q4, k4, v4, attn_mask=mask, is_causal=mask is None, scale=layer.scale)
     return o[0, ..., : layer.v_dim].transpose(0, 1)
 
@@ -193,7 +194,13 @@ def is_prefix_split(mode: bool | None, q: torch.Tensor, prefix: int) -> bool:
         return True
     return (q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and _prefix_split_refused is None
             and q.shape[0] % PREFIX_SPLIT_ALIGN == 0 and prefix % PREFIX_SPLIT_ALIGN == 0
-            and torch.cuda.get_device_capability(q.device)[0] >= 9
+            and _is_cudnn_split_device(q.device.index))
+
+
+@functools.cache
+def _is_cudnn_split_device(index: int | None) -> bool:
+    """Hopper or newer with cuDNN >= MIN_CUDNN_VERSION (asked once per device, not per layer call)."""
+    return (torch.cuda.get_device_capability(index)[0] >= 9
             and (torch.backends.cudnn.version() or 0) >= MIN_CUDNN_VERSION)
 
 
