@@ -25,7 +25,7 @@ def _profile(fn) -> list[str] | str:
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             fn()
             _sync()
-        return prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60
+        return prof.key_averages().table(sort_by="cuda_time_total", row_limit=20, max_name_column_width=70
                                          ).splitlines()
     except Exception as e:  # the profiler is a diagnostic: its failure must not lose the figures
         return f"profile failed: {e!r}"

@@ -258,7 +258,9 @@ def num_splits_for(batch: int, kv_heads: int, num_sms: int, head_dim: int = 0) -
       * GQA programs are light (a few heads of 64-128 dims): about four programs per multiprocessor, rounded
         up, up to 32 (bench_kernels.py --only decode_sweep, SmolLM2's shape, 3-stage pipeline): 16 / 4 / 1
         splits at batch 16 / 64 / 256, 9.7 / 31.4 / 100.3 us against 10.0 / 43.7 / 107.2 us for the earlier
-        two-per-multiprocessor rule with a 2-stage pipeline.
+        two-per-multiprocessor rule with a 2-stage pipeline. Up to 256 GQA splits: at 32K tokens a lone request
+        (SmolLM2, 3 KV heads) read its KV at 0.45 of the copy rate with the former cap of 32 and at 0.81 with 256
+        (H100, bench_kernels.py --only decode_sweep --context 32768); at batch 4 the rule's 64 splits are 0.83.
     Up to 128 MLA splits at batch 1, so that one long request fills the GPU (64 programs left half of an H200's
     132 multiprocessors idle at 32K tokens). A split is never shorter than a tile (`_decode_split_kernel` rounds
     its chunk up to one): a short row uses fewer splits than the grid holds, the rest end at once and the merge
@@ -267,7 +269,7 @@ def num_splits_for(batch: int, kv_heads: int, num_sms: int, head_dim: int = 0) -
         want = 2 * num_sms / max(1, batch * kv_heads)
         return min(128, 1 << (max(1, int(want)).bit_length() - 1))
     want = 4 * num_sms / max(1, batch * kv_heads)
-    return max(1, min(32, triton.next_power_of_2(math.ceil(want))))
+    return max(1, min(256, triton.next_power_of_2(math.ceil(want))))
 
 
 def _query_tail(q: torch.Tensor, q_tail: torch.Tensor | None, dk: int, dv: int) -> torch.Tensor:

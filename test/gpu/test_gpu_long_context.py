@@ -96,3 +96,25 @@ def test_split_decode_at_long_rows_equals_reference(dk, dv, hkv, hq):
     for splits in (1, num_splits_for(1, hkv, sms, dk), 128):
         out = paged_decode_attention(q, k, v, table, rows, seq_lens, ps, dk**-0.5, splits)
         torch.testing.assert_close(out.float(), ref.float(), rtol=2e-2, atol=2e-2)
+
+
+def test_gqa_decode_over_a_large_pool_equals_reference():
+    """64 rows of 32K tokens each (a 2M-slot pool, SmolLM2's heads) at the engine's split count and at one split:
+    the first and last rows against the torch reference."""
+    from deepinfer_kernels.decode_attention import num_splits_for, paged_decode_attention, paged_decode_attention_ref
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    batch, context, hkv, hq, d = 64, 32768, 3, 9, 64
+    k = torch.randn(batch * context, hkv, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    v = torch.randn(batch * context, hkv, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    table = torch.arange(batch * context, device="cuda", dtype=torch.int32).view(batch, context)
+    rows = torch.arange(batch, device="cuda", dtype=torch.int32)
+    lens = torch.full((batch,), context, device="cuda", dtype=torch.int32)
+    q = torch.randn(batch, hq, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    ends = torch.tensor([0, batch - 1], device="cuda")
+    ref = paged_decode_attention_ref(q[ends], k, v, table, rows[ends], lens[ends], 1, d**-0.5)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for splits in (1, num_splits_for(batch, hkv, sms, d)):
+        out = paged_decode_attention(q, k, v, table, rows, lens, 1, d**-0.5, splits)
+        torch.cuda.synchronize()
+        torch.testing.assert_close(out[ends].float(), ref.float(), rtol=2e-2, atol=2e-2)

@@ -210,6 +210,7 @@ _LONG_DECODE = textwrap.dedent("""
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
     assert da.merge_block_d(256, 32) == 16 and da.merge_block_d(128, 512) == 32 and da.merge_block_d(4, 64) == 64
     assert da.num_splits_for(1, 1, 132, 576) == 128 and da.num_splits_for(16, 1, 132, 576) == 16
+    assert [da.num_splits_for(b, 3, 132, 64) for b in (1, 4, 16, 64, 256)] == [256, 64, 16, 4, 1]  # GQA
     backend = object.__new__(TritonBackend)
     backend.num_sms = 4
 
