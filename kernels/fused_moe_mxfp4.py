@@ -263,14 +263,14 @@ def _down_mxfp4_s(A, W, WS, Y, TopkWeights, SortedPairs, BlockExpert, NumPadded,
 
 
 # (most pairs, tiles) rows for 16-bit activations, first match wins: the fastest per batch in runs of
-# benchmark/bench_kernels.py --only mxfp4 (V4-Flash experts, top-8). Up to 16 tokens the GEMV form (H200,
-# results/gpu_mxfp4_moe_h200.json): 88 / 1,152 us at 1 / 16 tokens, against 109 / 1,205 for the best group tiles.
-# Above, tl.dot_scaled (Triton's own e2m1 x e8m0 upcast) at 64 x 128 (H100, results/gpu_mxfp4_moe_h100.json):
-# 1,988 / 2,920 us at 64 / 256 tokens against 2,595 / 3,635 for the hand group decode at 64 x 128 with 5 stages
-# (the previous row) and 3,631 / 4,209 for the bf16 fused MoE on the same weights; 0.50 / 0.38 of the read
-# bandwidth. Measured at 64 and 256 tokens only; the row also covers 17-63 and prefill sizes.
+# benchmark/bench_kernels.py --only mxfp4 (V4-Flash experts, top-8). One token: the GEMV form, 88 us against 92 for
+# dot_scaled at 64 x 128 (H100, results/gpu_mxfp4_moe_h100_small.json). Above, tl.dot_scaled (Triton's own
+# e2m1 x e8m0 upcast) at 64 x 128: 917 / 1,988 / 2,920 us at 16 / 64 / 256 tokens (H100) against 1,144 for the GEMV
+# form at 16 tokens and 2,595 / 3,635 for the hand group decode at 64 / 256 (64 x 128, 5 stages), and 3,631 /
+# 4,209 for the bf16 fused MoE on the same weights; 0.49 / 0.50 / 0.38 of the read bandwidth. At 2,048 tokens it
+# is within 2% of the fastest candidate (n128 x k256, 8 warps).
 TILE_TABLE = (
-    (128, dict(BLOCK_N=32, BLOCK_K=256, num_warps=4, num_stages=3, decode="gemv")),
+    (8, dict(BLOCK_N=32, BLOCK_K=256, num_warps=4, num_stages=3, decode="gemv")),
     (None, dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4, decode="scaled")),
 )
 GROUP_TILES = dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=5, decode="group", JOIN=False)

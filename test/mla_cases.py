@@ -22,12 +22,13 @@ CASES = {
 """Each sequence as (cached prefix length, new tokens)."""
 
 
-def load_layer(path: Path, dtype: torch.dtype, device: torch.device) -> tuple[MLAttention, KVPool]:
-    """The first MLA layer of the checkpoint, and a pool whose every slot holds random latents."""
+def load_layer(path: Path, dtype: torch.dtype, device: torch.device, num_slots: int = 256
+               ) -> tuple[MLAttention, KVPool]:
+    """The first MLA layer of the checkpoint, and a pool of num_slots slots, each holding random latents."""
     config, _ = load_model_config(path)
     model = build_model(config, path, "auto", dtype, device, seed=0)
     layer = next(m for m in model.modules() if isinstance(m, MLAttention))
-    pool = KVPool(model.kv_layout(config), num_pages=256, page_size=1, dtype=dtype, device=device)
+    pool = KVPool(model.kv_layout(config), num_pages=num_slots, page_size=1, dtype=dtype, device=device)
     g = torch.Generator(device=device).manual_seed(0)
     pool.k[layer.layer_id].copy_(torch.randn(pool.k[layer.layer_id].shape, generator=g, device=device))
     return layer, pool

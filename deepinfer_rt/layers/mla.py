@@ -119,7 +119,8 @@ class MLAttention(nn.Module):
         self.rope_store = rope_store_method(kernel_config)
         self.is_padded_prefill = kernel_config.device_type == "cuda" and self.v_dim <= self.nope_dim + self.rope_dim
         """Whether the standard-form prefill expands K and V at the attention's head width through
-        `padded_kv_b` (CUDA: flash attention takes one head dim for q, k and v)."""
+        `padded_kv_b` (CUDA: flash attention takes one head dim for q, k and v). Chunks that take cuDNN's calls
+        (layers.mla_prefill.is_cudnn_chunk) keep V at its own width instead."""
         self.prefix_split = kernel_config.mla_prefix_split
         """Chunks over a cached prefix: two unmasked / causal SDPA calls merged by log-sum-exp (None: where cuDNN
         runs both fast, for aligned chunks; layers.mla_prefill.is_prefix_split)."""

@@ -139,7 +139,9 @@ def standard_attention(layer: nn.Module, q: torch.Tensor, kv_rows: torch.Tensor,
     -> (n, H, v)."""
     num_kv, heads, qk_dim = kv_rows.shape[0], layer.num_heads, q.shape[-1]
     latent, k_pe = kv_rows.split([layer.kv_lora_rank, layer.rope_dim], dim=-1)
-    if layer.is_padded_prefill:
+    # cuDNN's calls take V at its own width: no padded GEMM, no padded p.V (the split, and an aligned first chunk).
+    is_cudnn = is_cudnn_chunk(layer.prefix_split, q, num_kv - q.shape[0])
+    if layer.is_padded_prefill and not is_cudnn:
         # Flash attention takes one head dim for q, k and v. kv_b_proj's rows padded per head (`padded_kv_b`)
         # make one GEMM write K's nope part and V, each already qk_dim wide: only k_pe is copied in.
         kv = F.linear(latent, layer.padded_kv_b()).view(num_kv, heads, 2, qk_dim)
@@ -151,12 +153,14 @@ def standard_attention(layer: nn.Module, q: torch.Tensor, kv_rows: torch.Tensor,
     # 4-D (1, H, len, dim): the fused kernels take only batched inputs.
     q4, k4, v4 = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
     o = None
-    if mask is not None and is_prefix_split(layer.prefix_split, q, num_kv - q.shape[0]):
+    if is_cudnn:
         try:
             o = prefix_split_attention(q4, k4, v4, layer.scale)
         except RuntimeError as err:  # a cuDNN build or device that refuses the call: the masked form from now on
             _refuse_prefix_split(err)
     if o is None:
+        if is_cudnn and layer.is_padded_prefill:  # after a refusal: flash takes one head width
+            v4 = F.pad(v4, (0, qk_dim - v4.shape[-1]))
         o = F.scaled_dot_product_attention(q4, k4, v4, attn_mask=mask, is_causal=mask is None, scale=layer.scale)
     return o[0, ..., : layer.v_dim].transpose(0, 1)
 
@@ -188,10 +192,16 @@ def is_prefix_split(mode: bool | None, q: torch.Tensor, prefix: int) -> bool:
     (KernelConfig.mla_prefix_split). None: on CUDA for 16-bit q on Hopper or newer with cuDNN >= 9.3 (its fast
     kernels), for chunks aligned to PREFIX_SPLIT_ALIGN, unless cuDNN refused it before; True: every chunk over a
     prefix."""
-    if prefix <= 0 or mode is False:
+    return prefix > 0 and is_cudnn_chunk(mode, q, prefix)
+
+
+def is_cudnn_chunk(mode: bool | None, q: torch.Tensor, prefix: int) -> bool:
+    """is_prefix_split, and also for a chunk with no prefix (then one causal call through attention_with_lse): the
+    chunks whose V keeps its own width."""
+    if mode is False:
         return False
     if mode:
-        return True
+        return prefix > 0
     return (q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and _prefix_split_refused is None
             and q.shape[0] % PREFIX_SPLIT_ALIGN == 0 and prefix % PREFIX_SPLIT_ALIGN == 0
             and _is_cudnn_split_device(q.device.index))

@@ -43,6 +43,23 @@ def test_gpu_mha_form_matches_absorbed(v3_path, dtype, split, case):
     torch.testing.assert_close(mha.float(), absorbed.float(), **TOLERANCE[dtype])
 
 
+def test_gpu_aligned_chunks_take_cudnn_at_v_width(v3_path, monkeypatch):
+    """The default policy on chunks aligned to PREFIX_SPLIT_ALIGN (a first chunk, and one over a cached prefix):
+    cuDNN's calls with V at its own width, no padded GEMM, against the absorbed form."""
+    if not mla_prefill._is_cudnn_split_device(CUDA.index):
+        pytest.skip("the split is off on this device / cuDNN by default")
+    layer, pool = load_layer(v3_path, torch.bfloat16, CUDA, num_slots=4096)
+    calls = []
+    inner = mla_prefill.attention_with_lse
+    monkeypatch.setattr(mla_prefill, "attention_with_lse", lambda q, k, v, *a: calls.append(v.shape[-1]) or inner(
+        q, k, v, *a))
+    monkeypatch.setattr(layer, "padded_kv_b", lambda: pytest.fail("an aligned chunk built the padded K / V"))
+    seqs = [(1024, 1024), (0, 1024)]
+    absorbed, mha = both_forms(layer, pool, TritonBackend(CUDA), seqs, 2)
+    assert calls == [layer.v_dim] * 3  # prefix and own keys of the first sequence, one causal call for the second
+    torch.testing.assert_close(mha.float(), absorbed.float(), **TOLERANCE[torch.bfloat16])
+
+
 def test_gpu_mha_form_takes_flash(v3_path):
     """With only the flash kernel allowed, fresh prompts and chunks over a prefix both still run."""
     layer, pool = load_layer(v3_path, torch.bfloat16, CUDA)
@@ -80,19 +97,22 @@ def test_gpu_engine_mha_prefill_matches_cpu_reference(tmp_path_factory, monkeypa
         assert max(abs(a - b) for a, b in zip(o.logprobs, r.logprobs)) < 2e-2
 
 
-@pytest.mark.parametrize("n, prefix", [(64, 1), (512, 1536), (1000, 3000)])
-def test_gpu_prefix_split_attention_matches_masked_sdpa(n, prefix):
-    """cuDNN's two calls merged by log-sum-exp against one masked SDPA in fp32, V2-Lite head dims (V padded to
-    q.k's 192, as the engine's padded prefill feeds it)."""
+@pytest.mark.parametrize("n, prefix", [(64, 1), (512, 1536), (1000, 3000), (1024, 0)])
+@pytest.mark.parametrize("dv", [192, 128])
+def test_gpu_prefix_split_attention_matches_masked_sdpa(n, prefix, dv):
+    """cuDNN's two calls merged by log-sum-exp (one causal call without a prefix) against one masked SDPA in fp32,
+    V2-Lite head dims: V padded to q.k's 192 (zero columns), or at its own 128 as aligned chunks feed it."""
     from torch.nn.attention.bias import causal_lower_right
 
     g = torch.Generator(device=CUDA).manual_seed(n)
     q, k, v = (torch.randn(1, 16, length, 192, device=CUDA, generator=g, dtype=torch.bfloat16)
                for length in (n, prefix + n, prefix + n))
     v[..., 128:] = 0
+    v = v[..., :dv]
     want = torch.nn.functional.scaled_dot_product_attention(
         q.float(), k.float(), v.float(), attn_mask=causal_lower_right(n, prefix + n), scale=0.07)
     got = mla_prefill.prefix_split_attention(q, k, v, 0.07)
-    assert got.dtype == torch.bfloat16
+    assert got.dtype == torch.bfloat16 and got.shape[-1] == dv
     torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2)
-    assert got[..., 128:].abs().max() == 0
+    if dv > 128:
+        assert got[..., 128:].abs().max() == 0

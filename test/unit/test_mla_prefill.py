@@ -26,10 +26,13 @@ def test_mha_form_matches_absorbed(layer_pool, case, min_queries):
 
 
 @pytest.mark.parametrize("case", ["chunk_after_prefix", "mixed"])
-def test_prefix_split_matches_absorbed(layer_pool, monkeypatch, case):
-    """Chunks over a prefix attending as prefix + own keys merged by log-sum-exp give the absorbed output."""
+@pytest.mark.parametrize("padded", [False, True])
+def test_prefix_split_matches_absorbed(layer_pool, monkeypatch, case, padded):
+    """Chunks over a prefix attending as prefix + own keys merged by log-sum-exp give the absorbed output. padded:
+    the GPU's layer, whose other chunks expand K and V through padded_kv_b while the split's keep V's width."""
     layer, pool = layer_pool
     monkeypatch.setattr(layer, "prefix_split", True)
+    monkeypatch.setattr(layer, "is_padded_prefill", padded)
     absorbed, mha = both_forms(layer, pool, TorchRefBackend(), CASES[case], 2)
     torch.testing.assert_close(mha, absorbed, rtol=1e-4, atol=1e-5)
 
@@ -62,13 +65,16 @@ def test_prefix_split_without_prefix_is_causal_attention():
     torch.testing.assert_close(prefix_split_attention(q, k, v, 0.25), want, rtol=1e-5, atol=1e-6)
 
 
-def test_refused_split_falls_back_to_the_masked_call(layer_pool, monkeypatch, caplog):
+@pytest.mark.parametrize("padded", [False, True])
+def test_refused_split_falls_back_to_the_masked_call(layer_pool, monkeypatch, caplog, padded):
     """A split call that raises (a cuDNN that refuses the shapes) leaves the masked call to every later chunk,
-    with one warning; the output is unchanged."""
+    with one warning; the output is unchanged. padded: V, built at its own width for the split, is padded for the
+    masked call (flash's one head width on the GPU)."""
     from deepinfer_rt.layers import mla_prefill
 
     layer, pool = layer_pool
     monkeypatch.setattr(layer, "prefix_split", True)
+    monkeypatch.setattr(layer, "is_padded_prefill", padded)
     monkeypatch.setattr(mla_prefill, "_prefix_split_refused", None)
 
     def refuse(*args):

@@ -141,6 +141,7 @@ def test_tile_table_falls_back_to_the_group_decode_without_dot_scaled(monkeypatc
     from deepinfer_kernels import fused_moe_mxfp4 as mx
 
     assert mx._tiles(8, torch.bfloat16)["decode"] == "gemv"
+    assert mx._tiles(16, torch.bfloat16)["decode"] == ("scaled" if mx.HAS_DOT_SCALED else "group")
     assert mx._tiles(4096, torch.float32)["decode"] == "group"
     monkeypatch.setattr(mx, "HAS_DOT_SCALED", True)
     assert mx._tiles(512, torch.bfloat16)["decode"] == "scaled"
