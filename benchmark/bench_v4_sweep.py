@@ -260,7 +260,7 @@ def kernel_table(fn) -> list[str] | str:
     below its floor spends its time (`--profile-batches`)."""
     import bench_gpu
 
-    return bench_gpu._profile(fn)
+    return bench_gpu._profile(fn, rows=80)  # the step's many small kernels too, not only the top few
 
 
 # ---- prefill, capacity ----

@@ -17,15 +17,15 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-def _profile(fn) -> list[str] | str:
-    """Top kernels of one call by GPU time (kernels inside a graph replay are recorded individually)."""
+def _profile(fn, rows: int = 20) -> list[str] | str:
+    """The `rows` top kernels of one call by GPU time (kernels inside a graph replay are recorded individually)."""
     from torch.profiler import ProfilerActivity, profile
 
     try:
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             fn()
             _sync()
-        return prof.key_averages().table(sort_by="cuda_time_total", row_limit=20, max_name_column_width=70
+        return prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows, max_name_column_width=70
                                          ).splitlines()
     except Exception as e:  # the profiler is a diagnostic: its failure must not lose the figures
         return f"profile failed: {e!r}"
