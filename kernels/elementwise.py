@@ -237,3 +237,62 @@ def mla_rope_store(kv_a: torch.Tensor, norm_weight: torch.Tensor, eps: float, q_
                                      q_pe.stride(0), q_pe.stride(1), pool.stride(0), h, kv_rank, eps,
                                      BLOCK_C=triton.next_power_of_2(kv_rank), HALF=r // 2,
                                      BLOCK_H=triton.next_power_of_2(h), INTERLEAVE=interleave, num_warps=4)
+
+
+@triton.jit
+def _rope_heads_(X, t, stride_xt, stride_xh, num_heads, cos, sin, offs_j, HALF: tl.constexpr,
+                 BLOCK_H: tl.constexpr, INTERLEAVE: tl.constexpr):
+    """Token t's heads of X rotated in place (as _rope_kernel); returns the rotated halves (fp32, rounded to X's
+    dtype) and the head mask."""
+    offs_h = tl.arange(0, BLOCK_H)
+    hmask = offs_h[:, None] < num_heads
+    base = X + t * stride_xt + offs_h[:, None] * stride_xh
+    r1, r2 = _rotated(base, offs_j[None, :], hmask, cos, sin, HALF, INTERLEAVE)
+    r1, r2 = r1.to(X.dtype.element_ty), r2.to(X.dtype.element_ty)
+    tl.debug_barrier()  # every lane has read its row before any lane overwrites it (in place)
+    tl.store(base + offs_j[None, :], r1, mask=hmask)
+    tl.store(base + HALF + offs_j[None, :], r2, mask=hmask)
+    return r1, r2, offs_h, hmask
+
+
+@triton.jit
+def _gqa_rope_store_kernel(Q, K, V, Positions, Cos, Sin, KBuf, VBuf, Slots, stride_qt, stride_qh, stride_kt,
+                           stride_kh, stride_vt, stride_vh, stride_kb, stride_vb, num_q_heads, num_kv_heads,
+                           HALF: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
+                           INTERLEAVE: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    pos = tl.load(Positions + t).to(tl.int64)
+    offs_j = tl.arange(0, HALF)
+    cos = tl.load(Cos + pos * HALF + offs_j)[None, :]
+    sin = tl.load(Sin + pos * HALF + offs_j)[None, :]
+    _rope_heads_(Q, t, stride_qt, stride_qh, num_q_heads, cos, sin, offs_j, HALF, BLOCK_HQ, INTERLEAVE)
+    k1, k2, offs_h, hmask = _rope_heads_(K, t, stride_kt, stride_kh, num_kv_heads, cos, sin, offs_j, HALF,
+                                         BLOCK_HK, INTERLEAVE)
+    slot = tl.load(Slots + t).to(tl.int64)
+    if slot >= 0:  # negative slots are padding rows (CUDA graphs): nothing to store
+        rows = offs_h[:, None] * (2 * HALF)  # a pool row's heads are contiguous
+        kdst = KBuf + slot * stride_kb + rows
+        tl.store(kdst + offs_j[None, :], k1.to(KBuf.dtype.element_ty), mask=hmask)
+        tl.store(kdst + HALF + offs_j[None, :], k2.to(KBuf.dtype.element_ty), mask=hmask)
+        offs_d = tl.arange(0, 2 * HALF)[None, :]
+        v = tl.load(V + t * stride_vt + offs_h[:, None] * stride_vh + offs_d, mask=hmask, other=0.0)
+        tl.store(VBuf + slot * stride_vb + rows + offs_d, v.to(VBuf.dtype.element_ty), mask=hmask)
+
+
+def gqa_rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
+                   sin: torch.Tensor, interleave: bool, k_buf: torch.Tensor, v_buf: torch.Tensor,
+                   slots: torch.Tensor) -> None:
+    """A GQA layer's per-token work between the QKV projection and attention, in one launch: q (T, Hq, D) and
+    k (T, Hkv, D) rotated in place, and k_buf[slots[t]] = k[t] (rotated), v_buf[slots[t]] = v[t] for slots >= 0.
+    The same arithmetic as apply_rope_ on q and on k then store_kv of k and of v (four launches). Unit column
+    strides; k_buf / v_buf (slots, Hkv, D) with contiguous rows; D a power of two."""
+    t, hq, d = q.shape
+    hkv = k.shape[1]
+    if (any(x.stride(-1) != 1 for x in (q, k, v)) or k.shape != v.shape or d & (d - 1)
+            or any(b.shape[1:] != k.shape[1:] or not b[0].is_contiguous() for b in (k_buf, v_buf))):
+        raise ValueError("gqa_rope_store needs unit column strides, power-of-two heads, and pool rows of k's heads")
+    if t:
+        _gqa_rope_store_kernel[(t,)](q, k, v, positions, cos, sin, k_buf, v_buf, slots, q.stride(0), q.stride(1),
+                                     k.stride(0), k.stride(1), v.stride(0), v.stride(1), k_buf.stride(0),
+                                     v_buf.stride(0), hq, hkv, HALF=d // 2, BLOCK_HQ=triton.next_power_of_2(hq),
+                                     BLOCK_HK=triton.next_power_of_2(hkv), INTERLEAVE=interleave, num_warps=2)

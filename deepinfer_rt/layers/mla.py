@@ -69,10 +69,10 @@ class RopeThenStore:
 
 class FusedRopeStore(RopeThenStore):
     """GPU, not batch-invariant: norm, both rotations (q_pe in place) and the store in one Triton kernel, for
-    backends that keep the pool as it writes it (AttentionBackend.is_mla_rope_store_supported)."""
+    backends that keep the pool as it writes it (AttentionBackend.is_rope_store_supported)."""
 
     def apply(self, layer: MLAttention, q: torch.Tensor, kv_a: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        if not batch.backend.is_mla_rope_store_supported:
+        if not batch.backend.is_rope_store_supported:
             return super().apply(layer, q, kv_a, batch)
         from deepinfer_kernels.elementwise import mla_rope_store
 

@@ -25,6 +25,8 @@ class LlamaAttention(nn.Module):
         self.o_proj = Linear(q, config.hidden_size, bias=config.attention_bias)
         self.rotary_emb = RotaryEmbedding(config, self.head_dim)
         self.scale = self.head_dim**-0.5
+        self.is_rope_store_shape = self.head_dim & (self.head_dim - 1) == 0
+        """Whether the heads suit the one-launch rope and store (power-of-two head_dim), where the backend takes it."""
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         t = x.shape[0]
@@ -32,8 +34,18 @@ class LlamaAttention(nn.Module):
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary_emb(batch.positions, q, k)
-        o = batch.attention(q, k, v, self.layer_id, self.scale)
+        fused = self.is_rope_store_shape and batch.backend.is_rope_store_supported
+        if fused and self.rotary_emb.in_place(q, k, v):
+            # GPU: both rotations and the K / V store in one launch (four apart), then attention over the pool.
+            from deepinfer_kernels.elementwise import gqa_rope_store
+
+            cos, sin = self.rotary_emb.tables(q.device)
+            gqa_rope_store(q, k, v, batch.positions, cos, sin, self.rotary_emb.interleave, batch.pool.k[self.layer_id],
+                           batch.pool.v[self.layer_id], batch.out_slots)
+            o = batch.backend.forward(q, self.layer_id, self.scale, batch)
+        else:
+            q, k = self.rotary_emb(batch.positions, q, k)
+            o = batch.attention(q, k, v, self.layer_id, self.scale)
         return self.o_proj(o.reshape(t, -1))
 
 

@@ -185,6 +185,37 @@ _MLA_ROPE_STORE = textwrap.dedent("""
 """)
 
 
+# The GQA per-token kernel (rope of q and k, store of k and v) against apply_rope_ and store_kv, in both rope
+# layouts, over q / k / v column slices of one QKV row, with a padding row (slot -1) that must store nothing.
+_GQA_ROPE_STORE = textwrap.dedent("""
+    import torch
+    from deepinfer_kernels import elementwise as ew
+    t, hq, hkv, d, slots_total = 5, 9, 3, 16, 12
+    for dtype in (torch.float32, torch.bfloat16):
+        for interleave in (False, True):
+            g = torch.Generator().manual_seed(int(interleave))
+            qkv = torch.randn(t, (hq + 2 * hkv) * d, generator=g).to(dtype)
+            pos = torch.randint(0, 64, (t,), generator=g)
+            slots = torch.tensor([3, 0, -1, 11, 7])
+            cos, sin = ew.rope_cache(1.0 / 10000 ** (torch.arange(0, d, 2) / d), 1.0, 64, torch.device("cpu"))
+            def views(x):
+                q, k, v = x.split([hq * d, hkv * d, hkv * d], dim=1)
+                return q.view(t, hq, d), k.view(t, hkv, d), v.view(t, hkv, d)
+            fused, ref = qkv.clone(), qkv.clone()
+            kb, vb = torch.full((slots_total, hkv, d), 9.0, dtype=dtype), torch.full((slots_total, hkv, d), 9.0, dtype=dtype)
+            kr, vr = kb.clone(), vb.clone()
+            ew.gqa_rope_store(*views(fused), pos, cos, sin, interleave, kb, vb, slots)
+            q, k, v = views(ref)
+            ew.apply_rope_(q, pos, cos, sin, interleave)
+            ew.apply_rope_(k, pos, cos, sin, interleave)
+            ew.store_kv(kr, slots, k)
+            ew.store_kv(vr, slots, v)
+            assert torch.equal(fused, ref) and torch.equal(kb, kr) and torch.equal(vb, vr), (dtype, interleave)
+            assert (kb[[1, 2, 4, 5, 6, 8, 9, 10]] == 9).all() and (vb[[1, 2, 4, 5, 6, 8, 9, 10]] == 9).all()
+    print("ok")
+""")
+
+
 # Split-K decode over long rows: a grid of many splits, rows shorter than the grid (their extra splits empty,
 # skipped by the merge) and a row of many tiles per split, against the torch reference; then the Triton
 # backend decoding eagerly through the runner's device page table (page size 16) equals it through slot lists.
@@ -320,6 +351,10 @@ def test_invariant_backend_prefill_chunks_and_decode_agree():
 
 def test_mla_rope_store_equals_separate_kernels():
     assert _interpret(_MLA_ROPE_STORE).strip().endswith("ok")
+
+
+def test_gqa_rope_store_equals_separate_kernels():
+    assert _interpret(_GQA_ROPE_STORE).strip().endswith("ok")
 
 
 def test_split_decode_long_rows_and_device_page_table():

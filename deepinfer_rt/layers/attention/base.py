@@ -20,9 +20,9 @@ if TYPE_CHECKING:
 
 class AttentionBackend:
     name = "base"
-    is_mla_rope_store_supported = False
-    """Whether MLA layers may normalise, rotate and store their new latents with one kernel
-    (deepinfer_kernels.elementwise.mla_rope_store writing batch.pool.k directly) instead of `store_kv`."""
+    is_rope_store_supported = False
+    """Whether layers may rotate and store their new keys with one kernel writing batch.pool directly instead of
+    `store_kv` (deepinfer_kernels.elementwise: mla_rope_store for MLA latents, gqa_rope_store for GQA K / V)."""
     is_mla_standard_prefill_preferred = False
     """Whether long MLA prefill chunks take the standard form by default (layers/mla_prefill.py): the backend's
     prefill runs flash attention at the model's own head dims."""

@@ -66,12 +66,12 @@ class TritonMeta:
 
 class TritonBackend(AttentionBackend):
     name = "triton"
-    is_mla_rope_store_supported = True
+    is_rope_store_supported = True
     is_mla_standard_prefill_preferred = True
 
     def __init__(self, device: torch.device, is_kv_fp8: bool = False):
         self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count
-        self.is_mla_rope_store_supported = not is_kv_fp8
+        self.is_rope_store_supported = not is_kv_fp8
 
     def decode_meta(self, page_table, table_rows, seq_lens, page_size, kv_heads, head_dim=0) -> DecodeMeta:
         splits = num_splits_for(int(table_rows.shape[0]), kv_heads, self.num_sms, head_dim)
