@@ -157,6 +157,37 @@ _MODEL = textwrap.dedent("""
 """)
 
 
+# The V4 norms (weighted, unweighted; one pass and the looped long row) and the rotation of the trailing channels
+# (over middle dims, a strided view, and undone with -sin) against the torch forms.
+_ELEMENTWISE = textwrap.dedent("""
+    import torch
+    from deepinfer_kernels import v4_elementwise as ew
+    from deepinfer_rt.models.deepseek_v4.common import apply_rope
+    from deepinfer_rt.models.deepseek_v4.methods import _rms_norm, _unweighted_rms_norm
+    g = torch.Generator().manual_seed(0)
+    for dtype, tol in ((torch.float32, 1e-5), (torch.float16, 2e-3)):
+        for shape in ((5, 48), (3, 2, 64), (2, 3 * ew.MAX_BLOCK + 40)):
+            x = (torch.randn(*shape, generator=g) * 3).to(dtype)
+            w = torch.rand(shape[-1], generator=g) + 0.5
+            torch.testing.assert_close(ew.rms_norm(x, w, 1e-6), _rms_norm(x, w, 1e-6), rtol=tol, atol=tol)
+            torch.testing.assert_close(ew.rms_norm(x, None, 1e-6), _unweighted_rms_norm(x, 1e-6), rtol=tol, atol=tol)
+        for shape, half in (((4, 32), 8), ((3, 5, 48), 8), ((2, 17, 64), 32), ((3, 16), 8)):
+            x = torch.randn(*shape, generator=g).to(dtype)
+            cos, sin = torch.randn(shape[0], half, generator=g), torch.randn(shape[0], half, generator=g)
+            want = apply_rope(x, cos, sin)
+            got = ew.rope(x, cos, sin)
+            torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+            assert torch.equal(got[..., : shape[-1] - 2 * half], x[..., : shape[-1] - 2 * half])  # untouched
+            wide = torch.randn(shape[0], *shape[1:-1], shape[-1] + 8, generator=g).to(dtype)[..., 4 : 4 + shape[-1]]
+            torch.testing.assert_close(ew.rope(wide, cos, -sin), apply_rope(wide, cos, -sin), rtol=tol, atol=tol)
+    print("ok")
+""")
+
+
+def test_v4_norms_and_rope_equal_torch_forms():
+    assert _interpret(_ELEMENTWISE).strip().endswith("ok")
+
+
 def test_sparse_mqa_attention_equals_reference():
     assert _interpret(_ATTENTION).strip().endswith("ok")
 

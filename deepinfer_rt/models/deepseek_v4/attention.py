@@ -18,8 +18,7 @@ from deepinfer_rt.layers.kernel_config import current_kernel_config
 from deepinfer_rt.layers.linear import Linear
 from deepinfer_rt.models.deepseek_v4.batch import V4Batch
 from deepinfer_rt.models.deepseek_v4.cache import V4Pool
-from deepinfer_rt.models.deepseek_v4.common import (CSA, SLIDING, LayerKV, PoolColumns, V4Config, V4RMSNorm, V4Rotary,
-                                                   apply_rope)
+from deepinfer_rt.models.deepseek_v4.common import CSA, SLIDING, LayerKV, PoolColumns, V4Config, V4RMSNorm, V4Rotary
 from deepinfer_rt.models.deepseek_v4.compressor import Compressor, Indexer
 from deepinfer_rt.models.deepseek_v4.methods import v4_method
 
@@ -65,8 +64,8 @@ class V4Attention(nn.Module):
         q_residual = self.q_norm(self.wq_a(x))
         cos, sin = self.rotary.cos_sin(vb.positions)
         q = self.method.unweighted_rms_norm(self.wq_b(q_residual).view(t, self.num_heads, self.head_dim), self.eps)
-        q = apply_rope(q, cos, sin)
-        kv.store_swa(vb.out_slots, apply_rope(self.norm(self.wkv(x)), cos, sin))
+        q = self.method.rope(q, cos, sin)
+        kv.store_swa(vb.out_slots, self.method.rope(self.norm(self.wkv(x)), cos, sin))
         if self.compressor is not None:
             self.compressor.store(x, buf, vb.out_slots, c.kv, c.gate)
             self.compressor.compress(kv, vb.windows[self.ratio], c.kv, c.gate, kv.store_entry)
@@ -76,7 +75,7 @@ class V4Attention(nn.Module):
         out = torch.empty_like(q)
         for group in vb.groups:
             out[group.rows] = self.method.attend(self, group, q, x, q_residual, vb.positions, kv)
-        out = apply_rope(out, cos, -sin)  # undo the rotation V carried into the output
+        out = self.method.rope(out, cos, -sin)  # undo the rotation V carried into the output
         grouped = out.reshape(t, self.o_groups, -1)
         w = self.wo_a.weight.view(self.o_groups, -1, grouped.shape[-1])  # (g, o_lora_rank, H*D/g)
         return self.wo_b(self.method.grouped_projection(grouped, w).reshape(t, -1))

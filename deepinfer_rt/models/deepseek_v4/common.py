@@ -437,9 +437,5 @@ class V4RMSNorm(nn.Module):
         self.method = v4_method(current_kernel_config())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.method.rows(self._norm, x)
-
-    def _norm(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        return (self.weight.float() * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps))).to(x.dtype)
+        return self.method.rms_norm(x, self.weight, self.eps)
 

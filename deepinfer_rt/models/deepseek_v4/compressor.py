@@ -21,7 +21,7 @@ from deepinfer_rt.layers.kernel_config import current_kernel_config
 from deepinfer_rt.layers.linear import Linear
 from deepinfer_rt.layers.methods import linear_method
 from deepinfer_rt.models.deepseek_v4.batch import Windows
-from deepinfer_rt.models.deepseek_v4.common import LayerKV, V4Config, V4RMSNorm, V4Rotary, apply_rope
+from deepinfer_rt.models.deepseek_v4.common import LayerKV, V4Config, V4RMSNorm, V4Rotary
 from deepinfer_rt.models.deepseek_v4.methods import v4_method
 
 
@@ -59,7 +59,7 @@ class Compressor(nn.Module):
             gate = torch.cat([prev_gate, gate[..., d:]], dim=1)
         pooled = self.method.pool_window(kv, gate)
         cos, sin = self.rotary.cos_sin(win.positions)
-        store(win.end, apply_rope(self.norm(pooled), cos, sin))
+        store(win.end, self.method.rope(self.norm(pooled), cos, sin))
 
 
 class Indexer(nn.Module):
@@ -77,6 +77,6 @@ class Indexer(nn.Module):
         """x (G*Q, hidden), q_residual (G*Q, q_lora), positions (G*Q,), keys (G, E, Di), visible (G, Q, E)
         -> (G, Q, E) True for the entries each query attends to."""
         cos, sin = self.rotary.cos_sin(positions)
-        q = apply_rope(self.wq_b(q_residual).view(-1, self.num_heads, self.head_dim), cos, sin)
+        q = self.method.rope(self.wq_b(q_residual).view(-1, self.num_heads, self.head_dim), cos, sin)
         weights = self.weights_proj(x).float() * self.num_heads ** -0.5
         return self.method.index_select(self, q, keys, weights, visible)

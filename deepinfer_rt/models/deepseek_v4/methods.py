@@ -33,6 +33,12 @@ def _unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
     return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
 
 
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The fp32 gain times the fp32 normalised input, one cast back (V4RMSNorm)."""
+    xf = x.float()
+    return (weight.float() * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps))).to(x.dtype)
+
+
 class V4Method:
     """The default forms."""
 
@@ -50,6 +56,15 @@ class V4Method:
 
     def unweighted_rms_norm(self, x: torch.Tensor, eps: float) -> torch.Tensor:
         return self.rows(lambda r: _unweighted_rms_norm(r, eps), x)
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return self.rows(lambda r: _rms_norm(r, weight, eps), x)
+
+    def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x (N, ..., D) rotated on its trailing channels (common.apply_rope); -sin undoes a rotation."""
+        from deepinfer_rt.models.deepseek_v4.common import apply_rope  # common imports this module
+
+        return apply_rope(x, cos, sin)
 
     def sigmoid(self, x: torch.Tensor) -> torch.Tensor:
         return self.activation.sigmoid(x)
@@ -218,6 +233,15 @@ class V4TritonMethod(V4Method):
     def sinkhorn(self, logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
         return self.kernels.sinkhorn.sinkhorn(logits, iters, eps)
 
+    def unweighted_rms_norm(self, x: torch.Tensor, eps: float) -> torch.Tensor:
+        return self.kernels.elementwise.rms_norm(x, None, eps)
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return self.kernels.elementwise.rms_norm(x, weight, eps)
+
+    def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        return self.kernels.elementwise.rope(x, cos, sin)
+
     def pool_window(self, kv: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         return self.kernels.pooling.pool_window(kv, gate)
 
@@ -258,9 +282,11 @@ class V4TritonMethod(V4Method):
 
 
 def v4_kernels() -> SimpleNamespace:
-    from deepinfer_kernels import v4_attention, v4_indexer, v4_pooling, v4_sinkhorn  # Triton: CUDA builds only
+    from deepinfer_kernels import (v4_attention, v4_elementwise, v4_indexer, v4_pooling,  # Triton: CUDA builds only
+                                   v4_sinkhorn)
 
-    return SimpleNamespace(attention=v4_attention, indexer=v4_indexer, pooling=v4_pooling, sinkhorn=v4_sinkhorn)
+    return SimpleNamespace(attention=v4_attention, indexer=v4_indexer, pooling=v4_pooling, sinkhorn=v4_sinkhorn,
+                           elementwise=v4_elementwise)
 
 
 def key_source(kernels: SimpleNamespace, fp8: Fp8Rows | None, plain: torch.Tensor, rows: torch.Tensor,

@@ -42,7 +42,7 @@ from deepinfer_rt.layers.linear import Linear
 from deepinfer_rt.layers.methods import linear_method
 from deepinfer_rt.models.deepseek_v4.batch import AttnGroup, V4Batch
 from deepinfer_rt.models.deepseek_v4.cache import V4Pool
-from deepinfer_rt.models.deepseek_v4.common import LayerKV, PoolColumns, V4RMSNorm, V4Rotary, apply_rope
+from deepinfer_rt.models.deepseek_v4.common import LayerKV, PoolColumns, V4RMSNorm, V4Rotary
 from deepinfer_rt.models.deepseek_v41.config import V41Config, V41Layer
 from deepinfer_rt.models.deepseek_v41.methods import v41_method
 
@@ -137,8 +137,8 @@ class V41Compressor(nn.Module):
     def _write(self, pre: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor, kv: LayerKV,
                index_wk: Linear, index_norm: V4RMSNorm) -> None:
         cos, sin = self.rotary.cos_sin(positions)
-        kv.store_entry(rows, apply_rope(pre, cos, sin))
-        kv.store_idx_entry(rows, apply_rope(index_norm(index_wk(pre)), cos, sin))
+        kv.store_entry(rows, self.method.rope(pre, cos, sin))
+        kv.store_idx_entry(rows, self.method.rope(index_norm(index_wk(pre)), cos, sin))
 
     def forward(self, kv_x: torch.Tensor, vb: V4Batch, kv: LayerKV, index_wk: Linear,
                 index_norm: V4RMSNorm) -> None:
@@ -196,15 +196,15 @@ class V41Attention(nn.Module):
         kv_cos, kv_sin = self.rotary.cos_sin(vb.positions)
         cos, sin = (kv_cos, kv_sin) if qvb is vb else self.rotary.cos_sin(qvb.positions)
         q_all = self.wq_b(self.q_norm(self.wq_a(x)))
-        q = apply_rope(q_all[:, : h * d].view(t, h, d), cos, sin)  # V4.1: no per-head q norm
-        kv.store_swa(vb.out_slots, apply_rope(self.norm(self.wkv(kv_x)), kv_cos, kv_sin))
+        q = self.method.v4.rope(q_all[:, : h * d].view(t, h, d), cos, sin)  # V4.1: no per-head q norm
+        kv.store_swa(vb.out_slots, self.method.v4.rope(self.norm(self.wkv(kv_x)), kv_cos, kv_sin))
         if self.compressor is not None:
             self.compressor(kv_x, vb, kv, self.indexer.wk, self.indexer.k_norm)
         src = None if spec.kv_source is None else v41_layer_kv(pool, self.cfg, spec.kv_source)
         iq = weights = None
         if spec.is_index_source:
             cfg = self.cfg
-            iq = apply_rope(q_all[:, h * d :].view(t, cfg.index_n_heads, cfg.index_head_dim), cos, sin)
+            iq = self.method.v4.rope(q_all[:, h * d :].view(t, cfg.index_n_heads, cfg.index_head_dim), cos, sin)
             weights = self.indexer.weights_proj(x).float() * cfg.index_n_heads ** -0.5
         out = torch.empty_like(q)
         for gi, group in enumerate(qvb.groups):
@@ -212,7 +212,7 @@ class V41Attention(nn.Module):
             if spec.has_long_range:
                 sel = self._select(gi, group, iq, weights, src, group.entry_slots[spec.ratio], step)
             out[group.rows] = self.method.attend(q[group.rows], group, spec.ratio, kv, src, sel, self.attn_sink)
-        out = apply_rope(out, cos, -sin)  # undo the rotation V carried into the output
+        out = self.method.v4.rope(out, cos, -sin)  # undo the rotation V carried into the output
         grouped = out.reshape(t, self.cfg.o_groups, -1)
         w = self.wo_a.weight.view(self.cfg.o_groups, -1, grouped.shape[-1])
         return self.wo_b(self.method.v4.grouped_projection(grouped, w.to(grouped.dtype)).reshape(t, -1))
