@@ -13,15 +13,8 @@ BLOCK_T = 16
 
 
 @triton.jit
-def _sinkhorn_kernel(Logits, Out, num_tokens, iters, eps, N: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_T: tl.constexpr):
-    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    offs_j = tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_N)
-    inside = (offs_j[:, None] < N) & (offs_k[None, :] < N)
-    mask = (offs_t < num_tokens)[:, None, None] & inside[None, :, :]
-    ptrs = offs_t.to(tl.int64)[:, None, None] * (N * N) + offs_j[None, :, None] * N + offs_k[None, None, :]
-    x = tl.load(Logits + ptrs, mask=mask, other=float("-inf"))
+def sinkhorn_tile(x, inside, iters, eps):
+    """A (BLOCK_T, BLOCK_N, BLOCK_N) tile of logits, -inf outside the (N, N) `inside` -> the projected mixes."""
     top = tl.max(x, 2)
     top = tl.where(top == float("-inf"), 0.0, top)
     e = tl.exp(x - top[:, :, None])
@@ -32,7 +25,20 @@ def _sinkhorn_kernel(Logits, Out, num_tokens, iters, eps, N: tl.constexpr, BLOCK
     for _ in range(iters - 1):
         comb = comb / (tl.sum(comb, 2)[:, :, None] + eps)
         comb = comb / (tl.sum(comb, 1)[:, None, :] + eps)
-    tl.store(Out + ptrs, comb, mask=mask)
+    return comb
+
+
+@triton.jit
+def _sinkhorn_kernel(Logits, Out, num_tokens, iters, eps, N: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_T: tl.constexpr):
+    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_j = tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_N)
+    inside = (offs_j[:, None] < N) & (offs_k[None, :] < N)
+    mask = (offs_t < num_tokens)[:, None, None] & inside[None, :, :]
+    ptrs = offs_t.to(tl.int64)[:, None, None] * (N * N) + offs_j[None, :, None] * N + offs_k[None, None, :]
+    x = tl.load(Logits + ptrs, mask=mask, other=float("-inf"))
+    tl.store(Out + ptrs, sinkhorn_tile(x, inside, iters, eps), mask=mask)
 
 
 def sinkhorn(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:

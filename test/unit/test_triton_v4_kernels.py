@@ -184,6 +184,36 @@ _ELEMENTWISE = textwrap.dedent("""
 """)
 
 
+# The hyper-connection kernels against V4Method's forms: the mixes from the perceptron's logits (a token count
+# past one program's block), the collapse and the spread, in fp32 and fp16 streams, N = 4 and 3.
+_HYPER = textwrap.dedent("""
+    import torch
+    from deepinfer_kernels import v4_hyper as hk
+    from deepinfer_rt.layers.methods import Activation, HeadMatmul, UnquantizedLinear
+    from deepinfer_rt.models.deepseek_v4.methods import V4Method
+    m = V4Method(UnquantizedLinear(), Activation(), HeadMatmul())
+    g = torch.Generator().manual_seed(0)
+    for n in (4, 3):
+        t = hk.BLOCK_T + 5
+        mix = torch.randn(t, (2 + n) * n, generator=g)
+        base, scale = torch.randn((2 + n) * n, generator=g), torch.rand(3, generator=g) + 0.5
+        for got, want in zip(hk.hc_weights(mix, base, scale, 20, 1e-6), m.hc_weights(mix, base, scale, n, 20, 1e-6)):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        pre, post, comb = m.hc_weights(mix, base, scale, n, 20, 1e-6)
+        for dtype, tol in ((torch.float32, 1e-5), (torch.float16, 2e-3)):
+            streams = torch.randn(t, n, hk.BLOCK_D + 40, generator=g).to(dtype)
+            y = torch.randn(t, hk.BLOCK_D + 40, generator=g).to(dtype)
+            torch.testing.assert_close(hk.hc_collapse(pre, streams), m.hc_collapse(pre, streams), rtol=tol, atol=tol)
+            torch.testing.assert_close(hk.hc_expand(post, y, comb, streams), m.hc_expand(post, y, comb, streams),
+                                       rtol=tol, atol=tol)
+    print("ok")
+""")
+
+
+def test_v4_hyper_connection_kernels_equal_torch_forms():
+    assert _interpret(_HYPER).strip().endswith("ok")
+
+
 def test_v4_norms_and_rope_equal_torch_forms():
     assert _interpret(_ELEMENTWISE).strip().endswith("ok")
 

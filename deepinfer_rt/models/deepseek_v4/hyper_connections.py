@@ -34,22 +34,13 @@ class HyperConnection(nn.Module):
         """streams (T, N, D) -> pre (T, N), post (T, N), comb (T, N, N), all fp32."""
         n, m = self.hc_mult, self.method
         flat = m.unweighted_rms_norm(streams.flatten(1).float(), self.norm_eps)
-        mix = m.hc_matmul(flat, self.fn.float())
-        pre_w, post_w, comb_w = mix.split([n, n, n * n], dim=-1)
-        pre_b, post_b, comb_b = self.base.float().split([n, n, n * n])
-        pre_s, post_s, comb_s = self.scale.float().unbind(0)
-        pre = m.sigmoid(pre_w * pre_s + pre_b) + self.hc_eps
-        post = 2 * m.sigmoid(post_w * post_s + post_b)
-        comb = m.sinkhorn(comb_w.view(-1, n, n) * comb_s + comb_b.view(n, n), self.iters, self.hc_eps)
-        return pre, post, comb
+        return m.hc_weights(m.hc_matmul(flat, self.fn.float()), self.base, self.scale, n, self.iters, self.hc_eps)
 
     def forward(self, streams: torch.Tensor, block) -> torch.Tensor:
         """Run `block` (D -> D per token) between the collapse and the spread of the streams (T, N, D)."""
         pre, post, comb = self.weights(streams)
-        dtype = streams.dtype
-        y = block(self.method.middle_sum(pre.unsqueeze(-1) * streams, dim=1).to(dtype))
-        mixed = self.method.hc_mix(comb.to(dtype), streams)
-        return post.to(dtype).unsqueeze(-1) * y.unsqueeze(1) + mixed
+        y = block(self.method.hc_collapse(pre, streams))
+        return self.method.hc_expand(post, y, comb, streams)
 
 
 class HyperHead(nn.Module):
@@ -68,4 +59,4 @@ class HyperHead(nn.Module):
         m = self.method
         flat = m.unweighted_rms_norm(streams.flatten(1).float(), self.norm_eps)
         pre = m.sigmoid(m.hc_matmul(flat, self.hc_fn.float()) * self.hc_scale.float() + self.hc_base.float())
-        return m.middle_sum((pre + self.hc_eps).unsqueeze(-1) * streams, dim=1).to(streams.dtype)
+        return m.hc_collapse(pre + self.hc_eps, streams)

@@ -98,6 +98,29 @@ class V4Method:
             comb = comb / (self.column_sum(comb) + eps)
         return comb
 
+    # ---- hyper-connections (models/deepseek_v4/hyper_connections.py) ----
+
+    def hc_weights(self, mix: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, n: int, iters: int,
+                   eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The perceptron's logits mix (T, (2 + n) n) fp32 -> pre (T, n), post (T, n), comb (T, n, n), fp32."""
+        pre_w, post_w, comb_w = mix.split([n, n, n * n], dim=-1)
+        pre_b, post_b, comb_b = base.float().split([n, n, n * n])
+        pre_s, post_s, comb_s = scale.float().unbind(0)
+        pre = self.sigmoid(pre_w * pre_s + pre_b) + eps
+        post = 2 * self.sigmoid(post_w * post_s + post_b)
+        comb = self.sinkhorn(comb_w.view(-1, n, n) * comb_s + comb_b.view(n, n), iters, eps)
+        return pre, post, comb
+
+    def hc_collapse(self, pre: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
+        """pre (T, N) fp32, streams (T, N, D) -> the block input sum_j pre_j streams_j (T, D), streams' dtype."""
+        return self.middle_sum(pre.unsqueeze(-1) * streams, dim=1).to(streams.dtype)
+
+    def hc_expand(self, post: torch.Tensor, y: torch.Tensor, comb: torch.Tensor,
+                  streams: torch.Tensor) -> torch.Tensor:
+        """The new streams: post_k y + sum_j comb_jk streams_j (T, N, D), streams' dtype."""
+        dtype = streams.dtype
+        return post.to(dtype).unsqueeze(-1) * y.unsqueeze(1) + self.hc_mix(comb.to(dtype), streams)
+
     # ---- products ----
 
     def hc_matmul(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -236,6 +259,17 @@ class V4TritonMethod(V4Method):
     def unweighted_rms_norm(self, x: torch.Tensor, eps: float) -> torch.Tensor:
         return self.kernels.elementwise.rms_norm(x, None, eps)
 
+    def hc_weights(self, mix: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, n: int, iters: int,
+                   eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.kernels.hyper.hc_weights(mix, base, scale, iters, eps)
+
+    def hc_collapse(self, pre: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
+        return self.kernels.hyper.hc_collapse(pre, streams)
+
+    def hc_expand(self, post: torch.Tensor, y: torch.Tensor, comb: torch.Tensor,
+                  streams: torch.Tensor) -> torch.Tensor:
+        return self.kernels.hyper.hc_expand(post, y, comb, streams)
+
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return self.kernels.elementwise.rms_norm(x, weight, eps)
 
@@ -282,11 +316,11 @@ class V4TritonMethod(V4Method):
 
 
 def v4_kernels() -> SimpleNamespace:
-    from deepinfer_kernels import (v4_attention, v4_elementwise, v4_indexer, v4_pooling,  # Triton: CUDA builds only
-                                   v4_sinkhorn)
+    from deepinfer_kernels import (v4_attention, v4_elementwise, v4_hyper, v4_indexer,  # Triton: CUDA builds only
+                                   v4_pooling, v4_sinkhorn)
 
     return SimpleNamespace(attention=v4_attention, indexer=v4_indexer, pooling=v4_pooling, sinkhorn=v4_sinkhorn,
-                           elementwise=v4_elementwise)
+                           elementwise=v4_elementwise, hyper=v4_hyper)
 
 
 def key_source(kernels: SimpleNamespace, fp8: Fp8Rows | None, plain: torch.Tensor, rows: torch.Tensor,

@@ -132,9 +132,8 @@ class V41DecoderLayer(nn.Module):
         is handed on. Returns the new streams and the pre-mix to carry."""
         pre, post, comb = hc.weights(streams)
         use = carried if self.is_shifted else pre
-        dtype = streams.dtype
-        y = block(hc.method.middle_sum(use.unsqueeze(-1) * streams, dim=1).to(dtype))
-        return post.to(dtype).unsqueeze(-1) * y.unsqueeze(1) + hc.method.hc_mix(comb.to(dtype), streams), pre
+        y = block(hc.method.hc_collapse(use, streams))
+        return hc.method.hc_expand(post, y, comb, streams), pre
 
     def _attention(self, x: torch.Tensor, step: V41Step, pool: KVPool) -> torch.Tensor:
         h = self.attn_norm(x)
@@ -148,12 +147,11 @@ class V41DecoderLayer(nn.Module):
         hc, keep = self.hc_attn, step.keep
         pre, post, comb = hc.weights(streams)
         use = carried if self.is_shifted else pre
-        dtype = streams.dtype
-        h = self.attn_norm(hc.method.middle_sum(use.unsqueeze(-1) * streams, dim=1).to(dtype))
+        h = self.attn_norm(hc.method.hc_collapse(use, streams))
         step.shared_hidden = h
         y = self.attn(h[keep], h, step, pool)
         streams, post, comb = streams[keep], post[keep], comb[keep]
-        return post.to(dtype).unsqueeze(-1) * y.unsqueeze(1) + hc.method.hc_mix(comb.to(dtype), streams), pre[keep]
+        return hc.method.hc_expand(post, y, comb, streams), pre[keep]
 
     def forward(self, streams, carried, step: V41Step, pool: KVPool, input_ids: torch.Tensor):
         if self.engram is not None:
