@@ -138,9 +138,10 @@ timed steps (SmolLM2, 32K, batch 1: 4.98 ms of wall per step against a 1.39 ms r
 
 
 def _decode_tokens(batch: int, context: int, steps: int) -> int:
-    """New tokens per request: the timed steps, plus the steps that prefill the batch (requests prefilled
-    early decode meanwhile), so every request is still running through the timed window."""
-    return steps + -(-batch * context // PREFILL_CHUNK) + 2
+    """New tokens per request: the warmup and timed steps, plus the steps that prefill the batch (requests
+    prefilled early decode meanwhile), so every request is still running through the timed window (and the KV
+    pool, sized from this, holds them)."""
+    return WARMUP_STEPS + steps + -(-batch * context // PREFILL_CHUNK) + 2
 
 
 class MeasurementError(AssertionError):
@@ -151,8 +152,7 @@ def bench_decode(engine: Engine, batch: int, context: int, steps: int, copy_bw: 
                  profile_steps: int = 0) -> dict:
     g = torch.Generator().manual_seed(batch)
     prompts = torch.randint(0, vocab, (batch, context), generator=g).tolist()
-    params = SamplingParams(max_new_tokens=_decode_tokens(batch, context, WARMUP_STEPS + steps + profile_steps),
-                            temperature=0.0,
+    params = SamplingParams(max_new_tokens=_decode_tokens(batch, context, steps + profile_steps), temperature=0.0,
                             ignore_eos=True)
     with engine.hold_loop():  # this thread steps the engine, so each timed step is exactly one loop turn
         return _bench_decode_held(engine, prompts, params, batch, context, steps, copy_bw, profile_steps)

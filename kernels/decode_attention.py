@@ -256,7 +256,7 @@ def num_splits_for(batch: int, kv_heads: int, num_sms: int, head_dim: int = 0) -
         per multiprocessor, rounded down to a power of two, up to 64: 64 / 16 / 4 / 1 splits at batch
         1 / 16 / 64 / 256; rounding up doubles them and costs 20-45% at batch 16-64.
       * GQA programs are light (a few heads of 64-128 dims): about four programs per multiprocessor, rounded
-        up, up to 32 (bench_kernels.py --only decode_sweep, SmolLM2's shape, 3-stage pipeline): 16 / 4 / 1
+        up (bench_kernels.py --only decode_sweep, SmolLM2's shape, 3-stage pipeline): 16 / 4 / 1
         splits at batch 16 / 64 / 256, 9.7 / 31.4 / 100.3 us against 10.0 / 43.7 / 107.2 us for the earlier
         two-per-multiprocessor rule with a 2-stage pipeline. Up to 256 GQA splits: at 32K tokens a lone request
         (SmolLM2, 3 KV heads) read its KV at 0.45 of the copy rate with the former cap of 32 and at 0.81 with 256

@@ -22,7 +22,7 @@ _mx_group_tile (fp32 activations, and a benchmark candidate), views a K tile as 
 group broadcast over its 16 bytes, and each code turned into its value by integer bit placement into fp16 and one
 fp32 multiply (no exp2 per element); JOIN interleaves the even and odd operands back into element order for one
 dot. The "scaled" form hands the packed bytes and scale bytes to tl.dot_scaled, whose upcast Triton writes itself
-(the default above 128 pairs, measured faster). gate_up writes h = clamped SwiGLU
+(the default above 8 pairs, measured faster). gate_up writes h = clamped SwiGLU
 (V4's: silu(min(gate, limit)) * clamp(up, -limit, limit)) in x's dtype; down scales each (token, slot) pair's fp32
 result by its top-k weight, and a token's k slots are summed in slot order (fused_moe.combine_slots). The torch form
 (and the CPU path) is the dequantize-at-load one: layers/mxfp4.py Mxfp4DequantExperts.
@@ -268,7 +268,8 @@ def _down_mxfp4_s(A, W, WS, Y, TopkWeights, SortedPairs, BlockExpert, NumPadded,
 # e2m1 x e8m0 upcast) at 64 x 128: 917 / 1,988 / 2,920 us at 16 / 64 / 256 tokens (H100) against 1,144 for the GEMV
 # form at 16 tokens and 2,595 / 3,635 for the hand group decode at 64 / 256 (64 x 128, 5 stages), and 3,631 /
 # 4,209 for the bf16 fused MoE on the same weights; 0.49 / 0.50 / 0.38 of the read bandwidth. At 2,048 tokens it
-# is within 2% of the fastest candidate (n128 x k256, 8 warps).
+# is within 2.3% of the fastest candidate (n128 x k256, 8 warps); the table was set on an H100 (an H200's
+earlier sweep, before dot_scaled, had the GEMV form ahead at 16 tokens).
 TILE_TABLE = (
     (8, dict(BLOCK_N=32, BLOCK_K=256, num_warps=4, num_stages=3, decode="gemv")),
     (None, dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4, decode="scaled")),

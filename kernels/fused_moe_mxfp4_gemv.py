@@ -2,7 +2,7 @@
 (token, slot) pair, in pair order (no sort, no padding), the e2m1 codes placed as fp16 bits and widened to fp32, the
 products and each 32-element group's sum on the CUDA cores in fp32, one scale multiply per group, no 16-bit weight
 tile and no tensor cores. It decodes an expert's codes once per pair, so it wins while an expert sees about one pair
-(decode batches up to 16 tokens on an H200: fused_moe_mxfp4.TILE_TABLE) and loses once pairs share experts.
+(one decode token: fused_moe_mxfp4.TILE_TABLE) and loses once pairs share experts.
 """
 from __future__ import annotations
 

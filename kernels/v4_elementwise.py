@@ -55,6 +55,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
     None (methods._unweighted_rms_norm): x * rsqrt(mean(xf^2) + eps).to(x.dtype). Returns a new tensor of x's
     shape and dtype."""
     d = x.shape[-1]
+    if weight is not None and weight.shape != (d,):
+        raise ValueError(f"v4 rms_norm: weight {tuple(weight.shape)} for rows of {d}")
     x2 = x.reshape(-1, d)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()

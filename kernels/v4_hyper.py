@@ -91,6 +91,8 @@ def _hc_collapse_kernel(Pre, Streams, Out, stride_st, stride_sj, stride_ot, d, N
 def hc_collapse(pre: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
     """pre (T, N) fp32, streams (T, N, D) -> sum_j pre[:, j] streams[:, j] (T, D) in the streams' dtype."""
     t, n, d = streams.shape
+    if pre.shape != (t, n):
+        raise ValueError(f"hc_collapse: pre {tuple(pre.shape)} for streams {tuple(streams.shape)}")
     if streams.stride(-1) != 1:
         streams = streams.contiguous()
     pre = pre.float().contiguous()
@@ -125,6 +127,9 @@ def hc_expand(post: torch.Tensor, y: torch.Tensor, comb: torch.Tensor, streams: 
     """post (T, N) and comb (T, N, N) fp32, y (T, D), streams (T, N, D) -> (T, N, D) in the streams' dtype:
     post[:, k] y + sum_j comb[:, j, k] streams[:, j]."""
     t, n, d = streams.shape
+    if post.shape != (t, n) or comb.shape != (t, n, n) or y.shape != (t, d) or y.dtype != streams.dtype:
+        raise ValueError(f"hc_expand: post {tuple(post.shape)}, comb {tuple(comb.shape)}, y {tuple(y.shape)} "
+                         f"{y.dtype} for streams {tuple(streams.shape)} {streams.dtype}")
     if streams.stride(-1) != 1:
         streams = streams.contiguous()
     if y.stride(-1) != 1:

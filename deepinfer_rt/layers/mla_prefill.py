@@ -152,12 +152,7 @@ def standard_attention(layer: nn.Module, q: torch.Tensor, kv_rows: torch.Tensor,
         k = torch.cat([k_nope, k_pe[:, None].expand(num_kv, heads, layer.rope_dim)], dim=-1)  # (L, H, qk_dim)
     # 4-D (1, H, len, dim): the fused kernels take only batched inputs.
     q4, k4, v4 = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
-    o = None
-    if is_cudnn:
-        try:
-            o = prefix_split_attention(q4, k4, v4, layer.scale)
-        except RuntimeError as err:  # a cuDNN build or device that refuses the call: the masked form from now on
-            _refuse_prefix_split(err)
+    o = cudnn_attention(q4, k4, v4, layer.scale) if is_cudnn else None
     if o is None:
         if is_cudnn and layer.is_padded_prefill:  # after a refusal: flash takes one head width
             v4 = F.pad(v4, (0, qk_dim - v4.shape[-1]))
@@ -179,6 +174,30 @@ _prefix_split_refused: str | None = None
 """Why cuDNN refused a split call in this process (then every chunk takes the masked call)."""
 
 
+_v_width_refused = False
+"""Whether cuDNN refused V narrower than q.k in this process (then cuDNN's calls take V padded to q.k's width)."""
+
+
+def cudnn_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor | None:
+    """prefix_split_attention, V at its own width; where cuDNN refuses that, once more with V padded to q.k's width
+    (and padded from then on); None when it refuses that too (a build or device that refuses the call: the masked
+    SDPA call from then on). The output may carry padded columns past V's width."""
+    global _v_width_refused
+    dv, dqk = v.shape[-1], q.shape[-1]
+    forms = (True,) if dv < dqk and _v_width_refused else (False, True) if dv < dqk else (False,)
+    for padded in forms:
+        try:
+            return prefix_split_attention(q, k, F.pad(v, (0, dqk - dv)) if padded else v, scale)
+        except RuntimeError as err:
+            refusal = err
+            if not padded and dv < dqk:
+                _v_width_refused = True
+                logger.warning("MLA prefill: cuDNN refused V of %d columns beside q.k of %d (%s); V is padded for "
+                               "its calls from now on", dv, dqk, str(err).splitlines()[0] if str(err) else "")
+    _refuse_prefix_split(refusal)
+    return None
+
+
 def _refuse_prefix_split(err: RuntimeError) -> None:
     global _prefix_split_refused
     if _prefix_split_refused is None:
@@ -196,8 +215,8 @@ def is_prefix_split(mode: bool | None, q: torch.Tensor, prefix: int) -> bool:
 
 
 def is_cudnn_chunk(mode: bool | None, q: torch.Tensor, prefix: int) -> bool:
-    """is_prefix_split, and also for a chunk with no prefix (then one causal call through attention_with_lse): the
-    chunks whose V keeps its own width."""
+    """is_prefix_split, and by default (mode None) also an aligned chunk with no prefix (then one causal call through
+    attention_with_lse): the chunks whose V keeps its own width."""
     if mode is False:
         return False
     if mode:

@@ -48,6 +48,8 @@ def test_gpu_aligned_chunks_take_cudnn_at_v_width(v3_path, monkeypatch):
     cuDNN's calls with V at its own width, no padded GEMM, against the absorbed form."""
     if not mla_prefill._is_cudnn_split_device(CUDA.index):
         pytest.skip("the split is off on this device / cuDNN by default")
+    monkeypatch.setattr(mla_prefill, "_prefix_split_refused", None)  # an earlier test's refusal does not carry over
+    monkeypatch.setattr(mla_prefill, "_v_width_refused", False)
     layer, pool = load_layer(v3_path, torch.bfloat16, CUDA, num_slots=4096)
     calls = []
     inner = mla_prefill.attention_with_lse

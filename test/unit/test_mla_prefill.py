@@ -30,11 +30,24 @@ def test_mha_form_matches_absorbed(layer_pool, case, min_queries):
 def test_prefix_split_matches_absorbed(layer_pool, monkeypatch, case, padded):
     """Chunks over a prefix attending as prefix + own keys merged by log-sum-exp give the absorbed output. padded:
     the GPU's layer, whose other chunks expand K and V through padded_kv_b while the split's keep V's width."""
+    from deepinfer_rt.layers import mla_prefill
+
     layer, pool = layer_pool
     monkeypatch.setattr(layer, "prefix_split", True)
     monkeypatch.setattr(layer, "is_padded_prefill", padded)
+    monkeypatch.setattr(mla_prefill, "_v_width_refused", False)
+    widths, padded_builds = [], []
+    inner, inner_pad = mla_prefill.attention_with_lse, layer.padded_kv_b
+    monkeypatch.setattr(mla_prefill, "attention_with_lse", lambda q, k, v, *a: widths.append(v.shape[-1]) or inner(
+        q, k, v, *a))
+    monkeypatch.setattr(layer, "padded_kv_b", lambda: padded_builds.append(1) or inner_pad())
     absorbed, mha = both_forms(layer, pool, TorchRefBackend(), CASES[case], 2)
     torch.testing.assert_close(mha, absorbed, rtol=1e-4, atol=1e-5)
+    over_prefix = sum(1 for prefix, _ in CASES[case] if prefix)  # chunks of >= 2 new tokens over a prefix
+    over_prefix -= sum(1 for prefix, new in CASES[case] if prefix and new < 2)
+    assert widths == [layer.v_dim] * (2 * over_prefix)  # two cuDNN-form calls a chunk, V at its own width
+    fresh = sum(1 for prefix, new in CASES[case] if not prefix and new >= 2)
+    assert len(padded_builds) == (fresh if padded else 0)  # only the chunks without a prefix build padded K / V
 
 
 @pytest.mark.parametrize("n, prefix, dv", [(1, 5, 16), (7, 1, 24), (16, 48, 16), (33, 100, 8), (4, 9, 24)])
@@ -76,15 +89,53 @@ def test_refused_split_falls_back_to_the_masked_call(layer_pool, monkeypatch, ca
     monkeypatch.setattr(layer, "prefix_split", True)
     monkeypatch.setattr(layer, "is_padded_prefill", padded)
     monkeypatch.setattr(mla_prefill, "_prefix_split_refused", None)
+    monkeypatch.setattr(mla_prefill, "_v_width_refused", False)
 
     def refuse(*args):
         raise RuntimeError("cuDNN Frontend error: No execution plans support the graph.")
 
     monkeypatch.setattr(mla_prefill, "prefix_split_attention", refuse)
+    qk = layer.nope_dim + layer.rope_dim
+    masked_widths, sdpa = [], torch.nn.functional.scaled_dot_product_attention
+
+    def record(q, k, v, **kw):
+        if q.shape[-1] == qk and kw.get("attn_mask") is not None:  # the standard form's masked calls only
+            masked_widths.append(v.shape[-1])
+        return sdpa(q, k, v, **kw)
+
+    monkeypatch.setattr(mla_prefill.F, "scaled_dot_product_attention", record)
     absorbed, mha = both_forms(layer, pool, TorchRefBackend(), CASES["mixed"], 2)
     torch.testing.assert_close(mha, absorbed, rtol=1e-4, atol=1e-5)
     assert mla_prefill._prefix_split_refused.startswith("cuDNN Frontend error")
     assert sum("prefix split failed" in r.message for r in caplog.records) == 1
+    # the two refused chunks over a prefix: masked calls, V padded to q.k's width on the padded (GPU) layer
+    assert masked_widths == [qk if padded else layer.v_dim] * 2
+
+
+def test_narrow_v_refused_retries_padded(layer_pool, monkeypatch, caplog):
+    """cuDNN refusing V narrower than q.k: the call is made again with V padded (the output unchanged), and V is
+    padded for cuDNN's calls from then on; the split itself stays on."""
+    from deepinfer_rt.layers import mla_prefill
+
+    layer, pool = layer_pool
+    monkeypatch.setattr(layer, "prefix_split", True)
+    monkeypatch.setattr(mla_prefill, "_prefix_split_refused", None)
+    monkeypatch.setattr(mla_prefill, "_v_width_refused", False)
+    widths, inner = [], mla_prefill.attention_with_lse
+
+    def narrow_refused(q, k, v, *a):
+        widths.append(v.shape[-1])
+        if v.shape[-1] != q.shape[-1]:
+            raise RuntimeError("cuDNN Frontend error: No execution plans support the graph.")
+        return inner(q, k, v, *a)
+
+    monkeypatch.setattr(mla_prefill, "attention_with_lse", narrow_refused)
+    absorbed, mha = both_forms(layer, pool, TorchRefBackend(), [(18, 12), (7, 11)], 2)
+    torch.testing.assert_close(mha, absorbed, rtol=1e-4, atol=1e-5)
+    qk = layer.nope_dim + layer.rope_dim
+    assert widths == [layer.v_dim, qk, qk, qk, qk]  # refused once, then padded for both chunks' two calls
+    assert mla_prefill._v_width_refused and mla_prefill._prefix_split_refused is None
+    assert sum("V is padded" in r.message for r in caplog.records) == 1
 
 
 def test_plan_splits_rows(layer_pool):

@@ -2,7 +2,8 @@
 KernelConfig when a layer is built (`self.method = v4_method(current_kernel_config())`).
 
 V4Method holds the default forms (the CPU path and the reference); V4TritonMethod (CUDA)
-runs attention, the indexer and the compressor's pooling through Triton kernels; V4InvariantMethod replaces
+runs attention, the indexer, the compressor's pooling, the norms, the rotation and the hyper-connections through
+Triton kernels; V4InvariantMethod replaces
 each by its batch-invariant form (models/deepseek_v4/invariant.py): fixed-shape GEMMs, exp-built
 sigmoid/silu/softplus, sums over a middle dim as ordered adds, per-query key lists in attention and the indexer,
 one-row-safe row reductions. V4InvariantTritonMethod (CUDA, batch-invariant) is V4InvariantMethod with attention
@@ -239,8 +240,9 @@ class V4InvariantMethod(V4Method):
 
 
 class V4TritonMethod(V4Method):
-    """CUDA, not batch-invariant: attention, the indexer, the compressor's pooling and the mHC Sinkhorn projection
-    through deepinfer_kernels (v4_attention, v4_indexer, v4_pooling, v4_sinkhorn); every other form is V4Method's.
+    """CUDA, not batch-invariant: attention, the indexer, the compressor's pooling, the RMSNorms, the rotation, and
+    the hyper-connections' mixes (with the Sinkhorn projection), collapse and spread through deepinfer_kernels
+    (v4_attention, v4_indexer, v4_pooling, v4_elementwise, v4_hyper); every other form is V4Method's.
 
     Attention reads the keys where the pool keeps them: the sliding-window keys and the compressed entries are two
     key sources (buffer, rows, mask) of one sparse MQA kernel, so no (G, L, D) copy of the keys is made and the
@@ -274,6 +276,9 @@ class V4TritonMethod(V4Method):
         return self.kernels.elementwise.rms_norm(x, weight, eps)
 
     def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        half = cos.shape[-1]
+        if half & (half - 1) or not x.numel():  # the kernel's pairs are a power of two (V4's 64-channel rope is)
+            return super().rope(x, cos, sin)
         return self.kernels.elementwise.rope(x, cos, sin)
 
     def pool_window(self, kv: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
