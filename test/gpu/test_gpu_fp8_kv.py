@@ -91,7 +91,7 @@ def _prompts(vocab: int, n: int = 6) -> list[list[int]]:
 def test_gpu_fp8_kv_engine_close_to_bf16_kv(dense_path):
     """Teacher-forced logprobs (prefill reads the FP8 prefix) and greedy decode (CUDA graphs reading FP8)."""
     forced = SamplingParams(max_new_tokens=1, temperature=0, ignore_eos=True, prompt_logprobs=True)
-    greedy = SamplingParams(max_new_tokens=16, temperature=0, ignore_eos=True, logprobs=True, top_logprobs=2)
+    greedy = SamplingParams(max_new_tokens=16, temperature=0, ignore_eos=True, logprobs=True, top_logprobs=5)
     out = {}
     for kv in ("auto", "fp8_e4m3"):
         with Engine(str(dense_path), dtype="bfloat16", device="cuda", kv_cache_tokens=16384, kv_cache_dtype=kv,
@@ -104,17 +104,20 @@ def test_gpu_fp8_kv_engine_close_to_bf16_kv(dense_path):
                         for a, b in zip(out["auto"][0], out["fp8_e4m3"][0])])
     print(f"teacher-forced |delta logprob| max {deltas.max():.4f} mean {deltas.mean():.4f}")
     assert deltas.max() < 0.3 and deltas.mean() < 0.06
-    # Greedy runs part only where the bf16-KV run's two likeliest tokens are nearly tied: within the logprob
-    # error bound above for each of the two (a random model's flat distributions have many such ties, so the share
-    # of agreeing tokens depends on the card's GEMM rounding: 39 of 96 on an H100).
+    # Greedy runs part only at near-ties: where they part, each run's choice is among the other run's likeliest
+    # tokens and within twice the logprob bound above of its first choice (a random model's flat distributions
+    # have many such ties, so the share of agreeing tokens depends on the card's GEMM rounding: 39 of 96 on an
+    # H100, the runs parting where the bf16-KV run's top two were 0.0-0.03 apart).
     agree, margins = [], []
     for a, b in zip(out["auto"][1], out["fp8_e4m3"][1]):
         j = next((j for j, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y), 16)
         agree.append(j)
         if j < 16:
-            (_, first), (_, second) = a.top_logprobs[j][:2]
-            margins.append(first - second)
-    print("greedy tokens agreeing", agree, "bf16-KV top-2 margins where they part", margins)
+            for run, other in ((a, b), (b, a)):
+                top = dict(run.top_logprobs[j])
+                assert other.token_ids[j] in top, (j, other.token_ids[j], run.top_logprobs[j])
+                margins.append(run.top_logprobs[j][0][1] - top[other.token_ids[j]])
+    print("greedy tokens agreeing", agree, "margins to the other run's choice where they part", margins)
     assert all(m <= 2 * 0.3 for m in margins), margins
 
 

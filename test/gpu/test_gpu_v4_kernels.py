@@ -3,7 +3,7 @@ on CUDA (where V4TritonMethod is the default) against the CPU engine.
 
 Shapes: D = 512, H = 64 query heads, a sliding window of 128, top-k 512 / 2048 compressed entries, batch 1 and 64;
 the indexer at 64 heads of 128 over 8192 entries (32K context at ratio 4); the compressor's pooling at ratio 4
-(CSA, 2 x 4 tokens) and 128 (HCA).
+(CSA, 2 x 4 tokens) and 128 (HCA); the norms, rotation and hyper-connection kernels against V4Method's forms.
 Tolerances: fp32 pools take IEEE fp32 products, so outputs match the fp32 reference to 2e-5; bf16 pools multiply
 bf16 tiles with fp32 accumulation and round p to bf16 for p.V (as the torch path rounds its probabilities), so
 outputs are within 1.5e-2 relative (Frobenius) of the fp32 reference, under the bf16 torch path's own error.
@@ -162,6 +162,48 @@ def test_pool_window_v4_flash(m, c, dtype):
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
     else:
         assert rel_err(out, ref) < 1e-2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_norms_rope_and_hyper_connections_v4_flash(dtype):
+    """The glue kernels at V4-Flash widths against V4Method's torch forms on the same GPU: the norms over 4096
+    (hidden), 512 (heads) and the hyper-connections' flattened 4 x 4096 streams (a looped row), the rotation of
+    the trailing 64 of 512 channels over 64 heads, and the hyper-connections' mixes, collapse and spread."""
+    from deepinfer_kernels import v4_elementwise as ew
+    from deepinfer_kernels import v4_hyper as hk
+    from deepinfer_rt.layers.methods import Activation, HeadMatmul, UnquantizedLinear
+    from deepinfer_rt.models.deepseek_v4.common import apply_rope
+    from deepinfer_rt.models.deepseek_v4.methods import V4Method, _rms_norm, _unweighted_rms_norm
+
+    m = V4Method(UnquantizedLinear(), Activation(), HeadMatmul())
+
+    def check(got, want):  # bf16: the two round differently (fused products, sum order), so a relative bound
+        assert got.dtype == want.dtype and got.shape == want.shape
+        if dtype == torch.float32:
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        else:
+            assert rel_err(got.float(), want.float()) < 5e-3
+
+    gen = torch.Generator(device=DEV).manual_seed(0)
+    for shape in ((64, 4096), (64, H, D), (64, 4 * 4096)):
+        x = (torch.randn(*shape, device=DEV, generator=gen) * 3).to(dtype)
+        w = torch.rand(shape[-1], device=DEV, generator=gen) + 0.5
+        check(ew.rms_norm(x, w, 1e-6), _rms_norm(x, w, 1e-6))
+        check(ew.rms_norm(x, None, 1e-6), _unweighted_rms_norm(x, 1e-6))
+    x = torch.randn(64, H, D, device=DEV, generator=gen).to(dtype)
+    cos, sin = (torch.randn(64, 32, device=DEV, generator=gen) for _ in range(2))
+    check(ew.rope(x, cos, sin), apply_rope(x, cos, sin))
+    check(ew.rope(x, cos, -sin), apply_rope(x, cos, -sin))
+    n, t = 4, 64
+    mix = torch.randn(t, (2 + n) * n, device=DEV, generator=gen)
+    base, scale = torch.randn((2 + n) * n, device=DEV, generator=gen), torch.rand(3, device=DEV, generator=gen) + 0.5
+    for got, want in zip(hk.hc_weights(mix, base, scale, 20, 1e-6), m.hc_weights(mix, base, scale, n, 20, 1e-6)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    pre, post, comb = m.hc_weights(mix, base, scale, n, 20, 1e-6)
+    streams = torch.randn(t, n, 4096, device=DEV, generator=gen).to(dtype)
+    y = torch.randn(t, 4096, device=DEV, generator=gen).to(dtype)
+    check(hk.hc_collapse(pre, streams), m.hc_collapse(pre, streams))
+    check(hk.hc_expand(post, y, comb, streams), m.hc_expand(post, y, comb, streams))
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3"])

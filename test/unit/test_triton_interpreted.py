@@ -357,6 +357,50 @@ def test_gqa_rope_store_equals_separate_kernels():
     assert _interpret(_GQA_ROPE_STORE).strip().endswith("ok")
 
 
+# A Llama attention layer through the Triton backend with the one-launch rope and store and without it (a fresh
+# prompt, a decode row over cached keys, a padding row of slot -1): the same output and the same pool, bitwise.
+_LLAMA_ROPE_STORE = textwrap.dedent("""
+    import sys, tempfile, torch
+    sys.path.insert(0, "scripts")
+    from make_tiny_checkpoint import make_tiny_checkpoint
+    from deepinfer_rt.cache.kv_pool import KVPool
+    from deepinfer_rt.forward_batch import ForwardBatch
+    from deepinfer_rt.layers.attention.triton import TritonBackend
+    from deepinfer_rt.layers.kernel_config import KernelConfig, build_context
+    from deepinfer_rt.models.llama import LlamaAttention, LlamaForCausalLM
+    from deepinfer_rt.models.loader import load_model_config
+    path = make_tiny_checkpoint("llama", tempfile.mkdtemp(), num_attention_heads=4, num_key_value_heads=2,
+                                head_dim=16)
+    config, _ = load_model_config(path)
+    torch.manual_seed(0)
+    with build_context(KernelConfig(device_type="cuda")):  # the GPU's methods (Triton rope), run interpreted
+        attn = LlamaAttention(config, 0)
+    for p in attn.parameters():
+        p.data.normal_(0, 0.2)
+    def run(fused):
+        pool = KVPool(LlamaForCausalLM.kv_layout(config), num_pages=64, page_size=1, dtype=torch.float32,
+                      device=torch.device("cpu"))
+        backend = object.__new__(TritonBackend)
+        backend.num_sms, backend.is_rope_store_supported = 4, fused
+        torch.manual_seed(1)
+        pool.k[0].normal_(), pool.v[0].normal_()
+        x = torch.randn(7, config.hidden_size)
+        batch = ForwardBatch(torch.zeros(7, dtype=torch.long), torch.tensor([0, 1, 2, 3, 4, 7, 0]),
+                             torch.tensor([10, 11, 12, 13, 14, 27, -1]), [5, 1, 1], [5, 8, 1],
+                             [torch.arange(10, 15), torch.arange(20, 28), torch.tensor([40])], pool, backend)
+        backend.prepare(batch)
+        with torch.no_grad():
+            return attn(x, batch), pool.k[0].clone(), pool.v[0].clone()
+    for got, want in zip(run(True), run(False)):
+        assert torch.equal(got, want)
+    print("ok")
+""")
+
+
+def test_llama_layer_with_rope_store_equals_without():
+    assert _interpret(_LLAMA_ROPE_STORE).strip().endswith("ok")
+
+
 def test_split_decode_long_rows_and_device_page_table():
     assert _interpret(_LONG_DECODE).strip().endswith("ok")
 
