@@ -269,7 +269,7 @@ def _down_mxfp4_s(A, W, WS, Y, TopkWeights, SortedPairs, BlockExpert, NumPadded,
 # form at 16 tokens and 2,595 / 3,635 for the hand group decode at 64 / 256 (64 x 128, 5 stages), and 3,631 /
 # 4,209 for the bf16 fused MoE on the same weights; 0.49 / 0.50 / 0.38 of the read bandwidth. At 2,048 tokens it
 # is within 2.3% of the fastest candidate (n128 x k256, 8 warps); the table was set on an H100 (an H200's
-earlier sweep, before dot_scaled, had the GEMV form ahead at 16 tokens).
+# earlier sweep, before dot_scaled, had the GEMV form ahead at 16 tokens).
 TILE_TABLE = (
     (8, dict(BLOCK_N=32, BLOCK_K=256, num_warps=4, num_stages=3, decode="gemv")),
     (None, dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4, decode="scaled")),

@@ -3,7 +3,7 @@ trailing channels, each one launch where the torch forms take 6-12 (casts, power
 rotation's slices, stacks and concatenations). At batch 1 a V4 layer ran ~265 kernels, 955 of 1,060 under 3 µs
 (benchmark/README.md); these are the most frequent.
 
-The arithmetic is the torch forms' (models/deepseek_v4/common.py, methods.py), in fp32 with one cast at the end;
+The arithmetic is the torch forms' (models/deepseek_v4/methods.py), in fp32 with one cast at the end;
 only the order of the fp32 sums of squares (a tree here) and the rounding of the rotation's multiply-adds differ,
 so results agree to rounding, not bitwise; the batch-invariant methods keep the torch forms.
 """
@@ -87,14 +87,14 @@ def _rope_kernel(X, Cos, Sin, Out, stride_xn, stride_xm, stride_on, stride_om, s
     even = nope + 2 * offs_j[None, :]
     x1 = tl.load(x_rows + even, mask=mmask[:, None], other=0.0).to(tl.float32)
     x2 = tl.load(x_rows + even + 1, mask=mmask[:, None], other=0.0).to(tl.float32)
-    y1 = x1 * c - x2 * s  # common.apply_rope's terms, in fp32 (a fused multiply-add may round once less)
+    y1 = x1 * c - x2 * s  # methods.apply_rope's terms, in fp32 (a fused multiply-add may round once less)
     y2 = x2 * c + x1 * s
     tl.store(o_rows + even, y1.to(Out.dtype.element_ty), mask=mmask[:, None])
     tl.store(o_rows + even + 1, y2.to(Out.dtype.element_ty), mask=mmask[:, None])
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """common.apply_rope in one launch: x (N, ..., D) rotated on its trailing 2 * R/2 channels by adjacent pairs
+    """methods.apply_rope in one launch: x (N, ..., D) rotated on its trailing 2 * R/2 channels by adjacent pairs
     (2j, 2j + 1), cos / sin (N, R/2) fp32 (-sin undoes a rotation). Returns a new tensor; x is not changed."""
     n, d = x.shape[0], x.shape[-1]
     half = cos.shape[-1]

@@ -51,7 +51,8 @@ from deepinfer_rt.layers.kernel_config import current_kernel_config
 from deepinfer_rt.layers.linear import Linear
 from deepinfer_rt.layers.moe import fuse_expert_weights
 from deepinfer_rt.models.base import CausalLM
-from deepinfer_rt.models.deepseek_v4.common import V4RMSNorm, V4Rotary, apply_rope
+from deepinfer_rt.models.deepseek_v4.common import V4RMSNorm, V4Rotary
+from deepinfer_rt.models.deepseek_v4.methods import apply_rope
 from deepinfer_rt.models.deepseek_v4.hyper_connections import HyperConnection
 from deepinfer_rt.models.deepseek_v4.model import _FP32 as TARGET_FP32
 from deepinfer_rt.models.deepseek_v41.config import V41Config

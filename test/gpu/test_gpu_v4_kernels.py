@@ -172,7 +172,7 @@ def test_norms_rope_and_hyper_connections_v4_flash(dtype):
     from deepinfer_kernels import v4_elementwise as ew
     from deepinfer_kernels import v4_hyper as hk
     from deepinfer_rt.layers.methods import Activation, HeadMatmul, UnquantizedLinear
-    from deepinfer_rt.models.deepseek_v4.common import apply_rope
+    from deepinfer_rt.models.deepseek_v4.methods import apply_rope
     from deepinfer_rt.models.deepseek_v4.methods import V4Method, _rms_norm, _unweighted_rms_norm
 
     m = V4Method(UnquantizedLinear(), Activation(), HeadMatmul())

@@ -162,7 +162,7 @@ _MODEL = textwrap.dedent("""
 _ELEMENTWISE = textwrap.dedent("""
     import torch
     from deepinfer_kernels import v4_elementwise as ew
-    from deepinfer_rt.models.deepseek_v4.common import apply_rope
+    from deepinfer_rt.models.deepseek_v4.methods import apply_rope
     from deepinfer_rt.models.deepseek_v4.methods import _rms_norm, _unweighted_rms_norm
     g = torch.Generator().manual_seed(0)
     for dtype, tol in ((torch.float32, 1e-5), (torch.float16, 2e-3)):

@@ -414,18 +414,6 @@ class V4Rotary:
         return freqs.cos() * self.scale, freqs.sin() * self.scale
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x (N, ..., D) rotated on its trailing 2 * cos.shape[-1] channels; cos/sin (N, R/2) broadcast over the
-    middle dims. Pass -sin to undo a rotation."""
-    extra = (1,) * (x.dim() - 2)
-    cos = cos.repeat_interleave(2, dim=-1).view(cos.shape[0], *extra, -1)
-    sin = sin.repeat_interleave(2, dim=-1).view(sin.shape[0], *extra, -1)
-    r = cos.shape[-1]
-    nope, rope = x[..., :-r], x[..., -r:].float()
-    rotated = torch.stack((-rope[..., 1::2], rope[..., 0::2]), dim=-1).flatten(-2)
-    return torch.cat([nope, (rope * cos + rotated * sin).to(x.dtype)], dim=-1)
-
-
 class V4RMSNorm(nn.Module):
     """RMSNorm whose fp32 gain multiplies the fp32 normalised input before the one cast back (the V4
     reference keeps norm gains in fp32; the model keeps them so, see DeepseekV4ForCausalLM._apply)."""

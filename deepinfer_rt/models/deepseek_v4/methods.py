@@ -34,6 +34,18 @@ def _unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
     return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
 
 
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x (N, ..., D) rotated on its trailing 2 * cos.shape[-1] channels; cos/sin (N, R/2) broadcast over the
+    middle dims. Pass -sin to undo a rotation."""
+    extra = (1,) * (x.dim() - 2)
+    cos = cos.repeat_interleave(2, dim=-1).view(cos.shape[0], *extra, -1)
+    sin = sin.repeat_interleave(2, dim=-1).view(sin.shape[0], *extra, -1)
+    r = cos.shape[-1]
+    nope, rope = x[..., :-r], x[..., -r:].float()
+    rotated = torch.stack((-rope[..., 1::2], rope[..., 0::2]), dim=-1).flatten(-2)
+    return torch.cat([nope, (rope * cos + rotated * sin).to(x.dtype)], dim=-1)
+
+
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """The fp32 gain times the fp32 normalised input, one cast back (V4RMSNorm)."""
     xf = x.float()
@@ -62,9 +74,7 @@ class V4Method:
         return self.rows(lambda r: _rms_norm(r, weight, eps), x)
 
     def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x (N, ..., D) rotated on its trailing channels (common.apply_rope); -sin undoes a rotation."""
-        from deepinfer_rt.models.deepseek_v4.common import apply_rope  # common imports this module
-
+        """x (N, ..., D) rotated on its trailing channels (apply_rope); -sin undoes a rotation."""
         return apply_rope(x, cos, sin)
 
     def sigmoid(self, x: torch.Tensor) -> torch.Tensor:
