@@ -43,3 +43,28 @@ def test_nested_parameters_are_taken_as_they_are():
 def test_bad_fields_are_refused(change, message):
     with pytest.raises(ValueError, match=message):
         parse_rope({**RAW, **change}, 16, 8, "V4.1")
+
+
+def test_rotary_tables_shared_within_one_forward_pass_only():
+    """Inside step_cache a positions tensor's tables are computed once (the later layers reuse them); an in-place
+    change of the positions, or a call outside the pass, computes them anew, and the values never differ."""
+    import torch
+
+    from deepinfer_rt.models.deepseek_v4.common import V4Rotary, shared_tables
+
+    rotary = object.__new__(V4Rotary)  # the tables' arithmetic only: frequencies and scale set directly
+    rotary.inv_freq, rotary.scale, rotary._cache = 1.0 / 100 ** (torch.arange(0, 8, 2) / 8), 1.5, None
+    positions = torch.arange(5)
+    want = rotary.cos_sin(positions)
+    with shared_tables([rotary]):
+        first = rotary.cos_sin(positions)
+        again = rotary.cos_sin(positions)
+        assert again[0] is first[0] and again[1] is first[1]
+        other = rotary.cos_sin(positions + 0)  # another tensor of the same values: its own entry
+        assert other[0] is not first[0] and torch.equal(other[0], first[0])
+        positions.add_(3)  # in place: the cached tables are stale
+        moved = rotary.cos_sin(positions)
+        assert moved[0] is not first[0] and torch.equal(moved[0], rotary.cos_sin(torch.arange(3, 8))[0])
+    positions.sub_(3)
+    assert rotary.cos_sin(positions)[0] is not first[0]  # no sharing outside the pass
+    assert torch.equal(first[0], want[0]) and torch.equal(first[1], want[1])

@@ -21,6 +21,8 @@ checkpoints and at resume points.
 """
 from __future__ import annotations
 
+import contextlib
+
 from dataclasses import dataclass
 
 import torch
@@ -401,17 +403,48 @@ def _inv_freq(cfg: V4Config, params: dict) -> tuple[torch.Tensor, float]:
 
 class V4Rotary:
     """cos/sin tables (rope_dim / 2 per position) for one rope-parameter set; RoPE rotates adjacent channel
-    pairs of the trailing rope_dim channels, leaving the leading ones alone."""
+    pairs of the trailing rope_dim channels, leaving the leading ones alone.
+
+    The layers share one V4Rotary per parameter set. Within one forward pass (`step_cache`) the tables of a
+    positions tensor are computed once and reused by every later layer (five launches each, a CUDA graph's
+    included); the cache lives only for that pass, keyed by the tensor and its version (an in-place change
+    recomputes)."""
 
     def __init__(self, cfg: V4Config, params: dict):
         # Plain attributes, not buffers: casting the model to bfloat16 must not round the frequencies.
         self.inv_freq, self.scale = inv_freq(cfg, params)
+        self._cache: dict | None = None
+        """(id, version) of a positions tensor -> (positions, cos, sin), during a forward pass only."""
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        key = (id(positions), positions._version)
+        if self._cache is not None and key in self._cache:
+            return self._cache[key][1:]
         if self.inv_freq.device != positions.device:
             self.inv_freq = self.inv_freq.to(positions.device)
         freqs = positions[:, None].float() * self.inv_freq[None, :]
-        return freqs.cos() * self.scale, freqs.sin() * self.scale
+        cos, sin = freqs.cos() * self.scale, freqs.sin() * self.scale
+        if self._cache is not None:
+            self._cache[key] = (positions, cos, sin)  # the reference keeps the id from being reused meanwhile
+        return cos, sin
+
+    @contextlib.contextmanager
+    def step_cache(self):
+        """Share the tables between the layers of one forward pass."""
+        self._cache = {}
+        try:
+            yield
+        finally:
+            self._cache = None
+
+
+@contextlib.contextmanager
+def shared_tables(rotaries):
+    """V4Rotary.step_cache of each of `rotaries` for one forward pass."""
+    with contextlib.ExitStack() as stack:
+        for r in rotaries:
+            stack.enter_context(r.step_cache())
+        yield
 
 
 class V4RMSNorm(nn.Module):

@@ -27,7 +27,8 @@ from deepinfer_rt.layers.moe import fuse_expert_weights
 from deepinfer_rt.models.deepseek_v4.attention import V4Attention
 from deepinfer_rt.models.deepseek_v4.batch import V4Batch, build_v4_batch
 from deepinfer_rt.models.deepseek_v4.cache import V4KVLayout, V4Pool
-from deepinfer_rt.models.deepseek_v4.common import SLIDING, PoolColumns, V4Config, V4RMSNorm, V4Rotary, recent_tokens
+from deepinfer_rt.models.deepseek_v4.common import (SLIDING, PoolColumns, V4Config, V4RMSNorm, V4Rotary,
+                                                   recent_tokens, shared_tables)
 from deepinfer_rt.models.deepseek_v4.graph_batch import StaticDecode
 from deepinfer_rt.models.deepseek_v4.moe import V4MoE, V4Router
 from deepinfer_rt.models.base import CausalLM
@@ -63,6 +64,7 @@ class V4Model(nn.Module):
         super().__init__()
         self.cfg = cfg
         main, compress = V4Rotary(cfg, cfg.rope_main), V4Rotary(cfg, cfg.rope_compress)
+        self.rotaries = (main, compress)
         self.embed_tokens = nn.Embedding(config.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(
             V4DecoderLayer(cfg, i, main if t == SLIDING else compress, config.vocab_size)
@@ -86,8 +88,9 @@ class V4Model(nn.Module):
         vb: V4Batch = batch.model_meta.for_step()  # DeepseekV4ForCausalLM.prepare_batch / prepare_graph_batch
         x = self.embed_tokens(batch.input_ids)
         streams = x.unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()  # (T, N, D)
-        for layer in self.layers:
-            streams = layer(streams, vb, batch.pool)
+        with shared_tables(self.rotaries):
+            for layer in self.layers:
+                streams = layer(streams, vb, batch.pool)
         return self.norm(self.hc_head(streams))
 
 

@@ -46,7 +46,7 @@ from deepinfer_rt.forward_batch import ForwardBatch
 from deepinfer_rt.layers.kernel_config import current_kernel_config
 from deepinfer_rt.models.deepseek_v4.batch import build_v4_batch
 from deepinfer_rt.models.deepseek_v4.cache import V4KVLayout, V4Pool
-from deepinfer_rt.models.deepseek_v4.common import V4RMSNorm, V4Rotary
+from deepinfer_rt.models.deepseek_v4.common import V4RMSNorm, V4Rotary, shared_tables
 from deepinfer_rt.models.deepseek_v4.graph_batch import StaticDecode
 from deepinfer_rt.models.deepseek_v4.hyper_connections import HyperConnection, HyperHead
 from deepinfer_rt.models.deepseek_v4.methods import v4_method
@@ -184,6 +184,7 @@ class V41Model(nn.Module):
                     raise ValueError(f"engram_num_embeddings: layer {layer} declares {rows} rows, the prime tables "
                                      f"derived from the config hold {self.hashing.table_rows(layer)}")
         rotary = {"main": V4Rotary(cfg, cfg.rope_main), "compress": V4Rotary(cfg, cfg.rope_compress)}
+        self.rotaries = tuple(rotary.values())
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(V41DecoderLayer(cfg, s, rotary[s.rope], self.hashing) for s in cfg.layers)
         self.norm = V4RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -259,8 +260,9 @@ class V41Model(nn.Module):
         carried = torch.zeros(x.shape[0], n, dtype=torch.float32, device=x.device)
         carried[:, 0] = 1.0  # the first shifted sublayer reads stream 0
         input_ids = batch.input_ids
-        for layer in self.layers:
-            streams, carried, input_ids = layer(streams, carried, step, pool, input_ids)
+        with shared_tables(self.rotaries):
+            for layer in self.layers:
+                streams, carried, input_ids = layer(streams, carried, step, pool, input_ids)
         if self.hc_head is not None:
             hidden = self.norm(self.hc_head(streams))
         else:
