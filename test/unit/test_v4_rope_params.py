@@ -68,3 +68,7 @@ def test_rotary_tables_shared_within_one_forward_pass_only():
     positions.sub_(3)
     assert rotary.cos_sin(positions)[0] is not first[0]  # no sharing outside the pass
     assert torch.equal(first[0], want[0]) and torch.equal(first[1], want[1])
+    with torch.inference_mode(), shared_tables([rotary]):  # no version counter: computed each time, no error
+        frozen = torch.arange(5)
+        assert rotary.cos_sin(frozen)[0] is not rotary.cos_sin(frozen)[0]
+        assert torch.equal(rotary.cos_sin(frozen)[0], want[0])

@@ -417,14 +417,15 @@ class V4Rotary:
         """(id, version) of a positions tensor -> (positions, cos, sin), during a forward pass only."""
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        key = (id(positions), positions._version)
-        if self._cache is not None and key in self._cache:
+        # Inference-mode tensors keep no version counter: their tables are not shared.
+        key = None if self._cache is None or positions.is_inference() else (id(positions), positions._version)
+        if key in (self._cache or {}):
             return self._cache[key][1:]
         if self.inv_freq.device != positions.device:
             self.inv_freq = self.inv_freq.to(positions.device)
         freqs = positions[:, None].float() * self.inv_freq[None, :]
         cos, sin = freqs.cos() * self.scale, freqs.sin() * self.scale
-        if self._cache is not None:
+        if key is not None:
             self._cache[key] = (positions, cos, sin)  # the reference keeps the id from being reused meanwhile
         return cos, sin
 
