@@ -7,8 +7,8 @@ weights (Engine(quantization="fp8"), 128x128 e4m3 blocks) beside the same shape 
              counts the weights' real bytes (FP8: one byte per weight + its fp32 block scales), the routed experts
              the batch touches and the KV attended;
   prefill    4 x `context`-token prompts; FLOP/s over the matmul rate of the weights' dtype;
-  shapes     deepseek-v2-lite (bf16 and FP8) and deepseek-v3-reduced (full width: 7168 hidden, 128 heads, 256
-             experts, top-8; 1 dense + 3 MoE layers so that the bf16 weights quantized at load fit one GPU) in FP8;
+  shapes     deepseek-v2-lite (bf16, FP8, and FP8 weights with an e4m3 KV pool: `fp8-kv8`) and
+             deepseek-v3-reduced (full width: 7168 hidden, 128 heads, 256 experts, top-8; 1 dense + 3 MoE layers so that the bf16 weights quantized at load fit one GPU) in FP8;
   memory     weight bytes per GPU of the full DeepSeek-V3 (671B, its release format) and DeepSeek-V4.1-Flash
              (FP8 dense + MXFP4 experts) at EP 1 and EP 8 with data-parallel attention (dense weights replicated,
              routed experts split), from meta-device builds: no memory, no checkpoint.
@@ -47,6 +47,8 @@ V3 = dict(
 """DeepSeek-V3's released config (V3 / R1 / V3.1 share these dims)."""
 V3_REDUCED = dict(V3, num_hidden_layers=4, first_k_dense_replace=1)
 FP8_BLOCK = 128
+VARIANTS = {"bf16": (None, "auto"), "fp8": ("fp8", "auto"), "fp8-kv8": ("fp8", "fp8_e4m3")}
+"""Engine (quantization, kv_cache_dtype) of each row set: bf16, FP8 weights, FP8 weights with an e4m3 KV pool."""
 
 
 def fp8_matmul_rate() -> float:
@@ -135,14 +137,15 @@ def memory_report() -> dict:
     return out
 
 
-def run_shape(name: str, spec: dict, quantization: str | None, args, ceil: dict, section: dict, save) -> None:
+def run_shape(name: str, spec: dict, variant: str, args, ceil: dict, section: dict, save) -> None:
+    quantization, kv_cache_dtype = VARIANTS[variant]
     work = Path(tempfile.mkdtemp(prefix=f"bench-fp8-{name}-"))
     path = model_dir(spec, work)
     max_bs = max(args.batches)
     tokens = max(max_bs, 4) * (args.context + 8 + bench_gpu._decode_tokens(max_bs, args.context, args.steps))
     engine = Engine(str(path), dtype=bench_gpu.DTYPE, device=bench_gpu.DEVICE, load_format="dummy", max_num_seqs=max_bs,
                     kv_cache_tokens=tokens, chunked_prefill_tokens=bench_gpu.PREFILL_CHUNK,
-                    enable_prefix_cache=False, quantization=quantization)
+                    enable_prefix_cache=False, quantization=quantization, kv_cache_dtype=kv_cache_dtype)
     try:
         section["weight_bytes"] = sum(p.numel() * p.element_size() for p in engine.model.parameters())
         section["decode"] = []
@@ -154,13 +157,13 @@ def run_shape(name: str, spec: dict, quantization: str | None, args, ceil: dict,
                 row.pop("profile", None)
             section["decode"].append(row)
             save()
-            print(name, quantization, {k: row[k] for k in ("batch", "engine_tok_s", "floor_tok_s",
+            print(name, variant, {k: row[k] for k in ("batch", "engine_tok_s", "floor_tok_s",
                                                            "fraction_of_floor")}, flush=True)
         rate = ceil["fp8_matmul_flop_per_s" if quantization == "fp8" else "bf16_matmul_flop_per_s"]
         prefill = bench_prefill(engine, args.context, 4, rate, spec["vocab_size"])
         prefill.pop("profile", None)
         section["prefill"] = prefill
-        print(name, quantization, "prefill", prefill["tok_s"], prefill["fraction_of_matmul_rate"], flush=True)
+        print(name, variant, "prefill", prefill["tok_s"], prefill["fraction_of_matmul_rate"], flush=True)
     finally:
         engine.shutdown()
         del engine
@@ -176,6 +179,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--shapes", nargs="+", default=["deepseek-v2-lite", "deepseek-v3-reduced"])
     parser.add_argument("--memory-only", action="store_true")
+    parser.add_argument("--v3-layers", type=int, default=V3_REDUCED["num_hidden_layers"],
+                        help="layers of deepseek-v3-reduced (the first dense): its bf16 weights are drawn before "
+                             "quantization, 22.5 GB per MoE layer")
+    parser.add_argument("--v2-lite-variants", nargs="+", choices=list(VARIANTS), default=["bf16", "fp8", "fp8-kv8"])
     parser.add_argument("--profile-batches", type=int, nargs="*", default=[],
                         help="decode batches whose rows keep a kernel table of --profile-steps profiled steps")
     parser.add_argument("--profile-steps", type=int, default=2)
@@ -201,24 +208,25 @@ def main() -> None:
     ceil["fp8_matmul_flop_per_s"] = fp8_matmul_rate()
     result["ceilings"] = ceil
     print(ceil, flush=True)
-    plan = {"deepseek-v2-lite": (V2_LITE, (None, "fp8")), "deepseek-v3-reduced": (V3_REDUCED, ("fp8",))}
+    v3 = dict(V3_REDUCED, num_hidden_layers=args.v3_layers)
+    plan = {"deepseek-v2-lite": (V2_LITE, args.v2_lite_variants), "deepseek-v3-reduced": (v3, ("fp8",))}
     for name in args.shapes:
-        spec, quants = plan[name]
-        for quant in quants:
-            key = f"{name}/{quant or 'bf16'}"
-            section = result.setdefault(key, {})
+        spec, variants = plan[name]
+        for variant in variants:
+            section = result.setdefault(f"{name}/{variant}", {})
             try:
-                run_shape(name, spec, quant, args, ceil, section, save)
+                run_shape(name, spec, variant, args, ceil, section, save)
             except Exception:
                 section["error"] = traceback.format_exc()[-3000:]
                 print(section["error"], flush=True)
             save()
-    bf16, fp8 = result.get("deepseek-v2-lite/bf16", {}), result.get("deepseek-v2-lite/fp8", {})
-    for a, b in zip(bf16.get("decode", []), fp8.get("decode", [])):
-        print(f"v2-lite B={a['batch']:4d}  bf16 {a['engine_tok_s']:9.1f} ({a['fraction_of_floor']:.2f} of floor)  "
-              f"fp8 {b['engine_tok_s']:9.1f} ({b['fraction_of_floor']:.2f} of its floor)  "
-              f"fp8/bf16 {b['engine_tok_s'] / a['engine_tok_s']:.2f}x")
-        b["over_bf16"] = b["engine_tok_s"] / a["engine_tok_s"]
+    bf16 = result.get("deepseek-v2-lite/bf16", {})
+    for variant in ("fp8", "fp8-kv8"):
+        for a, b in zip(bf16.get("decode", []), result.get(f"deepseek-v2-lite/{variant}", {}).get("decode", [])):
+            print(f"v2-lite B={a['batch']:4d}  bf16 {a['engine_tok_s']:9.1f} ({a['fraction_of_floor']:.2f} of floor)  "
+                  f"{variant} {b['engine_tok_s']:9.1f} ({b['fraction_of_floor']:.2f} of its floor)  "
+                  f"{variant}/bf16 {b['engine_tok_s'] / a['engine_tok_s']:.2f}x")
+            b["over_bf16"] = b["engine_tok_s"] / a["engine_tok_s"]
     save()
 
 
