@@ -182,6 +182,9 @@ class Env:
     cpu_fast_step: bool
     """DEEPINFER_CPU_FAST_STEP=0: Llama-family models on CPU run their trunk through the modules (the reference
     path) instead of the flat CPU step (models/llama_step.py). Default on."""
+    gpu_row_step: bool
+    """DEEPINFER_GPU_ROW_STEP=0: Llama-family models on CUDA run steps of a few tokens through the modules instead of
+    the fused row step (models/llama_gpu_step.py: seven launches a layer). Default on."""
     cpu_bf16_gemv: str
     """DEEPINFER_CPU_BF16_GEMV: how the flat CPU step multiplies a lone bf16 row (a single decode stream) by a dense
     weight (models/cpu_row_products.py ROW_PRODUCTS): 'linear' (F.linear, the module path's op), 'mv' (torch.mv),
@@ -264,6 +267,7 @@ def get_env() -> Env:
         engine_max_restarts=_int("DEEPINFER_ENGINE_MAX_RESTARTS", 3),
         cpu_dense_copy=_bool("DEEPINFER_CPU_DENSE_COPY", True),
         cpu_fast_step=_bool("DEEPINFER_CPU_FAST_STEP", True),
+        gpu_row_step=_bool("DEEPINFER_GPU_ROW_STEP", True),
         cpu_bf16_gemv=_str("DEEPINFER_CPU_BF16_GEMV", "auto").strip().lower(),
         cpu_fp32_row=_str("DEEPINFER_CPU_FP32_ROW", "kernel").strip().lower(),
         cpu_quant_row=_str("DEEPINFER_CPU_QUANT_ROW", "kernel").strip().lower(),

@@ -48,6 +48,9 @@ class KernelConfig:
     is_cpu_fast_step: bool = True
     """DEEPINFER_CPU_FAST_STEP: Llama-family trunks on CPU run the flat step (models/llama_step.py) rather than
     the modules (never in batch-invariant mode)."""
+    is_gpu_row_step: bool = True
+    """DEEPINFER_GPU_ROW_STEP: Llama-family trunks on CUDA run steps of at most 16 tokens through the fused row step
+    (models/llama_gpu_step.py) rather than the modules (never in batch-invariant mode or with quantized weights)."""
     is_cpu_compile: bool = False
     """DEEPINFER_CPU_COMPILE: the CPU step (dense weights) compiled between its attention calls
     (models/llama_compiled.py)."""
@@ -92,7 +95,8 @@ class KernelConfig:
                    is_skinny_gemm=env.skinny_gemm, mla_mha_prefill=env.mla_mha_prefill,
                    mla_prefix_split=env.mla_prefix_split,
                    moe_router_skew=env.moe_router_skew, quantization=quantization,
-                   is_cpu_fast_step=env.cpu_fast_step, is_cpu_compile=env.cpu_compile)
+                   is_cpu_fast_step=env.cpu_fast_step, is_cpu_compile=env.cpu_compile,
+                   is_gpu_row_step=env.gpu_row_step)
 
     def for_checkpoint(self, quant: QuantConfig | None) -> "KernelConfig":
         """This config for a model whose checkpoint stores its weights as `quant` (ModelConfig.quantization): an

@@ -29,8 +29,13 @@ class LlamaAttention(nn.Module):
         """Whether the heads suit the one-launch rope and store (power-of-two head_dim), where the backend takes it."""
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        t = x.shape[0]
-        q, k, v = self.qkv_proj.split(self.qkv_proj(x))
+        return self.o_proj(self.attend(self.qkv_proj(x), batch))
+
+    def attend(self, qkv: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """The fused QKV projection's output (T, (Hq + 2 Hkv) D) -> the heads' attention output (T, Hq D): rotary,
+        the K / V store, attention over the pool (the part between the two projections)."""
+        t = qkv.shape[0]
+        q, k, v = self.qkv_proj.split(qkv)
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
@@ -46,7 +51,7 @@ class LlamaAttention(nn.Module):
         else:
             q, k = self.rotary_emb(batch.positions, q, k)
             o = batch.attention(q, k, v, self.layer_id, self.scale)
-        return self.o_proj(o.reshape(t, -1))
+        return o.reshape(t, -1)
 
 
 class LlamaForCausalLM(CausalLM):

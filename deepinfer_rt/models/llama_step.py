@@ -6,6 +6,8 @@ Chosen once from the KernelConfig when the model is built (`llama_step_method`):
     CpuStep      CPU, not batch-invariant, unquantized, int8 or Q4_1 weights (DEEPINFER_CPU_FAST_STEP, on by default)
     CompiledCpuStep  the same, dense weights, compiled between attention calls (DEEPINFER_CPU_COMPILE;
                  models/llama_compiled.py)
+    GpuRowStep   CUDA, not batch-invariant, unquantized: steps of at most 16 tokens in seven launches a layer
+                 (DEEPINFER_GPU_ROW_STEP, on by default; models/llama_gpu_step.py)
 
 On CPU a decode step of a small model is mostly host work between the GEMMs (profile:
 benchmark/profile_cpu_decode.py, --count-ops for the aten ops a step dispatches per layer): module calls, per-layer
@@ -70,6 +72,7 @@ from deepinfer_rt.layers.kernel_config import KernelConfig, cpu_has_native_bf16
 from deepinfer_rt.layers.int8 import WeightOnlyLinear
 from deepinfer_rt.layers.methods import UnquantizedLinear
 from deepinfer_rt.models.base import CausalLM
+from deepinfer_rt.models.llama_gpu_step import GpuRowStep
 from deepinfer_rt.models.cpu_row_products import KERNEL_MAX_ROWS, bf16_linear_fn, choose_row_gemv, row_kernels
 
 
@@ -438,7 +441,7 @@ class CpuStep(ModuleStep):
 
 
 @functools.cache
-def llama_step_method(config: KernelConfig) -> ModuleStep:
+def llama_step_method(config: KernelConfig) -> "ModuleStep | GpuRowStep":
     if (config.device_type == "cpu" and config.is_cpu_fast_step and not config.is_batch_invariant
             and config.quantization in (None, "int8", "q4_1")):
         if config.is_cpu_compile and config.quantization is None:
@@ -446,4 +449,6 @@ def llama_step_method(config: KernelConfig) -> ModuleStep:
 
             return CompiledCpuStep(CpuStep())
         return CpuStep()
+    if config.is_triton and config.is_gpu_row_step and not config.is_batch_invariant and config.quantization is None:
+        return GpuRowStep()
     return ModuleStep()

@@ -1,0 +1,131 @@
+"""A few rows times a dense weight with the work around it fused in: the residual add and RMSNorm before, SiLU-and-mul
+after. For a decode step of a small model, where each layer's kernels are short and the step is bound by how many
+run one after another (SmolLM2 at 32K, batch 1: ten launches a layer of 1-4 us each around a 10 us attention), not by
+the bytes they read.
+
+    row_gemv(x, w)                                    x @ w.T
+    row_gemv(x, w, norm_weight=nw, eps=e)             norm(x) @ w.T
+    row_gemv(x, w, residual=r, norm_weight=nw, ...)   (norm(x + r) @ w.T, x + r)
+    row_gemv(..., silu_mul=True)                      silu(h @ w[:I].T) * (h @ w[I:].T), w = [gate | up] (2I, K)
+
+Each program owns BLOCK_N output columns (with silu_mul, the same columns of the gate and of the up half) for every
+row and walks K in BLOCK_K steps; the rows ride as one 16-row tile of the tensor-core dot (masked past T). With a
+norm, a first pass over K sums each row's squares; the second normalizes each BLOCK_K slice as it is multiplied.
+Every program recomputes the rows' sums (a row is a few KB); program 0 alone writes x + r. Roundings follow the
+module path (reference.rms_norm, silu_and_mul): the sum x + r, x / rms(x), the weighted norm, the products before
+SiLU and SiLU itself are each rounded to the model dtype; the dot sums in fp32 (IEEE in fp32, not TF32), in another
+order than cuBLAS, so results equal the module path's within the last bits.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_ROWS = 16
+"""Rows one launch takes: one tensor-core tile."""
+
+
+@triton.jit
+def _row_tile(X, R, offs_m, offs_k, mmask, kmask, stride_x, stride_r, HAS_RES: tl.constexpr):
+    """Rows offs_m, columns offs_k of x (+ r, rounded to x's dtype), 0 outside."""
+    mask = mmask[:, None] & kmask[None, :]
+    x = tl.load(X + offs_m[:, None] * stride_x + offs_k[None, :], mask=mask, other=0.0)
+    if HAS_RES:
+        x = (x + tl.load(R + offs_m[:, None] * stride_r + offs_k[None, :], mask=mask, other=0.0)).to(
+            X.dtype.element_ty)
+    return x
+
+
+@triton.jit
+def _row_gemv_kernel(X, R, NW, W, Y, ResOut, T, N, K, stride_x, stride_r, stride_w, stride_y, stride_ro, up_offset,
+                     eps, HAS_RES: tl.constexpr, HAS_NORM: tl.constexpr, SILU: tl.constexpr, IEEE: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid = tl.program_id(0)
+    offs_m = tl.arange(0, BLOCK_M)
+    mmask = offs_m < T
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = offs_n < N
+    w_rows = W + offs_n.to(tl.int64)[:, None] * stride_w
+    if HAS_NORM:
+        ss = tl.zeros([BLOCK_M], tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            kmask = offs_k < K
+            x = _row_tile(X, R, offs_m, offs_k, mmask, kmask, stride_x, stride_r, HAS_RES)
+            if HAS_RES:
+                if pid == 0:
+                    tl.store(ResOut + offs_m[:, None] * stride_ro + offs_k[None, :], x,
+                             mask=mmask[:, None] & kmask[None, :])
+            xf = x.to(tl.float32)
+            ss += tl.sum(xf * xf, 1)
+        inv = tl.rsqrt(ss / K + eps)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    if SILU:
+        acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        kmask = offs_k < K
+        x = _row_tile(X, R, offs_m, offs_k, mmask, kmask, stride_x, stride_r, HAS_RES and HAS_NORM)
+        if HAS_NORM:
+            xn = (x.to(tl.float32) * inv[:, None]).to(x.dtype).to(tl.float32)
+            nw = tl.load(NW + offs_k, mask=kmask, other=0.0).to(tl.float32)
+            x = (nw[None, :] * xn).to(W.dtype.element_ty)
+        wmask = nmask[:, None] & kmask[None, :]
+        w = tl.load(w_rows + offs_k[None, :], mask=wmask, other=0.0)
+        if IEEE:
+            acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(x, tl.trans(w), acc)
+        if SILU:
+            wu = tl.load(w_rows + up_offset + offs_k[None, :], mask=wmask, other=0.0)
+            if IEEE:
+                acc_up = tl.dot(x, tl.trans(wu), acc_up, input_precision="ieee")
+            else:
+                acc_up = tl.dot(x, tl.trans(wu), acc_up)
+    out = acc.to(Y.dtype.element_ty)
+    if SILU:
+        g = out.to(tl.float32)
+        out = (g / (1.0 + tl.exp(-g))).to(Y.dtype.element_ty) * acc_up.to(Y.dtype.element_ty)
+    tl.store(Y + offs_m[:, None] * stride_y + offs_n[None, :], out, mask=mmask[:, None] & nmask[None, :])
+
+
+def tiles_for(n: int, k: int) -> dict:
+    """Launch shape: 16 output columns a program (enough programs for a 576-wide model's 36-96), 128-column K steps."""
+    return dict(BLOCK_N=16, BLOCK_K=128 if k >= 128 else triton.next_power_of_2(max(k, 16)), num_warps=4,
+                num_stages=3)
+
+
+def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether row_gemv takes these x (T, K) and weight (N, K)."""
+    return (x.dim() == 2 and 0 < x.shape[0] <= MAX_ROWS and x.stride(1) == 1 and weight.dim() == 2
+            and weight.stride(1) == 1 and weight.dtype == x.dtype and weight.shape[1] == x.shape[1]
+            and x.dtype in (torch.bfloat16, torch.float16, torch.float32) and x.shape[1] >= 16)
+
+
+def row_gemv(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None = None,
+             norm_weight: torch.Tensor | None = None, eps: float = 0.0, silu_mul: bool = False, config: dict | None = None):
+    """See the module doc. x (T, K) with T <= MAX_ROWS and weight (N, K), both with unit column stride and one dtype.
+    Returns y (T, N), or (T, N / 2) with silu_mul; with a residual, (y, x + residual)."""
+    if not supports(x, weight):
+        raise ValueError(f"row_gemv takes 1..{MAX_ROWS} rows of unit column stride and a weight of their dtype and "
+                         f"width; got x {tuple(x.shape)} {x.dtype}, weight {tuple(weight.shape)} {weight.dtype}")
+    if residual is not None and norm_weight is None:
+        raise ValueError("row_gemv adds a residual only before a norm")
+    t, k = x.shape
+    n = weight.shape[0] // 2 if silu_mul else weight.shape[0]
+    y = x.new_empty(t, n)
+    r = residual if residual is not None else x
+    if residual is not None:
+        if residual.shape != x.shape or residual.stride(1) != 1:
+            raise ValueError(f"residual {tuple(residual.shape)} does not match x {tuple(x.shape)}")
+        res_out = torch.empty_like(x)
+    else:
+        res_out = y
+    cfg = config or tiles_for(n, k)
+    _row_gemv_kernel[(triton.cdiv(n, cfg["BLOCK_N"]),)](
+        x, r, norm_weight if norm_weight is not None else weight, weight, y, res_out, t, n, k, x.stride(0),
+        r.stride(0), weight.stride(0), y.stride(0), res_out.stride(0), n * weight.stride(0), eps,
+        HAS_RES=residual is not None, HAS_NORM=norm_weight is not None, SILU=silu_mul,
+        IEEE=x.dtype == torch.float32, BLOCK_M=MAX_ROWS, **cfg)
+    return (y, res_out) if residual is not None else y

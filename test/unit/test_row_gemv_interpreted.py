@@ -1,0 +1,108 @@
+"""kernels/row_gemv.py through Triton's interpreter, against the module path's operations: the residual add and
+RMSNorm (reference.rms_norm), the product, SiLU-and-mul. fp32 (IEEE dots) within 1e-5; fp16 within fp16's
+rounding (the interpreter multiplies bf16 tiles as raw integers, so 16-bit is checked in fp16)."""
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+
+pytest.importorskip("triton")
+
+from test_triton_interpreted import _interpret  # noqa: E402
+
+_ROW_GEMV = textwrap.dedent("""
+    import torch
+    from deepinfer_kernels import reference
+    from deepinfer_kernels.row_gemv import row_gemv, MAX_ROWS
+    g = torch.Generator().manual_seed(0)
+    for dtype, tol in ((torch.float32, 1e-5), (torch.float16, 2e-3)):
+        for t, k, n in ((1, 96, 40), (3, 200, 24), (MAX_ROWS, 64, 33)):  # K and N off the tiles, a full tile of rows
+            x = (torch.randn(t, k, generator=g) * 2).to(dtype)
+            r = torch.randn(t, k, generator=g).to(dtype)
+            w = (torch.randn(n, k, generator=g) / k ** 0.5).to(dtype)
+            nw = (1 + torch.randn(k, generator=g) * 0.1).to(dtype)
+            cfg = dict(BLOCK_N=16, BLOCK_K=64)
+            mm = lambda a, b: (a.float() @ b.float().t()).to(dtype)
+            torch.testing.assert_close(row_gemv(x, w, config=cfg), mm(x, w), rtol=tol, atol=tol)
+            h = reference.rms_norm(x, nw, 1e-6)
+            torch.testing.assert_close(row_gemv(x, w, norm_weight=nw, eps=1e-6, config=cfg), mm(h, w), rtol=tol,
+                                       atol=tol)
+            y, s = row_gemv(x, w, residual=r, norm_weight=nw, eps=1e-6, config=cfg)
+            assert torch.equal(s, x + r)  # the sum the next layer starts from, rounded as the module path rounds it
+            torch.testing.assert_close(y, mm(reference.rms_norm(x + r, nw, 1e-6), w), rtol=tol, atol=tol)
+            gu = torch.cat([w, (torch.randn(n, k, generator=g) / k ** 0.5).to(dtype)])
+            y, s = row_gemv(x, gu, residual=r, norm_weight=nw, eps=1e-6, silu_mul=True, config=cfg)
+            want = reference.silu_and_mul(mm(reference.rms_norm(x + r, nw, 1e-6), gu))
+            assert y.shape == (t, n) and torch.equal(s, x + r)
+            torch.testing.assert_close(y, want, rtol=tol, atol=tol)
+    for bad in (dict(x=torch.randn(MAX_ROWS + 1, 32)), dict(w=torch.randn(8, 32, dtype=torch.float16))):
+        try:
+            row_gemv(bad.get("x", torch.randn(2, 32)), bad.get("w", torch.randn(8, 32)))
+            raise AssertionError(f"accepted {bad}")
+        except ValueError:
+            pass
+    print("ok")
+""")
+
+
+def test_row_gemv_with_norm_residual_and_silu_equals_module_ops():
+    assert _interpret(_ROW_GEMV).strip().endswith("ok")
+
+
+# A tiny Llama built with the GPU's methods, run interpreted: a step of a prompt and two decode rows (one of them a
+# padding row of slot -1) through GpuRowStep and through the modules: the same hidden states within fp32 rounding,
+# the same pool; a step of more rows than row_gemv takes runs the modules.
+_ROW_STEP = textwrap.dedent("""
+    import sys, tempfile, torch
+    sys.path.insert(0, "scripts")
+    from make_tiny_checkpoint import make_tiny_checkpoint
+    from deepinfer_rt.cache.kv_pool import KVPool
+    from deepinfer_rt.forward_batch import ForwardBatch
+    from deepinfer_rt.layers.attention.triton import TritonBackend
+    from deepinfer_rt.layers.kernel_config import KernelConfig, build_context
+    from deepinfer_rt.models.llama import LlamaForCausalLM
+    from deepinfer_rt.models.llama_gpu_step import GpuRowStep
+    from deepinfer_rt.models.llama_step import ModuleStep
+    from deepinfer_rt.models.loader import load_model_config
+    path = make_tiny_checkpoint("llama", tempfile.mkdtemp(), num_attention_heads=4, num_key_value_heads=2,
+                                head_dim=16)
+    config, _ = load_model_config(path)
+    torch.manual_seed(0)
+    with build_context(KernelConfig(device_type="cuda")):
+        model = LlamaForCausalLM(config)
+    assert isinstance(model.step_method, GpuRowStep)
+    for p in model.parameters():
+        p.data.normal_(0, 0.2)
+
+    def run(step, n_prompt):
+        pool = KVPool(LlamaForCausalLM.kv_layout(config), num_pages=96, page_size=1, dtype=torch.float32,
+                      device=torch.device("cpu"))
+        backend = object.__new__(TritonBackend)
+        backend.num_sms, backend.is_rope_store_supported = 4, True
+        torch.manual_seed(1)
+        for layer in range(config.num_layers):
+            pool.k[layer].normal_(), pool.v[layer].normal_()
+        t = n_prompt + 2
+        ids = torch.randint(0, config.vocab_size, (t,), generator=torch.Generator().manual_seed(2))
+        positions = torch.tensor([*range(n_prompt), 7, 0])
+        out_slots = torch.tensor([*range(10, 10 + n_prompt), 87, -1])
+        batch = ForwardBatch(ids, positions, out_slots, [n_prompt, 1, 1], [n_prompt, 8, 1],
+                             [torch.arange(10, 10 + n_prompt), torch.arange(80, 88), torch.tensor([90])], pool, backend)
+        backend.prepare(batch)
+        model.step_method = step
+        with torch.no_grad():
+            return model(batch), pool.k[0].clone(), pool.v[-1].clone()
+
+    for n_prompt in (5, 30):  # 7 rows: the row step; 32 rows: past MAX_ROWS, the modules in both
+        (h, k, v), (h_ref, k_ref, v_ref) = run(GpuRowStep(), n_prompt), run(ModuleStep(), n_prompt)
+        torch.testing.assert_close(h[:-1], h_ref[:-1], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(k, k_ref, rtol=1e-5, atol=1e-5), torch.testing.assert_close(v, v_ref, rtol=1e-5, atol=1e-5)
+        assert torch.equal(h, h_ref) == (n_prompt == 30)
+    assert model.gpu_row_layers and len(model.gpu_row_layers) == config.num_layers
+    print("ok")
+""")
+
+
+def test_llama_row_step_equals_module_path():
+    assert _interpret(_ROW_STEP).strip().endswith("ok")
