@@ -9,12 +9,13 @@ the bytes they read.
     row_gemv(..., silu_mul=True)                      silu(h @ w[:I].T) * (h @ w[I:].T), w = [gate | up] (2I, K)
 
 Each program owns BLOCK_N output columns (with silu_mul, the same columns of the gate and of the up half) for every
-row and walks K in BLOCK_K steps; the rows ride as one 16-row tile of the tensor-core dot (masked past T). With a
-norm, a first pass over K sums each row's squares; the second normalizes each BLOCK_K slice as it is multiplied.
-Every program recomputes the rows' sums (a row is a few KB); program 0 alone writes x + r. Roundings follow the
-module path (reference.rms_norm, silu_and_mul): the sum x + r, x / rms(x), the weighted norm, the products before
-SiLU and SiLU itself are each rounded to the model dtype; the dot sums in fp32 (IEEE in fp32, not TF32), in another
-order than cuBLAS, so results equal the module path's within the last bits.
+row and walks K in BLOCK_K steps (one step where the registers hold the whole row: K <= 1024 at one row), each
+weight tile loaded before the rows' arithmetic and multiplied by every row on the CUDA cores, fp32 products and
+sums. With a norm and K in one step the row is loaded, normalized and multiplied at once; over several steps a
+first pass sums each row's squares. Every program recomputes the rows' sums (a row is a few KB); program 0 alone
+writes x + r. Roundings follow the module path (reference.rms_norm, silu_and_mul): the sum x + r, x / rms(x), the
+weighted norm, the products before SiLU and SiLU itself are each rounded to the model dtype; the sums run in
+another order than cuBLAS's, so results equal the module path's within the last bits.
 """
 from __future__ import annotations
 
@@ -22,8 +23,9 @@ import torch
 import triton
 import triton.language as tl
 
-MAX_ROWS = 16
-"""Rows one launch takes: one tensor-core tile."""
+MAX_ROWS = 4
+"""Rows one launch takes. The products run on the CUDA cores (each weight tile times every row, in registers); a
+16-row tensor-core tile was measured at 6.1 us a launch on an H100 against cuBLAS's 3.6-4 (SmolLM2's shapes)."""
 
 
 @triton.jit
@@ -39,7 +41,7 @@ def _row_tile(X, R, offs_m, offs_k, mmask, kmask, stride_x, stride_r, HAS_RES: t
 
 @triton.jit
 def _row_gemv_kernel(X, R, NW, W, Y, ResOut, T, N, K, stride_x, stride_r, stride_w, stride_y, stride_ro, up_offset,
-                     eps, HAS_RES: tl.constexpr, HAS_NORM: tl.constexpr, SILU: tl.constexpr, IEEE: tl.constexpr,
+                     eps, HAS_RES: tl.constexpr, HAS_NORM: tl.constexpr, SILU: tl.constexpr, ONE_PASS: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid = tl.program_id(0)
     offs_m = tl.arange(0, BLOCK_M)
@@ -47,7 +49,7 @@ def _row_gemv_kernel(X, R, NW, W, Y, ResOut, T, N, K, stride_x, stride_r, stride
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = offs_n < N
     w_rows = W + offs_n.to(tl.int64)[:, None] * stride_w
-    if HAS_NORM:
+    if HAS_NORM and not ONE_PASS:  # the rows' sums of squares first, over K in tiles
         ss = tl.zeros([BLOCK_M], tl.float32)
         for k0 in range(0, K, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
@@ -66,23 +68,26 @@ def _row_gemv_kernel(X, R, NW, W, Y, ResOut, T, N, K, stride_x, stride_r, stride
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         kmask = offs_k < K
+        wmask = nmask[:, None] & kmask[None, :]
+        w = tl.load(w_rows + offs_k[None, :], mask=wmask, other=0.0)  # issued before the rows' arithmetic
+        if SILU:
+            wu = tl.load(w_rows + up_offset + offs_k[None, :], mask=wmask, other=0.0)
         x = _row_tile(X, R, offs_m, offs_k, mmask, kmask, stride_x, stride_r, HAS_RES and HAS_NORM)
         if HAS_NORM:
+            if ONE_PASS:  # BLOCK_K >= K: this tile is the whole row
+                if HAS_RES:
+                    if pid == 0:
+                        tl.store(ResOut + offs_m[:, None] * stride_ro + offs_k[None, :], x,
+                                 mask=mmask[:, None] & kmask[None, :])
+                xf = x.to(tl.float32)
+                inv = tl.rsqrt(tl.sum(xf * xf, 1) / K + eps)
             xn = (x.to(tl.float32) * inv[:, None]).to(x.dtype).to(tl.float32)
             nw = tl.load(NW + offs_k, mask=kmask, other=0.0).to(tl.float32)
             x = (nw[None, :] * xn).to(W.dtype.element_ty)
-        wmask = nmask[:, None] & kmask[None, :]
-        w = tl.load(w_rows + offs_k[None, :], mask=wmask, other=0.0)
-        if IEEE:
-            acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
-        else:
-            acc = tl.dot(x, tl.trans(w), acc)
+        xf = x.to(tl.float32)[:, None, :]
+        acc += tl.sum(xf * w.to(tl.float32)[None, :, :], 2)
         if SILU:
-            wu = tl.load(w_rows + up_offset + offs_k[None, :], mask=wmask, other=0.0)
-            if IEEE:
-                acc_up = tl.dot(x, tl.trans(wu), acc_up, input_precision="ieee")
-            else:
-                acc_up = tl.dot(x, tl.trans(wu), acc_up)
+            acc_up += tl.sum(xf * wu.to(tl.float32)[None, :, :], 2)
     out = acc.to(Y.dtype.element_ty)
     if SILU:
         g = out.to(tl.float32)
@@ -90,10 +95,13 @@ def _row_gemv_kernel(X, R, NW, W, Y, ResOut, T, N, K, stride_x, stride_r, stride
     tl.store(Y + offs_m[:, None] * stride_y + offs_n[None, :], out, mask=mmask[:, None] & nmask[None, :])
 
 
-def tiles_for(n: int, k: int) -> dict:
-    """Launch shape: 16 output columns a program (enough programs for a 576-wide model's 36-96), 128-column K steps."""
-    return dict(BLOCK_N=16, BLOCK_K=128 if k >= 128 else triton.next_power_of_2(max(k, 16)), num_warps=4,
-                num_stages=3)
+def tiles_for(t: int, n: int, k: int) -> dict:
+    """Launch shape for t rows of x (t, k) and n outputs: few output columns a program, so that a small model's
+    576-2048 outputs spread over 70-250 programs, and K in as few tiles as the registers hold (the rows x tile
+    products live in registers: BLOCK_M x BLOCK_N x BLOCK_K / 32 / num_warps fp32 values a thread)."""
+    block_m = triton.next_power_of_2(t)
+    return dict(BLOCK_M=block_m, BLOCK_N=8 if n >= 1024 else 4,
+                BLOCK_K=min(triton.next_power_of_2(max(k, 16)), 1024 // block_m), num_warps=4)
 
 
 def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -122,10 +130,10 @@ def row_gemv(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | Non
         res_out = torch.empty_like(x)
     else:
         res_out = y
-    cfg = config or tiles_for(n, k)
+    cfg = dict(tiles_for(t, n, k), **(config or {}))
     _row_gemv_kernel[(triton.cdiv(n, cfg["BLOCK_N"]),)](
         x, r, norm_weight if norm_weight is not None else weight, weight, y, res_out, t, n, k, x.stride(0),
         r.stride(0), weight.stride(0), y.stride(0), res_out.stride(0), n * weight.stride(0), eps,
-        HAS_RES=residual is not None, HAS_NORM=norm_weight is not None, SILU=silu_mul,
-        IEEE=x.dtype == torch.float32, BLOCK_M=MAX_ROWS, **cfg)
+        HAS_RES=residual is not None, HAS_NORM=norm_weight is not None, SILU=silu_mul, ONE_PASS=cfg["BLOCK_K"] >= k,
+        **cfg)
     return (y, res_out) if residual is not None else y

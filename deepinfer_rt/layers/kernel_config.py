@@ -49,7 +49,7 @@ class KernelConfig:
     """DEEPINFER_CPU_FAST_STEP: Llama-family trunks on CPU run the flat step (models/llama_step.py) rather than
     the modules (never in batch-invariant mode)."""
     is_gpu_row_step: bool = True
-    """DEEPINFER_GPU_ROW_STEP: Llama-family trunks on CUDA run steps of at most 16 tokens through the fused row step
+    """DEEPINFER_GPU_ROW_STEP: Llama-family trunks on CUDA run steps of at most 4 tokens through the fused row step
     (models/llama_gpu_step.py) rather than the modules (never in batch-invariant mode or with quantized weights)."""
     is_cpu_compile: bool = False
     """DEEPINFER_CPU_COMPILE: the CPU step (dense weights) compiled between its attention calls

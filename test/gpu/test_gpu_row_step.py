@@ -1,4 +1,4 @@
-"""The fused row step of Llama models on CUDA (models/llama_gpu_step.py, kernels/row_gemv.py): the kernel against
+"""The fused row step of Llama models at up to 4 rows on CUDA (models/llama_gpu_step.py, kernels/row_gemv.py): the kernel against
 fp32 products at SmolLM2's shapes, and the engine with the step against the module path (DEEPINFER_GPU_ROW_STEP=0)
 token for token in fp32 (eager and CUDA graphs), logprobs within bf16's rounding in bf16."""
 from __future__ import annotations
@@ -12,7 +12,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [1, 5, 16])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
 def test_row_gemv_at_smollm2_shapes(dtype, rows):
     from deepinfer_kernels import reference
     from deepinfer_kernels.row_gemv import row_gemv
@@ -45,9 +45,10 @@ def test_row_gemv_at_smollm2_shapes(dtype, rows):
 
 @pytest.fixture(scope="module")
 def llama_path(tmp_path_factory):
-    from make_tiny_checkpoint import make_tiny_checkpoint
+    from make_tiny_checkpoint import _tokenizer_dir, make_tiny_checkpoint
 
-    return make_tiny_checkpoint("llama", tmp_path_factory.mktemp("llama-row"), seed=0)
+    return make_tiny_checkpoint("llama", tmp_path_factory.mktemp("llama-row"), seed=0,
+                                tokenizer_dir=_tokenizer_dir("deepseek_v2"))
 
 
 def _run(path, dtype: str, row_step: bool, graphs: bool, monkeypatch):

@@ -1,6 +1,5 @@
 """kernels/row_gemv.py through Triton's interpreter, against the module path's operations: the residual add and
-RMSNorm (reference.rms_norm), the product, SiLU-and-mul. fp32 (IEEE dots) within 1e-5; fp16 within fp16's
-rounding (the interpreter multiplies bf16 tiles as raw integers, so 16-bit is checked in fp16)."""
+RMSNorm (reference.rms_norm), the product, SiLU-and-mul. fp32 within 1e-5; fp16 within fp16's rounding."""
 from __future__ import annotations
 
 import textwrap
@@ -17,12 +16,12 @@ _ROW_GEMV = textwrap.dedent("""
     from deepinfer_kernels.row_gemv import row_gemv, MAX_ROWS
     g = torch.Generator().manual_seed(0)
     for dtype, tol in ((torch.float32, 1e-5), (torch.float16, 2e-3)):
-        for t, k, n in ((1, 96, 40), (3, 200, 24), (MAX_ROWS, 64, 33)):  # K and N off the tiles, a full tile of rows
+        for t, k, n in ((1, 96, 40), (3, 200, 24), (MAX_ROWS, 64, 33), (2, 700, 9)):  # K, N off the tiles
             x = (torch.randn(t, k, generator=g) * 2).to(dtype)
             r = torch.randn(t, k, generator=g).to(dtype)
             w = (torch.randn(n, k, generator=g) / k ** 0.5).to(dtype)
             nw = (1 + torch.randn(k, generator=g) * 0.1).to(dtype)
-            cfg = dict(BLOCK_N=16, BLOCK_K=64)
+            cfg = dict(BLOCK_N=8, BLOCK_K=64) if k < 500 else {}  # K in tiles (two passes); the rule: one pass
             mm = lambda a, b: (a.float() @ b.float().t()).to(dtype)
             torch.testing.assert_close(row_gemv(x, w, config=cfg), mm(x, w), rtol=tol, atol=tol)
             h = reference.rms_norm(x, nw, 1e-6)
@@ -94,11 +93,11 @@ _ROW_STEP = textwrap.dedent("""
         with torch.no_grad():
             return model(batch), pool.k[0].clone(), pool.v[-1].clone()
 
-    for n_prompt in (5, 30):  # 7 rows: the row step; 32 rows: past MAX_ROWS, the modules in both
+    for n_prompt in (2, 30):  # 4 rows: the row step; 32 rows: past MAX_ROWS, the modules in both
         (h, k, v), (h_ref, k_ref, v_ref) = run(GpuRowStep(), n_prompt), run(ModuleStep(), n_prompt)
         torch.testing.assert_close(h[:-1], h_ref[:-1], rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(k, k_ref, rtol=1e-5, atol=1e-5), torch.testing.assert_close(v, v_ref, rtol=1e-5, atol=1e-5)
-        assert torch.equal(h, h_ref) == (n_prompt == 30)
+        assert torch.equal(h, h_ref) == (n_prompt == 30)  # the row step's sums run in another order
     assert model.gpu_row_layers and len(model.gpu_row_layers) == config.num_layers
     print("ok")
 """)
