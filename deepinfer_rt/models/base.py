@@ -126,7 +126,8 @@ class CausalLM(nn.Module):
         """Random weights from the config alone (load_format='dummy'): normal(0, 0.02), norms at 1. Drawn on
         the parameters' device (the values depend on the seed and the device type). FP8 weights (an FP8
         checkpoint's config) draw normal(0, 1) with every block scale 0.02: the same spread once dequantized; e8m0
-        byte scales (MXFP4 experts kept packed, FP8 Engram tables) are 2^-6, their packed codes random bytes."""
+        byte scales (MXFP4 experts kept packed, FP8 Engram tables) are 2^-6, their packed codes random bytes.
+        Tensors past DUMMY_DRAW_ELEMENTS draw one leading slice at a time (_draw_normal)."""
         gen = None
         params = dict(self.named_parameters())
         for name, p in params.items():
@@ -140,7 +141,18 @@ class CausalLM(nn.Module):
                 p.fill_(0.02)
             elif name + "_scale_inv" in params and p.dtype == torch.int8:  # packed e2m1 pairs: any byte
                 p.copy_(torch.randint(-128, 128, p.shape, generator=gen, dtype=torch.int8, device=p.device))
-            elif name + "_scale_inv" in params:  # FP8 values (or their exact copy) of a block-scaled weight
-                p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32, device=p.device))
-            else:
-                p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32, device=p.device).mul_(0.02))
+            else:  # FP8 values (or their exact copy) of a block-scaled weight: normal(0, 1); the rest 0.02 of it
+                _draw_normal(p, gen, 1.0 if name + "_scale_inv" in params else 0.02)
+
+
+DUMMY_DRAW_ELEMENTS = 1 << 28
+"""init_dummy draws a larger tensor one leading slice at a time: a whole draw is an fp32 temporary of the tensor's
+size (DeepSeek-V3's 256 experts' gate_up: 28 GiB beside the 28 GiB parameter)."""
+
+
+def _draw_normal(p: torch.Tensor, gen: torch.Generator, std: float) -> None:
+    if p.numel() <= DUMMY_DRAW_ELEMENTS or p.dim() < 2:
+        p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32, device=p.device).mul_(std))
+        return
+    for part in p:
+        _draw_normal(part, gen, std)
