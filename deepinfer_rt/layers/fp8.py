@@ -358,10 +358,19 @@ class Fp8BlockExperts(Fp8DequantExperts):
                     raise ValueError(f"{name}: scales for {scale.shape[0]} experts, weights for {w.shape[0]} "
                                      "(a shard cut its weights and scales apart)")
                 continue
-            parts = [quantize_fp8_blocks(part, self.block) for part in w.chunk(shards, dim=1)]
-            setattr(experts, name, nn.Parameter(torch.cat([q for q, _ in parts], dim=1), requires_grad=False))
-            setattr(experts, name + SCALE_SUFFIX,
-                    nn.Parameter(torch.cat([s for _, s in parts], dim=1), requires_grad=False))
+            # Expert by expert: a whole tensor's fp32 temporaries are several times its size (V3's gate_up: 28 GiB).
+            # Shards (gate | up) have scale blocks of their own.
+            q = torch.empty(w.shape, dtype=torch.float8_e4m3fn, device=w.device)
+            scales = []
+            for e in range(max(w.shape[0], 1)):  # an EP rank with no experts: the empty tensor once, for its shape
+                part = w[e] if w.shape[0] else w
+                parts = [quantize_fp8_blocks(p, self.block) for p in part.chunk(shards, dim=-2)]
+                if w.shape[0]:
+                    q[e] = torch.cat([p for p, _ in parts])
+                scales.append(torch.cat([s for _, s in parts], dim=-2))
+            scale = torch.stack(scales) if w.shape[0] else scales[0]
+            setattr(experts, name, nn.Parameter(q, requires_grad=False))
+            setattr(experts, name + SCALE_SUFFIX, nn.Parameter(scale, requires_grad=False))
 
 
 def is_fp8_fused_experts(config: KernelConfig) -> bool:
