@@ -33,14 +33,15 @@ import triton.language as tl
 
 
 @triton.jit
-def _attend_range(Q, QT, K, V, KS, VS, PageTable, b, kvh, row, start, end, stride_qb, stride_qh, stride_qtb,
+def _attend_range(Q, QT, K, V, KS, VS, PageTable, b, kvh, head0, row, start, end, stride_qb, stride_qh, stride_qtb,
                   stride_qth, stride_kn, stride_kh, stride_vn, stride_vh, stride_ks, stride_vs, stride_pt, sm_scale,
                   page_size, GROUP: tl.constexpr, BLOCK_H: tl.constexpr,
                   DK: tl.constexpr, DT: tl.constexpr, DV: tl.constexpr, BLOCK_N: tl.constexpr,
                   V_IS_K: tl.constexpr, IEEE: tl.constexpr, KV_FP8: tl.constexpr):
-    """The query heads of KV head `kvh` of row b over positions [start, end), in BLOCK_N-token tiles from
-    `start`: (normalised output (BLOCK_H, DV) fp32, base-2 log-sum-exp (BLOCK_H,), -inf when empty)."""
-    offs_h = tl.arange(0, BLOCK_H)
+    """Query heads head0 .. head0 + BLOCK_H of KV head `kvh`'s group, row b, over positions [start, end), in
+    BLOCK_N-token tiles from `start`: (normalised output (BLOCK_H, DV) fp32, base-2 log-sum-exp (BLOCK_H,), -inf
+    when empty)."""
+    offs_h = head0 + tl.arange(0, BLOCK_H)
     heads = kvh * GROUP + offs_h
     hmask = offs_h < GROUP
     offs_dk = tl.arange(0, DK)
@@ -108,14 +109,14 @@ def _attend_range(Q, QT, K, V, KS, VS, PageTable, b, kvh, row, start, end, strid
 
 
 @triton.jit
-def _store_split(PartO, PartLse, out, lse, b, kvh, split, num_splits, GROUP: tl.constexpr, BLOCK_H: tl.constexpr,
-                 DV: tl.constexpr):
+def _store_split(PartO, PartLse, out, lse, b, kvh, head0, split, num_splits, GROUP: tl.constexpr,
+                 BLOCK_H: tl.constexpr, DV: tl.constexpr, HEAD_BLOCKS: tl.constexpr):
     """A split's (BLOCK_H, DV) partial output and log-sum-exp at PartO / PartLse (B, Hq, num_splits[, DV])."""
-    offs_h = tl.arange(0, BLOCK_H)
+    offs_h = head0 + tl.arange(0, BLOCK_H)
     heads = kvh * GROUP + offs_h
     hmask = offs_h < GROUP
     offs_dv = tl.arange(0, DV)
-    part = (b * (GROUP * tl.num_programs(1)) + heads) * num_splits + split
+    part = (b * (GROUP * (tl.num_programs(1) // HEAD_BLOCKS)) + heads) * num_splits + split
     tl.store(PartO + part[:, None] * DV + offs_dv[None, :], out, mask=hmask[:, None])
     tl.store(PartLse + part, lse, mask=hmask)
 
@@ -127,26 +128,28 @@ def _decode_split_kernel(Q, QT, K, V, KS, VS, PageTable, TableRows, SeqLens, Par
                          sm_scale, page_size,
                          GROUP: tl.constexpr, BLOCK_H: tl.constexpr, DK: tl.constexpr, DT: tl.constexpr,
                          DV: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                         V_IS_K: tl.constexpr, IEEE: tl.constexpr, KV_FP8: tl.constexpr):
+                         V_IS_K: tl.constexpr, IEEE: tl.constexpr, KV_FP8: tl.constexpr,
+                         HEAD_BLOCKS: tl.constexpr):
     b = tl.program_id(0)
-    kvh = tl.program_id(1)
+    kvh = tl.program_id(1) // HEAD_BLOCKS  # axis 1: a KV head's group of query heads, BLOCK_H at a time
+    head0 = tl.program_id(1) % HEAD_BLOCKS * BLOCK_H
     split = tl.program_id(2)
     seq_len = tl.load(SeqLens + b)
     chunk = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
     start = split * chunk
     end = tl.minimum(start + chunk, seq_len)
     row = tl.load(TableRows + b).to(tl.int64)
-    out, lse = _attend_range(Q, QT, K, V, KS, VS, PageTable, b, kvh, row, start, end, stride_qb, stride_qh,
+    out, lse = _attend_range(Q, QT, K, V, KS, VS, PageTable, b, kvh, head0, row, start, end, stride_qb, stride_qh,
                              stride_qtb, stride_qth, stride_kn, stride_kh, stride_vn, stride_vh, stride_ks, stride_vs,
                              stride_pt, sm_scale, page_size, GROUP, BLOCK_H, DK, DT, DV, BLOCK_N, V_IS_K, IEEE, KV_FP8)
     if NUM_SPLITS == 1:  # the output itself (what the merge of one split would store, bit for bit)
-        offs_h = tl.arange(0, BLOCK_H)
+        offs_h = head0 + tl.arange(0, BLOCK_H)
         heads = kvh * GROUP + offs_h
         offs_dv = tl.arange(0, DV)
         tl.store(O + b * stride_ob + heads[:, None] * stride_oh + offs_dv[None, :], out.to(O.dtype.element_ty),
                  mask=(offs_h < GROUP)[:, None])
     else:
-        _store_split(PartO, PartLse, out, lse, b, kvh, split, NUM_SPLITS, GROUP, BLOCK_H, DV)
+        _store_split(PartO, PartLse, out, lse, b, kvh, head0, split, NUM_SPLITS, GROUP, BLOCK_H, DV, HEAD_BLOCKS)
 
 
 @triton.jit
@@ -156,22 +159,24 @@ def _fixed_split_kernel(Q, QT, K, V, KS, VS, PageTable, TableRows, SeqLens, Part
                         sm_scale, page_size, num_splits,
                         GROUP: tl.constexpr, BLOCK_H: tl.constexpr, DK: tl.constexpr, DT: tl.constexpr,
                         DV: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_SIZE: tl.constexpr,
-                        V_IS_K: tl.constexpr, IEEE: tl.constexpr, KV_FP8: tl.constexpr):
+                        V_IS_K: tl.constexpr, IEEE: tl.constexpr, KV_FP8: tl.constexpr,
+                        HEAD_BLOCKS: tl.constexpr):
     """Split s covers absolute positions [s * SPLIT_SIZE, (s + 1) * SPLIT_SIZE); splits past the row's KV
     write nothing (the merge reads only the row's own splits)."""
     b = tl.program_id(0)
-    kvh = tl.program_id(1)
+    kvh = tl.program_id(1) // HEAD_BLOCKS
+    head0 = tl.program_id(1) % HEAD_BLOCKS * BLOCK_H
     split = tl.program_id(2)
     seq_len = tl.load(SeqLens + b)
     start = split * SPLIT_SIZE
     if start < seq_len:
         end = tl.minimum(start + SPLIT_SIZE, seq_len)
         row = tl.load(TableRows + b).to(tl.int64)
-        out, lse = _attend_range(Q, QT, K, V, KS, VS, PageTable, b, kvh, row, start, end, stride_qb, stride_qh,
+        out, lse = _attend_range(Q, QT, K, V, KS, VS, PageTable, b, kvh, head0, row, start, end, stride_qb, stride_qh,
                                  stride_qtb, stride_qth, stride_kn, stride_kh, stride_vn, stride_vh, stride_ks,
                                  stride_vs, stride_pt, sm_scale, page_size, GROUP, BLOCK_H, DK, DT, DV, BLOCK_N,
                                  V_IS_K, IEEE, KV_FP8)
-        _store_split(PartO, PartLse, out, lse, b, kvh, split, num_splits, GROUP, BLOCK_H, DV)
+        _store_split(PartO, PartLse, out, lse, b, kvh, head0, split, num_splits, GROUP, BLOCK_H, DV, HEAD_BLOCKS)
 
 
 @triton.jit
@@ -282,13 +287,21 @@ def _query_tail(q: torch.Tensor, q_tail: torch.Tensor | None, dk: int, dv: int) 
     return q[..., head:] if q_tail is None else q_tail
 
 
+MLA_BLOCK_H, GQA_BLOCK_H = 16, 64
+"""Query heads one program attends at most (a KV head's larger group spreads over several programs, axis 1 of the
+grid): MLA's 576-column tiles at 16 heads are the tuned tile of V2-Lite's 16 heads; DeepSeek-V3's 128 as one tile
+needed 288 KB of shared memory (an H100 has 227)."""
+
+
 def _layout(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor) -> dict:
     """The kernels' shape constants for these buffers."""
     hq, dk = q.shape[1], k_buf.shape[-1]
     hkv, dv = k_buf.shape[1], v_buf.shape[-1]
     head, tail = _split_head_dim(dk, dv)
     fp8 = k_buf.dtype == torch.float8_e4m3fn
-    return dict(GROUP=hq // hkv, BLOCK_H=max(16, triton.next_power_of_2(hq // hkv)), DK=head, DT=tail, DV=dv,
+    group = hq // hkv
+    block_h = min(max(16, triton.next_power_of_2(group)), MLA_BLOCK_H if dk > 256 else GQA_BLOCK_H)
+    return dict(GROUP=group, BLOCK_H=block_h, HEAD_BLOCKS=triton.cdiv(group, block_h), DK=head, DT=tail, DV=dv,
                 V_IS_K=v_buf.data_ptr() == k_buf.data_ptr() and v_buf.stride() == k_buf.stride(),
                 IEEE=(q if fp8 else k_buf).dtype == torch.float32, KV_FP8=fp8)
 
@@ -333,7 +346,7 @@ def paged_decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Te
     # 3 stages for GQA's light 16-bit tiles (num_splits_for), 2 for MLA's 576-column ones (bench_kernels.py's
     # sweep) and for fp32 caches (shared memory).
     num_stages = num_stages or (3 if dk <= 256 and not layout["IEEE"] else 2)
-    _decode_split_kernel[(bsz, hkv, num_splits)](
+    _decode_split_kernel[(bsz, hkv * layout["HEAD_BLOCKS"], num_splits)](
         q, q_tail, k_buf, v_buf, ks, vs, page_table, table_rows, seq_lens, part_o, part_lse, out,
         q.stride(0), q.stride(1), q_tail.stride(0), q_tail.stride(1), k_buf.stride(0), k_buf.stride(1),
         v_buf.stride(0), v_buf.stride(1), ks.stride(0), vs.stride(0),
@@ -390,7 +403,7 @@ def paged_decode_attention_fixed(q: torch.Tensor, k_buf: torch.Tensor, v_buf: to
     for r0 in range(0, bsz, rows):
         r1 = min(bsz, r0 + rows)
         lens = seq_lens[r0:r1]
-        _fixed_split_kernel[(r1 - r0, hkv, num_splits)](
+        _fixed_split_kernel[(r1 - r0, hkv * layout["HEAD_BLOCKS"], num_splits)](
             q[r0:r1], q_tail[r0:r1], k_buf, v_buf, ks, vs, page_table, table_rows[r0:r1], lens, part_o, part_lse,
             q.stride(0), q.stride(1), q_tail.stride(0), q_tail.stride(1), k_buf.stride(0), k_buf.stride(1),
             v_buf.stride(0), v_buf.stride(1), ks.stride(0), vs.stride(0),

@@ -401,6 +401,36 @@ def test_llama_layer_with_rope_store_equals_without():
     assert _interpret(_LLAMA_ROPE_STORE).strip().endswith("ok")
 
 
+# More query heads per KV head than one program takes (DeepSeek-V3's 128 MLA heads, a wide GQA group): the heads
+# spread over programs (decode_attention.MLA_BLOCK_H / GQA_BLOCK_H), the default and the fixed-split kernels.
+_MANY_HEADS = textwrap.dedent("""
+    import torch
+    import deepinfer_kernels.decode_attention as da
+    g = torch.Generator().manual_seed(0)
+    ps, lens = 4, [3, 70]
+    table = torch.arange(2 * 18, dtype=torch.int32).view(2, 18)
+    rows, seq_lens = torch.tensor([1, 0], dtype=torch.int32), torch.tensor(lens, dtype=torch.int32)
+    for hq, hkv, dk, dv in ((40, 1, 288, 256), (160, 2, 32, 32)):  # MLA-wide (head 256 + tail 32), GQA of 80
+        k = torch.randn(2 * 18 * ps, hkv, dk, generator=g)
+        v = k[..., :dv] if hkv == 1 else torch.randn(2 * 18 * ps, hkv, dv, generator=g)
+        q = torch.randn(len(lens), hq, dk, generator=g)
+        layout = da._layout(q, k, v)
+        assert layout["HEAD_BLOCKS"] == (3 if hkv == 1 else 2), layout
+        ref = da.paged_decode_attention_ref(q, k, v, table, rows, seq_lens, ps, dk**-0.5)
+        for splits in (1, 3):
+            out = da.paged_decode_attention(q, k, v, table, rows, seq_lens, ps, dk**-0.5, splits, block_n=16)
+            torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+        out = da.paged_decode_attention_fixed(q, k, v, table, rows, seq_lens, ps, dk**-0.5,
+                                             da.fixed_num_splits(18 * ps))
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    print("ok")
+""")
+
+
+def test_decode_attention_heads_past_one_program():
+    assert _interpret(_MANY_HEADS).strip().endswith("ok")
+
+
 def test_split_decode_long_rows_and_device_page_table():
     assert _interpret(_LONG_DECODE).strip().endswith("ok")
 
