@@ -9,7 +9,7 @@ the KV source, the candidate source and the first YOCO consumer, with an index s
 the release's lists). No Engram layers (their tables are 384M rows each and add no KV) and no DSpark stages.
 
 Layer count: the largest N whose meta-device build fits the device twice over -- while the dummy weights are drawn
-(parameters are built in fp32 where they are floating point, plus the largest fp32 temporary of the draw) and while
+(linears and experts in the run dtype as each is built, the rest in fp32, plus the largest fp32 temporary) and while
 decoding (weights in the run dtype, the KV pool of the largest batch at the longest context, and a reserve for
 activations, graphs and prefill).
 
@@ -129,22 +129,34 @@ def meta_model(path: Path, device: torch.device):
 
 
 def weight_memory(model, config, run_dtype: torch.dtype) -> dict:
-    """Bytes of a meta-built model: while drawn (floating-point parameters in fp32, as the dummy build creates
-    them, plus its largest fp32 temporary: a parameter's draw, or the fp32 placeholders quantized experts replace)
-    and while running (floating-point parameters in the run dtype)."""
+    """Bytes of a meta-built model: while drawn and while running. The dummy build casts linears, embeddings and
+    experts to the run dtype as each is built (models/loader._cast_as_built), so while drawn the model holds them in
+    the run dtype and the rest (norms, mixing weights, routers: small) in fp32, plus its largest fp32 temporary: a
+    cast module before its cast, the fp32 placeholders quantized experts replace, or a draw (one slice at a time
+    past base.DUMMY_DRAW_ELEMENTS)."""
+    from deepinfer_rt.models.base import DUMMY_DRAW_ELEMENTS
+    from deepinfer_rt.models.loader import is_cast_as_built
+
     size = torch.empty((), dtype=run_dtype).element_size()
-    build = run = largest = 0
+    build = run = temp = 0
     is_packed = False
-    for name, p in model.named_parameters():
-        n = p.numel()
-        build += n * p.element_size()
-        run += n * (size if p.dtype == torch.float32 else p.element_size())
-        if p.is_floating_point():
-            largest = max(largest, n)
-        is_packed |= ".experts." in name and not p.is_floating_point()
+    for module in model.modules():
+        fp32_bytes = 0
+        for name, p in module.named_parameters(recurse=False):
+            n = p.numel()
+            at_run = n * (size if p.dtype == torch.float32 else p.element_size())
+            run += at_run
+            build += at_run if is_cast_as_built(module) else n * p.element_size()
+            if p.is_floating_point():
+                fp32_bytes += 4 * n
+                draw = n if n <= DUMMY_DRAW_ELEMENTS or p.dim() < 2 else n // p.shape[0]
+                temp = max(temp, 4 * draw)
+            is_packed |= "experts" in type(module).__name__.lower() and not p.is_floating_point()
+        if is_cast_as_built(module):
+            temp = max(temp, fp32_bytes)
     # Quantized experts replace fp32 placeholders of the full expert shape, built first (deepseek_v4/moe.py).
     placeholder = 3 * config.n_routed_experts * config.hidden_size * config.moe_intermediate_size if is_packed else 0
-    return {"build_bytes": build, "run_bytes": run, "build_temp_bytes": 4 * max(largest, placeholder)}
+    return {"build_bytes": build, "run_bytes": run, "build_temp_bytes": max(temp, 4 * placeholder)}
 
 
 def pool_bytes(layout, tokens: int, page_size: int, dtype: torch.dtype) -> float:

@@ -326,6 +326,8 @@ def experts_method(config: KernelConfig) -> ExpertsMethod:
 
 
 class RoutedExperts(nn.Module):
+    cast_as_built = True  # models/loader._cast_as_built: to the model dtype as soon as built (dummy weights)
+
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int):
         super().__init__()
         self.num_experts = num_experts

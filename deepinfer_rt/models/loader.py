@@ -140,6 +140,33 @@ def _no_init() -> Iterator[None]:
             setattr(torch.nn.init, name, fn)
 
 
+def is_cast_as_built(module: torch.nn.Module | None) -> bool:
+    """Whether a dummy build casts this module to the model dtype as soon as it is built (_cast_as_built)."""
+    return isinstance(module, (torch.nn.Linear, torch.nn.Embedding)) or getattr(module, "cast_as_built", False)
+
+
+@contextlib.contextmanager
+def _cast_as_built(dtype: torch.dtype | None) -> Iterator[None]:
+    """The bulk of the weights cast to `dtype` as each holder joins its parent (linears, embeddings, and modules of
+    routed experts, `cast_as_built`; module.to(dtype), so a holder that keeps FP8 values keeps them), so a dummy
+    model built where it runs never holds more than one such module's parameters in fp32: DeepSeek-V3's 61 layers
+    in fp32 are 2.7 TB, one layer's 256 experts 42 GB. Other modules wait for the built model's cast, where a model
+    keeps some of them in fp32 by name (DeepSeek-V4's norms, sinks and mixing weights; the routers' fp32 weights).
+    The values are those of casting the built model: init_dummy draws in fp32 and rounds as it copies."""
+    if dtype is None:
+        yield
+        return
+
+    def cast(module, name, submodule):
+        return submodule.to(dtype) if is_cast_as_built(submodule) else None
+
+    handle = torch.nn.modules.module.register_module_module_registration_hook(cast)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
 class Shard(Protocol):
     """Cuts a freshly built model down to one rank's part (expert parallelism: distributed/ep.py ExpertShard)."""
 
@@ -163,7 +190,8 @@ def build_model(config: ModelConfig, path: Path | None, load_format: str, dtype:
     dummy = load_format == "dummy"
     # Dummy weights are drawn where the model runs: a 16B-parameter model initialises in seconds on a GPU.
     # A model to shard is built on the CPU, where its full-size expert tensors (torch.empty) are only reserved.
-    with torch.device(device if dummy and shard is None else "cpu"), build_context(kernel_config), _no_init():
+    with torch.device(device if dummy and shard is None else "cpu"), build_context(kernel_config), _no_init(), \
+            _cast_as_built(dtype if dummy and shard is None else None):
         model = cls(config)
     if shard is not None:
         shard(model, *((device, dtype) if dummy else (torch.device("cpu"), torch.get_default_dtype())))

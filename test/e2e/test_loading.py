@@ -51,3 +51,31 @@ def test_cli_generate(tiny_llama_path, capsys):
                      "--json", "--dtype", "float32"]) == 0
     lines = [json.loads(x) for x in capsys.readouterr().out.strip().splitlines()]
     assert len(lines) == 2 and all(x["completion_tokens"] <= 3 for x in lines)
+
+
+def test_dummy_weights_cast_as_built(tiny_llama_path, tiny_v4_path, monkeypatch):
+    """Dummy models cast their linears and experts to the model dtype as each is built (loader._cast_as_built): the
+    same weights, dtypes included (DeepSeek-V4 keeps its fp32 norms and mixing weights), as casting the built model."""
+    import contextlib
+
+    from deepinfer_rt.layers.linear import Linear
+    from deepinfer_rt.layers.norm import RMSNorm
+    from deepinfer_rt.models import loader
+
+    with loader._cast_as_built(torch.bfloat16):
+        block = torch.nn.Sequential(Linear(8, 4), RMSNorm(8, 1e-6))
+    assert block[0].weight.dtype == torch.bfloat16 and block[1].weight.dtype == torch.float32
+
+    def states():
+        with Engine(str(path), dtype="bfloat16", load_format="dummy", kv_cache_tokens=256) as engine:
+            return {k: v.clone() for k, v in engine.model.state_dict().items()}
+
+    for path in (tiny_llama_path, tiny_v4_path):
+        cast = states()
+        with monkeypatch.context() as m:
+            m.setattr(loader, "_cast_as_built", lambda dtype: contextlib.nullcontext())
+            whole = states()
+        assert cast.keys() == whole.keys()
+        for k in cast:
+            assert cast[k].dtype == whole[k].dtype and torch.equal(cast[k], whole[k]), k
+        assert any(v.dtype == torch.float32 for v in cast.values()) == (path == tiny_v4_path)

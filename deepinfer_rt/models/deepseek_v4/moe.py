@@ -56,6 +56,8 @@ class V4Router(nn.Module):
 
 
 class ClampedExperts(nn.Module):
+    cast_as_built = True  # models/loader._cast_as_built: to the model dtype as soon as built (dummy weights)
+
     def __init__(self, cfg: V4Config):
         super().__init__()
         e, h, i = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
