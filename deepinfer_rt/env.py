@@ -130,6 +130,10 @@ class Env:
     fused kernel, activations quantized in every N tile, K split over programs at up to 16 rows), 'tiled'
     (activations quantized once, then a Triton GEMM with autotuned large tiles) or 'scaled_mm' (torch's cuBLASLt
     block-scaled GEMM on SM90, torch >= 2.10; the tiled path for shapes it does not take)."""
+    fp8_split_sum: str
+    """DEEPINFER_FP8_SPLIT_SUM: how the fused FP8 GEMM's K splits (at up to 16 rows) are added: 'kernel' (default: a
+    second launch) or 'last_program' (each output tile's last split adds them, the same bits, one launch fewer per
+    GEMM; checked in Triton's interpreter, not yet measured on a GPU)."""
     mla_mha_prefill: bool | None
     """DEEPINFER_MLA_MHA_PREFILL: MLA prefill chunks in the standard (expanded K/V) form. Unset = on for the
     Triton backend, for chunks of at least deepinfer_rt.layers.mla_prefill.MHA_MIN_QUERIES new tokens; 1 = every
@@ -253,6 +257,7 @@ def get_env() -> Env:
         overlap=_optional_bool("DEEPINFER_OVERLAP"),
         skinny_gemm=_bool("DEEPINFER_SKINNY_GEMM", True),
         fp8_gemm=_str("DEEPINFER_FP8_GEMM", "auto").strip().lower(),
+        fp8_split_sum=_str("DEEPINFER_FP8_SPLIT_SUM", "kernel").strip().lower(),
         mla_mha_prefill=_optional_bool("DEEPINFER_MLA_MHA_PREFILL"),
         mla_prefix_split=_optional_bool("DEEPINFER_MLA_PREFIX_SPLIT"),
         max_body_bytes=_int("DEEPINFER_MAX_BODY_BYTES", 16 << 20),

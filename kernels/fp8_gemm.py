@@ -10,7 +10,8 @@ then scaled by the token's activation scale and the weight block's scale and add
     acc[m, n] += dot(q(x)[m, k0:k0+BK], w[n, k0:k0+BK]) * s_x[m, k0 / BK] * s_w[n / GROUP_N, k0 / BK]
 
 At up to SPLIT_K_MAX_ROWS rows K is split over programs (split_k_for) and the fp32 partials summed in split order
-(deterministic); above, each output is one program's sum in K order.
+(deterministic) by a second kernel, or by each output tile's last split to finish (split_sum 'last_program': one
+launch, the same bits); above, each output is one program's sum in K order.
 
 Three paths (`fp8_gemm(..., path=)`, chosen by DEEPINFER_FP8_GEMM where the layer's method is built):
 
@@ -32,12 +33,14 @@ from deepinfer_kernels.fp8_quant import FP8_MAX, MIN_AMAX, quantize_fp8_token_gr
 
 
 @triton.jit
-def _fp8_block_gemm_kernel(X, W, WS, B, Y, P, M, N, K, kb_per_split, stride_xm, stride_wn, stride_wsn, stride_ym,
-                           HAS_BIAS: tl.constexpr, GROUP_N: tl.constexpr, BLOCK_M: tl.constexpr,
+def _fp8_block_gemm_kernel(X, W, WS, B, Y, P, Count, M, N, K, kb_per_split, stride_xm, stride_wn, stride_wsn,
+                           stride_ym, HAS_BIAS: tl.constexpr, GROUP_N: tl.constexpr, BLOCK_M: tl.constexpr,
                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-                           IS_INTERPRETED: tl.constexpr):
+                           LAST_SUMS: tl.constexpr, IS_INTERPRETED: tl.constexpr):
     """Program (m tile, n tile, split): K blocks [split * kb_per_split, (split + 1) * kb_per_split). One split
-    writes Y; several write fp32 partial sums to P (SPLIT_K, M, N), which _split_k_sum_kernel adds in split order."""
+    writes Y; several write fp32 partial sums to P (SPLIT_K, M, N), which _split_k_sum_kernel adds in split order,
+    or with LAST_SUMS the tile's last split to finish (a counter per tile at Count, reset by it) adds them in the
+    same order itself."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_s = tl.program_id(2)
@@ -77,8 +80,21 @@ def _fp8_block_gemm_kernel(X, W, WS, B, Y, P, M, N, K, kb_per_split, stride_xm, 
         tl.store(Y + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :], acc.to(Y.dtype.element_ty),
                  mask=mmask[:, None] & nmask[None, :])
     else:
-        tl.store(P + (pid_s * M + offs_m.to(tl.int64))[:, None] * N + offs_n[None, :], acc,
-                 mask=mmask[:, None] & nmask[None, :])
+        mask = mmask[:, None] & nmask[None, :]
+        rows = offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
+        tl.store(P + pid_s * M * N + rows, acc, mask=mask)
+        if LAST_SUMS:
+            tl.debug_barrier()  # every thread's partial is stored before the count (release, GPU scope)
+            tile = pid_m * tl.num_programs(1) + pid_n
+            if tl.atomic_add(Count + tile, 1, sem="acq_rel") == SPLIT_K - 1:
+                total = tl.load(P + rows, mask=mask, other=0.0, cache_modifier=".cg")
+                for s in tl.static_range(1, SPLIT_K):  # the order of _split_k_sum_kernel: the same bits
+                    total += tl.load(P + s * M * N + rows, mask=mask, other=0.0, cache_modifier=".cg")
+                if HAS_BIAS:
+                    total += tl.load(B + offs_n, mask=nmask, other=0.0).to(tl.float32)[None, :]
+                tl.store(Y + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :], total.to(Y.dtype.element_ty),
+                         mask=mask)
+                tl.atomic_xchg(Count + tile, 0)  # for the next launch (a replayed graph's too)
 
 
 @triton.jit
@@ -125,14 +141,30 @@ def _config(m: int) -> dict:
     return dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=3)
 
 
+SPLIT_SUMS = ("kernel", "last_program")
+"""How the split fused kernel's fp32 partials are added (DEEPINFER_FP8_SPLIT_SUM): by a second kernel, or by each
+output tile's last split to finish (one launch; the same sum, bit for bit)."""
+_TILE_COUNTERS = 1 << 16
+"""Output tiles the last-program sum takes (one int32 counter each, per device, zero between launches); a GEMM
+of more tiles adds its partials in the second kernel."""
+_counters: dict[torch.device, torch.Tensor] = {}
+
+
+def _tile_counters(device: torch.device) -> torch.Tensor:
+    """The device's counters: made once and kept, so a captured graph's pointer stays valid."""
+    if device not in _counters:
+        _counters[device] = torch.zeros(_TILE_COUNTERS, dtype=torch.int32, device=device)
+    return _counters[device]
+
+
 def fp8_block_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor, group_n: int,
                    block_k: int, bias: torch.Tensor | None = None, config: dict | None = None,
-                   split_k: int | None = None) -> torch.Tensor:
+                   split_k: int | None = None, split_sum: str = "kernel") -> torch.Tensor:
     """x (..., K) 16/32-bit, weight (N, K) float8_e4m3fn, weight_scale_inv (ceil(N/group_n), ceil(K/block_k))
     float32 -> (..., N) in x's dtype. block_k is the weights' column block and the activations' group (a power
     of two >= 16). config: fixed BLOCK_M / BLOCK_N / num_warps / num_stages (the interpreter test). split_k: K
-    split over that many programs per output tile, their fp32 partial sums added in order by a second kernel
-    (None: split_k_for on the GPU, 1 elsewhere)."""
+    split over that many programs per output tile, their fp32 partial sums added in order by a second kernel or,
+    with split_sum 'last_program', by the tile's last split (None: split_k_for on the GPU, 1 elsewhere)."""
     k = x.shape[-1]
     x2 = x.reshape(-1, k)
     if x2.stride(1) != 1:
@@ -151,14 +183,18 @@ def fp8_block_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torc
             torch.cuda.get_device_properties(x.device).multi_processor_count)
     kb_per_split = triton.cdiv(num_kb, max(1, split_k))
     split_k = triton.cdiv(num_kb, kb_per_split)  # no empty split
+    if split_sum not in SPLIT_SUMS:
+        raise ValueError(f"split_sum must be one of {SPLIT_SUMS}, got {split_sum!r}")
     part = torch.empty(split_k, m, n, dtype=torch.float32, device=x.device) if split_k > 1 else y
     grid = (triton.cdiv(m, config["BLOCK_M"]), triton.cdiv(n, config["BLOCK_N"]), split_k)
+    last_sums = split_k > 1 and split_sum == "last_program" and grid[0] * grid[1] <= _TILE_COUNTERS
     bias_arg = bias if bias is not None else weight_scale_inv
     _fp8_block_gemm_kernel[grid](
-        x2, weight, weight_scale_inv, bias_arg, y, part, m, n, k, kb_per_split, x2.stride(0), weight.stride(0),
-        weight_scale_inv.stride(0), y.stride(0), HAS_BIAS=bias is not None, GROUP_N=group_n, BLOCK_K=block_k,
-        SPLIT_K=split_k, IS_INTERPRETED=x.device.type == "cpu", **config)
-    if split_k > 1:
+        x2, weight, weight_scale_inv, bias_arg, y, part, _tile_counters(x.device) if last_sums else part, m, n, k,
+        kb_per_split, x2.stride(0), weight.stride(0), weight_scale_inv.stride(0), y.stride(0),
+        HAS_BIAS=bias is not None, GROUP_N=group_n, BLOCK_K=block_k, SPLIT_K=split_k, LAST_SUMS=last_sums,
+        IS_INTERPRETED=x.device.type == "cpu", **config)
+    if split_k > 1 and not last_sums:
         block = min(1024, triton.next_power_of_2(n))
         _split_k_sum_kernel[(m, triton.cdiv(n, block))](part, bias_arg, y, m, n, y.stride(0),
                                                          HAS_BIAS=bias is not None, SPLIT_K=split_k, BLOCK=block)
@@ -404,7 +440,7 @@ def auto_path(m: int, n: int = 1 << 62, block: tuple[int, int] = (128, 128)) -> 
 
 
 def fp8_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor, group_n: int, block_k: int,
-             bias: torch.Tensor | None = None, path: str = "auto") -> torch.Tensor:
+             bias: torch.Tensor | None = None, path: str = "auto", split_sum: str = "kernel") -> torch.Tensor:
     """y = x @ dequant(weight).T through `path` (one of FP8_GEMM_PATHS); the arguments as fp8_block_gemm's.
     scaled_mm on a GEMM it does not take (scaled_mm_shape_unsupported), or where the build or device lacks it
     under `auto`, runs the tiled path; an explicit scaled_mm on a build or device without it raises."""
@@ -412,7 +448,7 @@ def fp8_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tens
     if is_auto:
         path = auto_path(x.numel() // x.shape[-1], weight.shape[0], (group_n, block_k))
     if path == "triton":
-        return fp8_block_gemm(x, weight, weight_scale_inv, group_n, block_k, bias)
+        return fp8_block_gemm(x, weight, weight_scale_inv, group_n, block_k, bias, split_sum=split_sum)
     k, n = x.shape[-1], weight.shape[0]
     x2 = x.reshape(-1, k)
     m = x2.shape[0]

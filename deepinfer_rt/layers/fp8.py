@@ -196,10 +196,15 @@ class Fp8BlockLinear(Fp8LinearMethod):
     is_quantized = True
 
     def __init__(self, block: tuple[int, int], is_checkpoint_quantized: bool, scale_fmt: str = "float32",
-                 gemm_path: str = "auto", is_batch_invariant: bool = False):
+                 gemm_path: str = "auto", is_batch_invariant: bool = False, split_sum: str = "kernel"):
+        from deepinfer_kernels.fp8_gemm import SPLIT_SUMS
+
         super().__init__(block, is_checkpoint_quantized, scale_fmt)
         self.gemm_path = fp8_gemm_path(gemm_path)
         self.is_batch_invariant = is_batch_invariant
+        if split_sum not in SPLIT_SUMS:
+            raise ValueError(f"DEEPINFER_FP8_SPLIT_SUM={split_sum!r}: not one of {SPLIT_SUMS}")
+        self.split_sum = split_sum
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         raise NotImplementedError("Fp8BlockLinear runs a layer's own weights and scales (apply)")
@@ -211,7 +216,7 @@ class Fp8BlockLinear(Fp8LinearMethod):
             return fp8_invariant_gemm(x, layer.weight, layer.weight_scale_inv, layer.scale_group_n, self.block[1],
                                       layer.bias)
         return fp8_gemm(x, layer.weight, layer.weight_scale_inv, layer.scale_group_n, self.block[1], layer.bias,
-                        self.gemm_path)
+                        self.gemm_path, self.split_sum)
 
     @torch.no_grad()
     def process_weights_after_loading(self, layer: nn.Module) -> None:
@@ -233,12 +238,13 @@ class Fp8BlockLinear(Fp8LinearMethod):
 def weight_linear_method(config: KernelConfig) -> LinearMethod:
     """The method of a layer holding a model weight (Linear, MergedLinear): FP8 under `quantization == 'fp8'`
     (the GEMM on CUDA, dequantized elsewhere), weight-only int8 under 'int8' (CPU, layers/int8.py), 4-bit under 'q4_1' (CPU, layers/q4.py), else the
-    config's unquantized method. One method object per (config, DEEPINFER_FP8_GEMM)."""
-    return _weight_linear_method(config, get_env().fp8_gemm)
+    config's unquantized method. One method object per (config, DEEPINFER_FP8_GEMM, DEEPINFER_FP8_SPLIT_SUM)."""
+    env = get_env()
+    return _weight_linear_method(config, env.fp8_gemm, env.fp8_split_sum)
 
 
 @functools.cache
-def _weight_linear_method(config: KernelConfig, gemm_path: str) -> LinearMethod:
+def _weight_linear_method(config: KernelConfig, gemm_path: str, split_sum: str = "kernel") -> LinearMethod:
     if config.quantization == "int8":
         from deepinfer_rt.layers.int8 import Int8WeightOnlyLinear
 
@@ -251,7 +257,7 @@ def _weight_linear_method(config: KernelConfig, gemm_path: str) -> LinearMethod:
         return linear_method(config)
     if config.is_triton:
         return Fp8BlockLinear(config.weight_block_size, config.is_checkpoint_quantized, config.scale_fmt, gemm_path,
-                              config.is_batch_invariant)
+                              config.is_batch_invariant, split_sum)
     return dense_linear_method(config)
 
 

@@ -6,6 +6,8 @@
   the same fp32 values; they differ by fp32 summation order, the bf16 output rounding and, rarely, an
   activation rounded to the neighbouring e4m3 value (the GPU's fp32 division): relative error <= 5e-3 in norm.
   Against the bf16 product of x and the dequantized weight the activations' e4m3 rounding leaves a few percent.
+- The split fused kernel's partials added by each tile's last split (split_sum="last_program") against the second
+  kernel, bit for bit, over many launches and graph replays.
 - The FP8 GEMM's other paths (fp8_gemm(..., path="tiled" | "scaled_mm"): activations quantized once by
   deepinfer_kernels.fp8_quant, then the tiled Triton GEMM or torch's block-scaled scaled_mm) against the same torch
   form at V2-Lite and V3 shapes, M = 1 to 8192 (scaled_mm skipped, with the reason, where the torch build or the
@@ -48,6 +50,33 @@ DIMS = dict(hidden_size=256, intermediate_size=384, moe_intermediate_size=192, q
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     assert not out.isnan().any()
     return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+@pytest.mark.parametrize("m", [1, 5, 16])
+def test_fp8_split_sum_by_last_program_equals_second_kernel(m):
+    """split_sum='last_program' (each tile's last split adds the partials; a counter per tile) against the second
+    kernel, bit for bit, over many launches eagerly and from a CUDA graph, at V2-Lite / V3 decode shapes: a missed
+    partial (a memory-ordering fault) would show as a different sum."""
+    from deepinfer_kernels.fp8_gemm import _tile_counters, fp8_block_gemm
+    from deepinfer_kernels.reference import quantize_fp8_blocks
+
+    g = torch.Generator(device=DEV).manual_seed(m)
+    for n, k in ((2048, 10944), (3648, 2048), (2112, 7168)):
+        q, s = quantize_fp8_blocks(torch.randn(n, k, device=DEV, generator=g) * 0.02)
+        x = torch.randn(m, k, device=DEV, generator=g).bfloat16()
+        bias = torch.randn(n, device=DEV, generator=g).bfloat16()
+        want = fp8_block_gemm(x, q, s, 128, 128, bias)
+        for _ in range(50):
+            assert torch.equal(fp8_block_gemm(x, q, s, 128, 128, bias, split_sum="last_program"), want)
+        graph = torch.cuda.CUDAGraph()
+        fp8_block_gemm(x, q, s, 128, 128, bias, split_sum="last_program")  # compiled before the capture
+        with torch.cuda.graph(graph):
+            out = fp8_block_gemm(x, q, s, 128, 128, bias, split_sum="last_program")
+        for _ in range(50):
+            out.zero_()
+            graph.replay()
+            assert torch.equal(out, want)
+        assert not _tile_counters(x.device).any()
 
 
 @pytest.mark.parametrize("shape", list(V2_LITE_SHAPES), ids=list(V2_LITE_SHAPES))

@@ -19,6 +19,7 @@ from test_triton_interpreted import _interpret  # noqa: E402
 
 _GEMM = textwrap.dedent("""
     import torch
+    import deepinfer_kernels.fp8_gemm as fp8_gemm_module
     from deepinfer_kernels.fp8_gemm import fp8_block_gemm
     from deepinfer_kernels.reference import dequantize_fp8_blocks, fp8_block_gemm as ref, quantize_fp8_blocks
     g = torch.Generator().manual_seed(0)
@@ -43,6 +44,13 @@ _GEMM = textwrap.dedent("""
         for split in (2, 3):
             ys = fp8_block_gemm(x, q, s, 128, 128, bias, config=dict(BLOCK_M=bm, BLOCK_N=bn), split_k=split)
             assert (ys - want).abs().max() <= 1e-5 * want.abs().max(), (m, n, k, split)
+            # Added by each tile's last split instead of a second kernel: the same bits, the counters back at 0.
+            for b in (bias, None):
+                two = fp8_block_gemm(x, q, s, 128, 128, b, config=dict(BLOCK_M=bm, BLOCK_N=bn), split_k=split)
+                one = fp8_block_gemm(x, q, s, 128, 128, b, config=dict(BLOCK_M=bm, BLOCK_N=bn), split_k=split,
+                                     split_sum="last_program")
+                assert torch.equal(one, two), (m, n, k, split)
+            assert not fp8_gemm_module._tile_counters(x.device).any()
     from deepinfer_kernels.fp8_gemm import split_k_for
     assert split_k_for(1, 2048, 2048, 16, 32, 128, 132) == 8  # 64 tiles, 16 K blocks
     assert split_k_for(1, 2048, 256, 16, 32, 128, 132) == 1  # two K blocks: no split of one block each
