@@ -1,8 +1,9 @@
 """The fused row products (kernels/row_gemv.py) against the module path's kernels, at a small model's decode shapes.
 
-For each of a Llama layer's four products (SmolLM2-135M by default: qkv with the residual add and RMSNorm before it,
-o, gate_up with the add + norm before and SiLU-and-mul after, down) and each row count: the module path's chain
-(add + RMSNorm kernel, cuBLAS, SiLU-and-mul kernel), row_gemv with the engine's tile rule, and row_gemv with every
+For each of a Llama layer's products (SmolLM2-135M by default: qkv with the residual add and RMSNorm before it, the
+same with the rotary and the K/V store after it (qkv_rope_store), o, gate_up with the add + norm before and
+SiLU-and-mul after, down) and each row count: the module path's chain (add + RMSNorm kernel, cuBLAS, the rope + store
+kernel, SiLU-and-mul kernel), row_gemv with the engine's tile rule, and row_gemv with every
 tile in a small sweep. Times are CUDA-graph replays (median), beside the floor: the weight's bytes over the copy
 bandwidth measured in the same run.
 
@@ -20,8 +21,8 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from deepinfer_kernels.elementwise import rms_norm, silu_and_mul
-from deepinfer_kernels.row_gemv import MAX_ROWS, row_gemv, tiles_for
+from deepinfer_kernels.elementwise import gqa_rope_store, rms_norm, rope_cache, silu_and_mul
+from deepinfer_kernels.row_gemv import MAX_ROWS, qkv_rope_store, row_gemv, tiles_for
 
 SHAPES = {"smollm2-135m": (576, 960, 1536), "llama-1b": (2048, 3072, 8192)}
 """(hidden, qkv outputs, intermediate)."""
@@ -38,7 +39,7 @@ def copy_bandwidth() -> float:
 
 
 def products(hidden: int, qkv: int, inter: int, rows: int, dtype=torch.bfloat16):
-    """(name, module-path fn, fused fn(config), weight bytes) of the four products, on random tensors."""
+    """(name, module-path fn, fused fn(config), weight) of the products, on random tensors."""
     def rand(*shape, scale=1.0):
         return torch.randn(*shape, device="cuda", dtype=dtype) * scale
 
@@ -46,9 +47,23 @@ def products(hidden: int, qkv: int, inter: int, rows: int, dtype=torch.bfloat16)
     nw = 1 + rand(hidden, scale=0.1)
     w_qkv, w_o = rand(qkv, hidden, scale=hidden**-0.5), rand(hidden, hidden, scale=hidden**-0.5)
     w_gu, w_down = rand(2 * inter, hidden, scale=hidden**-0.5), rand(hidden, inter, scale=inter**-0.5)
+    d, hkv = 64, (qkv // 64 - hidden // 64) // 2  # the shapes' heads: 64 wide, the rest of qkv is K and V
+    hq = qkv // d - 2 * hkv
+    cos, sin = rope_cache(torch.rand(d // 2, device="cuda"), 1.0, 4096, torch.device("cuda"))
+    positions = torch.randint(0, 4096, (rows,), device="cuda")
+    slots = torch.arange(rows, device="cuda")
+    k_buf, v_buf = (torch.empty(64, hkv, d, device="cuda", dtype=dtype) for _ in range(2))
+
+    def module_qkv_rope_store():
+        q, k, v = F.linear(rms_norm(x, nw, 1e-5, r)[0], w_qkv).view(rows, -1, d).split([hq, hkv, hkv], dim=1)
+        gqa_rope_store(q, k, v, positions, cos, sin, False, k_buf, v_buf, slots)
+
     return [
         ("qkv (add + norm)", lambda: F.linear(rms_norm(x, nw, 1e-5, r)[0], w_qkv),
          lambda c: row_gemv(x, w_qkv, residual=r, norm_weight=nw, eps=1e-5, config=c), w_qkv),
+        ("qkv (add + norm, rope, store)", module_qkv_rope_store,
+         lambda c: qkv_rope_store(x, w_qkv, hq, hkv, positions, cos, sin, False, k_buf, v_buf, slots, residual=r,
+                                  norm_weight=nw, eps=1e-5, config=c), w_qkv),
         ("o", lambda: F.linear(o_in, w_o), lambda c: row_gemv(o_in, w_o, config=c), w_o),
         ("gate_up (add + norm, silu)", lambda: silu_and_mul(F.linear(rms_norm(x, nw, 1e-5, r)[0], w_gu)),
          lambda c: row_gemv(x, w_gu, residual=r, norm_weight=nw, eps=1e-5, silu_mul=True, config=c), w_gu),
@@ -71,7 +86,7 @@ def main() -> None:
              itertools.product((2, 4, 8, 16), (256, 512, 1024), (2, 4))]
     for shape in args.shapes:
         for rows in args.rows:
-            totals = {"module": 0.0, "rule": 0.0, "best": 0.0}
+            totals = {"module": 0.0, "rule": 0.0, "best": 0.0}  # the layer's products: qkv with rope + store
             for name, module, fused, w in products(*SHAPES[shape], rows):
                 floor = w.numel() * w.element_size() / bw * 1e6
                 row = {"shape": shape, "rows": rows, "product": name, "floor_us": floor, "module_us": graph_us(module),
@@ -88,7 +103,7 @@ def main() -> None:
                 row["best"] = min(timed, key=lambda c: c["us"])
                 result["rows"].append(row)
                 for key, us in (("module", row["module_us"]), ("rule", row["rule_us"]), ("best", row["best"]["us"])):
-                    totals[key] += us
+                    totals[key] += us if name != "qkv (add + norm)" else 0.0
                 print(f"{shape} rows={rows} {name:28s} module {row['module_us']:6.2f} us  fused (rule) "
                       f"{row['rule_us']:6.2f}  best {row['best']['us']:6.2f} {row['best']}  floor {floor:5.2f}",
                       flush=True)

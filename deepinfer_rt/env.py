@@ -188,7 +188,7 @@ class Env:
     path) instead of the flat CPU step (models/llama_step.py). Default on."""
     gpu_row_step: bool
     """DEEPINFER_GPU_ROW_STEP=0: Llama-family models on CUDA run steps of a few tokens through the modules instead of
-    the fused row step (models/llama_gpu_step.py: seven launches a layer). Default on."""
+    the fused row step (models/llama_gpu_step.py: six launches a layer). Default on."""
     cpu_bf16_gemv: str
     """DEEPINFER_CPU_BF16_GEMV: how the flat CPU step multiplies a lone bf16 row (a single decode stream) by a dense
     weight (models/cpu_row_products.py ROW_PRODUCTS): 'linear' (F.linear, the module path's op), 'mv' (torch.mv),

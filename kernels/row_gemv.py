@@ -40,15 +40,14 @@ def _row_tile(X, R, offs_m, offs_k, mmask, kmask, stride_x, stride_r, HAS_RES: t
 
 
 @triton.jit
-def _row_gemv_kernel(X, R, NW, W, Y, ResOut, T, N, K, stride_x, stride_r, stride_w, stride_y, stride_ro, up_offset,
-                     eps, HAS_RES: tl.constexpr, HAS_NORM: tl.constexpr, SILU: tl.constexpr, ONE_PASS: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _products(X, R, NW, ResOut, W1, W2, T, K, stride_x, stride_r, stride_ro, eps, nmask,
+              HAS_RES: tl.constexpr, HAS_NORM: tl.constexpr, TWO: tl.constexpr, ONE_PASS: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """(acc1, acc2) (BLOCK_M, BLOCK_N) fp32: the rows (normalized, + r) times the weight rows at W1 (and at W2 when
+    TWO; else acc2 is acc1), W1 / W2 (BLOCK_N, 1) pointers to the rows' first columns. Program 0 writes x + r."""
     pid = tl.program_id(0)
     offs_m = tl.arange(0, BLOCK_M)
     mmask = offs_m < T
-    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    nmask = offs_n < N
-    w_rows = W + offs_n.to(tl.int64)[:, None] * stride_w
     if HAS_NORM and not ONE_PASS:  # the rows' sums of squares first, over K in tiles
         ss = tl.zeros([BLOCK_M], tl.float32)
         for k0 in range(0, K, BLOCK_K):
@@ -62,16 +61,15 @@ def _row_gemv_kernel(X, R, NW, W, Y, ResOut, T, N, K, stride_x, stride_r, stride
             xf = x.to(tl.float32)
             ss += tl.sum(xf * xf, 1)
         inv = tl.rsqrt(ss / K + eps)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    if SILU:
-        acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc1 = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc2 = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         kmask = offs_k < K
         wmask = nmask[:, None] & kmask[None, :]
-        w = tl.load(w_rows + offs_k[None, :], mask=wmask, other=0.0)  # issued before the rows' arithmetic
-        if SILU:
-            wu = tl.load(w_rows + up_offset + offs_k[None, :], mask=wmask, other=0.0)
+        w1 = tl.load(W1 + offs_k[None, :], mask=wmask, other=0.0)  # issued before the rows' arithmetic
+        if TWO:
+            w2 = tl.load(W2 + offs_k[None, :], mask=wmask, other=0.0)
         x = _row_tile(X, R, offs_m, offs_k, mmask, kmask, stride_x, stride_r, HAS_RES and HAS_NORM)
         if HAS_NORM:
             if ONE_PASS:  # BLOCK_K >= K: this tile is the whole row
@@ -83,16 +81,75 @@ def _row_gemv_kernel(X, R, NW, W, Y, ResOut, T, N, K, stride_x, stride_r, stride
                 inv = tl.rsqrt(tl.sum(xf * xf, 1) / K + eps)
             xn = (x.to(tl.float32) * inv[:, None]).to(x.dtype).to(tl.float32)
             nw = tl.load(NW + offs_k, mask=kmask, other=0.0).to(tl.float32)
-            x = (nw[None, :] * xn).to(W.dtype.element_ty)
+            x = (nw[None, :] * xn).to(W1.dtype.element_ty)
         xf = x.to(tl.float32)[:, None, :]
-        acc += tl.sum(xf * w.to(tl.float32)[None, :, :], 2)
-        if SILU:
-            acc_up += tl.sum(xf * wu.to(tl.float32)[None, :, :], 2)
+        acc1 += tl.sum(xf * w1.to(tl.float32)[None, :, :], 2)
+        if TWO:
+            acc2 += tl.sum(xf * w2.to(tl.float32)[None, :, :], 2)
+    if TWO:
+        return acc1, acc2
+    return acc1, acc1
+
+
+@triton.jit
+def _row_gemv_kernel(X, R, NW, W, Y, ResOut, T, N, K, stride_x, stride_r, stride_w, stride_y, stride_ro, up_offset,
+                     eps, HAS_RES: tl.constexpr, HAS_NORM: tl.constexpr, SILU: tl.constexpr, ONE_PASS: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = offs_n < N
+    w_rows = W + offs_n.to(tl.int64)[:, None] * stride_w
+    acc, acc_up = _products(X, R, NW, ResOut, w_rows, w_rows + up_offset, T, K, stride_x, stride_r, stride_ro, eps,
+                            nmask, HAS_RES, HAS_NORM, SILU, ONE_PASS, BLOCK_M, BLOCK_N, BLOCK_K)
     out = acc.to(Y.dtype.element_ty)
     if SILU:
         g = out.to(tl.float32)
         out = (g / (1.0 + tl.exp(-g))).to(Y.dtype.element_ty) * acc_up.to(Y.dtype.element_ty)
-    tl.store(Y + offs_m[:, None] * stride_y + offs_n[None, :], out, mask=mmask[:, None] & nmask[None, :])
+    tl.store(Y + offs_m[:, None] * stride_y + offs_n[None, :], out, mask=(offs_m < T)[:, None] & nmask[None, :])
+
+
+@triton.jit
+def _qkv_rope_store_kernel(X, R, NW, W, Q, ResOut, Positions, Cos, Sin, KBuf, VBuf, Slots, T, K, stride_x, stride_r,
+                           stride_w, stride_q, stride_ro, stride_kb, stride_vb, num_q_heads, num_kv_heads, eps,
+                           HAS_RES: tl.constexpr, HAS_NORM: tl.constexpr, ONE_PASS: tl.constexpr,
+                           INTERLEAVE: tl.constexpr, HALF: tl.constexpr, BLOCK_M: tl.constexpr,
+                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """BLOCK_N rotary pairs a program: pair p is (head p // HALF, j = p % HALF), the QKV outputs (j, j + HALF) of
+    its head (INTERLEAVE: (2j, 2j + 1)). q and k pairs rotate by their token's cos / sin (elementwise._rotated's
+    arithmetic on the products rounded to the model dtype), written half-split: q to Q (T, Hq, 2 HALF), k to the
+    pool row of the token's slot; v pairs go to the pool at their own columns; slots < 0 (padding) store no K/V."""
+    offs_m = tl.arange(0, BLOCK_M)
+    mmask = offs_m < T
+    pairs = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    num_heads = num_q_heads + 2 * num_kv_heads
+    nmask = pairs < num_heads * HALF
+    head, j = pairs // HALF, pairs % HALF
+    col1 = head * (2 * HALF) + (2 * j if INTERLEAVE else j)
+    col2 = col1 + (1 if INTERLEAVE else HALF)
+    a, b = _products(X, R, NW, ResOut, W + col1.to(tl.int64)[:, None] * stride_w,
+                     W + col2.to(tl.int64)[:, None] * stride_w, T, K, stride_x, stride_r, stride_ro, eps, nmask,
+                     HAS_RES, HAS_NORM, True, ONE_PASS, BLOCK_M, BLOCK_N, BLOCK_K)
+    a = a.to(Q.dtype.element_ty).to(tl.float32)  # the QKV product as the module path rounds it
+    b = b.to(Q.dtype.element_ty).to(tl.float32)
+    pos = tl.load(Positions + offs_m, mask=mmask, other=0).to(tl.int64)
+    cos = tl.load(Cos + pos[:, None] * HALF + j[None, :], mask=mmask[:, None] & nmask[None, :], other=0.0)
+    sin = tl.load(Sin + pos[:, None] * HALF + j[None, :], mask=mmask[:, None] & nmask[None, :], other=0.0)
+    r1 = (a * cos - b * sin).to(Q.dtype.element_ty)
+    r2 = (b * cos + a * sin).to(Q.dtype.element_ty)
+    is_q = (head < num_q_heads)[None, :] & nmask[None, :] & mmask[:, None]
+    qdst = Q + offs_m[:, None] * stride_q + (head * (2 * HALF) + j)[None, :]
+    tl.store(qdst, r1, mask=is_q)
+    tl.store(qdst + HALF, r2, mask=is_q)
+    slot = tl.load(Slots + offs_m, mask=mmask, other=-1).to(tl.int64)
+    kv_row = mmask & (slot >= 0)
+    is_k = (head >= num_q_heads) & (head < num_q_heads + num_kv_heads) & nmask
+    kdst = KBuf + slot[:, None] * stride_kb + ((head - num_q_heads) * (2 * HALF) + j)[None, :]
+    tl.store(kdst, r1.to(KBuf.dtype.element_ty), mask=kv_row[:, None] & is_k[None, :])
+    tl.store(kdst + HALF, r2.to(KBuf.dtype.element_ty), mask=kv_row[:, None] & is_k[None, :])
+    is_v = (head >= num_q_heads + num_kv_heads) & nmask
+    vdst = VBuf + slot[:, None] * stride_vb + ((head - num_q_heads - num_kv_heads) * (2 * HALF) + col1 % (2 * HALF))[None, :]
+    tl.store(vdst, a.to(VBuf.dtype.element_ty), mask=kv_row[:, None] & is_v[None, :])
+    tl.store(vdst + (col2 - col1)[None, :], b.to(VBuf.dtype.element_ty), mask=kv_row[:, None] & is_v[None, :])
 
 
 def tiles_for(t: int, n: int, k: int) -> dict:
@@ -137,3 +194,32 @@ def row_gemv(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | Non
         HAS_RES=residual is not None, HAS_NORM=norm_weight is not None, SILU=silu_mul, ONE_PASS=cfg["BLOCK_K"] >= k,
         **cfg)
     return (y, res_out) if residual is not None else y
+
+
+def qkv_rope_store(x: torch.Tensor, weight: torch.Tensor, num_q_heads: int, num_kv_heads: int, positions: torch.Tensor,
+                   cos: torch.Tensor, sin: torch.Tensor, interleave: bool, k_buf: torch.Tensor, v_buf: torch.Tensor,
+                   slots: torch.Tensor, residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
+                   eps: float = 0.0, config: dict | None = None):
+    """A Llama layer's QKV product with what follows it up to attention, in one launch: h = norm(x (+ residual)),
+    qkv = h @ weight.T (weight (Hq + 2 Hkv) D x K), q and k rotated by their positions' rows of the (max_position,
+    D/2) fp32 tables, k and v stored at k_buf / v_buf[slots[t]] (slots < 0: none). The arithmetic of row_gemv then
+    elementwise.gqa_rope_store. Returns q (T, Hq, D), and with a residual (q, x + residual)."""
+    if not supports(x, weight):
+        raise ValueError(f"qkv_rope_store takes 1..{MAX_ROWS} rows of unit column stride and a weight of their dtype "
+                         f"and width; got x {tuple(x.shape)} {x.dtype}, weight {tuple(weight.shape)} {weight.dtype}")
+    t, k = x.shape
+    heads = num_q_heads + 2 * num_kv_heads
+    d = weight.shape[0] // heads
+    if (d * heads != weight.shape[0] or d & (d - 1) or (residual is not None and norm_weight is None)
+            or any(b.shape[1:] != (num_kv_heads, d) or not b[0].is_contiguous() for b in (k_buf, v_buf))):
+        raise ValueError("qkv_rope_store needs power-of-two heads, pool rows of the KV heads, a norm with a residual")
+    q = x.new_empty(t, num_q_heads, d)
+    res_out = torch.empty_like(x) if residual is not None else q
+    cfg = dict(tiles_for(t, heads * d // 2, k), **(config or {}))
+    _qkv_rope_store_kernel[(triton.cdiv(heads * d // 2, cfg["BLOCK_N"]),)](
+        x, residual if residual is not None else x, norm_weight if norm_weight is not None else weight, weight, q,
+        res_out, positions, cos, sin, k_buf, v_buf, slots, t, k, x.stride(0),
+        (residual if residual is not None else x).stride(0), weight.stride(0), q.stride(0), res_out.stride(0),
+        k_buf.stride(0), v_buf.stride(0), num_q_heads, num_kv_heads, eps, HAS_RES=residual is not None,
+        HAS_NORM=norm_weight is not None, ONE_PASS=cfg["BLOCK_K"] >= k, INTERLEAVE=interleave, HALF=d // 2, **cfg)
+    return (q, res_out) if residual is not None else q

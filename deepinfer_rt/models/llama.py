@@ -39,19 +39,26 @@ class LlamaAttention(nn.Module):
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        fused = self.is_rope_store_shape and batch.backend.is_rope_store_supported
-        if fused and self.rotary_emb.in_place(q, k, v):
+        if self.is_rope_store_fused(batch) and self.rotary_emb.in_place(q, k, v):
             # GPU: both rotations and the K / V store in one launch (four apart), then attention over the pool.
             from deepinfer_kernels.elementwise import gqa_rope_store
 
             cos, sin = self.rotary_emb.tables(q.device)
             gqa_rope_store(q, k, v, batch.positions, cos, sin, self.rotary_emb.interleave, batch.pool.k[self.layer_id],
                            batch.pool.v[self.layer_id], batch.out_slots)
-            o = batch.backend.forward(q, self.layer_id, self.scale, batch)
+            return self.attend_stored(q, batch)
         else:
             q, k = self.rotary_emb(batch.positions, q, k)
             o = batch.attention(q, k, v, self.layer_id, self.scale)
         return o.reshape(t, -1)
+
+    def attend_stored(self, q: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """Rotated queries (T, Hq, D) whose step's K / V are already in the pool -> attention output (T, Hq D)."""
+        return batch.backend.forward(q, self.layer_id, self.scale, batch).reshape(q.shape[0], -1)
+
+    def is_rope_store_fused(self, batch: ForwardBatch) -> bool:
+        """Whether this step rotates and stores in one launch (power-of-two heads, a backend that takes it)."""
+        return self.is_rope_store_shape and batch.backend.is_rope_store_supported
 
 
 class LlamaForCausalLM(CausalLM):

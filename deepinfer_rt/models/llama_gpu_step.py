@@ -1,22 +1,23 @@
-"""The Llama trunk on CUDA for steps of a few tokens (decode at small batch): seven launches a layer instead of ten.
+"""The Llama trunk on CUDA for steps of a few tokens (decode at small batch): six launches a layer instead of ten.
 
 A small model's decode step at batch 1 is bound by how many kernels run one after another, not by the bytes they
 read (SmolLM2 at 32K on an H100: 30 layers x 10 launches of 1-4 us each around a 10 us attention; the floor is 0.34
 ms a step). Here each layer runs
 
-    norm(x + r) @ qkv.T          one launch (deepinfer_kernels.row_gemv: the residual add and RMSNorm fused in)
-    rotary + K/V store           one launch (LlamaAttention.attend: gqa_rope_store where the backend takes it)
+    norm(x + r) @ qkv.T, rotary, K/V store    one launch (deepinfer_kernels.row_gemv.qkv_rope_store: the residual
+                                              add and RMSNorm before the product, q and k rotated, k and v stored)
     attention                    the backend's decode kernels (split over keys, then the merge)
     o @ o_proj.T                 one launch
     silu(norm(o + r) @ gate.T) * (norm(o + r) @ up.T)    one launch
     @ down.T                     one launch; its residual add goes to the next layer's first launch
 
-where the module path (ModuleStep) runs the add + norm, each product through cuBLAS and SiLU-and-mul apart. Steps
-of more than row_gemv.MAX_ROWS tokens (prefill chunks, larger batches) take the module path, whose cuBLAS GEMMs
+where the module path (ModuleStep) runs the add + norm, each product through cuBLAS, the rotary + store and SiLU-and-mul
+apart. Where the backend does not take the one-launch store (an FP8 KV pool) or the heads are not a power of two,
+the QKV product is row_gemv's and LlamaAttention.attend rotates and stores (seven launches). Steps of more than row_gemv.MAX_ROWS tokens (prefill chunks, larger batches) take the module path, whose cuBLAS GEMMs
 are the faster there. Values: the same operations and roundings as the module path, the products' sums in
 another order (fp32 accumulation), so logits agree within the last bits (test/gpu/test_gpu_row_step.py).
 
-Chosen at build (`llama_gpu_step_method`): CUDA with Triton, not batch-invariant (its products do not keep a fixed
+Chosen at build (models/llama_step.llama_step_method): CUDA with Triton, not batch-invariant (its products do not keep a fixed
 reduction order across batch sizes' paths), unquantized weights; DEEPINFER_GPU_ROW_STEP=0 turns it off. At the
 first step the model's layers are checked (dense 16/32-bit linears without bias, contiguous, one dtype); a model
 that does not qualify keeps the module path.
@@ -61,15 +62,34 @@ class GpuRowStep:
         eps = model.config.rms_norm_eps
         x, residual = model.model.embed_tokens(batch.input_ids), None
         for layer in layers:
-            if residual is None:
-                qkv, residual = row_gemv(x, layer.qkv, norm_weight=layer.input_norm, eps=eps), x
+            if layer.attn.is_rope_store_fused(batch):
+                q, residual = self._qkv_rope_store(layer, x, residual, batch, eps)
+                attended = layer.attn.attend_stored(q, batch)
             else:
-                qkv, residual = row_gemv(x, layer.qkv, residual=residual, norm_weight=layer.input_norm, eps=eps)
-            o = row_gemv(layer.attn.attend(qkv, batch), layer.o)
+                if residual is None:
+                    qkv, residual = row_gemv(x, layer.qkv, norm_weight=layer.input_norm, eps=eps), x
+                else:
+                    qkv, residual = row_gemv(x, layer.qkv, residual=residual, norm_weight=layer.input_norm, eps=eps)
+                attended = layer.attn.attend(qkv, batch)
+            o = row_gemv(attended, layer.o)
             h, residual = row_gemv(o, layer.gate_up, residual=residual, norm_weight=layer.post_norm, eps=eps,
                                    silu_mul=True)
             x = row_gemv(h, layer.down)
         return model.model.norm.forward_add(x, residual)[0]
+
+    @staticmethod
+    def _qkv_rope_store(layer: _RowLayer, x: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch,
+                        eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rotated q, residual) with the step's K / V stored: add + norm + QKV + rotary + store in one launch."""
+        from deepinfer_kernels.row_gemv import qkv_rope_store
+
+        attn = layer.attn
+        cos, sin = attn.rotary_emb.tables(x.device)
+        args = (x, layer.qkv, attn.num_heads, attn.num_kv_heads, batch.positions, cos, sin, attn.rotary_emb.interleave,
+                batch.pool.k[attn.layer_id], batch.pool.v[attn.layer_id], batch.out_slots)
+        if residual is None:
+            return qkv_rope_store(*args, norm_weight=layer.input_norm, eps=eps), x
+        return qkv_rope_store(*args, residual=residual, norm_weight=layer.input_norm, eps=eps)
 
     @staticmethod
     def _layers(model) -> list[_RowLayer] | None:

@@ -6,7 +6,7 @@ Chosen once from the KernelConfig when the model is built (`llama_step_method`):
     CpuStep      CPU, not batch-invariant, unquantized, int8 or Q4_1 weights (DEEPINFER_CPU_FAST_STEP, on by default)
     CompiledCpuStep  the same, dense weights, compiled between attention calls (DEEPINFER_CPU_COMPILE;
                  models/llama_compiled.py)
-    GpuRowStep   CUDA, not batch-invariant, unquantized: steps of at most 4 tokens in seven launches a layer
+    GpuRowStep   CUDA, not batch-invariant, unquantized: steps of at most 4 tokens in six launches a layer
                  (DEEPINFER_GPU_ROW_STEP, on by default; models/llama_gpu_step.py)
 
 On CPU a decode step of a small model is mostly host work between the GEMMs (profile:

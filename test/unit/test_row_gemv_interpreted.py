@@ -35,6 +35,32 @@ _ROW_GEMV = textwrap.dedent("""
             want = reference.silu_and_mul(mm(reference.rms_norm(x + r, nw, 1e-6), gu))
             assert y.shape == (t, n) and torch.equal(s, x + r)
             torch.testing.assert_close(y, want, rtol=tol, atol=tol)
+    # The QKV product with rotary and the K/V store (qkv_rope_store) against row_gemv + gqa_rope_store's ops.
+    from deepinfer_kernels.row_gemv import qkv_rope_store
+    from deepinfer_kernels.elementwise import rope_cache
+    hq, hkv, d, k = 4, 2, 16, 80
+    cos, sin = rope_cache(torch.randn(d // 2).abs(), 1.0, 64, torch.device("cpu"))
+    for dtype, tol in ((torch.float32, 1e-5), (torch.float16, 2e-3)):
+        for interleave in (False, True):
+            for t in (1, 3):
+                x, r = torch.randn(t, k, generator=g).to(dtype), torch.randn(t, k, generator=g).to(dtype)
+                nw = (1 + torch.randn(k, generator=g) * 0.1).to(dtype)
+                w = (torch.randn((hq + 2 * hkv) * d, k, generator=g) / k ** 0.5).to(dtype)
+                pos, slots = torch.tensor([5, 0, 63])[:t], torch.tensor([2, -1, 6])[:t]
+                kb, vb = torch.zeros(8, hkv, d, dtype=dtype), torch.zeros(8, hkv, d, dtype=dtype)
+                q, s = qkv_rope_store(x, w, hq, hkv, pos, cos, sin, interleave, kb, vb, slots, residual=r,
+                                      norm_weight=nw, eps=1e-6, config=dict(BLOCK_K=32))
+                assert torch.equal(s, x + r)
+                qkv = (reference.rms_norm(x + r, nw, 1e-6).float() @ w.float().t()).to(dtype).view(t, -1, d)
+                rot = lambda z: reference.apply_rope(z, *[c[pos].repeat(1, 2) for c in (cos, sin)], interleave)
+                want_q, want_k = rot(qkv[:, :hq].float()).to(dtype), rot(qkv[:, hq:hq + hkv].float()).to(dtype)
+                torch.testing.assert_close(q, want_q, rtol=tol, atol=tol)
+                real = slots >= 0
+                torch.testing.assert_close(kb[slots[real]], want_k[real], rtol=tol, atol=tol)
+                torch.testing.assert_close(vb[slots[real]], qkv[real, hq + hkv:], rtol=tol, atol=tol)
+                untouched = torch.ones(8, dtype=torch.bool)
+                untouched[slots[real]] = False
+                assert not kb[untouched].any() and not vb[untouched].any()
     for bad in (dict(x=torch.randn(MAX_ROWS + 1, 32)), dict(w=torch.randn(8, 32, dtype=torch.float16))):
         try:
             row_gemv(bad.get("x", torch.randn(2, 32)), bad.get("w", torch.randn(8, 32)))
@@ -74,11 +100,11 @@ _ROW_STEP = textwrap.dedent("""
     for p in model.parameters():
         p.data.normal_(0, 0.2)
 
-    def run(step, n_prompt):
+    def run(step, n_prompt, rope_store=True):
         pool = KVPool(LlamaForCausalLM.kv_layout(config), num_pages=96, page_size=1, dtype=torch.float32,
                       device=torch.device("cpu"))
         backend = object.__new__(TritonBackend)
-        backend.num_sms, backend.is_rope_store_supported = 4, True
+        backend.num_sms, backend.is_rope_store_supported = 4, rope_store
         torch.manual_seed(1)
         for layer in range(config.num_layers):
             pool.k[layer].normal_(), pool.v[layer].normal_()
@@ -93,8 +119,15 @@ _ROW_STEP = textwrap.dedent("""
         with torch.no_grad():
             return model(batch), pool.k[0].clone(), pool.v[-1].clone()
 
-    for n_prompt in (2, 30):  # 4 rows: the row step; 32 rows: past MAX_ROWS, the modules in both
-        (h, k, v), (h_ref, k_ref, v_ref) = run(GpuRowStep(), n_prompt), run(ModuleStep(), n_prompt)
+    # 4 rows: the row step (QKV + rotary + store in one launch, or apart where the backend keeps the store);
+    # 32 rows: past MAX_ROWS, the modules in both.
+    import deepinfer_kernels.row_gemv as row_gemv_module
+    fused_calls, inner = [], row_gemv_module.qkv_rope_store
+    row_gemv_module.qkv_rope_store = lambda *a, **k: fused_calls.append(1) or inner(*a, **k)
+    for n_prompt, rope_store in ((2, True), (2, False), (30, True)):
+        before = len(fused_calls)
+        (h, k, v), (h_ref, k_ref, v_ref) = run(GpuRowStep(), n_prompt, rope_store), run(ModuleStep(), n_prompt, rope_store)
+        assert len(fused_calls) - before == (config.num_layers if n_prompt == 2 and rope_store else 0)
         torch.testing.assert_close(h[:-1], h_ref[:-1], rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(k, k_ref, rtol=1e-5, atol=1e-5), torch.testing.assert_close(v, v_ref, rtol=1e-5, atol=1e-5)
         assert torch.equal(h, h_ref) == (n_prompt == 30)  # the row step's sums run in another order
