@@ -112,3 +112,30 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
             x3, cos, sin, out, x3.stride(0), x3.stride(1), out.stride(0), out.stride(1), cos.stride(0), m, nope,
             HALF=half, BLOCK_M=block_m, BLOCK_NOPE=triton.next_power_of_2(nope) if nope else 0, num_warps=4)
     return out.view(x.shape)
+
+
+@triton.jit
+def _clamped_swiglu_kernel(G, U, Out, stride_g, stride_u, stride_o, n_cols, limit, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n_cols
+    g = tl.minimum(tl.load(G + row * stride_g + offs, mask=mask, other=0.0).to(tl.float32), limit)
+    u = tl.load(U + row * stride_u + offs, mask=mask, other=0.0).to(tl.float32)
+    u = tl.minimum(tl.maximum(u, -limit), limit)
+    s = (g / (1.0 + tl.exp(-g))).to(Out.dtype.element_ty).to(tl.float32)  # silu, rounded as F.silu rounds it
+    tl.store(Out + row * stride_o + offs, (s * u).to(Out.dtype.element_ty), mask=mask)
+
+
+def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+    """silu(gate.clamp(max=limit)) * up.clamp(-limit, limit) (deepseek_v4/moe.clamped_swiglu) in one launch, for
+    gate / up (T, I) of one dtype with unit column strides (the two halves of a gate|up product are views)."""
+    if gate.shape != up.shape or gate.dim() != 2 or gate.stride(1) != 1 or up.stride(1) != 1 or gate.dtype != up.dtype:
+        raise ValueError(f"clamped_swiglu takes two (T, I) tensors of one dtype with unit column strides, got "
+                         f"{tuple(gate.shape)} / {tuple(up.shape)}")
+    t, n = gate.shape
+    out = torch.empty(t, n, dtype=gate.dtype, device=gate.device)
+    block = min(1024, triton.next_power_of_2(max(n, 16)))
+    if t and n:
+        _clamped_swiglu_kernel[(t, triton.cdiv(n, block))](gate, up, out, gate.stride(0), up.stride(0), out.stride(0),
+                                                           n, float(limit), BLOCK=block, num_warps=4)
+    return out

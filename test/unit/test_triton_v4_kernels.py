@@ -158,7 +158,7 @@ _MODEL = textwrap.dedent("""
 
 
 # The V4 norms (weighted, unweighted; one pass and the looped long row) and the rotation of the trailing channels
-# (over middle dims, a strided view, and undone with -sin) against the torch forms.
+# (over middle dims, a strided view, and undone with -sin) and the clamped SwiGLU against the torch forms.
 _ELEMENTWISE = textwrap.dedent("""
     import torch
     from deepinfer_kernels import v4_elementwise as ew
@@ -180,6 +180,12 @@ _ELEMENTWISE = textwrap.dedent("""
             assert torch.equal(got[..., : shape[-1] - 2 * half], x[..., : shape[-1] - 2 * half])  # untouched
             wide = torch.randn(shape[0], *shape[1:-1], shape[-1] + 8, generator=g).to(dtype)[..., 4 : 4 + shape[-1]]
             torch.testing.assert_close(ew.rope(wide, cos, -sin), apply_rope(wide, cos, -sin), rtol=tol, atol=tol)
+        # The experts' clamped SwiGLU on the two halves of a gate | up product (views), limits that clamp some.
+        gate_up = (torch.randn(5, 2 * 40, generator=g) * 4).to(dtype)
+        gate, up = gate_up[:, :40], gate_up[:, 40:]
+        for limit in (1.5, 100.0):
+            want = torch.nn.functional.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
+            torch.testing.assert_close(ew.clamped_swiglu(gate, up, limit), want, rtol=tol, atol=tol)
     print("ok")
 """)
 

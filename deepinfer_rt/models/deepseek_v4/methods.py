@@ -83,6 +83,10 @@ class V4Method:
     def silu(self, x: torch.Tensor) -> torch.Tensor:
         return F.silu(x)
 
+    def clamped_swiglu(self, gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+        """The experts' activation: silu(gate clamped above at limit) * (up clamped to +-limit)."""
+        return self.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
+
     def score(self, logits: torch.Tensor, scoring_func: str) -> torch.Tensor:
         """Router scores of the logits (T, E)."""
         if scoring_func == "sqrtsoftplus":
@@ -284,6 +288,11 @@ class V4TritonMethod(V4Method):
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return self.kernels.elementwise.rms_norm(x, weight, eps)
+
+    def clamped_swiglu(self, gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+        if gate.dim() != 2 or gate.stride(-1) != 1 or up.stride(-1) != 1 or gate.dtype != up.dtype:
+            return super().clamped_swiglu(gate, up, limit)
+        return self.kernels.elementwise.clamped_swiglu(gate, up, limit)  # one launch for four
 
     def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         half = cos.shape[-1]

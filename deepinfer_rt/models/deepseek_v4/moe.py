@@ -26,7 +26,7 @@ from deepinfer_rt.models.deepseek_v4.methods import V4Method, v4_method
 
 
 def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float, method: V4Method) -> torch.Tensor:
-    return method.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
+    return method.clamped_swiglu(gate, up, limit)
 
 
 class V4Router(nn.Module):
