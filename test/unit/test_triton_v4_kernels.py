@@ -190,6 +190,37 @@ _ELEMENTWISE = textwrap.dedent("""
 """)
 
 
+# V4's routing through the router kernel (V4TritonMethod.route: sqrt(softplus) scores, top k of scores + bias or the
+# hash table's row, normalized and scaled) against V4Method.route: the same experts (ascending here, by biased score
+# there) with the same weights; logits past softplus' linear threshold and far below zero included.
+_ROUTE = textwrap.dedent("""
+    import torch
+    from types import SimpleNamespace
+    from deepinfer_kernels import moe_router
+    from deepinfer_rt.layers.methods import Activation, HeadMatmul, UnquantizedLinear
+    from deepinfer_rt.models.deepseek_v4.methods import V4Method, V4TritonMethod
+    g = torch.Generator().manual_seed(0)
+    torch_m = V4Method(UnquantizedLinear(), Activation(), HeadMatmul())
+    kernel_m = object.__new__(V4TritonMethod)
+    kernel_m.linear, kernel_m.kernels = UnquantizedLinear(), SimpleNamespace(router=moe_router)
+    e, k, h, t = 24, 4, 32, 6
+    for hashed in (False, True):
+        router = SimpleNamespace(weight=torch.randn(e, h, generator=g), scoring_func="sqrtsoftplus", top_k=k,
+                                 scaling=1.5, bias=torch.randn(e, generator=g) * 0.1,
+                                 tid2eid=torch.randint(0, e, (50, k), generator=g) if hashed else None)
+        x = torch.randn(t, h, generator=g) * 3
+        x[0] *= 30  # logits past 20 and far below 0
+        ids_in = torch.randint(0, 50, (t,), generator=g)
+        (w, ids), (w_ref, ids_ref) = kernel_m.route(router, x, ids_in), torch_m.route(router, x, ids_in)
+        if not hashed:  # the kernel lists the experts ascending
+            ids_ref, order = ids_ref.sort(dim=-1)
+            w_ref = w_ref.gather(1, order)
+        assert torch.equal(ids, ids_ref), (hashed, ids, ids_ref)
+        torch.testing.assert_close(w, w_ref, rtol=1e-5, atol=1e-6)
+    print("ok")
+""")
+
+
 # The hyper-connection kernels against V4Method's forms: the mixes from the perceptron's logits (a token count
 # past one program's block), the collapse and the spread, in fp32 and fp16 streams, N = 4 and 3.
 _HYPER = textwrap.dedent("""
@@ -214,6 +245,10 @@ _HYPER = textwrap.dedent("""
                                        rtol=tol, atol=tol)
     print("ok")
 """)
+
+
+def test_v4_route_kernel_equals_torch_form():
+    assert _interpret(_ROUTE).strip().endswith("ok")
 
 
 def test_v4_hyper_connection_kernels_equal_torch_forms():

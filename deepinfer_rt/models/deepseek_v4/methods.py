@@ -95,6 +95,18 @@ class V4Method:
             return logits.sigmoid()
         return logits.softmax(dim=-1)
 
+    def route(self, router: nn.Module, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A V4Router's choice for x (T, H): (weights (T, k) fp32, expert ids (T, k)). The scores of the fp32
+        logits; the experts are the token's row of the hash table, or the top k of scores + correction bias; their
+        scores normalized over the k and scaled."""
+        scores = self.score(self.linear.linear(x.float(), router.weight.float()), router.scoring_func)
+        if router.tid2eid is not None:
+            ids = router.tid2eid[input_ids]
+        else:
+            ids = (scores + router.bias.float()).topk(router.top_k, dim=-1).indices
+        weights = scores.gather(1, ids)
+        return weights / (weights.sum(dim=-1, keepdim=True) + 1e-20) * router.scaling, ids
+
     def middle_sum(self, x: torch.Tensor, dim: int) -> torch.Tensor:
         """x.sum(dim) over a middle dim (MoE slots, hyper-connection streams)."""
         return x.sum(dim=dim)
@@ -289,6 +301,20 @@ class V4TritonMethod(V4Method):
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return self.kernels.elementwise.rms_norm(x, weight, eps)
 
+    def route(self, router: nn.Module, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The scoring, the choice (hash table or top k, ties to the lower id, ids ascending) and the weights in one
+        launch after the logits (deepinfer_kernels.moe_router), where V4Method's forms take about nine."""
+        kernels = self.kernels.router
+        if router.scoring_func not in kernels.SCORINGS:
+            return super().route(router, x, input_ids)
+        logits = self.linear.linear(x.float(), router.weight.float())
+        if router.tid2eid is not None:
+            return kernels.route_hashed(logits, input_ids, router.tid2eid, scoring_func=router.scoring_func,
+                                norm_topk_prob=True, routed_scaling_factor=router.scaling)
+        return kernels.route(logits, router.top_k, scoring_func=router.scoring_func, topk_method="noaux_tc", n_group=1,
+                     topk_group=1, correction_bias=router.bias.float(), norm_topk_prob=True,
+                     routed_scaling_factor=router.scaling)
+
     def clamped_swiglu(self, gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
         if gate.dim() != 2 or gate.stride(-1) != 1 or up.stride(-1) != 1 or gate.dtype != up.dtype:
             return super().clamped_swiglu(gate, up, limit)
@@ -340,11 +366,11 @@ class V4TritonMethod(V4Method):
 
 
 def v4_kernels() -> SimpleNamespace:
-    from deepinfer_kernels import (v4_attention, v4_elementwise, v4_hyper, v4_indexer,  # Triton: CUDA builds only
-                                   v4_pooling, v4_sinkhorn)
+    from deepinfer_kernels import (moe_router, v4_attention, v4_elementwise, v4_hyper,  # Triton: CUDA builds only
+                                   v4_indexer, v4_pooling, v4_sinkhorn)
 
     return SimpleNamespace(attention=v4_attention, indexer=v4_indexer, pooling=v4_pooling, sinkhorn=v4_sinkhorn,
-                           elementwise=v4_elementwise, hyper=v4_hyper)
+                           elementwise=v4_elementwise, hyper=v4_hyper, router=moe_router)
 
 
 def key_source(kernels: SimpleNamespace, fp8: Fp8Rows | None, plain: torch.Tensor, rows: torch.Tensor,

@@ -44,15 +44,8 @@ class V4Router(nn.Module):
         self.method = v4_method(current_kernel_config())
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x (T, H) -> weights (T, k) fp32, expert ids (T, k)."""
-        m = self.method
-        scores = m.score(m.linear.linear(x.float(), self.weight.float()), self.scoring_func)
-        if self.tid2eid is not None:
-            ids = self.tid2eid[input_ids]
-        else:
-            ids = (scores + self.bias.float()).topk(self.top_k, dim=-1).indices
-        weights = scores.gather(1, ids)
-        return weights / (weights.sum(dim=-1, keepdim=True) + 1e-20) * self.scaling, ids
+        """x (T, H) -> weights (T, k) fp32, expert ids (T, k) (methods.V4Method.route)."""
+        return self.method.route(self, x, input_ids)
 
 
 class ClampedExperts(nn.Module):
