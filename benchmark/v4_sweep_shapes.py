@@ -132,8 +132,8 @@ def weight_memory(model, config, run_dtype: torch.dtype) -> dict:
     """Bytes of a meta-built model: while drawn and while running. The dummy build casts linears, embeddings and
     experts to the run dtype as each is built (models/loader._cast_as_built), so while drawn the model holds them in
     the run dtype and the rest (norms, mixing weights, routers: small) in fp32, plus its largest fp32 temporary: a
-    cast module before its cast, the fp32 placeholders quantized experts replace, or a draw (one slice at a time
-    past base.DUMMY_DRAW_ELEMENTS)."""
+    cast module before its cast, the fp32 placeholders quantized experts replace, or a draw (blocks of leading
+    slices past base.DUMMY_DRAW_ELEMENTS)."""
     from deepinfer_rt.models.base import DUMMY_DRAW_ELEMENTS
     from deepinfer_rt.models.loader import is_cast_as_built
 
@@ -149,7 +149,8 @@ def weight_memory(model, config, run_dtype: torch.dtype) -> dict:
             build += at_run if is_cast_as_built(module) else n * p.element_size()
             if p.is_floating_point():
                 fp32_bytes += 4 * n
-                draw = n if n <= DUMMY_DRAW_ELEMENTS or p.dim() < 2 else n // p.shape[0]
+                row = n // max(1, p.shape[0]) if p.dim() >= 2 else n
+                draw = n if n <= DUMMY_DRAW_ELEMENTS or p.dim() < 2 else max(row, DUMMY_DRAW_ELEMENTS // row * row)
                 temp = max(temp, 4 * draw)
             is_packed |= "experts" in type(module).__name__.lower() and not p.is_floating_point()
         if is_cast_as_built(module):

@@ -81,15 +81,16 @@ def _fp8_block_gemm_kernel(X, W, WS, B, Y, P, Count, M, N, K, kb_per_split, stri
                  mask=mmask[:, None] & nmask[None, :])
     else:
         mask = mmask[:, None] & nmask[None, :]
-        rows = offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
-        tl.store(P + pid_s * M * N + rows, acc, mask=mask)
+        tl.store(P + (pid_s * M + offs_m.to(tl.int64))[:, None] * N + offs_n[None, :], acc, mask=mask)
         if LAST_SUMS:
             tl.debug_barrier()  # every thread's partial is stored before the count (release, GPU scope)
             tile = pid_m * tl.num_programs(1) + pid_n
             if tl.atomic_add(Count + tile, 1, sem="acq_rel") == SPLIT_K - 1:
-                total = tl.load(P + rows, mask=mask, other=0.0, cache_modifier=".cg")
+                total = tl.load(P + offs_m.to(tl.int64)[:, None] * N + offs_n[None, :], mask=mask, other=0.0,
+                                cache_modifier=".cg")
                 for s in tl.static_range(1, SPLIT_K):  # the order of _split_k_sum_kernel: the same bits
-                    total += tl.load(P + s * M * N + rows, mask=mask, other=0.0, cache_modifier=".cg")
+                    total += tl.load(P + (s * M + offs_m.to(tl.int64))[:, None] * N + offs_n[None, :], mask=mask,
+                                     other=0.0, cache_modifier=".cg")
                 if HAS_BIAS:
                     total += tl.load(B + offs_n, mask=nmask, other=0.0).to(tl.float32)[None, :]
                 tl.store(Y + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :], total.to(Y.dtype.element_ty),
@@ -146,7 +147,9 @@ SPLIT_SUMS = ("kernel", "last_program")
 output tile's last split to finish (one launch; the same sum, bit for bit)."""
 _TILE_COUNTERS = 1 << 16
 """Output tiles the last-program sum takes (one int32 counter each, per device, zero between launches); a GEMM
-of more tiles adds its partials in the second kernel."""
+of more tiles adds its partials in the second kernel. The counters are shared by every launch on the device, so
+'last_program' needs its GEMMs in one stream order (the engine's: one compute stream, graphs captured and replayed
+in it): two such GEMMs running at once on two streams would mix their counts."""
 _counters: dict[torch.device, torch.Tensor] = {}
 
 

@@ -9,7 +9,7 @@ the bytes they read.
     row_gemv(..., silu_mul=True)                      silu(h @ w[:I].T) * (h @ w[I:].T), w = [gate | up] (2I, K)
 
 Each program owns BLOCK_N output columns (with silu_mul, the same columns of the gate and of the up half) for every
-row and walks K in BLOCK_K steps (one step where the registers hold the whole row: K <= 1024 at one row), each
+row and walks K in BLOCK_K steps (one step where K <= 1024), each
 weight tile loaded before the rows' arithmetic and multiplied by every row on the CUDA cores, fp32 products and
 sums. With a norm and K in one step the row is loaded, normalized and multiplied at once; over several steps a
 first pass sums each row's squares. Every program recomputes the rows' sums (a row is a few KB); program 0 alone

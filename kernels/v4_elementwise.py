@@ -119,9 +119,11 @@ def _clamped_swiglu_kernel(G, U, Out, stride_g, stride_u, stride_o, n_cols, limi
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n_cols
+    # The clamped values rounded to the model dtype, as torch's clamp returns them (a limit off its grid rounds)
     g = tl.minimum(tl.load(G + row * stride_g + offs, mask=mask, other=0.0).to(tl.float32), limit)
+    g = g.to(Out.dtype.element_ty).to(tl.float32)
     u = tl.load(U + row * stride_u + offs, mask=mask, other=0.0).to(tl.float32)
-    u = tl.minimum(tl.maximum(u, -limit), limit)
+    u = tl.minimum(tl.maximum(u, -limit), limit).to(Out.dtype.element_ty).to(tl.float32)
     s = (g / (1.0 + tl.exp(-g))).to(Out.dtype.element_ty).to(tl.float32)  # silu, rounded as F.silu rounds it
     tl.store(Out + row * stride_o + offs, (s * u).to(Out.dtype.element_ty), mask=mask)
 

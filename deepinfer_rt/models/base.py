@@ -127,7 +127,7 @@ class CausalLM(nn.Module):
         the parameters' device (the values depend on the seed and the device type). FP8 weights (an FP8
         checkpoint's config) draw normal(0, 1) with every block scale 0.02: the same spread once dequantized; e8m0
         byte scales (MXFP4 experts kept packed, FP8 Engram tables) are 2^-6, their packed codes random bytes.
-        Tensors past DUMMY_DRAW_ELEMENTS draw one leading slice at a time (_draw_normal)."""
+        Tensors past DUMMY_DRAW_ELEMENTS draw in blocks of leading slices (_draw_normal)."""
         gen = None
         params = dict(self.named_parameters())
         for name, p in params.items():
@@ -146,13 +146,17 @@ class CausalLM(nn.Module):
 
 
 DUMMY_DRAW_ELEMENTS = 1 << 28
-"""init_dummy draws a larger tensor one leading slice at a time: a whole draw is an fp32 temporary of the tensor's
-size (DeepSeek-V3's 256 experts' gate_up: 28 GiB beside the 28 GiB parameter)."""
+"""init_dummy draws a larger tensor in blocks of leading slices of about this many elements: a whole draw is an fp32
+temporary of the tensor's size (DeepSeek-V3's 256 experts' gate_up: 28 GiB beside the 28 GiB parameter)."""
 
 
 def _draw_normal(p: torch.Tensor, gen: torch.Generator, std: float) -> None:
-    if p.numel() <= DUMMY_DRAW_ELEMENTS or p.dim() < 2:
+    if p.numel() <= DUMMY_DRAW_ELEMENTS or p.dim() < 2 or p.shape[0] == 1 and p.dim() == 2:
         p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32, device=p.device).mul_(std))
         return
-    for part in p:
-        _draw_normal(part, gen, std)
+    per_block = max(1, DUMMY_DRAW_ELEMENTS // p[0].numel())
+    for block in p.split(per_block):
+        if per_block == 1:  # one slice is past the bound itself: its own slices
+            _draw_normal(block[0], gen, std)
+        else:
+            block.copy_(torch.randn(block.shape, generator=gen, dtype=torch.float32, device=p.device).mul_(std))

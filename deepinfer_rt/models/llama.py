@@ -72,7 +72,7 @@ class LlamaForCausalLM(CausalLM):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_weights()
         self.step_method = llama_step_method(self.kernel_config)
-        """The modules, or the flat CPU step (models/llama_step.py)."""
+        """The modules, the flat CPU step (models/llama_step.py) or the CUDA row step (models/llama_gpu_step.py)."""
         self.fast_layers: list = []
         """The CPU step's flat list of the layers' weights (built on its first step)."""
         self.fast_weights: list = []

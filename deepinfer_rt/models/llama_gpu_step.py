@@ -13,14 +13,15 @@ ms a step). Here each layer runs
 
 where the module path (ModuleStep) runs the add + norm, each product through cuBLAS, the rotary + store and SiLU-and-mul
 apart. Where the backend does not take the one-launch store (an FP8 KV pool) or the heads are not a power of two,
-the QKV product is row_gemv's and LlamaAttention.attend rotates and stores (seven launches). Steps of more than row_gemv.MAX_ROWS tokens (prefill chunks, larger batches) take the module path, whose cuBLAS GEMMs
+the QKV product is row_gemv's and LlamaAttention.attend rotates, stores and attends as the module path does. Steps of
+more than row_gemv.MAX_ROWS tokens (prefill chunks, larger batches) take the module path, whose cuBLAS GEMMs
 are the faster there. Values: the same operations and roundings as the module path, the products' sums in
 another order (fp32 accumulation), so logits agree within the last bits (test/gpu/test_gpu_row_step.py).
 
 Chosen at build (models/llama_step.llama_step_method): CUDA with Triton, not batch-invariant (its products do not keep a fixed
 reduction order across batch sizes' paths), unquantized weights; DEEPINFER_GPU_ROW_STEP=0 turns it off. At the
-first step the model's layers are checked (dense 16/32-bit linears without bias, contiguous, one dtype); a model
-that does not qualify keeps the module path.
+first step the model's layers are checked (hidden size up to ROW_STEP_MAX_HIDDEN, dense 16/32-bit linears without
+bias, contiguous, one dtype); a model that does not qualify keeps the module path.
 """
 from __future__ import annotations
 
@@ -102,8 +103,16 @@ class GpuRowStep:
         return model.gpu_row_layers or None
 
 
+ROW_STEP_MAX_HIDDEN = 1024
+"""Widest model the row step takes. Its tiles were measured at SmolLM2's 576 (benchmark/bench_row_gemv.py); wider
+models (Llama-1B's 2048 and up, where cuBLAS reads the larger weights near the copy rate) keep the module path until
+measured."""
+
+
 def _row_layers(model) -> list[_RowLayer]:
     dtype = model.model.embed_tokens.weight.dtype
+    if model.config.hidden_size > ROW_STEP_MAX_HIDDEN:
+        return []
     out = []
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
