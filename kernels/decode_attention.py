@@ -288,9 +288,10 @@ def _query_tail(q: torch.Tensor, q_tail: torch.Tensor | None, dk: int, dv: int) 
 
 
 MLA_BLOCK_H, GQA_BLOCK_H = 16, 64
-"""Query heads one program attends at most (a KV head's larger group spreads over several programs, axis 1 of the
-grid): MLA's 576-column tiles at 16 heads are the tuned tile of V2-Lite's 16 heads; DeepSeek-V3's 128 as one tile
-needed 288 KB of shared memory (an H100 has 227)."""
+"""Query heads one program attends at most (a KV head's larger group spreads over HEAD_BLOCKS programs, axis 1 of
+the grid, and the default kernel divides its split count by them, so the grid keeps about the programs
+num_splits_for asked for): MLA's 576-column tiles at 16 heads are the tuned tile of V2-Lite's 16 heads;
+DeepSeek-V3's 128 as one tile needed 288 KB of shared memory (an H100 has 227). Not timed at V3's heads yet."""
 
 
 def _layout(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor) -> dict:
@@ -338,6 +339,8 @@ def paged_decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Te
     ks, vs = _scales(k_buf, v_buf, k_scale, v_scale)
     if out is None:
         out = q.new_empty(bsz, hq, dv)
+    # num_splits_for counts programs per KV head; a group spread over head blocks has that many already.
+    num_splits = max(1, num_splits // layout["HEAD_BLOCKS"])
     # One split writes the output itself: no partials, no merge launch.
     part_o = torch.empty(bsz, hq, num_splits, dv, dtype=torch.float32, device=q.device) if num_splits > 1 else out
     part_lse = torch.empty(bsz, hq, num_splits, dtype=torch.float32, device=q.device) if num_splits > 1 else out

@@ -417,7 +417,7 @@ _MANY_HEADS = textwrap.dedent("""
         layout = da._layout(q, k, v)
         assert layout["HEAD_BLOCKS"] == (3 if hkv == 1 else 2), layout
         ref = da.paged_decode_attention_ref(q, k, v, table, rows, seq_lens, ps, dk**-0.5)
-        for splits in (1, 3):
+        for splits in (1, 3, 8):  # the grid's splits: these over the head blocks (8 // 3 -> 2, 8 // 2 -> 4)
             out = da.paged_decode_attention(q, k, v, table, rows, seq_lens, ps, dk**-0.5, splits, block_n=16)
             torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
         out = da.paged_decode_attention_fixed(q, k, v, table, rows, seq_lens, ps, dk**-0.5,
