@@ -147,7 +147,8 @@ def _qkv_rope_store_kernel(X, R, NW, W, Q, ResOut, Positions, Cos, Sin, KBuf, VB
     tl.store(kdst, r1.to(KBuf.dtype.element_ty), mask=kv_row[:, None] & is_k[None, :])
     tl.store(kdst + HALF, r2.to(KBuf.dtype.element_ty), mask=kv_row[:, None] & is_k[None, :])
     is_v = (head >= num_q_heads + num_kv_heads) & nmask
-    vdst = VBuf + slot[:, None] * stride_vb + ((head - num_q_heads - num_kv_heads) * (2 * HALF) + col1 % (2 * HALF))[None, :]
+    v_cols = (head - num_q_heads - num_kv_heads) * (2 * HALF) + col1 % (2 * HALF)
+    vdst = VBuf + slot[:, None] * stride_vb + v_cols[None, :]
     tl.store(vdst, a.to(VBuf.dtype.element_ty), mask=kv_row[:, None] & is_v[None, :])
     tl.store(vdst + (col2 - col1)[None, :], b.to(VBuf.dtype.element_ty), mask=kv_row[:, None] & is_v[None, :])
 
@@ -168,25 +169,31 @@ def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and x.dtype in (torch.bfloat16, torch.float16, torch.float32) and x.shape[1] >= 16)
 
 
+def _rows_in(name: str, x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None,
+             norm_weight: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The inputs both wrappers take, checked: (the residual or x in its place, a buffer for x + residual or None)."""
+    if not supports(x, weight):
+        raise ValueError(f"{name} takes 1..{MAX_ROWS} rows of unit column stride and a weight of their dtype and "
+                         f"width; got x {tuple(x.shape)} {x.dtype}, weight {tuple(weight.shape)} {weight.dtype}")
+    if residual is None:
+        return x, None
+    if norm_weight is None:
+        raise ValueError(f"{name} adds a residual only before a norm")
+    if residual.shape != x.shape or residual.stride(1) != 1:
+        raise ValueError(f"residual {tuple(residual.shape)} does not match x {tuple(x.shape)}")
+    return residual, torch.empty_like(x)
+
+
 def row_gemv(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None = None,
-             norm_weight: torch.Tensor | None = None, eps: float = 0.0, silu_mul: bool = False, config: dict | None = None):
+             norm_weight: torch.Tensor | None = None, eps: float = 0.0, silu_mul: bool = False,
+             config: dict | None = None):
     """See the module doc. x (T, K) with T <= MAX_ROWS and weight (N, K), both with unit column stride and one dtype.
     Returns y (T, N), or (T, N / 2) with silu_mul; with a residual, (y, x + residual)."""
-    if not supports(x, weight):
-        raise ValueError(f"row_gemv takes 1..{MAX_ROWS} rows of unit column stride and a weight of their dtype and "
-                         f"width; got x {tuple(x.shape)} {x.dtype}, weight {tuple(weight.shape)} {weight.dtype}")
-    if residual is not None and norm_weight is None:
-        raise ValueError("row_gemv adds a residual only before a norm")
+    r, res_out = _rows_in("row_gemv", x, weight, residual, norm_weight)
     t, k = x.shape
     n = weight.shape[0] // 2 if silu_mul else weight.shape[0]
     y = x.new_empty(t, n)
-    r = residual if residual is not None else x
-    if residual is not None:
-        if residual.shape != x.shape or residual.stride(1) != 1:
-            raise ValueError(f"residual {tuple(residual.shape)} does not match x {tuple(x.shape)}")
-        res_out = torch.empty_like(x)
-    else:
-        res_out = y
+    res_out = y if res_out is None else res_out
     cfg = dict(tiles_for(t, n, k), **(config or {}))
     _row_gemv_kernel[(triton.cdiv(n, cfg["BLOCK_N"]),)](
         x, r, norm_weight if norm_weight is not None else weight, weight, y, res_out, t, n, k, x.stride(0),
@@ -204,22 +211,20 @@ def qkv_rope_store(x: torch.Tensor, weight: torch.Tensor, num_q_heads: int, num_
     qkv = h @ weight.T (weight (Hq + 2 Hkv) D x K), q and k rotated by their positions' rows of the (max_position,
     D/2) fp32 tables, k and v stored at k_buf / v_buf[slots[t]] (slots < 0: none). The arithmetic of row_gemv then
     elementwise.gqa_rope_store. Returns q (T, Hq, D), and with a residual (q, x + residual)."""
-    if not supports(x, weight):
-        raise ValueError(f"qkv_rope_store takes 1..{MAX_ROWS} rows of unit column stride and a weight of their dtype "
-                         f"and width; got x {tuple(x.shape)} {x.dtype}, weight {tuple(weight.shape)} {weight.dtype}")
+    r, res_out = _rows_in("qkv_rope_store", x, weight, residual, norm_weight)
     t, k = x.shape
     heads = num_q_heads + 2 * num_kv_heads
     d = weight.shape[0] // heads
-    if (d * heads != weight.shape[0] or d & (d - 1) or (residual is not None and norm_weight is None)
-            or any(b.shape[1:] != (num_kv_heads, d) or not b[0].is_contiguous() for b in (k_buf, v_buf))):
-        raise ValueError("qkv_rope_store needs power-of-two heads, pool rows of the KV heads, a norm with a residual")
+    if d * heads != weight.shape[0] or d & (d - 1) or any(b.shape[1:] != (num_kv_heads, d) or not b[0].is_contiguous()
+                                                         for b in (k_buf, v_buf)):
+        raise ValueError("qkv_rope_store needs power-of-two heads and pool rows of the KV heads")
     q = x.new_empty(t, num_q_heads, d)
-    res_out = torch.empty_like(x) if residual is not None else q
+    res_out = q if res_out is None else res_out
     cfg = dict(tiles_for(t, heads * d // 2, k), **(config or {}))
     _qkv_rope_store_kernel[(triton.cdiv(heads * d // 2, cfg["BLOCK_N"]),)](
-        x, residual if residual is not None else x, norm_weight if norm_weight is not None else weight, weight, q,
+        x, r, norm_weight if norm_weight is not None else weight, weight, q,
         res_out, positions, cos, sin, k_buf, v_buf, slots, t, k, x.stride(0),
-        (residual if residual is not None else x).stride(0), weight.stride(0), q.stride(0), res_out.stride(0),
+        r.stride(0), weight.stride(0), q.stride(0), res_out.stride(0),
         k_buf.stride(0), v_buf.stride(0), num_q_heads, num_kv_heads, eps, HAS_RES=residual is not None,
         HAS_NORM=norm_weight is not None, ONE_PASS=cfg["BLOCK_K"] >= k, INTERLEAVE=interleave, HALF=d // 2, **cfg)
     return (q, res_out) if residual is not None else q

@@ -131,12 +131,16 @@ _ROW_STEP = textwrap.dedent("""
         setattr(row_gemv_module, name, counted)
     for n_prompt, rope_store in ((2, True), (2, False), (30, True)):
         before = dict(calls)
-        (h, k, v), (h_ref, k_ref, v_ref) = run(GpuRowStep(), n_prompt, rope_store), run(ModuleStep(), n_prompt, rope_store)
+        (h, k, v) = run(GpuRowStep(), n_prompt, rope_store)
+        (h_ref, k_ref, v_ref) = run(ModuleStep(), n_prompt, rope_store)
         row_step = n_prompt == 2  # which layers' launches the step ran: 3 or 4 products a layer, or none
-        assert calls["qkv_rope_store"] - before["qkv_rope_store"] == (config.num_layers if row_step and rope_store else 0)
-        assert calls["row_gemv"] - before["row_gemv"] == (0 if not row_step else (3 if rope_store else 4) * config.num_layers)
+        fused_layers = config.num_layers if row_step and rope_store else 0
+        products = (3 if rope_store else 4) * config.num_layers if row_step else 0
+        assert calls["qkv_rope_store"] - before["qkv_rope_store"] == fused_layers
+        assert calls["row_gemv"] - before["row_gemv"] == products
         torch.testing.assert_close(h[:-1], h_ref[:-1], rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(k, k_ref, rtol=1e-5, atol=1e-5), torch.testing.assert_close(v, v_ref, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(k, k_ref, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(v, v_ref, rtol=1e-5, atol=1e-5)
         if not row_step:
             assert torch.equal(h, h_ref)
     assert model.gpu_row_layers and len(model.gpu_row_layers) == config.num_layers
