@@ -37,7 +37,7 @@ def _attend_range(Q, QT, K, V, KS, VS, PageTable, b, kvh, head0, row, start, end
                   stride_qth, stride_kn, stride_kh, stride_vn, stride_vh, stride_ks, stride_vs, stride_pt, sm_scale,
                   page_size, GROUP: tl.constexpr, BLOCK_H: tl.constexpr,
                   DK: tl.constexpr, DT: tl.constexpr, DV: tl.constexpr, BLOCK_N: tl.constexpr,
-                  V_IS_K: tl.constexpr, IEEE: tl.constexpr, KV_FP8: tl.constexpr):
+                  V_IS_K: tl.constexpr, IEEE: tl.constexpr, KV_FP8: tl.constexpr, F16_DOT: tl.constexpr):
     """Query heads head0 .. head0 + BLOCK_H of KV head `kvh`'s group, row b, over positions [start, end), in
     BLOCK_N-token tiles from `start`: (normalised output (BLOCK_H, DV) fp32, base-2 log-sum-exp (BLOCK_H,), -inf
     when empty)."""
@@ -47,10 +47,14 @@ def _attend_range(Q, QT, K, V, KS, VS, PageTable, b, kvh, head0, row, start, end
     offs_dk = tl.arange(0, DK)
     offs_dv = tl.arange(0, DV)
     q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + offs_dk[None, :], mask=hmask[:, None], other=0.0)
+    if F16_DOT:  # fp8 tiles convert to fp16 in one instruction per two values; the query joins them
+        q = q.to(tl.float16)
     if DT > 0:
         offs_dt = tl.arange(0, DT)
         q_t = tl.load(QT + b * stride_qtb + heads[:, None] * stride_qth + offs_dt[None, :], mask=hmask[:, None],
                       other=0.0)
+        if F16_DOT:
+            q_t = q_t.to(tl.float16)
     qk_scale = sm_scale * 1.4426950408889634  # exp2 below
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
@@ -129,7 +133,7 @@ def _decode_split_kernel(Q, QT, K, V, KS, VS, PageTable, TableRows, SeqLens, Par
                          GROUP: tl.constexpr, BLOCK_H: tl.constexpr, DK: tl.constexpr, DT: tl.constexpr,
                          DV: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
                          V_IS_K: tl.constexpr, IEEE: tl.constexpr, KV_FP8: tl.constexpr,
-                         HEAD_BLOCKS: tl.constexpr):
+                         F16_DOT: tl.constexpr, HEAD_BLOCKS: tl.constexpr):
     b = tl.program_id(0)
     kvh = tl.program_id(1) // HEAD_BLOCKS  # axis 1: a KV head's group of query heads, BLOCK_H at a time
     head0 = tl.program_id(1) % HEAD_BLOCKS * BLOCK_H
@@ -141,7 +145,8 @@ def _decode_split_kernel(Q, QT, K, V, KS, VS, PageTable, TableRows, SeqLens, Par
     row = tl.load(TableRows + b).to(tl.int64)
     out, lse = _attend_range(Q, QT, K, V, KS, VS, PageTable, b, kvh, head0, row, start, end, stride_qb, stride_qh,
                              stride_qtb, stride_qth, stride_kn, stride_kh, stride_vn, stride_vh, stride_ks, stride_vs,
-                             stride_pt, sm_scale, page_size, GROUP, BLOCK_H, DK, DT, DV, BLOCK_N, V_IS_K, IEEE, KV_FP8)
+                             stride_pt, sm_scale, page_size, GROUP, BLOCK_H, DK, DT, DV, BLOCK_N, V_IS_K, IEEE, KV_FP8,
+                             F16_DOT)
     if NUM_SPLITS == 1:  # the output itself (what the merge of one split would store, bit for bit)
         offs_h = head0 + tl.arange(0, BLOCK_H)
         heads = kvh * GROUP + offs_h
@@ -160,7 +165,7 @@ def _fixed_split_kernel(Q, QT, K, V, KS, VS, PageTable, TableRows, SeqLens, Part
                         GROUP: tl.constexpr, BLOCK_H: tl.constexpr, DK: tl.constexpr, DT: tl.constexpr,
                         DV: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_SIZE: tl.constexpr,
                         V_IS_K: tl.constexpr, IEEE: tl.constexpr, KV_FP8: tl.constexpr,
-                        HEAD_BLOCKS: tl.constexpr):
+                        F16_DOT: tl.constexpr, HEAD_BLOCKS: tl.constexpr):
     """Split s covers absolute positions [s * SPLIT_SIZE, (s + 1) * SPLIT_SIZE); splits past the row's KV
     write nothing (the merge reads only the row's own splits)."""
     b = tl.program_id(0)
@@ -175,7 +180,7 @@ def _fixed_split_kernel(Q, QT, K, V, KS, VS, PageTable, TableRows, SeqLens, Part
         out, lse = _attend_range(Q, QT, K, V, KS, VS, PageTable, b, kvh, head0, row, start, end, stride_qb, stride_qh,
                                  stride_qtb, stride_qth, stride_kn, stride_kh, stride_vn, stride_vh, stride_ks,
                                  stride_vs, stride_pt, sm_scale, page_size, GROUP, BLOCK_H, DK, DT, DV, BLOCK_N,
-                                 V_IS_K, IEEE, KV_FP8)
+                                 V_IS_K, IEEE, KV_FP8, F16_DOT)
         _store_split(PartO, PartLse, out, lse, b, kvh, head0, split, num_splits, GROUP, BLOCK_H, DV, HEAD_BLOCKS)
 
 
@@ -294,7 +299,12 @@ num_splits_for asked for): MLA's 576-column tiles at 16 heads are the tuned tile
 DeepSeek-V3's 128 as one tile needed 288 KB of shared memory (an H100 has 227). Not timed at V3's heads yet."""
 
 
-def _layout(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor) -> dict:
+FP8_KV_DOTS = ("query", "f16")
+"""The operand dtype of the dots over float8_e4m3fn K/V tiles: the query's ('query'), or fp16 with the 16-bit
+query converted to it ('f16': e4m3 converts to fp16 in one instruction per two values, to bf16 through fp32)."""
+
+
+def _layout(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, kv_dot: str = "query") -> dict:
     """The kernels' shape constants for these buffers."""
     hq, dk = q.shape[1], k_buf.shape[-1]
     hkv, dv = k_buf.shape[1], v_buf.shape[-1]
@@ -304,7 +314,8 @@ def _layout(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor) -> dict:
     block_h = min(max(16, triton.next_power_of_2(group)), MLA_BLOCK_H if dk > 256 else GQA_BLOCK_H)
     return dict(GROUP=group, BLOCK_H=block_h, HEAD_BLOCKS=triton.cdiv(group, block_h), DK=head, DT=tail, DV=dv,
                 V_IS_K=v_buf.data_ptr() == k_buf.data_ptr() and v_buf.stride() == k_buf.stride(),
-                IEEE=(q if fp8 else k_buf).dtype == torch.float32, KV_FP8=fp8)
+                IEEE=(q if fp8 else k_buf).dtype == torch.float32, KV_FP8=fp8,
+                F16_DOT=fp8 and kv_dot == "f16" and q.dtype != torch.float32)
 
 
 def _scales(k_buf: torch.Tensor, v_buf: torch.Tensor, k_scale: torch.Tensor | None,
@@ -327,15 +338,19 @@ def paged_decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Te
                            table_rows: torch.Tensor, seq_lens: torch.Tensor, page_size: int, scale: float,
                            num_splits: int, out: torch.Tensor | None = None, block_n: int | None = None,
                            num_warps: int = 4, num_stages: int | None = None, q_tail: torch.Tensor | None = None,
-                           k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                           k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+                           kv_dot: str = "query") -> torch.Tensor:
     """q (B, Hq, Dqk); k_buf (slots, Hkv, Dqk); v_buf (slots, Hkv, Dv), for MLA a column view of k_buf;
     page_table (R, W) int32 page ids; table_rows (B,) int32 row of each sequence; seq_lens (B,) int32.
     q_tail: the query's last columns apart (MLA's rope part), q then (B, Hq, Dv). k_scale / v_scale (slots, Hkv)
-    float32: the row scales of float8_e4m3fn buffers (MLA: the same tensor). Returns (B, Hq, Dv) in q's dtype."""
+    float32: the row scales of float8_e4m3fn buffers (MLA: the same tensor); kv_dot: one of FP8_KV_DOTS. Returns
+    (B, Hq, Dv) in q's dtype."""
+    if kv_dot not in FP8_KV_DOTS:
+        raise ValueError(f"decode attention: kv_dot {kv_dot!r} is not one of {FP8_KV_DOTS}")
     bsz, hq, _ = q.shape
     hkv, dk, dv = k_buf.shape[1], k_buf.shape[-1], v_buf.shape[-1]
     q_tail = _query_tail(q, q_tail, dk, dv)
-    layout = _layout(q, k_buf, v_buf)
+    layout = _layout(q, k_buf, v_buf, kv_dot)
     ks, vs = _scales(k_buf, v_buf, k_scale, v_scale)
     if out is None:
         out = q.new_empty(bsz, hq, dv)

@@ -6,10 +6,10 @@
 # time per decode step, overlap off and on, V2-Lite shape), the `moe_invariant` stage (batch-invariant fused
 # MoE beside the default one, V2-Lite shapes) and the `mxfp4` stage (the fused MXFP4 MoE beside the bf16 one at
 # V4-Flash expert shapes), `v4` (bench_v4 at V4-Flash width), `fp8` (bench_fp8: FP8 beside bf16), `fp8_gemm` (bench_fp8_gemm: the FP8 GEMM's paths beside bf16 cuBLAS), `moe_fp8` (bench_moe_fp8: the FP8 fused MoE beside the bf16 one), `longctx`
-# (bench_gpu at long contexts), `row_gemv` (bench_row_gemv: the fused row products beside the module path's), `ep1` (the EP worker pool at one rank beside the in-process engine) and `v4sweep`
+# (bench_gpu at long contexts), `row_gemv` (bench_row_gemv: the fused row products beside the module path's), `kv8` (bench_kv8_decode: MLA decode over an FP8 KV pool beside bf16), `ep1` (the EP worker pool at one rank beside the in-process engine) and `v4sweep`
 # (bench_v4_sweep: V4-Flash / V4.1-Flash-shaped decode sweep beside the V4 floor, bf16 and release format) run when named.
 # Logs and JSON land in $OUT. Stage time limits (seconds): BENCH_S, TEST_S, KERNEL_BENCH_S, EP_S, DET_S, HOST_S,
-# MOE_BI_S, MXFP4_S, V4_S, FP8_S, FP8_GEMM_S, MOE_FP8_S, LONGCTX_S, EP1_S, V4SWEEP_S, ROW_GEMV_S. TEST_ARGS: the pytest targets of the tests stage (default test/gpu); KERNEL_BENCH_ARGS: extra
+# MOE_BI_S, MXFP4_S, V4_S, FP8_S, FP8_GEMM_S, MOE_FP8_S, LONGCTX_S, EP1_S, V4SWEEP_S, ROW_GEMV_S, KV8_S. TEST_ARGS: the pytest targets of the tests stage (default test/gpu); KERNEL_BENCH_ARGS: extra
 # arguments of the kernel micro-benchmark (e.g. --only moe). TEST_JOBS>1: one pytest process per test file or node id, that
 # many at once; PYTEST_ARGS: extra pytest options (e.g. -o faulthandler_timeout=120 to dump a stuck test's stacks).
 #   device tool:  run(command="bash scripts/gpu_check.sh", carry=[".whl"])          (one H200)
@@ -102,6 +102,12 @@ if [[ $STAGES == *,row_gemv,* ]]; then  # the fused row products beside the modu
   timeout "${ROW_GEMV_S:-240}" python3 benchmark/bench_row_gemv.py --out "$OUT/gpu_row_gemv_h200.json" ${ROW_GEMV_ARGS:-} \
     > "$OUT/row_gemv.log" 2>&1
   grep -E "a layer|module" "$OUT/row_gemv.log" | tail -n 12
+fi
+if [[ $STAGES == *,kv8,* ]]; then  # MLA decode attention over an FP8 KV pool beside bf16 (dots' dtype, tiles)
+  timeout "${KV8_S:-240}" python3 benchmark/bench_kv8_decode.py --out "$OUT/gpu_kv8_decode_h200.json" ${KV8_ARGS:-} \
+    > "$OUT/kv8.log" 2>&1
+  echo "kv8 rc=$?"
+  grep -E "None stages=None" "$OUT/kv8.log"
 fi
 if [[ $STAGES == *,longctx,* ]]; then  # decode at long contexts beside the floor (bench_gpu.py --contexts)
   timeout "${LONGCTX_S:-300}" python3 benchmark/bench_gpu.py --out "$OUT/gpu_h200_longctx.json" \

@@ -21,8 +21,9 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 
 @pytest.mark.parametrize("hq,hkv,dk,dv", [(16, 1, 576, 512), (32, 8, 128, 128), (9, 3, 64, 64)],
                          ids=["mla", "gqa-128", "smollm2"])
-@pytest.mark.parametrize("fixed", [False, True], ids=["split", "fixed"])
-def test_fp8_decode_kernel_matches_dequantized_reference(hq, hkv, dk, dv, fixed):
+@pytest.mark.parametrize("fixed,kv_dot", [(False, "query"), (False, "f16"), (True, "query")],
+                         ids=["split", "split-f16", "fixed"])
+def test_fp8_decode_kernel_matches_dequantized_reference(hq, hkv, dk, dv, fixed, kv_dot):
     import deepinfer_kernels.decode_attention as da
     from deepinfer_rt.cache.kv_pool import quantize_fp8_rows
 
@@ -46,7 +47,7 @@ def test_fp8_decode_kernel_matches_dequantized_reference(hq, hkv, dk, dv, fixed)
                                               da.fixed_num_splits(width * ps), **sc)
     else:
         out = da.paged_decode_attention(q, k, v, table, rows, seq_lens, ps, dk**-0.5,
-                                        da.num_splits_for(len(lens), hkv, 132, dk), **sc)
+                                        da.num_splits_for(len(lens), hkv, 132, dk), kv_dot=kv_dot, **sc)
     torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2)
     assert (out[-1] == 0).all()
 

@@ -300,6 +300,21 @@ _FP8_KV = textwrap.dedent(_SCALED_DOWN + """
             apart = da.paged_decode_attention(q[..., :dv].clone(), k, v, table, rows, lens, ps, dk**-0.5, 3,
                                               block_n=16, q_tail=q[..., dv:].clone(), **sc)
             torch.testing.assert_close(apart, ref, rtol=1e-5, atol=1e-5)
+        # 16-bit queries: fp16 dots for a bf16 query (the query rounds to fp16, a finer grid than bf16), and the
+        # query's own dtype for an fp16 one (the interpreter's e4m3 -> bf16 conversion is not exact; the GPU test
+        # checks that form in bf16)
+        for dtype, kv_dot in ((torch.bfloat16, "f16"), (torch.float16, "query")):
+            q16 = q.to(dtype)
+            ref16 = da.paged_decode_attention_ref(q16.float(), k, v, table, rows, lens, ps, dk**-0.5, **sc)
+            out = da.paged_decode_attention(q16, k, v, table, rows, lens, ps, dk**-0.5, 3, block_n=16,
+                                            kv_dot=kv_dot, **sc)
+            assert out.dtype == dtype
+            torch.testing.assert_close(out.float(), ref16, rtol=2e-2, atol=2e-2)
+        try:
+            da.paged_decode_attention(q, k, v, table, rows, lens, ps, dk**-0.5, 1, kv_dot="e4m3", **sc)
+            raise AssertionError("unknown kv_dot accepted")
+        except ValueError:
+            pass
         try:
             da.paged_decode_attention(q, k, v, table, rows, lens, ps, dk**-0.5, 1)
             raise AssertionError("float8 buffers without scales accepted")

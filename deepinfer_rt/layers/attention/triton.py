@@ -21,8 +21,9 @@ import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 from torch.nn.utils.rnn import pad_sequence
 
-from deepinfer_kernels.decode_attention import num_splits_for, paged_decode_attention
+from deepinfer_kernels.decode_attention import FP8_KV_DOTS, num_splits_for, paged_decode_attention
 from deepinfer_kernels.elementwise import store_kv, store_kv_fp8
+from deepinfer_rt.env import get_env
 from deepinfer_rt.forward_batch import ForwardBatch
 from deepinfer_rt.layers.attention.base import AttentionBackend, joined
 from deepinfer_rt.layers.attention.torch_ref import causal_mask
@@ -72,6 +73,9 @@ class TritonBackend(AttentionBackend):
     def __init__(self, device: torch.device, is_kv_fp8: bool = False):
         self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count
         self.is_rope_store_supported = not is_kv_fp8
+        self.kv_dot = get_env().fp8_kv_dot
+        if self.kv_dot not in FP8_KV_DOTS:
+            raise ValueError(f"DEEPINFER_FP8_KV_DOT={self.kv_dot!r}: not one of {FP8_KV_DOTS}")
 
     def decode_meta(self, page_table, table_rows, seq_lens, page_size, kv_heads, head_dim=0) -> DecodeMeta:
         splits = num_splits_for(int(table_rows.shape[0]), kv_heads, self.num_sms, head_dim)
@@ -121,7 +125,8 @@ class TritonBackend(AttentionBackend):
         meta: TritonMeta = batch.attn_meta
         pool = batch.pool
         k_buf, v_buf = pool.k[layer_id], pool.v[layer_id]
-        scales = dict(k_scale=pool.k_scale[layer_id], v_scale=pool.v_scale[layer_id]) if pool.is_fp8 else {}
+        scales = dict(k_scale=pool.k_scale[layer_id], v_scale=pool.v_scale[layer_id],
+                      kv_dot=self.kv_dot) if pool.is_fp8 else {}
         d = meta.decode
         if d is not None and meta.decode_rows is None:
             return paged_decode_attention(q, k_buf, v_buf, d.page_table, d.table_rows, d.seq_lens, d.page_size,
