@@ -107,7 +107,7 @@ if [[ $STAGES == *,kv8,* ]]; then  # MLA decode attention over an FP8 KV pool be
   timeout "${KV8_S:-240}" python3 benchmark/bench_kv8_decode.py --out "$OUT/gpu_kv8_decode_h200.json" ${KV8_ARGS:-} \
     > "$OUT/kv8.log" 2>&1
   echo "kv8 rc=$?"
-  grep -E "None stages=None" "$OUT/kv8.log"
+  grep -E "None stages=None" "$OUT/kv8.log"; tail -n 3 "$OUT/kv8.log"
 fi
 if [[ $STAGES == *,longctx,* ]]; then  # decode at long contexts beside the floor (bench_gpu.py --contexts)
   timeout "${LONGCTX_S:-300}" python3 benchmark/bench_gpu.py --out "$OUT/gpu_h200_longctx.json" \
