@@ -44,8 +44,9 @@ def kv8_rows(context: int, batches: tuple[int, ...], copy_bw: float) -> list[dic
         for kv, dot, block_n, stages, warps in variants:
             args = ((k, k[..., :512]) if kv == "bf16" else (k8, k8[..., :512]))
             extra = {} if kv == "bf16" else dict(k_scale=scale, v_scale=scale, kv_dot=dot)
-            fn = lambda: paged_decode_attention(q, *args, table, rows_, lens, 1, 0.1, splits, block_n=block_n,  # noqa: E731
-                                                num_stages=stages, num_warps=warps, **extra)
+            def fn(args=args, extra=extra, block_n=block_n, stages=stages, warps=warps):
+                return paged_decode_attention(q, *args, table, rows_, lens, 1, 0.1, splits, block_n=block_n,
+                                              num_stages=stages, num_warps=warps, **extra)
             try:
                 err = (fn().float() - ref).abs().max().item()
                 s = _graph_time(fn)
@@ -57,8 +58,8 @@ def kv8_rows(context: int, batches: tuple[int, ...], copy_bw: float) -> list[dic
                          "engine_choice": block_n is None,
                          "splits": splits, "us": s * 1e6, "fraction_of_copy_bw": nbytes / s / copy_bw,
                          "max_abs_diff_vs_bf16_kv": err})
-            print(f"H{heads} B{batch} {kv} dot={dot} block_n={block_n} stages={stages} warps={warps}: {s * 1e6:8.1f} us "
-                  f"{rows[-1]['fraction_of_copy_bw']:.3f} of copy bw, |d| {err:.3g}", flush=True)
+            print(f"H{heads} B{batch} {kv} dot={dot} block_n={block_n} stages={stages} warps={warps}: "
+                  f"{s * 1e6:8.1f} us {rows[-1]['fraction_of_copy_bw']:.3f} of copy bw, |d| {err:.3g}", flush=True)
         del k, k8, scale, table
     return rows
 
