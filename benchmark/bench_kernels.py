@@ -53,6 +53,9 @@ def _graph_time(fn) -> float:
     return triton.testing.do_bench_cudagraph(fn, rep=50, return_mode="median") / 1e3
 
 
+L2_FLUSH_BYTES = 160 << 20  # distinct KV bytes a decode sweep's timed call reads at least (past any L2 here)
+
+
 def _decode_inputs(batch: int, context: int, heads: int, kv_heads: int, dim: int) -> tuple[torch.Tensor, ...]:
     """(q, k, page table, table rows, lengths) of a decode batch, `context` keys per sequence laid out as the
     engine's pool does (each sequence's slots contiguous; page size 1)."""
@@ -311,30 +314,37 @@ def moe_decode_sweep_rows(copy_bw: float) -> list[dict]:
     return rows
 
 
-def gqa_decode_sweep_rows(context: int, copy_bw: float) -> list[dict]:
+def gqa_decode_sweep_rows(context: int, copy_bw: float, batches=(1, 4, 16, 64, 256)) -> list[dict]:
     """GQA decode attention at SmolLM2's shape (9 query heads, 3 KV heads, 64 dims), `context` keys per
     sequence, over split counts and tiles, graph-timed, as KV bytes over the copy bandwidth."""
     rows = []
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
-    for batch in (1, 4, 16, 64, 256):
+    for batch in batches:
         q, k, table, rows_, lens = _decode_inputs(batch, context, 9, 3, 64)
         v = torch.randn_like(k)
+        # A timed call attends over enough copies of the KV that none is still in L2 from the previous one (at 32K
+        # tokens one layer's K and V are 25 MB, half an H100's L2): as a model's 30 layers read theirs.
+        copies = max(1, -(-L2_FLUSH_BYTES // (2 * k.numel() * k.element_size())))
+        kvs = [(k, v)] + [(k.clone(), v.clone()) for _ in range(copies - 1)]
         engine = num_splits_for(batch, 3, num_sms, 64)
         split_counts = (1, 2, 4, 8, 16, 32) + ((64, 128, 256) if batch <= 4 else ())  # one long request: more splits
         for splits, block_n, stages in itertools.product(split_counts, (32, 64, 128), (2, 3)):
+            def attend_all(splits=splits, block_n=block_n, stages=stages):
+                for kc, vc in kvs:
+                    paged_decode_attention(q, kc, vc, table, rows_, lens, 1, 0.125, splits, block_n=block_n,
+                                           num_stages=stages)
             try:
-                s = _graph_time(lambda: paged_decode_attention(q, k, v, table, rows_, lens, 1, 0.125, splits,
-                                                               block_n=block_n, num_stages=stages))
+                s = _graph_time(attend_all) / copies
             except Exception as exc:  # out of shared memory at this depth: not a candidate
                 print("gqa", batch, splits, block_n, stages, type(exc).__name__, flush=True)
                 continue
             frac = 2 * k.numel() * 2 / s / copy_bw
             rows.append({"kernel": "gqa_decode_sweep", "batch": batch, "splits": splits, "block_n": block_n,
-                         "num_stages": stages, "engine_choice": splits == engine and block_n == 64 and stages == 3,
+                         "kv_copies": copies, "num_stages": stages, "engine_choice": splits == engine and block_n == 64 and stages == 3,
                          "us": s * 1e6, "fraction_of_copy_bw": frac})
             print(f"gqa B{batch} splits={splits} block_n={block_n} stages={stages}: {s * 1e6:6.1f} us {frac:.3f}"
                   f"{' (engine)' if rows[-1]['engine_choice'] else ''}", flush=True)
-        del k, v, table
+        del k, v, table, kvs
     return rows
 
 
@@ -437,7 +447,8 @@ def main() -> None:
     parser.add_argument("--out", default="benchmark/results/gpu_kernels_h200.json")
     parser.add_argument("--context", type=int, default=2048)
     parser.add_argument("--device", default="cuda")
-    parser.add_argument("--batches", default="1,16,64,256,2048", help="--only mxfp4: token counts, comma-separated")
+    parser.add_argument("--batches", help="comma-separated: --only mxfp4 token counts (default 1,16,64,256,2048), "
+                                          "decode_sweep batches (default 1,4,16,64,256)")
     parser.add_argument("--only", choices=["kernels", "moe", "dense", "moe_invariant", "router", "moe_sweep",
                                            "decode_sweep", "mxfp4", "mla_prefix"],
                         default="kernels",
@@ -461,9 +472,11 @@ def main() -> None:
         elif args.only == "mxfp4":
             from bench_mxfp4 import mxfp4_moe_rows
 
-            rows = mxfp4_moe_rows(copy_bw, tuple(int(b) for b in args.batches.split(",")))
+            rows = mxfp4_moe_rows(copy_bw, tuple(int(b) for b in (args.batches or "1,16,64,256,2048").split(",")))
         elif args.only == "decode_sweep":
-            rows = gqa_decode_sweep_rows(args.context, copy_bw) + moe_decode_sweep_rows(copy_bw)
+            rows = gqa_decode_sweep_rows(args.context, copy_bw, tuple(int(b) for b in (args.batches or
+                                                                                      "1,4,16,64,256").split(",")))
+            rows += moe_decode_sweep_rows(copy_bw) if args.batches is None else []
         else:
             rows = router_rows() if args.only == "router" else moe_sweep_rows(mm_rate)
         Path(args.out).write_text(json.dumps({"copy_bytes_per_s": copy_bw, "matmul_flop_per_s": mm_rate,
