@@ -13,9 +13,9 @@ smoke run, no timing worth reading) the peer is RoutedExperts' torch path, since
 
 `--only router`: the router GEMM as cast + cuBLAS, the FMA kernel and the bf16-pieces tensor-core kernel;
 `--only moe_sweep`: the fused MoE's grouped GEMMs at prefill size, one row per tile configuration;
-`--only decode_sweep`: GQA decode attention (SmolLM2 shape; batch 1 / 4 up to 256 splits) over splits and tiles
-(`--context 32768` for the long-context rows), then the fused MoE's grouped
-GEMMs at V2-Lite decode batches over tile configurations;
+`--only decode_sweep`: GQA decode attention (SmolLM2 shape; batch 1 / 4 up to 256 splits; KV copies past L2) over
+splits and tiles (`--context 32768`: long contexts; `--batches 1,4`: only those), then the fused MoE's grouped GEMMs
+at V2-Lite decode batches over tile configurations (not with --batches);
 `--only mxfp4` (rows in bench_mxfp4.py): the fused MXFP4 MoE at V4-Flash's expert shapes (256 experts of 4096 x 2048, top-8),
 each candidate configuration and the default side by side, beside the bf16 fused MoE on the same weights dequantized,
 as fractions of the read-only bandwidth over the touched experts' bytes (0.53 per weight with the e8m0 scales,
