@@ -72,9 +72,12 @@ class V4Attention(nn.Module):
         if self.indexer is not None:
             self.indexer.compressor.store(x, buf, vb.out_slots, c.idx_kv, c.idx_gate)
             self.indexer.compressor.compress(kv, vb.windows[self.ratio], c.idx_kv, c.idx_gate, kv.store_idx_entry)
-        out = torch.empty_like(q)
-        for group in vb.groups:
-            out[group.rows] = self.method.attend(self, group, q, x, q_residual, vb.positions, kv)
+        if len(vb.groups) == 1 and vb.groups[0].covers_all:
+            out = self.method.attend(self, vb.groups[0], q, x, q_residual, vb.positions, kv)
+        else:
+            out = torch.empty_like(q)
+            for group in vb.groups:
+                out[group.rows] = self.method.attend(self, group, q, x, q_residual, vb.positions, kv)
         out = self.method.rope(out, cos, -sin)  # undo the rotation V carried into the output
         grouped = out.reshape(t, self.o_groups, -1)
         w = self.wo_a.weight.view(self.o_groups, -1, grouped.shape[-1])  # (g, o_lora_rank, H*D/g)

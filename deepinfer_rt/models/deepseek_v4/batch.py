@@ -37,6 +37,13 @@ class AttnGroup:
     """ratio -> (G, E) slots holding the compressed entries 0 .. E-1 (padded)."""
     entry_mask: dict[int, torch.Tensor]
     """ratio -> (G, Q, E) causal visibility of each entry to each query."""
+    covers_all: bool = False
+    """`rows` are all the step's token rows in order (a step of one group: decode only, or one prompt's chunk), so
+    the group's rows of a step tensor are the tensor itself: no gather, no scatter of the output."""
+
+    def take(self, t: torch.Tensor) -> torch.Tensor:
+        """The group's rows of a step tensor (T, ...)."""
+        return t if self.covers_all else t[self.rows]
 
 
 @dataclass
@@ -155,6 +162,8 @@ def build_v4_batch(batch: ForwardBatch, window: int, ratios: tuple[int, ...], qu
         row += q_len
     if decode[0]:
         groups.append(_decode_group(*decode, window, divisors, device))
+    if len(groups) == 1 and groups[0].num_seqs * groups[0].q_len == row:  # distinct rows of [0, row), ascending
+        groups[0].covers_all = True
     out = batch.out_slots if recent is batch.kv_slots else torch.cat(out_slots)
     return V4Batch(batch.positions, out, batch.input_ids, groups,
                    {m: _windows(batch, recent, m, divisors[m]) for m in ratios})

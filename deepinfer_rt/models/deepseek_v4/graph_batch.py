@@ -73,7 +73,8 @@ class StaticDecode:
             entry_mask[m] = visible[:, None, :]
             windows[m] = self._windows(m, div, valid)
         group = AttnGroup(torch.arange(p.shape[0], device=p.device), int(p.shape[0]), 1,
-                          self.recent_slots(k, swa_ok, 0), swa_ok[:, None, :], entry_slots, entry_mask)
+                          self.recent_slots(k, swa_ok, 0), swa_ok[:, None, :], entry_slots, entry_mask,
+                          covers_all=True)
         return V4Batch(p, out, self.input_ids, [group], windows)
 
     def _windows(self, m: int, div: int, valid: torch.Tensor) -> Windows:

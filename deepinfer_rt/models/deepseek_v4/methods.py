@@ -176,11 +176,11 @@ class V4Method:
         if layer.ratio:
             slots, visible = g.entry_slots[layer.ratio], g.entry_mask[layer.ratio]  # (G, E), (G, Q, E)
             if layer.indexer is not None:
-                visible = layer.indexer.select(x[g.rows], q_residual[g.rows], positions[g.rows],
+                visible = layer.indexer.select(g.take(x), g.take(q_residual), g.take(positions),
                                                kv.idx_entry(slots), visible)
             keys = torch.cat([keys, kv.entry(slots)], dim=1)
             mask = torch.cat([mask, visible], dim=2)
-        qg = q[g.rows].view(g.num_seqs, g.q_len, layer.num_heads, layer.head_dim)
+        qg = g.take(q).view(g.num_seqs, g.q_len, layer.num_heads, layer.head_dim)
         scores = torch.einsum("gqhd,gld->gqhl", qg, keys) * layer.head_dim ** -0.5
         scores = scores.masked_fill(~mask[:, :, None, :], float("-inf"))
         sink = layer.attn_sink.to(scores.dtype).view(1, 1, -1, 1).expand(*scores.shape[:3], 1)
@@ -246,7 +246,7 @@ class V4InvariantMethod(V4Method):
         if layer.ratio:
             entry_slots, entry_mask = g.entry_slots[layer.ratio], g.entry_mask[layer.ratio]
             if layer.indexer is not None:
-                entry_mask = layer.indexer.select(x[g.rows], q_residual[g.rows], positions[g.rows],
+                entry_mask = layer.indexer.select(g.take(x), g.take(q_residual), g.take(positions),
                                                   kv.idx_entry(entry_slots), entry_mask)
         slots, valid, is_entry = v4_invariant.key_lists(g.swa_slots, g.swa_mask, entry_slots, entry_mask)
         # One list mixes sliding-key slots and entry rows (is_entry says which): clamp each gather to its buffer.
@@ -254,7 +254,7 @@ class V4InvariantMethod(V4Method):
         if entry_slots is not None:
             entry_keys = kv.entry(slots.clamp(max=kv.num_entry_rows - 1))
             keys = torch.where(is_entry[..., None], entry_keys, keys)
-        return v4_invariant.attend(q[g.rows], keys.to(q.dtype), valid, layer.head_dim ** -0.5, layer.attn_sink)
+        return v4_invariant.attend(g.take(q), keys.to(q.dtype), valid, layer.head_dim ** -0.5, layer.attn_sink)
 
     def index_select(self, indexer: nn.Module, q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor,
                      visible: torch.Tensor) -> torch.Tensor:
@@ -342,13 +342,13 @@ class V4TritonMethod(V4Method):
             entries = kv.entries[:, cols.entry]
             if layer.indexer is not None:
                 index_keys = self._keys(kv.fp8_idx_entry, kv.entries[:, cols.idx_entry], slots)
-                picks = layer.indexer.select(x[g.rows], q_residual[g.rows], positions[g.rows], index_keys,
+                picks = layer.indexer.select(g.take(x), g.take(q_residual), g.take(positions), index_keys,
                                              visible)  # (G, Q, k)
                 rows = slots.gather(1, picks.clamp(min=0).flatten(1)).view(picks.shape)
                 sources.append(self._keys(kv.fp8_entry, entries, rows.masked_fill(picks < 0, -1)))
             else:
                 sources.append(self._keys(kv.fp8_entry, entries, slots, visible))
-        qg = q[g.rows].view(g.num_seqs, g.q_len, layer.num_heads, layer.head_dim)
+        qg = g.take(q).view(g.num_seqs, g.q_len, layer.num_heads, layer.head_dim)
         out = self.kernels.attention.sparse_mqa_attention(qg, sources, layer.attn_sink, layer.head_dim ** -0.5)
         return out.view(-1, layer.num_heads, layer.head_dim)
 
@@ -409,13 +409,13 @@ class V4InvariantTritonMethod(V4InvariantMethod):
             entries = kv.entries[:, kv.cols.entry]
             if layer.indexer is not None:
                 index_keys = key_source(self.kernels, kv.fp8_idx_entry, kv.entries[:, kv.cols.idx_entry], slots)
-                picks = layer.indexer.select(x[g.rows], q_residual[g.rows], positions[g.rows], index_keys,
+                picks = layer.indexer.select(g.take(x), g.take(q_residual), g.take(positions), index_keys,
                                              visible)  # (G, Q, k)
                 rows = slots.gather(1, picks.clamp(min=0).flatten(1)).view(picks.shape)
                 sources.append(key_source(self.kernels, kv.fp8_entry, entries, rows.masked_fill(picks < 0, -1)))
             else:
                 sources.append(key_source(self.kernels, kv.fp8_entry, entries, slots, visible))
-        qg = q[g.rows].view(g.num_seqs, g.q_len, layer.num_heads, layer.head_dim)
+        qg = g.take(q).view(g.num_seqs, g.q_len, layer.num_heads, layer.head_dim)
         out = self.kernels.attention.sparse_mqa_attention(qg, sources, layer.attn_sink, layer.head_dim ** -0.5,
                                                           fixed_splits=True)
         return out.view(-1, layer.num_heads, layer.head_dim)

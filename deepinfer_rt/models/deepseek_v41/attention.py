@@ -206,12 +206,16 @@ class V41Attention(nn.Module):
             cfg = self.cfg
             iq = self.method.v4.rope(q_all[:, h * d :].view(t, cfg.index_n_heads, cfg.index_head_dim), cos, sin)
             weights = self.indexer.weights_proj(x).float() * cfg.index_n_heads ** -0.5
-        out = torch.empty_like(q)
+        out = None if len(qvb.groups) == 1 and qvb.groups[0].covers_all else torch.empty_like(q)
         for gi, group in enumerate(qvb.groups):
             sel = None
             if spec.has_long_range:
                 sel = self._select(gi, group, iq, weights, src, group.entry_slots[spec.ratio], step)
-            out[group.rows] = self.method.attend(q[group.rows], group, spec.ratio, kv, src, sel, self.attn_sink)
+            attended = self.method.attend(group.take(q), group, spec.ratio, kv, src, sel, self.attn_sink)
+            if out is None:
+                out = attended
+            else:
+                out[group.rows] = attended
         out = self.method.v4.rope(out, cos, -sin)  # undo the rotation V carried into the output
         grouped = out.reshape(t, self.cfg.o_groups, -1)
         w = self.wo_a.weight.view(self.cfg.o_groups, -1, grouped.shape[-1])
@@ -226,8 +230,8 @@ class V41Attention(nn.Module):
             return step.picks[(spec.index_source, gi)]
         visible = g.entry_mask[spec.ratio]
         n, q_len, num_entries = visible.shape
-        q = iq[g.rows].view(n, q_len, cfg.index_n_heads, cfg.index_head_dim)
-        scores = self.method.index_scores(q, src, slots, weights[g.rows].view(n, q_len, -1))
+        q = g.take(iq).view(n, q_len, cfg.index_n_heads, cfg.index_head_dim)
+        scores = self.method.index_scores(q, src, slots, g.take(weights).view(n, q_len, -1))
         scores = scores.masked_fill(~visible, float("-inf"))
         if spec.is_candidate_source:
             step.candidates[gi] = self._candidate_blocks(scores, visible)

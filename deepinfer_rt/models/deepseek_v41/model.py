@@ -346,7 +346,7 @@ class DeepseekV41ForCausalLM(DeepseekV4ForCausalLM):
         gate.bias_vl = nn.Parameter(tensor.to(device=device, dtype=torch.float32), requires_grad=False)
 
     def _apply(self, fn, recurse=True):
-        # The image-token bias stays fp32 like the text one (deepseek_v4/model.py _FP32 names `gate.bias` only).
+        # The image-token bias stays fp32 like the text one (deepseek_v4/model.py _FP32 names `gate.bias`, not this).
         kept = {n: p.data for n, p in self.named_parameters() if n.endswith(".gate.bias_vl")}
         super()._apply(fn, recurse)
         params = dict(self.named_parameters())
