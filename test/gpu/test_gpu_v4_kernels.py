@@ -164,6 +164,35 @@ def test_pool_window_v4_flash(m, c, dtype):
         assert rel_err(out, ref) < 1e-2
 
 
+@pytest.mark.parametrize("overlap,m,d", [(True, 4, 512), (False, 128, 512), (True, 4, 128)],
+                         ids=["csa", "hca", "csa-index"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_pool_gathered_v4_flash(overlap, m, d, dtype):
+    """The compressor's gathers and pooling in one launch against V4Method's torch form, V4-Flash widths, 256
+    windows over scattered rows of a compact-pool-like buffer (first window without a predecessor)."""
+    from types import SimpleNamespace
+
+    from deepinfer_kernels.v4_pooling import pool_gathered
+    from deepinfer_rt.models.deepseek_v4.methods import V4Method
+
+    gen = torch.Generator(device=DEV).manual_seed(m + d)
+    width, n, rows = (2 if overlap else 1) * d, 256, 40000
+    buf = torch.randn(rows, 512 + 2 * width, device=DEV, generator=gen).to(dtype)
+    kv_cols, gate_cols = slice(512, 512 + width), slice(512 + width, 512 + 2 * width)
+    cur = torch.randperm(rows, device=DEV, generator=gen)[: n * m].view(n, m)
+    prev = torch.randint(0, rows, (n, m), device=DEV, generator=gen)
+    has_prev = torch.arange(n, device=DEV) > 0
+    ape = torch.randn(m, width, device=DEV, generator=gen)
+    ref = V4Method.__new__(V4Method).window_pool(buf, kv_cols, gate_cols,
+                                                 SimpleNamespace(cur=cur, prev=prev, has_prev=has_prev), ape, d,
+                                                 overlap)
+    out = pool_gathered(buf, kv_cols.start, gate_cols.start, cur, prev, has_prev, ape, d, overlap)
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    else:
+        assert rel_err(out, ref) < 1e-2
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_norms_rope_and_hyper_connections_v4_flash(dtype):
     """The glue kernels at V4-Flash widths against V4Method's torch forms on the same GPU: the norms over 4096

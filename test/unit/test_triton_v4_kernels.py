@@ -87,6 +87,37 @@ _POOLING = textwrap.dedent("""
     print("ok")
 """)
 
+# The gathered form against the torch form (V4Method.window_pool): CSA (overlap, window 0 without a predecessor)
+# and HCA, windows over scattered pool rows, a pool row wider than the columns used, and no window at all.
+_POOL_GATHERED = textwrap.dedent("""
+    import torch
+    from types import SimpleNamespace
+    from deepinfer_kernels.v4_pooling import pool_gathered
+    from deepinfer_rt.models.deepseek_v4.methods import V4Method
+    torch_form = V4Method.__new__(V4Method)
+    g = torch.Generator().manual_seed(0)
+    for dtype, tol in ((torch.float32, 1e-6), (torch.bfloat16, 1e-2)):
+        for overlap, m, d, n in [(True, 4, 40, 3), (False, 8, 24, 2), (True, 2, 16, 0)]:
+            width = (2 if overlap else 1) * d
+            buf = torch.randn(50, 7 + 2 * width + 5, generator=g).to(dtype)
+            kv_cols, gate_cols = slice(7, 7 + width), slice(7 + width, 7 + 2 * width)
+            cur = torch.randperm(50, generator=g)[: n * m].view(n, m)
+            prev = torch.randint(0, 50, (n, m), generator=g)
+            has_prev = torch.arange(n) > 0
+            ape = torch.randn(m, width, generator=g)
+            win = SimpleNamespace(cur=cur, prev=prev, has_prev=has_prev)
+            ref = torch_form.window_pool(buf, kv_cols, gate_cols, win, ape, d, overlap)
+            out = pool_gathered(buf, kv_cols.start, gate_cols.start, cur, prev, has_prev, ape, d, overlap)
+            assert out.dtype == ref.dtype and out.shape == (n, d)
+            torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol)
+    try:
+        pool_gathered(buf, 7, 7 + width, cur, prev, has_prev, ape[:, :3], d, True)
+        raise AssertionError("a position bias of the wrong width accepted")
+    except ValueError:
+        pass
+    print("ok")
+""")
+
 _SINKHORN = textwrap.dedent("""
     import torch
     from deepinfer_kernels.v4_sinkhorn import sinkhorn
@@ -269,6 +300,10 @@ def test_index_scores_equal_reference():
 
 def test_pool_window_equals_torch_form():
     assert _interpret(_POOLING).strip().endswith("ok")
+
+
+def test_pool_gathered_equals_torch_form():
+    assert _interpret(_POOL_GATHERED).strip().endswith("ok")
 
 
 def test_sinkhorn_equals_torch_form():

@@ -49,15 +49,8 @@ class Compressor(nn.Module):
         """Write the entry of every window completed in this step into its entry row."""
         if win.num == 0:
             return
-        kv_buf, gate_buf = kv_state.recent[:, kv_cols], kv_state.recent[:, gate_cols]
-        kv, gate = kv_buf[win.cur], gate_buf[win.cur].float() + self.ape.float()  # (N, m, width)
-        if self.overlap:
-            d = self.head_dim
-            prev_gate = gate_buf[:, :d][win.prev].float() + self.ape[:, :d].float()
-            prev_gate = prev_gate.masked_fill(~win.has_prev[:, None, None], float("-inf"))
-            kv = torch.cat([kv_buf[:, :d][win.prev], kv[..., d:]], dim=1)  # (N, 2m, d)
-            gate = torch.cat([prev_gate, gate[..., d:]], dim=1)
-        pooled = self.method.pool_window(kv, gate)
+        pooled = self.method.window_pool(kv_state.recent, kv_cols, gate_cols, win, self.ape, self.head_dim,
+                                         self.overlap)
         cos, sin = self.rotary.cos_sin(win.positions)
         store(win.end, self.method.rope(self.norm(pooled), cos, sin))
 

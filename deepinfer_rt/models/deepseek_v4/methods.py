@@ -26,7 +26,7 @@ from deepinfer_rt.layers.methods import (Activation, HeadMatmul, InvariantLinear
 from deepinfer_rt.models.deepseek_v4 import invariant as v4_invariant
 
 if TYPE_CHECKING:
-    from deepinfer_rt.models.deepseek_v4.batch import AttnGroup
+    from deepinfer_rt.models.deepseek_v4.batch import AttnGroup, Windows
     # LayerKV and Fp8Rows (models/deepseek_v4/common.py) are named, not imported: common imports this module.
 
 
@@ -164,6 +164,20 @@ class V4Method:
     def pool_window(self, kv: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         """kv (N, m, C), gate (N, m, C) fp32 -> softmax over the window of gate, weighted sum of kv (N, C)."""
         return (kv * gate.softmax(dim=1).to(kv.dtype)).sum(dim=1)
+
+    def window_pool(self, buf: torch.Tensor, kv_cols: slice, gate_cols: slice, win: Windows, ape: torch.Tensor,
+                    d: int, overlap: bool) -> torch.Tensor:
+        """The windows' pooled entries (N, d), from the compressor inputs kept in buf's kv and gate columns (models/
+        deepseek_v4/compressor.py): the window's tokens, and with `overlap` (CSA) the first half of the previous
+        window's (gates -inf for window 0) beside the second half of its own; pool_window of gate + ape."""
+        kv_buf, gate_buf = buf[:, kv_cols], buf[:, gate_cols]
+        kv, gate = kv_buf[win.cur], gate_buf[win.cur].float() + ape.float()  # (N, m, width)
+        if overlap:
+            prev_gate = gate_buf[:, :d][win.prev].float() + ape[:, :d].float()
+            prev_gate = prev_gate.masked_fill(~win.has_prev[:, None, None], float("-inf"))
+            kv = torch.cat([kv_buf[:, :d][win.prev], kv[..., d:]], dim=1)  # (N, 2m, d)
+            gate = torch.cat([prev_gate, gate[..., d:]], dim=1)
+        return self.pool_window(kv, gate)
 
     # ---- attention and indexer ----
 
@@ -328,6 +342,12 @@ class V4TritonMethod(V4Method):
 
     def pool_window(self, kv: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         return self.kernels.pooling.pool_window(kv, gate)
+
+    def window_pool(self, buf: torch.Tensor, kv_cols: slice, gate_cols: slice, win: Windows, ape: torch.Tensor,
+                    d: int, overlap: bool) -> torch.Tensor:
+        """The gathers, the position bias and the pooling in one launch, where the torch form takes about twelve."""
+        return self.kernels.pooling.pool_gathered(buf, kv_cols.start, gate_cols.start, win.cur, win.prev,
+                                                  win.has_prev, ape, d, overlap)
 
     def _keys(self, fp8: Fp8Rows | None, plain: torch.Tensor, rows: torch.Tensor,
               mask: torch.Tensor | None = None):
