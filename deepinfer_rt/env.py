@@ -135,9 +135,9 @@ class Env:
     second launch) or 'last_program' (each output tile's last split adds them, the same bits, one launch fewer per
     GEMM; checked in Triton's interpreter, not yet run or timed on a GPU)."""
     fp8_kv_dot: str
-    """DEEPINFER_FP8_KV_DOT: the dots of the decode attention kernel over an FP8 KV pool with a 16-bit model: 'query'
-    (default: the tiles convert to the query's dtype) or 'f16' (tiles and query in fp16: e4m3 converts to fp16 in one
-    instruction per two values; deepinfer_kernels.decode_attention.FP8_KV_DOTS)."""
+    """DEEPINFER_FP8_KV_DOT: the dots of the decode attention kernel over an FP8 KV pool with a 16-bit model: 'f16'
+    (default: tiles and query in fp16; e4m3 converts to fp16 in one instruction per two values) or 'query' (the
+    tiles convert to the query's dtype, bf16 through fp32); deepinfer_kernels.decode_attention.FP8_KV_DOTS."""
     mla_mha_prefill: bool | None
     """DEEPINFER_MLA_MHA_PREFILL: MLA prefill chunks in the standard (expanded K/V) form. Unset = on for the
     Triton backend, for chunks of at least deepinfer_rt.layers.mla_prefill.MHA_MIN_QUERIES new tokens; 1 = every
@@ -262,7 +262,7 @@ def get_env() -> Env:
         skinny_gemm=_bool("DEEPINFER_SKINNY_GEMM", True),
         fp8_gemm=_str("DEEPINFER_FP8_GEMM", "auto").strip().lower(),
         fp8_split_sum=_str("DEEPINFER_FP8_SPLIT_SUM", "kernel").strip().lower(),
-        fp8_kv_dot=_str("DEEPINFER_FP8_KV_DOT", "query").strip().lower(),
+        fp8_kv_dot=_str("DEEPINFER_FP8_KV_DOT", "f16").strip().lower(),
         mla_mha_prefill=_optional_bool("DEEPINFER_MLA_MHA_PREFILL"),
         mla_prefix_split=_optional_bool("DEEPINFER_MLA_PREFIX_SPLIT"),
         max_body_bytes=_int("DEEPINFER_MAX_BODY_BYTES", 16 << 20),

@@ -299,9 +299,10 @@ num_splits_for asked for): MLA's 576-column tiles at 16 heads are the tuned tile
 DeepSeek-V3's 128 as one tile needed 288 KB of shared memory (an H100 has 227). Not timed at V3's heads yet."""
 
 
-FP8_KV_DOTS = ("query", "f16")
-"""The operand dtype of the dots over float8_e4m3fn K/V tiles: the query's ('query'), or fp16 with the 16-bit
-query converted to it ('f16': e4m3 converts to fp16 in one instruction per two values, to bf16 through fp32)."""
+FP8_KV_DOTS = ("f16", "query")
+"""The operand dtype of the dots over float8_e4m3fn K/V tiles: fp16 with a 16-bit query converted to it ('f16', the
+default: e4m3 converts to fp16 in one instruction per two values, to bf16 through fp32; 12-15% faster than bf16
+dots in benchmark/bench_kv8_decode.py on an H200), or the query's own dtype ('query')."""
 
 
 def _layout(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, kv_dot: str = "query") -> dict:
@@ -339,7 +340,7 @@ def paged_decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Te
                            num_splits: int, out: torch.Tensor | None = None, block_n: int | None = None,
                            num_warps: int = 4, num_stages: int | None = None, q_tail: torch.Tensor | None = None,
                            k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-                           kv_dot: str = "query") -> torch.Tensor:
+                           kv_dot: str = "f16") -> torch.Tensor:
     """q (B, Hq, Dqk); k_buf (slots, Hkv, Dqk); v_buf (slots, Hkv, Dv), for MLA a column view of k_buf;
     page_table (R, W) int32 page ids; table_rows (B,) int32 row of each sequence; seq_lens (B,) int32.
     q_tail: the query's last columns apart (MLA's rope part), q then (B, Hq, Dv). k_scale / v_scale (slots, Hkv)
@@ -359,8 +360,10 @@ def paged_decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Te
     # One split writes the output itself: no partials, no merge launch.
     part_o = torch.empty(bsz, hq, num_splits, dv, dtype=torch.float32, device=q.device) if num_splits > 1 else out
     part_lse = torch.empty(bsz, hq, num_splits, dtype=torch.float32, device=q.device) if num_splits > 1 else out
-    # Measured on an H200 (MLA, 2K context): 64-token tiles are best from batch 16 up, 32-token tiles at batch 1.
-    block_n = block_n or (64 if dk <= 256 or bsz >= 8 else 32)
+    # Measured on an H200 (MLA, 2K context): 64-token tiles are best from batch 16 up, 32-token tiles at batch 1;
+    # float8 tiles, converted in registers, 32 at every batch (benchmark/bench_kv8_decode.py: 91 against 105 us at
+    # batch 64, V2-Lite's heads, fp16 dots).
+    block_n = block_n or (64 if (dk <= 256 or bsz >= 8) and not layout["KV_FP8"] else 32)
     # 3 stages for GQA's light 16-bit tiles (num_splits_for), 2 for MLA's 576-column ones (bench_kernels.py's
     # sweep) and for fp32 caches (shared memory).
     num_stages = num_stages or (3 if dk <= 256 and not layout["IEEE"] else 2)
