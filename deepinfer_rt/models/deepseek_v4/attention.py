@@ -78,7 +78,7 @@ class V4Attention(nn.Module):
             out = torch.empty_like(q)
             for group in vb.groups:
                 out[group.rows] = self.method.attend(self, group, q, x, q_residual, vb.positions, kv)
-        out = self.method.rope(out, cos, -sin)  # undo the rotation V carried into the output
+        out = self.method.rope(out, *self.rotary.cos_sin(vb.positions, inverse=True))  # undo V's rotation
         grouped = out.reshape(t, self.o_groups, -1)
         w = self.wo_a.weight.view(self.o_groups, -1, grouped.shape[-1])  # (g, o_lora_rank, H*D/g)
         return self.wo_b(self.method.grouped_projection(grouped, w).reshape(t, -1))

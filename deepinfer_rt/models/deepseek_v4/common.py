@@ -416,15 +416,23 @@ class V4Rotary:
         self._cache: dict | None = None
         """(id, version) of a positions tensor -> (positions, cos, sin), during a forward pass only."""
 
-    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def cos_sin(self, positions: torch.Tensor, inverse: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) tables of `positions`, (N, rope_dim / 2) fp32; `inverse`: (cos, -sin), which undo the
+        rotation (shared within a forward pass as the tables are)."""
         # Inference-mode tensors keep no version counter: their tables are not shared.
         key = None if self._cache is None or positions.is_inference() else (id(positions), positions._version)
+        if key is not None and inverse:
+            key = key + ("inverse",)
         if key in (self._cache or {}):
             return self._cache[key][1:]
-        if self.inv_freq.device != positions.device:
-            self.inv_freq = self.inv_freq.to(positions.device)
-        freqs = positions[:, None].float() * self.inv_freq[None, :]
-        cos, sin = freqs.cos() * self.scale, freqs.sin() * self.scale
+        if inverse:
+            cos, sin = self.cos_sin(positions)
+            cos, sin = cos, -sin
+        else:
+            if self.inv_freq.device != positions.device:
+                self.inv_freq = self.inv_freq.to(positions.device)
+            freqs = positions[:, None].float() * self.inv_freq[None, :]
+            cos, sin = freqs.cos() * self.scale, freqs.sin() * self.scale
         if key is not None:
             self._cache[key] = (positions, cos, sin)  # the reference keeps the id from being reused meanwhile
         return cos, sin

@@ -216,7 +216,7 @@ class V41Attention(nn.Module):
                 out = attended
             else:
                 out[group.rows] = attended
-        out = self.method.v4.rope(out, cos, -sin)  # undo the rotation V carried into the output
+        out = self.method.v4.rope(out, *self.rotary.cos_sin(qvb.positions, inverse=True))  # undo V's rotation
         grouped = out.reshape(t, self.cfg.o_groups, -1)
         w = self.wo_a.weight.view(self.cfg.o_groups, -1, grouped.shape[-1])
         return self.wo_b(self.method.v4.grouped_projection(grouped, w.to(grouped.dtype)).reshape(t, -1))
