@@ -30,8 +30,8 @@ def _rms_norm_kernel(X, W, Out, stride_x, stride_o, n_cols, eps, HAS_W: tl.const
         inv = tl.math.rsqrt(tl.sum(xf * xf, 0) / n_cols + eps)
         if HAS_W:  # weight (fp32) x (x . inv) in fp32, one cast
             y = tl.load(W + offs, mask=mask, other=0.0).to(tl.float32) * (xf * inv)
-        else:  # x x inv rounded to x's dtype, the product in fp32 then rounded (torch's bf16 x bf16)
-            y = x.to(tl.float32) * inv.to(x.dtype).to(tl.float32)
+        else:  # x x inv rounded to the output's dtype, the product in fp32 then rounded (torch's bf16 x bf16)
+            y = x.to(tl.float32) * inv.to(Out.dtype.element_ty).to(tl.float32)
         tl.store(o_row + offs, y.to(Out.dtype.element_ty), mask=mask)
     else:
         acc = tl.zeros([BLOCK], tl.float32)
@@ -46,21 +46,24 @@ def _rms_norm_kernel(X, W, Out, stride_x, stride_o, n_cols, eps, HAS_W: tl.const
             if HAS_W:
                 y = tl.load(W + c0 + offs, mask=mask, other=0.0).to(tl.float32) * (x.to(tl.float32) * inv)
             else:
-                y = x.to(tl.float32) * inv.to(x.dtype).to(tl.float32)
+                y = x.to(tl.float32) * inv.to(Out.dtype.element_ty).to(tl.float32)
             tl.store(o_row + c0 + offs, y.to(Out.dtype.element_ty), mask=mask)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
+             out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """Over x's last dim. weight given (V4RMSNorm): (weight.float() * (xf * rsqrt(mean(xf^2) + eps))).to(x.dtype);
     None (methods._unweighted_rms_norm): x * rsqrt(mean(xf^2) + eps).to(x.dtype). Returns a new tensor of x's
-    shape and dtype."""
+    shape, in x's dtype or `out_dtype` (float32 from a 16-bit x: the norm of x.float(), without that copy)."""
     d = x.shape[-1]
     if weight is not None and weight.shape != (d,):
         raise ValueError(f"v4 rms_norm: weight {tuple(weight.shape)} for rows of {d}")
+    if out_dtype not in (None, x.dtype, torch.float32):
+        raise ValueError(f"v4 rms_norm: {x.dtype} rows normalised into {out_dtype}")
     x2 = x.reshape(-1, d)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+    out = torch.empty(x2.shape, dtype=out_dtype or x.dtype, device=x.device)
     block = min(MAX_BLOCK, triton.next_power_of_2(d))
     if x2.shape[0]:
         _rms_norm_kernel[(x2.shape[0],)](x2, weight if weight is not None else x2, out, x2.stride(0), out.stride(0),

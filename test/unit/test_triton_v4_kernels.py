@@ -202,6 +202,9 @@ _ELEMENTWISE = textwrap.dedent("""
             w = torch.rand(shape[-1], generator=g) + 0.5
             torch.testing.assert_close(ew.rms_norm(x, w, 1e-6), _rms_norm(x, w, 1e-6), rtol=tol, atol=tol)
             torch.testing.assert_close(ew.rms_norm(x, None, 1e-6), _unweighted_rms_norm(x, 1e-6), rtol=tol, atol=tol)
+            flat = ew.rms_norm(x, None, 1e-6, out_dtype=torch.float32)  # the hyper-connections' form
+            assert flat.dtype == torch.float32
+            torch.testing.assert_close(flat, _unweighted_rms_norm(x.float(), 1e-6), rtol=1e-5, atol=1e-5)
         for shape, half in (((4, 32), 8), ((3, 5, 48), 8), ((2, 17, 64), 32), ((3, 16), 8)):
             x = torch.randn(*shape, generator=g).to(dtype)
             cos, sin = torch.randn(shape[0], half, generator=g), torch.randn(shape[0], half, generator=g)

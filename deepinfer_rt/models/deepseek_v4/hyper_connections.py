@@ -33,7 +33,7 @@ class HyperConnection(nn.Module):
     def weights(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """streams (T, N, D) -> pre (T, N), post (T, N), comb (T, N, N), all fp32."""
         n, m = self.hc_mult, self.method
-        flat = m.unweighted_rms_norm(streams.flatten(1).float(), self.norm_eps)
+        flat = m.float_rms_norm(streams.flatten(1), self.norm_eps)
         return m.hc_weights(m.hc_matmul(flat, self.fn.float()), self.base, self.scale, n, self.iters, self.hc_eps)
 
     def forward(self, streams: torch.Tensor, block) -> torch.Tensor:
@@ -57,6 +57,6 @@ class HyperHead(nn.Module):
 
     def forward(self, streams: torch.Tensor) -> torch.Tensor:
         m = self.method
-        flat = m.unweighted_rms_norm(streams.flatten(1).float(), self.norm_eps)
+        flat = m.float_rms_norm(streams.flatten(1), self.norm_eps)
         pre = m.sigmoid(m.hc_matmul(flat, self.hc_fn.float()) * self.hc_scale.float() + self.hc_base.float())
         return m.hc_collapse(pre + self.hc_eps, streams)

@@ -70,6 +70,10 @@ class V4Method:
     def unweighted_rms_norm(self, x: torch.Tensor, eps: float) -> torch.Tensor:
         return self.rows(lambda r: _unweighted_rms_norm(r, eps), x)
 
+    def float_rms_norm(self, x: torch.Tensor, eps: float) -> torch.Tensor:
+        """unweighted_rms_norm of x.float() (the hyper-connections' flattened streams)."""
+        return self.unweighted_rms_norm(x.float(), eps)
+
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return self.rows(lambda r: _rms_norm(r, weight, eps), x)
 
@@ -300,6 +304,9 @@ class V4TritonMethod(V4Method):
 
     def unweighted_rms_norm(self, x: torch.Tensor, eps: float) -> torch.Tensor:
         return self.kernels.elementwise.rms_norm(x, None, eps)
+
+    def float_rms_norm(self, x: torch.Tensor, eps: float) -> torch.Tensor:
+        return self.kernels.elementwise.rms_norm(x, None, eps, out_dtype=torch.float32)  # no fp32 copy of x first
 
     def hc_weights(self, mix: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, n: int, iters: int,
                    eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
