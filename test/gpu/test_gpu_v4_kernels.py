@@ -259,3 +259,24 @@ def test_gpu_v4_engine_with_triton_method_matches_cpu(tmp_path_factory, kv_cache
     for o, r in zip(out, ref):
         assert o.token_ids == r.token_ids
         assert max(abs(a - b) for a, b in zip(o.logprobs, r.logprobs)) < 2e-2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp8_rows_write_on_cuda_bitwise_equals_torch_form(dtype):
+    """Fp8Rows.write on CUDA (one store_kv_fp8 launch) stores the bits of its torch form run on CUDA, at V4-Flash's
+    512-wide rows, scattered rows, an all-zero row."""
+    from deepinfer_rt.models.deepseek_v4.common import FP8_MAX, Fp8Rows
+
+    gen = torch.Generator(device=DEV).manual_seed(1)
+    x = (torch.randn(300, 512, device=DEV, generator=gen) * torch.rand(300, 1, device=DEV, generator=gen) * 9).to(dtype)
+    x[5] = 0
+    idx = torch.randperm(1000, device=DEV, generator=gen)[:300]
+    got = Fp8Rows.zeros(1000, 512, torch.device(DEV))
+    got.write(idx, x)
+    xf = x.float()
+    scale = (xf.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp(min=1e-12)
+    want = Fp8Rows.zeros(1000, 512, torch.device(DEV))
+    want.values[idx] = (xf / scale).to(torch.float8_e4m3fn)
+    want.scales[idx] = scale
+    assert torch.equal(got.scales, want.scales)
+    assert torch.equal(got.values.view(torch.uint8), want.values.view(torch.uint8))

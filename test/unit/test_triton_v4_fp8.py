@@ -258,3 +258,31 @@ def test_fixed_split_attention_is_bitwise_the_same_in_any_batch():
 
 def test_tiny_v4_on_fp8_pool_triton_method_equals_torch_method(tiny_v4_path):
     assert _interpret(_MODEL.replace("PATH", repr(str(tiny_v4_path)))).strip().endswith("ok")
+
+
+# Fp8Rows.write's CUDA form (one store_kv_fp8 launch) against its torch form, on the CPU through the interpreter:
+# there the torch form divides amax by 448 exactly while the kernel multiplies by fp32(1/448) (as torch on CUDA
+# does), so a scale may differ in its last bit and a value by one e4m3 step; rows not written stay zero. The GPU
+# test (test_gpu_v4_kernels.py) checks the bits on CUDA.
+_STORE_ROWS = textwrap.dedent("""
+    import torch
+    from deepinfer_rt.models.deepseek_v4.common import Fp8Rows
+    g = torch.Generator().manual_seed(3)
+    for dtype in (torch.float32, torch.bfloat16):
+        x = (torch.randn(5, 40, generator=g) * torch.rand(5, 1, generator=g).mul(8).add(0.05)).to(dtype)
+        x[2] = 0  # an all-zero row: the scale at its floor
+        idx = torch.tensor([7, 0, 3, 9, 4])
+        want, got = Fp8Rows.zeros(10, 40, torch.device("cpu")), Fp8Rows.zeros(10, 40, torch.device("cpu"))
+        want.write(idx, x)
+        got.store_rows(idx, x[:, :])
+        torch.testing.assert_close(got.scales, want.scales, rtol=1e-6, atol=0)
+        deq_w, deq_g = want.values.float() * want.scales, got.values.float() * got.scales
+        torch.testing.assert_close(deq_g, deq_w, rtol=0.07, atol=1e-6)  # one e4m3 step at most
+        unwritten = torch.tensor([1, 2, 5, 6, 8])
+        assert (got.values[unwritten].float() == 0).all() and (got.scales[unwritten] == 0).all()
+    print("ok")
+""")
+
+
+def test_fp8_rows_store_kernel_matches_torch_form():
+    assert _interpret(_STORE_ROWS).strip().endswith("ok")
