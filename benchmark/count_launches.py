@@ -8,6 +8,7 @@ attributed to the innermost module running it. The GPU runs a few more (its GEMM
 the CPU skips), so the counts compare methods, not devices.
 
     python benchmark/count_launches.py            # writes benchmark/results/v4_launches_cpu.json
+    python benchmark/count_launches.py --model deepseek_v41 --out benchmark/results/v41_launches_cpu.json
 """
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ from deepinfer_rt.cache.kv_pool import KVPool  # noqa: E402
 from deepinfer_rt.forward_batch import ForwardBatch  # noqa: E402
 from deepinfer_rt.layers.attention.torch_ref import TorchRefBackend  # noqa: E402
 from deepinfer_rt.models.deepseek_v4.methods import V4Method, V4TritonMethod  # noqa: E402
+from deepinfer_rt.models.deepseek_v41.methods import V41Method, V41TritonMethod  # noqa: E402
 from deepinfer_rt.models.loader import build_model, load_model_config  # noqa: E402
 
 NO_KERNEL = {"view", "unsqueeze", "slice", "permute", "expand", "split", "select", "t", "unbind", "detach", "alias",
@@ -62,9 +64,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=str(ROOT / "benchmark/results/v4_launches_cpu.json"))
     parser.add_argument("--context", type=int, default=35, help="prompt tokens before the counted decode step")
+    parser.add_argument("--model", default="deepseek_v4", choices=["deepseek_v4", "deepseek_v41"])
     args = parser.parse_args()
 
-    path = make_tiny_checkpoint("deepseek_v4", Path(tempfile.mkdtemp()), seed=0)
+    path = make_tiny_checkpoint(args.model, Path(tempfile.mkdtemp()), seed=0)
     config, _ = load_model_config(path)
     model = build_model(config, path, "auto", torch.bfloat16, torch.device("cpu"), seed=0)
     counter = Counter(model)
@@ -104,11 +107,14 @@ def main() -> None:
                 model.compute_logits(model(batch))
 
     rows = {}
-    for label, cls in (("torch forms (V4Method)", V4Method), ("GPU methods (V4TritonMethod)", V4TritonMethod)):
+    for label, cls, cls41 in (("torch forms (V4Method)", V4Method, V41Method),
+                              ("GPU methods (V4TritonMethod)", V4TritonMethod, V41TritonMethod)):
         for mod in model.modules():
             m = getattr(mod, "method", None)
             if isinstance(m, V4Method):
                 mod.method = cls(m.linear, m.activation, m.head_matmul)
+            elif isinstance(m, V41Method):  # V4.1's attention methods, over a V4 method of the same kind
+                mod.method = cls41(cls(m.v4.linear, m.v4.activation, m.v4.head_matmul))
         pool = KVPool(model.kv_layout(config), args.context + 8, 1, torch.bfloat16, torch.device("cpu"))
         step(0, args.context, pool, count=False)
         counter.counts.clear()
@@ -121,7 +127,8 @@ def main() -> None:
         print(f"{label}: {rows[label]['launches']} launches in one decode step of {len(model.model.layers)} layers")
     first, second = rows.values()
     print(f"GPU methods / torch forms: {second['launches'] / first['launches']:.2f}")
-    out = {"model": "tiny DeepSeek-V4 (scripts/make_tiny_checkpoint.py, seed 0), bf16, batch 1",
+    name = {"deepseek_v4": "DeepSeek-V4", "deepseek_v41": "DeepSeek-V4.1"}[args.model]
+    out = {"model": f"tiny {name} (scripts/make_tiny_checkpoint.py, seed 0), bf16, batch 1",
            "context": args.context, "layers": len(model.model.layers), "methods": rows}
     Path(args.out).write_text(json.dumps(out, indent=1))
 
