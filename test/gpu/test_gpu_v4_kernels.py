@@ -191,6 +191,13 @@ def test_pool_gathered_v4_flash(overlap, m, d, dtype):
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
     else:
         assert rel_err(out, ref) < 1e-2
+    # V4.1's form: no position bias, fp32 rows and result
+    ref = V4Method.__new__(V4Method).window_pool(buf, kv_cols, gate_cols,
+                                                 SimpleNamespace(cur=cur, prev=prev, has_prev=has_prev), None, d,
+                                                 overlap, fp32=True)
+    out = pool_gathered(buf, kv_cols.start, gate_cols.start, cur, prev, has_prev, None, d, overlap,
+                        out_dtype=torch.float32)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -110,6 +110,12 @@ _POOL_GATHERED = textwrap.dedent("""
             out = pool_gathered(buf, kv_cols.start, gate_cols.start, cur, prev, has_prev, ape, d, overlap)
             assert out.dtype == ref.dtype and out.shape == (n, d)
             torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol)
+            # V4.1's form: no position bias, the rows converted to fp32 and an fp32 result
+            ref = torch_form.window_pool(buf, kv_cols, gate_cols, win, None, d, overlap, fp32=True)
+            out = pool_gathered(buf, kv_cols.start, gate_cols.start, cur, prev, has_prev, None, d, overlap,
+                                out_dtype=torch.float32)
+            assert ref.dtype == out.dtype == torch.float32
+            torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6)
     try:
         pool_gathered(buf, 7, 7 + width, cur, prev, has_prev, ape[:, :3], d, True)
         raise AssertionError("a position bias of the wrong width accepted")

@@ -169,17 +169,22 @@ class V4Method:
         """kv (N, m, C), gate (N, m, C) fp32 -> softmax over the window of gate, weighted sum of kv (N, C)."""
         return (kv * gate.softmax(dim=1).to(kv.dtype)).sum(dim=1)
 
-    def window_pool(self, buf: torch.Tensor, kv_cols: slice, gate_cols: slice, win: Windows, ape: torch.Tensor,
-                    d: int, overlap: bool) -> torch.Tensor:
+    def window_pool(self, buf: torch.Tensor, kv_cols: slice, gate_cols: slice, win: Windows,
+                    ape: torch.Tensor | None, d: int, overlap: bool, fp32: bool = False) -> torch.Tensor:
         """The windows' pooled entries (N, d), from the compressor inputs kept in buf's kv and gate columns (models/
         deepseek_v4/compressor.py): the window's tokens, and with `overlap` (CSA) the first half of the previous
-        window's (gates -inf for window 0) beside the second half of its own; pool_window of gate + ape."""
+        window's (gates -inf for window 0) beside the second half of its own; pool_window of gate + ape (None: no
+        bias). `fp32`: the kv rows converted to fp32 first, an fp32 result (V4.1's compressor)."""
         kv_buf, gate_buf = buf[:, kv_cols], buf[:, gate_cols]
-        kv, gate = kv_buf[win.cur], gate_buf[win.cur].float() + ape.float()  # (N, m, width)
+        kv, gate = kv_buf[win.cur], gate_buf[win.cur].float()  # (N, m, width)
+        kv = kv.float() if fp32 else kv
+        gate = gate if ape is None else gate + ape.float()
         if overlap:
-            prev_gate = gate_buf[:, :d][win.prev].float() + ape[:, :d].float()
+            prev_gate = gate_buf[:, :d][win.prev].float()
+            prev_gate = prev_gate if ape is None else prev_gate + ape[:, :d].float()
             prev_gate = prev_gate.masked_fill(~win.has_prev[:, None, None], float("-inf"))
-            kv = torch.cat([kv_buf[:, :d][win.prev], kv[..., d:]], dim=1)  # (N, 2m, d)
+            prev_kv = kv_buf[:, :d][win.prev]
+            kv = torch.cat([prev_kv.float() if fp32 else prev_kv, kv[..., d:]], dim=1)  # (N, 2m, d)
             gate = torch.cat([prev_gate, gate[..., d:]], dim=1)
         return self.pool_window(kv, gate)
 
@@ -350,11 +355,12 @@ class V4TritonMethod(V4Method):
     def pool_window(self, kv: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         return self.kernels.pooling.pool_window(kv, gate)
 
-    def window_pool(self, buf: torch.Tensor, kv_cols: slice, gate_cols: slice, win: Windows, ape: torch.Tensor,
-                    d: int, overlap: bool) -> torch.Tensor:
+    def window_pool(self, buf: torch.Tensor, kv_cols: slice, gate_cols: slice, win: Windows,
+                    ape: torch.Tensor | None, d: int, overlap: bool, fp32: bool = False) -> torch.Tensor:
         """The gathers, the position bias and the pooling in one launch, where the torch form takes about twelve."""
         return self.kernels.pooling.pool_gathered(buf, kv_cols.start, gate_cols.start, win.cur, win.prev,
-                                                  win.has_prev, ape, d, overlap)
+                                                  win.has_prev, ape, d, overlap,
+                                                  out_dtype=torch.float32 if fp32 else None)
 
     def _keys(self, fp8: Fp8Rows | None, plain: torch.Tensor, rows: torch.Tensor,
               mask: torch.Tensor | None = None):

@@ -134,6 +134,14 @@ class V41Compressor(nn.Module):
         self.norm = V4RMSNorm(d, cfg.rms_norm_eps)
         self.method = v41_method(current_kernel_config()).v4
 
+    @torch.no_grad()
+    def process_weights_after_loading(self) -> None:
+        """A pooling compressor's products run in fp32 (forward): its weights (16-bit in the releases) kept in fp32,
+        exact, instead of cast at every step (two launches, and each weight read and written again)."""
+        if self.ratio == 2:
+            for linear in (self.wkv, self.wgate):
+                linear.weight.data = linear.weight.data.float()
+
     def _write(self, pre: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor, kv: LayerKV,
                index_wk: Linear, index_norm: V4RMSNorm) -> None:
         cos, sin = self.rotary.cos_sin(positions)
@@ -153,8 +161,7 @@ class V41Compressor(nn.Module):
         win = vb.windows[2]
         if win.num == 0:
             return
-        inputs, gate = buf[:, c.kv][win.cur].float(), buf[:, c.gate][win.cur].float()  # (N, 2, D)
-        pooled = self.method.pool_window(inputs, gate)
+        pooled = self.method.window_pool(buf, c.kv, c.gate, win, None, self.d, False, fp32=True)  # pairs, in fp32
         # the pooled entry leaves the fp32 compressor in the model's dtype, as the per-token ratio-1 entries are
         self._write(self.norm(pooled).to(kv_x.dtype), win.positions, win.end, kv, index_wk, index_norm)
 
