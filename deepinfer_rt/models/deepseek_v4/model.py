@@ -36,9 +36,8 @@ from deepinfer_rt.models.release_names import from_release_name
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")
 # Kept in fp32 whatever the model dtype, as the reference does: norm gains, attention sinks, compressor position
-# biases, the router correction bias and the hyper-connection weights; and the router's weight (16-bit in the
-# checkpoints, exact in fp32), which the router's fp32 product would otherwise cast again at every step.
-_FP32 = re.compile(r"(norm\.weight|attn_sink|\.ape|gate\.bias|\.gate\.weight|\.hc_(attn|ffn)\.\w+|hc_head\.\w+)$")
+# biases, the router correction bias and the hyper-connection weights.
+_FP32 = re.compile(r"(norm\.weight|attn_sink|\.ape|gate\.bias|\.hc_(attn|ffn)\.\w+|hc_head\.\w+)$")
 _RENAMES = ((re.compile(r"\.hc_(attn|ffn)_(fn|base|scale)$"), r".hc_\1.\2"),
             (re.compile(r"\.experts\.(\d+)\.w1\."), r".experts.\1.gate_proj."),
             (re.compile(r"\.experts\.(\d+)\.w3\."), r".experts.\1.up_proj."),

@@ -43,6 +43,12 @@ class V4Router(nn.Module):
             self.bias = nn.Parameter(torch.empty(e, dtype=torch.float32), requires_grad=False)
         self.method = v4_method(current_kernel_config())
 
+    @torch.no_grad()
+    def process_weights_after_loading(self) -> None:
+        """The weight as the model dtype left it, held in fp32 (exact): the router's fp32 product would otherwise
+        cast it at every step (a launch, and the weight read and written again)."""
+        self.weight.data = self.weight.data.float()
+
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x (T, H) -> weights (T, k) fp32, expert ids (T, k) (methods.V4Method.route)."""
         return self.method.route(self, x, input_ids)
