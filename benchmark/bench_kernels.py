@@ -13,9 +13,9 @@ smoke run, no timing worth reading) the peer is RoutedExperts' torch path, since
 
 `--only router`: the router GEMM as cast + cuBLAS, the FMA kernel and the bf16-pieces tensor-core kernel;
 `--only moe_sweep`: the fused MoE's grouped GEMMs at prefill size, one row per tile configuration;
-`--only decode_sweep`: GQA decode attention (SmolLM2 shape; batch 1 / 4 up to 256 splits; KV copies past L2) over
-splits and tiles (`--context 32768`: long contexts; `--batches 1,4`: only those), then the fused MoE's grouped GEMMs
-at V2-Lite decode batches over tile configurations (not with --batches);
+`--only decode_sweep` (rows in bench_decode_sweep.py): GQA decode attention (SmolLM2 shape; batch 1 / 4 up to 256
+splits; KV copies past L2) over splits and tiles (`--context 32768`: long contexts; `--batches 1,4`: only those), then
+the fused MoE's grouped GEMMs at V2-Lite decode batches over tile configurations (not with --batches);
 `--only mxfp4` (rows in bench_mxfp4.py): the fused MXFP4 MoE at V4-Flash's expert shapes (256 experts of 4096 x 2048, top-8),
 each candidate configuration and the default side by side, beside the bf16 fused MoE on the same weights dequantized,
 as fractions of the read-only bandwidth over the touched experts' bytes (0.53 per weight with the e8m0 scales,
@@ -46,14 +46,15 @@ def _time(fn) -> float:
     return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") / 1e3
 
 
+def print_row(row: dict) -> None:
+    print({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}, flush=True)
+
+
 def _graph_time(fn) -> float:
     """Seconds of fn replayed from a CUDA graph, as the engine's decode step runs it: eager timing of a
     few-microsecond kernel measures its Python launch instead."""
     fn()  # compile outside the capture
     return triton.testing.do_bench_cudagraph(fn, rep=50, return_mode="median") / 1e3
-
-
-L2_FLUSH_BYTES = 160 << 20  # distinct KV bytes a decode sweep's timed call reads at least (past any L2 here)
 
 
 def _decode_inputs(batch: int, context: int, heads: int, kv_heads: int, dim: int) -> tuple[torch.Tensor, ...]:
@@ -314,40 +315,6 @@ def moe_decode_sweep_rows(copy_bw: float) -> list[dict]:
     return rows
 
 
-def gqa_decode_sweep_rows(context: int, copy_bw: float, batches=(1, 4, 16, 64, 256)) -> list[dict]:
-    """GQA decode attention at SmolLM2's shape (9 query heads, 3 KV heads, 64 dims), `context` keys per
-    sequence, over split counts and tiles, graph-timed, as KV bytes over the copy bandwidth."""
-    rows = []
-    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
-    for batch in batches:
-        q, k, table, rows_, lens = _decode_inputs(batch, context, 9, 3, 64)
-        v = torch.randn_like(k)
-        # A timed call attends over enough copies of the KV that none is still in L2 from the previous one (at 32K
-        # tokens one layer's K and V are 25 MB, half an H100's L2): as a model's 30 layers read theirs.
-        copies = max(1, -(-L2_FLUSH_BYTES // (2 * k.numel() * k.element_size())))
-        kvs = [(k, v)] + [(k.clone(), v.clone()) for _ in range(copies - 1)]
-        engine = num_splits_for(batch, 3, num_sms, 64)
-        split_counts = (1, 2, 4, 8, 16, 32) + ((64, 128, 256) if batch <= 4 else ())  # one long request: more splits
-        for splits, block_n, stages in itertools.product(split_counts, (32, 64, 128), (2, 3)):
-            def attend_all(splits=splits, block_n=block_n, stages=stages):
-                for kc, vc in kvs:
-                    paged_decode_attention(q, kc, vc, table, rows_, lens, 1, 0.125, splits, block_n=block_n,
-                                           num_stages=stages)
-            try:
-                s = _graph_time(attend_all) / copies
-            except Exception as exc:  # out of shared memory at this depth: not a candidate
-                print("gqa", batch, splits, block_n, stages, type(exc).__name__, flush=True)
-                continue
-            frac = 2 * k.numel() * 2 / s / copy_bw
-            rows.append({"kernel": "gqa_decode_sweep", "batch": batch, "splits": splits, "block_n": block_n,
-                         "kv_copies": copies, "num_stages": stages, "engine_choice": splits == engine and block_n == 64 and stages == 3,
-                         "us": s * 1e6, "fraction_of_copy_bw": frac})
-            print(f"gqa B{batch} splits={splits} block_n={block_n} stages={stages}: {s * 1e6:6.1f} us {frac:.3f}"
-                  f"{' (engine)' if rows[-1]['engine_choice'] else ''}", flush=True)
-        del k, v, table, kvs
-    return rows
-
-
 def _time_any(fn, device: str) -> float:
     """Seconds per call: CUDA events on the GPU, else the median of 3 wall-clock calls."""
     if device.startswith("cuda"):
@@ -437,7 +404,7 @@ def mla_prefix_rows(mm_rate: float) -> list[dict]:
                 row[name + "_error"] = str(e).splitlines()[0][:300]
         for key in [k for k in row if k.endswith("_us")]:
             row[key.replace("_us", "_fraction_of_matmul_rate")] = flops / (row[key] / 1e6) / mm_rate
-        print({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}, flush=True)
+        print_row(row)
         rows.append(row)
     return rows
 
@@ -461,7 +428,7 @@ def main() -> None:
         copy_bw, mm_rate = ceilings(args.device, 1 << 29 if args.device.startswith("cuda") else 1 << 22)
         rows = moe_invariant_rows(args.device, copy_bw, mm_rate)
         for r in rows:
-            print({k: round(v, 3) if isinstance(v, float) else v for k, v in r.items()}, flush=True)
+            print_row(r)
         Path(args.out).write_text(json.dumps({"device": args.device, "copy_bytes_per_s": copy_bw,
                                               "matmul_flop_per_s": mm_rate, "rows": rows}, indent=1))
         return
@@ -474,6 +441,8 @@ def main() -> None:
 
             rows = mxfp4_moe_rows(copy_bw, tuple(int(b) for b in (args.batches or "1,16,64,256,2048").split(",")))
         elif args.only == "decode_sweep":
+            from bench_decode_sweep import gqa_decode_sweep_rows
+
             rows = gqa_decode_sweep_rows(args.context, copy_bw, tuple(int(b) for b in (args.batches or
                                                                                       "1,4,16,64,256").split(",")))
             rows += moe_decode_sweep_rows(copy_bw) if args.batches is None else []
@@ -488,7 +457,7 @@ def main() -> None:
         rows += attention_rows(args.context, num_sms)
     for r in rows:
         r["fraction_of_copy_bw"] = r["bytes_per_s"] / copy_bw
-        print({k: round(v, 3) if isinstance(v, float) else v for k, v in r.items()}, flush=True)
+        print_row(r)
     if args.only in ("kernels", "dense"):
         rows += dense_rows(copy_bw)
     if args.only in ("kernels", "moe"):

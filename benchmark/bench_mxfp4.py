@@ -9,7 +9,7 @@ import triton
 
 from deepinfer_kernels.fused_moe import fused_moe
 
-from bench_kernels import _graph_time, _time
+from bench_kernels import _graph_time, _time, print_row
 
 
 def read_bandwidth(numel: int = 1 << 30) -> float:
@@ -77,5 +77,5 @@ def mxfp4_moe_rows(copy_bw: float, batches: tuple[int, ...] = (1, 16, 64, 256, 2
         best = min((k for k in row if k.endswith("_us") and k != "bf16_us"), key=row.get)
         row["fastest"] = best[:-3]
         rows.append(row)
-        print({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}, flush=True)
+        print_row(row)
     return rows

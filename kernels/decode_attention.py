@@ -414,7 +414,7 @@ def paged_decode_attention_fixed(q: torch.Tensor, k_buf: torch.Tensor, v_buf: to
     if num_splits < fixed_num_splits(page_table.shape[1] * page_size):
         raise ValueError(f"fixed-split attention: {num_splits} splits do not cover the page table's "
                          f"{page_table.shape[1] * page_size} positions")
-    layout = _layout(q, k_buf, v_buf)
+    layout = _layout(q, k_buf, v_buf, "query")  # batch-invariant mode keeps the query's dtype in its dots
     ks, vs = _scales(k_buf, v_buf, k_scale, v_scale)
     if out is None:
         out = q.new_empty(bsz, hq, dv)
