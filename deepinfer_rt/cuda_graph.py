@@ -12,6 +12,14 @@ eager step that ends its prefill, behind that step's GPU work (`prefetch_pages`)
 where the GPU would wait for it. The per-row inputs (token, position, store slot, table row, KV length) go up
 in one pinned, non-blocking copy, so preparing a step never waits on the GPU.
 
+The step around the forward is in the graph too, so that a decode step launches nothing but its replay: the
+placeholder ids of overlap scheduling (-1 - k, the previous step's token of row k, model_runner) are resolved at
+the graph's start from `next_tokens`, where the previous step's tokens are; a request's one new page (a decode
+step's usual growth) is written into its page table row there too (`PageTable.rows(reqs, appends)`); and with a
+`head` (the model's compute_logits) the graph ends with the logits and each row's argmax over the vocabulary,
+written to `next_tokens`: a greedy step's tokens, the sampler's choice for rows that nothing else modifies
+(`Sampler.is_argmax`). Other steps sample the graph's logits on the host's side as before.
+
 In batch-invariant mode the graphs are captured with the invariant layers and the backend's fixed-split
 attention (its split count covers the page table's width), so a replayed step is bitwise an eager one. A model whose
 decode step reads values back to the host in that mode (the torch expert loop of MoE layers) cannot be
@@ -48,15 +56,22 @@ if TYPE_CHECKING:  # the Triton backend imports triton, which CPU installs may l
 
 logger = logging.getLogger("deepinfer_rt")
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
-_TOKEN, _POS, _SLOT, _ROW, _LEN = range(5)
+_TOKEN, _POS, _SLOT, _ROW, _LEN, _CELL, _PAGE = range(7)
+"""Rows of the staged inputs: token (or placeholder), position, store slot, page table row, KV length, and the
+flat page table cell of the row's new page (the table's scratch cell when none) with that page."""
 
 
 class CudaGraphRunner:
     def __init__(self, model: CausalLM, pool: KVPool, backend: "TritonBackend | None", max_batch_size: int,
                  max_context: int, batch_sizes: tuple[int, ...] = DEFAULT_BATCH_SIZES, num_rows: int | None = None,
                  is_captured: bool = True,
-                 capture_scope: Callable[[int, torch.Tensor], ContextManager] | None = None):
+                 capture_scope: Callable[[int, torch.Tensor], ContextManager] | None = None,
+                 head: Callable[[torch.Tensor], torch.Tensor] | None = None, vocab_size: int = 0):
         self.model = model
+        self.head = head
+        """hidden rows -> fp32 logits (the model's compute_logits), captured after the forward with each row's
+        argmax over the first `vocab_size` columns; None: graphs end at the hidden rows."""
+        self.vocab_size = vocab_size
         self.capture_scope = capture_scope or (lambda bs, lengths: nullcontext())
         """Entered around each graph's forwards at capture (uncaptured: each run) with (its batch size, its
         static KV lengths (bs,), 0 on padding rows)."""
@@ -76,19 +91,40 @@ class CudaGraphRunner:
         width = pages_per_request(max_context, pool.num_slots // self.page_size, self.page_size)
         self.pages = PageTable(num_rows or self.max_bs * 2, width, dev)
         """Shared with the eager steps (model_runner), which keep the same rows up to date."""
-        self._io = torch.zeros(5, self.max_bs, dtype=torch.int64, device=dev)
-        self._stage = torch.zeros(5, self.max_bs, dtype=torch.int64, pin_memory=dev.type == "cuda")
+        self._io = torch.zeros(7, self.max_bs, dtype=torch.int64, device=dev)
+        self._stage = torch.zeros(7, self.max_bs, dtype=torch.int64, pin_memory=dev.type == "cuda")
+        self._stage_np = self._stage.numpy()
+        self.next_tokens = torch.zeros(self.max_bs, dtype=torch.int64, device=dev)
+        """The last step's sampled token of each row: placeholders are resolved from it at a graph's start, and a
+        graph with a head writes its rows' argmax here at its end."""
         self._graphs: dict[int, torch.cuda.CUDAGraph | ForwardBatch] = {}
         """Batch size -> its graph (uncaptured: its static ForwardBatch)."""
         self._outputs: dict[int, torch.Tensor] = {}
+        self._logits: dict[int, torch.Tensor] = {}
+        self.last_size: int | None = None
+        """Batch size of the graph the last `run` replayed."""
         self.num_replays = 0
         self._staged = torch.cuda.Event() if dev.type == "cuda" else _HostEvent()
         """Recorded after the uploads from the pinned staging buffers (page table and per-row inputs)."""
         self._capture_all()
 
     def _padding(self, start: int) -> None:
-        self._stage[:, start:] = 0
-        self._stage[_SLOT, start:] = -1
+        st = self._stage_np
+        st[:, start:] = 0
+        st[_SLOT, start:] = -1
+        st[_CELL, start:] = self.pages.scratch
+
+    def _body(self, bs: int, fb: ForwardBatch) -> None:
+        """What a graph of batch size bs runs (captured, or as it is when uncaptured): placeholders resolved,
+        new pages written, the forward, and with a head the logits and their argmax."""
+        io = self._io[:, :bs]
+        io[_TOKEN].copy_(resolve_placeholders(io[_TOKEN], self.next_tokens))
+        self.pages.cells.index_copy_(0, io[_CELL], io[_PAGE].to(torch.int32))
+        hidden = self.model(fb)
+        self._outputs[bs] = hidden
+        if self.head is not None:
+            logits = self._logits[bs] = self.head(hidden)
+            self.next_tokens[:bs].copy_(logits[:, : self.vocab_size].argmax(-1))
 
     def _forward_batch(self, bs: int) -> ForwardBatch:
         io = self._io[:, :bs]
@@ -122,12 +158,12 @@ class CudaGraphRunner:
             for bs in reversed(self.batch_sizes):  # largest first: the smaller graphs reuse its memory
                 fb = self._forward_batch(bs)
                 with self.capture_scope(bs, self._io[_LEN, :bs]):
-                    self.model(fb)  # compiles the kernels and fills lazy tables outside the capture
+                    self._body(bs, fb)  # compiles the kernels and fills lazy tables outside the capture
                     if not self._graphs and self._syncs_host(fb):
                         break
                     graph = torch.cuda.CUDAGraph()
                     with torch.cuda.graph(graph, pool=mempool, stream=stream):
-                        self._outputs[bs] = self.model(fb)
+                        self._body(bs, fb)
                 self._graphs[bs] = graph
         torch.cuda.current_stream().wait_stream(stream)
 
@@ -179,7 +215,8 @@ class CudaGraphRunner:
         # the pinned staging buffers are rewritten only once it has been read.
         self._staged.synchronize()
         reqs = [it.req for it in batch.items]
-        rows = self.pages.rows(reqs)
+        appends: list[int] = []
+        rows = self.pages.rows(reqs, appends)  # from here on the step must run: its new pages are in `appends`
         if rows is None:
             return None
         n = len(reqs)
@@ -191,24 +228,44 @@ class CudaGraphRunner:
             assert p // ps < len(r.pages) <= self.pages.width, \
                 f"request {r.rid}: page table row of {len(r.pages)} pages does not cover position {p}"
         self.model.prepare_graph_step(self.pool, reqs, positions)
-        self._stage[_TOKEN, :n] = torch.tensor(input_ids if input_ids is not None
-                                               else [r.token_ids[p] for r, p in zip(reqs, positions)])
-        self._stage[_POS, :n] = torch.tensor(positions)
-        self._stage[_SLOT, :n] = torch.tensor([r.pages[p // ps] * ps + p % ps for r, p in zip(reqs, positions)])
-        self._stage[_ROW, :n] = torch.tensor(rows)
-        self._stage[_LEN, :n] = self._stage[_POS, :n] + 1
+        st = self._stage_np  # numpy rows of the pinned buffer: a few microseconds for what torch.tensor took tens
+        st[_TOKEN, :n] = input_ids if input_ids is not None else [r.token_ids[p] for r, p in zip(reqs, positions)]
+        st[_POS, :n] = positions
+        st[_SLOT, :n] = [r.pages[p // ps] * ps + p % ps for r, p in zip(reqs, positions)]
+        st[_ROW, :n] = rows
+        st[_LEN, :n] = st[_POS, :n] + 1
+        st[_CELL, :n] = appends[0::2]
+        st[_PAGE, :n] = appends[1::2]
         self._padding(n)
         self._io.copy_(self._stage, non_blocking=True)  # whole buffer: a strided copy would stage through pageable memory
         self._staged.record()
-        if future is not None:
-            self._io[_TOKEN, :n] = resolve_placeholders(self._io[_TOKEN, :n], future)
+        if future is not None and not _is_view_of(future, self.next_tokens):
+            self.next_tokens[: future.shape[0]].copy_(future)  # tokens the sampler chose: the graph reads them here
         if self.is_captured:
             self._graphs[bs].replay()
         else:
             with self.capture_scope(bs, self._io[_LEN, :bs]):
-                self._outputs[bs] = self.model(self._graphs[bs])
+                self._body(bs, self._graphs[bs])
         self.num_replays += 1
+        self.last_size = bs
         return self._outputs[bs][:n]
+
+    def logits(self, n: int) -> torch.Tensor | None:
+        """The last replay's logits of its first n rows, when the graphs hold the head."""
+        return None if self.head is None else self._logits[self.last_size][:n]
+
+    def greedy_tokens(self, n: int) -> torch.Tensor:
+        """The last replay's argmax tokens of its first n rows (graphs with a head), on the device: a view of
+        `next_tokens`, which the next replay reads as it is and then overwrites (consume it before)."""
+        return self.next_tokens[:n]
+
+    def replay_step(self, bs: int) -> torch.Tensor:
+        """Replay the graph of bs rows as the last step ran it, through its tokens (benchmarks time this: what
+        a greedy decode step computes on the GPU). Without a head in the graph, the logits and argmax follow."""
+        self._graphs[bs].replay()
+        if self.head is not None:
+            return self.next_tokens[:bs]
+        return self.model.compute_logits(self._outputs[bs]).argmax(-1)
 
     def check_covers(self, reqs: list[Req], lengths: list[int] | None = None) -> None:
         """Raise unless the inputs of the last replay attend to each request's whole context (`lengths`, by
@@ -225,6 +282,11 @@ class CudaGraphRunner:
             held = self.pages.table[row, :need].tolist()
             if held != r.pages[:need]:
                 raise AssertionError(f"request {r.rid}: its page table row does not hold its {need} pages")
+
+
+def _is_view_of(t: torch.Tensor, base: torch.Tensor) -> bool:
+    """Whether t is base's leading rows (the graph's own tokens, already where the next graph reads them)."""
+    return t.device == base.device and t.data_ptr() == base.data_ptr()
 
 
 class _HostEvent:

@@ -120,7 +120,8 @@ class Engine:
 
                 # One page table row per running request (the graphs' and the eager steps' alike).
                 graphs = CudaGraphRunner(self.model, self.pool, backend, min(max_num_seqs, env.cuda_graph_max_bs),
-                                         min(mc.max_position, env.cuda_graph_max_context), num_rows=max_num_seqs + 8)
+                                         min(mc.max_position, env.cuda_graph_max_context), num_rows=max_num_seqs + 8,
+                                         head=self.model.compute_logits, vocab_size=self.sampler.vocab_size)
             runner = ModelRunner(self.model, self.pool, backend, self.sampler, dev, self.eos_ids,
                                  is_overlap_enabled=overlap, graphs=graphs, spec=self.spec, max_num_seqs=max_num_seqs,
                                  max_context=mc.max_position)

@@ -224,34 +224,39 @@ class ModelRunner:
     def stats(self) -> dict:
         return {"num_uploaded_pages": self.pages.num_uploaded_pages}
 
-    def _hidden(self, batch: ScheduledBatch, prev: Launched | None) -> torch.Tensor:
-        hidden = None
+    def _hidden(self, batch: ScheduledBatch, prev: Launched | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The step's hidden rows, and its logits where a CUDA graph with the head computed them."""
         if self.graphs is not None:
             hidden = self.graphs.run(batch, self.input_ids(batch, prev) if prev is not None else None,
                                      prev.tokens if prev is not None else None)
-        if hidden is None:
-            hidden = self.model(self.build(batch, prev))
-            if self.graphs is not None:
-                self.graphs.prefetch_pages([it.req for it in batch.items if it.is_sampling])
-        return hidden
+            if hidden is not None:
+                return hidden, self.graphs.logits(hidden.shape[0])
+        hidden = self.model(self.build(batch, prev))
+        if self.graphs is not None:
+            self.graphs.prefetch_pages([it.req for it in batch.items if it.is_sampling])
+        return hidden, None
 
     def _launch_overlapped(self, batch: ScheduledBatch, prev: Launched | None) -> Launched:
         """Forward and sample `batch` on the device, reading in-flight inputs from `prev`; no host sync."""
         reqs = [it.req for it in batch.items]
-        hidden = self._hidden(batch, prev)
-        tokens = self.sampler.sample(self.model.compute_logits(hidden), reqs, self.eos_ids)
+        hidden, logits = self._hidden(batch, prev)
+        if logits is not None and self.sampler.is_argmax(reqs):
+            tokens = self.graphs.greedy_tokens(len(reqs))  # the graph's own argmax: nothing to launch
+        else:
+            tokens = self.sampler.sample(self.model.compute_logits(hidden) if logits is None else logits, reqs,
+                                         self.eos_ids)
         if tokens.is_cuda:
             host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
             host.copy_(tokens, non_blocking=True)
             ready = torch.cuda.Event()
             ready.record()
-        else:
-            host, ready = tokens, None
+        else:  # a copy: the graph's tokens are a view of a buffer that the next step rewrites before collect
+            host, ready = tokens.clone(), None
         return Launched(tokens=tokens, host=host, ready=ready, rows={r.rid: k for k, r in enumerate(reqs)})
 
     def _run(self, batch: ScheduledBatch, prev: Launched | None) -> RunResult:
         t0 = time.perf_counter()
-        hidden = self._hidden(batch, prev)
+        hidden, graph_logits = self._hidden(batch, prev)
         sample_rows, sampled_items, lp_rows, spec_rows = [], [], {}, {}
         row = 0
         for i, item in enumerate(batch.items):
@@ -266,8 +271,11 @@ class ModelRunner:
             row += n
         sample = None
         if sample_rows:
-            rows = hidden if len(sample_rows) == hidden.shape[0] else hidden[sample_rows]
-            logits = self.model.compute_logits(rows)
+            if graph_logits is not None and len(sample_rows) == hidden.shape[0]:
+                logits = graph_logits  # a decode step's graph computed them
+            else:
+                logits = self.model.compute_logits(hidden if len(sample_rows) == hidden.shape[0]
+                                                   else hidden[sample_rows])
             reqs = [batch.items[i].req for i in sampled_items]
             bitmask_fn = None
             if any(r.grammar is not None for r in reqs):

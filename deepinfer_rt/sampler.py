@@ -213,6 +213,18 @@ class Sampler:
                        for i, r in enumerate(reqs)]
         return SampleResult(token_list, logprobs, top)
 
+    @staticmethod
+    def is_argmax(reqs: list[Req]) -> bool:
+        """Whether every row's token is the argmax of its raw logits: greedy rows that no penalty, bias, token
+        ban or grammar changes (a CUDA graph then computes the tokens itself, cuda_graph.py)."""
+        for r in reqs:
+            p = r.params
+            if not p.is_greedy or p.logit_bias or r.grammar is not None or r.num_output_tokens < p.min_new_tokens:
+                return False
+            if p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0:
+                return False
+        return True
+
     @torch.no_grad()
     def sample(self, logits: torch.Tensor, reqs: list[Req], eos_ids: tuple[int, ...]) -> torch.Tensor:
         """The tokens `__call__` picks, left on the device (overlap scheduling reads them a step later).

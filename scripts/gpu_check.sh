@@ -3,7 +3,7 @@
 # stages named in STAGES (default bench,tests,kernel_bench,ep): the GPU benchmark, test/gpu/, the kernel
 # micro-benchmark, and on a machine with two GPUs the expert-parallel check (scripts/gpu_ep_check.sh); the
 # `determinism` stage (batch-invariant mode on vs off, SmolLM2- and V2-Lite-shaped) and the `host` stage (host
-# time per decode step, overlap off and on, V2-Lite shape), the `moe_invariant` stage (batch-invariant fused
+# time per decode step, overlap off and on, V2-Lite shape by default; HOST_ARGS), the `moe_invariant` stage (batch-invariant fused
 # MoE beside the default one, V2-Lite shapes) and the `mxfp4` stage (the fused MXFP4 MoE beside the bf16 one at
 # V4-Flash expert shapes), `v4` (bench_v4 at V4-Flash width), `fp8` (bench_fp8: FP8 beside bf16), `fp8_gemm` (bench_fp8_gemm: the FP8 GEMM's paths beside bf16 cuBLAS), `moe_fp8` (bench_moe_fp8: the FP8 fused MoE beside the bf16 one), `longctx`
 # (bench_gpu at long contexts), `row_gemv` (bench_row_gemv: the fused row products beside the module path's), `kv8` (bench_kv8_decode: MLA decode over an FP8 KV pool beside bf16), `ep1` (the EP worker pool at one rank beside the in-process engine) and `v4sweep`
@@ -60,9 +60,9 @@ if [[ $STAGES == *,determinism,* ]]; then
   grep -E "^(matmul|output)" "$OUT/determinism.log"; tail -n 3 "$OUT/determinism.log"
 fi
 if [[ $STAGES == *,host,* ]]; then
-  timeout "${HOST_S:-150}" python3 benchmark/bench_host.py --device cuda --model deepseek-v2-lite --context 2048 \
-    --steps 16 --out "$OUT/host_h200.json" > "$OUT/host.log" 2>&1
-  tail -n 12 "$OUT/host.log"
+  timeout "${HOST_S:-150}" python3 benchmark/bench_host.py --device cuda --out "$OUT/host_h200.json" \
+    ${HOST_ARGS:---model deepseek-v2-lite --context 2048 --steps 16} > "$OUT/host.log" 2>&1
+  tail -n 40 "$OUT/host.log"
 fi
 if [[ $STAGES == *,moe_invariant,* ]]; then
   timeout "${MOE_BI_S:-180}" python3 benchmark/bench_kernels.py --device cuda --only moe_invariant \

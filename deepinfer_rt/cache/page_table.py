@@ -12,7 +12,9 @@ request can hold (its context limit, or every page of the pool), so every contex
 covered and a row is never cut. CUDA graphs (deepinfer_rt.cuda_graph) and eager steps (model_runner) read the
 same table.
 
-Row invariant, after `rows(reqs)`: table[row, : len(req.pages)] == req.pages for every req given.
+Row invariant, after `rows(reqs)`: table[row, : len(req.pages)] == req.pages for every req given -- or, where the
+caller takes the one-page appends itself (`rows(reqs, appends)`: a CUDA-graph step writes them inside its graph,
+cuda_graph.py), once the caller has written each (flat index, page) pair into `cells`.
 """
 from __future__ import annotations
 
@@ -68,7 +70,11 @@ class PageTable:
 
     def __init__(self, num_rows: int, width: int, device: torch.device):
         # zeros: on the host a large table is mapped lazily, so unused capacity costs no memory there.
-        self.table = torch.zeros(num_rows, width, dtype=torch.int32, device=device)
+        self.cells = torch.zeros(num_rows * width + 1, dtype=torch.int32, device=device)
+        """The table's cells, flat, and one scratch cell after them (`scratch`): a writer of fixed shape (a graph's
+        page appends) sends the rows that append nothing there."""
+        self.table = self.cells[:-1].view(num_rows, width)
+        self.scratch = num_rows * width
         self.width = width
         self._free = list(range(num_rows - 1, -1, -1))
         self._entries: dict[int, _Entry] = {}
@@ -96,9 +102,14 @@ class PageTable:
                 self._free.append(e.row)
                 del self._entries[rid]
 
-    def rows(self, reqs: list[Req]) -> list[int] | None:
+    def rows(self, reqs: list[Req], appends: list[int] | None = None) -> list[int] | None:
         """Table row of each request after uploading its new pages; None if rows ran out. A page list longer
-        than a row is refused: the width covers the pool, so that is a bookkeeping bug, never a cut."""
+        than a row is refused: the width covers the pool, so that is a bookkeeping bug, never a cut.
+
+        `appends`: a list the caller writes itself, extended by two ints per request, a flat cell index and a
+        page -- the request's one new page when it grew by exactly one since its last upload (a decode step's
+        usual case), else `scratch` and 0 -- instead of uploading those pages here: the caller must write them before the step
+        reads the table (as a graph does at its start)."""
         missing = sum(1 for r in reqs if r.rid not in self._entries)
         if missing > len(self._free):
             self._release_idle({r.rid for r in reqs})
@@ -122,6 +133,12 @@ class PageTable:
                 e.num_cuts, e.last_page = r.num_page_cuts, pages[e.uploaded - 1] if e.uploaded else -1
             if n < e.uploaded or (e.uploaded and pages[e.uploaded - 1] != e.last_page):
                 e.uploaded = 0
+            if appends is not None:
+                if n == e.uploaded + 1:
+                    appends += (e.row * self.width + e.uploaded, pages[-1])
+                    e.uploaded, e.last_page = n, pages[-1]
+                else:
+                    appends += (self.scratch, 0)
             if n > e.uploaded:
                 starts.append(e.row * self.width + e.uploaded)
                 runs.append(pages[e.uploaded:])

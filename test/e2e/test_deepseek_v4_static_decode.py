@@ -26,12 +26,14 @@ PROMPTS = [_ids(i, n) for i, n in enumerate((1, 3, 7, 12, 17))] + [
     SHARED + _ids(10 + i, n - len(SHARED)) for i, n in enumerate((36, 43, 47))]
 
 
-def use_static_decode(engine: Engine, batch_sizes=(1, 2, 4, 8)) -> CudaGraphRunner:
+def use_static_decode(engine: Engine, batch_sizes=(1, 2, 4, 8), head: bool = False) -> CudaGraphRunner:
     """Give the engine's runner an uncaptured graph runner (before its first step): every decode batch that fits
-    then runs as a fixed-shape step."""
+    then runs as a fixed-shape step (`head`: the logits and argmax inside it, as the engine's CUDA graphs)."""
     runner = engine.executor
     graphs = CudaGraphRunner(engine.model, engine.pool, None, max(batch_sizes), engine.model_config.max_position,
-                             batch_sizes=batch_sizes, num_rows=runner.pages.table.shape[0], is_captured=False)
+                             batch_sizes=batch_sizes, num_rows=runner.pages.table.shape[0], is_captured=False,
+                             **(dict(head=engine.model.compute_logits, vocab_size=engine.sampler.vocab_size)
+                                if head else {}))
     runner.graphs, runner.pages = graphs, graphs.pages
     return graphs
 
@@ -72,6 +74,48 @@ def test_v4_static_decode_with_prefix_hits_and_retraction(tiny_v4_path, monkeypa
     assert stats["cached"] > 100
     stats = _check_same(tiny_v4_path, kv_cache_tokens=120, chunked_prefill_tokens=32)
     assert stats["retractions"] > 0
+
+
+def _mixed_params(n: int) -> list[SamplingParams]:
+    """Greedy rows (the graph's argmax), sampled rows (the sampler over the graph's logits), a logit bias and
+    logprobs (a synchronous step over the graph's logits)."""
+    kinds = [GREEDY_PLAIN, SamplingParams(max_new_tokens=MAX_NEW, temperature=0.8, top_k=20, seed=3, ignore_eos=True),
+             SamplingParams(max_new_tokens=MAX_NEW, temperature=0.0, logit_bias={105: 3.0}, ignore_eos=True),
+             GREEDY]
+    return [kinds[i % len(kinds)] for i in range(n)]
+
+
+GREEDY_PLAIN = SamplingParams(max_new_tokens=MAX_NEW, temperature=0, ignore_eos=True)
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_v4_graph_head_and_page_appends_under_overlap_equal_eager(tiny_v4_path, monkeypatch, page_size):
+    """The graph step with the head inside (logits, argmax, placeholders resolved and the new page written in
+    the graph), overlap scheduling on: the same tokens and logprobs as eager synchronous steps; a wave of
+    plain greedy requests samples nothing on the host."""
+    waves = [(PROMPTS, [GREEDY_PLAIN] * len(PROMPTS)), (PROMPTS[::-1], _mixed_params(len(PROMPTS)))]
+    outs = {}
+    for static in (False, True):
+        monkeypatch.setenv("DEEPINFER_OVERLAP", "1" if static else "0")
+        with Engine(str(tiny_v4_path), dtype="float32", kv_cache_tokens=2048, max_num_seqs=8,
+                    page_size=page_size) as engine:
+            assert engine.executor.is_overlap_enabled == static
+            graphs = use_static_decode(engine, head=True) if static else None
+            samples = []
+            sample = engine.sampler.sample
+            engine.sampler.sample = lambda *a, **k: samples.append(1) or sample(*a, **k)
+            got = []
+            for i, (prompts, params) in enumerate(waves):
+                samples.clear()
+                got.append(engine.generate(input_ids=prompts, sampling_params=params))
+                if static and i == 0:
+                    assert graphs.num_replays > 0 and samples == []  # every decode step took the graph's argmax
+        outs[static] = got
+    for want_wave, got_wave in zip(outs[False], outs[True]):
+        for w, g in zip(want_wave, got_wave):
+            assert g.token_ids == w.token_ids
+            if w.logprobs is not None:
+                assert max(abs(a - b) for a, b in zip(g.logprobs, w.logprobs)) < 1e-4
 
 
 @pytest.mark.parametrize("variant", ["a", "b"])

@@ -38,6 +38,26 @@ def test_rows_track_page_lists_incrementally():
     assert _row(table, rows[0], 2) == [3, 4]
 
 
+def test_one_page_growth_is_left_to_the_caller():
+    """rows(reqs, appends): a list grown by one page hands that page to the caller (a graph writes it); longer
+    growth, a new request and a replaced list still upload here; the rest point at the scratch cell."""
+    table = PageTable(num_rows=3, width=8, device=torch.device("cpu"))
+    a, b = _req(0, [5, 9]), _req(1, [7])
+    rows = table.rows([a, b])
+    a.pages.append(11)  # one page: the caller's
+    b.pages.extend([3, 4])  # two: uploaded here
+    c = _req(2, [8, 6])  # new: uploaded here
+    appends: list[int] = []
+    assert table.rows([a, b, c], appends)[:2] == rows
+    assert appends[0:2] == [rows[0] * 8 + 2, 11] and appends[2:] == [table.scratch, 0, table.scratch, 0]
+    assert _row(table, rows[0], 3) == [5, 9, 0] and _row(table, rows[1], 3) == [7, 3, 4]
+    table.cells[appends[0::2]] = torch.tensor(appends[1::2], dtype=torch.int32)  # what the graph does
+    assert _row(table, rows[0], 3) == [5, 9, 11]
+    appends.clear()
+    table.rows([a], appends)  # nothing new: scratch
+    assert appends == [table.scratch, 0]
+
+
 def test_finished_requests_give_their_rows_back():
     table = PageTable(num_rows=2, width=4, device=torch.device("cpu"))
     a, b, c = _req(0, [1]), _req(1, [2]), _req(2, [3])
