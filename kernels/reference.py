@@ -126,16 +126,32 @@ def fused_moe_fp8(x: torch.Tensor, gate_up: torch.Tensor, gate_up_scale: torch.T
     return out.to(x.dtype)
 
 
+def stable_topk_keys(scores: torch.Tensor) -> torch.Tensor:
+    """stable_topk's int64 keys of fp32 `scores` along the last dim: the score's order-preserving int32 bits
+    above the complement of the index (distinct keys; a larger key is a larger score, or an equal one earlier)."""
+    scores = scores.float() + 0.0  # -0.0 + 0.0 == +0.0: the two zeros get one key
+    bits = scores.view(torch.int32)
+    ordered = (bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(torch.int64)  # signed order == float order
+    index = torch.arange(scores.shape[-1], device=scores.device, dtype=torch.int64)
+    return ordered * (1 << 32) + ((1 << 32) - 1 - index)
+
+
+NEG_INF_KEYS = (-2139095041 + 1) * (1 << 32)
+"""Keys below this are those of -inf scores (-inf's ordered bits are -2139095041)."""
+
+
+def topk_of_keys(keys: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the min(k, E) largest stable_topk_keys along the last dim, best first, -1 for -inf scores: the
+    picks of stable_topk(scores, k) masked where its values are -inf."""
+    values, picks = keys.topk(min(k, keys.shape[-1]), dim=-1)
+    return picks.masked_fill(values < NEG_INF_KEYS, -1)
+
+
 def stable_topk(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The k largest of fp32 `scores` along the last dim, ties to the lower index (the order of a stable
     descending sort), as (values, indices), best first. One topk over int64 keys that cannot tie: the score's
     order-preserving int32 bits above the complement of the index. -0.0 counts as +0.0 (as a sort compares them);
     NaN is not expected (scores are sums of finite products or -inf)."""
     k = min(k, scores.shape[-1])
-    scores = scores.float() + 0.0  # -0.0 + 0.0 == +0.0: the two zeros get one key
-    bits = scores.view(torch.int32)
-    ordered = (bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(torch.int64)  # signed order == float order
-    index = torch.arange(scores.shape[-1], device=scores.device, dtype=torch.int64)
-    keys = ordered * (1 << 32) + ((1 << 32) - 1 - index)
-    picks = keys.topk(k, dim=-1).indices
-    return scores.gather(-1, picks), picks
+    picks = stable_topk_keys(scores).topk(k, dim=-1).indices
+    return scores.float().gather(-1, picks), picks

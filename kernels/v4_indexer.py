@@ -1,6 +1,7 @@
 """DeepSeek-V4's lightning indexer in Triton: logits sum_h w_h * relu(q_h . k_e) * scale of each query over its
 group's entries, -inf where an entry is absent or not visible; the top-k is `reference.stable_topk` (ties to the
-earlier entry), the rule of the torch path.
+earlier entry), the rule of the torch path -- or, with `as_keys`, the kernel writes stable_topk's int64 keys
+itself and `reference.topk_of_keys` takes the top-k from them (about a dozen launches fewer per indexer).
 
 One program scores one tile of entries for a tile of queries of one group: rows are (query, head) pairs, so one
 tl.dot gives every head's product and the head sum is a reduction over the reshaped tile; each key tile is read
@@ -37,7 +38,8 @@ def _index_scores_kernel(Q, W, Buf, Scales, Rows, Mask, Out,
                          num_q, num_entries, scale,
                          H: tl.constexpr, BLOCK_H: tl.constexpr, DI: tl.constexpr, BLOCK_DI: tl.constexpr,
                          QPB: tl.constexpr, BLOCK_E: tl.constexpr, HAS_MASK: tl.constexpr, IEEE: tl.constexpr,
-                         KV_FP8: tl.constexpr, KV_FP4: tl.constexpr = False, FP4_BLOCK: tl.constexpr = 32):
+                         KV_FP8: tl.constexpr, KV_FP4: tl.constexpr = False, FP4_BLOCK: tl.constexpr = 32,
+                         KEYS: tl.constexpr = False):
     g = tl.program_id(0).to(tl.int64)
     qb = tl.program_id(1)
     eb = tl.program_id(2)
@@ -78,8 +80,15 @@ def _index_scores_kernel(Q, W, Buf, Scales, Rows, Mask, Out,
         seen = tl.load(Mask + g * stride_mg + offs_q[:, None] * stride_mq + offs_e[None, :],
                        mask=qvalid[:, None] & emask[None, :], other=0)
         valid = valid & (seen != 0)
-    tl.store(Out + g * stride_og + offs_q[:, None] * stride_oq + offs_e[None, :],
-             tl.where(valid, total, float("-inf")), mask=qvalid[:, None] & emask[None, :])
+    out = tl.where(valid, total, float("-inf"))
+    if KEYS:  # reference.stable_topk's int64 key: the score's order-preserving bits over the entry's complement
+        out = tl.where(out == 0.0, 0.0, out)  # -0.0 counts as +0.0
+        bits = out.to(tl.int32, bitcast=True)
+        ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+        low = tl.full([BLOCK_E], 4294967295, tl.int64) - offs_e.to(tl.int64)
+        out = (ordered.to(tl.int64) << 32) + low[None, :]
+    tl.store(Out + g * stride_og + offs_q[:, None] * stride_oq + offs_e[None, :], out,
+             mask=qvalid[:, None] & emask[None, :])
 
 
 def _check_scales(buf: torch.Tensor, scales: torch.Tensor | None) -> bool:
@@ -97,11 +106,13 @@ def _check_scales(buf: torch.Tensor, scales: torch.Tensor | None) -> bool:
 
 def index_scores(q: torch.Tensor, weights: torch.Tensor, buf: torch.Tensor, rows: torch.Tensor,
                  visible: torch.Tensor | None, scale: float, scales: torch.Tensor | None = None,
-                 fixed_order: bool = False) -> torch.Tensor:
+                 fixed_order: bool = False, as_keys: bool = False) -> torch.Tensor:
     """q (G, Q, H, Di), weights (G, Q, H) fp32, key rows `buf[rows]` (buf (N, Di), rows (G, E), -1 = none),
     visible (G, Q, E) bool or None -> (G, Q, E) fp32 scores, -inf where absent or not visible. A float8_e4m3fn
     buf comes with its fp32 row `scales` (N,) or (N, 1), a uint8 (MXFP4) buf (N, Di / 2) with its uint8 e8m0
-    `scales` (N, Di / 32 or Di / 16). `fixed_order`: the batch-invariant tiling (module docstring)."""
+    `scales` (N, Di / 32 or Di / 16). `fixed_order`: the batch-invariant tiling (module docstring). `as_keys`:
+    each score's int64 sort key instead (`reference.stable_topk_keys`; `topk_of_keys` picks from them), so the
+    top-k needs no pass of its own to build them."""
     g, num_q, num_heads, di = q.shape
     fp4 = buf.dtype == torch.uint8
     if fp4:
@@ -121,7 +132,7 @@ def index_scores(q: torch.Tensor, weights: torch.Tensor, buf: torch.Tensor, rows
     qpb = max(1, 16 // block_h)
     if not fixed_order:
         qpb = max(qpb, min(triton.next_power_of_2(num_q), max(1, 64 // block_h)))
-    out = torch.empty(g, num_q, num_entries, dtype=torch.float32, device=q.device)
+    out = torch.empty(g, num_q, num_entries, dtype=torch.int64 if as_keys else torch.float32, device=q.device)
     mask = visible.contiguous().view(torch.uint8) if visible is not None else None
     if buf.dtype != q.dtype and not fp8 and not fp4:
         buf = buf.to(q.dtype)
@@ -133,7 +144,7 @@ def index_scores(q: torch.Tensor, weights: torch.Tensor, buf: torch.Tensor, rows
         mask.stride(0) if mask is not None else 0, mask.stride(1) if mask is not None else 0,
         out.stride(0), out.stride(1), num_q, num_entries, scale,
         H=num_heads, BLOCK_H=block_h, DI=di, BLOCK_DI=triton.next_power_of_2(di), QPB=qpb, BLOCK_E=BLOCK_E,
-        HAS_MASK=mask is not None, IEEE=q.dtype == torch.float32, KV_FP8=fp8, num_warps=4,
+        HAS_MASK=mask is not None, IEEE=q.dtype == torch.float32, KV_FP8=fp8, KEYS=as_keys, num_warps=4,
         **(dict(KV_FP4=True, FP4_BLOCK=fp4_block) if fp4 else {}))
     return out
 

@@ -118,7 +118,7 @@ def test_sparse_mqa_attention_v4_flash_fp8(dtype, batch, q_len, topk):
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
 @pytest.mark.parametrize("batch,q_len", [(1, 1), (64, 1), (1, 64)])
 def test_index_scores_and_topk_v4_flash(batch, q_len, fp8):
-    from deepinfer_kernels.reference import stable_topk
+    from deepinfer_kernels.reference import stable_topk, stable_topk_keys, topk_of_keys
     from deepinfer_kernels.v4_indexer import index_scores, index_scores_ref
 
     gen = torch.Generator(device=DEV).manual_seed(batch + q_len)
@@ -145,6 +145,10 @@ def test_index_scores_and_topk_v4_flash(batch, q_len, fp8):
     chosen = ref.gather(-1, picks)
     assert (chosen >= ref_values[..., -1:] - 1e-4).all()
     assert torch.equal(stable_topk(out, topk)[1], picks)  # deterministic
+    # The keys form (the engine's): the same keys as stable_topk builds from these scores, the same picks.
+    keys = index_scores(q, w, buf, rows, visible, di ** -0.5, scales, as_keys=True)
+    assert torch.equal(keys, stable_topk_keys(out))
+    assert torch.equal(topk_of_keys(keys, topk), picks.masked_fill(values == float("-inf"), -1))
 
 
 @pytest.mark.parametrize("m,c", [(8, 512), (128, 512), (8, 128)], ids=["csa", "hca", "csa-index"])

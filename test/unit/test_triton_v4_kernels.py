@@ -55,6 +55,7 @@ _ATTENTION = textwrap.dedent("""
 
 _INDEXER = textwrap.dedent("""
     import torch
+    from deepinfer_kernels.reference import stable_topk, stable_topk_keys, topk_of_keys
     from deepinfer_kernels.v4_indexer import index_scores, index_scores_ref
     g = torch.Generator().manual_seed(0)
     for dtype, tol in ((torch.float32, 1e-5), (torch.float16, 1e-3)):
@@ -69,6 +70,21 @@ _INDEXER = textwrap.dedent("""
             ref = index_scores_ref(q, w, buf, rows, visible, Di ** -0.5)
             assert torch.equal(out.isinf(), ref.isinf())
             torch.testing.assert_close(out, ref, rtol=tol, atol=tol)
+            # The keys form: stable_topk's keys of the same scores, bit for bit, and their picks stable_topk's.
+            keys = index_scores(q, w, buf, rows, visible, Di ** -0.5, as_keys=True)
+            assert keys.dtype == torch.int64 and torch.equal(keys, stable_topk_keys(out))
+            values, picks = stable_topk(out, 9)
+            assert torch.equal(topk_of_keys(keys, 9), picks.masked_fill(values == float("-inf"), -1))
+    # Ties, zeros of both signs and -inf rows: all-zero weights give +0.0 and -0.0 scores (w = -0.0) for every
+    # entry, so the picks are the visible entries in index order.
+    q = torch.randn(1, 2, 4, 16, generator=g)
+    w = torch.zeros(1, 2, 4)
+    w[0, 1] = -0.0
+    rows = torch.tensor([[3, -1, 5, 7, 1, 2]])
+    visible = torch.tensor([[[1, 1, 0, 1, 1, 1], [0, 1, 1, 1, 0, 1]]], dtype=torch.bool)
+    keys = index_scores(q, w, torch.randn(9, 16, generator=g), rows, visible, 0.25, as_keys=True)
+    assert topk_of_keys(keys, 4).tolist() == [[[0, 3, 4, 5], [2, 3, 5, -1]]]
+    assert topk_of_keys(keys[:, :, :0], 4).shape == (1, 2, 0)
     print("ok")
 """)
 

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 import torch.nn.functional as F
 
-from deepinfer_kernels.reference import stable_topk
+from deepinfer_kernels.reference import stable_topk, topk_of_keys
 from deepinfer_rt.layers.kernel_config import KernelConfig
 from deepinfer_rt.layers.methods import (Activation, HeadMatmul, InvariantLinear, LinearMethod, activation_method,
                                          head_matmul_method, linear_method)
@@ -391,11 +391,10 @@ class V4TritonMethod(V4Method):
         scales or None), weights (G*Q, H), visible (G, Q, E) -> (G, Q, min(topk, E)) indices into the group's
         entries of the best visible ones by sum_h w_h * relu(q_h . k), -1 past the visible ones."""
         g, q_len, _ = visible.shape
-        scores = self.kernels.indexer.index_scores(
+        sort_keys = self.kernels.indexer.index_scores(
             q.view(g, q_len, indexer.num_heads, indexer.head_dim), weights.view(g, q_len, indexer.num_heads),
-            keys.buf, keys.rows, visible, indexer.head_dim ** -0.5, keys.scales)
-        values, picks = stable_topk(scores, indexer.topk)
-        return picks.masked_fill(values == float("-inf"), -1)
+            keys.buf, keys.rows, visible, indexer.head_dim ** -0.5, keys.scales, as_keys=True)
+        return topk_of_keys(sort_keys, indexer.topk)  # stable_topk's picks, from the keys the kernel wrote
 
 
 def v4_kernels() -> SimpleNamespace:
@@ -459,11 +458,10 @@ class V4InvariantTritonMethod(V4InvariantMethod):
         ones), the scores in the kernel's fixed order: an entry's score and so the stable top-k over them are
         the same whatever the batch."""
         g, q_len, _ = visible.shape
-        scores = self.kernels.indexer.index_scores(
+        sort_keys = self.kernels.indexer.index_scores(
             q.view(g, q_len, indexer.num_heads, indexer.head_dim), weights.view(g, q_len, indexer.num_heads),
-            keys.buf, keys.rows, visible, indexer.head_dim ** -0.5, keys.scales, fixed_order=True)
-        values, picks = stable_topk(scores, indexer.topk)
-        return picks.masked_fill(values == float("-inf"), -1)
+            keys.buf, keys.rows, visible, indexer.head_dim ** -0.5, keys.scales, fixed_order=True, as_keys=True)
+        return topk_of_keys(sort_keys, indexer.topk)
 
 
 @functools.cache
