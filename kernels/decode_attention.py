@@ -67,9 +67,6 @@ def _attend_range(Q, QT, K, V, KS, VS, PageTable, b, kvh, head0, row, start, end
         slot = page * page_size + offs_n % page_size
         k_base = K + slot[:, None] * stride_kn + kvh * stride_kh
         k = tl.load(k_base + offs_dk[None, :], mask=nmask[:, None], other=0.0)  # (N, DK)
-        if not V_IS_K:  # issued beside K's load, not after the scores: a one-tile split waits on both at once
-            v = tl.load(V + slot[:, None] * stride_vn + kvh * stride_vh + offs_dv[None, :], mask=nmask[:, None],
-                        other=0.0)
         if KV_FP8:  # exact conversion; the row scales apply to the scores below
             k = k.to(q.dtype)
         if IEEE:  # fp32 caches: full fp32 products (TF32 would drift from the CPU reference)
@@ -96,8 +93,11 @@ def _attend_range(Q, QT, K, V, KS, VS, PageTable, b, kvh, head0, row, start, end
         l_i = l_i * alpha + tl.sum(p, 1)
         if V_IS_K:
             v = k
-        elif KV_FP8:
-            v = v.to(q.dtype)
+        else:
+            v = tl.load(V + slot[:, None] * stride_vn + kvh * stride_vh + offs_dv[None, :], mask=nmask[:, None],
+                        other=0.0)
+            if KV_FP8:
+                v = v.to(q.dtype)
         if KV_FP8:  # V's row scales weight the probabilities (l_i keeps the unscaled ones)
             p = p * tl.load(VS + slot * stride_vs + kvh, mask=nmask, other=0.0)[None, :]
         if IEEE:
