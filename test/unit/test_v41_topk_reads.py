@@ -54,6 +54,7 @@ def _run(model, config, tokens, steps, kv):
 def test_kernel_forms_read_only_the_picked_entries(tiny_v41_paths, kv):
     from deepinfer_kernels import v4_attention as va
     from deepinfer_kernels import v4_indexer as vi
+    from deepinfer_kernels.reference import stable_topk_keys
     from deepinfer_rt.models.deepseek_v41.methods import V41Method, V41TritonMethod
     from deepinfer_rt.models.loader import build_model, load_model_config
 
@@ -77,9 +78,10 @@ def test_kernel_forms_read_only_the_picked_entries(tiny_v41_paths, kv):
             reads.append((q.shape[0] * q.shape[1], (entries.rows >= 0).sum(-1).flatten()))
         return va.sparse_mqa_attention_ref(q, sources, sink, sm_scale)
 
-    def index_scores(q, weights, buf, rows, visible, scale, scales=None, fixed_order=False):
+    def index_scores(q, weights, buf, rows, visible, scale, scales=None, fixed_order=False, as_keys=False):
         assert not fixed_order and buf.dtype == entry_dtype
-        return vi.index_scores_ref(q, weights, buf, rows, visible, scale, scales)
+        scores = vi.index_scores_ref(q, weights, buf, rows, visible, scale, scales)
+        return stable_topk_keys(scores) if as_keys else scores  # the kernel's keys form: checked against this
 
     fake = SimpleNamespace(attention=SimpleNamespace(KeySource=va.KeySource, sparse_mqa_attention=attention),
                            indexer=SimpleNamespace(index_scores=index_scores))

@@ -238,14 +238,15 @@ class V41Attention(nn.Module):
         visible = g.entry_mask[spec.ratio]
         n, q_len, num_entries = visible.shape
         q = g.take(iq).view(n, q_len, cfg.index_n_heads, cfg.index_head_dim)
-        scores = self.method.index_scores(q, src, slots, g.take(weights).view(n, q_len, -1))
-        scores = scores.masked_fill(~visible, float("-inf"))
-        if spec.is_candidate_source:
+        weights = g.take(weights).view(n, q_len, -1)
+        if spec.is_candidate_source:  # its scores choose the candidate blocks too
+            scores = self.method.index_scores(q, src, slots, weights).masked_fill(~visible, float("-inf"))
             step.candidates[gi] = self._candidate_blocks(scores, visible)
-        if spec.candidate_source is not None:
-            scores = scores.masked_fill(~step.candidates[gi], float("-inf"))
-        values, order = stable_topk(scores, cfg.index_topk)
-        picks = order.masked_fill(values == float("-inf"), -1)
+            values, order = stable_topk(scores, cfg.index_topk)
+            picks = order.masked_fill(values == float("-inf"), -1)
+        else:  # the candidate blocks hold visible entries only
+            mask = visible if spec.candidate_source is None else step.candidates[gi]
+            picks = self.method.index_picks(q, src, slots, weights, mask, cfg.index_topk)
         step.picks[(spec.layer_id, gi)] = picks
         return picks
 

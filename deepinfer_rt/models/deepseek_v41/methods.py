@@ -13,6 +13,7 @@ import functools
 
 import torch
 
+from deepinfer_kernels.reference import stable_topk, topk_of_keys
 from deepinfer_rt.layers.kernel_config import KernelConfig
 from deepinfer_rt.models.deepseek_v4 import invariant as v4_invariant
 from deepinfer_rt.models.deepseek_v4.batch import AttnGroup
@@ -70,6 +71,14 @@ class V41Method:
         keys = src.idx_entry(slots).float()  # (G, E, Di)
         scores = torch.einsum("gqhd,ged->gqhe", q.float(), keys).relu() * q.shape[-1] ** -0.5
         return (scores * weights[..., None]).sum(dim=2)
+
+    def index_picks(self, q: torch.Tensor, src: LayerKV, slots: torch.Tensor, weights: torch.Tensor,
+                    mask: torch.Tensor, k: int) -> torch.Tensor:
+        """(G, Q, min(k, E)) indices of the entries with the best index_scores among those `mask` (G, Q, E) allows,
+        best first, ties to the lower entry (stable_topk), -1 past the allowed ones."""
+        scores = self.index_scores(q, src, slots, weights).masked_fill(~mask, float("-inf"))
+        values, picks = stable_topk(scores, k)
+        return picks.masked_fill(values == float("-inf"), -1)
 
     def draft_attend(self, q: torch.Tensor, ctx: torch.Tensor, ctx_mask: torch.Tensor, block: torch.Tensor,
                      sink: torch.Tensor) -> torch.Tensor:
@@ -184,6 +193,14 @@ class _KernelForms:
         buf, scales = (src.entries[:, src.cols.idx_entry], None) if rows is None else (rows.values, rows.scales)
         return self.kernels.indexer.index_scores(q, weights, buf, slots, None, q.shape[-1] ** -0.5, scales,
                                          fixed_order=self.is_fixed)
+
+    def index_picks(self, q, src, slots, weights, mask, k):
+        """The kernel applies the mask and writes stable_topk's sort keys; the top-k comes from them."""
+        rows = src.fp8_idx_entry if src.fp8_idx_entry is not None else src.fp4_idx_entry
+        buf, scales = (src.entries[:, src.cols.idx_entry], None) if rows is None else (rows.values, rows.scales)
+        sort_keys = self.kernels.indexer.index_scores(q, weights, buf, slots, mask, q.shape[-1] ** -0.5, scales,
+                                                      fixed_order=self.is_fixed, as_keys=True)
+        return topk_of_keys(sort_keys, k)
 
 
 class V41TritonMethod(_KernelForms, V41Method):
