@@ -43,6 +43,9 @@ class OutputProcessor:
     def _append_one(self, req: Req, token: int, logprob: float | None, top: list[tuple[int, float]] | None) -> bool:
         if self._append(req, token, logprob, top):
             return True
+        if req.detokenizer.is_lazy:
+            req.detokenizer.queue(token)
+            return self._after_text(req, False)
         stopped = req.detokenizer.add(token, check_stop=req.num_output_tokens >= req.params.min_new_tokens)
         return self._after_text(req, stopped)
 
@@ -56,7 +59,11 @@ class OutputProcessor:
             try:
                 is_done = self._append(req, token, None, None)
                 if not is_done:
-                    windows[i] = req.detokenizer.push(token)
+                    if req.detokenizer.is_lazy:  # no stop string: its text is decoded when read
+                        req.detokenizer.queue(token)
+                        is_done = self._after_text(req, False)
+                    else:
+                        windows[i] = req.detokenizer.push(token)
             except Exception as e:  # noqa: BLE001 -- that request fails, the others go on
                 is_done = self._fail(req, e)
             done.append(is_done)
@@ -127,7 +134,8 @@ class OutputProcessor:
         if req.num_output_tokens >= req.params.max_new_tokens or req.num_tokens >= self.max_position:
             self._finish(req, "length")
             return True
-        req.text = detok.text
+        if not detok.is_lazy:
+            req.text = detok.text
         return False
 
     def _finish(self, req: Req, reason: str) -> None:

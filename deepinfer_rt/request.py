@@ -50,6 +50,8 @@ class Req:
     finish_reason: str | None = None
     error: str | None = None
     text: str = ""
+    """The output's text; for a request without stop strings, as of its last read (the detokenizer decodes when
+    read), and whole once finished."""
     detokenizer: Any = None
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
@@ -113,6 +115,13 @@ class Req:
         return cut
 
     def finish(self, reason: str, error: str | None = None) -> None:
+        detok = self.detokenizer
+        if detok is not None and detok.is_lazy:  # its queued tokens' text (an abort, an error, a length limit)
+            try:
+                detok.catch_up()
+            except Exception as e:  # noqa: BLE001 -- an output that cannot be decoded ends the request with that
+                reason, error = "error", error or f"failed to decode the output: {type(e).__name__}: {e}"
+            self.text = detok.text
         self.status = ReqStatus.FINISHED
         self.finish_reason = reason
         self.error = error

@@ -62,6 +62,10 @@ class IncrementalDetokenizer:
     Decodes the window ids[prefix_offset:] and emits only what goes beyond the decode of
     ids[prefix_offset:read_offset]; a trailing U+FFFD (an incomplete UTF-8 sequence) is held back until the
     bytes that complete it arrive. Stop strings end the text before their first occurrence.
+
+    Without stop strings (`is_lazy`) nothing needs the text while the request runs but a stream reader: tokens
+    are queued (`queue`) and decoded when the text is read (`catch_up`: by `take_delta`, `flush` and a request's
+    finish), all those queued in one window, instead of two decodes per token per step.
     """
 
     def __init__(self, tokenizer, prompt_ids: list[int], stop_strings: list[str]):
@@ -74,6 +78,26 @@ class IncrementalDetokenizer:
         self.stop_strings = stop_strings
         self.max_stop_len = max((len(s) for s in stop_strings), default=0)
         self.num_emitted = 0
+        self.is_lazy = not stop_strings
+
+    def queue(self, token_id: int) -> None:
+        """Append a token whose text is decoded later (`catch_up`); lazy detokenizers only."""
+        self.ids.append(token_id)
+
+    def catch_up(self) -> None:
+        """Decode the tokens queued since the last read into `text`: the same text as one `add` each. As one
+        window (its delta is the decode of its bytes past the prefix) unless the window ends inside a
+        character; then token by token, so that the text before that character shows as `add` would show it."""
+        if self.read_offset >= len(self.ids):
+            return
+        whole = self._decode(self.ids[self.prefix_offset :])
+        if not whole.endswith("\ufffd"):
+            self.commit(self._decode(self.ids[self.prefix_offset : self.read_offset]), whole, check_stop=False)
+            return
+        queued = self.ids[self.read_offset :]
+        del self.ids[self.read_offset :]
+        for token_id in queued:
+            self.add(token_id, check_stop=False)
 
     def add(self, token_id: int, check_stop: bool = True) -> bool:
         """Append a token; True when a stop string completed (text is then cut before it)."""
@@ -104,6 +128,7 @@ class IncrementalDetokenizer:
 
     def flush(self) -> None:
         """At finish: decode whatever an incomplete UTF-8 tail still holds (shown as U+FFFD)."""
+        self.catch_up()
         if self.read_offset < len(self.ids):
             prefix_text = self._decode(self.ids[self.prefix_offset : self.read_offset])
             self.text += self._decode(self.ids[self.prefix_offset :])[len(prefix_text) :]
@@ -111,6 +136,7 @@ class IncrementalDetokenizer:
 
     def take_delta(self, finished: bool) -> str:
         """Text not yet streamed; while running, hold back a tail that might begin a stop string."""
+        self.catch_up()
         end = len(self.text) if finished else max(self.num_emitted, len(self.text) - max(self.max_stop_len - 1, 0))
         delta = self.text[self.num_emitted : end]
         self.num_emitted = end

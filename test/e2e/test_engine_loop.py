@@ -126,6 +126,7 @@ def test_request_whose_output_fails_finishes_alone(mock_engine):
                 raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "mock detokenizer fault")
             reqs[0].detokenizer.add = broken
             reqs[0].detokenizer.push = broken
+            reqs[0].detokenizer.catch_up = broken  # the decode of a request without stop strings
         engine._loop.wait(lambda: all(r.is_finished for r in reqs))
         assert reqs[0].finish_reason == "error" and "mock detokenizer fault" in reqs[0].error
         assert [r.output_ids for r in reqs[1:]] == [o.token_ids for o in outs_ok]

@@ -116,6 +116,27 @@ def test_random_multibyte_text_round_trips(tok, text):
     assert d.text == decode(tok, ids)
 
 
+@settings(max_examples=40, deadline=None)
+@given(st.text(alphabet=st.sampled_from(list("ab éü€½中文日本語한글😀🎉👍🏽🇫🇷\n")), min_size=1, max_size=24),
+       st.lists(st.integers(0, 30), max_size=6))
+def test_lazy_detokenizer_reads_the_same_text(tok, text, reads):
+    """Without stop strings tokens are queued and decoded when read: read after any tokens (a stream reader's
+    catch-up) and at the end, the text is what one add per token gives (so never a held-back U+FFFD)."""
+    ids = tok.encode(text)
+    eager, texts, _ = feed(tok, "Say:", ids)
+    lazy = IncrementalDetokenizer(tok, tok.encode("Say:"), [])
+    assert lazy.is_lazy and not IncrementalDetokenizer(tok, [], ["x"]).is_lazy
+    streamed = ""
+    for i, t in enumerate(ids):
+        lazy.queue(t)
+        if i in reads:
+            streamed += lazy.take_delta(False)
+            assert lazy.text == texts[i]
+    lazy.flush()
+    streamed += lazy.take_delta(True)
+    assert lazy.text == streamed == eager.text == decode(tok, ids)
+
+
 # ---------------------------------------------------------------- stop strings
 
 
