@@ -1,6 +1,7 @@
 """Tokenizer loading and incremental, UTF-8-safe detokenization with stop strings."""
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 # Prompt tokens fed to the detokenizer before the output, so a first output token's leading space survives
@@ -79,25 +80,31 @@ class IncrementalDetokenizer:
         self.max_stop_len = max((len(s) for s in stop_strings), default=0)
         self.num_emitted = 0
         self.is_lazy = not stop_strings
+        self._reading = threading.Lock()
 
     def queue(self, token_id: int) -> None:
-        """Append a token whose text is decoded later (`catch_up`); lazy detokenizers only."""
+        """Append a token whose text is decoded later (`catch_up`); lazy detokenizers only. The engine's loop
+        queues while a stream reader on another thread may catch up: the list only grows, and a catch-up
+        decodes up to the length it saw."""
         self.ids.append(token_id)
 
     def catch_up(self) -> None:
         """Decode the tokens queued since the last read into `text`: the same text as one `add` each. As one
         window (its delta is the decode of its bytes past the prefix) unless the window ends inside a
-        character; then token by token, so that the text before that character shows as `add` would show it."""
-        if self.read_offset >= len(self.ids):
-            return
-        whole = self._decode(self.ids[self.prefix_offset :])
-        if not whole.endswith("\ufffd"):
-            self.commit(self._decode(self.ids[self.prefix_offset : self.read_offset]), whole, check_stop=False)
-            return
-        queued = self.ids[self.read_offset :]
-        del self.ids[self.read_offset :]
-        for token_id in queued:
-            self.add(token_id, check_stop=False)
+        character; then token by token, so that the text before that character shows as `add` would show it.
+        One reader at a time (a stream reader, the request's finish on the loop's thread)."""
+        with self._reading:
+            end = len(self.ids)
+            if self.read_offset >= end:
+                return
+            whole = self._decode(self.ids[self.prefix_offset : end])
+            if not whole.endswith("\ufffd"):
+                prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
+                self.commit(prefix, whole, check_stop=False, end=end)
+                return
+            for stop in range(self.read_offset + 1, end + 1):
+                self.commit(self._decode(self.ids[self.prefix_offset : self.read_offset]),
+                            self._decode(self.ids[self.prefix_offset : stop]), check_stop=False, end=stop)
 
     def add(self, token_id: int, check_stop: bool = True) -> bool:
         """Append a token; True when a stop string completed (text is then cut before it)."""
@@ -110,12 +117,13 @@ class IncrementalDetokenizer:
         self.ids.append(token_id)
         return self.ids[self.prefix_offset : self.read_offset], self.ids[self.prefix_offset :]
 
-    def commit(self, prefix_text: str, new_text: str, check_stop: bool = True) -> bool:
-        """Second half of `add`, given the decodes of `push`'s windows."""
+    def commit(self, prefix_text: str, new_text: str, check_stop: bool = True, end: int | None = None) -> bool:
+        """Second half of `add`, given the decodes of `push`'s windows (`end`: where the decoded window ended,
+        by default the end of the ids)."""
         if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
             return False
         delta = new_text[len(prefix_text) :]
-        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids) if end is None else end
         start = max(0, len(self.text) - self.max_stop_len + 1)
         self.text += delta
         if not check_stop:
@@ -129,10 +137,11 @@ class IncrementalDetokenizer:
     def flush(self) -> None:
         """At finish: decode whatever an incomplete UTF-8 tail still holds (shown as U+FFFD)."""
         self.catch_up()
-        if self.read_offset < len(self.ids):
-            prefix_text = self._decode(self.ids[self.prefix_offset : self.read_offset])
-            self.text += self._decode(self.ids[self.prefix_offset :])[len(prefix_text) :]
-            self.read_offset = len(self.ids)
+        with self._reading:
+            if self.read_offset < len(self.ids):
+                prefix_text = self._decode(self.ids[self.prefix_offset : self.read_offset])
+                self.text += self._decode(self.ids[self.prefix_offset :])[len(prefix_text) :]
+                self.read_offset = len(self.ids)
 
     def take_delta(self, finished: bool) -> str:
         """Text not yet streamed; while running, hold back a tail that might begin a stop string."""
