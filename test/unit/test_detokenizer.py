@@ -137,6 +137,29 @@ def test_lazy_detokenizer_reads_the_same_text(tok, text, reads):
     assert lazy.text == streamed == eager.text == decode(tok, ids)
 
 
+def test_lazy_detokenizer_read_from_another_thread(tok):
+    """A stream reader catching up on its own thread while the loop queues tokens: nothing is lost or doubled."""
+    import threading
+
+    ids = tok.encode(" ".join(TEXTS) * 4)
+    lazy = IncrementalDetokenizer(tok, tok.encode("Say:"), [])
+    streamed, done = [], threading.Event()
+
+    def read():
+        while not done.is_set():
+            streamed.append(lazy.take_delta(False))
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    for t in ids:
+        lazy.queue(t)
+    done.set()
+    reader.join()
+    lazy.flush()
+    streamed.append(lazy.take_delta(True))
+    assert "".join(streamed) == lazy.text == decode(tok, ids)
+
+
 # ---------------------------------------------------------------- stop strings
 
 
