@@ -6,7 +6,7 @@
 # time per decode step, overlap off and on, V2-Lite shape by default; HOST_ARGS), the `moe_invariant` stage (batch-invariant fused
 # MoE beside the default one, V2-Lite shapes) and the `mxfp4` stage (the fused MXFP4 MoE beside the bf16 one at
 # V4-Flash expert shapes), `v4` (bench_v4 at V4-Flash width), `fp8` (bench_fp8: FP8 beside bf16), `fp8_gemm` (bench_fp8_gemm: the FP8 GEMM's paths beside bf16 cuBLAS), `moe_fp8` (bench_moe_fp8: the FP8 fused MoE beside the bf16 one), `longctx`
-# (bench_gpu at long contexts), `row_gemv` (bench_row_gemv: the fused row products beside the module path's), `kv8` (bench_kv8_decode: MLA decode over an FP8 KV pool beside bf16), `ep1` (the EP worker pool at one rank beside the in-process engine) and `v4sweep`
+# (bench_gpu at long contexts), `longctx_base` (the same on the commit that scripts/base_tree.sh wrote into base/), `row_gemv` (bench_row_gemv: the fused row products beside the module path's), `kv8` (bench_kv8_decode: MLA decode over an FP8 KV pool beside bf16), `ep1` (the EP worker pool at one rank beside the in-process engine) and `v4sweep`
 # (bench_v4_sweep: V4-Flash / V4.1-Flash-shaped decode sweep beside the V4 floor, bf16 and release format) run when named.
 # Logs and JSON land in $OUT. Stage time limits (seconds): BENCH_S, TEST_S, KERNEL_BENCH_S, EP_S, DET_S, HOST_S,
 # MOE_BI_S, MXFP4_S, V4_S, FP8_S, FP8_GEMM_S, MOE_FP8_S, LONGCTX_S, EP1_S, V4SWEEP_S, ROW_GEMV_S, KV8_S. TEST_ARGS: the pytest targets of the tests stage (default test/gpu); KERNEL_BENCH_ARGS: extra
@@ -114,6 +114,14 @@ if [[ $STAGES == *,longctx,* ]]; then  # decode at long contexts beside the floo
     ${LONGCTX_ARGS:---models deepseek-v2-lite smollm2-135m --contexts 2048 32768 --batches 1 16 64 --hf-batches --steps 16 --profile-steps 0} \
     > "$OUT/longctx.log" 2>&1
   tail -n 16 "$OUT/longctx.log"
+fi
+if [[ $STAGES == *,longctx_base,* ]] && [ -d base ]; then  # the same benchmark on base/ (scripts/base_tree.sh REV)
+  mkdir -p /tmp/kbase && ln -sfn "$PWD/base/kernels" /tmp/kbase/deepinfer_kernels
+  PYTHONPATH=/tmp/site:/tmp/kbase:$PWD/base timeout "${LONGCTX_S:-300}" python3 base/benchmark/bench_gpu.py \
+    --out "$OUT/gpu_longctx_base.json" \
+    ${LONGCTX_ARGS:---models deepseek-v2-lite smollm2-135m --contexts 2048 32768 --batches 1 16 64 --hf-batches --steps 16 --profile-steps 0} \
+    > "$OUT/longctx_base.log" 2>&1
+  tail -n 16 "$OUT/longctx_base.log"
 fi
 if [[ $STAGES == *,ep1,* ]]; then  # the EP worker pool at one rank beside the in-process engine (one GPU)
   timeout "${EP1_S:-300}" python3 benchmark/bench_ep.py --shape v2-lite --device cuda --dtype bfloat16 \
