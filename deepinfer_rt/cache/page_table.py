@@ -108,8 +108,8 @@ class PageTable:
 
         `appends`: a list the caller writes itself, extended by two ints per request, a flat cell index and a
         page -- the request's one new page when it grew by exactly one since its last upload (a decode step's
-        usual case), else `scratch` and 0 -- instead of uploading those pages here: the caller must write them before the step
-        reads the table (as a graph does at its start)."""
+        usual case), else `scratch` and 0 -- instead of uploading those pages here: the caller must write them
+        before the step reads the table (as a graph does at its start)."""
         missing = sum(1 for r in reqs if r.rid not in self._entries)
         if missing > len(self._free):
             self._release_idle({r.rid for r in reqs})

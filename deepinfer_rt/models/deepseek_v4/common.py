@@ -438,7 +438,7 @@ class V4Rotary:
             return self._cache[key][1:]
         if inverse:
             cos, sin = self.cos_sin(positions)
-            cos, sin = cos, -sin
+            sin = -sin
         else:
             if self.inv_freq.device != positions.device:
                 self.inv_freq = self.inv_freq.to(positions.device)

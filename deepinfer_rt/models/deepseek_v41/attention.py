@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from deepinfer_kernels.reference import stable_topk
+from deepinfer_kernels.reference import stable_topk, stable_topk_keys, topk_of_keys
 from deepinfer_rt.cache.kv_pool import KVPool
 from deepinfer_rt.layers.fp8 import dense_linear_method
 from deepinfer_rt.layers.kernel_config import current_kernel_config
@@ -242,8 +242,7 @@ class V41Attention(nn.Module):
         if spec.is_candidate_source:  # its scores choose the candidate blocks too
             scores = self.method.index_scores(q, src, slots, weights).masked_fill(~visible, float("-inf"))
             step.candidates[gi] = self._candidate_blocks(scores, visible)
-            values, order = stable_topk(scores, cfg.index_topk)
-            picks = order.masked_fill(values == float("-inf"), -1)
+            picks = topk_of_keys(stable_topk_keys(scores), cfg.index_topk)
         else:  # the candidate blocks hold visible entries only
             mask = visible if spec.candidate_source is None else step.candidates[gi]
             picks = self.method.index_picks(q, src, slots, weights, mask, cfg.index_topk)

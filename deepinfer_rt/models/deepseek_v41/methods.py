@@ -13,7 +13,7 @@ import functools
 
 import torch
 
-from deepinfer_kernels.reference import stable_topk, topk_of_keys
+from deepinfer_kernels.reference import stable_topk_keys, topk_of_keys
 from deepinfer_rt.layers.kernel_config import KernelConfig
 from deepinfer_rt.models.deepseek_v4 import invariant as v4_invariant
 from deepinfer_rt.models.deepseek_v4.batch import AttnGroup
@@ -77,8 +77,7 @@ class V41Method:
         """(G, Q, min(k, E)) indices of the entries with the best index_scores among those `mask` (G, Q, E) allows,
         best first, ties to the lower entry (stable_topk), -1 past the allowed ones."""
         scores = self.index_scores(q, src, slots, weights).masked_fill(~mask, float("-inf"))
-        values, picks = stable_topk(scores, k)
-        return picks.masked_fill(values == float("-inf"), -1)
+        return topk_of_keys(stable_topk_keys(scores), k)
 
     def draft_attend(self, q: torch.Tensor, ctx: torch.Tensor, ctx_mask: torch.Tensor, block: torch.Tensor,
                      sink: torch.Tensor) -> torch.Tensor:
@@ -189,18 +188,17 @@ class _KernelForms:
         return out.view(-1, h, d)
 
     def index_scores(self, q, src, slots, weights):
-        rows = src.fp8_idx_entry if src.fp8_idx_entry is not None else src.fp4_idx_entry
-        buf, scales = (src.entries[:, src.cols.idx_entry], None) if rows is None else (rows.values, rows.scales)
-        return self.kernels.indexer.index_scores(q, weights, buf, slots, None, q.shape[-1] ** -0.5, scales,
-                                         fixed_order=self.is_fixed)
+        return self._indexer(q, src, slots, weights, None, as_keys=False)
 
     def index_picks(self, q, src, slots, weights, mask, k):
         """The kernel applies the mask and writes stable_topk's sort keys; the top-k comes from them."""
+        return topk_of_keys(self._indexer(q, src, slots, weights, mask, as_keys=True), k)
+
+    def _indexer(self, q, src, slots, weights, mask, as_keys: bool) -> torch.Tensor:
         rows = src.fp8_idx_entry if src.fp8_idx_entry is not None else src.fp4_idx_entry
         buf, scales = (src.entries[:, src.cols.idx_entry], None) if rows is None else (rows.values, rows.scales)
-        sort_keys = self.kernels.indexer.index_scores(q, weights, buf, slots, mask, q.shape[-1] ** -0.5, scales,
-                                                      fixed_order=self.is_fixed, as_keys=True)
-        return topk_of_keys(sort_keys, k)
+        return self.kernels.indexer.index_scores(q, weights, buf, slots, mask, q.shape[-1] ** -0.5, scales,
+                                                 fixed_order=self.is_fixed, as_keys=as_keys)
 
 
 class V41TritonMethod(_KernelForms, V41Method):
