@@ -27,21 +27,26 @@ def gqa_decode_sweep_rows(context: int, copy_bw: float, batches=(1, 4, 16, 64, 2
         kvs = [(k, v)] + [(k.clone(), v.clone()) for _ in range(copies - 1)]
         engine = num_splits_for(batch, 3, num_sms, 64)
         split_counts = (1, 2, 4, 8, 16, 32) + ((64, 128, 256) if batch <= 4 else ())  # one long request: more splits
-        for splits, block_n, stages in itertools.product(split_counts, (32, 64, 128), (2, 3)):
-            def attend_all(splits=splits, block_n=block_n, stages=stages):
+        # V's load beside K's (v_early) where a program holds few tiles: the many-split rows of one long request.
+        configs = [(sp, bn, st, False) for sp, bn, st in itertools.product(split_counts, (32, 64, 128), (2, 3))]
+        configs += [(sp, bn, st, True) for sp, bn, st in itertools.product(split_counts, (64, 128), (2, 3))
+                    if sp >= 16]
+        for splits, block_n, stages, v_early in configs:
+            def attend_all(splits=splits, block_n=block_n, stages=stages, v_early=v_early):
                 for kc, vc in kvs:
                     paged_decode_attention(q, kc, vc, table, rows_, lens, 1, 0.125, splits, block_n=block_n,
-                                           num_stages=stages)
+                                           num_stages=stages, v_early=v_early)
             try:
                 s = _graph_time(attend_all) / copies
             except Exception as exc:  # out of shared memory at this depth: not a candidate
-                print("gqa", batch, splits, block_n, stages, type(exc).__name__, flush=True)
+                print("gqa", batch, splits, block_n, stages, v_early, type(exc).__name__, flush=True)
                 continue
             frac = 2 * k.numel() * 2 / s / copy_bw
+            engine_choice = splits == engine and block_n == 64 and stages == 3 and not v_early
             rows.append({"kernel": "gqa_decode_sweep", "batch": batch, "splits": splits, "block_n": block_n,
-                         "kv_copies": copies, "num_stages": stages, "engine_choice": splits == engine and block_n == 64 and stages == 3,
-                         "us": s * 1e6, "fraction_of_copy_bw": frac})
-            print(f"gqa B{batch} splits={splits} block_n={block_n} stages={stages}: {s * 1e6:6.1f} us {frac:.3f}"
-                  f"{' (engine)' if rows[-1]['engine_choice'] else ''}", flush=True)
+                         "kv_copies": copies, "num_stages": stages, "v_early": v_early,
+                         "engine_choice": engine_choice, "us": s * 1e6, "fraction_of_copy_bw": frac})
+            print(f"gqa B{batch} splits={splits} block_n={block_n} stages={stages} v_early={int(v_early)}: "
+                  f"{s * 1e6:6.1f} us {frac:.3f}{' (engine)' if engine_choice else ''}", flush=True)
         del k, v, table, kvs
     return rows
