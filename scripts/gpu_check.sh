@@ -9,7 +9,8 @@
 # (bench_gpu at long contexts), `longctx_base` (the same on the commit that scripts/base_tree.sh wrote into base/), `row_gemv` (bench_row_gemv: the fused row products beside the module path's), `kv8` (bench_kv8_decode: MLA decode over an FP8 KV pool beside bf16), `ep1` (the EP worker pool at one rank beside the in-process engine) and `v4sweep`
 # (bench_v4_sweep: V4-Flash / V4.1-Flash-shaped decode sweep beside the V4 floor, bf16 and release format) run when named.
 # Logs and JSON land in $OUT. Stage time limits (seconds): BENCH_S, TEST_S, KERNEL_BENCH_S, EP_S, DET_S, HOST_S,
-# MOE_BI_S, MXFP4_S, V4_S, FP8_S, FP8_GEMM_S, MOE_FP8_S, LONGCTX_S, EP1_S, V4SWEEP_S, ROW_GEMV_S, KV8_S. TEST_ARGS: the pytest targets of the tests stage (default test/gpu); KERNEL_BENCH_ARGS: extra
+# MOE_BI_S, MXFP4_S, V4_S, FP8_S, FP8_GEMM_S, MOE_FP8_S, LONGCTX_S, EP1_S, V4SWEEP_S, ROW_GEMV_S, KV8_S.
+# V4SWEEP_AB_ENV (with V4SWEEP_AB_ARGS, default V4SWEEP_ARGS): v4sweep again under those environment settings. TEST_ARGS: the pytest targets of the tests stage (default test/gpu); KERNEL_BENCH_ARGS: extra
 # arguments of the kernel micro-benchmark (e.g. --only moe). TEST_JOBS>1: one pytest process per test file or node id, that
 # many at once; PYTEST_ARGS: extra pytest options (e.g. -o faulthandler_timeout=120 to dump a stuck test's stacks).
 #   device tool:  run(command="bash scripts/gpu_check.sh", carry=[".whl"])          (one H200)
@@ -133,6 +134,13 @@ if [[ $STAGES == *,v4sweep,* ]]; then  # V4 / V4.1 decode sweep (as many layers 
     ${V4SWEEP_ARGS:---contexts 8192 32768 --batches 1 16 64 256 --steps 6 --row-budget-s 3} > "$OUT/v4sweep.log" 2>&1
   echo "v4sweep rc=$?"
   tail -n 40 "$OUT/v4sweep.log"
+  if [ -n "${V4SWEEP_AB_ENV:-}" ]; then  # the same sweep again under these settings (e.g. DEEPINFER_FP8_SPLIT_SUM=...)
+    env ${V4SWEEP_AB_ENV} timeout "${V4SWEEP_S:-420}" python3 benchmark/bench_v4_sweep.py --out "$OUT/v4_sweep_ab.json" \
+      ${V4SWEEP_AB_ARGS:-${V4SWEEP_ARGS:---contexts 8192 32768 --batches 1 16 64 256 --steps 6 --row-budget-s 3}} \
+      > "$OUT/v4sweep_ab.log" 2>&1
+    echo "v4sweep ($V4SWEEP_AB_ENV) rc=$?"
+    tail -n 20 "$OUT/v4sweep_ab.log"
+  fi
 fi
 if [[ $STAGES == *,ep,* ]] && [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
   OUT=$OUT timeout "${EP_S:-400}" bash scripts/gpu_ep_check.sh > "$OUT/ep.log" 2>&1
