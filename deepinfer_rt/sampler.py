@@ -5,7 +5,10 @@ mask -> grammar mask -> greedy argmax, or temperature -> top-k -> top-p -> min-p
 
 The draw is counter-based: the uniform noise of a request depends only on (its seed, its output position),
 never on which rows share the batch, so seeded sampling is reproducible across runs and batch layouts.
-Gumbel-max over the filtered logits: argmax(z - log(-log u)) samples softmax(z).
+Gumbel-max over the filtered logits: argmax(z - log(-log u)) samples softmax(z). On CUDA the whole batch draws in
+one kernel (deepinfer_kernels.sampling: Philox noise of the row's stream seed, made in registers); elsewhere each
+row's noise comes from a torch generator seeded with it. The two noises differ, so a seed's tokens on a GPU are
+not the CPU's; each is reproducible on its own device.
 """
 from __future__ import annotations
 
@@ -28,8 +31,20 @@ def stream_seed(seed: int, position: int) -> int:
 
 
 def uniform_noise(seed: int, position: int, vocab_size: int, device: torch.device) -> torch.Tensor:
+    """The noise gumbel_draw uses for (seed, position) off CUDA: a torch generator's uniforms, clamped at 1e-20."""
     gen = torch.Generator(device=device).manual_seed(stream_seed(seed, position))
     return torch.rand(vocab_size, generator=gen, device=device).clamp_(min=1e-20)
+
+
+def gumbel_draw(z: torch.Tensor, seeds: list[int], positions: list[int]) -> torch.Tensor:
+    """Each row of z (B, V) float32 sampled as argmax(z - log(-log u)) with the noise u of its (seed, output
+    position): (B,) int64 on z's device, without a host sync."""
+    if z.is_cuda:
+        from deepinfer_kernels.sampling import gumbel_argmax
+        stream = [stream_seed(s, p) for s, p in zip(seeds, positions)]
+        return gumbel_argmax(z, to_device(stream, torch.long, z.device))
+    noise = torch.stack([uniform_noise(s, p, z.shape[-1], z.device) for s, p in zip(seeds, positions)])
+    return (z - torch.log(-torch.log(noise))).argmax(-1)
 
 
 @dataclass
@@ -249,9 +264,7 @@ class Sampler:
             if min(temperatures) < _TINY_TEMPERATURE:
                 picked = _shift_peaks(picked, temperatures)
             z = filter_logits(picked / temps, sub)
-            noise = torch.stack([uniform_noise(r.seed, r.num_output_tokens, self.vocab_size, logits.device)
-                                 for r in sub])
-            drawn = (z - torch.log(-torch.log(noise))).argmax(-1)
+            drawn = gumbel_draw(z, [r.seed for r in sub], [r.num_output_tokens for r in sub])
             if index is None:
                 tokens = drawn
             else:

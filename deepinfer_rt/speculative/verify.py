@@ -21,7 +21,7 @@ import random
 import torch
 
 from deepinfer_rt.request import Req
-from deepinfer_rt.sampler import filter_logits, stream_seed, uniform_noise
+from deepinfer_rt.sampler import filter_logits, gumbel_draw, stream_seed
 from deepinfer_rt.speculative.drafter import Proposal
 
 _ACCEPT_SALT = 0x5BD1E9955BD1E995
@@ -110,8 +110,7 @@ def _accept_greedy(z: torch.Tensor, drafts: list[int]) -> list[int]:
 
 def _draw(z: torch.Tensor, row: DraftRow) -> int:
     """The sampler's draw for this row's output position (Gumbel-max with its counter-based noise)."""
-    noise = uniform_noise(row.seed, row.num_output_tokens, z.shape[-1], z.device)
-    return int((z - torch.log(-torch.log(noise))).argmax())
+    return int(gumbel_draw(z[None], [row.seed], [row.num_output_tokens])[0])
 
 
 def _accept_point_mass(z: torch.Tensor, drafts: list[int], rows: list[DraftRow]) -> list[int]:

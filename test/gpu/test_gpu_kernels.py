@@ -40,6 +40,8 @@ def test_paged_decode_attention(shape, page_size, num_splits):
     ref = paged_decode_attention_ref(q, k, v, table, rows, lens, page_size, dk**-0.5)
     assert rel_err(out, ref) < 1e-2
     assert (out[1] == 0).all()  # an empty sequence yields zeros
+    early = paged_decode_attention(q, k, v, table, rows, lens, page_size, dk**-0.5, num_splits, v_early=True)
+    assert torch.equal(early, out)  # V's loads beside K's: the same bits
 
 
 @pytest.mark.parametrize("num_tokens", [1, 3, 40, 700])
@@ -249,3 +251,24 @@ def test_router_takes_the_pieces_at_prefill_sizes():
     assert torch.equal(got, router_logits_bf16(x, router.weight_pieces))
     torch.testing.assert_close(got, F.linear(x.float(), router.weight), rtol=1e-5, atol=1e-5)
     assert router.to(torch.bfloat16).weight_pieces is None and router.weight.dtype == torch.float32
+
+
+def test_gumbel_draw_on_cuda_one_kernel_reproducible_and_shared_with_verification():
+    """The sampler's draw on CUDA (deepinfer_kernels.sampling) equals torch's argmax over its noise, row by row
+    whatever the batch, and speculative verification's draw of a row is the sampler's."""
+    from deepinfer_kernels.sampling import gumbel_argmax, gumbel_noise
+    from deepinfer_rt.sampler import gumbel_draw, stream_seed
+    from deepinfer_rt.speculative.verify import DraftRow, _draw
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    z = torch.randn(64, 129280, device="cuda", generator=g) * 3
+    seeds, positions = list(range(64)), [3 * i for i in range(64)]
+    tokens = gumbel_draw(z, seeds, positions)
+    stream = torch.tensor([stream_seed(s, p) for s, p in zip(seeds, positions)], device="cuda")
+    noise = gumbel_noise(stream, z.shape[1])
+    assert torch.equal(tokens, (z - torch.log(-torch.log(noise))).argmax(-1))
+    assert torch.equal(tokens, gumbel_argmax(z, stream))  # reproducible
+    assert torch.equal(gumbel_draw(z[10:13], seeds[10:13], positions[10:13]), tokens[10:13])
+    row = DraftRow.__new__(DraftRow)
+    row.seed, row.num_output_tokens = seeds[5], positions[5]
+    assert _draw(z[5], row) == tokens[5].item()

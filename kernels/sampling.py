@@ -1,0 +1,95 @@
+"""Gumbel-max sampling of a whole batch in one kernel: token = argmax_i(z[i] - log(-log(u_i))), where u is the
+counter-based noise of the row's own seed (Philox: lane i % 4 of tl.rand4x(seed, i // 4)), clamped below at 1e-20.
+
+A row's draw depends on its seed and logits only, never on the batch it runs in. Each program takes BLOCK * 4
+consecutive tokens of one row (a 129K-token vocabulary is ~130 programs a row, so one request still spreads
+over the GPU), and folds its best (value, index) into the row's int64 key with one atomic max: the key is the
+value's order-preserving int32 bits above the complement of the index, so the largest key is the largest value
+and, among equal values, the lowest index (torch.argmax's choice; a row of -inf gives index 0).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK = 256
+"""Philox counters per program (4 tokens each)."""
+_KEY_MIN = -(1 << 63)
+
+
+@triton.jit
+def _lane_key(Z, row_z, offs4, j: tl.constexpr, u, V):
+    """int64 keys of the Gumbel-perturbed logits of tokens offs4 * 4 + j."""
+    idx = offs4 * 4 + j
+    z = tl.load(Z + row_z + idx, mask=idx < V, other=float("-inf")).to(tl.float32)
+    g = z - tl.log(-tl.log(tl.maximum(u, 1e-20)))
+    g = g + 0.0  # -0.0 + 0.0 == +0.0: the two zeros get one key
+    bits = g.to(tl.int32, bitcast=True)
+    ordered = (bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(tl.int64)  # signed order == float order
+    return ordered * 4294967296 + (4294967295 - idx.to(tl.int64))
+
+
+@triton.jit
+def _gumbel_kernel(Z, Seeds, Keys, V, stride_z, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    offs4 = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    u0, u1, u2, u3 = tl.rand4x(tl.load(Seeds + row), offs4)
+    row_z = row.to(tl.int64) * stride_z
+    key = tl.maximum(tl.maximum(_lane_key(Z, row_z, offs4, 0, u0, V), _lane_key(Z, row_z, offs4, 1, u1, V)),
+                     tl.maximum(_lane_key(Z, row_z, offs4, 2, u2, V), _lane_key(Z, row_z, offs4, 3, u3, V)))
+    tl.atomic_max(Keys + row, tl.max(key, 0))
+
+
+@triton.jit
+def _token_kernel(Keys, Out, B, BLOCK_B: tl.constexpr):
+    """Each row's index from its key."""
+    offs = tl.arange(0, BLOCK_B)
+    key = tl.load(Keys + offs, mask=offs < B, other=0)
+    tl.store(Out + offs, 4294967295 - (key & 4294967295), mask=offs < B)
+
+
+@triton.jit
+def _noise_kernel(Seeds, Noise, V, stride_n, BLOCK: tl.constexpr):
+    """The noise _gumbel_kernel draws, written out: u[row, i] for every token i."""
+    row = tl.program_id(0)
+    offs4 = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    u0, u1, u2, u3 = tl.rand4x(tl.load(Seeds + row), offs4)
+    base = Noise + row.to(tl.int64) * stride_n + offs4 * 4
+    tl.store(base, tl.maximum(u0, 1e-20), mask=offs4 * 4 < V)
+    tl.store(base + 1, tl.maximum(u1, 1e-20), mask=offs4 * 4 + 1 < V)
+    tl.store(base + 2, tl.maximum(u2, 1e-20), mask=offs4 * 4 + 2 < V)
+    tl.store(base + 3, tl.maximum(u3, 1e-20), mask=offs4 * 4 + 3 < V)
+
+
+def _check_seeds(seeds: torch.Tensor, rows: int, device: torch.device) -> None:
+    if seeds.dtype != torch.int64 or seeds.shape != (rows,) or seeds.device != device:
+        raise ValueError(f"seeds must be int64 ({rows},) on {device}, got {seeds.dtype} {tuple(seeds.shape)} "
+                         f"on {seeds.device}")
+
+
+def gumbel_argmax(z: torch.Tensor, seeds: torch.Tensor) -> torch.Tensor:
+    """z (B, V) logits (already temperature-scaled and filtered; -inf drops a token), seeds (B,) int64 ->
+    (B,) int64 tokens: each row's argmax of z - log(-log(u)) under its seed's noise (gumbel_noise)."""
+    rows, vocab = z.shape
+    _check_seeds(seeds, rows, z.device)
+    tokens = torch.empty(rows, dtype=torch.int64, device=z.device)
+    if rows == 0:
+        return tokens
+    if z.stride(1) != 1:
+        z = z.contiguous()
+    keys = torch.full((rows,), _KEY_MIN, dtype=torch.int64, device=z.device)
+    _gumbel_kernel[(rows, triton.cdiv(vocab, 4 * BLOCK))](z, seeds, keys, vocab, z.stride(0), BLOCK=BLOCK,
+                                                          num_warps=4)
+    _token_kernel[(1,)](keys, tokens, rows, BLOCK_B=max(16, triton.next_power_of_2(rows)))
+    return tokens
+
+
+def gumbel_noise(seeds: torch.Tensor, vocab: int) -> torch.Tensor:
+    """(B, vocab) float32: the uniform noise in [1e-20, 1) that gumbel_argmax draws for each row's seed."""
+    rows = seeds.shape[0]
+    _check_seeds(seeds, rows, seeds.device)
+    noise = torch.empty(rows, vocab, dtype=torch.float32, device=seeds.device)
+    if rows and vocab:
+        _noise_kernel[(rows, triton.cdiv(vocab, 4 * BLOCK))](seeds, noise, vocab, noise.stride(0), BLOCK=BLOCK)
+    return noise
