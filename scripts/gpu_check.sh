@@ -10,6 +10,7 @@
 # (bench_v4_sweep: V4-Flash / V4.1-Flash-shaped decode sweep beside the V4 floor, bf16 and release format) run when named.
 # Logs and JSON land in $OUT. Stage time limits (seconds): BENCH_S, TEST_S, KERNEL_BENCH_S, EP_S, DET_S, HOST_S,
 # MOE_BI_S, MXFP4_S, V4_S, FP8_S, FP8_GEMM_S, MOE_FP8_S, LONGCTX_S, EP1_S, V4SWEEP_S, ROW_GEMV_S, KV8_S.
+# `sampler` (bench_sampler: the one-kernel seeded draw beside the per-row form; SAMPLER_S, SAMPLER_ARGS).
 # V4SWEEP_AB_ENV (with V4SWEEP_AB_ARGS, default V4SWEEP_ARGS): v4sweep again under those environment settings. TEST_ARGS: the pytest targets of the tests stage (default test/gpu); KERNEL_BENCH_ARGS: extra
 # arguments of the kernel micro-benchmark (e.g. --only moe). TEST_JOBS>1: one pytest process per test file or node id, that
 # many at once; PYTEST_ARGS: extra pytest options (e.g. -o faulthandler_timeout=120 to dump a stuck test's stacks).
@@ -123,6 +124,11 @@ if [[ $STAGES == *,longctx_base,* ]] && [ -d base ]; then  # the same benchmark 
     ${LONGCTX_ARGS:---models deepseek-v2-lite smollm2-135m --contexts 2048 32768 --batches 1 16 64 --hf-batches --steps 16 --profile-steps 0} \
     > "$OUT/longctx_base.log" 2>&1
   tail -n 16 "$OUT/longctx_base.log"
+fi
+if [[ $STAGES == *,sampler,* ]]; then  # seeded sampling: the one-kernel draw beside the former per-row form
+  timeout "${SAMPLER_S:-120}" python3 benchmark/bench_sampler.py --out "$OUT/sampler_h200.json" ${SAMPLER_ARGS:-} \
+    > "$OUT/sampler.log" 2>&1
+  tail -n 10 "$OUT/sampler.log"
 fi
 if [[ $STAGES == *,ep1,* ]]; then  # the EP worker pool at one rank beside the in-process engine (one GPU)
   timeout "${EP1_S:-300}" python3 benchmark/bench_ep.py --shape v2-lite --device cuda --dtype bfloat16 \
