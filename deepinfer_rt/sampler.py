@@ -30,6 +30,21 @@ def stream_seed(seed: int, position: int) -> int:
     return (x ^ (x >> 31)) & ((1 << 63) - 1)
 
 
+_C1, _C2, _C3 = (np.uint64(c) for c in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB))
+
+
+def stream_seeds(seeds: list[int], positions: list[int]) -> np.ndarray:
+    """stream_seed of each (seed, position) pair, as int64, computed over arrays (wrapping uint64 arithmetic)."""
+    s = np.fromiter((x & _MASK64 for x in seeds), dtype=np.uint64, count=len(seeds))
+    p = np.fromiter((x & _MASK64 for x in positions), dtype=np.uint64, count=len(positions))
+    with np.errstate(over="ignore"):
+        x = s * _C1 + p * _C2 + _C3
+        x = (x ^ (x >> np.uint64(30))) * _C2
+        x = (x ^ (x >> np.uint64(27))) * _C3
+        x = x ^ (x >> np.uint64(31))
+    return (x & np.uint64((1 << 63) - 1)).astype(np.int64)
+
+
 def uniform_noise(seed: int, position: int, vocab_size: int, device: torch.device) -> torch.Tensor:
     """The noise gumbel_draw uses for (seed, position) off CUDA: a torch generator's uniforms, clamped at 1e-20."""
     gen = torch.Generator(device=device).manual_seed(stream_seed(seed, position))
@@ -41,8 +56,7 @@ def gumbel_draw(z: torch.Tensor, seeds: list[int], positions: list[int]) -> torc
     position): (B,) int64 on z's device, without a host sync."""
     if z.is_cuda:
         from deepinfer_kernels.sampling import gumbel_argmax
-        stream = [stream_seed(s, p) for s, p in zip(seeds, positions)]
-        return gumbel_argmax(z, to_device(stream, torch.long, z.device))
+        return gumbel_argmax(z, to_device(stream_seeds(seeds, positions), torch.long, z.device))
     noise = torch.stack([uniform_noise(s, p, z.shape[-1], z.device) for s, p in zip(seeds, positions)])
     return (z - torch.log(-torch.log(noise))).argmax(-1)
 

@@ -1,5 +1,7 @@
 """Gumbel-max sampling of a whole batch in one kernel: token = argmax_i(z[i] - log(-log(u_i))), where u is the
 counter-based noise of the row's own seed (Philox: lane i % 4 of tl.rand4x(seed, i // 4)), clamped below at 1e-20.
+With per-row temperatures t, z = logits / t (IEEE division, as torch's), and a row of t == 0 takes the argmax of
+its logits without noise (a greedy row): so a CUDA graph can end a decode step with every row's token.
 
 A row's draw depends on its seed and logits only, never on the batch it runs in. Each program takes BLOCK * 4
 consecutive tokens of one row (a 129K-token vocabulary is ~130 programs a row, so one request still spreads
@@ -19,11 +21,16 @@ _KEY_MIN = -(1 << 63)
 
 
 @triton.jit
-def _lane_key(Z, row_z, offs4, j: tl.constexpr, u, V):
+def _lane_key(Z, row_z, offs4, j: tl.constexpr, u, V, t, HAS_TEMP: tl.constexpr):
     """int64 keys of the Gumbel-perturbed logits of tokens offs4 * 4 + j."""
     idx = offs4 * 4 + j
     z = tl.load(Z + row_z + idx, mask=idx < V, other=float("-inf")).to(tl.float32)
-    g = z - tl.log(-tl.log(tl.maximum(u, 1e-20)))
+    if HAS_TEMP:
+        greedy = t == 0.0
+        z = tl.math.div_rn(z, tl.where(greedy, 1.0, t))
+        g = tl.where(greedy, z, z - tl.log(-tl.log(tl.maximum(u, 1e-20))))
+    else:
+        g = z - tl.log(-tl.log(tl.maximum(u, 1e-20)))
     g = g + 0.0  # -0.0 + 0.0 == +0.0: the two zeros get one key
     bits = g.to(tl.int32, bitcast=True)
     ordered = (bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(tl.int64)  # signed order == float order
@@ -31,13 +38,16 @@ def _lane_key(Z, row_z, offs4, j: tl.constexpr, u, V):
 
 
 @triton.jit
-def _gumbel_kernel(Z, Seeds, Keys, V, stride_z, BLOCK: tl.constexpr):
+def _gumbel_kernel(Z, Seeds, Temps, Keys, V, stride_z, BLOCK: tl.constexpr, HAS_TEMP: tl.constexpr):
     row = tl.program_id(0)
     offs4 = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     u0, u1, u2, u3 = tl.rand4x(tl.load(Seeds + row), offs4)
     row_z = row.to(tl.int64) * stride_z
-    key = tl.maximum(tl.maximum(_lane_key(Z, row_z, offs4, 0, u0, V), _lane_key(Z, row_z, offs4, 1, u1, V)),
-                     tl.maximum(_lane_key(Z, row_z, offs4, 2, u2, V), _lane_key(Z, row_z, offs4, 3, u3, V)))
+    t = tl.load(Temps + row) if HAS_TEMP else 1.0
+    key = tl.maximum(tl.maximum(_lane_key(Z, row_z, offs4, 0, u0, V, t, HAS_TEMP),
+                                _lane_key(Z, row_z, offs4, 1, u1, V, t, HAS_TEMP)),
+                     tl.maximum(_lane_key(Z, row_z, offs4, 2, u2, V, t, HAS_TEMP),
+                                _lane_key(Z, row_z, offs4, 3, u3, V, t, HAS_TEMP)))
     tl.atomic_max(Keys + row, tl.max(key, 0))
 
 
@@ -68,19 +78,26 @@ def _check_seeds(seeds: torch.Tensor, rows: int, device: torch.device) -> None:
                          f"on {seeds.device}")
 
 
-def gumbel_argmax(z: torch.Tensor, seeds: torch.Tensor) -> torch.Tensor:
-    """z (B, V) logits (already temperature-scaled and filtered; -inf drops a token), seeds (B,) int64 ->
-    (B,) int64 tokens: each row's argmax of z - log(-log(u)) under its seed's noise (gumbel_noise)."""
+def gumbel_argmax(z: torch.Tensor, seeds: torch.Tensor, temperatures: torch.Tensor | None = None,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+    """z (B, V) logits (-inf drops a token), seeds (B,) int64 -> (B,) int64 tokens (into `out` if given): each
+    row's argmax of z / t - log(-log(u)) under its seed's noise (gumbel_noise), t the row's temperature (float32
+    (B,); None: z is scaled already), a row of t == 0 the argmax of z alone. No host sync: a CUDA graph can hold
+    it."""
     rows, vocab = z.shape
     _check_seeds(seeds, rows, z.device)
-    tokens = torch.empty(rows, dtype=torch.int64, device=z.device)
+    if temperatures is not None and (temperatures.dtype != torch.float32 or temperatures.shape != (rows,)):
+        raise ValueError(f"temperatures must be float32 ({rows},), got {temperatures.dtype} "
+                         f"{tuple(temperatures.shape)}")
+    tokens = torch.empty(rows, dtype=torch.int64, device=z.device) if out is None else out
     if rows == 0:
         return tokens
     if z.stride(1) != 1:
         z = z.contiguous()
     keys = torch.full((rows,), _KEY_MIN, dtype=torch.int64, device=z.device)
-    _gumbel_kernel[(rows, triton.cdiv(vocab, 4 * BLOCK))](z, seeds, keys, vocab, z.stride(0), BLOCK=BLOCK,
-                                                          num_warps=4)
+    _gumbel_kernel[(rows, triton.cdiv(vocab, 4 * BLOCK))](
+        z, seeds, seeds if temperatures is None else temperatures, keys, vocab, z.stride(0), BLOCK=BLOCK,
+        HAS_TEMP=temperatures is not None, num_warps=4)
     _token_kernel[(1,)](keys, tokens, rows, BLOCK_B=max(16, triton.next_power_of_2(rows)))
     return tokens
 

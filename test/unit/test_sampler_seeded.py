@@ -7,7 +7,7 @@ import torch
 from sampler_helpers import EOS, V, make_req
 
 from deepinfer_rt.request import Req
-from deepinfer_rt.sampler import Sampler, stream_seed, uniform_noise
+from deepinfer_rt.sampler import Sampler, stream_seed, stream_seeds, uniform_noise
 
 
 def _mixed_batch(g: torch.Generator, n: int) -> tuple[torch.Tensor, list[Req]]:
@@ -66,6 +66,9 @@ def test_stream_seed_mixes_seed_and_position():
     values = {stream_seed(s, p) for s in range(50) for p in range(50)}
     assert len(values) == 2500
     assert all(0 <= v < 2**63 for v in values)
+    seeds = [0, 1, 2**63 - 1, 2**64 - 5, -3, 123456789] * 3
+    positions = [0, 7, 2**40, 5, 1, -2, 3, 3, 3, 0, 0, 0, 9, 8, 7, 6, 5, 4]
+    assert stream_seeds(seeds, positions).tolist() == [stream_seed(s, p) for s, p in zip(seeds, positions)]
 
 
 def _chi_square(counts: torch.Tensor, probs: torch.Tensor) -> float:

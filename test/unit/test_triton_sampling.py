@@ -27,6 +27,14 @@ _DRAWS = textwrap.dedent("""
     assert not torch.equal(noise[0], noise[1])
     assert torch.equal(tokens, (z - torch.log(-torch.log(noise))).argmax(-1)), tokens
     assert tokens[2] == 0 and tokens[3] < 100 and tokens[4] == 7
+    # Temperatures in the kernel: the draw over torch's z / t (the same IEEE division); t == 0 the plain argmax.
+    temps = torch.tensor([0.7, 0.0, 1.3, 2.0, 0.0, 1e-3])
+    out = torch.full((6,), -5, dtype=torch.int64)
+    scaled = gumbel_argmax(z, seeds, temps, out=out)
+    assert scaled.data_ptr() == out.data_ptr()
+    want = gumbel_argmax(z / torch.where(temps == 0, 1.0, temps)[:, None], seeds)
+    want[temps == 0] = z[temps == 0].argmax(-1)
+    assert torch.equal(scaled, want), (scaled, want)
     # A row's draw alone, in another batch, and in a strided view: the same token.
     for i in range(6):
         assert gumbel_argmax(z[i : i + 1].clone(), seeds[i : i + 1]).item() == tokens[i]
