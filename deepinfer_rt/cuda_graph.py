@@ -16,9 +16,11 @@ The step around the forward is in the graph too, so that a decode step launches 
 placeholder ids of overlap scheduling (-1 - k, the previous step's token of row k, model_runner) are resolved at
 the graph's start from `next_tokens`, where the previous step's tokens are; a request's one new page (a decode
 step's usual growth) is written into its page table row there too (`PageTable.rows(reqs, appends)`); and with a
-`head` (the model's compute_logits) the graph ends with the logits and each row's argmax over the vocabulary,
-written to `next_tokens`: a greedy step's tokens, the sampler's choice for rows that nothing else modifies
-(`Sampler.is_argmax`). Other steps sample the graph's logits on the host's side as before.
+`head` (the model's compute_logits) the graph ends with the logits and each row's token, written to
+`next_tokens`: on CUDA each row's draw (deepinfer_kernels.sampling) at the temperature and stream seed staged with
+its inputs, the argmax for greedy rows; elsewhere the argmax. These are the sampler's tokens for rows that nothing
+else modifies (`Sampler.is_argmax`, with `sampled` where the graph draws). Other steps sample the graph's logits
+on the host's side as before.
 
 In batch-invariant mode the graphs are captured with the invariant layers and the backend's fixed-split
 attention (its split count covers the page table's width), so a replayed step is bitwise an eager one. A model whose
@@ -42,6 +44,7 @@ import logging
 from contextlib import nullcontext
 from typing import TYPE_CHECKING, Callable, ContextManager
 
+import numpy as np
 import torch
 
 from deepinfer_rt.cache.kv_pool import KVPool
@@ -49,6 +52,7 @@ from deepinfer_rt.cache.page_table import DevicePages, PageTable, pages_per_requ
 from deepinfer_rt.forward_batch import ForwardBatch, resolve_placeholders
 from deepinfer_rt.models.base import CausalLM
 from deepinfer_rt.request import Req
+from deepinfer_rt.sampler import stream_seeds
 from deepinfer_rt.scheduler.batch import ScheduledBatch
 
 if TYPE_CHECKING:  # the Triton backend imports triton, which CPU installs may lack
@@ -56,9 +60,10 @@ if TYPE_CHECKING:  # the Triton backend imports triton, which CPU installs may l
 
 logger = logging.getLogger("deepinfer_rt")
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
-_TOKEN, _POS, _SLOT, _ROW, _LEN, _CELL, _PAGE = range(7)
-"""Rows of the staged inputs: token (or placeholder), position, store slot, page table row, KV length, and the
-flat page table cell of the row's new page (the table's scratch cell when none) with that page."""
+_TOKEN, _POS, _SLOT, _ROW, _LEN, _CELL, _PAGE, _SEED, _TEMP = range(9)
+"""Rows of the staged inputs: token (or placeholder), position, store slot, page table row, KV length, the flat
+page table cell of the row's new page (the table's scratch cell when none) with that page, and the draw's stream
+seed and temperature (float32 bits; 0 for greedy rows)."""
 
 
 class CudaGraphRunner:
@@ -72,6 +77,9 @@ class CudaGraphRunner:
         """hidden rows -> fp32 logits (the model's compute_logits), captured after the forward with each row's
         argmax over the first `vocab_size` columns; None: graphs end at the hidden rows."""
         self.vocab_size = vocab_size
+        self.draws = head is not None and pool.k[0].device.type == "cuda"
+        """Whether the graphs end with each row's draw at its staged temperature (greedy rows: the argmax), not
+        the argmax of every row."""
         self.capture_scope = capture_scope or (lambda bs, lengths: nullcontext())
         """Entered around each graph's forwards at capture (uncaptured: each run) with (its batch size, its
         static KV lengths (bs,), 0 on padding rows)."""
@@ -91,12 +99,17 @@ class CudaGraphRunner:
         width = pages_per_request(max_context, pool.num_slots // self.page_size, self.page_size)
         self.pages = PageTable(num_rows or self.max_bs * 2, width, dev)
         """Shared with the eager steps (model_runner), which keep the same rows up to date."""
-        self._io = torch.zeros(7, self.max_bs, dtype=torch.int64, device=dev)
-        self._stage = torch.zeros(7, self.max_bs, dtype=torch.int64, pin_memory=dev.type == "cuda")
+        self._io = torch.zeros(9, self.max_bs, dtype=torch.int64, device=dev)
+        self._stage = torch.zeros(9, self.max_bs, dtype=torch.int64, pin_memory=dev.type == "cuda")
         self._stage_np = self._stage.numpy()
         self.next_tokens = torch.zeros(self.max_bs, dtype=torch.int64, device=dev)
         """The last step's sampled token of each row: placeholders are resolved from it at a graph's start, and a
-        graph with a head writes its rows' argmax here at its end."""
+        graph with a head writes its rows' tokens here at its end."""
+        self._keys = None
+        if self.draws:
+            from deepinfer_kernels.sampling import new_keys
+
+            self._keys = new_keys(self.max_bs, dev)
         self._graphs: dict[int, torch.cuda.CUDAGraph | ForwardBatch] = {}
         """Batch size -> its graph (uncaptured: its static ForwardBatch)."""
         self._outputs: dict[int, torch.Tensor] = {}
@@ -124,7 +137,14 @@ class CudaGraphRunner:
         self._outputs[bs] = hidden
         if self.head is not None:
             logits = self._logits[bs] = self.head(hidden)
-            self.next_tokens[:bs].copy_(logits[:, : self.vocab_size].argmax(-1))
+            z = logits[:, : self.vocab_size]
+            if self.draws:
+                from deepinfer_kernels.sampling import gumbel_argmax
+
+                temps = io[_TEMP].to(torch.int32).view(torch.float32)
+                gumbel_argmax(z, io[_SEED], temps, out=self.next_tokens[:bs], keys=self._keys[:bs])
+            else:
+                self.next_tokens[:bs].copy_(z.argmax(-1))
 
     def _forward_batch(self, bs: int) -> ForwardBatch:
         io = self._io[:, :bs]
@@ -236,6 +256,13 @@ class CudaGraphRunner:
         st[_LEN, :n] = st[_POS, :n] + 1
         st[_CELL, :n] = appends[0::2]
         st[_PAGE, :n] = appends[1::2]
+        st[_SEED, :n] = st[_TEMP, :n] = 0
+        if self.draws:
+            drawn = [i for i, r in enumerate(reqs) if not r.params.is_greedy]
+            if drawn:
+                st[_TEMP, drawn] = np.array([reqs[i].params.temperature for i in drawn], np.float32).view(np.int32)
+                st[_SEED, drawn] = stream_seeds([reqs[i].seed for i in drawn],
+                                                [reqs[i].num_output_tokens for i in drawn])
         self._padding(n)
         self._io.copy_(self._stage, non_blocking=True)  # whole buffer: a strided copy would stage through pageable memory
         self._staged.record()
@@ -255,7 +282,7 @@ class CudaGraphRunner:
         return None if self.head is None else self._logits[self.last_size][:n]
 
     def greedy_tokens(self, n: int) -> torch.Tensor:
-        """The last replay's argmax tokens of its first n rows (graphs with a head), on the device: a view of
+        """The last replay's tokens of its first n rows (graphs with a head), on the device: a view of
         `next_tokens`, which the next replay reads as it is and then overwrites (consume it before)."""
         return self.next_tokens[:n]
 

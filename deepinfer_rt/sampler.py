@@ -243,14 +243,19 @@ class Sampler:
         return SampleResult(token_list, logprobs, top)
 
     @staticmethod
-    def is_argmax(reqs: list[Req]) -> bool:
+    def is_argmax(reqs: list[Req], sampled: bool = False) -> bool:
         """Whether every row's token is the argmax of its raw logits: greedy rows that no penalty, bias, token
-        ban or grammar changes (a CUDA graph then computes the tokens itself, cuda_graph.py)."""
+        ban or grammar changes (a CUDA graph then computes the tokens itself, cuda_graph.py). `sampled`: rows
+        may also be temperature draws without top-k / top-p / min-p (gumbel_draw over logits / temperature,
+        which a graph ending in deepinfer_kernels.sampling computes the same way)."""
         for r in reqs:
             p = r.params
-            if not p.is_greedy or p.logit_bias or r.grammar is not None or r.num_output_tokens < p.min_new_tokens:
+            if p.logit_bias or r.grammar is not None or r.num_output_tokens < p.min_new_tokens:
                 return False
             if p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0:
+                return False
+            if not p.is_greedy and not (sampled and p.temperature >= _TINY_TEMPERATURE and p.top_k <= 0
+                                        and p.top_p >= 1.0 and p.min_p <= 0.0):
                 return False
         return True
 

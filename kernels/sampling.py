@@ -52,11 +52,12 @@ def _gumbel_kernel(Z, Seeds, Temps, Keys, V, stride_z, BLOCK: tl.constexpr, HAS_
 
 
 @triton.jit
-def _token_kernel(Keys, Out, B, BLOCK_B: tl.constexpr):
-    """Each row's index from its key."""
+def _token_kernel(Keys, Out, B, KEY_MIN: tl.constexpr, BLOCK_B: tl.constexpr):
+    """Each row's index from its key; the keys are set back to KEY_MIN for the next draw."""
     offs = tl.arange(0, BLOCK_B)
     key = tl.load(Keys + offs, mask=offs < B, other=0)
     tl.store(Out + offs, 4294967295 - (key & 4294967295), mask=offs < B)
+    tl.store(Keys + offs, tl.full([BLOCK_B], KEY_MIN, tl.int64), mask=offs < B)
 
 
 @triton.jit
@@ -78,12 +79,17 @@ def _check_seeds(seeds: torch.Tensor, rows: int, device: torch.device) -> None:
                          f"on {seeds.device}")
 
 
+def new_keys(rows: int, device: torch.device) -> torch.Tensor:
+    """A buffer of `rows` row keys for gumbel_argmax(keys=): each draw leaves it as it found it."""
+    return torch.full((rows,), _KEY_MIN, dtype=torch.int64, device=device)
+
+
 def gumbel_argmax(z: torch.Tensor, seeds: torch.Tensor, temperatures: torch.Tensor | None = None,
-                  out: torch.Tensor | None = None) -> torch.Tensor:
+                  out: torch.Tensor | None = None, keys: torch.Tensor | None = None) -> torch.Tensor:
     """z (B, V) logits (-inf drops a token), seeds (B,) int64 -> (B,) int64 tokens (into `out` if given): each
     row's argmax of z / t - log(-log(u)) under its seed's noise (gumbel_noise), t the row's temperature (float32
-    (B,); None: z is scaled already), a row of t == 0 the argmax of z alone. No host sync: a CUDA graph can hold
-    it."""
+    (B,); None: z is scaled already), a row of t == 0 the argmax of z alone. keys: B leading entries of a
+    new_keys buffer (a CUDA graph's; None: one is made). No host sync: a CUDA graph can hold it."""
     rows, vocab = z.shape
     _check_seeds(seeds, rows, z.device)
     if temperatures is not None and (temperatures.dtype != torch.float32 or temperatures.shape != (rows,)):
@@ -94,11 +100,11 @@ def gumbel_argmax(z: torch.Tensor, seeds: torch.Tensor, temperatures: torch.Tens
         return tokens
     if z.stride(1) != 1:
         z = z.contiguous()
-    keys = torch.full((rows,), _KEY_MIN, dtype=torch.int64, device=z.device)
+    keys = new_keys(rows, z.device) if keys is None else keys
     _gumbel_kernel[(rows, triton.cdiv(vocab, 4 * BLOCK))](
         z, seeds, seeds if temperatures is None else temperatures, keys, vocab, z.stride(0), BLOCK=BLOCK,
         HAS_TEMP=temperatures is not None, num_warps=4)
-    _token_kernel[(1,)](keys, tokens, rows, BLOCK_B=max(16, triton.next_power_of_2(rows)))
+    _token_kernel[(1,)](keys, tokens, rows, KEY_MIN=_KEY_MIN, BLOCK_B=max(16, triton.next_power_of_2(rows)))
     return tokens
 
 

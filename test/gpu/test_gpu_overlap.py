@@ -49,3 +49,34 @@ def test_gpu_overlapped_launch_never_syncs(tiny_path, monkeypatch):
     assert sum(launches) >= 6
     monkeypatch.undo()
     assert overlapped == _generate(tiny_path, False, monkeypatch)
+
+
+def test_gpu_graph_draws_equal_the_sampler(tiny_path, monkeypatch):
+    """Batches of greedy and plain temperature rows take their tokens from the graph's own draw (one kernel at the
+    graph's end); the synchronous engine samples the same graph's logits on the host's side (the sampler) and
+    gets the same tokens, and a seed's tokens do not depend on the rows beside it."""
+    params = [SamplingParams(max_new_tokens=12, temperature=0.7, seed=3, ignore_eos=True),
+              SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True),
+              SamplingParams(max_new_tokens=12, temperature=1.3, seed=4, ignore_eos=True)]
+    taken = []
+    launch = ModelRunner._launch_overlapped
+
+    def counted(self, batch, prev):
+        out = launch(self, batch, prev)
+        taken.append(out.tokens.data_ptr() == self.graphs.next_tokens.data_ptr())
+        return out
+
+    def generate(overlap: bool, prompts, sp):
+        monkeypatch.setenv("DEEPINFER_OVERLAP", "1" if overlap else "0")
+        with Engine(str(tiny_path), device="cuda", dtype="float32", kv_cache_tokens=4096, max_num_seqs=8) as engine:
+            assert engine.executor.is_overlap_enabled == overlap
+            return [o.token_ids for o in engine.generate(input_ids=prompts, sampling_params=sp)]
+
+    monkeypatch.setattr(ModelRunner, "_launch_overlapped", counted)
+    drawn = generate(True, PROMPTS, params)
+    assert sum(taken) >= 8  # decode steps whose tokens the graph drew
+    monkeypatch.setattr(ModelRunner, "_launch_overlapped", launch)
+    assert drawn == generate(False, PROMPTS, params)
+    alone = generate(True, PROMPTS[2:], params[2:])
+    assert alone[0] == drawn[2]
+    assert len(set(map(tuple, drawn))) == 3
