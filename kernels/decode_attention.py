@@ -131,14 +131,15 @@ def _store_split(PartO, PartLse, out, lse, b, kvh, head0, split, num_splits, GRO
 
 
 @triton.jit
-def _decode_split_kernel(Q, QT, K, V, KS, VS, PageTable, TableRows, SeqLens, PartO, PartLse, O,
+def _decode_split_kernel(Q, QT, K, V, KS, VS, PageTable, TableRows, SeqLens, PartO, PartLse, O, Count,
                          stride_qb, stride_qh, stride_qtb, stride_qth, stride_kn, stride_kh, stride_vn, stride_vh,
                          stride_ks, stride_vs, stride_pt, stride_ob, stride_oh,
                          sm_scale, page_size,
                          GROUP: tl.constexpr, BLOCK_H: tl.constexpr, DK: tl.constexpr, DT: tl.constexpr,
                          DV: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
                          V_IS_K: tl.constexpr, IEEE: tl.constexpr, KV_FP8: tl.constexpr,
-                         F16_DOT: tl.constexpr, HEAD_BLOCKS: tl.constexpr, V_EARLY: tl.constexpr):
+                         F16_DOT: tl.constexpr, HEAD_BLOCKS: tl.constexpr, V_EARLY: tl.constexpr,
+                         LAST_MERGE: tl.constexpr, BLOCK_S: tl.constexpr, MERGE_D: tl.constexpr):
     b = tl.program_id(0)
     kvh = tl.program_id(1) // HEAD_BLOCKS  # axis 1: a KV head's group of query heads, BLOCK_H at a time
     head0 = tl.program_id(1) % HEAD_BLOCKS * BLOCK_H
@@ -160,6 +161,16 @@ def _decode_split_kernel(Q, QT, K, V, KS, VS, PageTable, TableRows, SeqLens, Par
                  mask=(offs_h < GROUP)[:, None])
     else:
         _store_split(PartO, PartLse, out, lse, b, kvh, head0, split, NUM_SPLITS, GROUP, BLOCK_H, DV, HEAD_BLOCKS)
+        if LAST_MERGE:  # the last split of this (row, head block) to finish merges them: no merge launch
+            tl.debug_barrier()  # every thread's partial is stored before the count (release, GPU scope)
+            count = Count + b * tl.num_programs(1) + tl.program_id(1)
+            if tl.atomic_add(count, 1, sem="acq_rel") == NUM_SPLITS - 1:
+                num_heads = GROUP * (tl.num_programs(1) // HEAD_BLOCKS)
+                for i in range(0, tl.minimum(BLOCK_H, GROUP - head0)):
+                    for d0 in tl.static_range(0, DV, MERGE_D):
+                        _merge_columns(PartO, PartLse, O, b, kvh * GROUP + head0 + i, d0, num_heads, stride_ob,
+                                       stride_oh, NUM_SPLITS, BLOCK_S, DV, MERGE_D, True)
+                tl.atomic_xchg(count, 0)  # for the next launch (a replayed graph's too)
 
 
 @triton.jit
@@ -190,19 +201,17 @@ def _fixed_split_kernel(Q, QT, K, V, KS, VS, PageTable, TableRows, SeqLens, Part
 
 
 @triton.jit
-def _merge_splits_kernel(PartO, PartLse, O, stride_ob, stride_oh, NUM_HEADS: tl.constexpr,
-                         NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr):
-    """One (row, head, BLOCK_D output columns): the splits' partial outputs weighted by their log-sum-exp. The
-    columns are split over programs so that a program's tile (BLOCK_S x BLOCK_D fp32) stays in registers: MLA at
-    batch 1 merges up to 128 splits of 512 columns, which as one tile per head spilled and ran one program per
-    head (16 of the GPU's 132 multiprocessors)."""
-    b = tl.program_id(0)
-    h = tl.program_id(1)
-    d0 = tl.program_id(2) * BLOCK_D
+def _merge_columns(PartO, PartLse, O, b, h, d0, num_heads, stride_ob, stride_oh, NUM_SPLITS: tl.constexpr,
+                   BLOCK_S: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, CG: tl.constexpr):
+    """Head h of row b, output columns d0 .. d0 + BLOCK_D: the splits' partial outputs weighted by their
+    log-sum-exp. CG: the partials were written by other programs of this launch (loads bypass L1)."""
     offs_s = tl.arange(0, BLOCK_S)
     smask = offs_s < NUM_SPLITS
-    base = (b * NUM_HEADS + h) * NUM_SPLITS
-    lse = tl.load(PartLse + base + offs_s, mask=smask, other=float("-inf"))
+    base = (b * num_heads + h) * NUM_SPLITS
+    if CG:
+        lse = tl.load(PartLse + base + offs_s, mask=smask, other=float("-inf"), cache_modifier=".cg")
+    else:
+        lse = tl.load(PartLse + base + offs_s, mask=smask, other=float("-inf"))
     m = tl.max(lse, 0)
     m = tl.where(m == float("-inf"), 0.0, m)
     w = tl.exp2(lse - m)  # 0 for empty splits
@@ -210,15 +219,46 @@ def _merge_splits_kernel(PartO, PartLse, O, stride_ob, stride_oh, NUM_HEADS: tl.
     dmask = offs_d < DV
     # Empty splits (past a short row's end: the grid is sized for long ones) are never read.
     full = smask & (lse > float("-inf"))
-    parts = tl.load(PartO + (base + offs_s)[:, None] * DV + offs_d[None, :], mask=full[:, None] & dmask[None, :],
-                    other=0.0)
+    ptrs = PartO + (base + offs_s)[:, None] * DV + offs_d[None, :]
+    if CG:
+        parts = tl.load(ptrs, mask=full[:, None] & dmask[None, :], other=0.0, cache_modifier=".cg")
+    else:
+        parts = tl.load(ptrs, mask=full[:, None] & dmask[None, :], other=0.0)
     total = tl.sum(w, 0)
     out = tl.sum(parts * w[:, None], 0) / tl.where(total == 0.0, 1.0, total)
     tl.store(O + b * stride_ob + h * stride_oh + offs_d, out.to(O.dtype.element_ty), mask=dmask)
 
 
+@triton.jit
+def _merge_splits_kernel(PartO, PartLse, O, stride_ob, stride_oh, NUM_HEADS: tl.constexpr,
+                         NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr):
+    """One (row, head, BLOCK_D output columns) per program. The columns are split over programs so that a
+    program's tile (BLOCK_S x BLOCK_D fp32) stays in registers: MLA at batch 1 merges up to 128 splits of 512
+    columns, which as one tile per head spilled and ran one program per head (16 of the GPU's 132
+    multiprocessors)."""
+    _merge_columns(PartO, PartLse, O, tl.program_id(0), tl.program_id(1), tl.program_id(2) * BLOCK_D, NUM_HEADS,
+                   stride_ob, stride_oh, NUM_SPLITS, BLOCK_S, DV, BLOCK_D, False)
+
+
 MERGE_TILE = 4096
 """fp32 values of partial outputs one merge program holds (BLOCK_S x BLOCK_D): 32 a thread at 4 warps."""
+
+
+MERGES = ("kernel", "last_program")
+"""How the default mode's split partials are merged: by a second kernel, or by the last split of each (row, head
+block) to finish (one launch; the same sums, column block by column block)."""
+_MERGE_COUNTERS = 1 << 16
+"""(row, head block) counters of the last-program merge (int32, per device, zero between launches); a launch of
+more programs per split merges in the second kernel. Shared by every launch on the device: decode attention
+launches in one stream order (the engine's compute stream and its graphs)."""
+_counters: dict[torch.device, torch.Tensor] = {}
+
+
+def _merge_counters(device: torch.device) -> torch.Tensor:
+    """The device's counters: made once and kept, so a captured graph's pointer stays valid."""
+    if device not in _counters:
+        _counters[device] = torch.zeros(_MERGE_COUNTERS, dtype=torch.int32, device=device)
+    return _counters[device]
 
 
 def merge_block_d(num_splits: int, dv: int) -> int:
@@ -345,14 +385,16 @@ def paged_decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Te
                            num_splits: int, out: torch.Tensor | None = None, block_n: int | None = None,
                            num_warps: int = 4, num_stages: int | None = None, q_tail: torch.Tensor | None = None,
                            k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-                           kv_dot: str = "f16", v_early: bool = False) -> torch.Tensor:
+                           kv_dot: str = "f16", v_early: bool = False, merge: str = "kernel") -> torch.Tensor:
     """q (B, Hq, Dqk); k_buf (slots, Hkv, Dqk); v_buf (slots, Hkv, Dv), for MLA a column view of k_buf;
     page_table (R, W) int32 page ids; table_rows (B,) int32 row of each sequence; seq_lens (B,) int32.
     q_tail: the query's last columns apart (MLA's rope part), q then (B, Hq, Dv). k_scale / v_scale (slots, Hkv)
     float32: the row scales of float8_e4m3fn buffers (MLA: the same tensor); kv_dot: one of FP8_KV_DOTS; v_early:
-    V's tile loaded beside K's (`_attend_range`). Returns (B, Hq, Dv) in q's dtype."""
+    V's tile loaded beside K's (`_attend_range`); merge: one of MERGES. Returns (B, Hq, Dv) in q's dtype."""
     if kv_dot not in FP8_KV_DOTS:
         raise ValueError(f"decode attention: kv_dot {kv_dot!r} is not one of {FP8_KV_DOTS}")
+    if merge not in MERGES:
+        raise ValueError(f"decode attention: merge {merge!r} is not one of {MERGES}")
     bsz, hq, _ = q.shape
     hkv, dk, dv = k_buf.shape[1], k_buf.shape[-1], v_buf.shape[-1]
     q_tail = _query_tail(q, q_tail, dk, dv)
@@ -372,15 +414,20 @@ def paged_decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Te
     # 3 stages for GQA's light 16-bit tiles (num_splits_for), 2 for MLA's 576-column ones (bench_kernels.py's
     # sweep) and for fp32 caches (shared memory).
     num_stages = num_stages or (3 if dk <= 256 and not layout["IEEE"] else 2)
-    _decode_split_kernel[(bsz, hkv * layout["HEAD_BLOCKS"], num_splits)](
+    grid = (bsz, hkv * layout["HEAD_BLOCKS"], num_splits)
+    last = merge == "last_program" and num_splits > 1 and grid[0] * grid[1] <= _MERGE_COUNTERS
+    block_d = merge_block_d(num_splits, dv)
+    _decode_split_kernel[grid](
         q, q_tail, k_buf, v_buf, ks, vs, page_table, table_rows, seq_lens, part_o, part_lse, out,
+        _merge_counters(q.device) if last else part_lse,
         q.stride(0), q.stride(1), q_tail.stride(0), q_tail.stride(1), k_buf.stride(0), k_buf.stride(1),
         v_buf.stride(0), v_buf.stride(1), ks.stride(0), vs.stride(0),
         page_table.stride(0), out.stride(0), out.stride(1), scale, page_size, BLOCK_N=block_n,
-        NUM_SPLITS=num_splits, **layout, V_EARLY=v_early, num_warps=num_warps, num_stages=num_stages)
-    if num_splits == 1:
+        NUM_SPLITS=num_splits, **layout, V_EARLY=v_early, LAST_MERGE=last,
+        BLOCK_S=max(2, triton.next_power_of_2(num_splits)), MERGE_D=block_d, num_warps=num_warps,
+        num_stages=num_stages)
+    if num_splits == 1 or last:
         return out
-    block_d = merge_block_d(num_splits, dv)
     _merge_splits_kernel[(bsz, hq, triton.cdiv(dv, block_d))](
         part_o, part_lse, out, out.stride(0), out.stride(1), NUM_HEADS=hq, NUM_SPLITS=num_splits,
         BLOCK_S=max(2, triton.next_power_of_2(num_splits)), DV=dv, BLOCK_D=block_d, num_warps=4)

@@ -42,6 +42,10 @@ def test_paged_decode_attention(shape, page_size, num_splits):
     assert (out[1] == 0).all()  # an empty sequence yields zeros
     early = paged_decode_attention(q, k, v, table, rows, lens, page_size, dk**-0.5, num_splits, v_early=True)
     assert torch.equal(early, out)  # V's loads beside K's: the same bits
+    for _ in range(2):  # merged by each head block's last split; its counters back at zero for the next launch
+        last = paged_decode_attention(q, k, v, table, rows, lens, page_size, dk**-0.5, num_splits,
+                                      merge="last_program")
+        assert rel_err(last, out) < 2e-3 and (last[1] == 0).all()
 
 
 @pytest.mark.parametrize("num_tokens", [1, 3, 40, 700])

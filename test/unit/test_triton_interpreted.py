@@ -239,10 +239,15 @@ _LONG_DECODE = textwrap.dedent("""
     for splits in (1, 4, 32, 256):  # 256: the merge splits each head's 32 columns over two programs
         out = da.paged_decode_attention(q, k, v, table, rows, seq_lens, ps, d**-0.5, splits, block_n=16)
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
-        if splits <= 4:  # V loaded beside K: the same bits
+        if splits <= 4:  # V loaded beside K, the merge by each head block's last split: the same bits
             early = da.paged_decode_attention(q, k, v, table, rows, seq_lens, ps, d**-0.5, splits, block_n=16,
                                               v_early=True)
             assert torch.equal(early, out)
+            for _ in range(2):  # the counters are back at zero after a launch
+                last = da.paged_decode_attention(q, k, v, table, rows, seq_lens, ps, d**-0.5, splits, block_n=16,
+                                                 merge="last_program")
+                assert torch.equal(last, out)
+            assert not da._merge_counters(q.device).any()
     assert da.merge_block_d(256, 32) == 16 and da.merge_block_d(128, 512) == 32 and da.merge_block_d(4, 64) == 64
     assert da.num_splits_for(1, 1, 132, 576) == 128 and da.num_splits_for(16, 1, 132, 576) == 16
     assert [da.num_splits_for(b, 3, 132, 64) for b in (1, 4, 16, 64, 256)] == [256, 64, 16, 4, 1]  # GQA
