@@ -134,6 +134,10 @@ class Env:
     """DEEPINFER_FP8_SPLIT_SUM: how the fused FP8 GEMM's K splits (at up to 16 rows) are added: 'kernel' (default: a
     second launch) or 'last_program' (each output tile's last split adds them, the same bits, one launch fewer per
     GEMM; checked in Triton's interpreter, not yet run or timed on a GPU)."""
+    decode_merge: str
+    """DEEPINFER_DECODE_MERGE: how the decode attention kernel's key splits are merged on CUDA: 'kernel' (default: a
+    second launch) or 'last_program' (the last split of each row's head block merges them; one launch fewer a layer);
+    deepinfer_kernels.decode_attention.MERGES."""
     fp8_kv_dot: str
     """DEEPINFER_FP8_KV_DOT: the dots of the decode attention kernel over an FP8 KV pool with a 16-bit model: 'f16'
     (default: tiles and query in fp16; e4m3 converts to fp16 in one instruction per two values) or 'query' (the
@@ -263,6 +267,7 @@ def get_env() -> Env:
         fp8_gemm=_str("DEEPINFER_FP8_GEMM", "auto").strip().lower(),
         fp8_split_sum=_str("DEEPINFER_FP8_SPLIT_SUM", "kernel").strip().lower(),
         fp8_kv_dot=_str("DEEPINFER_FP8_KV_DOT", "f16").strip().lower(),
+        decode_merge=_str("DEEPINFER_DECODE_MERGE", "kernel").strip().lower(),
         mla_mha_prefill=_optional_bool("DEEPINFER_MLA_MHA_PREFILL"),
         mla_prefix_split=_optional_bool("DEEPINFER_MLA_PREFIX_SPLIT"),
         max_body_bytes=_int("DEEPINFER_MAX_BODY_BYTES", 16 << 20),

@@ -37,12 +37,10 @@ def _attend_range(Q, QT, K, V, KS, VS, PageTable, b, kvh, head0, row, start, end
                   stride_qth, stride_kn, stride_kh, stride_vn, stride_vh, stride_ks, stride_vs, stride_pt, sm_scale,
                   page_size, GROUP: tl.constexpr, BLOCK_H: tl.constexpr,
                   DK: tl.constexpr, DT: tl.constexpr, DV: tl.constexpr, BLOCK_N: tl.constexpr,
-                  V_IS_K: tl.constexpr, IEEE: tl.constexpr, KV_FP8: tl.constexpr, F16_DOT: tl.constexpr,
-                  V_EARLY: tl.constexpr = False):
+                  V_IS_K: tl.constexpr, IEEE: tl.constexpr, KV_FP8: tl.constexpr, F16_DOT: tl.constexpr):
     """Query heads head0 .. head0 + BLOCK_H of KV head `kvh`'s group, row b, over positions [start, end), in
     BLOCK_N-token tiles from `start`: (normalised output (BLOCK_H, DV) fp32, base-2 log-sum-exp (BLOCK_H,), -inf
-    when empty). V_EARLY issues a tile's V load beside its K load, before the scores (the same results): a program
-    of one or two tiles otherwise waits on the page table, then K, then V, one after another."""
+    when empty)."""
     offs_h = head0 + tl.arange(0, BLOCK_H)
     heads = kvh * GROUP + offs_h
     hmask = offs_h < GROUP
@@ -69,9 +67,6 @@ def _attend_range(Q, QT, K, V, KS, VS, PageTable, b, kvh, head0, row, start, end
         slot = page * page_size + offs_n % page_size
         k_base = K + slot[:, None] * stride_kn + kvh * stride_kh
         k = tl.load(k_base + offs_dk[None, :], mask=nmask[:, None], other=0.0)  # (N, DK)
-        if V_EARLY and not V_IS_K:
-            v = tl.load(V + slot[:, None] * stride_vn + kvh * stride_vh + offs_dv[None, :], mask=nmask[:, None],
-                        other=0.0)
         if KV_FP8:  # exact conversion; the row scales apply to the scores below
             k = k.to(q.dtype)
         if IEEE:  # fp32 caches: full fp32 products (TF32 would drift from the CPU reference)
@@ -98,11 +93,11 @@ def _attend_range(Q, QT, K, V, KS, VS, PageTable, b, kvh, head0, row, start, end
         l_i = l_i * alpha + tl.sum(p, 1)
         if V_IS_K:
             v = k
-        elif not V_EARLY:
+        else:
             v = tl.load(V + slot[:, None] * stride_vn + kvh * stride_vh + offs_dv[None, :], mask=nmask[:, None],
                         other=0.0)
-        if KV_FP8 and not V_IS_K:
-            v = v.to(q.dtype)
+            if KV_FP8:
+                v = v.to(q.dtype)
         if KV_FP8:  # V's row scales weight the probabilities (l_i keeps the unscaled ones)
             p = p * tl.load(VS + slot * stride_vs + kvh, mask=nmask, other=0.0)[None, :]
         if IEEE:
@@ -138,8 +133,8 @@ def _decode_split_kernel(Q, QT, K, V, KS, VS, PageTable, TableRows, SeqLens, Par
                          GROUP: tl.constexpr, BLOCK_H: tl.constexpr, DK: tl.constexpr, DT: tl.constexpr,
                          DV: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
                          V_IS_K: tl.constexpr, IEEE: tl.constexpr, KV_FP8: tl.constexpr,
-                         F16_DOT: tl.constexpr, HEAD_BLOCKS: tl.constexpr, V_EARLY: tl.constexpr,
-                         LAST_MERGE: tl.constexpr, BLOCK_S: tl.constexpr, MERGE_D: tl.constexpr):
+                         F16_DOT: tl.constexpr, HEAD_BLOCKS: tl.constexpr, LAST_MERGE: tl.constexpr,
+                         BLOCK_S: tl.constexpr, MERGE_D: tl.constexpr):
     b = tl.program_id(0)
     kvh = tl.program_id(1) // HEAD_BLOCKS  # axis 1: a KV head's group of query heads, BLOCK_H at a time
     head0 = tl.program_id(1) % HEAD_BLOCKS * BLOCK_H
@@ -152,7 +147,7 @@ def _decode_split_kernel(Q, QT, K, V, KS, VS, PageTable, TableRows, SeqLens, Par
     out, lse = _attend_range(Q, QT, K, V, KS, VS, PageTable, b, kvh, head0, row, start, end, stride_qb, stride_qh,
                              stride_qtb, stride_qth, stride_kn, stride_kh, stride_vn, stride_vh, stride_ks, stride_vs,
                              stride_pt, sm_scale, page_size, GROUP, BLOCK_H, DK, DT, DV, BLOCK_N, V_IS_K, IEEE, KV_FP8,
-                             F16_DOT, V_EARLY)
+                             F16_DOT)
     if NUM_SPLITS == 1:  # the output itself (what the merge of one split would store, bit for bit)
         offs_h = head0 + tl.arange(0, BLOCK_H)
         heads = kvh * GROUP + offs_h
@@ -385,12 +380,12 @@ def paged_decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Te
                            num_splits: int, out: torch.Tensor | None = None, block_n: int | None = None,
                            num_warps: int = 4, num_stages: int | None = None, q_tail: torch.Tensor | None = None,
                            k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-                           kv_dot: str = "f16", v_early: bool = False, merge: str = "kernel") -> torch.Tensor:
+                           kv_dot: str = "f16", merge: str = "kernel") -> torch.Tensor:
     """q (B, Hq, Dqk); k_buf (slots, Hkv, Dqk); v_buf (slots, Hkv, Dv), for MLA a column view of k_buf;
     page_table (R, W) int32 page ids; table_rows (B,) int32 row of each sequence; seq_lens (B,) int32.
     q_tail: the query's last columns apart (MLA's rope part), q then (B, Hq, Dv). k_scale / v_scale (slots, Hkv)
-    float32: the row scales of float8_e4m3fn buffers (MLA: the same tensor); kv_dot: one of FP8_KV_DOTS; v_early:
-    V's tile loaded beside K's (`_attend_range`); merge: one of MERGES. Returns (B, Hq, Dv) in q's dtype."""
+    float32: the row scales of float8_e4m3fn buffers (MLA: the same tensor); kv_dot: one of FP8_KV_DOTS; merge:
+    one of MERGES. Returns (B, Hq, Dv) in q's dtype."""
     if kv_dot not in FP8_KV_DOTS:
         raise ValueError(f"decode attention: kv_dot {kv_dot!r} is not one of {FP8_KV_DOTS}")
     if merge not in MERGES:
@@ -423,7 +418,7 @@ def paged_decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Te
         q.stride(0), q.stride(1), q_tail.stride(0), q_tail.stride(1), k_buf.stride(0), k_buf.stride(1),
         v_buf.stride(0), v_buf.stride(1), ks.stride(0), vs.stride(0),
         page_table.stride(0), out.stride(0), out.stride(1), scale, page_size, BLOCK_N=block_n,
-        NUM_SPLITS=num_splits, **layout, V_EARLY=v_early, LAST_MERGE=last,
+        NUM_SPLITS=num_splits, **layout, LAST_MERGE=last,
         BLOCK_S=max(2, triton.next_power_of_2(num_splits)), MERGE_D=block_d, num_warps=num_warps,
         num_stages=num_stages)
     if num_splits == 1 or last:
