@@ -197,6 +197,11 @@ class Env:
     gpu_row_step: bool
     """DEEPINFER_GPU_ROW_STEP=0: Llama-family models on CUDA run steps of a few tokens through the modules instead of
     the fused row step (models/llama_gpu_step.py: six launches a layer). Default on."""
+    gpu_pdl: bool
+    """DEEPINFER_GPU_PDL=1: the kernels of a decode step that take it (the Llama row step's products, the decode
+    attention and its merge) run as programmatic dependent launches on SM90+ GPUs: each may start while the one
+    before it finishes, reading its weights, and waits for it in-kernel before the rest. Default off (not yet
+    timed)."""
     cpu_bf16_gemv: str
     """DEEPINFER_CPU_BF16_GEMV: how the flat CPU step multiplies a lone bf16 row (a single decode stream) by a dense
     weight (models/cpu_row_products.py ROW_PRODUCTS): 'linear' (F.linear, the module path's op), 'mv' (torch.mv),
@@ -283,9 +288,18 @@ def get_env() -> Env:
         cpu_dense_copy=_bool("DEEPINFER_CPU_DENSE_COPY", True),
         cpu_fast_step=_bool("DEEPINFER_CPU_FAST_STEP", True),
         gpu_row_step=_bool("DEEPINFER_GPU_ROW_STEP", True),
+        gpu_pdl=_bool("DEEPINFER_GPU_PDL", False),
         cpu_bf16_gemv=_str("DEEPINFER_CPU_BF16_GEMV", "auto").strip().lower(),
         cpu_fp32_row=_str("DEEPINFER_CPU_FP32_ROW", "kernel").strip().lower(),
         cpu_quant_row=_str("DEEPINFER_CPU_QUANT_ROW", "kernel").strip().lower(),
         cpu_compile=_bool("DEEPINFER_CPU_COMPILE", False),
         inductor_cache_dir=Path(_str("DEEPINFER_CACHE", str(Path.home() / ".cache" / "deepinfer"))) / "inductor",
     )
+
+
+def pdl_enabled(device) -> bool:
+    """Whether kernels on `device` launch as programmatic dependent launches: DEEPINFER_GPU_PDL=1 on an SM90+ GPU."""
+    import torch
+
+    return (get_env().gpu_pdl and getattr(device, "type", str(device)) == "cuda"
+            and torch.cuda.get_device_capability(device)[0] >= 9)

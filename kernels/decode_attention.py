@@ -31,6 +31,8 @@ import torch
 import triton
 import triton.language as tl
 
+from deepinfer_kernels.dispatch import pdl_launch
+
 
 @triton.jit
 def _attend_range(Q, QT, K, V, KS, VS, PageTable, b, kvh, head0, row, start, end, stride_qb, stride_qh, stride_qtb,
@@ -134,7 +136,10 @@ def _decode_split_kernel(Q, QT, K, V, KS, VS, PageTable, TableRows, SeqLens, Par
                          DV: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
                          V_IS_K: tl.constexpr, IEEE: tl.constexpr, KV_FP8: tl.constexpr,
                          F16_DOT: tl.constexpr, HEAD_BLOCKS: tl.constexpr, LAST_MERGE: tl.constexpr,
-                         BLOCK_S: tl.constexpr, MERGE_D: tl.constexpr):
+                         BLOCK_S: tl.constexpr, MERGE_D: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # q and the step's K / V rows are the kernels' before
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     b = tl.program_id(0)
     kvh = tl.program_id(1) // HEAD_BLOCKS  # axis 1: a KV head's group of query heads, BLOCK_H at a time
     head0 = tl.program_id(1) % HEAD_BLOCKS * BLOCK_H
@@ -226,11 +231,15 @@ def _merge_columns(PartO, PartLse, O, b, h, d0, num_heads, stride_ob, stride_oh,
 
 @triton.jit
 def _merge_splits_kernel(PartO, PartLse, O, stride_ob, stride_oh, NUM_HEADS: tl.constexpr,
-                         NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr):
+                         NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr,
+                         PDL: tl.constexpr):
     """One (row, head, BLOCK_D output columns) per program. The columns are split over programs so that a
     program's tile (BLOCK_S x BLOCK_D fp32) stays in registers: MLA at batch 1 merges up to 128 splits of 512
     columns, which as one tile per head spilled and ran one program per head (16 of the GPU's 132
     multiprocessors)."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     _merge_columns(PartO, PartLse, O, tl.program_id(0), tl.program_id(1), tl.program_id(2) * BLOCK_D, NUM_HEADS,
                    stride_ob, stride_oh, NUM_SPLITS, BLOCK_S, DV, BLOCK_D, False)
 
@@ -380,12 +389,13 @@ def paged_decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Te
                            num_splits: int, out: torch.Tensor | None = None, block_n: int | None = None,
                            num_warps: int = 4, num_stages: int | None = None, q_tail: torch.Tensor | None = None,
                            k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-                           kv_dot: str = "f16", merge: str = "kernel") -> torch.Tensor:
+                           kv_dot: str = "f16", merge: str = "kernel", pdl: bool = False) -> torch.Tensor:
     """q (B, Hq, Dqk); k_buf (slots, Hkv, Dqk); v_buf (slots, Hkv, Dv), for MLA a column view of k_buf;
     page_table (R, W) int32 page ids; table_rows (B,) int32 row of each sequence; seq_lens (B,) int32.
     q_tail: the query's last columns apart (MLA's rope part), q then (B, Hq, Dv). k_scale / v_scale (slots, Hkv)
     float32: the row scales of float8_e4m3fn buffers (MLA: the same tensor); kv_dot: one of FP8_KV_DOTS; merge:
-    one of MERGES. Returns (B, Hq, Dv) in q's dtype."""
+    one of MERGES; pdl: the kernels as programmatic dependent launches (CUDA, SM90+; dispatch.pdl_launch). Returns
+    (B, Hq, Dv) in q's dtype."""
     if kv_dot not in FP8_KV_DOTS:
         raise ValueError(f"decode attention: kv_dot {kv_dot!r} is not one of {FP8_KV_DOTS}")
     if merge not in MERGES:
@@ -420,12 +430,13 @@ def paged_decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Te
         page_table.stride(0), out.stride(0), out.stride(1), scale, page_size, BLOCK_N=block_n,
         NUM_SPLITS=num_splits, **layout, LAST_MERGE=last,
         BLOCK_S=max(2, triton.next_power_of_2(num_splits)), MERGE_D=block_d, num_warps=num_warps,
-        num_stages=num_stages)
+        num_stages=num_stages, **pdl_launch(pdl))
     if num_splits == 1 or last:
         return out
     _merge_splits_kernel[(bsz, hq, triton.cdiv(dv, block_d))](
         part_o, part_lse, out, out.stride(0), out.stride(1), NUM_HEADS=hq, NUM_SPLITS=num_splits,
-        BLOCK_S=max(2, triton.next_power_of_2(num_splits)), DV=dv, BLOCK_D=block_d, num_warps=4)
+        BLOCK_S=max(2, triton.next_power_of_2(num_splits)), DV=dv, BLOCK_D=block_d, num_warps=4,
+        **pdl_launch(pdl))
     return out
 
 

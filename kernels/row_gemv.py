@@ -23,6 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
+from deepinfer_kernels.dispatch import pdl_launch
+
 MAX_ROWS = 4
 """Rows one launch takes. The products run on the CUDA cores (each weight tile times every row, in registers); a
 16-row tensor-core tile was measured at 6.1 us a launch on an H100 against cuBLAS's 3.6-4 (SmolLM2's shapes)."""
@@ -42,12 +44,21 @@ def _row_tile(X, R, offs_m, offs_k, mmask, kmask, stride_x, stride_r, HAS_RES: t
 @triton.jit
 def _products(X, R, NW, ResOut, W1, W2, T, K, stride_x, stride_r, stride_ro, eps, nmask,
               HAS_RES: tl.constexpr, HAS_NORM: tl.constexpr, TWO: tl.constexpr, ONE_PASS: tl.constexpr,
-              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """(acc1, acc2) (BLOCK_M, BLOCK_N) fp32: the rows (normalized, + r) times the weight rows at W1 (and at W2 when
-    TWO; else acc2 is acc1), W1 / W2 (BLOCK_N, 1) pointers to the rows' first columns. Program 0 writes x + r."""
+    TWO; else acc2 is acc1), W1 / W2 (BLOCK_N, 1) pointers to the rows' first columns. Program 0 writes x + r.
+    PDL (a programmatic dependent launch): the first weight tile is read before waiting for the kernel before to
+    finish (weights are never written), everything else after."""
     pid = tl.program_id(0)
     offs_m = tl.arange(0, BLOCK_M)
     mmask = offs_m < T
+    offs_k = tl.arange(0, BLOCK_K)
+    wmask = nmask[:, None] & (offs_k < K)[None, :]
+    w1 = tl.load(W1 + offs_k[None, :], mask=wmask, other=0.0)  # issued before the rows' arithmetic
+    w2 = tl.load(W2 + offs_k[None, :], mask=wmask, other=0.0) if TWO else w1
+    if PDL:
+        tl.extra.cuda.gdc_wait()  # the rows (and every buffer this launch writes) are the kernel before's
+        tl.extra.cuda.gdc_launch_dependents()
     if HAS_NORM and not ONE_PASS:  # the rows' sums of squares first, over K in tiles
         ss = tl.zeros([BLOCK_M], tl.float32)
         for k0 in range(0, K, BLOCK_K):
@@ -66,10 +77,11 @@ def _products(X, R, NW, ResOut, W1, W2, T, K, stride_x, stride_r, stride_ro, eps
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         kmask = offs_k < K
-        wmask = nmask[:, None] & kmask[None, :]
-        w1 = tl.load(W1 + offs_k[None, :], mask=wmask, other=0.0)  # issued before the rows' arithmetic
-        if TWO:
-            w2 = tl.load(W2 + offs_k[None, :], mask=wmask, other=0.0)
+        if k0 > 0:  # the first tile came before the loop
+            wmask = nmask[:, None] & kmask[None, :]
+            w1 = tl.load(W1 + offs_k[None, :], mask=wmask, other=0.0)
+            if TWO:
+                w2 = tl.load(W2 + offs_k[None, :], mask=wmask, other=0.0)
         x = _row_tile(X, R, offs_m, offs_k, mmask, kmask, stride_x, stride_r, HAS_RES and HAS_NORM)
         if HAS_NORM:
             if ONE_PASS:  # BLOCK_K >= K: this tile is the whole row
@@ -94,13 +106,13 @@ def _products(X, R, NW, ResOut, W1, W2, T, K, stride_x, stride_r, stride_ro, eps
 @triton.jit
 def _row_gemv_kernel(X, R, NW, W, Y, ResOut, T, N, K, stride_x, stride_r, stride_w, stride_y, stride_ro, up_offset,
                      eps, HAS_RES: tl.constexpr, HAS_NORM: tl.constexpr, SILU: tl.constexpr, ONE_PASS: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = offs_n < N
     w_rows = W + offs_n.to(tl.int64)[:, None] * stride_w
     acc, acc_up = _products(X, R, NW, ResOut, w_rows, w_rows + up_offset, T, K, stride_x, stride_r, stride_ro, eps,
-                            nmask, HAS_RES, HAS_NORM, SILU, ONE_PASS, BLOCK_M, BLOCK_N, BLOCK_K)
+                            nmask, HAS_RES, HAS_NORM, SILU, ONE_PASS, BLOCK_M, BLOCK_N, BLOCK_K, PDL)
     out = acc.to(Y.dtype.element_ty)
     if SILU:
         g = out.to(tl.float32)
@@ -113,7 +125,7 @@ def _qkv_rope_store_kernel(X, R, NW, W, Q, ResOut, Positions, Cos, Sin, KBuf, VB
                            stride_w, stride_q, stride_ro, stride_kb, stride_vb, num_q_heads, num_kv_heads, eps,
                            HAS_RES: tl.constexpr, HAS_NORM: tl.constexpr, ONE_PASS: tl.constexpr,
                            INTERLEAVE: tl.constexpr, HALF: tl.constexpr, BLOCK_M: tl.constexpr,
-                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """BLOCK_N rotary pairs a program: pair p is (head p // HALF, j = p % HALF), the QKV outputs (j, j + HALF) of
     its head (INTERLEAVE: (2j, 2j + 1)). q and k pairs rotate by their token's cos / sin (elementwise._rotated's
     arithmetic on the products rounded to the model dtype), written half-split: q to Q (T, Hq, 2 HALF), k to the
@@ -128,7 +140,7 @@ def _qkv_rope_store_kernel(X, R, NW, W, Q, ResOut, Positions, Cos, Sin, KBuf, VB
     col2 = col1 + (1 if INTERLEAVE else HALF)
     a, b = _products(X, R, NW, ResOut, W + col1.to(tl.int64)[:, None] * stride_w,
                      W + col2.to(tl.int64)[:, None] * stride_w, T, K, stride_x, stride_r, stride_ro, eps, nmask,
-                     HAS_RES, HAS_NORM, True, ONE_PASS, BLOCK_M, BLOCK_N, BLOCK_K)
+                     HAS_RES, HAS_NORM, True, ONE_PASS, BLOCK_M, BLOCK_N, BLOCK_K, PDL)
     a = a.to(Q.dtype.element_ty).to(tl.float32)  # the QKV product as the module path rounds it
     b = b.to(Q.dtype.element_ty).to(tl.float32)
     pos = tl.load(Positions + offs_m, mask=mmask, other=0).to(tl.int64)
@@ -186,9 +198,10 @@ def _rows_in(name: str, x: torch.Tensor, weight: torch.Tensor, residual: torch.T
 
 def row_gemv(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None = None,
              norm_weight: torch.Tensor | None = None, eps: float = 0.0, silu_mul: bool = False,
-             config: dict | None = None):
+             config: dict | None = None, pdl: bool = False):
     """See the module doc. x (T, K) with T <= MAX_ROWS and weight (N, K), both with unit column stride and one dtype.
-    Returns y (T, N), or (T, N / 2) with silu_mul; with a residual, (y, x + residual)."""
+    Returns y (T, N), or (T, N / 2) with silu_mul; with a residual, (y, x + residual). pdl: launched as a
+    programmatic dependent launch (CUDA, SM90+; dispatch.pdl_launch)."""
     r, res_out = _rows_in("row_gemv", x, weight, residual, norm_weight)
     t, k = x.shape
     n = weight.shape[0] // 2 if silu_mul else weight.shape[0]
@@ -199,14 +212,14 @@ def row_gemv(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | Non
         x, r, norm_weight if norm_weight is not None else weight, weight, y, res_out, t, n, k, x.stride(0),
         r.stride(0), weight.stride(0), y.stride(0), res_out.stride(0), n * weight.stride(0), eps,
         HAS_RES=residual is not None, HAS_NORM=norm_weight is not None, SILU=silu_mul, ONE_PASS=cfg["BLOCK_K"] >= k,
-        **cfg)
+        **cfg, **pdl_launch(pdl))
     return (y, res_out) if residual is not None else y
 
 
 def qkv_rope_store(x: torch.Tensor, weight: torch.Tensor, num_q_heads: int, num_kv_heads: int, positions: torch.Tensor,
                    cos: torch.Tensor, sin: torch.Tensor, interleave: bool, k_buf: torch.Tensor, v_buf: torch.Tensor,
                    slots: torch.Tensor, residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
-                   eps: float = 0.0, config: dict | None = None):
+                   eps: float = 0.0, config: dict | None = None, pdl: bool = False):
     """A Llama layer's QKV product with what follows it up to attention, in one launch: h = norm(x (+ residual)),
     qkv = h @ weight.T (weight (Hq + 2 Hkv) D x K), q and k rotated by their positions' rows of the (max_position,
     D/2) fp32 tables, k and v stored at k_buf / v_buf[slots[t]] (slots < 0: none). The arithmetic of row_gemv then
@@ -226,5 +239,6 @@ def qkv_rope_store(x: torch.Tensor, weight: torch.Tensor, num_q_heads: int, num_
         res_out, positions, cos, sin, k_buf, v_buf, slots, t, k, x.stride(0),
         r.stride(0), weight.stride(0), q.stride(0), res_out.stride(0),
         k_buf.stride(0), v_buf.stride(0), num_q_heads, num_kv_heads, eps, HAS_RES=residual is not None,
-        HAS_NORM=norm_weight is not None, ONE_PASS=cfg["BLOCK_K"] >= k, INTERLEAVE=interleave, HALF=d // 2, **cfg)
+        HAS_NORM=norm_weight is not None, ONE_PASS=cfg["BLOCK_K"] >= k, INTERLEAVE=interleave, HALF=d // 2, **cfg,
+        **pdl_launch(pdl))
     return (q, res_out) if residual is not None else q

@@ -51,6 +51,8 @@ class KernelConfig:
     is_gpu_row_step: bool = True
     """DEEPINFER_GPU_ROW_STEP: Llama-family trunks on CUDA run steps of at most 4 tokens through the fused row step
     (models/llama_gpu_step.py) rather than the modules (never in batch-invariant mode or with quantized weights)."""
+    is_gpu_pdl: bool = False
+    """DEEPINFER_GPU_PDL: the row step's products launch as programmatic dependent launches on SM90+ (env.py)."""
     is_cpu_compile: bool = False
     """DEEPINFER_CPU_COMPILE: the CPU step (dense weights) compiled between its attention calls
     (models/llama_compiled.py)."""
@@ -96,7 +98,7 @@ class KernelConfig:
                    mla_prefix_split=env.mla_prefix_split,
                    moe_router_skew=env.moe_router_skew, quantization=quantization,
                    is_cpu_fast_step=env.cpu_fast_step, is_cpu_compile=env.cpu_compile,
-                   is_gpu_row_step=env.gpu_row_step)
+                   is_gpu_row_step=env.gpu_row_step, is_gpu_pdl=env.gpu_pdl)
 
     def for_checkpoint(self, quant: QuantConfig | None) -> "KernelConfig":
         """This config for a model whose checkpoint stores its weights as `quant` (ModelConfig.quantization): an

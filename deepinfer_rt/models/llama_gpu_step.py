@@ -48,6 +48,10 @@ class _RowLayer:
 class GpuRowStep:
     """See the module doc. The step-method contract of models/llama_step.py (prepare, forward, compute_logits)."""
 
+    def __init__(self, pdl: bool = False):
+        self.pdl = pdl
+        """The products as programmatic dependent launches (DEEPINFER_GPU_PDL on an SM90+ GPU)."""
+
     def prepare(self, model, batch: ForwardBatch) -> None:
         pass
 
@@ -61,26 +65,28 @@ class GpuRowStep:
         if layers is None or batch.input_ids.shape[0] > MAX_ROWS:
             return model.model(batch)
         eps = model.config.rms_norm_eps
+        pdl = self.pdl
         x, residual = model.model.embed_tokens(batch.input_ids), None
         for layer in layers:
             if layer.attn.is_rope_store_fused(batch):
-                q, residual = self._qkv_rope_store(layer, x, residual, batch, eps)
+                q, residual = self._qkv_rope_store(layer, x, residual, batch, eps, pdl)
                 attended = layer.attn.attend_stored(q, batch)
             else:
                 if residual is None:
-                    qkv, residual = row_gemv(x, layer.qkv, norm_weight=layer.input_norm, eps=eps), x
+                    qkv, residual = row_gemv(x, layer.qkv, norm_weight=layer.input_norm, eps=eps, pdl=pdl), x
                 else:
-                    qkv, residual = row_gemv(x, layer.qkv, residual=residual, norm_weight=layer.input_norm, eps=eps)
+                    qkv, residual = row_gemv(x, layer.qkv, residual=residual, norm_weight=layer.input_norm, eps=eps,
+                                             pdl=pdl)
                 attended = layer.attn.attend(qkv, batch)
-            o = row_gemv(attended, layer.o)
+            o = row_gemv(attended, layer.o, pdl=pdl)
             h, residual = row_gemv(o, layer.gate_up, residual=residual, norm_weight=layer.post_norm, eps=eps,
-                                   silu_mul=True)
-            x = row_gemv(h, layer.down)
+                                   silu_mul=True, pdl=pdl)
+            x = row_gemv(h, layer.down, pdl=pdl)
         return model.model.norm.forward_add(x, residual)[0]
 
     @staticmethod
     def _qkv_rope_store(layer: _RowLayer, x: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch,
-                        eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+                        eps: float, pdl: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """(rotated q, residual) with the step's K / V stored: add + norm + QKV + rotary + store in one launch."""
         from deepinfer_kernels.row_gemv import qkv_rope_store
 
@@ -89,8 +95,8 @@ class GpuRowStep:
         args = (x, layer.qkv, attn.num_heads, attn.num_kv_heads, batch.positions, cos, sin, attn.rotary_emb.interleave,
                 batch.pool.k[attn.layer_id], batch.pool.v[attn.layer_id], batch.out_slots)
         if residual is None:
-            return qkv_rope_store(*args, norm_weight=layer.input_norm, eps=eps), x
-        return qkv_rope_store(*args, residual=residual, norm_weight=layer.input_norm, eps=eps)
+            return qkv_rope_store(*args, norm_weight=layer.input_norm, eps=eps, pdl=pdl), x
+        return qkv_rope_store(*args, residual=residual, norm_weight=layer.input_norm, eps=eps, pdl=pdl)
 
     @staticmethod
     def _layers(model) -> list[_RowLayer] | None:

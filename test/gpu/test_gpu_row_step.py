@@ -51,15 +51,18 @@ def llama_path(tmp_path_factory):
                                 tokenizer_dir=_tokenizer_dir("deepseek_v2"))
 
 
-def _run(path, dtype: str, row_step: bool, graphs: bool, monkeypatch):
+def _run(path, dtype: str, row_step: bool, graphs: bool, monkeypatch, pdl: bool = False):
     from deepinfer_rt.models.llama_gpu_step import GpuRowStep
 
     monkeypatch.setenv("DEEPINFER_GPU_ROW_STEP", "1" if row_step else "0")
     monkeypatch.setenv("DEEPINFER_CUDA_GRAPH_MAX_BS", "8" if graphs else "0")
+    monkeypatch.setenv("DEEPINFER_GPU_PDL", "1" if pdl else "0")
     prompts = [[3 + (i * 7 + j * 13) % 200 for j in range(n)] for i, n in enumerate((5, 40, 17))]
     params = SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True, logprobs=True)
     with Engine(str(path), dtype=dtype, device="cuda", max_num_seqs=4, kv_cache_tokens=1024) as engine:
         assert isinstance(engine.model.step_method, GpuRowStep) == row_step
+        if row_step:
+            assert engine.model.step_method.pdl == pdl and engine.executor.backend.pdl == pdl
         out = engine.generate(input_ids=prompts, sampling_params=params)
         if row_step:
             assert engine.model.gpu_row_layers, "the model did not qualify for the row step"
@@ -82,3 +85,14 @@ def test_engine_row_step_bf16_logprobs_close(llama_path, monkeypatch):
         assert a.token_ids[0] == b.token_ids[0] and abs(a.logprobs[0] - b.logprobs[0]) < 0.05
     agree = sum(x == y for a, b in zip(fused, module) for x, y in zip(a.token_ids, b.token_ids))
     assert agree >= 0.8 * sum(len(a.token_ids) for a in fused), agree
+
+
+@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability()[0] < 9, reason="needs SM90+")
+@pytest.mark.parametrize("graphs", [False, True])
+def test_engine_row_step_with_dependent_launches_is_bitwise_the_same(llama_path, graphs, monkeypatch):
+    """DEEPINFER_GPU_PDL=1: the products and the decode attention start before the kernel before them ends and wait
+    for it in-kernel; the arithmetic is unchanged, so tokens and logprobs are bitwise those of ordinary launches."""
+    dependent = _run(llama_path, "bfloat16", True, graphs, monkeypatch, pdl=True)
+    ordinary = _run(llama_path, "bfloat16", True, graphs, monkeypatch, pdl=False)
+    for a, b in zip(dependent, ordinary):
+        assert a.token_ids == b.token_ids and a.logprobs == b.logprobs

@@ -23,7 +23,7 @@ from torch.nn.utils.rnn import pad_sequence
 
 from deepinfer_kernels.decode_attention import FP8_KV_DOTS, MERGES, num_splits_for, paged_decode_attention
 from deepinfer_kernels.elementwise import store_kv, store_kv_fp8
-from deepinfer_rt.env import get_env
+from deepinfer_rt.env import get_env, pdl_enabled
 from deepinfer_rt.forward_batch import ForwardBatch
 from deepinfer_rt.layers.attention.base import AttentionBackend, joined
 from deepinfer_rt.layers.attention.torch_ref import causal_mask
@@ -79,6 +79,8 @@ class TritonBackend(AttentionBackend):
         self.merge = get_env().decode_merge
         if self.merge not in MERGES:
             raise ValueError(f"DEEPINFER_DECODE_MERGE={self.merge!r}: not one of {MERGES}")
+        self.pdl = pdl_enabled(device)
+        """Decode attention as programmatic dependent launches (DEEPINFER_GPU_PDL)."""
 
     def decode_meta(self, page_table, table_rows, seq_lens, page_size, kv_heads, head_dim=0) -> DecodeMeta:
         splits = num_splits_for(int(table_rows.shape[0]), kv_heads, self.num_sms, head_dim)
@@ -133,13 +135,14 @@ class TritonBackend(AttentionBackend):
         d = meta.decode
         if d is not None and meta.decode_rows is None:
             return paged_decode_attention(q, k_buf, v_buf, d.page_table, d.table_rows, d.seq_lens, d.page_size,
-                                          scale, d.num_splits, q_tail=q_tail, merge=self.merge, **scales)
+                                          scale, d.num_splits, q_tail=q_tail, merge=self.merge, pdl=self.pdl,
+                                          **scales)
         q = joined(q, q_tail)
         out = q.new_empty(q.shape[0], q.shape[1], v_buf.shape[-1])
         if d is not None:
             out[meta.decode_rows] = paged_decode_attention(q[meta.decode_rows], k_buf, v_buf, d.page_table,
                                                            d.table_rows, d.seq_lens, d.page_size, scale,
-                                                           d.num_splits, merge=self.merge, **scales)
+                                                           d.num_splits, merge=self.merge, pdl=self.pdl, **scales)
         hq = q.shape[1]
         for q_start, q_len, slots, mask in meta.extends:
             qe = q[q_start : q_start + q_len].transpose(0, 1)  # (Hq, L, D)
