@@ -17,10 +17,10 @@ placeholder ids of overlap scheduling (-1 - k, the previous step's token of row 
 the graph's start from `next_tokens`, where the previous step's tokens are; a request's one new page (a decode
 step's usual growth) is written into its page table row there too (`PageTable.rows(reqs, appends)`); and with a
 `head` (the model's compute_logits) the graph ends with the logits and each row's token, written to
-`next_tokens`: on CUDA each row's draw (deepinfer_kernels.sampling) at the temperature and stream seed staged with
-its inputs, the argmax for greedy rows; elsewhere the argmax. These are the sampler's tokens for rows that nothing
-else modifies (`Sampler.is_argmax`, with `sampled` where the graph draws). Other steps sample the graph's logits
-on the host's side as before.
+`next_tokens`: each row's draw at the temperature and stream seed staged with its inputs, the argmax for greedy
+rows (on CUDA deepinfer_kernels.sampling; uncaptured on a CPU pool, the sampler's CPU noise row by row). These are
+the sampler's tokens for rows that nothing else modifies (`Sampler.takes_graph_tokens`). Other steps sample the
+graph's logits on the host's side as before.
 
 In batch-invariant mode the graphs are captured with the invariant layers and the backend's fixed-split
 attention (its split count covers the page table's width), so a replayed step is bitwise an eager one. A model whose
@@ -52,7 +52,7 @@ from deepinfer_rt.cache.page_table import DevicePages, PageTable, pages_per_requ
 from deepinfer_rt.forward_batch import ForwardBatch, resolve_placeholders
 from deepinfer_rt.models.base import CausalLM
 from deepinfer_rt.request import Req
-from deepinfer_rt.sampler import stream_seeds
+from deepinfer_rt.sampler import stream_noise, stream_seeds
 from deepinfer_rt.scheduler.batch import ScheduledBatch
 
 if TYPE_CHECKING:  # the Triton backend imports triton, which CPU installs may lack
@@ -77,9 +77,8 @@ class CudaGraphRunner:
         """hidden rows -> fp32 logits (the model's compute_logits), captured after the forward with each row's
         argmax over the first `vocab_size` columns; None: graphs end at the hidden rows."""
         self.vocab_size = vocab_size
-        self.draws = head is not None and pool.k[0].device.type == "cuda"
-        """Whether the graphs end with each row's draw at its staged temperature (greedy rows: the argmax), not
-        the argmax of every row."""
+        self.draws = head is not None
+        """Whether the graphs end with each row's draw at its staged temperature (greedy rows: the argmax)."""
         self.capture_scope = capture_scope or (lambda bs, lengths: nullcontext())
         """Entered around each graph's forwards at capture (uncaptured: each run) with (its batch size, its
         static KV lengths (bs,), 0 on padding rows)."""
@@ -106,7 +105,7 @@ class CudaGraphRunner:
         """The last step's sampled token of each row: placeholders are resolved from it at a graph's start, and a
         graph with a head writes its rows' tokens here at its end."""
         self._keys = None
-        if self.draws:
+        if self.draws and dev.type == "cuda":
             from deepinfer_kernels.sampling import new_keys
 
             self._keys = new_keys(self.max_bs, dev)
@@ -138,13 +137,13 @@ class CudaGraphRunner:
         if self.head is not None:
             logits = self._logits[bs] = self.head(hidden)
             z = logits[:, : self.vocab_size]
-            if self.draws:
+            temps = io[_TEMP].to(torch.int32).view(torch.float32)
+            if z.is_cuda:
                 from deepinfer_kernels.sampling import gumbel_argmax
 
-                temps = io[_TEMP].to(torch.int32).view(torch.float32)
                 gumbel_argmax(z, io[_SEED], temps, out=self.next_tokens[:bs], keys=self._keys[:bs])
             else:
-                self.next_tokens[:bs].copy_(z.argmax(-1))
+                self.next_tokens[:bs].copy_(_host_draws(z, io[_SEED], temps))
 
     def _forward_batch(self, bs: int) -> ForwardBatch:
         io = self._io[:, :bs]
@@ -257,7 +256,7 @@ class CudaGraphRunner:
         st[_CELL, :n] = appends[0::2]
         st[_PAGE, :n] = appends[1::2]
         st[_SEED, :n] = st[_TEMP, :n] = 0
-        if self.draws:
+        if self.draws:  # greedy rows keep temperature 0: the argmax
             drawn = [i for i, r in enumerate(reqs) if not r.params.is_greedy]
             if drawn:
                 st[_TEMP, drawn] = np.array([reqs[i].params.temperature for i in drawn], np.float32).view(np.int32)
@@ -309,6 +308,16 @@ class CudaGraphRunner:
             held = self.pages.table[row, :need].tolist()
             if held != r.pages[:need]:
                 raise AssertionError(f"request {r.rid}: its page table row does not hold its {need} pages")
+
+
+def _host_draws(z: torch.Tensor, seeds: torch.Tensor, temps: torch.Tensor) -> torch.Tensor:
+    """gumbel_argmax's tokens with the sampler's CPU noise (uncaptured steps on a CPU pool): the argmax of rows of
+    temperature 0, argmax(z / t - log(-log u)) of the others, u the noise of the row's stream seed."""
+    tokens = z.argmax(-1)
+    for i in (temps != 0).nonzero().flatten().tolist():
+        noise = stream_noise(int(seeds[i]), z.shape[1], z.device)
+        tokens[i] = (z[i] / temps[i] - torch.log(-torch.log(noise))).argmax()
+    return tokens
 
 
 def _is_view_of(t: torch.Tensor, base: torch.Tensor) -> bool:

@@ -240,7 +240,7 @@ class ModelRunner:
         """Forward and sample `batch` on the device, reading in-flight inputs from `prev`; no host sync."""
         reqs = [it.req for it in batch.items]
         hidden, logits = self._hidden(batch, prev)
-        if logits is not None and self.sampler.is_argmax(reqs, sampled=self.graphs.draws):
+        if logits is not None and self.sampler.takes_graph_tokens(reqs):
             tokens = self.graphs.greedy_tokens(len(reqs))  # the graph's own tokens: nothing to launch
         else:
             tokens = self.sampler.sample(self.model.compute_logits(hidden) if logits is None else logits, reqs,

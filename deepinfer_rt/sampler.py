@@ -47,7 +47,12 @@ def stream_seeds(seeds: list[int], positions: list[int]) -> np.ndarray:
 
 def uniform_noise(seed: int, position: int, vocab_size: int, device: torch.device) -> torch.Tensor:
     """The noise gumbel_draw uses for (seed, position) off CUDA: a torch generator's uniforms, clamped at 1e-20."""
-    gen = torch.Generator(device=device).manual_seed(stream_seed(seed, position))
+    return stream_noise(stream_seed(seed, position), vocab_size, device)
+
+
+def stream_noise(stream: int, vocab_size: int, device: torch.device) -> torch.Tensor:
+    """uniform_noise of a stream seed (stream_seed's value)."""
+    gen = torch.Generator(device=device).manual_seed(stream)
     return torch.rand(vocab_size, generator=gen, device=device).clamp_(min=1e-20)
 
 
@@ -243,19 +248,18 @@ class Sampler:
         return SampleResult(token_list, logprobs, top)
 
     @staticmethod
-    def is_argmax(reqs: list[Req], sampled: bool = False) -> bool:
-        """Whether every row's token is the argmax of its raw logits: greedy rows that no penalty, bias, token
-        ban or grammar changes (a CUDA graph then computes the tokens itself, cuda_graph.py). `sampled`: rows
-        may also be temperature draws without top-k / top-p / min-p (gumbel_draw over logits / temperature,
-        which a graph ending in deepinfer_kernels.sampling computes the same way)."""
+    def takes_graph_tokens(reqs: list[Req]) -> bool:
+        """Whether every row's token is the one a decode graph ending with the head computes (cuda_graph.py): greedy
+        rows (the argmax) and temperature draws without top-k / top-p / min-p (gumbel_draw over logits /
+        temperature), none of them changed by a penalty, bias, token ban or grammar."""
         for r in reqs:
             p = r.params
             if p.logit_bias or r.grammar is not None or r.num_output_tokens < p.min_new_tokens:
                 return False
             if p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0:
                 return False
-            if not p.is_greedy and not (sampled and p.temperature >= _TINY_TEMPERATURE and p.top_k <= 0
-                                        and p.top_p >= 1.0 and p.min_p <= 0.0):
+            if not p.is_greedy and not (p.temperature >= _TINY_TEMPERATURE and p.top_k <= 0 and p.top_p >= 1.0
+                                        and p.min_p <= 0.0):
                 return False
         return True
 

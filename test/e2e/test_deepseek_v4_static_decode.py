@@ -90,10 +90,14 @@ GREEDY_PLAIN = SamplingParams(max_new_tokens=MAX_NEW, temperature=0, ignore_eos=
 
 @pytest.mark.parametrize("page_size", [1, 4])
 def test_v4_graph_head_and_page_appends_under_overlap_equal_eager(tiny_v4_path, monkeypatch, page_size):
-    """The graph step with the head inside (logits, argmax, placeholders resolved and the new page written in
-    the graph), overlap scheduling on: the same tokens and logprobs as eager synchronous steps; a wave of
-    plain greedy requests samples nothing on the host."""
-    waves = [(PROMPTS, [GREEDY_PLAIN] * len(PROMPTS)), (PROMPTS[::-1], _mixed_params(len(PROMPTS)))]
+    """The graph step with the head inside (logits, each row's token, placeholders resolved and the new page written
+    in the graph), overlap scheduling on: the same tokens and logprobs as eager synchronous steps; a wave of plain
+    greedy requests, and one of greedy and plain temperature requests (the graph's draws at their staged
+    temperatures and stream seeds), sample nothing on the host."""
+    drawn = [GREEDY_PLAIN, SamplingParams(max_new_tokens=MAX_NEW, temperature=0.7, seed=5, ignore_eos=True),
+             SamplingParams(max_new_tokens=MAX_NEW, temperature=1.3, seed=6, ignore_eos=True)]
+    waves = [(PROMPTS, [GREEDY_PLAIN] * len(PROMPTS)), (PROMPTS[::-1], _mixed_params(len(PROMPTS))),
+             (PROMPTS, [drawn[i % 3] for i in range(len(PROMPTS))])]
     outs = {}
     for static in (False, True):
         monkeypatch.setenv("DEEPINFER_OVERLAP", "1" if static else "0")
@@ -108,9 +112,10 @@ def test_v4_graph_head_and_page_appends_under_overlap_equal_eager(tiny_v4_path, 
             for i, (prompts, params) in enumerate(waves):
                 samples.clear()
                 got.append(engine.generate(input_ids=prompts, sampling_params=params))
-                if static and i == 0:
-                    assert graphs.num_replays > 0 and samples == []  # every decode step took the graph's argmax
+                if static and i != 1:
+                    assert graphs.num_replays > 0 and samples == []  # every decode step took the graph's tokens
         outs[static] = got
+    assert len({tuple(o.token_ids) for o in outs[True][2]}) > 3  # the temperature rows drew their own tokens
     for want_wave, got_wave in zip(outs[False], outs[True]):
         for w, g in zip(want_wave, got_wave):
             assert g.token_ids == w.token_ids
