@@ -44,6 +44,10 @@ if [[ $STAGES == *,tests,* ]]; then
       | tee "$OUT/test_files_rc.txt"
     for f in "$OUT"/test_test_*.log; do echo "== $f"; grep -E "passed|failed|error|FAILED|ERROR" "$f" | tail -n 6; done
     if grep -qv "rc=0$" "$OUT/test_files_rc.txt"; then echo "tests: some file failed"; fi
+    # One file back instead of one per test file: the device returns a limited number of files, and the logs
+    # would crowd out the benchmarks' JSON.
+    for f in "$OUT"/test_files_rc.txt "$OUT"/test_test_*.log; do echo "===== $(basename "$f")"; cat "$f"; done \
+      > "$OUT/tests.log" && rm -f "$OUT"/test_test_*.log "$OUT/test_files_rc.txt"
   else
     timeout "${TEST_S:-300}" python3 -m pytest -q -p no:cacheprovider -rf ${PYTEST_ARGS:-} ${TEST_ARGS:-test/gpu} > "$OUT/test_gpu.log" 2>&1
     tail -n 12 "$OUT/test_gpu.log"
