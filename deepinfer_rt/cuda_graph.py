@@ -141,7 +141,7 @@ class CudaGraphRunner:
             if z.is_cuda:
                 from deepinfer_kernels.sampling import gumbel_argmax
 
-                gumbel_argmax(z, io[_SEED], temps, out=self.next_tokens[:bs], keys=self._keys[:bs])
+                gumbel_argmax(z, io[_SEED], temps, out=self.next_tokens[:bs], keys=self._keys)
             else:
                 self.next_tokens[:bs].copy_(_host_draws(z, io[_SEED], temps))
 

@@ -7,7 +7,8 @@ A row's draw depends on its seed and logits only, never on the batch it runs in.
 consecutive tokens of one row (a 129K-token vocabulary is ~130 programs a row, so one request still spreads
 over the GPU), and folds its best (value, index) into the row's int64 key with one atomic max: the key is the
 value's order-preserving int32 bits above the complement of the index, so the largest key is the largest value
-and, among equal values, the lowest index (torch.argmax's choice; a row of -inf gives index 0).
+and, among equal values, the lowest index (torch.argmax's choice; a row of -inf gives index 0). The row's last
+program to finish (an atomic count) writes its token: one launch a batch.
 """
 from __future__ import annotations
 
@@ -38,7 +39,8 @@ def _lane_key(Z, row_z, offs4, j: tl.constexpr, u, V, t, HAS_TEMP: tl.constexpr)
 
 
 @triton.jit
-def _gumbel_kernel(Z, Seeds, Temps, Keys, V, stride_z, BLOCK: tl.constexpr, HAS_TEMP: tl.constexpr):
+def _gumbel_kernel(Z, Seeds, Temps, Keys, Counts, Out, V, stride_z, KEY_MIN: tl.constexpr, BLOCK: tl.constexpr,
+                   HAS_TEMP: tl.constexpr):
     row = tl.program_id(0)
     offs4 = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     u0, u1, u2, u3 = tl.rand4x(tl.load(Seeds + row), offs4)
@@ -48,16 +50,12 @@ def _gumbel_kernel(Z, Seeds, Temps, Keys, V, stride_z, BLOCK: tl.constexpr, HAS_
                                 _lane_key(Z, row_z, offs4, 1, u1, V, t, HAS_TEMP)),
                      tl.maximum(_lane_key(Z, row_z, offs4, 2, u2, V, t, HAS_TEMP),
                                 _lane_key(Z, row_z, offs4, 3, u3, V, t, HAS_TEMP)))
-    tl.atomic_max(Keys + row, tl.max(key, 0))
-
-
-@triton.jit
-def _token_kernel(Keys, Out, B, KEY_MIN: tl.constexpr, BLOCK_B: tl.constexpr):
-    """Each row's index from its key; the keys are set back to KEY_MIN for the next draw."""
-    offs = tl.arange(0, BLOCK_B)
-    key = tl.load(Keys + offs, mask=offs < B, other=0)
-    tl.store(Out + offs, 4294967295 - (key & 4294967295), mask=offs < B)
-    tl.store(Keys + offs, tl.full([BLOCK_B], KEY_MIN, tl.int64), mask=offs < B)
+    tl.atomic_max(Keys + row, tl.max(key, 0), sem="acq_rel")
+    # The row's last program to finish takes the row's key, writes its token and leaves key and count as found.
+    if tl.atomic_add(Counts + row, 1, sem="acq_rel") == tl.num_programs(1) - 1:
+        best = tl.atomic_xchg(Keys + row, KEY_MIN, sem="acq_rel")
+        tl.store(Out + row, 4294967295 - (best & 4294967295))
+        tl.atomic_xchg(Counts + row, 0)
 
 
 @triton.jit
@@ -80,16 +78,30 @@ def _check_seeds(seeds: torch.Tensor, rows: int, device: torch.device) -> None:
 
 
 def new_keys(rows: int, device: torch.device) -> torch.Tensor:
-    """A buffer of `rows` row keys for gumbel_argmax(keys=): each draw leaves it as it found it."""
-    return torch.full((rows,), _KEY_MIN, dtype=torch.int64, device=device)
+    """State for `rows` rows of gumbel_argmax(keys=): each row's running key and count of finished programs
+    (2, rows) int64. Each draw leaves it as it found it."""
+    state = torch.zeros(2, rows, dtype=torch.int64, device=device)
+    state[0] = _KEY_MIN
+    return state
+
+
+_states: dict[torch.device, torch.Tensor] = {}
+
+
+def _state(rows: int, device: torch.device) -> torch.Tensor:
+    """The device's kept state for draws outside a CUDA graph (grown as batches grow; one stream order, the
+    engine's)."""
+    if device not in _states or _states[device].shape[1] < rows:
+        _states[device] = new_keys(max(rows, 256), device)
+    return _states[device]
 
 
 def gumbel_argmax(z: torch.Tensor, seeds: torch.Tensor, temperatures: torch.Tensor | None = None,
                   out: torch.Tensor | None = None, keys: torch.Tensor | None = None) -> torch.Tensor:
     """z (B, V) logits (-inf drops a token), seeds (B,) int64 -> (B,) int64 tokens (into `out` if given): each
     row's argmax of z / t - log(-log(u)) under its seed's noise (gumbel_noise), t the row's temperature (float32
-    (B,); None: z is scaled already), a row of t == 0 the argmax of z alone. keys: B leading entries of a
-    new_keys buffer (a CUDA graph's; None: one is made). No host sync: a CUDA graph can hold it."""
+    (B,); None: z is scaled already), a row of t == 0 the argmax of z alone. keys: a new_keys state of at least B
+    rows (a CUDA graph's own; None: the device's kept one). One launch, no host sync: a CUDA graph can hold it."""
     rows, vocab = z.shape
     _check_seeds(seeds, rows, z.device)
     if temperatures is not None and (temperatures.dtype != torch.float32 or temperatures.shape != (rows,)):
@@ -100,11 +112,12 @@ def gumbel_argmax(z: torch.Tensor, seeds: torch.Tensor, temperatures: torch.Tens
         return tokens
     if z.stride(1) != 1:
         z = z.contiguous()
-    keys = new_keys(rows, z.device) if keys is None else keys
+    state = _state(rows, z.device) if keys is None else keys
+    if state.shape[0] != 2 or state.shape[1] < rows or state.dtype != torch.int64:
+        raise ValueError(f"keys must be a new_keys state of at least {rows} rows, got {tuple(state.shape)}")
     _gumbel_kernel[(rows, triton.cdiv(vocab, 4 * BLOCK))](
-        z, seeds, seeds if temperatures is None else temperatures, keys, vocab, z.stride(0), BLOCK=BLOCK,
-        HAS_TEMP=temperatures is not None, num_warps=4)
-    _token_kernel[(1,)](keys, tokens, rows, KEY_MIN=_KEY_MIN, BLOCK_B=max(16, triton.next_power_of_2(rows)))
+        z, seeds, seeds if temperatures is None else temperatures, state[0], state[1], tokens, vocab, z.stride(0),
+        KEY_MIN=_KEY_MIN, BLOCK=BLOCK, HAS_TEMP=temperatures is not None, num_warps=4)
     return tokens
 
 

@@ -12,6 +12,7 @@ from test_triton_interpreted import _interpret  # noqa: E402
 
 _DRAWS = textwrap.dedent("""
     import torch
+    from deepinfer_kernels import sampling
     from deepinfer_kernels.sampling import gumbel_argmax, gumbel_noise, new_keys
     from deepinfer_rt.sampler import stream_seed
     g = torch.Generator().manual_seed(0)
@@ -35,10 +36,16 @@ _DRAWS = textwrap.dedent("""
     want = gumbel_argmax(z / torch.where(temps == 0, 1.0, temps)[:, None], seeds)
     want[temps == 0] = z[temps == 0].argmax(-1)
     assert torch.equal(scaled, want), (scaled, want)
-    keys = new_keys(8, z.device)  # a kept buffer (a CUDA graph's): left as found after each draw
+    keys = new_keys(8, z.device)  # a kept state (a CUDA graph's): left as found after each draw
     for _ in range(2):
-        assert torch.equal(gumbel_argmax(z, seeds, temps, keys=keys[:6]), want)
+        assert torch.equal(gumbel_argmax(z, seeds, temps, keys=keys), want)
         assert torch.equal(keys, new_keys(8, z.device))
+    assert torch.equal(sampling._states[z.device], new_keys(256, z.device))  # the device's kept state too
+    try:
+        gumbel_argmax(z, seeds, keys=new_keys(5, z.device))
+        raise AssertionError("a state of too few rows accepted")
+    except ValueError as e:
+        assert "at least 6 rows" in str(e)
     # A row's draw alone, in another batch, and in a strided view: the same token.
     for i in range(6):
         assert gumbel_argmax(z[i : i + 1].clone(), seeds[i : i + 1]).item() == tokens[i]
