@@ -9,6 +9,13 @@ the CPU skips), so the counts compare methods, not devices.
 
     python benchmark/count_launches.py            # writes benchmark/results/v4_launches_cpu.json
     python benchmark/count_launches.py --model deepseek_v41 --out benchmark/results/v41_launches_cpu.json
+    python benchmark/count_launches.py --graph --out benchmark/results/v4_graph_launches_cpu.json
+
+--graph counts the step the GPU replays instead: an engine with the compact FP8 pool (the sweep's release-format
+pool), the GPU methods, and its decode steps run as the CUDA-graph body uncaptured (cuda_graph.py is_captured=False:
+placeholders, page appends, the forward over the static metadata, the head and the draw), one batch-1 step counted.
+The metadata kernels and the FP8 row writes take their CUDA forms; the experts still run their CPU form (the GPU's
+fused MoE is a few launches a layer) and the dense products run torch's matmul where the GPU may split K.
 """
 from __future__ import annotations
 
@@ -65,15 +72,15 @@ def main() -> None:
     parser.add_argument("--out", default=str(ROOT / "benchmark/results/v4_launches_cpu.json"))
     parser.add_argument("--context", type=int, default=35, help="prompt tokens before the counted decode step")
     parser.add_argument("--model", default="deepseek_v4", choices=["deepseek_v4", "deepseek_v41"])
+    parser.add_argument("--graph", action="store_true", help="count the graph step (see the module doc)")
     args = parser.parse_args()
 
     path = make_tiny_checkpoint(args.model, Path(tempfile.mkdtemp()), seed=0)
-    config, _ = load_model_config(path)
-    model = build_model(config, path, "auto", torch.bfloat16, torch.device("cpu"), seed=0)
-    counter = Counter(model)
+    active: list[Counter] = []  # the counter of the model being counted
     launch = interpreter.GridExecutor.__call__
 
     def counted_launch(executor, *a, **k):
+        counter = active[-1]
         counter.counts[(counter.where(), "triton:" + getattr(executor.fn, "__name__", "?"))] += 1
         counter.inside = True  # the interpreter's own tensor work is not the kernel's launches
         try:
@@ -86,9 +93,32 @@ def main() -> None:
     class Ops(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             name = func.overloadpacket.__name__
+            counter = active[-1]
             if not counter.inside and name not in NO_KERNEL:
                 counter.counts[(counter.where(), name)] += 1
             return func(*args, **(kwargs or {}))
+
+    def summary(counts: collections.Counter) -> dict:
+        by_module = collections.Counter()
+        for (where, _), n in counts.items():
+            by_module[where] += n
+        return {"launches": sum(counts.values()), "by_module": dict(by_module.most_common()),
+                "by_op": {f"{w} {op}": n for (w, op), n in counts.most_common(60)}}
+
+    name = {"deepseek_v4": "DeepSeek-V4", "deepseek_v41": "DeepSeek-V4.1"}[args.model]
+    if args.graph:
+        rows = {"GPU methods (graph step, compact FP8 pool)": graph_step(path, active, Ops, summary)}
+        layers = len(rows[next(iter(rows))].pop("layers"))
+        print(f"graph step: {rows[next(iter(rows))]['launches']} launches in one decode step of {layers} layers")
+        out = {"model": f"tiny {name} (scripts/make_tiny_checkpoint.py, seed 0), bf16, batch 1, graph step",
+               "layers": layers, "methods": rows}
+        Path(args.out).write_text(json.dumps(out, indent=1))
+        return
+
+    config, _ = load_model_config(path)
+    model = build_model(config, path, "auto", torch.bfloat16, torch.device("cpu"), seed=0)
+    active.append(Counter(model))
+    counter = active[-1]
 
     def step(start: int, end: int, pool: KVPool, count: bool) -> None:
         backend = TorchRefBackend()
@@ -109,28 +139,65 @@ def main() -> None:
     rows = {}
     for label, cls, cls41 in (("torch forms (V4Method)", V4Method, V41Method),
                               ("GPU methods (V4TritonMethod)", V4TritonMethod, V41TritonMethod)):
-        for mod in model.modules():
-            m = getattr(mod, "method", None)
-            if isinstance(m, V4Method):
-                mod.method = cls(m.linear, m.activation, m.head_matmul)
-            elif isinstance(m, V41Method):  # V4.1's attention methods, over a V4 method of the same kind
-                mod.method = cls41(cls(m.v4.linear, m.v4.activation, m.v4.head_matmul))
+        _use_methods(model, cls, cls41)
         pool = KVPool(model.kv_layout(config), args.context + 8, 1, torch.bfloat16, torch.device("cpu"))
         step(0, args.context, pool, count=False)
         counter.counts.clear()
         step(args.context, args.context + 1, pool, count=True)
-        by_module = collections.Counter()
-        for (where, _), n in counter.counts.items():
-            by_module[where] += n
-        rows[label] = {"launches": sum(counter.counts.values()), "by_module": dict(by_module.most_common()),
-                       "by_op": {f"{w} {op}": n for (w, op), n in counter.counts.most_common(40)}}
+        rows[label] = summary(counter.counts)
         print(f"{label}: {rows[label]['launches']} launches in one decode step of {len(model.model.layers)} layers")
     first, second = rows.values()
     print(f"GPU methods / torch forms: {second['launches'] / first['launches']:.2f}")
-    name = {"deepseek_v4": "DeepSeek-V4", "deepseek_v41": "DeepSeek-V4.1"}[args.model]
     out = {"model": f"tiny {name} (scripts/make_tiny_checkpoint.py, seed 0), bf16, batch 1",
            "context": args.context, "layers": len(model.model.layers), "methods": rows}
     Path(args.out).write_text(json.dumps(out, indent=1))
+
+
+def graph_step(path: Path, active: list, ops, summary) -> dict:
+    """Launches of one batch-1 decode step of the graph body (see the module doc)."""
+    from deepinfer_rt import Engine, SamplingParams
+    from deepinfer_rt.cuda_graph import CudaGraphRunner
+
+    from deepinfer_rt.models.deepseek_v4.common import Fp8Rows
+    from deepinfer_rt.models.deepseek_v4.graph_batch import StaticDecode
+
+    StaticDecode.for_step = StaticDecode.kernel_step  # the metadata kernels, as on CUDA
+    Fp8Rows.write = Fp8Rows.store_rows  # an FP8 row write in one launch, as on CUDA
+    counts = []
+    with Engine(str(path), dtype="bfloat16", kv_cache_tokens=1024, max_num_seqs=2, page_size=4,
+                kv_cache_dtype="fp8_e4m3") as engine:
+        model = engine.model
+        _use_methods(model, V4TritonMethod, V41TritonMethod)
+        runner = engine.executor
+        graphs = CudaGraphRunner(model, engine.pool, None, 1, engine.model_config.max_position, batch_sizes=(1,),
+                                 num_rows=runner.pages.table.shape[0], is_captured=False,
+                                 head=model.compute_logits, vocab_size=engine.sampler.vocab_size)
+        runner.graphs, runner.pages = graphs, graphs.pages
+        active.append(Counter(model))
+        body = graphs._body
+
+        def counted(bs, fb):
+            active[-1].counts.clear()
+            with torch.no_grad(), ops():
+                body(bs, fb)
+            counts.append(collections.Counter(active[-1].counts))
+
+        graphs._body = counted
+        params = SamplingParams(max_new_tokens=4, temperature=1.0, seed=1, ignore_eos=True)
+        engine.generate(input_ids=[list(range(100, 135))], sampling_params=params)
+        layers = list(model.model.layers)
+    assert counts, "no decode step ran in the graph body"
+    return {**summary(counts[-1]), "layers": layers}
+
+
+def _use_methods(model, cls, cls41) -> None:
+    """Every V4 / V4.1 layer method of the model as cls / cls41 (the torch forms or the GPU methods)."""
+    for mod in model.modules():
+        m = getattr(mod, "method", None)
+        if isinstance(m, V4Method):
+            mod.method = cls(m.linear, m.activation, m.head_matmul)
+        elif isinstance(m, V41Method):  # V4.1's attention methods, over a V4 method of the same kind
+            mod.method = cls41(cls(m.v4.linear, m.v4.activation, m.v4.head_matmul))
 
 
 if __name__ == "__main__":

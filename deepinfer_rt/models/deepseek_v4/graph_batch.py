@@ -56,6 +56,28 @@ class StaticDecode:
         return torch.where(ok & (recent >= 0), recent * ps + pos % ps, fill)
 
     def for_step(self) -> V4Batch:
+        """The step's V4Batch: on CUDA from deepinfer_kernels.v4_static_decode (five launches for V4's two ratios),
+        elsewhere from torch ops (the same values)."""
+        return self.kernel_step() if self.positions.is_cuda else self.torch_step()
+
+    def kernel_step(self) -> V4Batch:
+        from deepinfer_kernels import v4_static_decode as k
+
+        pool, p = self.pool, self.positions
+        args = (p, self.seq_lens, self.rows, self.table)
+        ps, width = pool.page_size, self.table.shape[1] * pool.page_size
+        swa, swa_ok, out = k.sliding(*args, pool.recent_of_t, ps, self.window, pool.pad_recent_slot)
+        entry_slots, entry_mask, windows = {}, {}, {}
+        for m in self.ratios:
+            div = pool.entry_divisor(m)
+            entry_slots[m], visible = k.entries(*args, ps, m, div, width // m)
+            entry_mask[m] = visible[:, None, :]
+            windows[m] = Windows(*k.windows(*args, pool.recent_of_t, ps, m, div, pool.pad_entry_row(m)))
+        group = AttnGroup(torch.arange(p.shape[0], device=p.device), int(p.shape[0]), 1, swa, swa_ok[:, None, :],
+                          entry_slots, entry_mask, covers_all=True)
+        return V4Batch(p, out, self.input_ids, [group], windows)
+
+    def torch_step(self) -> V4Batch:
         pool, p, valid = self.pool, self.positions, self.seq_lens > 0
         last = p[:, None]
         width = self.table.shape[1] * pool.page_size
