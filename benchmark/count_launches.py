@@ -103,7 +103,7 @@ def main() -> None:
         for (where, _), n in counts.items():
             by_module[where] += n
         return {"launches": sum(counts.values()), "by_module": dict(by_module.most_common()),
-                "by_op": {f"{w} {op}": n for (w, op), n in counts.most_common(60)}}
+                "by_op": {f"{w} {op}": n for (w, op), n in counts.most_common()}}
 
     name = {"deepseek_v4": "DeepSeek-V4", "deepseek_v41": "DeepSeek-V4.1"}[args.model]
     if args.graph:
