@@ -74,11 +74,10 @@ class CudaGraphRunner:
                  head: Callable[[torch.Tensor], torch.Tensor] | None = None, vocab_size: int = 0):
         self.model = model
         self.head = head
-        """hidden rows -> fp32 logits (the model's compute_logits), captured after the forward with each row's
-        argmax over the first `vocab_size` columns; None: graphs end at the hidden rows."""
+        """hidden rows -> fp32 logits (the model's compute_logits), captured after the forward with each row's token
+        drawn over the first `vocab_size` columns at its staged temperature (greedy rows: the argmax); None: graphs
+        end at the hidden rows."""
         self.vocab_size = vocab_size
-        self.draws = head is not None
-        """Whether the graphs end with each row's draw at its staged temperature (greedy rows: the argmax)."""
         self.capture_scope = capture_scope or (lambda bs, lengths: nullcontext())
         """Entered around each graph's forwards at capture (uncaptured: each run) with (its batch size, its
         static KV lengths (bs,), 0 on padding rows)."""
@@ -105,7 +104,7 @@ class CudaGraphRunner:
         """The last step's sampled token of each row: placeholders are resolved from it at a graph's start, and a
         graph with a head writes its rows' tokens here at its end."""
         self._keys = None
-        if self.draws and dev.type == "cuda":
+        if head is not None and dev.type == "cuda":
             from deepinfer_kernels.sampling import new_keys
 
             self._keys = new_keys(self.max_bs, dev)
@@ -256,7 +255,7 @@ class CudaGraphRunner:
         st[_CELL, :n] = appends[0::2]
         st[_PAGE, :n] = appends[1::2]
         st[_SEED, :n] = st[_TEMP, :n] = 0
-        if self.draws:  # greedy rows keep temperature 0: the argmax
+        if self.head is not None:  # greedy rows keep temperature 0: the argmax
             drawn = [i for i, r in enumerate(reqs) if not r.params.is_greedy]
             if drawn:
                 st[_TEMP, drawn] = np.array([reqs[i].params.temperature for i in drawn], np.float32).view(np.int32)
@@ -280,7 +279,7 @@ class CudaGraphRunner:
         """The last replay's logits of its first n rows, when the graphs hold the head."""
         return None if self.head is None else self._logits[self.last_size][:n]
 
-    def greedy_tokens(self, n: int) -> torch.Tensor:
+    def graph_tokens(self, n: int) -> torch.Tensor:
         """The last replay's tokens of its first n rows (graphs with a head), on the device: a view of
         `next_tokens`, which the next replay reads as it is and then overwrites (consume it before)."""
         return self.next_tokens[:n]

@@ -241,7 +241,7 @@ class ModelRunner:
         reqs = [it.req for it in batch.items]
         hidden, logits = self._hidden(batch, prev)
         if logits is not None and self.sampler.takes_graph_tokens(reqs):
-            tokens = self.graphs.greedy_tokens(len(reqs))  # the graph's own tokens: nothing to launch
+            tokens = self.graphs.graph_tokens(len(reqs))  # the graph's own tokens: nothing to launch
         else:
             tokens = self.sampler.sample(self.model.compute_logits(hidden) if logits is None else logits, reqs,
                                          self.eos_ids)
