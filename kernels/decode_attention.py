@@ -32,6 +32,7 @@ import triton
 import triton.language as tl
 
 from deepinfer_kernels.dispatch import pdl_launch
+from deepinfer_kernels.reference import paged_decode_attention_ref  # noqa: F401 (the kernels' reference, here too)
 
 
 @triton.jit
@@ -492,26 +493,4 @@ def paged_decode_attention_fixed(q: torch.Tensor, k_buf: torch.Tensor, v_buf: to
         o = out[r0:r1]
         _merge_fixed_splits_kernel[(r1 - r0, hq)](part_o, part_lse, lens, o, o.stride(0), o.stride(1), num_splits,
                                                   NUM_HEADS=hq, SPLIT_SIZE=FIXED_SPLIT_SIZE, DV=dv, num_warps=4)
-    return out
-
-
-def paged_decode_attention_ref(q, k_buf, v_buf, page_table, table_rows, seq_lens, page_size, scale, k_scale=None,
-                               v_scale=None):
-    """Torch reference of paged_decode_attention (fp32 softmax), one sequence at a time; float8 buffers are
-    dequantized by their row scales first."""
-    bsz, hq, _ = q.shape
-    out = q.new_zeros(bsz, hq, v_buf.shape[-1])
-    for b in range(bsz):
-        n = int(seq_lens[b])
-        if n == 0:
-            continue
-        pos = torch.arange(n, device=q.device)
-        slots = page_table[int(table_rows[b])][pos // page_size].long() * page_size + pos % page_size
-        k, v = k_buf[slots].float(), v_buf[slots].float()
-        if k_scale is not None:
-            k, v = k * k_scale[slots][..., None], v * v_scale[slots][..., None]
-        k = k.repeat_interleave(hq // k_buf.shape[1], dim=1)  # (n, Hq, D)
-        v = v.repeat_interleave(hq // v_buf.shape[1], dim=1)
-        p = (torch.einsum("hd,nhd->hn", q[b].float(), k) * scale).softmax(-1)
-        out[b] = torch.einsum("hn,nhd->hd", p, v).to(q.dtype)
     return out

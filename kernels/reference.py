@@ -155,3 +155,25 @@ def stable_topk(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tenso
     k = min(k, scores.shape[-1])
     picks = stable_topk_keys(scores).topk(k, dim=-1).indices
     return scores.float().gather(-1, picks), picks
+
+
+def paged_decode_attention_ref(q, k_buf, v_buf, page_table, table_rows, seq_lens, page_size, scale, k_scale=None,
+                               v_scale=None):
+    """Torch reference of paged_decode_attention (fp32 softmax), one sequence at a time; float8 buffers are
+    dequantized by their row scales first."""
+    bsz, hq, _ = q.shape
+    out = q.new_zeros(bsz, hq, v_buf.shape[-1])
+    for b in range(bsz):
+        n = int(seq_lens[b])
+        if n == 0:
+            continue
+        pos = torch.arange(n, device=q.device)
+        slots = page_table[int(table_rows[b])][pos // page_size].long() * page_size + pos % page_size
+        k, v = k_buf[slots].float(), v_buf[slots].float()
+        if k_scale is not None:
+            k, v = k * k_scale[slots][..., None], v * v_scale[slots][..., None]
+        k = k.repeat_interleave(hq // k_buf.shape[1], dim=1)  # (n, Hq, D)
+        v = v.repeat_interleave(hq // v_buf.shape[1], dim=1)
+        p = (torch.einsum("hd,nhd->hn", q[b].float(), k) * scale).softmax(-1)
+        out[b] = torch.einsum("hn,nhd->hd", p, v).to(q.dtype)
+    return out

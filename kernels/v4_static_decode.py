@@ -18,6 +18,12 @@ import triton.language as tl
 
 
 @triton.jit
+def _row_inputs(Positions, SeqLens, Rows, b):
+    """Row b's position (int64), whether it is a real row (kv length > 0) and its page table row (int64)."""
+    return tl.load(Positions + b).to(tl.int64), tl.load(SeqLens + b) > 0, tl.load(Rows + b).to(tl.int64)
+
+
+@triton.jit
 def _recent(Table, RecentOfT, row, pos, mask, stride_t, PS: tl.constexpr):
     """The recent page of each position's main page (-1: none), int64."""
     page = tl.load(Table + row * stride_t + pos // PS, mask=mask, other=0).to(tl.int64)
@@ -28,9 +34,7 @@ def _recent(Table, RecentOfT, row, pos, mask, stride_t, PS: tl.constexpr):
 def _swa_kernel(Positions, SeqLens, Rows, Table, RecentOfT, Swa, SwaOk, Out, stride_t, pad_recent_slot,
                 W: tl.constexpr, BLOCK_W: tl.constexpr, PS: tl.constexpr):
     b = tl.program_id(0)
-    p = tl.load(Positions + b).to(tl.int64)
-    valid = tl.load(SeqLens + b) > 0
-    row = tl.load(Rows + b).to(tl.int64)
+    p, valid, row = _row_inputs(Positions, SeqLens, Rows, b)
     offs = tl.arange(0, BLOCK_W)
     wmask = offs < W
     k = tl.maximum(p - W + 1, 0) + offs
@@ -47,9 +51,7 @@ def _swa_kernel(Positions, SeqLens, Rows, Table, RecentOfT, Swa, SwaOk, Out, str
 def _entries_kernel(Positions, SeqLens, Rows, Table, Slots, Visible, stride_t, E,
                     M: tl.constexpr, DIV: tl.constexpr, PS: tl.constexpr, BLOCK: tl.constexpr):
     b = tl.program_id(0)
-    p = tl.load(Positions + b).to(tl.int64)
-    valid = tl.load(SeqLens + b) > 0
-    row = tl.load(Rows + b).to(tl.int64)
+    p, valid, row = _row_inputs(Positions, SeqLens, Rows, b)
     j = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     jmask = j < E
     visible = (j < (p + 1) // M) & valid
@@ -64,9 +66,7 @@ def _entries_kernel(Positions, SeqLens, Rows, Table, Slots, Visible, stride_t, E
 def _windows_kernel(Positions, SeqLens, Rows, Table, RecentOfT, Cur, Prev, HasPrev, First, End, stride_t,
                     pad_entry_row, M: tl.constexpr, BLOCK_M: tl.constexpr, DIV: tl.constexpr, PS: tl.constexpr):
     b = tl.program_id(0)
-    p = tl.load(Positions + b).to(tl.int64)
-    valid = tl.load(SeqLens + b) > 0
-    row = tl.load(Rows + b).to(tl.int64)
+    p, valid, row = _row_inputs(Positions, SeqLens, Rows, b)
     offs = tl.arange(0, BLOCK_M)
     mmask = offs < M
     first = tl.maximum((p + 1) // M - 1, 0) * M
