@@ -394,3 +394,17 @@ def test_logit_bias_bans_and_forces_but_logprobs_stay_raw():
     drawn = {Sampler(4)(logits[:1], [make_req(0, seed=s, logit_bias={0: -100.0, 1: -100.0})], ()).token_ids[0]
              for s in range(50)}
     assert drawn <= {2, 3}
+
+
+def test_graph_tokens_taken_for_greedy_and_plain_temperature_rows_only():
+    """A decode graph ending with the head draws greedy rows and plain temperature rows itself; anything that
+    changes the distribution (filters, penalties, a bias, a token ban, a tiny temperature) leaves it to the sampler."""
+    plain = [make_req(temperature=0.0), make_req(1, temperature=0.7, seed=3), make_req(2, temperature=1.5)]
+    assert Sampler.takes_graph_tokens(plain)
+    assert Sampler.takes_graph_tokens([])
+    for change in (dict(top_k=20), dict(top_p=0.9), dict(min_p=0.05), dict(repetition_penalty=1.1),
+                   dict(frequency_penalty=0.5), dict(presence_penalty=0.5), dict(logit_bias={3: 1.0}),
+                   dict(min_new_tokens=4)):
+        assert not Sampler.takes_graph_tokens(plain + [make_req(9, temperature=0.7, **change)]), change
+    assert not Sampler.takes_graph_tokens([make_req(temperature=1e-30)])  # the sampler shifts its peak first
+    assert Sampler.takes_graph_tokens([make_req(temperature=0.0, min_new_tokens=2, output=(5, 6))])  # ban over
