@@ -52,7 +52,7 @@ from deepinfer_rt.cache.page_table import DevicePages, PageTable, pages_per_requ
 from deepinfer_rt.forward_batch import ForwardBatch, resolve_placeholders
 from deepinfer_rt.models.base import CausalLM
 from deepinfer_rt.request import Req
-from deepinfer_rt.sampler import stream_noise, stream_seeds
+from deepinfer_rt.sampler import draw_streams, stream_seeds
 from deepinfer_rt.scheduler.batch import ScheduledBatch
 
 if TYPE_CHECKING:  # the Triton backend imports triton, which CPU installs may lack
@@ -136,7 +136,7 @@ class CudaGraphRunner:
         if self.head is not None:
             logits = self._logits[bs] = self.head(hidden)
             z = logits[:, : self.vocab_size]
-            temps = io[_TEMP].to(torch.int32).view(torch.float32)
+            temps = io[_TEMP].view(torch.float32)[0::2]  # each int64's low half: the float32 bits (no launch)
             if z.is_cuda:
                 from deepinfer_kernels.sampling import gumbel_argmax
 
@@ -311,11 +311,11 @@ class CudaGraphRunner:
 
 def _host_draws(z: torch.Tensor, seeds: torch.Tensor, temps: torch.Tensor) -> torch.Tensor:
     """gumbel_argmax's tokens with the sampler's CPU noise (uncaptured steps on a CPU pool): the argmax of rows of
-    temperature 0, argmax(z / t - log(-log u)) of the others, u the noise of the row's stream seed."""
+    temperature 0, the sampler's draw (draw_streams) over z / t of the others."""
     tokens = z.argmax(-1)
-    for i in (temps != 0).nonzero().flatten().tolist():
-        noise = stream_noise(int(seeds[i]), z.shape[1], z.device)
-        tokens[i] = (z[i] / temps[i] - torch.log(-torch.log(noise))).argmax()
+    rows = (temps != 0).nonzero().flatten()
+    if rows.numel():
+        tokens[rows] = draw_streams(z[rows] / temps[rows, None], seeds[rows].tolist())
     return tokens
 
 

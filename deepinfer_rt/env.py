@@ -295,11 +295,3 @@ def get_env() -> Env:
         cpu_compile=_bool("DEEPINFER_CPU_COMPILE", False),
         inductor_cache_dir=Path(_str("DEEPINFER_CACHE", str(Path.home() / ".cache" / "deepinfer"))) / "inductor",
     )
-
-
-def pdl_enabled(device) -> bool:
-    """Whether kernels on `device` launch as programmatic dependent launches: DEEPINFER_GPU_PDL=1 on an SM90+ GPU."""
-    import torch
-
-    return (get_env().gpu_pdl and getattr(device, "type", str(device)) == "cuda"
-            and torch.cuda.get_device_capability(device)[0] >= 9)

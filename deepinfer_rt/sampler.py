@@ -22,15 +22,20 @@ from deepinfer_rt.request import Req
 _MASK64 = (1 << 64) - 1
 
 
+_MIX = (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB)
+"""splitmix64's constants, for stream_seed and its array form stream_seeds."""
+
+
 def stream_seed(seed: int, position: int) -> int:
     """A well-mixed 63-bit seed for (seed, position) (splitmix64 finaliser)."""
-    x = (seed * 0x9E3779B97F4A7C15 + position * 0xBF58476D1CE4E5B9 + 0x94D049BB133111EB) & _MASK64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    c1, c2, c3 = _MIX
+    x = (seed * c1 + position * c2 + c3) & _MASK64
+    x = ((x ^ (x >> 30)) * c2) & _MASK64
+    x = ((x ^ (x >> 27)) * c3) & _MASK64
     return (x ^ (x >> 31)) & ((1 << 63) - 1)
 
 
-_C1, _C2, _C3 = (np.uint64(c) for c in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB))
+_C1, _C2, _C3 = (np.uint64(c) for c in _MIX)
 
 
 def stream_seeds(seeds: list[int], positions: list[int]) -> np.ndarray:
@@ -59,10 +64,15 @@ def stream_noise(stream: int, vocab_size: int, device: torch.device) -> torch.Te
 def gumbel_draw(z: torch.Tensor, seeds: list[int], positions: list[int]) -> torch.Tensor:
     """Each row of z (B, V) float32 sampled as argmax(z - log(-log u)) with the noise u of its (seed, output
     position): (B,) int64 on z's device, without a host sync."""
+    return draw_streams(z, stream_seeds(seeds, positions))
+
+
+def draw_streams(z: torch.Tensor, streams) -> torch.Tensor:
+    """gumbel_draw of rows whose stream seeds (stream_seed's values, a sequence of ints) are given."""
     if z.is_cuda:
         from deepinfer_kernels.sampling import gumbel_argmax
-        return gumbel_argmax(z, to_device(stream_seeds(seeds, positions), torch.long, z.device))
-    noise = torch.stack([uniform_noise(s, p, z.shape[-1], z.device) for s, p in zip(seeds, positions)])
+        return gumbel_argmax(z, to_device(streams, torch.long, z.device))
+    noise = torch.stack([stream_noise(int(s), z.shape[-1], z.device) for s in streams])
     return (z - torch.log(-torch.log(noise))).argmax(-1)
 
 

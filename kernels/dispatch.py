@@ -12,6 +12,11 @@ def on_gpu(t: torch.Tensor) -> bool:
     return t.is_cuda and HAS_TRITON
 
 
+def pdl_supported(device: torch.device) -> bool:
+    """Whether `device` takes programmatic dependent launches (a CUDA GPU of compute capability 9.0 or above)."""
+    return torch.device(device).type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
 def pdl_launch(pdl: bool) -> dict:
     """The launch arguments of a Triton kernel with a PDL constexpr: as a programmatic dependent launch (SM90+: it
     may start while the kernel before it in the stream finishes, and waits for it in-kernel, tl.extra.cuda.gdc_wait,

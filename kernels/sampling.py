@@ -39,13 +39,13 @@ def _lane_key(Z, row_z, offs4, j: tl.constexpr, u, V, t, HAS_TEMP: tl.constexpr)
 
 
 @triton.jit
-def _gumbel_kernel(Z, Seeds, Temps, Keys, Counts, Out, V, stride_z, KEY_MIN: tl.constexpr, BLOCK: tl.constexpr,
-                   HAS_TEMP: tl.constexpr):
+def _gumbel_kernel(Z, Seeds, Temps, Keys, Counts, Out, V, stride_z, stride_t, KEY_MIN: tl.constexpr,
+                   BLOCK: tl.constexpr, HAS_TEMP: tl.constexpr):
     row = tl.program_id(0)
     offs4 = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     u0, u1, u2, u3 = tl.rand4x(tl.load(Seeds + row), offs4)
     row_z = row.to(tl.int64) * stride_z
-    t = tl.load(Temps + row) if HAS_TEMP else 1.0
+    t = tl.load(Temps + row * stride_t) if HAS_TEMP else 1.0
     key = tl.maximum(tl.maximum(_lane_key(Z, row_z, offs4, 0, u0, V, t, HAS_TEMP),
                                 _lane_key(Z, row_z, offs4, 1, u1, V, t, HAS_TEMP)),
                      tl.maximum(_lane_key(Z, row_z, offs4, 2, u2, V, t, HAS_TEMP),
@@ -100,7 +100,7 @@ def gumbel_argmax(z: torch.Tensor, seeds: torch.Tensor, temperatures: torch.Tens
                   out: torch.Tensor | None = None, keys: torch.Tensor | None = None) -> torch.Tensor:
     """z (B, V) logits (-inf drops a token), seeds (B,) int64 -> (B,) int64 tokens (into `out` if given): each
     row's argmax of z / t - log(-log(u)) under its seed's noise (gumbel_noise), t the row's temperature (float32
-    (B,); None: z is scaled already), a row of t == 0 the argmax of z alone. keys: a new_keys state of at least B
+    (B,), any stride; None: z is scaled already), a row of t == 0 the argmax of z alone. keys: a new_keys state of at least B
     rows (a CUDA graph's own; None: the device's kept one). One launch, no host sync: a CUDA graph can hold it."""
     rows, vocab = z.shape
     _check_seeds(seeds, rows, z.device)
@@ -117,7 +117,7 @@ def gumbel_argmax(z: torch.Tensor, seeds: torch.Tensor, temperatures: torch.Tens
         raise ValueError(f"keys must be a new_keys state of at least {rows} rows, got {tuple(state.shape)}")
     _gumbel_kernel[(rows, triton.cdiv(vocab, 4 * BLOCK))](
         z, seeds, seeds if temperatures is None else temperatures, state[0], state[1], tokens, vocab, z.stride(0),
-        KEY_MIN=_KEY_MIN, BLOCK=BLOCK, HAS_TEMP=temperatures is not None, num_warps=4)
+        1 if temperatures is None else temperatures.stride(0), KEY_MIN=_KEY_MIN, BLOCK=BLOCK, HAS_TEMP=temperatures is not None, num_warps=4)
     return tokens
 
 

@@ -36,6 +36,8 @@ _DRAWS = textwrap.dedent("""
     want = gumbel_argmax(z / torch.where(temps == 0, 1.0, temps)[:, None], seeds)
     want[temps == 0] = z[temps == 0].argmax(-1)
     assert torch.equal(scaled, want), (scaled, want)
+    staged = torch.from_numpy(temps.numpy().view("int32").astype("int64"))  # as a decode graph stages them
+    assert torch.equal(gumbel_argmax(z, seeds, staged.view(torch.float32)[0::2]), want)  # a strided view
     keys = new_keys(8, z.device)  # a kept state (a CUDA graph's): left as found after each draw
     for _ in range(2):
         assert torch.equal(gumbel_argmax(z, seeds, temps, keys=keys), want)

@@ -22,8 +22,9 @@ from torch.nn.attention.bias import causal_lower_right
 from torch.nn.utils.rnn import pad_sequence
 
 from deepinfer_kernels.decode_attention import FP8_KV_DOTS, MERGES, num_splits_for, paged_decode_attention
+from deepinfer_kernels.dispatch import pdl_supported
 from deepinfer_kernels.elementwise import store_kv, store_kv_fp8
-from deepinfer_rt.env import get_env, pdl_enabled
+from deepinfer_rt.env import get_env
 from deepinfer_rt.forward_batch import ForwardBatch
 from deepinfer_rt.layers.attention.base import AttentionBackend, joined
 from deepinfer_rt.layers.attention.torch_ref import causal_mask
@@ -79,7 +80,7 @@ class TritonBackend(AttentionBackend):
         self.merge = get_env().decode_merge
         if self.merge not in MERGES:
             raise ValueError(f"DEEPINFER_DECODE_MERGE={self.merge!r}: not one of {MERGES}")
-        self.pdl = pdl_enabled(device)
+        self.pdl = get_env().gpu_pdl and pdl_supported(device)
         """Decode attention as programmatic dependent launches (DEEPINFER_GPU_PDL)."""
 
     def decode_meta(self, page_table, table_rows, seq_lens, page_size, kv_heads, head_dim=0) -> DecodeMeta:
