@@ -11,7 +11,8 @@
 # Logs and JSON land in $OUT. Stage time limits (seconds): BENCH_S, TEST_S, KERNEL_BENCH_S, EP_S, DET_S, HOST_S,
 # MOE_BI_S, MXFP4_S, V4_S, FP8_S, FP8_GEMM_S, MOE_FP8_S, LONGCTX_S, EP1_S, V4SWEEP_S, ROW_GEMV_S, KV8_S.
 # `sampler` (bench_sampler: the one-kernel seeded draw beside the per-row form; SAMPLER_S, SAMPLER_ARGS).
-# V4SWEEP_AB_ENV (with V4SWEEP_AB_ARGS, default V4SWEEP_ARGS): v4sweep again under those environment settings. TEST_ARGS: the pytest targets of the tests stage (default test/gpu); KERNEL_BENCH_ARGS: extra
+# LONGCTX_AB_ENV ('|'-separated settings): longctx again under each. PACK=1: everything in $OUT packed into one out.tgz (the
+# device returns at most eight files). V4SWEEP_AB_ENV (with V4SWEEP_AB_ARGS, default V4SWEEP_ARGS): v4sweep again under those environment settings. TEST_ARGS: the pytest targets of the tests stage (default test/gpu); KERNEL_BENCH_ARGS: extra
 # arguments of the kernel micro-benchmark (e.g. --only moe). TEST_JOBS>1: one pytest process per test file or node id, that
 # many at once; PYTEST_ARGS: extra pytest options (e.g. -o faulthandler_timeout=120 to dump a stuck test's stacks).
 #   device tool:  run(command="bash scripts/gpu_check.sh", carry=[".whl"])          (one H200)
@@ -120,6 +121,15 @@ if [[ $STAGES == *,longctx,* ]]; then  # decode at long contexts beside the floo
     ${LONGCTX_ARGS:---models deepseek-v2-lite smollm2-135m --contexts 2048 32768 --batches 1 16 64 --hf-batches --steps 16 --profile-steps 0} \
     > "$OUT/longctx.log" 2>&1
   tail -n 16 "$OUT/longctx.log"
+  # LONGCTX_AB_ENV: '|'-separated environment settings, each a rerun of the same benchmark (gpu_longctx_ab<i>.json)
+  i=0; IFS='|' read -ra AB <<< "${LONGCTX_AB_ENV:-}"
+  for e in "${AB[@]}"; do
+    i=$((i + 1))
+    env $e timeout "${LONGCTX_S:-300}" python3 benchmark/bench_gpu.py --out "$OUT/gpu_longctx_ab$i.json" \
+      ${LONGCTX_ARGS:---models deepseek-v2-lite smollm2-135m --contexts 2048 32768 --batches 1 16 64 --hf-batches --steps 16 --profile-steps 0} \
+      > "$OUT/longctx_ab$i.log" 2>&1
+    echo "longctx ($e) rc=$?"; tail -n 6 "$OUT/longctx_ab$i.log"
+  done
 fi
 if [[ $STAGES == *,longctx_base,* ]] && [ -d base ]; then  # the same benchmark on base/ (scripts/base_tree.sh REV)
   mkdir -p /tmp/kbase && ln -sfn "$PWD/base/kernels" /tmp/kbase/deepinfer_kernels
@@ -155,4 +165,7 @@ fi
 if [[ $STAGES == *,ep,* ]] && [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
   OUT=$OUT timeout "${EP_S:-400}" bash scripts/gpu_ep_check.sh > "$OUT/ep.log" 2>&1
   tail -n 20 "$OUT/ep.log"
+fi
+if [ "${PACK:-0}" = 1 ]; then
+  tar czf /tmp/out.tgz -C "$OUT" . && rm -rf "${OUT:?}"/* && mv /tmp/out.tgz "$OUT/out.tgz"
 fi
