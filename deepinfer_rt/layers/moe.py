@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from deepinfer_rt.config import ModelConfig
-from deepinfer_rt.layers.expert_weights import expert_weights_method
+from deepinfer_rt.layers.expert_weights import expert_weights_method, joint_expert_weights, joint_fp8_expert_weights
 from deepinfer_rt.layers.fp8 import Fp8BlockExperts, apply_keeping_quantized, is_fp8_fused_experts
 from deepinfer_rt.layers.kernel_config import KernelConfig, current_kernel_config
 from deepinfer_rt.layers.methods import Activation, LinearMethod, activation_method, linear_method
@@ -230,6 +230,11 @@ class ExpertsMethod:
         """`apply` over a RoutedExperts' own tensors (a quantized method also reads their scales)."""
         return self.apply(x, experts.gate_up_proj, experts.down_proj, weights, ids)
 
+    def apply_joint(self, x: torch.Tensor, joint: tuple[torch.Tensor, ...], weights: torch.Tensor,
+                    ids: torch.Tensor) -> torch.Tensor:
+        """`apply` over MoE.joint_experts (gate_up, down; a quantized method's hold their scales too)."""
+        return self.apply(x, *joint, weights, ids)
+
     def fuses_shared(self, num_tokens: int) -> bool:
         """Whether a batch of this many rows runs the shared experts inside the routed launch."""
         return False
@@ -302,7 +307,10 @@ class FusedExperts(ExpertsMethod):
 class Fp8FusedExperts(ExpertsMethod):
     """The FP8 fused MoE (deepinfer_kernels.fused_moe_fp8): float8 experts with float32 block scales, activations
     quantized once per token (per pair for down) and block[1] channels (W8A8); batch-invariant mode runs its one
-    fixed configuration. The shared experts keep their own FP8 GEMMs (no joint launch)."""
+    fixed configuration. As with FusedExperts, batches of up to FUSED_SHARED_MAX_TOKENS rows (any batch in
+    batch-invariant mode) take FP8 shared experts in the same launch (joint_fp8_expert_weights)."""
+
+    is_joint_shared = True
 
     def __init__(self, block: tuple[int, int], is_batch_invariant: bool = False):
         self.block = block
@@ -310,11 +318,17 @@ class Fp8FusedExperts(ExpertsMethod):
 
     def apply_experts(self, experts: nn.Module, x: torch.Tensor, weights: torch.Tensor,
                       ids: torch.Tensor) -> torch.Tensor:
+        return self.apply_joint(x, (experts.gate_up_proj, experts.gate_up_proj_scale_inv, experts.down_proj,
+                                    experts.down_proj_scale_inv), weights, ids)
+
+    def apply_joint(self, x: torch.Tensor, joint: tuple[torch.Tensor, ...], weights: torch.Tensor,
+                    ids: torch.Tensor) -> torch.Tensor:
         from deepinfer_kernels.fused_moe_fp8 import fused_moe_fp8
 
-        return fused_moe_fp8(x.contiguous(), experts.gate_up_proj, experts.gate_up_proj_scale_inv,
-                             experts.down_proj, experts.down_proj_scale_inv, weights, ids, self.block,
-                             batch_invariant=self.is_batch_invariant)
+        return fused_moe_fp8(x.contiguous(), *joint, weights, ids, self.block, batch_invariant=self.is_batch_invariant)
+
+    def fuses_shared(self, num_tokens: int) -> bool:
+        return num_tokens <= FUSED_SHARED_MAX_TOKENS or self.is_batch_invariant
 
 
 def experts_method(config: KernelConfig) -> ExpertsMethod:
@@ -369,10 +383,10 @@ class MoE(nn.Module):
         """In an expert-parallel worker, the hook that runs routed and shared experts across the EP group
         (deepinfer_rt/distributed/ep.py); `experts` then holds only this rank's slots."""
 
-        self.joint_experts: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.joint_experts: tuple[torch.Tensor, ...] | None = None
         """(gate_up (E + S, 2I, H), down (E + S, H, I)): the routed experts followed by the S shared experts of
         width I, set on GPU by `process_weights_after_loading` (experts.gate_up_proj / down_proj are views of
-        their first E experts) and dropped by any `.to()`."""
+        their first E experts) and dropped by any `.to()`; FP8 experts: (gate_up, its scales, down, its scales)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         c = self.config
@@ -386,7 +400,7 @@ class MoE(nn.Module):
         if self.expert_parallel is not None:
             return self.expert_parallel(self, x, weights, ids)
         if fused:
-            return self.experts.method.apply(x, *self.joint_experts, weights, ids)
+            return self.experts.method.apply_joint(x, self.joint_experts, weights, ids)
         y = self.experts(x, weights, ids)
         return y if self.shared_experts is None else y + self.shared_experts(x)
 
@@ -399,30 +413,27 @@ class MoE(nn.Module):
         longer batches, where its dense GEMMs run faster than the grouped kernel. Called once the weights are
         final and on their device (models.loader.finalize, after the experts' own); a `.to()` drops the joint tensors, and a weight
         reload must call it again. The shared experts' weights are held twice (~0.9 GB for V2-Lite in bf16)."""
-        if (self.shared_experts is None or self.expert_parallel is not None or not self.experts.method.is_joint_shared
-                or self.shared_experts.gate_up_proj.method.is_quantized):  # FP8 shared experts: their own GEMMs
+        if (self.shared_experts is None or self.expert_parallel is not None
+                or not self.experts.method.is_joint_shared):
             return
-        e = self.experts.num_experts
-        gate_up, down = joint_expert_weights(self.experts, self.shared_experts, self.config.n_shared_experts)
-        self.experts.gate_up_proj.data, self.experts.down_proj.data = gate_up[:e], down[:e]
-        self.joint_experts = gate_up, down
+        e, n_shared = self.experts.num_experts, self.config.n_shared_experts
+        if isinstance(self.experts.method, Fp8FusedExperts):
+            joint = joint_fp8_expert_weights(self.experts, self.shared_experts, n_shared, self.experts.method.block)
+            if joint is None:
+                return
+            names = ("gate_up_proj", "gate_up_proj_scale_inv", "down_proj", "down_proj_scale_inv")
+        elif self.shared_experts.gate_up_proj.method.is_quantized:  # quantized shared experts, 16-bit routed ones
+            return
+        else:
+            joint = joint_expert_weights(self.experts, self.shared_experts, n_shared)
+            names = ("gate_up_proj", "down_proj")
+        for name, tensor in zip(names, joint):
+            getattr(self.experts, name).data = tensor[:e]
+        self.joint_experts = joint
 
     def _apply(self, fn, recurse=True):
         self.joint_experts = None  # moved or cast: the routed parameters are no longer views of them
         return super()._apply(fn, recurse)
-
-
-def joint_expert_weights(experts: RoutedExperts, shared: GatedMLP,
-                         n_shared: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(gate_up (E + S, 2I, H), down (E + S, H, I)): the routed experts, then the shared MLP of width S * I as
-    S experts of width I (its gate/up rows and down columns cut in S blocks). A token that takes those S
-    experts with weight 1 gets the shared MLP's output: down(silu(gate x) * up x) sums over the width."""
-    _, two_i, hidden = experts.gate_up_proj.shape
-    inter = two_i // 2
-    gate, up = shared.gate_up_proj.weight.data.view(2, n_shared, inter, hidden).unbind(0)
-    shared_down = shared.down_proj.weight.data.view(hidden, n_shared, inter).transpose(0, 1)
-    return (torch.cat([experts.gate_up_proj.data, torch.cat([gate, up], dim=1)]),
-            torch.cat([experts.down_proj.data, shared_down]))
 
 
 _PER_EXPERT = re.compile(r"(?P<prefix>.+\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)"

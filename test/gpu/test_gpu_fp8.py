@@ -214,6 +214,29 @@ def test_fused_moe_fp8_v2_lite_experts(t):
     assert rel_err(y, bf16) <= 0.06
 
 
+@pytest.mark.parametrize("t", [1, 2, 4])
+def test_fp8_moe_gemv_form_v2_lite_experts(t):
+    """The GEMV form (the default at one token) compiled, V2-Lite experts with the two shared experts appended as
+    ids 64-65 of weight 1 (the joint launch): against the torch form and the tiled kernels (both <= 2e-2 in norm,
+    as the tiled kernels against the torch form)."""
+    from deepinfer_kernels.fused_moe_fp8 import GEMV_MAX_TOKENS, fused_moe_fp8
+    from deepinfer_kernels.reference import fused_moe_fp8 as ref
+
+    c = V2_LITE_EXPERTS
+    q_gu, s_gu, qd, sd = _fp8_experts(c["e"] + 2, c["hidden"], c["inter"], seed=20 + t)
+    g = torch.Generator(device=DEV).manual_seed(t + 30)
+    x = torch.randn(t, c["hidden"], device=DEV, generator=g).bfloat16()
+    ids = torch.rand(t, c["e"], device=DEV, generator=g).topk(c["k"], dim=-1).indices
+    ids = torch.cat([ids, torch.tensor([[c["e"], c["e"] + 1]], device=DEV).expand(t, 2)], dim=1)
+    w = torch.cat([torch.rand(t, c["k"], device=DEV, generator=g), torch.ones(t, 2, device=DEV)], dim=1)
+    y = fused_moe_fp8(x, q_gu, s_gu, qd, sd, w, ids, config=dict(decode="gemv"))
+    if t <= GEMV_MAX_TOKENS:
+        assert torch.equal(fused_moe_fp8(x, q_gu, s_gu, qd, sd, w, ids), y)
+    assert rel_err(y, ref(x, q_gu, s_gu, qd, sd, w, ids)) <= 2e-2
+    tiled = fused_moe_fp8(x, q_gu, s_gu, qd, sd, w, ids, config=dict(BLOCK_N=64, num_warps=4, num_stages=3))
+    assert rel_err(y, tiled) <= 2e-2
+
+
 def test_batch_invariant_fp8_moe_and_gemm_bitwise():
     """Batch-invariant mode's FP8 paths compiled: the fused MoE (INVARIANT_TILES) and the tiled GEMM
     (INVARIANT_TILE) give each token the same bits alone and in batches of 64 / 300 tokens, V2-Lite shapes."""

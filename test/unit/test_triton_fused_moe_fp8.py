@@ -206,3 +206,51 @@ _GEMV_FP8 = textwrap.dedent("""
 
 def test_fp8_moe_gemv_form_equals_torch_form():
     assert _interpret(_GEMV_FP8).strip().endswith("ok")
+
+
+# FP8 shared experts join the routed ones (MoE.process_weights_after_loading, joint_fp8_expert_weights): the shared
+# MLP cut in two experts of one scale block each, scales with them; the routed tensors become views of the joint
+# ones; one fused launch then gives what the routed launch plus the shared MLP's FP8 GEMMs give (the same
+# activation groups on both sides: a block of the shared width is one expert's). Beyond FUSED_SHARED_MAX_TOKENS rows
+# the shared MLP runs apart; a width that would cut a scale block keeps the experts apart.
+_JOINT_FP8 = textwrap.dedent("""
+    import torch
+    from deepinfer_rt.config import ModelConfig
+    from deepinfer_rt.layers import moe as moe_module
+    from deepinfer_rt.layers.kernel_config import KernelConfig, build_context
+    from deepinfer_rt.layers.moe import MoE
+    from deepinfer_rt.models.loader import finalize
+
+    def build(inter):
+        config = ModelConfig(architecture="DeepseekV2ForCausalLM", vocab_size=32, hidden_size=256,
+                             intermediate_size=64, num_layers=1, num_heads=2, num_kv_heads=2, head_dim=16,
+                             rms_norm_eps=1e-6, max_position=64, tie_word_embeddings=False, eos_token_ids=(0,),
+                             bos_token_id=None, n_routed_experts=4, n_shared_experts=2, num_experts_per_tok=2,
+                             moe_intermediate_size=inter)
+        with build_context(KernelConfig(device_type="cuda", quantization="fp8", is_checkpoint_quantized=False)):
+            moe = MoE(config)
+        gen = torch.Generator().manual_seed(inter)
+        for p in moe.parameters():
+            p.data.copy_(torch.randn(p.shape, generator=gen) * 0.05)
+        return finalize(moe), gen
+
+    moe, gen = build(128)
+    gate_up, gate_up_s, down, down_s = moe.joint_experts
+    assert gate_up.shape == (6, 256, 256) and gate_up_s.shape == (6, 2, 2) and down_s.shape == (6, 2, 1)
+    assert moe.experts.gate_up_proj.data_ptr() == gate_up.data_ptr()
+    assert moe.experts.down_proj_scale_inv.data_ptr() == down_s.data_ptr()
+    x = torch.randn(3, 256, generator=gen)
+    joint = moe(x)
+    moe_module.FUSED_SHARED_MAX_TOKENS = 2  # 3 rows: the routed launch, then the shared MLP's FP8 GEMMs
+    apart = moe(x)
+    assert (joint - apart).abs().max() <= 1e-5 * apart.abs().max(), (joint - apart).abs().max().item()
+    assert moe.shared_experts(x).abs().max() > 0.1 * apart.abs().max()  # the shared part counts
+    moe_module.FUSED_SHARED_MAX_TOKENS = 512
+    uneven, _ = build(192)  # 1.5 scale blocks an expert: kept apart
+    assert uneven.joint_experts is None
+    print("ok")
+""")
+
+
+def test_fp8_shared_experts_join_the_routed_launch():
+    assert _interpret(_JOINT_FP8).strip().endswith("ok")
