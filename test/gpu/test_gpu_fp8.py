@@ -237,6 +237,38 @@ def test_fp8_moe_gemv_form_v2_lite_experts(t):
     assert rel_err(y, tiled) <= 2e-2
 
 
+@pytest.mark.parametrize("num_tokens", [1, 16])
+def test_fp8_moe_joins_shared_experts(num_tokens, monkeypatch):
+    """An FP8 MoE on the GPU (V2-Lite's 64 experts, top-6, two shared; widths of one 128-block) joins its shared
+    experts to the routed launch (the GEMV form at one token): equal within 2e-2 in norm to the same MoE with the
+    shared MLP's FP8 GEMMs apart, and within 8% of the fp32 CPU MoE on the unquantized weights."""
+    from deepinfer_rt.config import ModelConfig
+    from deepinfer_rt.layers import moe as moe_module
+    from deepinfer_rt.layers.kernel_config import KernelConfig, build_context
+    from deepinfer_rt.layers.moe import MoE
+    from deepinfer_rt.models.loader import finalize
+
+    config = ModelConfig(architecture="DeepseekV2ForCausalLM", vocab_size=32, hidden_size=256, intermediate_size=64,
+                         num_layers=1, num_heads=2, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-6, max_position=64,
+                         tie_word_embeddings=False, eos_token_ids=(0,), bos_token_id=None, n_routed_experts=64,
+                         n_shared_experts=2, num_experts_per_tok=6, moe_intermediate_size=128)
+    gen = torch.Generator().manual_seed(num_tokens)
+    ref = MoE(config)
+    for p in ref.parameters():
+        p.data.copy_(torch.randn(p.shape, generator=gen) * 0.05)
+    with build_context(KernelConfig(device_type="cuda", quantization="fp8", is_checkpoint_quantized=False)):
+        moe = MoE(config)
+    moe.load_state_dict(ref.state_dict())
+    moe = finalize(moe.to(DEV, torch.bfloat16))
+    assert moe.joint_experts is not None and moe.joint_experts[0].shape[0] == 66
+    x = torch.randn(num_tokens, 256, generator=gen).to(torch.bfloat16).float()
+    joint = moe(x.to(DEV, torch.bfloat16))
+    monkeypatch.setattr(moe_module, "FUSED_SHARED_MAX_TOKENS", 0)
+    apart = moe(x.to(DEV, torch.bfloat16))
+    assert rel_err(joint, apart) <= 2e-2
+    assert rel_err(joint.cpu(), ref(x)) <= 0.08
+
+
 def test_batch_invariant_fp8_moe_and_gemm_bitwise():
     """Batch-invariant mode's FP8 paths compiled: the fused MoE (INVARIANT_TILES) and the tiled GEMM
     (INVARIANT_TILE) give each token the same bits alone and in batches of 64 / 300 tokens, V2-Lite shapes."""
