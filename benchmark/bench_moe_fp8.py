@@ -4,7 +4,6 @@ at V2-Lite's expert shapes (64 experts of 2048 x 1408, top-6, uniform routing), 
   bf16        fused_moe (autotuned) on the dequantized experts: the peer;
   fp8         fused_moe_fp8 as the engine calls it (activations quantized once, autotuned tiles);
   fp8 tiles   each of fused_moe_fp8.TUNE_CONFIGS fixed: what the autotuner chooses from;
-  fp8 gemv    the GEMV form (fused_moe_fp8_gemv; "fp8" itself at one token) at each of GEMV_CANDIDATES' tiles;
   baseline    with --baseline FILE, a fused_moe_fp8 module loaded from that file (an earlier version).
 
 Each timing replays a graph of `--copies` calls over as many copies of the experts, so no call finds its weights
@@ -31,9 +30,6 @@ from bench_fp8_gemm import ceilings  # noqa: E402
 from bench_kernels import _graph_time  # noqa: E402
 
 E, HIDDEN, INTER, TOPK = 64, 2048, 1408, 6
-GEMV_CANDIDATES = ((16, 256, 16, 512, 4), (16, 128, 16, 256, 4), (32, 256, 32, 512, 4), (8, 512, 8, 512, 4),
-                   (16, 512, 16, 512, 8), (32, 128, 8, 512, 4), (8, 256, 8, 256, 2))
-"""The GEMV form's tiles timed at up to four tokens (gate_up BLOCK_N / BLOCK_K, down's, warps)."""
 
 
 def _load(path: str):
@@ -92,12 +88,6 @@ def main() -> None:
                 config = dict(BLOCK_N=bn, num_warps=warps, num_stages=stages)
                 systems[f"fp8 N{bn} w{warps} s{stages}"] = (
                     lambda config=config: [fm8.fused_moe_fp8(x, *w, weights, ids, config=config) for w in fp8])
-            if t <= 4:
-                for bn, bk, dbn, dbk, warps in GEMV_CANDIDATES:
-                    config = dict(decode="gemv", BLOCK_N=bn, BLOCK_K=bk, DOWN_BLOCK_N=dbn, DOWN_BLOCK_K=dbk,
-                                  num_warps=warps)
-                    systems[f"fp8 gemv N{bn} K{bk} dN{dbn} dK{dbk} w{warps}"] = (
-                        lambda config=config: [fm8.fused_moe_fp8(x, *w, weights, ids, config=config) for w in fp8])
         times = {}
         for name, fn in systems.items():
             try:

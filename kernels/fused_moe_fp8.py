@@ -27,7 +27,6 @@ import triton.language as tl
 
 from deepinfer_kernels.fp8_quant import quantize_fp8_token_groups
 from deepinfer_kernels.fused_moe import _even_k, combine_slots, pair_blocks, pair_rows
-from deepinfer_kernels.fused_moe_fp8_gemv import gemv_experts_fp8
 
 
 @triton.jit
@@ -135,9 +134,6 @@ def _tuned(kernel):
 
 _gate_up_fp8_tuned, _down_fp8_tuned = _tuned(_gate_up_fp8), _tuned(_down_fp8)
 _gate_up_fp8_fixed, _down_fp8_fixed = _even_k(_gate_up_fp8), _even_k(_down_fp8)
-GEMV_MAX_TOKENS = 1
-"""Batches of up to this many tokens run the GEMV form (deepinfer_kernels.fused_moe_fp8_gemv: two launches, no
-sort, activations quantized in registers) unless a config is given; larger ones the tiled kernels."""
 INTERPRETED_TILES = dict(BLOCK_N=32, num_warps=4, num_stages=1)
 """The tile of interpreted (CPU) runs, where there is nothing to tune."""
 INVARIANT_TILES = dict(BLOCK_M=32, BLOCK_N=64, num_warps=4, num_stages=3)
@@ -152,9 +148,7 @@ def fused_moe_fp8(x: torch.Tensor, gate_up: torch.Tensor, gate_up_scale: torch.T
     """x (T, H) 16/32-bit; FP8 experts with their block scales (module docstring); weights (T, k) fp32; ids
     (T, k) -> sum_k weights * down(silu(gate x) * up x), (T, H) in x's dtype. block = (bn, bk) of the weight
     scales; bk (a power of two >= 16) is also the activations' quantization group. config: fixed BLOCK_N /
-    num_warps / num_stages instead of the autotuner (tests, sweeps), or decode "gemv" and the GEMV form's tiles
-    (fused_moe_fp8_gemv.GEMV_TILES; the default on the GPU up to GEMV_MAX_TOKENS tokens). batch_invariant: each
-    token's result bitwise
+    num_warps / num_stages instead of the autotuner (tests, sweeps). batch_invariant: each token's result bitwise
     the same in any batch (INVARIANT_TILES; every quantization is per token or per pair, a row of a tile's dot
     depends on its own inputs only, and the slots are summed in order)."""
     t, k = ids.shape
@@ -173,11 +167,6 @@ def fused_moe_fp8(x: torch.Tensor, gate_up: torch.Tensor, gate_up_scale: torch.T
         raise ValueError("fused_moe_fp8 needs contiguous x, expert weights and scales")
     num_pairs = t * k
     interpreted = x.device.type == "cpu"
-    if config is not None and config.get("decode") == "gemv" and not batch_invariant:
-        return gemv_experts_fp8(x, gate_up, gate_up_scale, down, down_scale, weights, ids, block,
-                                {key: v for key, v in config.items() if key != "decode"})
-    if config is None and not batch_invariant and not interpreted and t <= GEMV_MAX_TOKENS:
-        return gemv_experts_fp8(x, gate_up, gate_up_scale, down, down_scale, weights, ids, block)
     block_m = None
     if batch_invariant:
         config = dict(INVARIANT_TILES)

@@ -163,50 +163,6 @@ def test_batch_invariant_fp8_moe_and_gemm_bitwise_in_any_batch():
     assert _interpret(_INVARIANT_FP8).strip().endswith("ok")
 
 
-# The GEMV form (fused_moe_fp8_gemv, the GPU's default for one decode token): the same values as the torch form up to
-# the order of fp32 sums, with widths ending inside a scale block (200 = 1.56 blocks; hidden 160) and K steps of two
-# scale groups (a group past K reads nothing), a zero activation group, an expert taken twice by one token's slots
-# and fp32 / fp16 activations; a K step that is not a multiple of the scale block is refused.
-_GEMV_FP8 = textwrap.dedent("""
-    import torch
-    from deepinfer_kernels.fused_moe_fp8 import fused_moe_fp8
-    from deepinfer_kernels.reference import fused_moe_fp8 as ref, quantize_fp8_blocks
-    g = torch.Generator().manual_seed(4)
-    e, hidden, inter, k = 5, 160, 200, 3
-    gate, up = torch.randn(e, inter, hidden, generator=g) * 0.05, torch.randn(e, inter, hidden, generator=g) * 0.05
-    gate[:, :, :128] *= 10
-    down = torch.randn(e, hidden, inter, generator=g) * 0.05
-    (qg, sg), (qu, su), (qd, sd) = (quantize_fp8_blocks(w) for w in (gate, up, down))
-    q_gu, s_gu = torch.cat([qg, qu], dim=1), torch.cat([sg, su], dim=1)
-    gemv = dict(decode="gemv", BLOCK_N=16, BLOCK_K=256, DOWN_BLOCK_N=32, DOWN_BLOCK_K=128, num_warps=4)
-    for dtype, t in ((torch.float32, 1), (torch.float32, 3), (torch.float16, 2)):
-        x = torch.randn(t, hidden, generator=g).to(dtype)
-        x[0, 128:] = 0
-        ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
-        ids[0, 2] = ids[0, 0]  # one expert in two slots
-        w = torch.rand(t, k, generator=g)
-        y = fused_moe_fp8(x, q_gu, s_gu, qd, sd, w, ids, config=gemv)
-        want = ref(x, q_gu, s_gu, qd, sd, w, ids)
-        assert y.shape == (t, hidden) and y.dtype == dtype
-        diff, want = y.float() - want.float(), want.float()
-        if dtype == torch.float32:
-            assert diff.abs().max() <= 1e-5 * want.abs().max(), (t, diff.abs().max().item())
-        else:
-            assert diff.norm() <= 0.01 * want.norm(), (t, (diff.norm() / want.norm()).item())
-        assert want.abs().max() > 0
-    try:
-        fused_moe_fp8(x, q_gu, s_gu, qd, sd, w, ids, config=dict(gemv, BLOCK_K=192))
-    except ValueError as err:
-        assert "BLOCK_K 192" in str(err)
-    else:
-        raise AssertionError("a K step of 1.5 scale blocks was accepted")
-    print("ok")
-""")
-
-
-def test_fp8_moe_gemv_form_equals_torch_form():
-    assert _interpret(_GEMV_FP8).strip().endswith("ok")
-
 
 # FP8 shared experts join the routed ones (MoE.process_weights_after_loading, joint_fp8_expert_weights): the shared
 # MLP cut in two experts of one scale block each, scales with them; the routed tensors become views of the joint
