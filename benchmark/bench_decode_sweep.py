@@ -8,10 +8,6 @@ import torch
 
 from bench_kernels import _decode_inputs, _graph_time
 from deepinfer_kernels.decode_attention import num_splits_for, paged_decode_attention
-from deepinfer_rt.env import get_env
-
-DEFAULT_MERGE = get_env().decode_merge
-
 L2_FLUSH_BYTES = 160 << 20
 """Distinct KV bytes a timed call reads at least (past the L2 of the GPUs here)."""
 
@@ -30,25 +26,22 @@ def gqa_decode_sweep_rows(context: int, copy_bw: float, batches=(1, 4, 16, 64, 2
         kvs = [(k, v)] + [(k.clone(), v.clone()) for _ in range(copies - 1)]
         engine = num_splits_for(batch, 3, num_sms, 64)
         split_counts = (1, 2, 4, 8, 16, 32) + ((64, 128, 256) if batch <= 4 else ())  # one long request: more splits
-        # The merge by each head block's last split (no merge launch) beside the merge kernel where splits are many.
-        configs = [(sp, bn, st, "kernel") for sp, bn, st in itertools.product(split_counts, (32, 64, 128), (2, 3))]
-        configs += [(sp, bn, st, "last_program")
-                    for sp, bn, st in itertools.product(split_counts, (64, 128), (2, 3)) if sp >= 8]
-        for splits, block_n, stages, merge in configs:
-            def attend_all(splits=splits, block_n=block_n, stages=stages, merge=merge):
+        for splits, block_n, stages in itertools.product(split_counts, (32, 64, 128), (2, 3)):
+            def attend_all(splits=splits, block_n=block_n, stages=stages):
                 for kc, vc in kvs:
                     paged_decode_attention(q, kc, vc, table, rows_, lens, 1, 0.125, splits, block_n=block_n,
-                                           num_stages=stages, merge=merge)
+                                           num_stages=stages)
             try:
                 s = _graph_time(attend_all) / copies
             except Exception as exc:  # out of shared memory at this depth: not a candidate
-                print("gqa", batch, splits, block_n, stages, merge, type(exc).__name__, flush=True)
+                print("gqa", batch, splits, block_n, stages, type(exc).__name__, flush=True)
                 continue
             frac = 2 * k.numel() * 2 / s / copy_bw
-            engine_choice = splits == engine and block_n == 64 and stages == 3 and merge == DEFAULT_MERGE
+            engine_choice = splits == engine and block_n == 64 and stages == 3
             rows.append({"kernel": "gqa_decode_sweep", "batch": batch, "splits": splits, "block_n": block_n,
-                         "kv_copies": copies, "num_stages": stages, "merge": merge,
-                         "engine_choice": engine_choice, "us": s * 1e6, "fraction_of_copy_bw": frac})
-            print(f"gqa B{batch} splits={splits} block_n={block_n} stages={stages} merge={merge}: {s * 1e6:6.1f} us {frac:.3f}{' (engine)' if engine_choice else ''}", flush=True)
+                         "kv_copies": copies, "num_stages": stages, "engine_choice": engine_choice,
+                         "us": s * 1e6, "fraction_of_copy_bw": frac})
+            print(f"gqa B{batch} splits={splits} block_n={block_n} stages={stages}: {s * 1e6:6.1f} us {frac:.3f}"
+                  f"{' (engine)' if engine_choice else ''}", flush=True)
         del k, v, table, kvs
     return rows

@@ -129,15 +129,14 @@ def _store_split(PartO, PartLse, out, lse, b, kvh, head0, split, num_splits, GRO
 
 
 @triton.jit
-def _decode_split_kernel(Q, QT, K, V, KS, VS, PageTable, TableRows, SeqLens, PartO, PartLse, O, Count,
+def _decode_split_kernel(Q, QT, K, V, KS, VS, PageTable, TableRows, SeqLens, PartO, PartLse, O,
                          stride_qb, stride_qh, stride_qtb, stride_qth, stride_kn, stride_kh, stride_vn, stride_vh,
                          stride_ks, stride_vs, stride_pt, stride_ob, stride_oh,
                          sm_scale, page_size,
                          GROUP: tl.constexpr, BLOCK_H: tl.constexpr, DK: tl.constexpr, DT: tl.constexpr,
                          DV: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
                          V_IS_K: tl.constexpr, IEEE: tl.constexpr, KV_FP8: tl.constexpr,
-                         F16_DOT: tl.constexpr, HEAD_BLOCKS: tl.constexpr, LAST_MERGE: tl.constexpr,
-                         BLOCK_S: tl.constexpr, MERGE_D: tl.constexpr, PDL: tl.constexpr):
+                         F16_DOT: tl.constexpr, HEAD_BLOCKS: tl.constexpr, PDL: tl.constexpr):
     if PDL:  # q and the step's K / V rows are the kernels' before
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -162,16 +161,6 @@ def _decode_split_kernel(Q, QT, K, V, KS, VS, PageTable, TableRows, SeqLens, Par
                  mask=(offs_h < GROUP)[:, None])
     else:
         _store_split(PartO, PartLse, out, lse, b, kvh, head0, split, NUM_SPLITS, GROUP, BLOCK_H, DV, HEAD_BLOCKS)
-        if LAST_MERGE:  # the last split of this (row, head block) to finish merges them: no merge launch
-            tl.debug_barrier()  # every thread's partial is stored before the count (release, GPU scope)
-            count = Count + b * tl.num_programs(1) + tl.program_id(1)
-            if tl.atomic_add(count, 1, sem="acq_rel") == NUM_SPLITS - 1:
-                num_heads = GROUP * (tl.num_programs(1) // HEAD_BLOCKS)
-                for i in range(0, tl.minimum(BLOCK_H, GROUP - head0)):
-                    for d0 in tl.static_range(0, DV, MERGE_D):
-                        _merge_columns(PartO, PartLse, O, b, kvh * GROUP + head0 + i, d0, num_heads, stride_ob,
-                                       stride_oh, NUM_SPLITS, BLOCK_S, DV, MERGE_D, True)
-                tl.atomic_xchg(count, 0)  # for the next launch (a replayed graph's too)
 
 
 @triton.jit
@@ -203,16 +192,13 @@ def _fixed_split_kernel(Q, QT, K, V, KS, VS, PageTable, TableRows, SeqLens, Part
 
 @triton.jit
 def _merge_columns(PartO, PartLse, O, b, h, d0, num_heads, stride_ob, stride_oh, NUM_SPLITS: tl.constexpr,
-                   BLOCK_S: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, CG: tl.constexpr):
+                   BLOCK_S: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr):
     """Head h of row b, output columns d0 .. d0 + BLOCK_D: the splits' partial outputs weighted by their
-    log-sum-exp. CG: the partials were written by other programs of this launch (loads bypass L1)."""
+    log-sum-exp."""
     offs_s = tl.arange(0, BLOCK_S)
     smask = offs_s < NUM_SPLITS
     base = (b * num_heads + h) * NUM_SPLITS
-    if CG:
-        lse = tl.load(PartLse + base + offs_s, mask=smask, other=float("-inf"), cache_modifier=".cg")
-    else:
-        lse = tl.load(PartLse + base + offs_s, mask=smask, other=float("-inf"))
+    lse = tl.load(PartLse + base + offs_s, mask=smask, other=float("-inf"))
     m = tl.max(lse, 0)
     m = tl.where(m == float("-inf"), 0.0, m)
     w = tl.exp2(lse - m)  # 0 for empty splits
@@ -221,10 +207,7 @@ def _merge_columns(PartO, PartLse, O, b, h, d0, num_heads, stride_ob, stride_oh,
     # Empty splits (past a short row's end: the grid is sized for long ones) are never read.
     full = smask & (lse > float("-inf"))
     ptrs = PartO + (base + offs_s)[:, None] * DV + offs_d[None, :]
-    if CG:
-        parts = tl.load(ptrs, mask=full[:, None] & dmask[None, :], other=0.0, cache_modifier=".cg")
-    else:
-        parts = tl.load(ptrs, mask=full[:, None] & dmask[None, :], other=0.0)
+    parts = tl.load(ptrs, mask=full[:, None] & dmask[None, :], other=0.0)
     total = tl.sum(w, 0)
     out = tl.sum(parts * w[:, None], 0) / tl.where(total == 0.0, 1.0, total)
     tl.store(O + b * stride_ob + h * stride_oh + offs_d, out.to(O.dtype.element_ty), mask=dmask)
@@ -242,28 +225,11 @@ def _merge_splits_kernel(PartO, PartLse, O, stride_ob, stride_oh, NUM_HEADS: tl.
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     _merge_columns(PartO, PartLse, O, tl.program_id(0), tl.program_id(1), tl.program_id(2) * BLOCK_D, NUM_HEADS,
-                   stride_ob, stride_oh, NUM_SPLITS, BLOCK_S, DV, BLOCK_D, False)
+                   stride_ob, stride_oh, NUM_SPLITS, BLOCK_S, DV, BLOCK_D)
 
 
 MERGE_TILE = 4096
 """fp32 values of partial outputs one merge program holds (BLOCK_S x BLOCK_D): 32 a thread at 4 warps."""
-
-
-MERGES = ("kernel", "last_program")
-"""How the default mode's split partials are merged: by a second kernel, or by the last split of each (row, head
-block) to finish (one launch; the same sums, column block by column block)."""
-_MERGE_COUNTERS = 1 << 16
-"""(row, head block) counters of the last-program merge (int32, per device, zero between launches); a launch of
-more programs per split merges in the second kernel. Shared by every launch on the device: decode attention
-launches in one stream order (the engine's compute stream and its graphs)."""
-_counters: dict[torch.device, torch.Tensor] = {}
-
-
-def _merge_counters(device: torch.device) -> torch.Tensor:
-    """The device's counters: made once and kept, so a captured graph's pointer stays valid."""
-    if device not in _counters:
-        _counters[device] = torch.zeros(_MERGE_COUNTERS, dtype=torch.int32, device=device)
-    return _counters[device]
 
 
 def merge_block_d(num_splits: int, dv: int) -> int:
@@ -390,17 +356,15 @@ def paged_decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Te
                            num_splits: int, out: torch.Tensor | None = None, block_n: int | None = None,
                            num_warps: int = 4, num_stages: int | None = None, q_tail: torch.Tensor | None = None,
                            k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-                           kv_dot: str = "f16", merge: str = "kernel", pdl: bool = False) -> torch.Tensor:
+                           kv_dot: str = "f16", pdl: bool = False) -> torch.Tensor:
     """q (B, Hq, Dqk); k_buf (slots, Hkv, Dqk); v_buf (slots, Hkv, Dv), for MLA a column view of k_buf;
     page_table (R, W) int32 page ids; table_rows (B,) int32 row of each sequence; seq_lens (B,) int32.
     q_tail: the query's last columns apart (MLA's rope part), q then (B, Hq, Dv). k_scale / v_scale (slots, Hkv)
-    float32: the row scales of float8_e4m3fn buffers (MLA: the same tensor); kv_dot: one of FP8_KV_DOTS; merge:
-    one of MERGES; pdl: the kernels as programmatic dependent launches (CUDA, SM90+; dispatch.pdl_launch). Returns
+    float32: the row scales of float8_e4m3fn buffers (MLA: the same tensor); kv_dot: one of FP8_KV_DOTS; pdl: the
+    kernels as programmatic dependent launches (CUDA, SM90+; dispatch.pdl_launch). Returns
     (B, Hq, Dv) in q's dtype."""
     if kv_dot not in FP8_KV_DOTS:
         raise ValueError(f"decode attention: kv_dot {kv_dot!r} is not one of {FP8_KV_DOTS}")
-    if merge not in MERGES:
-        raise ValueError(f"decode attention: merge {merge!r} is not one of {MERGES}")
     bsz, hq, _ = q.shape
     hkv, dk, dv = k_buf.shape[1], k_buf.shape[-1], v_buf.shape[-1]
     q_tail = _query_tail(q, q_tail, dk, dv)
@@ -421,19 +385,15 @@ def paged_decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Te
     # sweep) and for fp32 caches (shared memory).
     num_stages = num_stages or (3 if dk <= 256 and not layout["IEEE"] else 2)
     grid = (bsz, hkv * layout["HEAD_BLOCKS"], num_splits)
-    last = merge == "last_program" and num_splits > 1 and grid[0] * grid[1] <= _MERGE_COUNTERS
-    block_d = merge_block_d(num_splits, dv)
     _decode_split_kernel[grid](
         q, q_tail, k_buf, v_buf, ks, vs, page_table, table_rows, seq_lens, part_o, part_lse, out,
-        _merge_counters(q.device) if last else part_lse,
         q.stride(0), q.stride(1), q_tail.stride(0), q_tail.stride(1), k_buf.stride(0), k_buf.stride(1),
         v_buf.stride(0), v_buf.stride(1), ks.stride(0), vs.stride(0),
         page_table.stride(0), out.stride(0), out.stride(1), scale, page_size, BLOCK_N=block_n,
-        NUM_SPLITS=num_splits, **layout, LAST_MERGE=last,
-        BLOCK_S=max(2, triton.next_power_of_2(num_splits)), MERGE_D=block_d, num_warps=num_warps,
-        num_stages=num_stages, **pdl_launch(pdl))
-    if num_splits == 1 or last:
+        NUM_SPLITS=num_splits, **layout, num_warps=num_warps, num_stages=num_stages, **pdl_launch(pdl))
+    if num_splits == 1:
         return out
+    block_d = merge_block_d(num_splits, dv)
     _merge_splits_kernel[(bsz, hq, triton.cdiv(dv, block_d))](
         part_o, part_lse, out, out.stride(0), out.stride(1), NUM_HEADS=hq, NUM_SPLITS=num_splits,
         BLOCK_S=max(2, triton.next_power_of_2(num_splits)), DV=dv, BLOCK_D=block_d, num_warps=4,

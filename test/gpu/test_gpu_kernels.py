@@ -40,10 +40,6 @@ def test_paged_decode_attention(shape, page_size, num_splits):
     ref = paged_decode_attention_ref(q, k, v, table, rows, lens, page_size, dk**-0.5)
     assert rel_err(out, ref) < 1e-2
     assert (out[1] == 0).all()  # an empty sequence yields zeros
-    for _ in range(2):  # merged by each head block's last split; its counters back at zero for the next launch
-        last = paged_decode_attention(q, k, v, table, rows, lens, page_size, dk**-0.5, num_splits,
-                                      merge="last_program")
-        assert rel_err(last, out) < 2e-3 and (last[1] == 0).all()
 
 
 @pytest.mark.parametrize("num_tokens", [1, 3, 40, 700])

@@ -239,17 +239,11 @@ _LONG_DECODE = textwrap.dedent("""
     for splits in (1, 4, 32, 256):  # 256: the merge splits each head's 32 columns over two programs
         out = da.paged_decode_attention(q, k, v, table, rows, seq_lens, ps, d**-0.5, splits, block_n=16)
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
-        if splits <= 4:  # the merge by each head block's last split: the same bits
-            for _ in range(2):  # the counters are back at zero after a launch
-                last = da.paged_decode_attention(q, k, v, table, rows, seq_lens, ps, d**-0.5, splits, block_n=16,
-                                                 merge="last_program")
-                assert torch.equal(last, out)
-            assert not da._merge_counters(q.device).any()
     assert da.merge_block_d(256, 32) == 16 and da.merge_block_d(128, 512) == 32 and da.merge_block_d(4, 64) == 64
     assert da.num_splits_for(1, 1, 132, 576) == 128 and da.num_splits_for(16, 1, 132, 576) == 16
     assert [da.num_splits_for(b, 3, 132, 64) for b in (1, 4, 16, 64, 256)] == [256, 64, 16, 4, 1]  # GQA
     backend = object.__new__(TritonBackend)
-    backend.num_sms, backend.merge, backend.pdl = 4, "last_program", False  # the forward with the one-launch merge
+    backend.num_sms, backend.pdl = 4, False
 
     class Pool:
         pass
@@ -402,7 +396,7 @@ _LLAMA_ROPE_STORE = textwrap.dedent("""
         pool = KVPool(LlamaForCausalLM.kv_layout(config), num_pages=64, page_size=1, dtype=torch.float32,
                       device=torch.device("cpu"))
         backend = object.__new__(TritonBackend)
-        backend.num_sms, backend.is_rope_store_supported, backend.merge, backend.pdl = 4, fused, "kernel", False
+        backend.num_sms, backend.is_rope_store_supported, backend.pdl = 4, fused, False
         torch.manual_seed(1)
         pool.k[0].normal_(), pool.v[0].normal_()
         x = torch.randn(7, config.hidden_size)

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 from torch.nn.utils.rnn import pad_sequence
 
-from deepinfer_kernels.decode_attention import FP8_KV_DOTS, MERGES, num_splits_for, paged_decode_attention
+from deepinfer_kernels.decode_attention import FP8_KV_DOTS, num_splits_for, paged_decode_attention
 from deepinfer_kernels.dispatch import pdl_supported
 from deepinfer_kernels.elementwise import store_kv, store_kv_fp8
 from deepinfer_rt.env import get_env
@@ -77,9 +77,6 @@ class TritonBackend(AttentionBackend):
         self.kv_dot = get_env().fp8_kv_dot
         if self.kv_dot not in FP8_KV_DOTS:
             raise ValueError(f"DEEPINFER_FP8_KV_DOT={self.kv_dot!r}: not one of {FP8_KV_DOTS}")
-        self.merge = get_env().decode_merge
-        if self.merge not in MERGES:
-            raise ValueError(f"DEEPINFER_DECODE_MERGE={self.merge!r}: not one of {MERGES}")
         self.pdl = get_env().gpu_pdl and pdl_supported(device)
         """Decode attention as programmatic dependent launches (DEEPINFER_GPU_PDL)."""
 
@@ -136,14 +133,14 @@ class TritonBackend(AttentionBackend):
         d = meta.decode
         if d is not None and meta.decode_rows is None:
             return paged_decode_attention(q, k_buf, v_buf, d.page_table, d.table_rows, d.seq_lens, d.page_size,
-                                          scale, d.num_splits, q_tail=q_tail, merge=self.merge, pdl=self.pdl,
+                                          scale, d.num_splits, q_tail=q_tail, pdl=self.pdl,
                                           **scales)
         q = joined(q, q_tail)
         out = q.new_empty(q.shape[0], q.shape[1], v_buf.shape[-1])
         if d is not None:
             out[meta.decode_rows] = paged_decode_attention(q[meta.decode_rows], k_buf, v_buf, d.page_table,
                                                            d.table_rows, d.seq_lens, d.page_size, scale,
-                                                           d.num_splits, merge=self.merge, pdl=self.pdl, **scales)
+                                                           d.num_splits, pdl=self.pdl, **scales)
         hq = q.shape[1]
         for q_start, q_len, slots, mask in meta.extends:
             qe = q[q_start : q_start + q_len].transpose(0, 1)  # (Hq, L, D)
