@@ -194,10 +194,12 @@ class Env:
     """DEEPINFER_GPU_ROW_STEP=0: Llama-family models on CUDA run steps of a few tokens through the modules instead of
     the fused row step (models/llama_gpu_step.py: six launches a layer). Default on."""
     gpu_pdl: bool
-    """DEEPINFER_GPU_PDL (default on): the kernels of a decode step that take it (the Llama row step's products, the
-    decode attention and its merge) run as programmatic dependent launches on SM90+ GPUs: each may start while the
-    one before it finishes, reading its weights, and waits for it in-kernel before the rest. SmolLM2 at batch 1 on
-    an H100: 0.75 -> 0.61 ms a step at 2K context, 1.01 -> 0.90 ms at 32K; batch 16 unchanged. 0 turns it off."""
+    """DEEPINFER_GPU_PDL (default on): the kernels that take it (the Llama row step's products, the decode attention
+    and its merge; the FP8 GEMM's fused path and its split sum, the FP8 fused MoE's quantizations, GEMMs and slot
+    sum) run as programmatic dependent launches on SM90+ GPUs: each may start while the one before it finishes and
+    waits for it in-kernel before touching what other kernels touch. SmolLM2 at batch 1 on an H100: 0.75 -> 0.61 ms
+    a step at 2K context, 1.01 -> 0.90 ms at 32K; batch 16 unchanged (the FP8 kernels' share not yet timed). 0
+    turns it off."""
     cpu_bf16_gemv: str
     """DEEPINFER_CPU_BF16_GEMV: how the flat CPU step multiplies a lone bf16 row (a single decode stream) by a dense
     weight (models/cpu_row_products.py ROW_PRODUCTS): 'linear' (F.linear, the module path's op), 'mv' (torch.mv),

@@ -28,6 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
+from deepinfer_kernels.dispatch import pdl_launch, pdl_wait
 from deepinfer_kernels.fp8_quant import FP8_MAX, MIN_AMAX, quantize_fp8_token_groups
 
 
@@ -36,11 +37,12 @@ from deepinfer_kernels.fp8_quant import FP8_MAX, MIN_AMAX, quantize_fp8_token_gr
 def _fp8_block_gemm_kernel(X, W, WS, B, Y, P, Count, M, N, K, kb_per_split, stride_xm, stride_wn, stride_wsn,
                            stride_ym, HAS_BIAS: tl.constexpr, GROUP_N: tl.constexpr, BLOCK_M: tl.constexpr,
                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-                           LAST_SUMS: tl.constexpr, IS_INTERPRETED: tl.constexpr):
+                           LAST_SUMS: tl.constexpr, IS_INTERPRETED: tl.constexpr, PDL: tl.constexpr):
     """Program (m tile, n tile, split): K blocks [split * kb_per_split, (split + 1) * kb_per_split). One split
     writes Y; several write fp32 partial sums to P (SPLIT_K, M, N), which _split_k_sum_kernel adds in split order,
     or with LAST_SUMS the tile's last split to finish (a counter per tile at Count, reset by it) adds them in the
     same order itself."""
+    pdl_wait(PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_s = tl.program_id(2)
@@ -100,8 +102,9 @@ def _fp8_block_gemm_kernel(X, W, WS, B, Y, P, Count, M, N, K, kb_per_split, stri
 
 @triton.jit
 def _split_k_sum_kernel(P, B, Y, M, N, stride_ym, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
-                        BLOCK: tl.constexpr):
+                        BLOCK: tl.constexpr, PDL: tl.constexpr):
     """y[m, n] = p[0, m, n] + p[1, m, n] + ... (+ bias): fp32 adds in split order, one rounding at the store."""
+    pdl_wait(PDL)
     m = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < N
@@ -162,12 +165,13 @@ def _tile_counters(device: torch.device) -> torch.Tensor:
 
 def fp8_block_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor, group_n: int,
                    block_k: int, bias: torch.Tensor | None = None, config: dict | None = None,
-                   split_k: int | None = None, split_sum: str = "kernel") -> torch.Tensor:
+                   split_k: int | None = None, split_sum: str = "kernel", pdl: bool = False) -> torch.Tensor:
     """x (..., K) 16/32-bit, weight (N, K) float8_e4m3fn, weight_scale_inv (ceil(N/group_n), ceil(K/block_k))
     float32 -> (..., N) in x's dtype. block_k is the weights' column block and the activations' group (a power
     of two >= 16). config: fixed BLOCK_M / BLOCK_N / num_warps / num_stages (the interpreter test). split_k: K
     split over that many programs per output tile, their fp32 partial sums added in order by a second kernel or,
-    with split_sum 'last_program', by the tile's last split (None: split_k_for on the GPU, 1 elsewhere)."""
+    with split_sum 'last_program', by the tile's last split (None: split_k_for on the GPU, 1 elsewhere). pdl: both
+    launches programmatic dependent ones (dispatch.pdl_launch)."""
     k = x.shape[-1]
     x2 = x.reshape(-1, k)
     if x2.stride(1) != 1:
@@ -196,11 +200,12 @@ def fp8_block_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torc
         x2, weight, weight_scale_inv, bias_arg, y, part, _tile_counters(x.device) if last_sums else part, m, n, k,
         kb_per_split, x2.stride(0), weight.stride(0), weight_scale_inv.stride(0), y.stride(0),
         HAS_BIAS=bias is not None, GROUP_N=group_n, BLOCK_K=block_k, SPLIT_K=split_k, LAST_SUMS=last_sums,
-        IS_INTERPRETED=x.device.type == "cpu", **config)
+        IS_INTERPRETED=x.device.type == "cpu", **config, **pdl_launch(pdl))
     if split_k > 1 and not last_sums:
         block = min(1024, triton.next_power_of_2(n))
         _split_k_sum_kernel[(m, triton.cdiv(n, block))](part, bias_arg, y, m, n, y.stride(0),
-                                                         HAS_BIAS=bias is not None, SPLIT_K=split_k, BLOCK=block)
+                                                         HAS_BIAS=bias is not None, SPLIT_K=split_k, BLOCK=block,
+                                                         **pdl_launch(pdl))
     return y.view(*x.shape[:-1], n)
 
 
@@ -443,15 +448,17 @@ def auto_path(m: int, n: int = 1 << 62, block: tuple[int, int] = (128, 128)) -> 
 
 
 def fp8_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor, group_n: int, block_k: int,
-             bias: torch.Tensor | None = None, path: str = "auto", split_sum: str = "kernel") -> torch.Tensor:
+             bias: torch.Tensor | None = None, path: str = "auto", split_sum: str = "kernel",
+             pdl: bool = False) -> torch.Tensor:
     """y = x @ dequant(weight).T through `path` (one of FP8_GEMM_PATHS); the arguments as fp8_block_gemm's.
     scaled_mm on a GEMM it does not take (scaled_mm_shape_unsupported), or where the build or device lacks it
-    under `auto`, runs the tiled path; an explicit scaled_mm on a build or device without it raises."""
+    under `auto`, runs the tiled path; an explicit scaled_mm on a build or device without it raises. pdl: the
+    fused path's launches as programmatic dependent ones (the other paths launch as before)."""
     is_auto = path == "auto"
     if is_auto:
         path = auto_path(x.numel() // x.shape[-1], weight.shape[0], (group_n, block_k))
     if path == "triton":
-        return fp8_block_gemm(x, weight, weight_scale_inv, group_n, block_k, bias, split_sum=split_sum)
+        return fp8_block_gemm(x, weight, weight_scale_inv, group_n, block_k, bias, split_sum=split_sum, pdl=pdl)
     k, n = x.shape[-1], weight.shape[0]
     x2 = x.reshape(-1, k)
     m = x2.shape[0]

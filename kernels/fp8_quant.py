@@ -16,6 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
+from deepinfer_kernels.dispatch import pdl_launch, pdl_wait
+
 FP8_MAX = tl.constexpr(448.0)
 MIN_AMAX = tl.constexpr(1e-12)
 """As deepinfer_kernels.reference.quantize_fp8_blocks: a zero group gets a tiny scale, not 0 / 0 (the fused GEMM
@@ -24,7 +26,8 @@ in fp8_gemm.py uses both)."""
 
 @triton.jit
 def _quantize_token_groups_kernel(X, Q, S, M, M_PAD, K, stride_xm, stride_sg, BLOCK_M: tl.constexpr,
-                                  GROUP: tl.constexpr, IS_INTERPRETED: tl.constexpr):
+                                  GROUP: tl.constexpr, IS_INTERPRETED: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)
     pid_m = tl.program_id(0)
     group = tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -49,10 +52,11 @@ def _quantize_token_groups_kernel(X, Q, S, M, M_PAD, K, stride_xm, stride_sg, BL
     tl.store(S + group * stride_sg + offs_m, x_scale, mask=rows)
 
 
-def quantize_fp8_token_groups(x: torch.Tensor, group: int = 128, row_multiple: int = 1,
-                              block_m: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_fp8_token_groups(x: torch.Tensor, group: int = 128, row_multiple: int = 1, block_m: int = 16,
+                              pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """x (M, K) 16/32-bit -> (q float8_e4m3fn (M_pad, K), scales float32 (M_pad, ceil(K / group)), M-major),
-    M_pad = M rounded up to row_multiple. group: a power of two >= 16 (the weights' column block)."""
+    M_pad = M rounded up to row_multiple. group: a power of two >= 16 (the weights' column block). pdl: a
+    programmatic dependent launch (dispatch.pdl_launch)."""
     assert x.dim() == 2 and group >= 16 and group & (group - 1) == 0, (tuple(x.shape), group)
     if x.stride(1) != 1:
         x = x.contiguous()
@@ -64,5 +68,5 @@ def quantize_fp8_token_groups(x: torch.Tensor, group: int = 128, row_multiple: i
     scales = torch.empty(groups, m_pad, dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(m_pad, block_m), groups)
     _quantize_token_groups_kernel[grid](x, q, scales, m, m_pad, k, x.stride(0), scales.stride(0), BLOCK_M=block_m,
-                                        GROUP=group, IS_INTERPRETED=x.device.type == "cpu")
+                                        GROUP=group, IS_INTERPRETED=x.device.type == "cpu", **pdl_launch(pdl))
     return q, scales.t()

@@ -26,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
+from deepinfer_kernels.dispatch import pdl_launch, pdl_wait
 from deepinfer_kernels.moe_align import MAX_PAIRS, moe_align
 
 # Up to this many (token, slot) pairs each pair gets its own block instead of being sorted.
@@ -285,8 +286,9 @@ COMBINE_BLOCK = 1024
 
 
 @triton.jit
-def _combine_kernel(Y, Out, hidden, TOP_K: tl.constexpr, BLOCK: tl.constexpr):
+def _combine_kernel(Y, Out, hidden, TOP_K: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """out[t] = y[t, 0] + y[t, 1] + ... + y[t, k-1]: fp32 adds in slot order, one rounding at the store."""
+    pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < hidden
@@ -297,9 +299,11 @@ def _combine_kernel(Y, Out, hidden, TOP_K: tl.constexpr, BLOCK: tl.constexpr):
     tl.store(Out + t * hidden + cols, acc.to(Out.dtype.element_ty), mask=mask)
 
 
-def combine_slots(y: torch.Tensor, t: int, k: int, hidden: int) -> torch.Tensor:
-    """(T*k, H) weighted expert outputs -> (T, H): each token's k rows summed in slot order, in fp32."""
+def combine_slots(y: torch.Tensor, t: int, k: int, hidden: int, pdl: bool = False) -> torch.Tensor:
+    """(T*k, H) weighted expert outputs -> (T, H): each token's k rows summed in slot order, in fp32 (pdl: a
+    programmatic dependent launch)."""
     out = y.new_empty(t, hidden)
     if t:
-        _combine_kernel[(t, triton.cdiv(hidden, COMBINE_BLOCK))](y, out, hidden, TOP_K=k, BLOCK=COMBINE_BLOCK)
+        _combine_kernel[(t, triton.cdiv(hidden, COMBINE_BLOCK))](y, out, hidden, TOP_K=k, BLOCK=COMBINE_BLOCK,
+                                                                  **pdl_launch(pdl))
     return out

@@ -25,6 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
+from deepinfer_kernels.dispatch import pdl_launch, pdl_wait
 from deepinfer_kernels.fp8_quant import quantize_fp8_token_groups
 from deepinfer_kernels.fused_moe import _even_k, combine_slots, pair_blocks, pair_rows
 
@@ -42,7 +43,8 @@ def _dot_fp8(a, w, IS_INTERPRETED: tl.constexpr):
 def _gate_up_fp8(XQ, XS, W, WS, H, SortedPairs, BlockExpert, NumPadded, num_pairs, pairs_bucket, top_k, N, K,
                  up_row0, stride_xm, stride_xsg, stride_we, stride_wn, stride_se, stride_sn, stride_hm,
                  GROUP_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 PER_PAIR: tl.constexpr, EVEN_K: tl.constexpr, IS_INTERPRETED: tl.constexpr):
+                 PER_PAIR: tl.constexpr, EVEN_K: tl.constexpr, IS_INTERPRETED: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pair, e, valid = pair_rows(SortedPairs, BlockExpert, NumPadded, pid_m, num_pairs, BLOCK_M, PER_PAIR)
@@ -87,7 +89,8 @@ def _gate_up_fp8(XQ, XS, W, WS, H, SortedPairs, BlockExpert, NumPadded, num_pair
 def _down_fp8(AQ, AS, W, WS, Y, TopkWeights, SortedPairs, BlockExpert, NumPadded, num_pairs, pairs_bucket, N, K,
               stride_am, stride_asg, stride_we, stride_wn, stride_se, stride_sn, stride_ym,
               GROUP_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-              PER_PAIR: tl.constexpr, EVEN_K: tl.constexpr, IS_INTERPRETED: tl.constexpr):
+              PER_PAIR: tl.constexpr, EVEN_K: tl.constexpr, IS_INTERPRETED: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pair, e, valid = pair_rows(SortedPairs, BlockExpert, NumPadded, pid_m, num_pairs, BLOCK_M, PER_PAIR)
@@ -144,13 +147,14 @@ BLOCK_M): pairs always sorted into 32-row blocks, the same tiles and K steps for
 def fused_moe_fp8(x: torch.Tensor, gate_up: torch.Tensor, gate_up_scale: torch.Tensor, down: torch.Tensor,
                   down_scale: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                   block: tuple[int, int] = (128, 128), config: dict | None = None,
-                  batch_invariant: bool = False) -> torch.Tensor:
+                  batch_invariant: bool = False, pdl: bool = False) -> torch.Tensor:
     """x (T, H) 16/32-bit; FP8 experts with their block scales (module docstring); weights (T, k) fp32; ids
     (T, k) -> sum_k weights * down(silu(gate x) * up x), (T, H) in x's dtype. block = (bn, bk) of the weight
     scales; bk (a power of two >= 16) is also the activations' quantization group. config: fixed BLOCK_N /
     num_warps / num_stages instead of the autotuner (tests, sweeps). batch_invariant: each token's result bitwise
     the same in any batch (INVARIANT_TILES; every quantization is per token or per pair, a row of a tile's dot
-    depends on its own inputs only, and the slots are summed in order)."""
+    depends on its own inputs only, and the slots are summed in order). pdl: the launches as programmatic dependent
+    ones (dispatch.pdl_launch; the pairs' sort, where they are sorted, excepted): the same values."""
     t, k = ids.shape
     e, two_i, hidden = gate_up.shape
     inter = two_i // 2
@@ -180,17 +184,17 @@ def fused_moe_fp8(x: torch.Tensor, gate_up: torch.Tensor, gate_up_scale: torch.T
     blocks = pair_blocks(ids, e, block_m)
     bucket = triton.next_power_of_2(num_pairs)
     common = dict(GROUP_N=bn, BLOCK_M=blocks.block_m, BLOCK_K=bk, PER_PAIR=blocks.per_pair,
-                  IS_INTERPRETED=interpreted, **config)
-    xq, xs = quantize_fp8_token_groups(x, bk)
+                  IS_INTERPRETED=interpreted, **config, **pdl_launch(pdl))
+    xq, xs = quantize_fp8_token_groups(x, bk, pdl=pdl)
     h = x.new_empty(num_pairs, inter)
     y = x.new_empty(num_pairs, hidden)
     gate_up_kernel[lambda meta: (blocks.num_blocks, triton.cdiv(inter, meta["BLOCK_N"]))](
         xq, xs, gate_up, gate_up_scale, h, *blocks.tensors, num_pairs, bucket, k, inter, hidden,
         triton.cdiv(inter, bn), xq.stride(0), xs.stride(1), gate_up.stride(0), gate_up.stride(1),
         gate_up_scale.stride(0), gate_up_scale.stride(1), h.stride(0), **common)
-    hq, hs = quantize_fp8_token_groups(h, bk)
+    hq, hs = quantize_fp8_token_groups(h, bk, pdl=pdl)
     down_kernel[lambda meta: (blocks.num_blocks, triton.cdiv(hidden, meta["BLOCK_N"]))](
         hq, hs, down, down_scale, y, weights.flatten().float().contiguous(), *blocks.tensors,
         num_pairs, bucket, hidden, inter, hq.stride(0), hs.stride(1), down.stride(0), down.stride(1),
         down_scale.stride(0), down_scale.stride(1), y.stride(0), **common)
-    return combine_slots(y, t, k, hidden)
+    return combine_slots(y, t, k, hidden, pdl)

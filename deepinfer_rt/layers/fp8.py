@@ -190,13 +190,15 @@ def fp8_gemm_path(path: str) -> str:
 class Fp8BlockLinear(Fp8LinearMethod):
     """CUDA: float8 weight and float32 block scales on the device, a block-scaled FP8 GEMM (`gemm_path`, from
     DEEPINFER_FP8_GEMM: deepinfer_kernels.fp8_gemm.fp8_gemm's paths). Where a merged layer's shard starts inside
-    a row block, the scales are expanded to one row per weight row (GROUP_N = 1)."""
+    a row block, the scales are expanded to one row per weight row (GROUP_N = 1). pdl: the fused path's launches
+    as programmatic dependent ones (KernelConfig.uses_pdl)."""
 
     weight_dtype = torch.float8_e4m3fn
     is_quantized = True
 
     def __init__(self, block: tuple[int, int], is_checkpoint_quantized: bool, scale_fmt: str = "float32",
-                 gemm_path: str = "auto", is_batch_invariant: bool = False, split_sum: str = "kernel"):
+                 gemm_path: str = "auto", is_batch_invariant: bool = False, split_sum: str = "kernel",
+                 pdl: bool = False):
         from deepinfer_kernels.fp8_gemm import SPLIT_SUMS
 
         super().__init__(block, is_checkpoint_quantized, scale_fmt)
@@ -205,6 +207,7 @@ class Fp8BlockLinear(Fp8LinearMethod):
         if split_sum not in SPLIT_SUMS:
             raise ValueError(f"DEEPINFER_FP8_SPLIT_SUM={split_sum!r}: not one of {SPLIT_SUMS}")
         self.split_sum = split_sum
+        self.pdl = pdl
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         raise NotImplementedError("Fp8BlockLinear runs a layer's own weights and scales (apply)")
@@ -216,7 +219,7 @@ class Fp8BlockLinear(Fp8LinearMethod):
             return fp8_invariant_gemm(x, layer.weight, layer.weight_scale_inv, layer.scale_group_n, self.block[1],
                                       layer.bias)
         return fp8_gemm(x, layer.weight, layer.weight_scale_inv, layer.scale_group_n, self.block[1], layer.bias,
-                        self.gemm_path, self.split_sum)
+                        self.gemm_path, self.split_sum, self.pdl)
 
     @torch.no_grad()
     def process_weights_after_loading(self, layer: nn.Module) -> None:
@@ -257,7 +260,7 @@ def _weight_linear_method(config: KernelConfig, gemm_path: str, split_sum: str =
         return linear_method(config)
     if config.is_triton:
         return Fp8BlockLinear(config.weight_block_size, config.is_checkpoint_quantized, config.scale_fmt, gemm_path,
-                              config.is_batch_invariant, split_sum)
+                              config.is_batch_invariant, split_sum, config.uses_pdl)
     return dense_linear_method(config)
 
 

@@ -52,7 +52,8 @@ class KernelConfig:
     """DEEPINFER_GPU_ROW_STEP: Llama-family trunks on CUDA run steps of at most 4 tokens through the fused row step
     (models/llama_gpu_step.py) rather than the modules (never in batch-invariant mode or with quantized weights)."""
     is_gpu_pdl: bool = False
-    """DEEPINFER_GPU_PDL: the row step's products launch as programmatic dependent launches on SM90+ (env.py)."""
+    """DEEPINFER_GPU_PDL: the kernels that take it launch as programmatic dependent launches on SM90+ (env.py,
+    `uses_pdl`)."""
     is_cpu_compile: bool = False
     """DEEPINFER_CPU_COMPILE: the CPU step (dense weights) compiled between its attention calls
     (models/llama_compiled.py)."""
@@ -81,6 +82,14 @@ class KernelConfig:
     def is_triton(self) -> bool:
         """Whether the layers run the Triton kernels (CUDA with Triton importable) rather than the torch forms."""
         return self.device_type == "cuda" and HAS_TRITON
+
+    @property
+    def uses_pdl(self) -> bool:
+        """Whether the kernels that take it launch as programmatic dependent launches: DEEPINFER_GPU_PDL with the
+        Triton kernels on an SM90+ GPU (deepinfer_kernels.dispatch.pdl_supported)."""
+        from deepinfer_kernels.dispatch import pdl_supported
+
+        return self.is_gpu_pdl and self.is_triton and pdl_supported(torch.device("cuda"))
 
     @classmethod
     def from_env(cls, device: torch.device | str = "cpu", batch_invariant: bool = False,

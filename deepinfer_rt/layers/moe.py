@@ -312,9 +312,11 @@ class Fp8FusedExperts(ExpertsMethod):
 
     is_joint_shared = True
 
-    def __init__(self, block: tuple[int, int], is_batch_invariant: bool = False):
+    def __init__(self, block: tuple[int, int], is_batch_invariant: bool = False, pdl: bool = False):
         self.block = block
         self.is_batch_invariant = is_batch_invariant
+        self.pdl = pdl
+        """The kernels as programmatic dependent launches (KernelConfig.uses_pdl)."""
 
     def apply_experts(self, experts: nn.Module, x: torch.Tensor, weights: torch.Tensor,
                       ids: torch.Tensor) -> torch.Tensor:
@@ -325,7 +327,8 @@ class Fp8FusedExperts(ExpertsMethod):
                     ids: torch.Tensor) -> torch.Tensor:
         from deepinfer_kernels.fused_moe_fp8 import fused_moe_fp8
 
-        return fused_moe_fp8(x.contiguous(), *joint, weights, ids, self.block, batch_invariant=self.is_batch_invariant)
+        return fused_moe_fp8(x.contiguous(), *joint, weights, ids, self.block, batch_invariant=self.is_batch_invariant,
+                             pdl=self.pdl)
 
     def fuses_shared(self, num_tokens: int) -> bool:
         return num_tokens <= FUSED_SHARED_MAX_TOKENS or self.is_batch_invariant
@@ -333,7 +336,7 @@ class Fp8FusedExperts(ExpertsMethod):
 
 def experts_method(config: KernelConfig) -> ExpertsMethod:
     if is_fp8_fused_experts(config):
-        return Fp8FusedExperts(config.weight_block_size, config.is_batch_invariant)
+        return Fp8FusedExperts(config.weight_block_size, config.is_batch_invariant, config.uses_pdl)
     if config.is_triton:
         return FusedExperts(config.is_batch_invariant)
     return TorchExperts(linear_method(config), activation_method(config), config.is_batch_invariant)

@@ -450,7 +450,5 @@ def llama_step_method(config: KernelConfig) -> "ModuleStep | GpuRowStep":
             return CompiledCpuStep(CpuStep())
         return CpuStep()
     if config.is_triton and config.is_gpu_row_step and not config.is_batch_invariant and config.quantization is None:
-        from deepinfer_kernels.dispatch import pdl_supported
-
-        return GpuRowStep(pdl=config.is_gpu_pdl and pdl_supported(torch.device("cuda")))
+        return GpuRowStep(pdl=config.uses_pdl)
     return ModuleStep()
