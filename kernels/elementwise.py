@@ -9,6 +9,8 @@ import torch
 import triton
 import triton.language as tl
 
+from deepinfer_kernels.dispatch import pdl_launch, pdl_wait
+
 
 @triton.jit
 def _rms_normed(x, W, offs, mask, n_cols, eps):
@@ -35,7 +37,8 @@ def _rotated(ptrs, offs_j, mask, cos, sin, HALF: tl.constexpr, INTERLEAVE: tl.co
 
 @triton.jit
 def _rms_norm_kernel(X, R, W, Out, ResOut, stride_x, stride_r, stride_o, stride_ro, n_cols, eps,
-                     BLOCK: tl.constexpr, HAS_RES: tl.constexpr):
+                     BLOCK: tl.constexpr, HAS_RES: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < n_cols
@@ -47,9 +50,10 @@ def _rms_norm_kernel(X, R, W, Out, ResOut, stride_x, stride_r, stride_o, stride_
              mask=mask)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+             pdl: bool = False):
     """x (T, D) rows with unit column stride. Without residual: norm(x). With it: (norm(x + residual),
-    x + residual) -- the sum is what the next residual add starts from."""
+    x + residual) -- the sum is what the next residual add starts from. pdl: a programmatic dependent launch."""
     if x.stride(-1) != 1 or x.dim() != 2:
         raise ValueError("rms_norm kernel takes 2-D rows with unit column stride")
     t, d = x.shape
@@ -59,7 +63,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     block = triton.next_power_of_2(d)
     _rms_norm_kernel[(t,)](x, r, weight, out, res_out, x.stride(0), r.stride(0), out.stride(0),
                            res_out.stride(0), d, eps, BLOCK=block, HAS_RES=residual is not None,
-                           num_warps=4 if block <= 4096 else 8)
+                           num_warps=4 if block <= 4096 else 8, **pdl_launch(pdl))
     return out if residual is None else (out, res_out)
 
 
@@ -191,7 +195,8 @@ def store_kv_fp8(buf: torch.Tensor, scale: torch.Tensor, slots: torch.Tensor, sr
 @triton.jit
 def _mla_rope_store_kernel(KVA, NormW, QPe, Positions, Cos, Sin, Pool, Slots, stride_kva, stride_qt, stride_qh,
                            stride_pool, num_heads, kv_rank, eps, BLOCK_C: tl.constexpr, HALF: tl.constexpr,
-                           BLOCK_H: tl.constexpr, INTERLEAVE: tl.constexpr):
+                           BLOCK_H: tl.constexpr, INTERLEAVE: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(Positions + t).to(tl.int64)
     offs_j = tl.arange(0, HALF)
@@ -223,11 +228,11 @@ def _mla_rope_store_kernel(KVA, NormW, QPe, Positions, Cos, Sin, Pool, Slots, st
 
 def mla_rope_store(kv_a: torch.Tensor, norm_weight: torch.Tensor, eps: float, q_pe: torch.Tensor,
                    positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool,
-                   pool: torch.Tensor, slots: torch.Tensor) -> None:
+                   pool: torch.Tensor, slots: torch.Tensor, pdl: bool = False) -> None:
     """MLA's per-token work between the projections and attention, in one launch: pool[slots[t]] =
     [rms_norm(latent) | rope(k_pe)] from kv_a (T, C + R) = [latent | k_pe], and q_pe (T, H, R) rotated in place.
     The same arithmetic as rms_norm, apply_rope_ and store_kv one after another (five launches, with the
-    concatenation). pool (slots, 1, C + R); negative slots store nothing."""
+    concatenation). pool (slots, 1, C + R); negative slots store nothing. pdl: a programmatic dependent launch."""
     t, h, r = q_pe.shape
     kv_rank = kv_a.shape[1] - r
     if kv_a.stride(1) != 1 or q_pe.stride(-1) != 1 or pool[0].numel() != kv_rank + r or not pool[0].is_contiguous():
@@ -236,7 +241,8 @@ def mla_rope_store(kv_a: torch.Tensor, norm_weight: torch.Tensor, eps: float, q_
         _mla_rope_store_kernel[(t,)](kv_a, norm_weight, q_pe, positions, cos, sin, pool, slots, kv_a.stride(0),
                                      q_pe.stride(0), q_pe.stride(1), pool.stride(0), h, kv_rank, eps,
                                      BLOCK_C=triton.next_power_of_2(kv_rank), HALF=r // 2,
-                                     BLOCK_H=triton.next_power_of_2(h), INTERLEAVE=interleave, num_warps=4)
+                                     BLOCK_H=triton.next_power_of_2(h), INTERLEAVE=interleave, num_warps=4,
+                                     **pdl_launch(pdl))
 
 
 @triton.jit

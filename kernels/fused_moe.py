@@ -79,7 +79,8 @@ def _even_k(kernel):
 def _gate_up(X, W, H, SortedPairs, BlockExpert, NumPadded, num_pairs, pairs_bucket, top_k, N, K, limit,
              stride_xm, stride_we, stride_wn, stride_hm,
              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-             PER_PAIR: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr):
+             PER_PAIR: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pair, e, valid = pair_rows(SortedPairs, BlockExpert, NumPadded, pid_m, num_pairs, BLOCK_M, PER_PAIR)
@@ -124,7 +125,8 @@ def _gate_up(X, W, H, SortedPairs, BlockExpert, NumPadded, num_pairs, pairs_buck
 def _down(H, W, Y, TopkWeights, SortedPairs, BlockExpert, NumPadded, num_pairs, pairs_bucket, N, K,
           stride_hm, stride_we, stride_wn, stride_ym,
           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-          PER_PAIR: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr):
+          PER_PAIR: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pair, e, valid = pair_rows(SortedPairs, BlockExpert, NumPadded, pid_m, num_pairs, BLOCK_M, PER_PAIR)
@@ -233,11 +235,13 @@ def pair_blocks(ids: torch.Tensor, num_experts: int, block_m: int | None = None)
 
 
 def fused_moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,
-              ids: torch.Tensor, batch_invariant: bool = False, swiglu_limit: float | None = None) -> torch.Tensor:
+              ids: torch.Tensor, batch_invariant: bool = False, swiglu_limit: float | None = None,
+              pdl: bool = False) -> torch.Tensor:
     """x (T, H); gate_up (E, 2I, H) = per expert [gate; up]; down (E, H, I); weights (T, k) fp32; ids (T, k).
     Returns sum_k weights * down(silu(gate x) * up x), (T, H) in x's dtype. batch_invariant: each token's
     result is bitwise the same for any batch (see the module docstring). swiglu_limit clamps gate and up first
-    (DeepSeek-V4's experts)."""
+    (DeepSeek-V4's experts). pdl: the expert kernels and the slot sum as programmatic dependent launches (the
+    pairs' sort, where they are sorted, excepted): the same values."""
     t, k = ids.shape
     e, two_i, hidden = gate_up.shape
     inter = two_i // 2
@@ -259,7 +263,8 @@ def fused_moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weight
         blocks, bucket = pair_blocks(ids, e), triton.next_power_of_2(num_pairs)
     h = x.new_empty(num_pairs, inter)
     y = x.new_empty(num_pairs, hidden)
-    common = dict(BLOCK_M=blocks.block_m, PER_PAIR=blocks.per_pair, IEEE=x.dtype == torch.float32, **config)
+    common = dict(BLOCK_M=blocks.block_m, PER_PAIR=blocks.per_pair, IEEE=x.dtype == torch.float32, **config,
+                  **pdl_launch(pdl))
     gate_up_kernel[lambda meta: (blocks.num_blocks, triton.cdiv(inter, meta["BLOCK_N"]))](
         x, gate_up, h, *blocks.tensors, num_pairs, bucket, k, inter, hidden,
         float("inf") if swiglu_limit is None else float(swiglu_limit), x.stride(0), gate_up.stride(0),
@@ -267,7 +272,7 @@ def fused_moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weight
     down_kernel[lambda meta: (blocks.num_blocks, triton.cdiv(hidden, meta["BLOCK_N"]))](
         h, down, y, weights.flatten().float(), *blocks.tensors, num_pairs, bucket, hidden, inter, h.stride(0),
         down.stride(0), down.stride(1), y.stride(0), **common)
-    return combine_slots(y, t, k, hidden)
+    return combine_slots(y, t, k, hidden, pdl)
 
 
 def invariant_tiles(dtype: torch.dtype) -> dict:

@@ -15,6 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from deepinfer_kernels.dispatch import pdl_launch, pdl_wait
+
 GREEDY, GROUP_LIMITED_GREEDY, NOAUX_TC = 0, 1, 2
 METHODS = {"greedy": GREEDY, "group_limited_greedy": GROUP_LIMITED_GREEDY, "noaux_tc": NOAUX_TC}
 SCORINGS = {"softmax": 0, "sigmoid": 1, "sqrtsoftplus": 2}
@@ -24,7 +26,9 @@ SCORINGS = {"softmax": 0, "sigmoid": 1, "sqrtsoftplus": 2}
 def _route_kernel(Logits, Bias, Weights, Ids, TokenIds, Table, stride_l, stride_table, scaling,
                   G: tl.constexpr, EG: tl.constexpr, BG: tl.constexpr, BEG: tl.constexpr, K: tl.constexpr,
                   KP: tl.constexpr, KEEP_GROUPS: tl.constexpr, SCORING: tl.constexpr, METHOD: tl.constexpr,
-                  NORM: tl.constexpr, SHARED: tl.constexpr, SP: tl.constexpr, HASH: tl.constexpr):
+                  NORM: tl.constexpr, SHARED: tl.constexpr, SP: tl.constexpr, HASH: tl.constexpr,
+                  PDL: tl.constexpr):
+    pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     offs_g = tl.arange(0, BG)
     j = tl.arange(0, BEG)[None, :]
@@ -102,9 +106,9 @@ def _route_kernel(Logits, Bias, Weights, Ids, TokenIds, Table, stride_l, stride_
 
 def route(router_logits: torch.Tensor, top_k: int, *, scoring_func: str, topk_method: str, n_group: int,
           topk_group: int, correction_bias: torch.Tensor | None, norm_topk_prob: bool,
-          routed_scaling_factor: float, n_shared: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+          routed_scaling_factor: float, n_shared: int = 0, pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as select_experts: (weights (T, k + n_shared) fp32, ids (T, k + n_shared) int64 ascending
-    per token)."""
+    per token). pdl: a programmatic dependent launch."""
     t, e = router_logits.shape
     method = METHODS[topk_method]
     groups = n_group if method != GREEDY else 1
@@ -118,7 +122,7 @@ def route(router_logits: torch.Tensor, top_k: int, *, scoring_func: str, topk_me
                             BEG=triton.next_power_of_2(e // groups), K=top_k, KP=triton.next_power_of_2(top_k),
                             KEEP_GROUPS=topk_group if method != GREEDY else 1, SCORING=SCORINGS[scoring_func],
                             METHOD=method, NORM=norm_topk_prob, SHARED=n_shared,
-                            SP=max(2, triton.next_power_of_2(n_shared)), HASH=False, num_warps=1)
+                            SP=max(2, triton.next_power_of_2(n_shared)), HASH=False, num_warps=1, **pdl_launch(pdl))
     return weights, ids
 
 
@@ -138,5 +142,6 @@ def route_hashed(router_logits: torch.Tensor, token_ids: torch.Tensor, table: to
         _route_kernel[(t,)](logits, logits, weights, ids, token_ids, table, logits.stride(0), table.stride(0),
                             float(routed_scaling_factor), G=1, EG=e, BG=1, BEG=triton.next_power_of_2(e), K=k,
                             KP=triton.next_power_of_2(k), KEEP_GROUPS=1, SCORING=SCORINGS[scoring_func],
-                            METHOD=GREEDY, NORM=norm_topk_prob, SHARED=0, SP=2, HASH=True, num_warps=1)
+                            METHOD=GREEDY, NORM=norm_topk_prob, SHARED=0, SP=2, HASH=True, num_warps=1,
+                            PDL=False)
     return weights, ids

@@ -202,13 +202,17 @@ class RMSNormMethod:
 
 
 class TritonRMSNorm(RMSNormMethod):
-    """The fused Triton kernel (residual add included) for 2-D inputs it takes; others the reference."""
+    """The fused Triton kernel (residual add included) for 2-D inputs it takes; others the reference. pdl: its
+    launches programmatic dependent ones (KernelConfig.uses_pdl)."""
+
+    def __init__(self, pdl: bool = False):
+        self.pdl = pdl
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 2 and x.stride(-1) == 1:
             from deepinfer_kernels.elementwise import rms_norm
 
-            return rms_norm(x, layer.weight, layer.eps)
+            return rms_norm(x, layer.weight, layer.eps, pdl=self.pdl)
         return super().apply(layer, x)
 
     def apply_add(self, layer: nn.Module, x: torch.Tensor,
@@ -216,7 +220,7 @@ class TritonRMSNorm(RMSNormMethod):
         if x.dim() == 2 and x.is_contiguous() and residual.is_contiguous():
             from deepinfer_kernels.elementwise import rms_norm
 
-            return rms_norm(x, layer.weight, layer.eps, residual)
+            return rms_norm(x, layer.weight, layer.eps, residual, pdl=self.pdl)
         return super().apply_add(layer, x, residual)
 
 
@@ -236,7 +240,7 @@ class InvariantRMSNorm(RMSNormMethod):
 def norm_method(config: KernelConfig) -> RMSNormMethod:
     if config.is_batch_invariant:
         return InvariantRMSNorm(config.is_triton)
-    return TritonRMSNorm() if config.is_triton else RMSNormMethod()
+    return TritonRMSNorm(config.uses_pdl) if config.is_triton else RMSNormMethod()
 
 
 # ---- gated MLP ----

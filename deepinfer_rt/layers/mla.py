@@ -69,7 +69,11 @@ class RopeThenStore:
 
 class FusedRopeStore(RopeThenStore):
     """GPU, not batch-invariant: norm, both rotations (q_pe in place) and the store in one Triton kernel, for
-    backends that keep the pool as it writes it (AttentionBackend.is_rope_store_supported)."""
+    backends that keep the pool as it writes it (AttentionBackend.is_rope_store_supported). pdl: a programmatic
+    dependent launch (KernelConfig.uses_pdl)."""
+
+    def __init__(self, pdl: bool = False):
+        self.pdl = pdl
 
     def apply(self, layer: MLAttention, q: torch.Tensor, kv_a: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         if not batch.backend.is_rope_store_supported:
@@ -80,12 +84,12 @@ class FusedRopeStore(RopeThenStore):
         norm, rope = layer.kv_a_layernorm, layer.rotary_emb
         cos, sin = rope.tables(q.device)
         mla_rope_store(kv_a, norm.weight, norm.eps, q_pe, batch.positions, cos, sin, rope.interleave,
-                       batch.pool.k[layer.layer_id], batch.out_slots)
+                       batch.pool.k[layer.layer_id], batch.out_slots, pdl=self.pdl)
         return q
 
 
 def rope_store_method(config: KernelConfig) -> RopeThenStore:
-    return FusedRopeStore() if config.is_triton and not config.is_batch_invariant else RopeThenStore()
+    return FusedRopeStore(config.uses_pdl) if config.is_triton and not config.is_batch_invariant else RopeThenStore()
 
 
 class MLAttention(nn.Module):

@@ -112,7 +112,12 @@ class TorchRouting:
 
 class TritonRouting(TorchRouting):
     """One routing kernel instead of about seven small ones, for the scorings and top-k methods it covers. It
-    computes each token in its own program with tiles fixed by E and k: batch-invariant too."""
+    computes each token in its own program with tiles fixed by E and k: batch-invariant too. pdl: a programmatic
+    dependent launch (KernelConfig.uses_pdl)."""
+
+    def __init__(self, activation: Activation, pdl: bool = False):
+        super().__init__(activation)
+        self.pdl = pdl
 
     def __call__(self, router_logits: torch.Tensor, top_k: int, *, scoring_func: str = "softmax",
                  topk_method: str = "greedy", correction_bias: torch.Tensor | None = None, n_group: int = 1,
@@ -125,13 +130,15 @@ class TritonRouting(TorchRouting):
             from deepinfer_kernels.moe_router import route
 
             return route(router_logits, top_k, scoring_func=scoring_func, topk_method=topk_method,
-                         correction_bias=correction_bias, **kw)
+                         correction_bias=correction_bias, pdl=self.pdl, **kw)
         return super().__call__(router_logits, top_k, scoring_func=scoring_func, topk_method=topk_method,
                                 correction_bias=correction_bias, **kw)
 
 
 def routing_method(config: KernelConfig) -> TorchRouting:
-    return TritonRouting(activation_method(config)) if config.is_triton else TorchRouting(activation_method(config))
+    if config.is_triton:
+        return TritonRouting(activation_method(config), config.uses_pdl)
+    return TorchRouting(activation_method(config))
 
 
 class RouterGemm:
@@ -287,18 +294,21 @@ class TorchExperts(ExpertsMethod):
 
 class FusedExperts(ExpertsMethod):
     """The Triton fused MoE (batch-invariant tiles in batch-invariant mode). Batches of up to
-    FUSED_SHARED_MAX_TOKENS rows (any batch in batch-invariant mode) take the shared experts in the same launch."""
+    FUSED_SHARED_MAX_TOKENS rows (any batch in batch-invariant mode) take the shared experts in the same launch.
+    pdl: its launches programmatic dependent ones (KernelConfig.uses_pdl)."""
 
     is_joint_shared = True
 
-    def __init__(self, is_batch_invariant: bool):
+    def __init__(self, is_batch_invariant: bool, pdl: bool = False):
         self.is_batch_invariant = is_batch_invariant
+        self.pdl = pdl
 
     def apply(self, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,
               ids: torch.Tensor) -> torch.Tensor:
         from deepinfer_kernels.fused_moe import fused_moe
 
-        return fused_moe(x.contiguous(), gate_up, down, weights, ids, batch_invariant=self.is_batch_invariant)
+        return fused_moe(x.contiguous(), gate_up, down, weights, ids, batch_invariant=self.is_batch_invariant,
+                         pdl=self.pdl)
 
     def fuses_shared(self, num_tokens: int) -> bool:
         return num_tokens <= FUSED_SHARED_MAX_TOKENS or self.is_batch_invariant
@@ -338,7 +348,7 @@ def experts_method(config: KernelConfig) -> ExpertsMethod:
     if is_fp8_fused_experts(config):
         return Fp8FusedExperts(config.weight_block_size, config.is_batch_invariant, config.uses_pdl)
     if config.is_triton:
-        return FusedExperts(config.is_batch_invariant)
+        return FusedExperts(config.is_batch_invariant, config.uses_pdl)
     return TorchExperts(linear_method(config), activation_method(config), config.is_batch_invariant)
 
 

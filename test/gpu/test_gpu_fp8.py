@@ -380,26 +380,31 @@ def test_fp8_engine_vs_bf16_engine(v3_paths):
 
 @pytest.mark.skipif(torch.cuda.get_device_capability()[0] < 9, reason="needs SM90+")
 @pytest.mark.parametrize("graphs", [False, True])
-def test_fp8_engine_with_dependent_launches_is_bitwise_the_same(v3_paths, graphs, monkeypatch):
-    """DEEPINFER_GPU_PDL: the FP8 GEMMs (and their split sums) and the FP8 fused MoE's launches start before the
-    kernel before them ends and wait for it first thing; the arithmetic is unchanged, so the greedy tokens and
-    logprobs of the release-format V3 are bitwise those of ordinary launches, with and without graphs."""
+@pytest.mark.parametrize("fmt", ["bf16", "fp8"])
+def test_engine_with_dependent_launches_is_bitwise_the_same(v3_paths, fmt, graphs, monkeypatch):
+    """DEEPINFER_GPU_PDL: the kernels that take it (norms, MLA's rope-and-store, routing, the fused MoE's and, in FP8,
+    the FP8 GEMMs' and quantizations) start before the kernel before them ends and wait for it first thing; the
+    arithmetic is unchanged, so the greedy tokens and logprobs of the tiny V3 (bf16 and its release FP8 format) are
+    bitwise those of ordinary launches, with and without graphs."""
     from deepinfer_rt import Engine, SamplingParams
     from deepinfer_rt.layers.fp8 import Fp8BlockLinear
-    from deepinfer_rt.layers.moe import Fp8FusedExperts
+    from deepinfer_rt.layers.methods import TritonRMSNorm
+    from deepinfer_rt.layers.moe import Fp8FusedExperts, FusedExperts
 
-    _, fp8, _ = v3_paths
+    src, fp8, _ = v3_paths
     rng = random.Random(5)
     prompts = [[rng.randrange(1000) for _ in range(n)] for n in (3, 40, 17, 9)]
     sp = SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True, logprobs=True)
     monkeypatch.setenv("DEEPINFER_CUDA_GRAPH_MAX_BS", "8" if graphs else "0")
+    kinds = (TritonRMSNorm, FusedExperts, Fp8FusedExperts, Fp8BlockLinear)
     outs = {}
     for pdl in (True, False):
         monkeypatch.setenv("DEEPINFER_GPU_PDL", "1" if pdl else "0")
-        with Engine(str(fp8), device=DEV, dtype="bfloat16", kv_cache_tokens=4096, max_num_seqs=4) as engine:
-            methods = [m.method for m in engine.model.modules() if isinstance(getattr(m, "method", None),
-                                                                             (Fp8BlockLinear, Fp8FusedExperts))]
+        with Engine(str(fp8 if fmt == "fp8" else src), device=DEV, dtype="bfloat16", kv_cache_tokens=4096,
+                    max_num_seqs=4) as engine:
+            methods = [m.method for m in engine.model.modules() if isinstance(getattr(m, "method", None), kinds)]
             assert methods and all(m.pdl == pdl for m in methods)
+            assert (fmt == "fp8") == any(isinstance(m, Fp8BlockLinear) for m in methods)
             outs[pdl] = engine.generate(input_ids=prompts, sampling_params=sp)
     for a, b in zip(outs[True], outs[False]):
         assert a.token_ids == b.token_ids and a.logprobs == b.logprobs
