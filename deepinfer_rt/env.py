@@ -194,12 +194,13 @@ class Env:
     """DEEPINFER_GPU_ROW_STEP=0: Llama-family models on CUDA run steps of a few tokens through the modules instead of
     the fused row step (models/llama_gpu_step.py: six launches a layer). Default on."""
     gpu_pdl: bool
-    """DEEPINFER_GPU_PDL (default on): the kernels that take it (the Llama row step's products, the decode attention
-    and its merge; the FP8 GEMM's fused path and its split sum, the FP8 fused MoE's quantizations, GEMMs and slot
-    sum) run as programmatic dependent launches on SM90+ GPUs: each may start while the one before it finishes and
-    waits for it in-kernel before touching what other kernels touch. SmolLM2 at batch 1 on an H100: 0.75 -> 0.61 ms
-    a step at 2K context, 1.01 -> 0.90 ms at 32K; batch 16 unchanged (the FP8 kernels' share not yet timed). 0
-    turns it off."""
+    """DEEPINFER_GPU_PDL (default on): the kernels that take it run as programmatic dependent launches on SM90+ GPUs:
+    each may start while the one before it finishes and waits for it in-kernel before touching what other kernels
+    touch. They are the Llama row step's products, the decode attention and its merge (timed: SmolLM2 at batch 1
+    on an H100, 0.75 -> 0.61 ms a step at 2K context, 1.01 -> 0.90 ms at 32K; batch 16 unchanged), and, not yet
+    timed: the FP8 GEMM's fused path and split sum, the fused MoEs (bf16, FP8, MXFP4's GEMV form) with their
+    quantizations and slot sums, RMSNorm, MLA's rope-and-store, routing, and V4 / V4.1's Triton kernels (norms,
+    rotation, hyper-connections, Sinkhorn, pooling, indexer, sparse attention). 0 turns it off."""
     cpu_bf16_gemv: str
     """DEEPINFER_CPU_BF16_GEMV: how the flat CPU step multiplies a lone bf16 row (a single decode stream) by a dense
     weight (models/cpu_row_products.py ROW_PRODUCTS): 'linear' (F.linear, the module path's op), 'mv' (torch.mv),

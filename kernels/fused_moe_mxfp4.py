@@ -338,14 +338,14 @@ def check_mxfp4_experts(gate_up: torch.Tensor, gate_up_scale: torch.Tensor, down
 
 def fused_moe_mxfp4(x: torch.Tensor, gate_up: torch.Tensor, gate_up_scale: torch.Tensor, down: torch.Tensor,
                     down_scale: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-                    swiglu_limit: float | None = None, config: dict | None = None) -> torch.Tensor:
+                    swiglu_limit: float | None = None, config: dict | None = None, pdl: bool = False) -> torch.Tensor:
     """x (T, H) 16/32-bit; MXFP4 experts (module docstring); weights (T, k) fp32; ids (T, k) -> sum_k weights *
     down(swiglu(gate x, up x)), (T, H) in x's dtype; swiglu_limit clamps as V4's experts do (None: plain SwiGLU).
     config: fixed BLOCK_N / BLOCK_K (a power of two >= 32) / num_warps / num_stages, decode "group" (the hand
     decode, _mx_group_tile; JOIN: one dot over the re-interleaved tile instead of two over the even and odd
     columns), "scaled" (tl.dot_scaled: Triton's own upcast of e2m1 x e8m0 to the activations' 16-bit format) or
     "gemv" (one program row per pair, fp32 products on the CUDA cores: deepinfer_kernels.fused_moe_mxfp4_gemv);
-    None: _tiles."""
+    None: _tiles. pdl: the GEMV form's launches and the slot sum as programmatic dependent ones."""
     t, k = ids.shape
     hidden = x.shape[1]
     inter = check_mxfp4_experts(gate_up, gate_up_scale, down, down_scale, hidden)
@@ -369,8 +369,8 @@ def fused_moe_mxfp4(x: torch.Tensor, gate_up: torch.Tensor, gate_up_scale: torch
     y = x.new_empty(num_pairs, hidden)
     if decode == "gemv":  # one program row per (token, slot) pair, in pair order: no sort, no padding
         config.pop("JOIN", None)
-        gemv_experts(x, gate_up, gate_up_scale, down, down_scale, weights, ids, limit, h, y, config)
-        return combine_slots(y, t, k, hidden)
+        gemv_experts(x, gate_up, gate_up_scale, down, down_scale, weights, ids, limit, h, y, config, pdl)
+        return combine_slots(y, t, k, hidden, pdl)
     blocks = pair_blocks(ids, e)
     join = config.pop("JOIN", False)
     common = dict(BLOCK_M=blocks.block_m, PER_PAIR=blocks.per_pair, **config)

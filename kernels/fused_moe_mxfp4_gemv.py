@@ -10,6 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
+from deepinfer_kernels.dispatch import pdl_launch, pdl_wait
+
 
 @triton.jit
 def _mx_gemv_part(b, s, x_even, x_odd):
@@ -37,11 +39,12 @@ def _gemv_masks(offs_g, byte, nmask, K, k0):
 @triton.jit(do_not_specialize=["num_pairs"])
 def _gate_up_mxfp4_v(X, W, WS, H, PairExpert, num_pairs, top_k, N, K, limit,
                      stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_hm,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """GEMV form of the gate_up kernel: one (token, slot) pair per program row, products and sums on the CUDA
     cores in fp32 (no tensor cores, no 16-bit operand tile). An expert's weights are decoded once per pair; its
     pairs' programs run in the same column wave, so its bytes come from DRAM once and from L2 after. The next K
     tile's bytes and scales are loaded before this tile is decoded (two tiles in flight per program)."""
+    pdl_wait(PDL)
     pair = tl.program_id(0)
     pid_n = tl.program_id(1)
     G: tl.constexpr = BLOCK_K // 32
@@ -89,8 +92,9 @@ def _gate_up_mxfp4_v(X, W, WS, H, PairExpert, num_pairs, top_k, N, K, limit,
 @triton.jit(do_not_specialize=["num_pairs"])
 def _down_mxfp4_v(A, W, WS, Y, TopkWeights, PairExpert, num_pairs, N, K,
                   stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_ym,
-                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """GEMV form of the down kernel (as _gate_up_mxfp4_v), each pair's fp32 result scaled by its top-k weight."""
+    pdl_wait(PDL)
     pair = tl.program_id(0)
     pid_n = tl.program_id(1)
     G: tl.constexpr = BLOCK_K // 32
@@ -125,7 +129,7 @@ def _down_mxfp4_v(A, W, WS, Y, TopkWeights, PairExpert, num_pairs, N, K,
 
 def gemv_experts(x: torch.Tensor, gate_up: torch.Tensor, gate_up_scale: torch.Tensor, down: torch.Tensor,
                  down_scale: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, limit: float, h: torch.Tensor,
-                 y: torch.Tensor, config: dict) -> None:
+                 y: torch.Tensor, config: dict, pdl: bool = False) -> None:
     """Both GEMMs of the GEMV form into h (T*k, I) and y (T*k, H), pair order; the arguments as checked by
     fused_moe_mxfp4 (scales as uint8 bytes); config: BLOCK_N, BLOCK_K, num_warps, num_stages."""
     t, k = ids.shape
@@ -135,7 +139,9 @@ def gemv_experts(x: torch.Tensor, gate_up: torch.Tensor, gate_up_scale: torch.Te
     flat_ids = ids.flatten()
     _gate_up_mxfp4_v[(num_pairs, triton.cdiv(inter, config["BLOCK_N"]))](
         x, gate_up, gate_up_scale, h, flat_ids, num_pairs, k, inter, hidden, limit, x.stride(0),
-        gate_up.stride(0), gate_up.stride(1), gate_up_scale.stride(0), gate_up_scale.stride(1), h.stride(0), **config)
+        gate_up.stride(0), gate_up.stride(1), gate_up_scale.stride(0), gate_up_scale.stride(1), h.stride(0), **config,
+        **pdl_launch(pdl))
     _down_mxfp4_v[(num_pairs, triton.cdiv(hidden, config["BLOCK_N"]))](
         h, down, down_scale, y, weights.flatten().float().contiguous(), flat_ids, num_pairs, hidden, inter,
-        h.stride(0), down.stride(0), down.stride(1), down_scale.stride(0), down_scale.stride(1), y.stride(0), **config)
+        h.stride(0), down.stride(0), down.stride(1), down_scale.stride(0), down_scale.stride(1), y.stride(0), **config,
+        **pdl_launch(pdl))

@@ -42,6 +42,8 @@ import torch
 import triton
 import triton.language as tl
 
+from deepinfer_kernels.dispatch import pdl_launch, pdl_wait
+
 LOG2E = 1.4426950408889634
 
 
@@ -99,7 +101,9 @@ def _split_kernel(Q, Buf, Scales, Rows, Mask, PartO, PartLse,
                   num_q, num_keys, split_len, split_base, total_splits, qk_scale,
                   H: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
                   QPB: tl.constexpr, BLOCK_N: tl.constexpr, HAS_MASK: tl.constexpr, IEEE: tl.constexpr,
-                  KV_FP8: tl.constexpr, KV_FP4: tl.constexpr = False, FP4_BLOCK: tl.constexpr = 32):
+                  KV_FP8: tl.constexpr, KV_FP4: tl.constexpr = False, FP4_BLOCK: tl.constexpr = 32,
+                  PDL: tl.constexpr = False):
+    pdl_wait(PDL)
     g = tl.program_id(0).to(tl.int64)
     tile = tl.program_id(1)
     split = tl.program_id(2)
@@ -170,9 +174,10 @@ def _split_kernel(Q, Buf, Scales, Rows, Mask, PartO, PartLse,
 
 @triton.jit
 def _combine_kernel(PartO, PartLse, Sink, O, total_splits, H: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-                    BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr):
+                    BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr):
     """Rows r = (g * Q + q) * H + h of one query's head block: their splits and the sink merged into O[r]
     (rows of D, contiguous)."""
+    pdl_wait(PDL)
     gq = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = h < H
@@ -254,7 +259,7 @@ def check_fp4(buf: torch.Tensor, scales: torch.Tensor | None, d: int, what: str)
 
 
 def sparse_mqa_attention(q: torch.Tensor, sources: Sequence[KeySource], sink: torch.Tensor, sm_scale: float,
-                         split_len: int | None = None, fixed_splits: bool = False) -> torch.Tensor:
+                         split_len: int | None = None, fixed_splits: bool = False, pdl: bool = False) -> torch.Tensor:
     """q (G, Q, H, D) over the keys of `sources` with the per-head sink (H,) -> (G, Q, H, D) in q's dtype: for
     each (query, head) softmax over [q.k * sm_scale for its visible keys, sink], applied to the keys (K = V).
     A row that sees no key gives zeros. `split_len` (keys per split, a multiple of BLOCK_N) overrides the
@@ -304,13 +309,13 @@ def sparse_mqa_attention(q: torch.Tensor, sources: Sequence[KeySource], sink: to
             num_q, num_keys, length, base, total, sm_scale * LOG2E,
             H=num_heads, D=d, BLOCK_D=block_d, BLOCK_H=block_h, QPB=qpb, BLOCK_N=BLOCK_N,
             HAS_MASK=mask is not None, IEEE=q.dtype == torch.float32, KV_FP8=fp8, num_warps=8 if block_d >= 256 else 4,
-            num_stages=2, **fp4_kw)
+            num_stages=2, **fp4_kw, **pdl_launch(pdl))
         base += splits
     out = torch.empty(g, num_q, num_heads, d, dtype=q.dtype, device=q.device)
     combine_h = min(16, triton.next_power_of_2(num_heads))
     _combine_kernel[(g * num_q, triton.cdiv(num_heads, combine_h))](
         part_o, part_lse, sink.float().contiguous(), out, total, H=num_heads, D=d, BLOCK_D=block_d,
-        BLOCK_H=combine_h, BLOCK_S=max(2, triton.next_power_of_2(total)), num_warps=4)
+        BLOCK_H=combine_h, BLOCK_S=max(2, triton.next_power_of_2(total)), num_warps=4, **pdl_launch(pdl))
     return out
 
 

@@ -13,13 +13,16 @@ import torch
 import triton
 import triton.language as tl
 
+from deepinfer_kernels.dispatch import pdl_launch, pdl_wait
+
 MAX_BLOCK = 4096
 """Columns a norm program holds at once; longer rows (the hyper-connections' flattened streams) loop."""
 
 
 @triton.jit
 def _rms_norm_kernel(X, W, Out, stride_x, stride_o, n_cols, eps, HAS_W: tl.constexpr, BLOCK: tl.constexpr,
-                     ONE_PASS: tl.constexpr):
+                     ONE_PASS: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     x_row, o_row = X + row * stride_x, Out + row * stride_o
     offs = tl.arange(0, BLOCK)
@@ -51,7 +54,7 @@ def _rms_norm_kernel(X, W, Out, stride_x, stride_o, n_cols, eps, HAS_W: tl.const
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
-             out_dtype: torch.dtype | None = None) -> torch.Tensor:
+             out_dtype: torch.dtype | None = None, pdl: bool = False) -> torch.Tensor:
     """Over x's last dim. weight given (V4RMSNorm): (weight.float() * (xf * rsqrt(mean(xf^2) + eps))).to(x.dtype);
     None (methods._unweighted_rms_norm): x * rsqrt(mean(xf^2) + eps).to(x.dtype). Returns a new tensor of x's
     shape, in x's dtype or `out_dtype` (float32 from a 16-bit x: the norm of x.float(), without that copy)."""
@@ -68,13 +71,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
     if x2.shape[0]:
         _rms_norm_kernel[(x2.shape[0],)](x2, weight if weight is not None else x2, out, x2.stride(0), out.stride(0),
                                          d, eps, HAS_W=weight is not None, BLOCK=block, ONE_PASS=block >= d,
-                                         num_warps=4 if block <= 1024 else 8)
+                                         num_warps=4 if block <= 1024 else 8, **pdl_launch(pdl))
     return out.view(x.shape)
 
 
 @triton.jit
 def _rope_kernel(X, Cos, Sin, Out, stride_xn, stride_xm, stride_on, stride_om, stride_c, num_m, nope,
-                 HALF: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_NOPE: tl.constexpr):
+                 HALF: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_NOPE: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)
     n = tl.program_id(0).to(tl.int64)
     offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     mmask = offs_m < num_m
@@ -96,7 +100,7 @@ def _rope_kernel(X, Cos, Sin, Out, stride_xn, stride_xm, stride_on, stride_om, s
     tl.store(o_rows + even + 1, y2.to(Out.dtype.element_ty), mask=mmask[:, None])
 
 
-def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pdl: bool = False) -> torch.Tensor:
     """methods.apply_rope in one launch: x (N, ..., D) rotated on its trailing 2 * R/2 channels by adjacent pairs
     (2j, 2j + 1), cos / sin (N, R/2) fp32 (-sin undoes a rotation). Returns a new tensor; x is not changed."""
     n, d = x.shape[0], x.shape[-1]
@@ -113,12 +117,15 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     if n and m:
         _rope_kernel[(n, triton.cdiv(m, block_m))](
             x3, cos, sin, out, x3.stride(0), x3.stride(1), out.stride(0), out.stride(1), cos.stride(0), m, nope,
-            HALF=half, BLOCK_M=block_m, BLOCK_NOPE=triton.next_power_of_2(nope) if nope else 0, num_warps=4)
+            HALF=half, BLOCK_M=block_m, BLOCK_NOPE=triton.next_power_of_2(nope) if nope else 0, num_warps=4,
+            **pdl_launch(pdl))
     return out.view(x.shape)
 
 
 @triton.jit
-def _clamped_swiglu_kernel(G, U, Out, stride_g, stride_u, stride_o, n_cols, limit, BLOCK: tl.constexpr):
+def _clamped_swiglu_kernel(G, U, Out, stride_g, stride_u, stride_o, n_cols, limit, BLOCK: tl.constexpr,
+                           PDL: tl.constexpr):
+    pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n_cols
@@ -131,7 +138,7 @@ def _clamped_swiglu_kernel(G, U, Out, stride_g, stride_u, stride_o, n_cols, limi
     tl.store(Out + row * stride_o + offs, (s * u).to(Out.dtype.element_ty), mask=mask)
 
 
-def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float, pdl: bool = False) -> torch.Tensor:
     """silu(gate.clamp(max=limit)) * up.clamp(-limit, limit) (deepseek_v4/moe.clamped_swiglu) in one launch, for
     gate / up (T, I) of one dtype with unit column strides (the two halves of a gate|up product are views)."""
     if gate.shape != up.shape or gate.dim() != 2 or gate.stride(1) != 1 or up.stride(1) != 1 or gate.dtype != up.dtype:
@@ -142,5 +149,5 @@ def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.
     block = min(1024, triton.next_power_of_2(max(n, 16)))
     if t and n:
         _clamped_swiglu_kernel[(t, triton.cdiv(n, block))](gate, up, out, gate.stride(0), up.stride(0), out.stride(0),
-                                                           n, float(limit), BLOCK=block, num_warps=4)
+                                                           n, float(limit), BLOCK=block, num_warps=4, **pdl_launch(pdl))
     return out

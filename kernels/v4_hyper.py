@@ -18,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from deepinfer_kernels.dispatch import pdl_launch, pdl_wait
+
 from deepinfer_kernels.v4_sinkhorn import BLOCK_T, sinkhorn_tile
 
 BLOCK_D = 1024
@@ -31,7 +33,8 @@ def _sigmoid(x):
 
 @triton.jit
 def _hc_weights_kernel(Mix, Base, Scale, Pre, Post, Comb, num_tokens, iters, eps, N: tl.constexpr,
-                       BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr):
+                       BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)
     offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     tmask = offs_t < num_tokens
     rows = Mix + offs_t.to(tl.int64)[:, None] * ((2 + N) * N)
@@ -56,7 +59,7 @@ def _hc_weights_kernel(Mix, Base, Scale, Pre, Post, Comb, num_tokens, iters, eps
 
 
 def hc_weights(mix: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, iters: int,
-               eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+               eps: float, pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """mix (T, (2 + N) N) fp32 logits, base ((2 + N) N,), scale (3,) -> pre (T, N), post (T, N), comb (T, N, N),
     fp32 (the module docstring)."""
     t, width = mix.shape
@@ -71,13 +74,15 @@ def hc_weights(mix: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, iters
     if t:
         _hc_weights_kernel[(triton.cdiv(t, BLOCK_T),)](mix, base.float().contiguous(), scale.float().contiguous(),
                                                       pre, post, comb, t, iters, eps, N=n,
-                                                      BLOCK_N=max(2, triton.next_power_of_2(n)), BLOCK_T=BLOCK_T)
+                                                      BLOCK_N=max(2, triton.next_power_of_2(n)), BLOCK_T=BLOCK_T,
+                                                      **pdl_launch(pdl))
     return pre, post, comb
 
 
 @triton.jit
 def _hc_collapse_kernel(Pre, Streams, Out, stride_st, stride_sj, stride_ot, d, N: tl.constexpr,
-                        BLOCK: tl.constexpr):
+                        BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < d
@@ -88,7 +93,7 @@ def _hc_collapse_kernel(Pre, Streams, Out, stride_st, stride_sj, stride_ot, d, N
     tl.store(Out + t * stride_ot + offs, acc.to(Out.dtype.element_ty), mask=mask)
 
 
-def hc_collapse(pre: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
+def hc_collapse(pre: torch.Tensor, streams: torch.Tensor, pdl: bool = False) -> torch.Tensor:
     """pre (T, N) fp32, streams (T, N, D) -> sum_j pre[:, j] streams[:, j] (T, D) in the streams' dtype."""
     t, n, d = streams.shape
     if pre.shape != (t, n):
@@ -99,13 +104,14 @@ def hc_collapse(pre: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
     out = streams.new_empty(t, d)
     if t:
         _hc_collapse_kernel[(t, triton.cdiv(d, BLOCK_D))](pre, streams, out, streams.stride(0), streams.stride(1),
-                                                         out.stride(0), d, N=n, BLOCK=BLOCK_D)
+                                                         out.stride(0), d, N=n, BLOCK=BLOCK_D, **pdl_launch(pdl))
     return out
 
 
 @triton.jit
 def _hc_expand_kernel(Post, Y, Comb, Streams, Out, stride_yt, stride_st, stride_sj, d, N: tl.constexpr,
-                      BLOCK: tl.constexpr):
+                      BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < d
@@ -123,7 +129,8 @@ def _hc_expand_kernel(Post, Y, Comb, Streams, Out, stride_yt, stride_st, stride_
         tl.store(Out + t * (N * d) + k * d + offs, out.to(dtype), mask=mask)
 
 
-def hc_expand(post: torch.Tensor, y: torch.Tensor, comb: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
+def hc_expand(post: torch.Tensor, y: torch.Tensor, comb: torch.Tensor, streams: torch.Tensor,
+              pdl: bool = False) -> torch.Tensor:
     """post (T, N) and comb (T, N, N) fp32, y (T, D), streams (T, N, D) -> (T, N, D) in the streams' dtype:
     post[:, k] y + sum_j comb[:, j, k] streams[:, j]."""
     t, n, d = streams.shape
@@ -138,5 +145,5 @@ def hc_expand(post: torch.Tensor, y: torch.Tensor, comb: torch.Tensor, streams: 
     out = streams.new_empty(t, n, d)
     if t:
         _hc_expand_kernel[(t, triton.cdiv(d, BLOCK_D))](post, y, comb, streams, out, y.stride(0), streams.stride(0),
-                                                       streams.stride(1), d, N=n, BLOCK=BLOCK_D)
+                                                       streams.stride(1), d, N=n, BLOCK=BLOCK_D, **pdl_launch(pdl))
     return out

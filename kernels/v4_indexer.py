@@ -25,6 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
+from deepinfer_kernels.dispatch import pdl_launch, pdl_wait
+
 from deepinfer_kernels.v4_attention import check_fp4, dequantize_fp4_rows, fp4_tile
 
 BLOCK_E = 64
@@ -39,7 +41,9 @@ def _index_scores_kernel(Q, W, Buf, Scales, Rows, Mask, Out,
                          H: tl.constexpr, BLOCK_H: tl.constexpr, DI: tl.constexpr, BLOCK_DI: tl.constexpr,
                          QPB: tl.constexpr, BLOCK_E: tl.constexpr, HAS_MASK: tl.constexpr, IEEE: tl.constexpr,
                          KV_FP8: tl.constexpr, KV_FP4: tl.constexpr = False, FP4_BLOCK: tl.constexpr = 32,
-                         KEYS: tl.constexpr = False):
+                         KEYS: tl.constexpr = False,
+                         PDL: tl.constexpr = False):
+    pdl_wait(PDL)
     g = tl.program_id(0).to(tl.int64)
     qb = tl.program_id(1)
     eb = tl.program_id(2)
@@ -106,7 +110,7 @@ def _check_scales(buf: torch.Tensor, scales: torch.Tensor | None) -> bool:
 
 def index_scores(q: torch.Tensor, weights: torch.Tensor, buf: torch.Tensor, rows: torch.Tensor,
                  visible: torch.Tensor | None, scale: float, scales: torch.Tensor | None = None,
-                 fixed_order: bool = False, as_keys: bool = False) -> torch.Tensor:
+                 fixed_order: bool = False, as_keys: bool = False, pdl: bool = False) -> torch.Tensor:
     """q (G, Q, H, Di), weights (G, Q, H) fp32, key rows `buf[rows]` (buf (N, Di), rows (G, E), -1 = none),
     visible (G, Q, E) bool or None -> (G, Q, E) fp32 scores, -inf where absent or not visible. A float8_e4m3fn
     buf comes with its fp32 row `scales` (N,) or (N, 1), a uint8 (MXFP4) buf (N, Di / 2) with its uint8 e8m0
@@ -145,7 +149,7 @@ def index_scores(q: torch.Tensor, weights: torch.Tensor, buf: torch.Tensor, rows
         out.stride(0), out.stride(1), num_q, num_entries, scale,
         H=num_heads, BLOCK_H=block_h, DI=di, BLOCK_DI=triton.next_power_of_2(di), QPB=qpb, BLOCK_E=BLOCK_E,
         HAS_MASK=mask is not None, IEEE=q.dtype == torch.float32, KV_FP8=fp8, KEYS=as_keys, num_warps=4,
-        **(dict(KV_FP4=True, FP4_BLOCK=fp4_block) if fp4 else {}))
+        **(dict(KV_FP4=True, FP4_BLOCK=fp4_block) if fp4 else {}), **pdl_launch(pdl))
     return out
 
 

@@ -10,13 +10,16 @@ import torch
 import triton
 import triton.language as tl
 
+from deepinfer_kernels.dispatch import pdl_launch, pdl_wait
+
 BLOCK_C = 128
 """Channels per program."""
 
 
 @triton.jit
 def _pool_kernel(KV, Gate, Out, stride_kn, stride_km, stride_gn, stride_gm, stride_on, num_tokens, num_channels,
-                 BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr):
+                 BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)
     n = tl.program_id(0).to(tl.int64)
     offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     offs_m = tl.arange(0, BLOCK_M)
@@ -34,7 +37,7 @@ def _pool_kernel(KV, Gate, Out, stride_kn, stride_km, stride_gn, stride_gm, stri
     tl.store(Out + n * stride_on + offs_c, out.to(Out.dtype.element_ty), mask=cmask)
 
 
-def pool_window(kv: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+def pool_window(kv: torch.Tensor, gate: torch.Tensor, pdl: bool = False) -> torch.Tensor:
     """kv (N, m, C), gate (N, m, C) fp32 (-inf = token left out) -> (N, C) in kv's dtype."""
     if kv.shape != gate.shape or kv.dim() != 3:
         raise ValueError(f"pool_window: kv {tuple(kv.shape)} and gate {tuple(gate.shape)} must be one (N, m, C)")
@@ -46,7 +49,8 @@ def pool_window(kv: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         return out
     _pool_kernel[(n, triton.cdiv(c, BLOCK_C))](kv, gate, out, kv.stride(0), kv.stride(1), gate.stride(0),
                                                gate.stride(1), out.stride(0), m, c,
-                                               BLOCK_M=triton.next_power_of_2(m), BLOCK_C=BLOCK_C, num_warps=4)
+                                               BLOCK_M=triton.next_power_of_2(m), BLOCK_C=BLOCK_C, num_warps=4,
+                                               **pdl_launch(pdl))
     return out
 
 
@@ -68,7 +72,8 @@ def _pool_half(Buf, slots, Ape, kv_col, gate_col, ape_col, offs_m, offs_c, mask,
 @triton.jit
 def _pool_gathered_kernel(Buf, Cur, Prev, HasPrev, Ape, Out, stride_b, stride_w, stride_a, stride_o, kv_col, gate_col,
                           num_tokens, num_channels, OVERLAP: tl.constexpr, HAS_APE: tl.constexpr,
-                          BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr):
+                          BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)
     n = tl.program_id(0).to(tl.int64)
     offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     offs_m = tl.arange(0, BLOCK_M)
@@ -102,7 +107,7 @@ def _pool_gathered_kernel(Buf, Cur, Prev, HasPrev, Ape, Out, stride_b, stride_w,
 
 def pool_gathered(buf: torch.Tensor, kv_col: int, gate_col: int, cur: torch.Tensor, prev: torch.Tensor | None,
                   has_prev: torch.Tensor | None, ape: torch.Tensor | None, channels: int, overlap: bool,
-                  out_dtype: torch.dtype | None = None) -> torch.Tensor:
+                  out_dtype: torch.dtype | None = None, pdl: bool = False) -> torch.Tensor:
     """pool_window over windows gathered from the pool in the same launch: buf (rows, cols) holds each token's kv
     projections from column kv_col and its gates from gate_col (width `channels`, or 2 x `channels` with
     `overlap`); cur / prev (N, m) the rows of each window's tokens and of the previous window's, has_prev (N,);
@@ -127,5 +132,6 @@ def pool_gathered(buf: torch.Tensor, kv_col: int, gate_col: int, cur: torch.Tens
     _pool_gathered_kernel[(n, triton.cdiv(channels, BLOCK_C))](
         buf, cur, prev, cur if has_prev is None else has_prev, buf if ape is None else ape, out, buf.stride(0),
         cur.stride(0), 0 if ape is None else ape.stride(0), out.stride(0), kv_col, gate_col, m, channels,
-        OVERLAP=overlap, HAS_APE=ape is not None, BLOCK_M=triton.next_power_of_2(m), BLOCK_C=BLOCK_C, num_warps=4)
+        OVERLAP=overlap, HAS_APE=ape is not None, BLOCK_M=triton.next_power_of_2(m), BLOCK_C=BLOCK_C, num_warps=4,
+        **pdl_launch(pdl))
     return out

@@ -8,6 +8,8 @@ import torch
 import triton
 import triton.language as tl
 
+from deepinfer_kernels.dispatch import pdl_launch, pdl_wait
+
 BLOCK_T = 16
 """Tokens per program."""
 
@@ -30,7 +32,8 @@ def sinkhorn_tile(x, inside, iters, eps):
 
 @triton.jit
 def _sinkhorn_kernel(Logits, Out, num_tokens, iters, eps, N: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_T: tl.constexpr):
+                     BLOCK_T: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)
     offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     offs_j = tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_N)
@@ -41,7 +44,7 @@ def _sinkhorn_kernel(Logits, Out, num_tokens, iters, eps, N: tl.constexpr, BLOCK
     tl.store(Out + ptrs, sinkhorn_tile(x, inside, iters, eps), mask=mask)
 
 
-def sinkhorn(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
+def sinkhorn(logits: torch.Tensor, iters: int, eps: float, pdl: bool = False) -> torch.Tensor:
     """logits (T, N, N) -> (T, N, N) fp32: softmax over the last dim + eps, divided by its column sums + eps, then
     iters - 1 times by its row sums + eps and its column sums + eps."""
     if logits.dim() != 3 or logits.shape[1] != logits.shape[2]:
@@ -53,5 +56,6 @@ def sinkhorn(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
     out = torch.empty_like(logits)
     if t:
         _sinkhorn_kernel[(triton.cdiv(t, BLOCK_T),)](logits, out, t, iters, eps, N=n,
-                                                     BLOCK_N=max(2, triton.next_power_of_2(n)), BLOCK_T=BLOCK_T)
+                                                     BLOCK_N=max(2, triton.next_power_of_2(n)), BLOCK_T=BLOCK_T,
+                                                     **pdl_launch(pdl))
     return out

@@ -11,7 +11,7 @@
 # Logs and JSON land in $OUT. Stage time limits (seconds): BENCH_S, TEST_S, KERNEL_BENCH_S, EP_S, DET_S, HOST_S,
 # MOE_BI_S, MXFP4_S, V4_S, FP8_S, FP8_GEMM_S, MOE_FP8_S, LONGCTX_S, EP1_S, V4SWEEP_S, ROW_GEMV_S, KV8_S.
 # `sampler` (bench_sampler: the one-kernel seeded draw beside the per-row form; SAMPLER_S, SAMPLER_ARGS).
-# LONGCTX_AB_ENV ('|'-separated settings): longctx again under each. PACK=1: everything in $OUT packed into one out.tgz (the
+# LONGCTX_AB_ENV ('|'-separated settings): longctx again under each; FP8_AB_ENV: fp8 again under those settings. PACK=1: everything in $OUT packed into one out.tgz (the
 # device returns at most eight files). V4SWEEP_AB_ENV (with V4SWEEP_AB_ARGS, default V4SWEEP_ARGS): v4sweep again under those environment settings. TEST_ARGS: the pytest targets of the tests stage (default test/gpu); KERNEL_BENCH_ARGS: extra
 # arguments of the kernel micro-benchmark (e.g. --only moe). TEST_JOBS>1: one pytest process per test file or node id, that
 # many at once; PYTEST_ARGS: extra pytest options (e.g. -o faulthandler_timeout=120 to dump a stuck test's stacks).
@@ -92,6 +92,11 @@ fi
 if [[ $STAGES == *,fp8,* ]]; then  # FP8 beside bf16 (V2-Lite), a full-width V3 in FP8, weight bytes per GPU
   timeout "${FP8_S:-300}" python3 benchmark/bench_fp8.py --out "$OUT/fp8_h200.json" ${FP8_ARGS:-} > "$OUT/fp8.log" 2>&1
   tail -n 12 "$OUT/fp8.log"
+  if [ -n "${FP8_AB_ENV:-}" ]; then  # the same run under these settings (e.g. DEEPINFER_GPU_PDL=0)
+    env ${FP8_AB_ENV} timeout "${FP8_S:-300}" python3 benchmark/bench_fp8.py --out "$OUT/fp8_ab.json" ${FP8_ARGS:-} \
+      > "$OUT/fp8_ab.log" 2>&1
+    echo "fp8 ($FP8_AB_ENV) rc=$?"; tail -n 8 "$OUT/fp8_ab.log"
+  fi
 fi
 if [[ $STAGES == *,moe_fp8,* ]]; then  # the FP8 fused MoE (tiles, autotuned) beside the bf16 one, V2-Lite experts
   timeout "${MOE_FP8_S:-240}" python3 benchmark/bench_moe_fp8.py --out "$OUT/gpu_moe_fp8_h200.json" ${MOE_FP8_ARGS:-} \

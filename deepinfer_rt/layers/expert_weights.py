@@ -28,7 +28,7 @@ def clamped_expert_weights_method(config: KernelConfig) -> ExpertWeights:
     (`is_quantized`); else as expert_weights_method."""
     if (config.quantization == "fp8" and config.is_checkpoint_quantized and config.expert_dtype == "fp4"
             and config.is_triton and not config.is_batch_invariant):
-        return Mxfp4FusedExperts()
+        return Mxfp4FusedExperts(config.uses_pdl)
     return expert_weights_method(config)
 
 

@@ -81,9 +81,13 @@ class Mxfp4FusedExperts(ExpertWeights):
 
         gate_up_proj int8 (E, 2I, H/2), gate_up_proj_scale_inv uint8 (E, 2I, H/32); down_proj likewise
 
-    `apply(experts, x, weights, ids)` is the experts' forward (clamped SwiGLU at `experts.limit`)."""
+    `apply(experts, x, weights, ids)` is the experts' forward (clamped SwiGLU at `experts.limit`); pdl: its GEMV
+    form's launches programmatic dependent ones (KernelConfig.uses_pdl)."""
 
     is_quantized = True
+
+    def __init__(self, pdl: bool = False):
+        self.pdl = pdl
 
     def create_weights(self, experts: nn.Module) -> None:
         for name in ("gate_up_proj", "down_proj"):
@@ -124,4 +128,5 @@ class Mxfp4FusedExperts(ExpertWeights):
         from deepinfer_kernels.fused_moe_mxfp4 import fused_moe_mxfp4
 
         return fused_moe_mxfp4(x.contiguous(), experts.gate_up_proj, experts.gate_up_proj_scale_inv,
-                               experts.down_proj, experts.down_proj_scale_inv, weights, ids, experts.limit)
+                               experts.down_proj, experts.down_proj_scale_inv, weights, ids, experts.limit,
+                               pdl=self.pdl)

@@ -84,3 +84,26 @@ def test_v4_decode_graphs_match_eager_and_cpu(tiny_v4_gpu_path, monkeypatch):
 @pytest.mark.parametrize("variant", ["a", "b"])
 def test_v41_decode_graphs_match_eager_and_cpu(tiny_v41_paths, variant, monkeypatch):
     _check(tiny_v41_paths[variant], monkeypatch)
+
+
+@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability()[0] < 9, reason="needs SM90+")
+@pytest.mark.parametrize("graphs", [False, True])
+def test_v4_dependent_launches_are_bitwise_the_same(tiny_v4_gpu_path, graphs, monkeypatch):
+    """DEEPINFER_GPU_PDL: V4's kernels (norms, rotation, hyper-connections, Sinkhorn, pooling, indexer, sparse
+    attention, routing, the slot sums) launch as programmatic dependent launches and wait first thing; tokens and
+    logprobs are bitwise those of ordinary launches, eager and through graphs, bf16."""
+    from deepinfer_rt.models.deepseek_v4.methods import V4TritonMethod
+
+    monkeypatch.setenv("DEEPINFER_V4_CUDA_GRAPHS", "1")
+    monkeypatch.setenv("DEEPINFER_CUDA_GRAPH_MAX_BS", "8" if graphs else "0")
+    outs = {}
+    for pdl in (True, False):
+        monkeypatch.setenv("DEEPINFER_GPU_PDL", "1" if pdl else "0")
+        with Engine(str(tiny_v4_gpu_path), device="cuda", dtype="bfloat16", kv_cache_tokens=4096, max_num_seqs=8,
+                    page_size=4, chunked_prefill_tokens=13) as engine:
+            methods = {m.method for m in engine.model.modules() if isinstance(getattr(m, "method", None),
+                                                                             V4TritonMethod)}
+            assert methods and all(m.pdl == pdl for m in methods)
+            outs[pdl] = engine.generate(input_ids=PROMPTS, sampling_params=GREEDY)
+    for a, b in zip(outs[True], outs[False]):
+        assert a.token_ids == b.token_ids and a.logprobs == b.logprobs

@@ -258,7 +258,7 @@ _ROUTE = textwrap.dedent("""
     g = torch.Generator().manual_seed(0)
     torch_m = V4Method(UnquantizedLinear(), Activation(), HeadMatmul())
     kernel_m = object.__new__(V4TritonMethod)
-    kernel_m.linear, kernel_m.kernels = UnquantizedLinear(), SimpleNamespace(router=moe_router)
+    kernel_m.linear, kernel_m.kernels, kernel_m.pdl = UnquantizedLinear(), SimpleNamespace(router=moe_router), False
     e, k, h, t = 24, 4, 32, 6
     for hashed in (False, True):
         router = SimpleNamespace(weight=torch.randn(e, h, generator=g), scoring_func="sqrtsoftplus", top_k=k,

@@ -69,7 +69,7 @@ def test_kernel_forms_read_only_the_picked_entries(tiny_v41_paths, kv):
 
     reads = []  # per long-range attention call: (query rows, entries each query reads, entries of its group)
 
-    def attention(q, sources, sink, sm_scale, fixed_splits=False):
+    def attention(q, sources, sink, sm_scale, fixed_splits=False, pdl=False):
         assert not fixed_splits
         if len(sources) == 2:
             entries = sources[1]
@@ -78,7 +78,7 @@ def test_kernel_forms_read_only_the_picked_entries(tiny_v41_paths, kv):
             reads.append((q.shape[0] * q.shape[1], (entries.rows >= 0).sum(-1).flatten()))
         return va.sparse_mqa_attention_ref(q, sources, sink, sm_scale)
 
-    def index_scores(q, weights, buf, rows, visible, scale, scales=None, fixed_order=False, as_keys=False):
+    def index_scores(q, weights, buf, rows, visible, scale, scales=None, fixed_order=False, as_keys=False, pdl=False):
         assert not fixed_order and buf.dtype == entry_dtype
         scores = vi.index_scores_ref(q, weights, buf, rows, visible, scale, scales)
         return stable_topk_keys(scores) if as_keys else scores  # the kernel's keys form: checked against this

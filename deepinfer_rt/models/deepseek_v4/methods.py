@@ -298,34 +298,38 @@ class V4TritonMethod(V4Method):
     softmax runs in fp32. With kv_cache_dtype='fp8_e4m3' the sources (and the indexer's keys) are the pool's
     float8 rows with their row scales, read as they are stored. For CSA the indexer's choice travels as entry
     indices, (G, Q, topk) with -1 for none, instead of V4Method's (G, Q, E) mask: the kernel then reads topk
-    entries per query, not all E. The top-k is stable_topk, V4Method's rule (ties to the earlier entry)."""
+    entries per query, not all E. The top-k is stable_topk, V4Method's rule (ties to the earlier entry).
 
-    def __init__(self, linear: LinearMethod, activation: Activation, head_matmul: HeadMatmul):
+    pdl: every kernel here a programmatic dependent launch (KernelConfig.uses_pdl; each waits first thing)."""
+
+    def __init__(self, linear: LinearMethod, activation: Activation, head_matmul: HeadMatmul, pdl: bool = False):
         super().__init__(linear, activation, head_matmul)
         self.kernels = v4_kernels()
+        self.pdl = pdl
 
     def sinkhorn(self, logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
-        return self.kernels.sinkhorn.sinkhorn(logits, iters, eps)
+        return self.kernels.sinkhorn.sinkhorn(logits, iters, eps, pdl=self.pdl)
 
     def unweighted_rms_norm(self, x: torch.Tensor, eps: float) -> torch.Tensor:
-        return self.kernels.elementwise.rms_norm(x, None, eps)
+        return self.kernels.elementwise.rms_norm(x, None, eps, pdl=self.pdl)
 
     def float_rms_norm(self, x: torch.Tensor, eps: float) -> torch.Tensor:
-        return self.kernels.elementwise.rms_norm(x, None, eps, out_dtype=torch.float32)  # no fp32 copy of x first
+        # no fp32 copy of x first
+        return self.kernels.elementwise.rms_norm(x, None, eps, out_dtype=torch.float32, pdl=self.pdl)
 
     def hc_weights(self, mix: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, n: int, iters: int,
                    eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return self.kernels.hyper.hc_weights(mix, base, scale, iters, eps)
+        return self.kernels.hyper.hc_weights(mix, base, scale, iters, eps, pdl=self.pdl)
 
     def hc_collapse(self, pre: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
-        return self.kernels.hyper.hc_collapse(pre, streams)
+        return self.kernels.hyper.hc_collapse(pre, streams, pdl=self.pdl)
 
     def hc_expand(self, post: torch.Tensor, y: torch.Tensor, comb: torch.Tensor,
                   streams: torch.Tensor) -> torch.Tensor:
-        return self.kernels.hyper.hc_expand(post, y, comb, streams)
+        return self.kernels.hyper.hc_expand(post, y, comb, streams, pdl=self.pdl)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        return self.kernels.elementwise.rms_norm(x, weight, eps)
+        return self.kernels.elementwise.rms_norm(x, weight, eps, pdl=self.pdl)
 
     def route(self, router: nn.Module, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The scoring, the choice (hash table or top k, ties to the lower id, ids ascending) and the weights in one
@@ -339,28 +343,28 @@ class V4TritonMethod(V4Method):
                                 norm_topk_prob=True, routed_scaling_factor=router.scaling)
         return kernels.route(logits, router.top_k, scoring_func=router.scoring_func, topk_method="noaux_tc", n_group=1,
                      topk_group=1, correction_bias=router.bias.float(), norm_topk_prob=True,
-                     routed_scaling_factor=router.scaling)
+                     routed_scaling_factor=router.scaling, pdl=self.pdl)
 
     def clamped_swiglu(self, gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
         if gate.dim() != 2 or gate.stride(-1) != 1 or up.stride(-1) != 1 or gate.dtype != up.dtype:
             return super().clamped_swiglu(gate, up, limit)
-        return self.kernels.elementwise.clamped_swiglu(gate, up, limit)  # one launch for four
+        return self.kernels.elementwise.clamped_swiglu(gate, up, limit, pdl=self.pdl)  # one launch for four
 
     def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         half = cos.shape[-1]
         if half & (half - 1) or not x.numel():  # the kernel's pairs are a power of two (V4's 64-channel rope is)
             return super().rope(x, cos, sin)
-        return self.kernels.elementwise.rope(x, cos, sin)
+        return self.kernels.elementwise.rope(x, cos, sin, pdl=self.pdl)
 
     def pool_window(self, kv: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        return self.kernels.pooling.pool_window(kv, gate)
+        return self.kernels.pooling.pool_window(kv, gate, pdl=self.pdl)
 
     def window_pool(self, buf: torch.Tensor, kv_cols: slice, gate_cols: slice, win: Windows,
                     ape: torch.Tensor | None, d: int, overlap: bool, fp32: bool = False) -> torch.Tensor:
         """The gathers, the position bias and the pooling in one launch, where the torch form takes about twelve."""
         return self.kernels.pooling.pool_gathered(buf, kv_cols.start, gate_cols.start, win.cur, win.prev,
                                                   win.has_prev, ape, d, overlap,
-                                                  out_dtype=torch.float32 if fp32 else None)
+                                                  out_dtype=torch.float32 if fp32 else None, pdl=self.pdl)
 
     def _keys(self, fp8: Fp8Rows | None, plain: torch.Tensor, rows: torch.Tensor,
               mask: torch.Tensor | None = None):
@@ -382,7 +386,8 @@ class V4TritonMethod(V4Method):
             else:
                 sources.append(self._keys(kv.fp8_entry, entries, slots, visible))
         qg = g.take(q).view(g.num_seqs, g.q_len, layer.num_heads, layer.head_dim)
-        out = self.kernels.attention.sparse_mqa_attention(qg, sources, layer.attn_sink, layer.head_dim ** -0.5)
+        out = self.kernels.attention.sparse_mqa_attention(qg, sources, layer.attn_sink, layer.head_dim ** -0.5,
+                                                          pdl=self.pdl)
         return out.view(-1, layer.num_heads, layer.head_dim)
 
     def index_select(self, indexer: nn.Module, q: torch.Tensor, keys, weights: torch.Tensor,
@@ -393,7 +398,7 @@ class V4TritonMethod(V4Method):
         g, q_len, _ = visible.shape
         sort_keys = self.kernels.indexer.index_scores(
             q.view(g, q_len, indexer.num_heads, indexer.head_dim), weights.view(g, q_len, indexer.num_heads),
-            keys.buf, keys.rows, visible, indexer.head_dim ** -0.5, keys.scales, as_keys=True)
+            keys.buf, keys.rows, visible, indexer.head_dim ** -0.5, keys.scales, as_keys=True, pdl=self.pdl)
         return topk_of_keys(sort_keys, indexer.topk)  # stable_topk's picks, from the keys the kernel wrote
 
 
@@ -469,7 +474,8 @@ def v4_method(config: KernelConfig) -> V4Method:
     if config.is_batch_invariant:
         cls = V4InvariantTritonMethod if config.is_triton else V4InvariantMethod
     elif config.is_triton:
-        cls = V4TritonMethod
+        return V4TritonMethod(linear_method(config), activation_method(config), head_matmul_method(config),
+                              config.uses_pdl)
     else:
         cls = V4Method
     return cls(linear_method(config), activation_method(config), head_matmul_method(config))

@@ -170,6 +170,8 @@ class _KernelForms:
     def __init__(self, v4: V4Method):
         super().__init__(v4)
         self.kernels = v4_kernels()  # Triton: CUDA builds only
+        self.pdl = getattr(v4, "pdl", False)
+        """The kernels as programmatic dependent launches, as V4's (V4TritonMethod.pdl)."""
 
     def attend(self, q, g, ratio, kv, src, selected, sink):
         h, d = q.shape[1:]
@@ -184,7 +186,7 @@ class _KernelForms:
             sources.append(key_source(self.kernels, src.fp8_entry, src.entries[:, src.cols.entry], rows) if fp4 is None
                            else self.kernels.attention.KeySource(fp4.values, rows, None, fp4.scales))
         out = self.kernels.attention.sparse_mqa_attention(q.view(g.num_seqs, g.q_len, h, d), sources, sink, d ** -0.5,
-                                                  fixed_splits=self.is_fixed)
+                                                          fixed_splits=self.is_fixed, pdl=self.pdl)
         return out.view(-1, h, d)
 
     def index_scores(self, q, src, slots, weights):
@@ -198,7 +200,7 @@ class _KernelForms:
         rows = src.fp8_idx_entry if src.fp8_idx_entry is not None else src.fp4_idx_entry
         buf, scales = (src.entries[:, src.cols.idx_entry], None) if rows is None else (rows.values, rows.scales)
         return self.kernels.indexer.index_scores(q, weights, buf, slots, mask, q.shape[-1] ** -0.5, scales,
-                                                 fixed_order=self.is_fixed, as_keys=as_keys)
+                                                 fixed_order=self.is_fixed, as_keys=as_keys, pdl=self.pdl)
 
 
 class V41TritonMethod(_KernelForms, V41Method):
