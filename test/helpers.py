@@ -44,3 +44,14 @@ def check_weight_only_matches_dense(path, dtype: str, quantization: str, method_
                                              b.prompt_logprobs[1:] + b.logprobs[:1])]
         assert max(errors) < tol, (dtype, max(errors))
         assert a.token_ids[:2] == b.token_ids[:2]
+
+
+def moe_config(hidden: int, experts: int, top_k: int, inter: int, shared: int = 2):
+    """A one-layer DeepSeek-V2 config for MoE-block tests: `experts` routed experts of width `inter`, top_k a
+    token, `shared` shared experts."""
+    from deepinfer_rt.config import ModelConfig
+
+    return ModelConfig(architecture="DeepseekV2ForCausalLM", vocab_size=32, hidden_size=hidden, intermediate_size=64,
+                       num_layers=1, num_heads=2, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-6, max_position=64,
+                       tie_word_embeddings=False, eos_token_ids=(0,), bos_token_id=None, n_routed_experts=experts,
+                       n_shared_experts=shared, num_experts_per_tok=top_k, moe_intermediate_size=inter)

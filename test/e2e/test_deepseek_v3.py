@@ -294,13 +294,11 @@ def test_kv_layout_is_latent_plus_rope(models):
 def test_shared_experts_join_the_routed_ones():
     """The shared MLP as S extra experts of weight 1 (MoE.process_weights_after_loading's layout, run here
     through the torch grouped path) gives the MoE's routed + shared output."""
-    from deepinfer_rt.config import ModelConfig
+    from helpers import moe_config
+
     from deepinfer_rt.layers.moe import MoE, RoutedExperts, joint_expert_weights
 
-    config = ModelConfig(architecture="DeepseekV2ForCausalLM", vocab_size=32, hidden_size=32, intermediate_size=64,
-                         num_layers=1, num_heads=2, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-6, max_position=64,
-                         tie_word_embeddings=False, eos_token_ids=(0,), bos_token_id=None,
-                         n_routed_experts=6, n_shared_experts=2, num_experts_per_tok=2, moe_intermediate_size=8)
+    config = moe_config(hidden=32, experts=6, top_k=2, inter=8)
     gen = torch.Generator().manual_seed(0)
     moe = MoE(config)
     for p in moe.parameters():

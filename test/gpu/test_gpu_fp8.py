@@ -221,16 +221,14 @@ def test_fp8_moe_joins_shared_experts(num_tokens, monkeypatch):
     (the two round the shared h to bf16 from different fp32 sums, which flips an e4m3 code now and then: 2.2% at one
     token on an H100; a cut across a scale block or a swapped scale is off by its whole size), and within 8% of the
     fp32 CPU MoE on the unquantized weights."""
-    from deepinfer_rt.config import ModelConfig
+    from helpers import moe_config
+
     from deepinfer_rt.layers import moe as moe_module
     from deepinfer_rt.layers.kernel_config import KernelConfig, build_context
     from deepinfer_rt.layers.moe import MoE
     from deepinfer_rt.models.loader import finalize
 
-    config = ModelConfig(architecture="DeepseekV2ForCausalLM", vocab_size=32, hidden_size=256, intermediate_size=64,
-                         num_layers=1, num_heads=2, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-6, max_position=64,
-                         tie_word_embeddings=False, eos_token_ids=(0,), bos_token_id=None, n_routed_experts=64,
-                         n_shared_experts=2, num_experts_per_tok=6, moe_intermediate_size=128)
+    config = moe_config(hidden=256, experts=64, top_k=6, inter=128)
     gen = torch.Generator().manual_seed(num_tokens)
     ref = MoE(config)
     for p in ref.parameters():

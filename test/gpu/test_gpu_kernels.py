@@ -65,13 +65,11 @@ def test_fused_moe(num_tokens):
 def test_moe_with_shared_experts_joined(num_tokens):
     """MoE on GPU with the shared experts joined to the routed ones (up to FUSED_SHARED_MAX_TOKENS rows) and
     without (more rows) against its CPU fp32 form, the shared MLP run apart."""
-    from deepinfer_rt.config import ModelConfig
+    from helpers import moe_config
+
     from deepinfer_rt.layers.moe import FUSED_SHARED_MAX_TOKENS, MoE
 
-    config = ModelConfig(architecture="DeepseekV2ForCausalLM", vocab_size=32, hidden_size=256, intermediate_size=64,
-                         num_layers=1, num_heads=2, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-6, max_position=64,
-                         tie_word_embeddings=False, eos_token_ids=(0,), bos_token_id=None, n_routed_experts=64,
-                         n_shared_experts=2, num_experts_per_tok=6, moe_intermediate_size=176)
+    config = moe_config(hidden=256, experts=64, top_k=6, inter=176)
     from deepinfer_rt.layers.kernel_config import KernelConfig, build_context
 
     gen = torch.Generator().manual_seed(num_tokens)
