@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from deepinfer_kernels.dispatch import pdl_launch
+from deepinfer_kernels.dispatch import pdl_launch, pdl_wait
 from deepinfer_kernels.reference import paged_decode_attention_ref  # noqa: F401 (the kernels' reference, here too)
 
 
@@ -137,9 +137,7 @@ def _decode_split_kernel(Q, QT, K, V, KS, VS, PageTable, TableRows, SeqLens, Par
                          DV: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
                          V_IS_K: tl.constexpr, IEEE: tl.constexpr, KV_FP8: tl.constexpr,
                          F16_DOT: tl.constexpr, HEAD_BLOCKS: tl.constexpr, PDL: tl.constexpr):
-    if PDL:  # q and the step's K / V rows are the kernels' before
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl_wait(PDL)  # q and the step's K / V rows are the kernels' before
     b = tl.program_id(0)
     kvh = tl.program_id(1) // HEAD_BLOCKS  # axis 1: a KV head's group of query heads, BLOCK_H at a time
     head0 = tl.program_id(1) % HEAD_BLOCKS * BLOCK_H
@@ -221,9 +219,7 @@ def _merge_splits_kernel(PartO, PartLse, O, stride_ob, stride_oh, NUM_HEADS: tl.
     program's tile (BLOCK_S x BLOCK_D fp32) stays in registers: MLA at batch 1 merges up to 128 splits of 512
     columns, which as one tile per head spilled and ran one program per head (16 of the GPU's 132
     multiprocessors)."""
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl_wait(PDL)
     _merge_columns(PartO, PartLse, O, tl.program_id(0), tl.program_id(1), tl.program_id(2) * BLOCK_D, NUM_HEADS,
                    stride_ob, stride_oh, NUM_SPLITS, BLOCK_S, DV, BLOCK_D)
 

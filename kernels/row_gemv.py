@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from deepinfer_kernels.dispatch import pdl_launch
+from deepinfer_kernels.dispatch import pdl_launch, pdl_wait
 
 MAX_ROWS = 4
 """Rows one launch takes. The products run on the CUDA cores (each weight tile times every row, in registers); a
@@ -56,9 +56,7 @@ def _products(X, R, NW, ResOut, W1, W2, T, K, stride_x, stride_r, stride_ro, eps
     wmask = nmask[:, None] & (offs_k < K)[None, :]
     w1 = tl.load(W1 + offs_k[None, :], mask=wmask, other=0.0)  # issued before the rows' arithmetic
     w2 = tl.load(W2 + offs_k[None, :], mask=wmask, other=0.0) if TWO else w1
-    if PDL:
-        tl.extra.cuda.gdc_wait()  # the rows (and every buffer this launch writes) are the kernel before's
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl_wait(PDL)  # the rows (and every buffer this launch writes) are the kernel before's
     if HAS_NORM and not ONE_PASS:  # the rows' sums of squares first, over K in tiles
         ss = tl.zeros([BLOCK_M], tl.float32)
         for k0 in range(0, K, BLOCK_K):
