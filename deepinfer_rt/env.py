@@ -201,6 +201,10 @@ class Env:
     timed: the FP8 GEMM's fused path and split sum, the fused MoEs (bf16, FP8, MXFP4's GEMV form) with their
     quantizations and slot sums, RMSNorm, MLA's rope-and-store, routing, and V4 / V4.1's Triton kernels (norms,
     rotation, hyper-connections, Sinkhorn, pooling, indexer, sparse attention). 0 turns it off."""
+    gpu_prefetch_tiles: int
+    """DEEPINFER_GPU_PREFETCH_TILES (default 2): with dependent launches, a decode attention split brings this many
+    of its first KV tiles into L2 before it waits for the kernel before it (a hint: values are read after the
+    wait). 0 turns it off."""
     cpu_bf16_gemv: str
     """DEEPINFER_CPU_BF16_GEMV: how the flat CPU step multiplies a lone bf16 row (a single decode stream) by a dense
     weight (models/cpu_row_products.py ROW_PRODUCTS): 'linear' (F.linear, the module path's op), 'mv' (torch.mv),
@@ -287,6 +291,7 @@ def get_env() -> Env:
         cpu_fast_step=_bool("DEEPINFER_CPU_FAST_STEP", True),
         gpu_row_step=_bool("DEEPINFER_GPU_ROW_STEP", True),
         gpu_pdl=_bool("DEEPINFER_GPU_PDL", True),
+        gpu_prefetch_tiles=_int("DEEPINFER_GPU_PREFETCH_TILES", 2),
         cpu_bf16_gemv=_str("DEEPINFER_CPU_BF16_GEMV", "auto").strip().lower(),
         cpu_fp32_row=_str("DEEPINFER_CPU_FP32_ROW", "kernel").strip().lower(),
         cpu_quant_row=_str("DEEPINFER_CPU_QUANT_ROW", "kernel").strip().lower(),
