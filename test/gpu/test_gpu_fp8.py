@@ -79,6 +79,29 @@ def test_fp8_split_sum_by_last_program_equals_second_kernel(m):
         assert not _tile_counters(x.device).any()
 
 
+@pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9),
+                    reason="dependent launches need SM90+")
+@pytest.mark.parametrize("m", [1, 16])
+def test_fp8_block_gemm_dependent_launch(m):
+    """The split GEMM as a dependent launch right after the kernel that writes its input, its weight rows brought
+    into L2 before its wait: bitwise the ordinary launch's output (both split sums)."""
+    from deepinfer_kernels.fp8_gemm import fp8_block_gemm
+    from deepinfer_kernels.reference import quantize_fp8_blocks
+
+    g = torch.Generator(device=DEV).manual_seed(m)
+    for n, k in ((2048, 10944), (3648, 2048), (2112, 7168)):
+        q, s = quantize_fp8_blocks(torch.randn(n, k, device=DEV, generator=g) * 0.02)
+        x0 = torch.randn(m, k, device=DEV, generator=g).bfloat16()
+        for split_sum in ("kernel", "last_program"):
+            outs = []
+            for pdl in (False, True):
+                x = torch.empty_like(x0)
+                torch.cuda.synchronize()
+                x.copy_(x0)  # the kernel just before writes the input
+                outs.append(fp8_block_gemm(x, q, s, 128, 128, split_sum=split_sum, pdl=pdl))
+            assert torch.equal(outs[0], outs[1])
+
+
 @pytest.mark.parametrize("shape", list(V2_LITE_SHAPES), ids=list(V2_LITE_SHAPES))
 @pytest.mark.parametrize("m", [1, 16, 64, 300, 2048])
 def test_fp8_block_gemm_v2_lite_shapes(shape, m):

@@ -42,6 +42,44 @@ def test_paged_decode_attention(shape, page_size, num_splits):
     assert (out[1] == 0).all()  # an empty sequence yields zeros
 
 
+
+@pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9),
+                    reason="dependent launches need SM90+")
+@pytest.mark.parametrize("shape", [(16, 1, 576, 512), (9, 3, 64, 64)], ids=["mla-v2", "gqa-smollm2"])
+@pytest.mark.parametrize("prefetch_tiles", [0, 2, 64])
+def test_paged_decode_attention_dependent_launch(shape, prefetch_tiles):
+    """As a dependent launch right after the kernel that writes its query and each row's last K / V row, and with
+    its first KV tiles brought into L2 before its wait: bitwise the ordinary launch's output."""
+    from deepinfer_kernels.decode_attention import paged_decode_attention
+    from deepinfer_kernels.v4_elementwise import rope
+
+    hq, hkv, dk, dv = shape
+    torch.manual_seed(7)
+    ones, zeros = torch.ones(4, 16, device=DEV), torch.zeros(4, 16, device=DEV)
+    page_size, width = 16, 80
+    lens = torch.tensor([1, 300, 1025, 1264], dtype=torch.int32, device=DEV)
+    k = torch.randn(4 * width * page_size, hkv, dk, dtype=BF16, device=DEV)
+    v = k[..., :dv] if hkv == 1 else torch.randn(k.shape[0], hkv, dv, dtype=BF16, device=DEV)
+    table = torch.randperm(4 * width, device=DEV).view(4, width).to(torch.int32)
+    rows = torch.arange(4, dtype=torch.int32, device=DEV)
+    last = (table[rows.long(), ((lens - 1) // page_size).long()] * page_size + (lens - 1) % page_size).long()
+    q0 = torch.randn(4, hq, dk, dtype=BF16, device=DEV)
+    new_k = torch.randn(4, hkv, dk, dtype=BF16, device=DEV)
+    outs = []
+    for pdl in (False, True):
+        for splits in (1, 8, 64):
+            k[last] = 0
+            torch.cuda.synchronize()
+            k[last] = new_k
+            q = rope(q0, ones, zeros, pdl=pdl)  # q0 itself, written by a dependent launch just before
+            out = paged_decode_attention(q, k, v, table, rows, lens, page_size, dk**-0.5, splits, pdl=pdl,
+                                         prefetch_tiles=prefetch_tiles)
+            assert torch.equal(q, q0)
+            outs.append(out.clone())
+    for a, b in zip(outs[:3], outs[3:]):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("num_tokens", [1, 3, 40, 700])
 def test_fused_moe(num_tokens):
     from deepinfer_kernels.fused_moe import fused_moe
