@@ -162,7 +162,9 @@ def _round_to_e4m3(y):
 
 @triton.jit
 def _store_kv_fp8_kernel(Src, Dst, Scale, Slots, stride_st, stride_sh, stride_dt, stride_dh, stride_ct, d,
-                         FP8_MAX: tl.constexpr, FP8_INV: tl.constexpr, MIN_SCALE: tl.constexpr, BLOCK: tl.constexpr):
+                         FP8_MAX: tl.constexpr, FP8_INV: tl.constexpr, MIN_SCALE: tl.constexpr, BLOCK: tl.constexpr,
+                         PDL: tl.constexpr):
+    pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     slot = tl.load(Slots + t).to(tl.int64)
@@ -178,9 +180,11 @@ def _store_kv_fp8_kernel(Src, Dst, Scale, Slots, stride_st, stride_sh, stride_dt
         tl.store(Scale + slot * stride_ct + h, scale)
 
 
-def store_kv_fp8(buf: torch.Tensor, scale: torch.Tensor, slots: torch.Tensor, src: torch.Tensor) -> None:
+def store_kv_fp8(buf: torch.Tensor, scale: torch.Tensor, slots: torch.Tensor, src: torch.Tensor,
+                 pdl: bool = False) -> None:
     """buf[slots[t]], scale[slots[t]] = quantize_fp8_rows(src[t]) for slots >= 0 (deepinfer_rt.cache.kv_pool):
-    buf (slots, H, D) float8_e4m3fn with unit column stride, scale (slots, H) float32, src (T, H, D)."""
+    buf (slots, H, D) float8_e4m3fn with unit column stride, scale (slots, H) float32, src (T, H, D). pdl: as a
+    programmatic dependent launch (dispatch.pdl_launch)."""
     from deepinfer_rt.cache.kv_pool import _MIN_SCALE, FP8_INV, FP8_MAX
 
     t, h, d = src.shape
@@ -189,7 +193,7 @@ def store_kv_fp8(buf: torch.Tensor, scale: torch.Tensor, slots: torch.Tensor, sr
     if t:
         _store_kv_fp8_kernel[(t, h)](src, buf, scale, slots, src.stride(0), src.stride(1), buf.stride(0),
                                      buf.stride(1), scale.stride(0), d, FP8_MAX=FP8_MAX, FP8_INV=FP8_INV,
-                                     MIN_SCALE=_MIN_SCALE, BLOCK=triton.next_power_of_2(d))
+                                     MIN_SCALE=_MIN_SCALE, BLOCK=triton.next_power_of_2(d), **pdl_launch(pdl))
 
 
 @triton.jit

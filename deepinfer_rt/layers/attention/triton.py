@@ -117,9 +117,9 @@ class TritonBackend(AttentionBackend):
     def store_kv(self, batch: ForwardBatch, layer_id: int, k: torch.Tensor, v: torch.Tensor | None) -> None:
         pool = batch.pool
         if pool.is_fp8:
-            store_kv_fp8(pool.k[layer_id], pool.k_scale[layer_id], batch.out_slots, k)
+            store_kv_fp8(pool.k[layer_id], pool.k_scale[layer_id], batch.out_slots, k, pdl=self.pdl)
             if v is not None:
-                store_kv_fp8(pool.v[layer_id], pool.v_scale[layer_id], batch.out_slots, v)
+                store_kv_fp8(pool.v[layer_id], pool.v_scale[layer_id], batch.out_slots, v, pdl=self.pdl)
             return
         store_kv(pool.k[layer_id], batch.out_slots, k)
         if v is not None:

@@ -29,7 +29,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from deepinfer_kernels.dispatch import pdl_supported
 from deepinfer_rt.cache.kv_pool import KVLayout, KVPool
+from deepinfer_rt.env import get_env
 from deepinfer_rt.forward_batch import ForwardBatch
 from deepinfer_rt.models.deepseek_v4.common import Fp4Rows, Fp8Rows, LayerKV, PoolColumns, fp4_row_bytes
 
@@ -189,12 +191,13 @@ class V4Pool(KVPool):
         fp8 = layout.is_fp8
         self.entries = [torch.zeros(n, 0 if fp8 else w, dtype=dtype, device=device)
                         for n, w in zip(entry_rows, layout.entry_dims)]
-        self.fp8_swa = [Fp8Rows.zeros(rows + 1, layout.swa_dim, device) if fp8 and i < layout.num_swa_layers else None
-                        for i in range(layout.num_layers)]
+        pdl = get_env().gpu_pdl and pdl_supported(device)  # the FP8 row writes' launches
+        self.fp8_swa = [Fp8Rows.zeros(rows + 1, layout.swa_dim, device, pdl)
+                        if fp8 and i < layout.num_swa_layers else None for i in range(layout.num_layers)]
         fp8_entries, fp4 = fp8 and not layout.is_fp4, layout.is_fp4
-        self.fp8_entry = [Fp8Rows.zeros(n, w - di, device) if fp8_entries and m else None
+        self.fp8_entry = [Fp8Rows.zeros(n, w - di, device, pdl) if fp8_entries and m else None
                           for n, w, di, m in zip(entry_rows, layout.entry_dims, layout.idx_entry_dims, layout.ratios)]
-        self.fp8_idx_entry = [Fp8Rows.zeros(n, di, device) if fp8_entries and di else None
+        self.fp8_idx_entry = [Fp8Rows.zeros(n, di, device, pdl) if fp8_entries and di else None
                               for n, di in zip(entry_rows, layout.idx_entry_dims)]
         self.fp4_entry = [Fp4Rows.zeros(n, w - di, device) if fp4 and m else None
                           for n, w, di, m in zip(entry_rows, layout.entry_dims, layout.idx_entry_dims, layout.ratios)]

@@ -215,11 +215,13 @@ class Fp8Rows:
     values: torch.Tensor
     scales: torch.Tensor
     """(rows, 1) fp32."""
+    pdl: bool = False
+    """Writes on CUDA as programmatic dependent launches (DEEPINFER_GPU_PDL)."""
 
     @classmethod
-    def zeros(cls, rows: int, width: int, device: torch.device) -> "Fp8Rows":
+    def zeros(cls, rows: int, width: int, device: torch.device, pdl: bool = False) -> "Fp8Rows":
         return cls(torch.zeros(rows, width, dtype=torch.float8_e4m3fn, device=device),
-                   torch.zeros(rows, 1, dtype=torch.float32, device=device))
+                   torch.zeros(rows, 1, dtype=torch.float32, device=device), pdl)
 
     def read(self, idx: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         return (self.values[idx].float() * self.scales[idx]).to(dtype)
@@ -239,7 +241,7 @@ class Fp8Rows:
         from deepinfer_kernels.elementwise import store_kv_fp8  # Triton: CUDA (or its interpreter) only
 
         x = x if x.stride(-1) == 1 else x.contiguous()
-        store_kv_fp8(self.values[:, None, :], self.scales, idx, x[:, None, :])
+        store_kv_fp8(self.values[:, None, :], self.scales, idx, x[:, None, :], pdl=self.pdl)
 
 
 _E2M1_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
