@@ -36,6 +36,8 @@ import triton
 import triton.language as tl
 
 from deepinfer_kernels.fused_moe import combine_slots, pair_blocks, pair_rows
+from deepinfer_kernels.fp8_quant import quantize_fp8_token_groups
+from deepinfer_kernels.fused_moe_mxfp4_fp8 import _down_mxfp4_fp8, _gate_up_mxfp4_fp8
 from deepinfer_kernels.fused_moe_mxfp4_gemv import gemv_experts
 
 MX_BLOCK = 32
@@ -297,7 +299,35 @@ MXFP4_CANDIDATES = {
     "gemv_n16_k512": dict(BLOCK_N=16, BLOCK_K=512, num_warps=4, num_stages=3, decode="gemv"),
     "gemv_n64_k128": dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4, decode="gemv"),
     "gemv_n32_k512_w8": dict(BLOCK_N=32, BLOCK_K=512, num_warps=8, num_stages=2, decode="gemv"),
+    "fp8_n64_k128": dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4, decode="fp8"),
+    "fp8_n64_k256": dict(BLOCK_N=64, BLOCK_K=256, num_warps=4, num_stages=3, decode="fp8"),
+    "fp8_n128_k128_w8": dict(BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=3, decode="fp8"),
+    "fp8_n128_k256_w8": dict(BLOCK_N=128, BLOCK_K=256, num_warps=8, num_stages=3, decode="fp8"),
+    "fp8_n32_k256": dict(BLOCK_N=32, BLOCK_K=256, num_warps=4, num_stages=3, decode="fp8"),
 }
+
+
+DECODES = ("group", "scaled", "gemv", "fp8")
+"""fused_moe_mxfp4's forms of the e2m1 decode (its docstring)."""
+
+
+def _fp8_experts(x, gate_up, gate_up_scale, down, down_scale, weights, blocks, k: int, limit: float,
+                 h: torch.Tensor, y: torch.Tensor, config: dict) -> None:
+    """The "fp8" form (deepinfer_kernels.fused_moe_mxfp4_fp8): x and then h to e4m3 per (row, 32 elements), each
+    group's product on the FP8 tensor cores; writes h and y."""
+    num_pairs, inter = h.shape
+    hidden = y.shape[1]
+    common = dict(BLOCK_M=blocks.block_m, PER_PAIR=blocks.per_pair, IS_INTERPRETED=x.device.type == "cpu", **config)
+    xq, xs = quantize_fp8_token_groups(x, MX_BLOCK)
+    _gate_up_mxfp4_fp8[(blocks.num_blocks, triton.cdiv(inter, config["BLOCK_N"]))](
+        xq, xs, gate_up, gate_up_scale, h, *blocks.tensors, num_pairs, k, inter, x.shape[1], limit,
+        xq.stride(0), xs.stride(1), gate_up.stride(0), gate_up.stride(1), gate_up_scale.stride(0),
+        gate_up_scale.stride(1), h.stride(0), **common)
+    hq, hs = quantize_fp8_token_groups(h, MX_BLOCK)
+    _down_mxfp4_fp8[(blocks.num_blocks, triton.cdiv(hidden, config["BLOCK_N"]))](
+        hq, hs, down, down_scale, y, weights.flatten().float().contiguous(), *blocks.tensors, num_pairs, hidden,
+        inter, hq.stride(0), hs.stride(1), down.stride(0), down.stride(1), down_scale.stride(0),
+        down_scale.stride(1), y.stride(0), **common)
 
 
 def _tiles(num_pairs: int, dtype: torch.dtype) -> dict:
@@ -344,8 +374,9 @@ def fused_moe_mxfp4(x: torch.Tensor, gate_up: torch.Tensor, gate_up_scale: torch
     config: fixed BLOCK_N / BLOCK_K (a power of two >= 32) / num_warps / num_stages, decode "group" (the hand
     decode, _mx_group_tile; JOIN: one dot over the re-interleaved tile instead of two over the even and odd
     columns), "scaled" (tl.dot_scaled: Triton's own upcast of e2m1 x e8m0 to the activations' 16-bit format) or
-    "gemv" (one program row per pair, fp32 products on the CUDA cores: deepinfer_kernels.fused_moe_mxfp4_gemv);
-    None: _tiles. pdl: the GEMV form's launches and the slot sum as programmatic dependent ones."""
+    "gemv" (one program row per pair, fp32 products on the CUDA cores: deepinfer_kernels.fused_moe_mxfp4_gemv)
+    or "fp8" (codes placed as e4m3 bits, activations rounded to e4m3 per 32 elements, FP8 tensor cores:
+    deepinfer_kernels.fused_moe_mxfp4_fp8); None: _tiles. pdl: the GEMV form's launches and the slot sum as programmatic dependent ones."""
     t, k = ids.shape
     hidden = x.shape[1]
     inter = check_mxfp4_experts(gate_up, gate_up_scale, down, down_scale, hidden)
@@ -356,12 +387,12 @@ def fused_moe_mxfp4(x: torch.Tensor, gate_up: torch.Tensor, gate_up_scale: torch
     num_pairs = t * k
     config = dict(config or _tiles(num_pairs, x.dtype))
     decode = config.pop("decode", "group")
-    if decode not in ("group", "gemv", "scaled"):
-        raise ValueError(f"fused_moe_mxfp4: decode must be 'group', 'scaled' or 'gemv', got {decode!r}")
+    if decode not in DECODES:
+        raise ValueError(f"fused_moe_mxfp4: decode must be one of {DECODES}, got {decode!r}")
     if decode != "group" and config.get("JOIN"):
         raise ValueError("fused_moe_mxfp4: JOIN needs the group decode")
-    if decode == "scaled" and x.dtype not in (torch.bfloat16, torch.float16):
-        raise ValueError(f"fused_moe_mxfp4: decode 'scaled' (tl.dot_scaled) takes bf16 / fp16 activations, got {x.dtype}")
+    if decode in ("scaled", "fp8") and x.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"fused_moe_mxfp4: decode {decode!r} takes bf16 / fp16 activations, got {x.dtype}")
     if config["BLOCK_K"] % MX_BLOCK or config["BLOCK_K"] & (config["BLOCK_K"] - 1):
         raise ValueError(f"fused_moe_mxfp4: BLOCK_K {config['BLOCK_K']} must be a power of two >= {MX_BLOCK}")
     limit = float("inf") if swiglu_limit is None else float(swiglu_limit)
@@ -373,6 +404,9 @@ def fused_moe_mxfp4(x: torch.Tensor, gate_up: torch.Tensor, gate_up_scale: torch
         return combine_slots(y, t, k, hidden, pdl)
     blocks = pair_blocks(ids, e)
     join = config.pop("JOIN", False)
+    if decode == "fp8":
+        _fp8_experts(x, gate_up, gate_up_scale, down, down_scale, weights, blocks, k, limit, h, y, config)
+        return combine_slots(y, t, k, hidden)
     common = dict(BLOCK_M=blocks.block_m, PER_PAIR=blocks.per_pair, **config)
     if decode == "scaled":
         gate_up_kernel, down_kernel = _gate_up_mxfp4_s, _down_mxfp4_s
