@@ -309,6 +309,10 @@ MXFP4_CANDIDATES = {
 
 DECODES = ("group", "scaled", "gemv", "fp8")
 """fused_moe_mxfp4's forms of the e2m1 decode (its docstring)."""
+FORMS = ("auto", "fp8")
+"""fused_moe_mxfp4's `form` without a config: the tile table, or FP8_TILES wherever the table picks a tensor-core
+form for 16-bit activations."""
+FP8_TILES = dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4, decode="fp8")
 
 
 def _fp8_experts(x, gate_up, gate_up_scale, down, down_scale, weights, blocks, k: int, limit: float,
@@ -330,11 +334,14 @@ def _fp8_experts(x, gate_up, gate_up_scale, down, down_scale, weights, blocks, k
         down_scale.stride(1), y.stride(0), **common)
 
 
-def _tiles(num_pairs: int, dtype: torch.dtype) -> dict:
-    """The tiles for a launch: FP32_TILES for fp32, else TILE_TABLE's first row whose bound covers num_pairs."""
+def _tiles(num_pairs: int, dtype: torch.dtype, form: str = "auto") -> dict:
+    """The tiles for a launch: FP32_TILES for fp32, else TILE_TABLE's first row whose bound covers num_pairs (with
+    form 'fp8', FP8_TILES in place of a tensor-core row)."""
     if dtype == torch.float32:
         return dict(FP32_TILES)
     tiles = next(tiles for most, tiles in TILE_TABLE if most is None or num_pairs <= most)
+    if form == "fp8" and tiles["decode"] != "gemv":
+        return dict(FP8_TILES)
     return dict(GROUP_TILES if tiles["decode"] == "scaled" and not HAS_DOT_SCALED else tiles)
 
 
@@ -368,7 +375,8 @@ def check_mxfp4_experts(gate_up: torch.Tensor, gate_up_scale: torch.Tensor, down
 
 def fused_moe_mxfp4(x: torch.Tensor, gate_up: torch.Tensor, gate_up_scale: torch.Tensor, down: torch.Tensor,
                     down_scale: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-                    swiglu_limit: float | None = None, config: dict | None = None, pdl: bool = False) -> torch.Tensor:
+                    swiglu_limit: float | None = None, config: dict | None = None, pdl: bool = False,
+                    form: str = "auto") -> torch.Tensor:
     """x (T, H) 16/32-bit; MXFP4 experts (module docstring); weights (T, k) fp32; ids (T, k) -> sum_k weights *
     down(swiglu(gate x, up x)), (T, H) in x's dtype; swiglu_limit clamps as V4's experts do (None: plain SwiGLU).
     config: fixed BLOCK_N / BLOCK_K (a power of two >= 32) / num_warps / num_stages, decode "group" (the hand
@@ -376,7 +384,7 @@ def fused_moe_mxfp4(x: torch.Tensor, gate_up: torch.Tensor, gate_up_scale: torch
     columns), "scaled" (tl.dot_scaled: Triton's own upcast of e2m1 x e8m0 to the activations' 16-bit format) or
     "gemv" (one program row per pair, fp32 products on the CUDA cores: deepinfer_kernels.fused_moe_mxfp4_gemv)
     or "fp8" (codes placed as e4m3 bits, activations rounded to e4m3 per 32 elements, FP8 tensor cores:
-    deepinfer_kernels.fused_moe_mxfp4_fp8); None: _tiles. pdl: the GEMV form's launches and the slot sum as programmatic dependent ones."""
+    deepinfer_kernels.fused_moe_mxfp4_fp8); None: _tiles under `form` (FORMS). pdl: the GEMV form's launches and the slot sum as programmatic dependent ones."""
     t, k = ids.shape
     hidden = x.shape[1]
     inter = check_mxfp4_experts(gate_up, gate_up_scale, down, down_scale, hidden)
@@ -385,7 +393,7 @@ def fused_moe_mxfp4(x: torch.Tensor, gate_up: torch.Tensor, gate_up_scale: torch
         raise ValueError("fused_moe_mxfp4 needs contiguous x, expert weights and scales")
     e = gate_up.shape[0]
     num_pairs = t * k
-    config = dict(config or _tiles(num_pairs, x.dtype))
+    config = dict(config or _tiles(num_pairs, x.dtype, form))
     decode = config.pop("decode", "group")
     if decode not in DECODES:
         raise ValueError(f"fused_moe_mxfp4: decode must be one of {DECODES}, got {decode!r}")

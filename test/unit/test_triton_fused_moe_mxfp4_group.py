@@ -147,3 +147,20 @@ def test_tile_table_falls_back_to_the_group_decode_without_dot_scaled(monkeypatc
     assert mx._tiles(512, torch.bfloat16)["decode"] == "scaled"
     monkeypatch.setattr(mx, "HAS_DOT_SCALED", False)
     assert mx._tiles(512, torch.bfloat16) == mx.GROUP_TILES
+
+
+def test_fp8_form_replaces_the_tensor_core_rows_only(monkeypatch):
+    """DEEPINFER_MXFP4_MOE=fp8 (fused_moe_mxfp4 form 'fp8'): FP8_TILES where the table picks a tensor-core form for
+    16-bit activations; the GEMV rows and fp32 keep theirs; an unknown form is refused at build."""
+    import torch
+
+    from deepinfer_kernels import fused_moe_mxfp4 as mx
+    from deepinfer_rt.layers.mxfp4 import Mxfp4FusedExperts
+
+    assert mx._tiles(8, torch.bfloat16, "fp8")["decode"] == "gemv"
+    assert mx._tiles(64, torch.bfloat16, "fp8") == mx.FP8_TILES
+    assert mx._tiles(64, torch.float32, "fp8") == mx.FP32_TILES
+    assert mx._tiles(64, torch.bfloat16)["decode"] != "fp8"
+    assert Mxfp4FusedExperts(form="fp8").form == "fp8"
+    with pytest.raises(ValueError, match="DEEPINFER_MXFP4_MOE"):
+        Mxfp4FusedExperts(form="fp4")
