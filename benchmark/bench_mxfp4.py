@@ -23,9 +23,11 @@ MXFP4_ROTATIONS = 4
 """Routings cycled within one timed call, so that no expert's weights stay in L2 from the previous launch."""
 
 
-def mxfp4_moe_rows(copy_bw: float, batches: tuple[int, ...] = (1, 16, 64, 256, 2048)) -> list[dict]:
+def mxfp4_moe_rows(copy_bw: float, batches: tuple[int, ...] = (1, 16, 64, 256, 2048),
+                   names: tuple[str, ...] | None = None) -> list[dict]:
     """V4-Flash's routed experts: fused_moe_mxfp4 (4-bit weights, clamped SwiGLU) under each
-    of MXFP4_CANDIDATES and the default table (_tiles), beside fused_moe on the same weights in bf16, per batch.
+    of MXFP4_CANDIDATES (those whose name starts with one of `names`, when given) and the default table (_tiles),
+    beside fused_moe on the same weights in bf16, per batch.
     Each timed call runs MXFP4_ROTATIONS launches over different random routings (the same for both kernels); the
     bytes are those of the experts each launch touches, at 0.5 + 1/32 bytes per weight (e2m1 + e8m0) for MXFP4 and
     2 for bf16, plus the activations in and out, over the copy and the read-only bandwidth of this run."""
@@ -62,7 +64,8 @@ def mxfp4_moe_rows(copy_bw: float, batches: tuple[int, ...] = (1, 16, 64, 256, 2
                "bf16_fraction_of_copy_bw": bf_bytes / bf / copy_bw,
                "bf16_fraction_of_read_bw": bf_bytes / bf / read_bw, "read_bytes_per_s": read_bw,
                "default_tiles": mx._tiles(batch * topk, torch.bfloat16)}
-        configs = {**mx.MXFP4_CANDIDATES, "default": None}
+        configs = {**{name: config for name, config in mx.MXFP4_CANDIDATES.items()
+                      if names is None or name.startswith(tuple(names))}, "default": None}
         for name, config in configs.items():
             try:
                 t = rotated(lambda x, w, i: mx.fused_moe_mxfp4(x, q_gu, s_gu, qd, sd, w, i, 10.0, config=config))
