@@ -381,10 +381,16 @@ def _scales(k_buf: torch.Tensor, v_buf: torch.Tensor, k_scale: torch.Tensor | No
     return k_scale, v_scale
 
 
+PREFETCH_LINES = 2048  # most K lines one split prefetches (its pointer tile lives in registers)
+
+
 def _prefetch_layout(k_buf: torch.Tensor, v_buf: torch.Tensor, tokens: int) -> dict:
-    """The split kernel's prefetch constants: `tokens` positions, rows in 128-byte lines."""
+    """The split kernel's prefetch constants: up to `tokens` positions (a power of two, at most PREFETCH_LINES K
+    lines), rows in 128-byte lines."""
     line = 128 // k_buf.element_size()
-    return dict(PREFETCH_N=tokens, LINE=line, K_LINES=triton.next_power_of_2(triton.cdiv(k_buf.shape[-1], line)),
+    k_lines = triton.next_power_of_2(triton.cdiv(k_buf.shape[-1], line))
+    tokens = min(triton.next_power_of_2(tokens), PREFETCH_LINES // k_lines) if tokens else 0
+    return dict(PREFETCH_N=tokens, LINE=line, K_LINES=k_lines,
                 V_LINES=triton.next_power_of_2(triton.cdiv(v_buf.shape[-1], line)))
 
 

@@ -46,7 +46,7 @@ def test_paged_decode_attention(shape, page_size, num_splits):
 @pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9),
                     reason="dependent launches need SM90+")
 @pytest.mark.parametrize("shape", [(16, 1, 576, 512), (9, 3, 64, 64)], ids=["mla-v2", "gqa-smollm2"])
-@pytest.mark.parametrize("prefetch_tiles", [0, 2, 64])
+@pytest.mark.parametrize("prefetch_tiles", [0, 2, 64])  # 64: capped at PREFETCH_LINES
 def test_paged_decode_attention_dependent_launch(shape, prefetch_tiles):
     """As a dependent launch right after the kernel that writes its query and each row's last K / V row, and with
     its first KV tiles brought into L2 before its wait: bitwise the ordinary launch's output."""
