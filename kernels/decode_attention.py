@@ -130,7 +130,7 @@ def _store_split(PartO, PartLse, out, lse, b, kvh, head0, split, num_splits, GRO
 
 @triton.jit
 def _prefetch_split(K, V, PageTable, TableRows, SeqLens, kvh, split, stride_kn, stride_kh, stride_vn, stride_vh,
-                    stride_pt, page_size, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr,
+                    stride_pt, page_size, num_slots, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr,
                     PREFETCH_N: tl.constexpr, LINE: tl.constexpr, K_ROW: tl.constexpr, K_LINES: tl.constexpr,
                     V_ROW: tl.constexpr, V_LINES: tl.constexpr, V_IS_K: tl.constexpr):
     """Before a PDL split's wait: its first PREFETCH_N positions' K (and V) rows into L2, while the kernel before
@@ -146,7 +146,7 @@ def _prefetch_split(K, V, PageTable, TableRows, SeqLens, kvh, split, stride_kn, 
     nmask = offs_n < end
     page = tl.load(PageTable + row * stride_pt + offs_n // page_size, mask=nmask, other=0,
                    cache_modifier=".cg").to(tl.int64)
-    slot = page * page_size + offs_n % page_size
+    slot = tl.minimum(tl.maximum(page * page_size + offs_n % page_size, 0), num_slots - 1)  # in the buffers
     lines = tl.arange(0, K_LINES) * LINE
     prefetch_l2(K + slot[:, None] * stride_kn + kvh * stride_kh + lines[None, :],
                 nmask[:, None] & (lines < K_ROW)[None, :], K)
@@ -160,7 +160,7 @@ def _prefetch_split(K, V, PageTable, TableRows, SeqLens, kvh, split, stride_kn, 
 def _decode_split_kernel(Q, QT, K, V, KS, VS, PageTable, TableRows, SeqLens, PartO, PartLse, O,
                          stride_qb, stride_qh, stride_qtb, stride_qth, stride_kn, stride_kh, stride_vn, stride_vh,
                          stride_ks, stride_vs, stride_pt, stride_ob, stride_oh,
-                         sm_scale, page_size,
+                         sm_scale, page_size, num_slots,
                          GROUP: tl.constexpr, BLOCK_H: tl.constexpr, DK: tl.constexpr, DT: tl.constexpr,
                          DV: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
                          V_IS_K: tl.constexpr, IEEE: tl.constexpr, KV_FP8: tl.constexpr,
@@ -173,8 +173,8 @@ def _decode_split_kernel(Q, QT, K, V, KS, VS, PageTable, TableRows, SeqLens, Par
     split = tl.program_id(2)
     if PDL and PREFETCH_N > 0:
         _prefetch_split(K, V, PageTable, TableRows, SeqLens, kvh, split, stride_kn, stride_kh, stride_vn, stride_vh,
-                        stride_pt, page_size, NUM_SPLITS, BLOCK_N, PREFETCH_N, LINE, DK + DT, K_LINES, DV, V_LINES,
-                        V_IS_K)
+                        stride_pt, page_size, num_slots, NUM_SPLITS, BLOCK_N, PREFETCH_N, LINE, DK + DT, K_LINES, DV,
+                        V_LINES, V_IS_K)
     pdl_wait(PDL)  # q and the step's K / V rows are the kernels' before
     seq_len = tl.load(SeqLens + b)
     chunk = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
@@ -432,7 +432,7 @@ def paged_decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Te
         q, q_tail, k_buf, v_buf, ks, vs, page_table, table_rows, seq_lens, part_o, part_lse, out,
         q.stride(0), q.stride(1), q_tail.stride(0), q_tail.stride(1), k_buf.stride(0), k_buf.stride(1),
         v_buf.stride(0), v_buf.stride(1), ks.stride(0), vs.stride(0),
-        page_table.stride(0), out.stride(0), out.stride(1), scale, page_size, BLOCK_N=block_n,
+        page_table.stride(0), out.stride(0), out.stride(1), scale, page_size, k_buf.shape[0], BLOCK_N=block_n,
         NUM_SPLITS=num_splits, **layout, num_warps=num_warps, num_stages=num_stages, **pdl_launch(pdl),
         **_prefetch_layout(k_buf, v_buf, block_n * prefetch_tiles if pdl else 0))
     if num_splits == 1:
