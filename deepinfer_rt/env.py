@@ -204,7 +204,8 @@ class Env:
     on an H100, 0.75 -> 0.61 ms a step at 2K context, 1.01 -> 0.90 ms at 32K; batch 16 unchanged), and, not yet
     timed: the FP8 GEMM's fused path and split sum, the fused MoEs (bf16, FP8, MXFP4's GEMV form) with their
     quantizations and slot sums, RMSNorm, MLA's rope-and-store, routing, and V4 / V4.1's Triton kernels (norms,
-    rotation, hyper-connections, Sinkhorn, pooling, indexer, sparse attention). 0 turns it off."""
+    rotation, hyper-connections, Sinkhorn, pooling, indexer, sparse attention) and the FP8 KV row writes. 0 turns
+    it off."""
     gpu_prefetch_tiles: int
     """DEEPINFER_GPU_PREFETCH_TILES (default 2): with dependent launches, a decode attention split brings this many
     of its first KV tiles into L2 before it waits for the kernel before it (a hint: values are read after the
