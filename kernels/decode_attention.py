@@ -134,8 +134,9 @@ def _prefetch_split(K, V, PageTable, TableRows, SeqLens, kvh, split, stride_kn, 
                     PREFETCH_N: tl.constexpr, LINE: tl.constexpr, K_ROW: tl.constexpr, K_LINES: tl.constexpr,
                     V_ROW: tl.constexpr, V_LINES: tl.constexpr, V_IS_K: tl.constexpr):
     """Before a PDL split's wait: its first PREFETCH_N positions' K (and V) rows into L2, while the kernel before
-    it finishes: K_LINES (V_LINES) lines of LINE elements, a power of two, cover a row's K_ROW (V_ROW). A hint only: the lengths, table rows and page ids are read past L1 (.cg) and read again after
-    the wait, so a value the kernels before change can cost a wasted prefetch, never a wrong result."""
+    it finishes (K_LINES / V_LINES lines of LINE elements, a power of two, cover a row's K_ROW / V_ROW). A hint
+    only: the lengths, table rows and page ids are read past L1 (.cg) and again after the wait, so a value the
+    kernels before change can cost a wasted prefetch, never a wrong result."""
     b = tl.program_id(0)
     seq_len = tl.load(SeqLens + b, cache_modifier=".cg")
     chunk = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N

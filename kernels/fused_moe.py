@@ -48,6 +48,34 @@ def pair_rows(SortedPairs, BlockExpert, NumPadded, pid_m, num_pairs, BLOCK_M: tl
     return pair, expert.to(tl.int64), valid
 
 
+@triton.jit
+def pair_tile(SortedPairs, BlockExpert, NumPadded, num_pairs, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+              PER_PAIR: tl.constexpr):
+    """This program's (row block, N tile): (pair ids (BLOCK_M,), expert, valid, row mask, columns (BLOCK_N,),
+    column mask), grid axis 0 the row blocks and axis 1 the N tiles."""
+    pair, e, valid = pair_rows(SortedPairs, BlockExpert, NumPadded, tl.program_id(0), num_pairs, BLOCK_M, PER_PAIR)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    return pair, e, valid, pair < num_pairs, offs_n, offs_n < N
+
+@triton.jit
+def store_swiglu(H, pair, offs_n, mmask, nmask, acc_g, acc_u, limit, stride_hm):
+    """h[pair, offs_n] = the clamped SwiGLU of the fp32 gate / up products (limit = +inf: the plain one, exactly),
+    in H's dtype."""
+    gate = tl.minimum(acc_g, limit)
+    up = tl.minimum(tl.maximum(acc_u, -limit), limit)
+    h = gate / (1.0 + tl.exp(-gate)) * up
+    tl.store(H + pair.to(tl.int64)[:, None] * stride_hm + offs_n[None, :], h.to(H.dtype.element_ty),
+             mask=mmask[:, None] & nmask[None, :])
+
+
+@triton.jit
+def store_weighted(Y, TopkWeights, pair64, offs_n, mmask, nmask, acc, stride_ym):
+    """y[pair, offs_n] = the pair's top-k weight x its fp32 down product, in Y's dtype."""
+    acc *= tl.load(TopkWeights + pair64, mask=mmask, other=0.0)[:, None]
+    tl.store(Y + pair64[:, None] * stride_ym + offs_n[None, :], acc.to(Y.dtype.element_ty),
+             mask=mmask[:, None] & nmask[None, :])
+
+
 def _tuned(kernel):
     """Autotune the N/K tiles, warps and stages per (N, K, pair-count bucket, rows per block). The first call
     of a key benchmarks the configs (eagerly: CUDA-graph warm-up runs it before capture); later calls reuse
@@ -114,11 +142,7 @@ def _gate_up(X, W, H, SortedPairs, BlockExpert, NumPadded, num_pairs, pairs_buck
             a_ptrs += BLOCK_K
             g_ptrs += BLOCK_K
             u_ptrs += BLOCK_K
-        acc_g = tl.minimum(acc_g, limit)  # limit = +inf without a clamp: exact identity
-        acc_u = tl.minimum(tl.maximum(acc_u, -limit), limit)
-        h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
-        tl.store(H + pair.to(tl.int64)[:, None] * stride_hm + offs_n[None, :], h.to(H.dtype.element_ty),
-                 mask=mmask[:, None] & nmask[None, :])
+        store_swiglu(H, pair, offs_n, mmask, nmask, acc_g, acc_u, limit, stride_hm)
 
 
 @triton.jit(do_not_specialize=["num_pairs", "pairs_bucket"])
@@ -153,9 +177,7 @@ def _down(H, W, Y, TopkWeights, SortedPairs, BlockExpert, NumPadded, num_pairs, 
                 acc = tl.dot(a, w, acc)
             a_ptrs += BLOCK_K
             w_ptrs += BLOCK_K
-        acc *= tl.load(TopkWeights + pair64, mask=mmask, other=0.0)[:, None]
-        tl.store(Y + pair64[:, None] * stride_ym + offs_n[None, :], acc.to(Y.dtype.element_ty),
-                 mask=mmask[:, None] & nmask[None, :])
+        store_weighted(Y, TopkWeights, pair64, offs_n, mmask, nmask, acc, stride_ym)
 
 
 _moe_gate_up_kernel, _moe_down_kernel = _tuned(_gate_up), _tuned(_down)

@@ -27,7 +27,7 @@ import triton.language as tl
 
 from deepinfer_kernels.dispatch import pdl_launch, pdl_wait
 from deepinfer_kernels.fp8_quant import quantize_fp8_token_groups
-from deepinfer_kernels.fused_moe import _even_k, combine_slots, pair_blocks, pair_rows
+from deepinfer_kernels.fused_moe import _even_k, combine_slots, pair_blocks, pair_rows, store_weighted
 
 
 @triton.jit
@@ -118,9 +118,7 @@ def _down_fp8(AQ, AS, W, WS, Y, TopkWeights, SortedPairs, BlockExpert, NumPadded
             acc += _dot_fp8(a, w, IS_INTERPRETED) * a_scale[:, None] * w_scale[None, :]
             a_ptrs += BLOCK_K
             w_ptrs += BLOCK_K
-        acc *= tl.load(TopkWeights + pair64, mask=mmask, other=0.0)[:, None]
-        tl.store(Y + pair64[:, None] * stride_ym + offs_n[None, :], acc.to(Y.dtype.element_ty),
-                 mask=mmask[:, None] & nmask[None, :])
+        store_weighted(Y, TopkWeights, pair64, offs_n, mmask, nmask, acc, stride_ym)
 
 
 TUNE_CONFIGS = ((32, 4, 4), (64, 4, 3), (64, 4, 5), (128, 4, 3), (128, 4, 4), (128, 8, 4), (256, 8, 3),

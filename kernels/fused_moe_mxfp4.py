@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from deepinfer_kernels.fused_moe import combine_slots, pair_blocks, pair_rows
+from deepinfer_kernels.fused_moe import combine_slots, pair_blocks, pair_rows, store_swiglu, store_weighted
 from deepinfer_kernels.fp8_quant import quantize_fp8_token_groups
 from deepinfer_kernels.fused_moe_mxfp4_fp8 import _down_mxfp4_fp8, _gate_up_mxfp4_fp8
 from deepinfer_kernels.fused_moe_mxfp4_gemv import gemv_experts
@@ -134,11 +134,7 @@ def _gate_up_mxfp4_g(X, W, WS, H, SortedPairs, BlockExpert, NumPadded, num_pairs
             u_ptrs += BLOCK_K // 2
             gs_ptrs += G
             us_ptrs += G
-        gate = tl.minimum(acc_g, limit)
-        up = tl.minimum(tl.maximum(acc_u, -limit), limit)
-        h = gate / (1.0 + tl.exp(-gate)) * up
-        tl.store(H + pair.to(tl.int64)[:, None] * stride_hm + offs_n[None, :], h.to(H.dtype.element_ty),
-                 mask=mmask[:, None] & nmask[None, :])
+        store_swiglu(H, pair, offs_n, mmask, nmask, acc_g, acc_u, limit, stride_hm)
 
 
 @triton.jit(do_not_specialize=["num_pairs"])
@@ -172,9 +168,7 @@ def _down_mxfp4_g(A, W, WS, Y, TopkWeights, SortedPairs, BlockExpert, NumPadded,
             a_ptrs += BLOCK_K
             w_ptrs += BLOCK_K // 2
             s_ptrs += G
-        acc *= tl.load(TopkWeights + pair64, mask=mmask, other=0.0)[:, None]
-        tl.store(Y + pair64[:, None] * stride_ym + offs_n[None, :], acc.to(Y.dtype.element_ty),
-                 mask=mmask[:, None] & nmask[None, :])
+        store_weighted(Y, TopkWeights, pair64, offs_n, mmask, nmask, acc, stride_ym)
 
 
 @triton.jit
@@ -223,11 +217,7 @@ def _gate_up_mxfp4_s(X, W, WS, H, SortedPairs, BlockExpert, NumPadded, num_pairs
             u_ptrs += BLOCK_K // 2
             gs_ptrs += BLOCK_K // 32
             us_ptrs += BLOCK_K // 32
-        gate = tl.minimum(acc_g, limit)
-        up = tl.minimum(tl.maximum(acc_u, -limit), limit)
-        h = gate / (1.0 + tl.exp(-gate)) * up
-        tl.store(H + pair.to(tl.int64)[:, None] * stride_hm + offs_n[None, :], h.to(H.dtype.element_ty),
-                 mask=mmask[:, None] & nmask[None, :])
+        store_swiglu(H, pair, offs_n, mmask, nmask, acc_g, acc_u, limit, stride_hm)
 
 
 @triton.jit(do_not_specialize=["num_pairs"])
@@ -259,9 +249,7 @@ def _down_mxfp4_s(A, W, WS, Y, TopkWeights, SortedPairs, BlockExpert, NumPadded,
             a_ptrs += BLOCK_K
             w_ptrs += BLOCK_K // 2
             s_ptrs += BLOCK_K // 32
-        acc *= tl.load(TopkWeights + pair64, mask=mmask, other=0.0)[:, None]
-        tl.store(Y + pair64[:, None] * stride_ym + offs_n[None, :], acc.to(Y.dtype.element_ty),
-                 mask=mmask[:, None] & nmask[None, :])
+        store_weighted(Y, TopkWeights, pair64, offs_n, mmask, nmask, acc, stride_ym)
 
 
 # (most pairs, tiles) rows for 16-bit activations, first match wins: the fastest per batch in runs of
@@ -384,7 +372,8 @@ def fused_moe_mxfp4(x: torch.Tensor, gate_up: torch.Tensor, gate_up_scale: torch
     columns), "scaled" (tl.dot_scaled: Triton's own upcast of e2m1 x e8m0 to the activations' 16-bit format) or
     "gemv" (one program row per pair, fp32 products on the CUDA cores: deepinfer_kernels.fused_moe_mxfp4_gemv)
     or "fp8" (codes placed as e4m3 bits, activations rounded to e4m3 per 32 elements, FP8 tensor cores:
-    deepinfer_kernels.fused_moe_mxfp4_fp8); None: _tiles under `form` (FORMS). pdl: the GEMV form's launches and the slot sum as programmatic dependent ones."""
+    deepinfer_kernels.fused_moe_mxfp4_fp8); None: _tiles under `form` (FORMS). pdl: the GEMV form's launches and
+    the slot sum as programmatic dependent ones."""
     t, k = ids.shape
     hidden = x.shape[1]
     inter = check_mxfp4_experts(gate_up, gate_up_scale, down, down_scale, hidden)

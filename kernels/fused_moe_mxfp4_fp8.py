@@ -20,7 +20,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from deepinfer_kernels.fused_moe import pair_rows
+from deepinfer_kernels.fused_moe import pair_tile, store_swiglu, store_weighted
 
 _LOW = tl.constexpr("{.reg .b32 t0, t1; and.b32 t0, $1, 0x07070707; shl.b32 t0, t0, 2; "
                     "and.b32 t1, $1, 0x08080808; shl.b32 t1, t1, 4; or.b32 $0, t0, t1;}")
@@ -73,15 +73,11 @@ def _gate_up_mxfp4_fp8(XQ, XS, W, WS, H, SortedPairs, BlockExpert, NumPadded, nu
                        PER_PAIR: tl.constexpr, IS_INTERPRETED: tl.constexpr):
     """h[pair] = clamped SwiGLU(x W_gate^T, x W_up^T) for one (row block, N tile); x as e4m3 XQ (rows, K) with
     scales XS (rows, K / 32) (strides stride_xm / 1 and 1 / stride_xsg: fp8_quant's M-major scales)."""
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    pair, e, valid = pair_rows(SortedPairs, BlockExpert, NumPadded, pid_m, num_pairs, BLOCK_M, PER_PAIR)
+    pair, e, valid, mmask, offs_n, nmask = pair_tile(SortedPairs, BlockExpert, NumPadded, num_pairs, N, BLOCK_M,
+                                                     BLOCK_N, PER_PAIR)
     if valid:
         G: tl.constexpr = BLOCK_K // 32
-        mmask = pair < num_pairs
         tok = (pair // top_k).to(tl.int64)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        nmask = offs_n < N
         rows = offs_n.to(tl.int64)
         a_ptrs = XQ + tok[:, None] * stride_xm + tl.arange(0, 32)[None, :]
         as_ptrs = XS + tok
@@ -96,11 +92,7 @@ def _gate_up_mxfp4_fp8(XQ, XS, W, WS, H, SortedPairs, BlockExpert, NumPadded, nu
                                 IS_INTERPRETED)
             acc_u = _mx_fp8_acc(a_ptrs, as_ptrs, stride_xsg, mmask, u_ptrs, us_ptrs, nmask, acc_u, k0, K, BLOCK_N, G,
                                 IS_INTERPRETED)
-        gate = tl.minimum(acc_g, limit)
-        up = tl.minimum(tl.maximum(acc_u, -limit), limit)
-        h = gate / (1.0 + tl.exp(-gate)) * up
-        tl.store(H + pair.to(tl.int64)[:, None] * stride_hm + offs_n[None, :], h.to(H.dtype.element_ty),
-                 mask=mmask[:, None] & nmask[None, :])
+        store_swiglu(H, pair, offs_n, mmask, nmask, acc_g, acc_u, limit, stride_hm)
 
 
 @triton.jit(do_not_specialize=["num_pairs"])
@@ -109,15 +101,11 @@ def _down_mxfp4_fp8(AQ, AS, W, WS, Y, TopkWeights, SortedPairs, BlockExpert, Num
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PER_PAIR: tl.constexpr,
                     IS_INTERPRETED: tl.constexpr):
     """y[pair] = top-k weight x h W_down^T for one (row block, N tile); h as e4m3 AQ (pairs, K) with scales AS."""
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    pair, e, valid = pair_rows(SortedPairs, BlockExpert, NumPadded, pid_m, num_pairs, BLOCK_M, PER_PAIR)
+    pair, e, valid, mmask, offs_n, nmask = pair_tile(SortedPairs, BlockExpert, NumPadded, num_pairs, N, BLOCK_M,
+                                                     BLOCK_N, PER_PAIR)
     if valid:
         G: tl.constexpr = BLOCK_K // 32
-        mmask = pair < num_pairs
         pair64 = pair.to(tl.int64)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        nmask = offs_n < N
         rows = offs_n.to(tl.int64)
         a_ptrs = AQ + pair64[:, None] * stride_am + tl.arange(0, 32)[None, :]
         as_ptrs = AS + pair64
@@ -127,6 +115,4 @@ def _down_mxfp4_fp8(AQ, AS, W, WS, Y, TopkWeights, SortedPairs, BlockExpert, Num
         for k0 in range(0, K, BLOCK_K):
             acc = _mx_fp8_acc(a_ptrs, as_ptrs, stride_asg, mmask, w_ptrs, s_ptrs, nmask, acc, k0, K, BLOCK_N, G,
                               IS_INTERPRETED)
-        acc *= tl.load(TopkWeights + pair64, mask=mmask, other=0.0)[:, None]
-        tl.store(Y + pair64[:, None] * stride_ym + offs_n[None, :], acc.to(Y.dtype.element_ty),
-                 mask=mmask[:, None] & nmask[None, :])
+        store_weighted(Y, TopkWeights, pair64, offs_n, mmask, nmask, acc, stride_ym)

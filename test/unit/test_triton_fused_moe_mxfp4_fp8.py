@@ -18,6 +18,7 @@ import pytest
 
 pytest.importorskip("triton")
 
+from test_triton_fused_moe_mxfp4_group import EXPERTS  # noqa: E402
 from test_triton_interpreted import _interpret  # noqa: E402
 
 _PLACEMENT = textwrap.dedent("""
@@ -43,20 +44,7 @@ _PLACEMENT = textwrap.dedent("""
     print("ok")
 """)
 
-_MOE = textwrap.dedent("""
-    import torch
-    import torch.nn.functional as F
-    from deepinfer_kernels.fused_moe_mxfp4 import fused_moe_mxfp4
-    from deepinfer_rt.layers.quant_formats import dequantize_mxfp4, quantize_mxfp4
-    g = torch.Generator().manual_seed(0)
-    e, hidden, inter, k, limit = 4, 96, 96, 2, 0.3
-    gate_up = torch.randn(e, 2 * inter, hidden, generator=g) * 0.05
-    gate_up[:, :, :32] *= 10  # groups of very different scales
-    down = torch.randn(e, hidden, inter, generator=g) * 0.05
-    down[:, ::3] *= 0.01
-    (q_gu, s_gu), (qd, sd) = quantize_mxfp4(gate_up), quantize_mxfp4(down)
-    d_gu, d_down = dequantize_mxfp4(q_gu, s_gu), dequantize_mxfp4(qd, sd)
-
+_MOE = EXPERTS + textwrap.dedent("""
     def e4m3_groups(x):  # per (row, 32 elements), as deepinfer_kernels.fp8_quant rounds them
         xg = x.float().view(x.shape[0], -1, 32)
         scale = xg.abs().amax(-1, keepdim=True).clamp(min=1e-12) / 448.0

@@ -58,7 +58,7 @@ _DECODE = textwrap.dedent("""
     print("ok")
 """)
 
-_MOE = textwrap.dedent("""
+EXPERTS = textwrap.dedent("""
     import torch
     import torch.nn.functional as F
     from deepinfer_kernels.fused_moe_mxfp4 import fused_moe_mxfp4
@@ -71,7 +71,10 @@ _MOE = textwrap.dedent("""
     down[:, ::3] *= 0.01
     (q_gu, s_gu), (qd, sd) = quantize_mxfp4(gate_up), quantize_mxfp4(down)
     d_gu, d_down = dequantize_mxfp4(q_gu, s_gu), dequantize_mxfp4(qd, sd)
+""")
+"""The fused-MoE scripts' MXFP4 experts (odd sizes: hidden and width 96, 3 groups) and their dequantized copies."""
 
+_MOE = EXPERTS + textwrap.dedent("""
     def reference(x, w, ids, limit):
         out = torch.zeros(x.shape[0], hidden)
         for j in range(ids.shape[1]):
