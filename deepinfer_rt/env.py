@@ -134,10 +134,6 @@ class Env:
     """DEEPINFER_FP8_SPLIT_SUM: how the fused FP8 GEMM's K splits (at up to 16 rows) are added: 'kernel' (default: a
     second launch) or 'last_program' (each output tile's last split adds them, the same bits, one launch fewer per
     GEMM; not faster where timed: V2-Lite FP8 at batch 1 on an H100, 360 against 373 tok/s)."""
-    mxfp4_moe: str
-    """DEEPINFER_MXFP4_MOE: the fused MXFP4 MoE's form where its tile table picks a tensor-core one (above the GEMV
-    rows): 'auto' (default: the table, 16-bit activations) or 'fp8' (deepinfer_kernels.fused_moe_mxfp4_fp8: FP8
-    tensor cores, the activations rounded to e4m3 per 32 elements; ~8% error in norm against the 16-bit form)."""
     fp8_kv_dot: str
     """DEEPINFER_FP8_KV_DOT: the dots of the decode attention kernel over an FP8 KV pool with a 16-bit model: 'f16'
     (default: tiles and query in fp16; e4m3 converts to fp16 in one instruction per two values) or 'query' (the
@@ -206,10 +202,6 @@ class Env:
     quantizations and slot sums, RMSNorm, MLA's rope-and-store, routing, and V4 / V4.1's Triton kernels (norms,
     rotation, hyper-connections, Sinkhorn, pooling, indexer, sparse attention) and the FP8 KV row writes. 0 turns
     it off."""
-    gpu_prefetch_tiles: int
-    """DEEPINFER_GPU_PREFETCH_TILES (default 2): with dependent launches, a decode attention split brings this many
-    of its first KV tiles into L2 before it waits for the kernel before it (a hint: values are read after the
-    wait). 0 turns it off."""
     cpu_bf16_gemv: str
     """DEEPINFER_CPU_BF16_GEMV: how the flat CPU step multiplies a lone bf16 row (a single decode stream) by a dense
     weight (models/cpu_row_products.py ROW_PRODUCTS): 'linear' (F.linear, the module path's op), 'mv' (torch.mv),
@@ -279,7 +271,6 @@ def get_env() -> Env:
         skinny_gemm=_bool("DEEPINFER_SKINNY_GEMM", True),
         fp8_gemm=_str("DEEPINFER_FP8_GEMM", "auto").strip().lower(),
         fp8_split_sum=_str("DEEPINFER_FP8_SPLIT_SUM", "kernel").strip().lower(),
-        mxfp4_moe=_str("DEEPINFER_MXFP4_MOE", "auto").strip().lower(),
         fp8_kv_dot=_str("DEEPINFER_FP8_KV_DOT", "f16").strip().lower(),
         mla_mha_prefill=_optional_bool("DEEPINFER_MLA_MHA_PREFILL"),
         mla_prefix_split=_optional_bool("DEEPINFER_MLA_PREFIX_SPLIT"),
@@ -297,7 +288,6 @@ def get_env() -> Env:
         cpu_fast_step=_bool("DEEPINFER_CPU_FAST_STEP", True),
         gpu_row_step=_bool("DEEPINFER_GPU_ROW_STEP", True),
         gpu_pdl=_bool("DEEPINFER_GPU_PDL", True),
-        gpu_prefetch_tiles=_int("DEEPINFER_GPU_PREFETCH_TILES", 2),
         cpu_bf16_gemv=_str("DEEPINFER_CPU_BF16_GEMV", "auto").strip().lower(),
         cpu_fp32_row=_str("DEEPINFER_CPU_FP32_ROW", "kernel").strip().lower(),
         cpu_quant_row=_str("DEEPINFER_CPU_QUANT_ROW", "kernel").strip().lower(),

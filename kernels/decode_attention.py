@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from deepinfer_kernels.dispatch import pdl_launch, pdl_wait, prefetch_l2
+from deepinfer_kernels.dispatch import pdl_launch, pdl_wait
 from deepinfer_kernels.reference import paged_decode_attention_ref  # noqa: F401 (the kernels' reference, here too)
 
 
@@ -129,54 +129,19 @@ def _store_split(PartO, PartLse, out, lse, b, kvh, head0, split, num_splits, GRO
 
 
 @triton.jit
-def _prefetch_split(K, V, PageTable, TableRows, SeqLens, kvh, split, stride_kn, stride_kh, stride_vn, stride_vh,
-                    stride_pt, page_size, num_slots, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr,
-                    PREFETCH_N: tl.constexpr, LINE: tl.constexpr, K_ROW: tl.constexpr, K_LINES: tl.constexpr,
-                    V_ROW: tl.constexpr, V_LINES: tl.constexpr, V_IS_K: tl.constexpr):
-    """Before a PDL split's wait: its first PREFETCH_N positions' K (and V) rows into L2, while the kernel before
-    it finishes (K_LINES / V_LINES lines of LINE elements, a power of two, cover a row's K_ROW / V_ROW). A hint
-    only: the lengths, table rows and page ids are read past L1 (.cg) and again after the wait, so a value the
-    kernels before change can cost a wasted prefetch, never a wrong result."""
-    b = tl.program_id(0)
-    seq_len = tl.load(SeqLens + b, cache_modifier=".cg")
-    chunk = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    start = split * chunk
-    end = tl.minimum(start + chunk, seq_len)
-    row = tl.load(TableRows + b, cache_modifier=".cg").to(tl.int64)
-    offs_n = start + tl.arange(0, PREFETCH_N)
-    nmask = offs_n < end
-    page = tl.load(PageTable + row * stride_pt + offs_n // page_size, mask=nmask, other=0,
-                   cache_modifier=".cg").to(tl.int64)
-    slot = tl.minimum(tl.maximum(page * page_size + offs_n % page_size, 0), num_slots - 1)  # in the buffers
-    lines = tl.arange(0, K_LINES) * LINE
-    prefetch_l2(K + slot[:, None] * stride_kn + kvh * stride_kh + lines[None, :],
-                nmask[:, None] & (lines < K_ROW)[None, :], K)
-    if not V_IS_K:
-        lines = tl.arange(0, V_LINES) * LINE
-        prefetch_l2(V + slot[:, None] * stride_vn + kvh * stride_vh + lines[None, :],
-                    nmask[:, None] & (lines < V_ROW)[None, :], V)
-
-
-@triton.jit
 def _decode_split_kernel(Q, QT, K, V, KS, VS, PageTable, TableRows, SeqLens, PartO, PartLse, O,
                          stride_qb, stride_qh, stride_qtb, stride_qth, stride_kn, stride_kh, stride_vn, stride_vh,
                          stride_ks, stride_vs, stride_pt, stride_ob, stride_oh,
-                         sm_scale, page_size, num_slots,
+                         sm_scale, page_size,
                          GROUP: tl.constexpr, BLOCK_H: tl.constexpr, DK: tl.constexpr, DT: tl.constexpr,
                          DV: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
                          V_IS_K: tl.constexpr, IEEE: tl.constexpr, KV_FP8: tl.constexpr,
-                         F16_DOT: tl.constexpr, HEAD_BLOCKS: tl.constexpr, PDL: tl.constexpr,
-                         PREFETCH_N: tl.constexpr = 0, LINE: tl.constexpr = 64, K_LINES: tl.constexpr = 1,
-                         V_LINES: tl.constexpr = 1):
+                         F16_DOT: tl.constexpr, HEAD_BLOCKS: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)  # q and the step's K / V rows are the kernels' before
     b = tl.program_id(0)
     kvh = tl.program_id(1) // HEAD_BLOCKS  # axis 1: a KV head's group of query heads, BLOCK_H at a time
     head0 = tl.program_id(1) % HEAD_BLOCKS * BLOCK_H
     split = tl.program_id(2)
-    if PDL and PREFETCH_N > 0:
-        _prefetch_split(K, V, PageTable, TableRows, SeqLens, kvh, split, stride_kn, stride_kh, stride_vn, stride_vh,
-                        stride_pt, page_size, num_slots, NUM_SPLITS, BLOCK_N, PREFETCH_N, LINE, DK + DT, K_LINES, DV,
-                        V_LINES, V_IS_K)
-    pdl_wait(PDL)  # q and the step's K / V rows are the kernels' before
     seq_len = tl.load(SeqLens + b)
     chunk = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
     start = split * chunk
@@ -382,31 +347,18 @@ def _scales(k_buf: torch.Tensor, v_buf: torch.Tensor, k_scale: torch.Tensor | No
     return k_scale, v_scale
 
 
-PREFETCH_LINES = 2048  # most K lines one split prefetches (its pointer tile lives in registers)
-
-
-def _prefetch_layout(k_buf: torch.Tensor, v_buf: torch.Tensor, tokens: int) -> dict:
-    """The split kernel's prefetch constants: up to `tokens` positions (a power of two, at most PREFETCH_LINES K
-    lines), rows in 128-byte lines."""
-    line = 128 // k_buf.element_size()
-    k_lines = triton.next_power_of_2(triton.cdiv(k_buf.shape[-1], line))
-    tokens = min(triton.next_power_of_2(tokens), PREFETCH_LINES // k_lines) if tokens else 0
-    return dict(PREFETCH_N=tokens, LINE=line, K_LINES=k_lines,
-                V_LINES=triton.next_power_of_2(triton.cdiv(v_buf.shape[-1], line)))
-
-
 def paged_decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, page_table: torch.Tensor,
                            table_rows: torch.Tensor, seq_lens: torch.Tensor, page_size: int, scale: float,
                            num_splits: int, out: torch.Tensor | None = None, block_n: int | None = None,
                            num_warps: int = 4, num_stages: int | None = None, q_tail: torch.Tensor | None = None,
                            k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-                           kv_dot: str = "f16", pdl: bool = False, prefetch_tiles: int = 0) -> torch.Tensor:
+                           kv_dot: str = "f16", pdl: bool = False) -> torch.Tensor:
     """q (B, Hq, Dqk); k_buf (slots, Hkv, Dqk); v_buf (slots, Hkv, Dv), for MLA a column view of k_buf;
     page_table (R, W) int32 page ids; table_rows (B,) int32 row of each sequence; seq_lens (B,) int32.
     q_tail: the query's last columns apart (MLA's rope part), q then (B, Hq, Dv). k_scale / v_scale (slots, Hkv)
     float32: the row scales of float8_e4m3fn buffers (MLA: the same tensor); kv_dot: one of FP8_KV_DOTS; pdl: the
-    kernels as programmatic dependent launches (CUDA, SM90+; dispatch.pdl_launch), a split then bringing its first
-    prefetch_tiles KV tiles into L2 before its wait. Returns (B, Hq, Dv) in q's dtype."""
+    kernels as programmatic dependent launches (CUDA, SM90+; dispatch.pdl_launch). Returns
+    (B, Hq, Dv) in q's dtype."""
     if kv_dot not in FP8_KV_DOTS:
         raise ValueError(f"decode attention: kv_dot {kv_dot!r} is not one of {FP8_KV_DOTS}")
     bsz, hq, _ = q.shape
@@ -433,9 +385,8 @@ def paged_decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Te
         q, q_tail, k_buf, v_buf, ks, vs, page_table, table_rows, seq_lens, part_o, part_lse, out,
         q.stride(0), q.stride(1), q_tail.stride(0), q_tail.stride(1), k_buf.stride(0), k_buf.stride(1),
         v_buf.stride(0), v_buf.stride(1), ks.stride(0), vs.stride(0),
-        page_table.stride(0), out.stride(0), out.stride(1), scale, page_size, k_buf.shape[0], BLOCK_N=block_n,
-        NUM_SPLITS=num_splits, **layout, num_warps=num_warps, num_stages=num_stages, **pdl_launch(pdl),
-        **_prefetch_layout(k_buf, v_buf, block_n * prefetch_tiles if pdl else 0))
+        page_table.stride(0), out.stride(0), out.stride(1), scale, page_size, BLOCK_N=block_n,
+        NUM_SPLITS=num_splits, **layout, num_warps=num_warps, num_stages=num_stages, **pdl_launch(pdl))
     if num_splits == 1:
         return out
     block_d = merge_block_d(num_splits, dv)

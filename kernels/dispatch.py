@@ -42,14 +42,3 @@ if HAS_TRITON:
         if PDL:
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
-
-
-    @triton.jit
-    def prefetch_l2(ptrs, mask, base):
-        """Hint: bring the 128-byte lines at `ptrs` (where `mask`; `base`, a valid address, elsewhere) into L2
-        (prefetch.global.L2; CUDA only). It moves no value into the program, so a PDL kernel may issue it before
-        its wait even for lines the kernel before it writes: L2 is where every SM reads through, and the loads
-        after the wait read the written bytes."""
-        safe = tl.where(mask, ptrs, base)
-        tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [safe], dtype=tl.int32,
-                                  is_pure=False, pack=1)

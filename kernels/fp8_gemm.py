@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from deepinfer_kernels.dispatch import pdl_launch, pdl_wait, prefetch_l2
+from deepinfer_kernels.dispatch import pdl_launch, pdl_wait
 from deepinfer_kernels.fp8_quant import FP8_MAX, MIN_AMAX, quantize_fp8_token_groups
 
 
@@ -37,13 +37,12 @@ from deepinfer_kernels.fp8_quant import FP8_MAX, MIN_AMAX, quantize_fp8_token_gr
 def _fp8_block_gemm_kernel(X, W, WS, B, Y, P, Count, M, N, K, kb_per_split, stride_xm, stride_wn, stride_wsn,
                            stride_ym, HAS_BIAS: tl.constexpr, GROUP_N: tl.constexpr, BLOCK_M: tl.constexpr,
                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-                           LAST_SUMS: tl.constexpr, IS_INTERPRETED: tl.constexpr, PDL: tl.constexpr,
-                           PREFETCH_LINES: tl.constexpr = 0):
+                           LAST_SUMS: tl.constexpr, IS_INTERPRETED: tl.constexpr, PDL: tl.constexpr):
     """Program (m tile, n tile, split): K blocks [split * kb_per_split, (split + 1) * kb_per_split). One split
     writes Y; several write fp32 partial sums to P (SPLIT_K, M, N), which _split_k_sum_kernel adds in split order,
     or with LAST_SUMS the tile's last split to finish (a counter per tile at Count, reset by it) adds them in the
-    same order itself. PDL: the first PREFETCH_LINES 128-byte lines of each of the program's weight rows (in its K
-    range) go to L2 before the wait (weights are never written)."""
+    same order itself."""
+    pdl_wait(PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_s = tl.program_id(2)
@@ -54,11 +53,6 @@ def _fp8_block_gemm_kernel(X, W, WS, B, Y, P, Count, M, N, K, kb_per_split, stri
     nmask = offs_n < N
     kb0 = pid_s * kb_per_split
     kb1 = tl.minimum(tl.cdiv(K, BLOCK_K), kb0 + kb_per_split)
-    if PDL and PREFETCH_LINES > 0:
-        cols = kb0 * BLOCK_K + tl.arange(0, PREFETCH_LINES) * 128  # a line's first e4m3 column
-        prefetch_l2(W + offs_n.to(tl.int64)[:, None] * stride_wn + cols[None, :],
-                    nmask[:, None] & (cols < kb1 * BLOCK_K)[None, :] & (cols < K)[None, :], W)
-    pdl_wait(PDL)
     x_ptrs = X + offs_m.to(tl.int64)[:, None] * stride_xm + kb0 * BLOCK_K + offs_k[None, :]
     w_ptrs = W + offs_n.to(tl.int64)[:, None] * stride_wn + kb0 * BLOCK_K + offs_k[None, :]
     ws_ptrs = WS + (offs_n // GROUP_N) * stride_wsn
@@ -151,10 +145,6 @@ def _config(m: int) -> dict:
     return dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=3)
 
 
-PREFETCH_KB = 4
-"""K blocks of weight a PDL launch of the fused kernel brings into L2 before its wait (at decode sizes a split holds
-2-4)."""
-
 SPLIT_SUMS = ("kernel", "last_program")
 """How the split fused kernel's fp32 partials are added (DEEPINFER_FP8_SPLIT_SUM): by a second kernel, or by each
 output tile's last split to finish (one launch; the same sum, bit for bit)."""
@@ -210,8 +200,7 @@ def fp8_block_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torc
         x2, weight, weight_scale_inv, bias_arg, y, part, _tile_counters(x.device) if last_sums else part, m, n, k,
         kb_per_split, x2.stride(0), weight.stride(0), weight_scale_inv.stride(0), y.stride(0),
         HAS_BIAS=bias is not None, GROUP_N=group_n, BLOCK_K=block_k, SPLIT_K=split_k, LAST_SUMS=last_sums,
-        IS_INTERPRETED=x.device.type == "cpu", **config, **pdl_launch(pdl),
-        PREFETCH_LINES=triton.next_power_of_2(triton.cdiv(min(PREFETCH_KB, kb_per_split) * block_k, 128)) if pdl else 0)
+        IS_INTERPRETED=x.device.type == "cpu", **config, **pdl_launch(pdl))
     if split_k > 1 and not last_sums:
         block = min(1024, triton.next_power_of_2(n))
         _split_k_sum_kernel[(m, triton.cdiv(n, block))](part, bias_arg, y, m, n, y.stride(0),

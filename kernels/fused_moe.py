@@ -49,15 +49,6 @@ def pair_rows(SortedPairs, BlockExpert, NumPadded, pid_m, num_pairs, BLOCK_M: tl
 
 
 @triton.jit
-def pair_tile(SortedPairs, BlockExpert, NumPadded, num_pairs, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-              PER_PAIR: tl.constexpr):
-    """This program's (row block, N tile): (pair ids (BLOCK_M,), expert, valid, row mask, columns (BLOCK_N,),
-    column mask), grid axis 0 the row blocks and axis 1 the N tiles."""
-    pair, e, valid = pair_rows(SortedPairs, BlockExpert, NumPadded, tl.program_id(0), num_pairs, BLOCK_M, PER_PAIR)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    return pair, e, valid, pair < num_pairs, offs_n, offs_n < N
-
-@triton.jit
 def store_swiglu(H, pair, offs_n, mmask, nmask, acc_g, acc_u, limit, stride_hm):
     """h[pair, offs_n] = the clamped SwiGLU of the fp32 gate / up products (limit = +inf: the plain one, exactly),
     in H's dtype."""

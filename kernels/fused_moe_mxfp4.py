@@ -36,8 +36,6 @@ import triton
 import triton.language as tl
 
 from deepinfer_kernels.fused_moe import combine_slots, pair_blocks, pair_rows, store_swiglu, store_weighted
-from deepinfer_kernels.fp8_quant import quantize_fp8_token_groups
-from deepinfer_kernels.fused_moe_mxfp4_fp8 import _down_mxfp4_fp8, _gate_up_mxfp4_fp8
 from deepinfer_kernels.fused_moe_mxfp4_gemv import gemv_experts
 
 MX_BLOCK = 32
@@ -287,49 +285,18 @@ MXFP4_CANDIDATES = {
     "gemv_n16_k512": dict(BLOCK_N=16, BLOCK_K=512, num_warps=4, num_stages=3, decode="gemv"),
     "gemv_n64_k128": dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4, decode="gemv"),
     "gemv_n32_k512_w8": dict(BLOCK_N=32, BLOCK_K=512, num_warps=8, num_stages=2, decode="gemv"),
-    "fp8_n64_k128": dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4, decode="fp8"),
-    "fp8_n64_k256": dict(BLOCK_N=64, BLOCK_K=256, num_warps=4, num_stages=3, decode="fp8"),
-    "fp8_n128_k128_w8": dict(BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=3, decode="fp8"),
-    "fp8_n128_k256_w8": dict(BLOCK_N=128, BLOCK_K=256, num_warps=8, num_stages=3, decode="fp8"),
-    "fp8_n32_k256": dict(BLOCK_N=32, BLOCK_K=256, num_warps=4, num_stages=3, decode="fp8"),
 }
 
 
-DECODES = ("group", "scaled", "gemv", "fp8")
+DECODES = ("group", "scaled", "gemv")
 """fused_moe_mxfp4's forms of the e2m1 decode (its docstring)."""
-FORMS = ("auto", "fp8")
-"""fused_moe_mxfp4's `form` without a config: the tile table, or FP8_TILES wherever the table picks a tensor-core
-form for 16-bit activations."""
-FP8_TILES = dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4, decode="fp8")
 
 
-def _fp8_experts(x, gate_up, gate_up_scale, down, down_scale, weights, blocks, k: int, limit: float,
-                 h: torch.Tensor, y: torch.Tensor, config: dict) -> None:
-    """The "fp8" form (deepinfer_kernels.fused_moe_mxfp4_fp8): x and then h to e4m3 per (row, 32 elements), each
-    group's product on the FP8 tensor cores; writes h and y."""
-    num_pairs, inter = h.shape
-    hidden = y.shape[1]
-    common = dict(BLOCK_M=blocks.block_m, PER_PAIR=blocks.per_pair, IS_INTERPRETED=x.device.type == "cpu", **config)
-    xq, xs = quantize_fp8_token_groups(x, MX_BLOCK)
-    _gate_up_mxfp4_fp8[(blocks.num_blocks, triton.cdiv(inter, config["BLOCK_N"]))](
-        xq, xs, gate_up, gate_up_scale, h, *blocks.tensors, num_pairs, k, inter, x.shape[1], limit,
-        xq.stride(0), xs.stride(1), gate_up.stride(0), gate_up.stride(1), gate_up_scale.stride(0),
-        gate_up_scale.stride(1), h.stride(0), **common)
-    hq, hs = quantize_fp8_token_groups(h, MX_BLOCK)
-    _down_mxfp4_fp8[(blocks.num_blocks, triton.cdiv(hidden, config["BLOCK_N"]))](
-        hq, hs, down, down_scale, y, weights.flatten().float().contiguous(), *blocks.tensors, num_pairs, hidden,
-        inter, hq.stride(0), hs.stride(1), down.stride(0), down.stride(1), down_scale.stride(0),
-        down_scale.stride(1), y.stride(0), **common)
-
-
-def _tiles(num_pairs: int, dtype: torch.dtype, form: str = "auto") -> dict:
-    """The tiles for a launch: FP32_TILES for fp32, else TILE_TABLE's first row whose bound covers num_pairs (with
-    form 'fp8', FP8_TILES in place of a tensor-core row)."""
+def _tiles(num_pairs: int, dtype: torch.dtype) -> dict:
+    """The tiles for a launch: FP32_TILES for fp32, else TILE_TABLE's first row whose bound covers num_pairs."""
     if dtype == torch.float32:
         return dict(FP32_TILES)
     tiles = next(tiles for most, tiles in TILE_TABLE if most is None or num_pairs <= most)
-    if form == "fp8" and tiles["decode"] != "gemv":
-        return dict(FP8_TILES)
     return dict(GROUP_TILES if tiles["decode"] == "scaled" and not HAS_DOT_SCALED else tiles)
 
 
@@ -363,17 +330,14 @@ def check_mxfp4_experts(gate_up: torch.Tensor, gate_up_scale: torch.Tensor, down
 
 def fused_moe_mxfp4(x: torch.Tensor, gate_up: torch.Tensor, gate_up_scale: torch.Tensor, down: torch.Tensor,
                     down_scale: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-                    swiglu_limit: float | None = None, config: dict | None = None, pdl: bool = False,
-                    form: str = "auto") -> torch.Tensor:
+                    swiglu_limit: float | None = None, config: dict | None = None, pdl: bool = False) -> torch.Tensor:
     """x (T, H) 16/32-bit; MXFP4 experts (module docstring); weights (T, k) fp32; ids (T, k) -> sum_k weights *
     down(swiglu(gate x, up x)), (T, H) in x's dtype; swiglu_limit clamps as V4's experts do (None: plain SwiGLU).
     config: fixed BLOCK_N / BLOCK_K (a power of two >= 32) / num_warps / num_stages, decode "group" (the hand
     decode, _mx_group_tile; JOIN: one dot over the re-interleaved tile instead of two over the even and odd
     columns), "scaled" (tl.dot_scaled: Triton's own upcast of e2m1 x e8m0 to the activations' 16-bit format) or
-    "gemv" (one program row per pair, fp32 products on the CUDA cores: deepinfer_kernels.fused_moe_mxfp4_gemv)
-    or "fp8" (codes placed as e4m3 bits, activations rounded to e4m3 per 32 elements, FP8 tensor cores:
-    deepinfer_kernels.fused_moe_mxfp4_fp8); None: _tiles under `form` (FORMS). pdl: the GEMV form's launches and
-    the slot sum as programmatic dependent ones."""
+    "gemv" (one program row per pair, fp32 products on the CUDA cores: deepinfer_kernels.fused_moe_mxfp4_gemv);
+    None: _tiles. pdl: the GEMV form's launches and the slot sum as programmatic dependent ones."""
     t, k = ids.shape
     hidden = x.shape[1]
     inter = check_mxfp4_experts(gate_up, gate_up_scale, down, down_scale, hidden)
@@ -382,14 +346,14 @@ def fused_moe_mxfp4(x: torch.Tensor, gate_up: torch.Tensor, gate_up_scale: torch
         raise ValueError("fused_moe_mxfp4 needs contiguous x, expert weights and scales")
     e = gate_up.shape[0]
     num_pairs = t * k
-    config = dict(config or _tiles(num_pairs, x.dtype, form))
+    config = dict(config or _tiles(num_pairs, x.dtype))
     decode = config.pop("decode", "group")
     if decode not in DECODES:
         raise ValueError(f"fused_moe_mxfp4: decode must be one of {DECODES}, got {decode!r}")
     if decode != "group" and config.get("JOIN"):
         raise ValueError("fused_moe_mxfp4: JOIN needs the group decode")
-    if decode in ("scaled", "fp8") and x.dtype not in (torch.bfloat16, torch.float16):
-        raise ValueError(f"fused_moe_mxfp4: decode {decode!r} takes bf16 / fp16 activations, got {x.dtype}")
+    if decode == "scaled" and x.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"fused_moe_mxfp4: decode 'scaled' (tl.dot_scaled) takes bf16 / fp16 activations, got {x.dtype}")
     if config["BLOCK_K"] % MX_BLOCK or config["BLOCK_K"] & (config["BLOCK_K"] - 1):
         raise ValueError(f"fused_moe_mxfp4: BLOCK_K {config['BLOCK_K']} must be a power of two >= {MX_BLOCK}")
     limit = float("inf") if swiglu_limit is None else float(swiglu_limit)
@@ -401,9 +365,6 @@ def fused_moe_mxfp4(x: torch.Tensor, gate_up: torch.Tensor, gate_up_scale: torch
         return combine_slots(y, t, k, hidden, pdl)
     blocks = pair_blocks(ids, e)
     join = config.pop("JOIN", False)
-    if decode == "fp8":
-        _fp8_experts(x, gate_up, gate_up_scale, down, down_scale, weights, blocks, k, limit, h, y, config)
-        return combine_slots(y, t, k, hidden)
     common = dict(BLOCK_M=blocks.block_m, PER_PAIR=blocks.per_pair, **config)
     if decode == "scaled":
         gate_up_kernel, down_kernel = _gate_up_mxfp4_s, _down_mxfp4_s

@@ -82,17 +82,12 @@ class Mxfp4FusedExperts(ExpertWeights):
         gate_up_proj int8 (E, 2I, H/2), gate_up_proj_scale_inv uint8 (E, 2I, H/32); down_proj likewise
 
     `apply(experts, x, weights, ids)` is the experts' forward (clamped SwiGLU at `experts.limit`); pdl: its GEMV
-    form's launches programmatic dependent ones (KernelConfig.uses_pdl); form: DEEPINFER_MXFP4_MOE
-    (fused_moe_mxfp4.FORMS)."""
+    form's launches programmatic dependent ones (KernelConfig.uses_pdl)."""
 
     is_quantized = True
 
-    def __init__(self, pdl: bool = False, form: str = "auto"):
-        from deepinfer_kernels.fused_moe_mxfp4 import FORMS
-
-        if form not in FORMS:
-            raise ValueError(f"DEEPINFER_MXFP4_MOE={form!r}: not one of {', '.join(FORMS)}")
-        self.pdl, self.form = pdl, form
+    def __init__(self, pdl: bool = False):
+        self.pdl = pdl
 
     def create_weights(self, experts: nn.Module) -> None:
         for name in ("gate_up_proj", "down_proj"):
@@ -134,4 +129,4 @@ class Mxfp4FusedExperts(ExpertWeights):
 
         return fused_moe_mxfp4(x.contiguous(), experts.gate_up_proj, experts.gate_up_proj_scale_inv,
                                experts.down_proj, experts.down_proj_scale_inv, weights, ids, experts.limit,
-                               pdl=self.pdl, form=self.form)
+                               pdl=self.pdl)

@@ -83,8 +83,8 @@ def test_fp8_split_sum_by_last_program_equals_second_kernel(m):
                     reason="dependent launches need SM90+")
 @pytest.mark.parametrize("m", [1, 16])
 def test_fp8_block_gemm_dependent_launch(m):
-    """The split GEMM as a dependent launch right after the kernel that writes its input, its weight rows brought
-    into L2 before its wait: bitwise the ordinary launch's output (both split sums)."""
+    """The split GEMM and its split sum as dependent launches right after the kernel that writes the input: bitwise
+    the ordinary launches' output (both split sums)."""
     from deepinfer_kernels.fp8_gemm import fp8_block_gemm
     from deepinfer_kernels.reference import quantize_fp8_blocks
 

@@ -46,10 +46,9 @@ def test_paged_decode_attention(shape, page_size, num_splits):
 @pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9),
                     reason="dependent launches need SM90+")
 @pytest.mark.parametrize("shape", [(16, 1, 576, 512), (9, 3, 64, 64)], ids=["mla-v2", "gqa-smollm2"])
-@pytest.mark.parametrize("prefetch_tiles", [0, 2, 64])  # 64: capped at PREFETCH_LINES
-def test_paged_decode_attention_dependent_launch(shape, prefetch_tiles):
-    """As a dependent launch right after the kernel that writes its query and each row's last K / V row, and with
-    its first KV tiles brought into L2 before its wait: bitwise the ordinary launch's output."""
+def test_paged_decode_attention_dependent_launch(shape):
+    """As a dependent launch right after a dependent launch that writes its query (the new K rows written just
+    before): bitwise the ordinary launch's output, with one split and with several (the merge kernel too)."""
     from deepinfer_kernels.decode_attention import paged_decode_attention
     from deepinfer_kernels.v4_elementwise import rope
 
@@ -72,8 +71,7 @@ def test_paged_decode_attention_dependent_launch(shape, prefetch_tiles):
             torch.cuda.synchronize()
             k[last] = new_k
             q = rope(q0, ones, zeros, pdl=pdl)  # q0 itself, written by a dependent launch just before
-            out = paged_decode_attention(q, k, v, table, rows, lens, page_size, dk**-0.5, splits, pdl=pdl,
-                                         prefetch_tiles=prefetch_tiles)
+            out = paged_decode_attention(q, k, v, table, rows, lens, page_size, dk**-0.5, splits, pdl=pdl)
             assert torch.equal(q, q0)
             outs.append(out.clone())
     for a, b in zip(outs[:3], outs[3:]):

@@ -105,7 +105,7 @@ _ROW_STEP = textwrap.dedent("""
         pool = KVPool(LlamaForCausalLM.kv_layout(config), num_pages=96, page_size=1, dtype=torch.float32,
                       device=torch.device("cpu"))
         backend = object.__new__(TritonBackend)
-        backend.num_sms, backend.is_rope_store_supported, backend.pdl, backend.prefetch_tiles = 4, rope_store, False, 0
+        backend.num_sms, backend.is_rope_store_supported, backend.pdl = 4, rope_store, False
         torch.manual_seed(1)
         for layer in range(config.num_layers):
             pool.k[layer].normal_(), pool.v[layer].normal_()

@@ -58,7 +58,7 @@ _DECODE = textwrap.dedent("""
     print("ok")
 """)
 
-EXPERTS = textwrap.dedent("""
+_MOE = textwrap.dedent("""
     import torch
     import torch.nn.functional as F
     from deepinfer_kernels.fused_moe_mxfp4 import fused_moe_mxfp4
@@ -71,10 +71,7 @@ EXPERTS = textwrap.dedent("""
     down[:, ::3] *= 0.01
     (q_gu, s_gu), (qd, sd) = quantize_mxfp4(gate_up), quantize_mxfp4(down)
     d_gu, d_down = dequantize_mxfp4(q_gu, s_gu), dequantize_mxfp4(qd, sd)
-""")
-"""The fused-MoE scripts' MXFP4 experts (odd sizes: hidden and width 96, 3 groups) and their dequantized copies."""
 
-_MOE = EXPERTS + textwrap.dedent("""
     def reference(x, w, ids, limit):
         out = torch.zeros(x.shape[0], hidden)
         for j in range(ids.shape[1]):
@@ -150,20 +147,3 @@ def test_tile_table_falls_back_to_the_group_decode_without_dot_scaled(monkeypatc
     assert mx._tiles(512, torch.bfloat16)["decode"] == "scaled"
     monkeypatch.setattr(mx, "HAS_DOT_SCALED", False)
     assert mx._tiles(512, torch.bfloat16) == mx.GROUP_TILES
-
-
-def test_fp8_form_replaces_the_tensor_core_rows_only(monkeypatch):
-    """DEEPINFER_MXFP4_MOE=fp8 (fused_moe_mxfp4 form 'fp8'): FP8_TILES where the table picks a tensor-core form for
-    16-bit activations; the GEMV rows and fp32 keep theirs; an unknown form is refused at build."""
-    import torch
-
-    from deepinfer_kernels import fused_moe_mxfp4 as mx
-    from deepinfer_rt.layers.mxfp4 import Mxfp4FusedExperts
-
-    assert mx._tiles(8, torch.bfloat16, "fp8")["decode"] == "gemv"
-    assert mx._tiles(64, torch.bfloat16, "fp8") == mx.FP8_TILES
-    assert mx._tiles(64, torch.float32, "fp8") == mx.FP32_TILES
-    assert mx._tiles(64, torch.bfloat16)["decode"] != "fp8"
-    assert Mxfp4FusedExperts(form="fp8").form == "fp8"
-    with pytest.raises(ValueError, match="DEEPINFER_MXFP4_MOE"):
-        Mxfp4FusedExperts(form="fp4")

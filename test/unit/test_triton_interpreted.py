@@ -243,7 +243,7 @@ _LONG_DECODE = textwrap.dedent("""
     assert da.num_splits_for(1, 1, 132, 576) == 128 and da.num_splits_for(16, 1, 132, 576) == 16
     assert [da.num_splits_for(b, 3, 132, 64) for b in (1, 4, 16, 64, 256)] == [256, 64, 16, 4, 1]  # GQA
     backend = object.__new__(TritonBackend)
-    backend.num_sms, backend.pdl, backend.prefetch_tiles = 4, False, 0
+    backend.num_sms, backend.pdl = 4, False
 
     class Pool:
         pass
@@ -396,7 +396,7 @@ _LLAMA_ROPE_STORE = textwrap.dedent("""
         pool = KVPool(LlamaForCausalLM.kv_layout(config), num_pages=64, page_size=1, dtype=torch.float32,
                       device=torch.device("cpu"))
         backend = object.__new__(TritonBackend)
-        backend.num_sms, backend.is_rope_store_supported, backend.pdl, backend.prefetch_tiles = 4, fused, False, 0
+        backend.num_sms, backend.is_rope_store_supported, backend.pdl = 4, fused, False
         torch.manual_seed(1)
         pool.k[0].normal_(), pool.v[0].normal_()
         x = torch.randn(7, config.hidden_size)

@@ -79,8 +79,6 @@ class TritonBackend(AttentionBackend):
             raise ValueError(f"DEEPINFER_FP8_KV_DOT={self.kv_dot!r}: not one of {FP8_KV_DOTS}")
         self.pdl = get_env().gpu_pdl and pdl_supported(device)
         """Decode attention as programmatic dependent launches (DEEPINFER_GPU_PDL)."""
-        self.prefetch_tiles = get_env().gpu_prefetch_tiles if self.pdl else 0
-        """KV tiles a split brings into L2 before its wait (DEEPINFER_GPU_PREFETCH_TILES)."""
 
     def decode_meta(self, page_table, table_rows, seq_lens, page_size, kv_heads, head_dim=0) -> DecodeMeta:
         splits = num_splits_for(int(table_rows.shape[0]), kv_heads, self.num_sms, head_dim)
@@ -136,15 +134,13 @@ class TritonBackend(AttentionBackend):
         if d is not None and meta.decode_rows is None:
             return paged_decode_attention(q, k_buf, v_buf, d.page_table, d.table_rows, d.seq_lens, d.page_size,
                                           scale, d.num_splits, q_tail=q_tail, pdl=self.pdl,
-                                          prefetch_tiles=self.prefetch_tiles,
                                           **scales)
         q = joined(q, q_tail)
         out = q.new_empty(q.shape[0], q.shape[1], v_buf.shape[-1])
         if d is not None:
             out[meta.decode_rows] = paged_decode_attention(q[meta.decode_rows], k_buf, v_buf, d.page_table,
                                                            d.table_rows, d.seq_lens, d.page_size, scale,
-                                                           d.num_splits, pdl=self.pdl,
-                                                           prefetch_tiles=self.prefetch_tiles, **scales)
+                                                           d.num_splits, pdl=self.pdl, **scales)
         hq = q.shape[1]
         for q_start, q_len, slots, mask in meta.extends:
             qe = q[q_start : q_start + q_len].transpose(0, 1)  # (Hq, L, D)
