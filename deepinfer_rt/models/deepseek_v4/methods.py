@@ -55,6 +55,9 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
 class V4Method:
     """The default forms."""
 
+    pdl = False
+    """Whether the Triton kernels launch as programmatic dependent launches (V4TritonMethod sets it)."""
+
     def __init__(self, linear: LinearMethod, activation: Activation, head_matmul: HeadMatmul):
         self.linear = linear
         """Products of raw tensors (router, experts); V4's Linear layers hold their own linear method."""

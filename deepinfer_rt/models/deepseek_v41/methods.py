@@ -170,7 +170,7 @@ class _KernelForms:
     def __init__(self, v4: V4Method):
         super().__init__(v4)
         self.kernels = v4_kernels()  # Triton: CUDA builds only
-        self.pdl = getattr(v4, "pdl", False)
+        self.pdl = v4.pdl
         """The kernels as programmatic dependent launches, as V4's (V4TritonMethod.pdl)."""
 
     def attend(self, q, g, ratio, kv, src, selected, sink):
