@@ -11,7 +11,7 @@
 # Logs and JSON land in $OUT. Stage time limits (seconds): BENCH_S, TEST_S, KERNEL_BENCH_S, EP_S, DET_S, HOST_S,
 # MOE_BI_S, MXFP4_S, V4_S, FP8_S, FP8_GEMM_S, MOE_FP8_S, LONGCTX_S, EP1_S, V4SWEEP_S, ROW_GEMV_S, KV8_S.
 # `sampler` (bench_sampler: the one-kernel seeded draw beside the per-row form; SAMPLER_S, SAMPLER_ARGS).
-# LONGCTX_AB_ENV ('|'-separated settings): longctx again under each; FP8_AB_ENV: fp8 again under those settings. PACK=1: everything in $OUT packed into one out.tgz (the
+# LONGCTX_AB_ENV ('|'-separated settings): longctx again under each; LONGCTX2_ARGS (LONGCTX2_S): longctx once more with those rows; FP8_AB_ENV: fp8 again under those settings. PACK=1: everything in $OUT packed into one out.tgz (the
 # device returns at most eight files). V4SWEEP_AB_ENV (with V4SWEEP_AB_ARGS, default V4SWEEP_ARGS): v4sweep again under those environment settings. TEST_ARGS: the pytest targets of the tests stage (default test/gpu); KERNEL_BENCH_ARGS: extra
 # arguments of the kernel micro-benchmark (e.g. --only moe). TEST_JOBS>1: one pytest process per test file or node id, that
 # many at once; PYTEST_ARGS: extra pytest options (e.g. -o faulthandler_timeout=120 to dump a stuck test's stacks).
@@ -135,6 +135,11 @@ if [[ $STAGES == *,longctx,* ]]; then  # decode at long contexts beside the floo
       > "$OUT/longctx_ab$i.log" 2>&1
     echo "longctx ($e) rc=$?"; tail -n 6 "$OUT/longctx_ab$i.log"
   done
+  if [ -n "${LONGCTX2_ARGS:-}" ]; then  # a second run with other rows (e.g. one long, memory-heavy row on its own)
+    timeout "${LONGCTX2_S:-300}" python3 benchmark/bench_gpu.py --out "$OUT/gpu_h200_longctx2.json" $LONGCTX2_ARGS \
+      > "$OUT/longctx2.log" 2>&1
+    echo "longctx2 rc=$?"; tail -n 8 "$OUT/longctx2.log"
+  fi
 fi
 if [[ $STAGES == *,longctx_base,* ]] && [ -d base ]; then  # the same benchmark on base/ (scripts/base_tree.sh REV)
   mkdir -p /tmp/kbase && ln -sfn "$PWD/base/kernels" /tmp/kbase/deepinfer_kernels
