@@ -7,7 +7,8 @@ in the same run (torch._scaled_mm, 8192^3, tensor-wise scales) and the floor max
 FLOPs / FP8 rate); a timed call cycles over copies of the weight that overflow L2 (L2_ROTATION_BYTES). At the end:
 the per-M table this run's timings give (the path of least geometric-mean time over the shapes), the form of
 fp8_gemm.AUTO_PATHS. auto_path's width rule (SPLIT_AUTO_MAX_N: the split fused kernel for narrow outputs at few rows)
-is read from the per-shape rows and set by hand; the table alone would send every width to one path.
+is read from the per-shape rows and set by hand; the table alone would send every width to one path. `--grouped`:
+the grouped GEMM (V4 / V4.1-Flash's wo_a, 8 groups of 1024 x 4096) beside cuBLAS bf16 on the dequantized weight.
 
     python benchmark/bench_fp8_gemm.py --out benchmark/results/gpu_fp8_gemm_h200.json     (H200, ~2 minutes)
     TRITON_INTERPRET=1 python benchmark/bench_fp8_gemm.py --device cpu --out /tmp/fp8_gemm_cpu.json   (smoke run)
@@ -33,6 +34,9 @@ SHAPES = {  # (N, K)
     "v2lite_o_proj": (2048, 2048), "v2lite_shared_down": (2048, 2816),
     "v3_fused_qkv_a": (1536 + 576, 7168), "v3_q_b": (128 * 192, 1536), "v3_o_proj": (7168, 128 * 128),
     "v3_dense_gate_up": (2 * 18432, 7168), "v3_dense_down": (7168, 18432),
+}
+GROUPED_SHAPES = {  # (groups, rows a group, inputs a group, scale block): V4 / V4.1-Flash's wo_a
+    "v4flash_wo_a": (8, 1024, 4096, (128, 128)), "v41flash_wo_a": (8, 1024, 4096, (32, 32)),
 }
 ROWS = (1, 64, 2048, 8192)
 FP8_PATHS = ("triton", "tiled", "scaled_mm")
@@ -130,6 +134,41 @@ def gemm_rows(device: str, ceil: dict, shapes: dict, rows: tuple[int, ...], skip
     return out
 
 
+def grouped_rows(device: str, ceil: dict, rows: tuple[int, ...], save, out: list) -> list:
+    """The grouped FP8 GEMM (`groups`, V4's wo_a kept in FP8) through `auto`, `triton` and `tiled`, beside the form
+    it replaces: cuBLAS bf16 over the weight dequantized at load (torch.einsum per group, twice the bytes)."""
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    for name, (groups, r, k, block) in GROUPED_SHAPES.items():
+        q, s = quantize_fp8_blocks(torch.randn(groups * r, k, device=device) * 0.02, block)
+        weight_bytes = q.numel() + s.numel() * 4
+        copies = max(1, math.ceil(L2_ROTATION_BYTES / weight_bytes)) if device == "cuda" else 1
+        fp8_weights = [(q.clone(), s.clone()) for _ in range(copies)]
+        dense = [dequantize_fp8_blocks(wq, ws, block, dtype=dtype).view(groups, r, k) for wq, ws in fp8_weights]
+
+        def per_call(fn) -> float:
+            return _seconds(lambda: [fn(i) for i in range(copies)], device) / copies
+
+        for m in rows:
+            x = torch.randn(m, groups * k, device=device, dtype=dtype)
+            flops = 2 * m * groups * r * k
+            row = {"shape": name, "m": m, "groups": groups, "n": groups * r, "k": k, "block": list(block),
+                   "weight_copies": copies, "floor_us": 1e6 * max(weight_bytes / ceil["stream_bytes_per_s"],
+                                                                   flops / ceil["fp8_matmul_flop_per_s"])}
+            for path in ("auto", "triton", "tiled"):
+                seconds = per_call(lambda i: fp8_gemm(x, *fp8_weights[i], *block, path=path, groups=groups))
+                row[f"grouped_{path}_us"] = seconds * 1e6
+                row[f"grouped_{path}_fraction_of_floor"] = row["floor_us"] / row[f"grouped_{path}_us"]
+            xg = x.view(m, groups, k)
+            seconds = per_call(lambda i: torch.einsum("tgi,gri->tgr", xg, dense[i]))
+            row["bf16_einsum_us"] = seconds * 1e6
+            row["bf16_einsum_fraction_of_fp8_floor"] = row["floor_us"] / row["bf16_einsum_us"]
+            print({key: round(v, 3) if isinstance(v, float) else v for key, v in row.items()}, flush=True)
+            out.append(row)
+            save(out)
+        del q, s, fp8_weights, dense
+    return out
+
+
 def auto_table(rows: list[dict]) -> list[tuple[int, str]]:
     """Per M, the FP8 path of least geometric-mean time over the shapes that every path ran (the scaled_mm rows
     where it was skipped for a shape count as the tiled path's, which runs them), merged into (largest M, path)
@@ -160,6 +199,8 @@ def main() -> None:
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--shapes", nargs="*", default=None, help=f"a subset of {', '.join(SHAPES)}")
     parser.add_argument("--rows", default=None, help="row counts, comma-separated (default 1,64,2048,8192)")
+    parser.add_argument("--grouped", action="store_true",
+                        help="only the grouped GEMM (V4 / V4.1-Flash's wo_a) beside bf16 on the dequantized weight")
     args = parser.parse_args()
     if args.device == "cpu":
         import os
@@ -185,10 +226,16 @@ def main() -> None:
               "torch": torch.__version__, "triton": triton.__version__, **ceil, "scaled_mm_skipped": skip}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
 
-    def save(rows_so_far: list) -> None:
-        result["rows"] = rows_so_far
+    def save(rows_so_far: list, key: str = "rows") -> None:
+        result[key] = rows_so_far
         Path(args.out).write_text(json.dumps(result, indent=1))
 
+    if args.grouped:
+        if args.device == "cpu":
+            GROUPED_SHAPES.clear()
+            GROUPED_SHAPES.update(tiny_grouped=(2, 64, 256, (128, 128)), tiny_grouped_32=(3, 32, 64, (32, 32)))
+        result["grouped_rows"] = grouped_rows(args.device, ceil, rows, lambda r: save(r, "grouped_rows"), [])
+        return
     result["auto_paths"] = auto_table(gemm_rows(args.device, ceil, shapes, rows, skip, save))
     print(f"AUTO_PATHS from this run: {tuple(result['auto_paths'])}", flush=True)
     save(result["rows"])

@@ -134,6 +134,10 @@ class Env:
     """DEEPINFER_FP8_SPLIT_SUM: how the fused FP8 GEMM's K splits (at up to 16 rows) are added: 'kernel' (default: a
     second launch) or 'last_program' (each output tile's last split adds them, the same bits, one launch fewer per
     GEMM; not faster where timed: V2-Lite FP8 at batch 1 on an H100, 360 against 373 tok/s)."""
+    fp8_grouped: bool
+    """DEEPINFER_FP8_GROUPED (default on): V4 / V4.1's grouped output projection (wo_a) of an FP8 model stays FP8
+    on CUDA, one grouped block-scaled GEMM (deepinfer_kernels.fp8_gemm's `groups`); 0 dequantizes it at load to
+    the model dtype for the grouped product of the model's method (the form before, twice the bytes)."""
     fp8_kv_dot: str
     """DEEPINFER_FP8_KV_DOT: the dots of the decode attention kernel over an FP8 KV pool with a 16-bit model: 'f16'
     (default: tiles and query in fp16; e4m3 converts to fp16 in one instruction per two values) or 'query' (the
@@ -271,6 +275,7 @@ def get_env() -> Env:
         skinny_gemm=_bool("DEEPINFER_SKINNY_GEMM", True),
         fp8_gemm=_str("DEEPINFER_FP8_GEMM", "auto").strip().lower(),
         fp8_split_sum=_str("DEEPINFER_FP8_SPLIT_SUM", "kernel").strip().lower(),
+        fp8_grouped=_bool("DEEPINFER_FP8_GROUPED", True),
         fp8_kv_dot=_str("DEEPINFER_FP8_KV_DOT", "f16").strip().lower(),
         mla_mha_prefill=_optional_bool("DEEPINFER_MLA_MHA_PREFILL"),
         mla_prefix_split=_optional_bool("DEEPINFER_MLA_PREFIX_SPLIT"),

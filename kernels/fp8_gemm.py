@@ -18,7 +18,7 @@ Three paths (`fp8_gemm(..., path=)`, chosen by DEEPINFER_FP8_GEMM where the laye
     triton     fp8_block_gemm: the fused kernel above, small tiles by row count (the first default)
     tiled      fp8_tiled_gemm: activations quantized once (deepinfer_kernels.fp8_quant, the same values), then
                a GEMM over them with autotuned tiles up to 128 x 256, the same per-K-block fp32 scaling
-    scaled_mm  fp8_scaled_mm: the same quantized activations into torch.nn.functional.scaled_mm with the
+    scaled_mm  fp8_scaled_mm (deepinfer_kernels.fp8_scaled_mm): the same quantized activations into scaled_mm with the
                BlockWise1x128 / BlockWise128x128 recipes (cuBLASLt, SM90, torch >= 2.10); GEMMs it does not
                take (N or K not a multiple of 128, per-row scales, a non-bf16 output) run the tiled path
 """
@@ -30,18 +30,22 @@ import triton.language as tl
 
 from deepinfer_kernels.dispatch import pdl_launch, pdl_wait
 from deepinfer_kernels.fp8_quant import FP8_MAX, MIN_AMAX, quantize_fp8_token_groups
+from deepinfer_kernels.fp8_scaled_mm import (SCALED_MM_ROW_MULTIPLE, fp8_scaled_mm, scaled_mm_api_missing,  # noqa: F401
+                                             scaled_mm_shape_unsupported, scaled_mm_unsupported)
 
 
 
 @triton.jit
-def _fp8_block_gemm_kernel(X, W, WS, B, Y, P, Count, M, N, K, kb_per_split, stride_xm, stride_wn, stride_wsn,
-                           stride_ym, HAS_BIAS: tl.constexpr, GROUP_N: tl.constexpr, BLOCK_M: tl.constexpr,
+def _fp8_block_gemm_kernel(X, W, WS, B, Y, P, Count, M, N, K, kb_per_split, stride_xm, stride_xg, stride_wn,
+                           stride_wsn, stride_ym, HAS_BIAS: tl.constexpr, GROUP_N: tl.constexpr,
+                           GROUP_ROWS: tl.constexpr, BLOCK_M: tl.constexpr,
                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
                            LAST_SUMS: tl.constexpr, IS_INTERPRETED: tl.constexpr, PDL: tl.constexpr):
     """Program (m tile, n tile, split): K blocks [split * kb_per_split, (split + 1) * kb_per_split). One split
     writes Y; several write fp32 partial sums to P (SPLIT_K, M, N), which _split_k_sum_kernel adds in split order,
     or with LAST_SUMS the tile's last split to finish (a counter per tile at Count, reset by it) adds them in the
-    same order itself."""
+    same order itself. GROUP_ROWS > 0: a grouped GEMM (fp8_block_gemm's `groups`), output rows [g * GROUP_ROWS,
+    (g + 1) * GROUP_ROWS) reading x's columns from g * stride_xg (BLOCK_N divides GROUP_ROWS)."""
     pdl_wait(PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -54,6 +58,8 @@ def _fp8_block_gemm_kernel(X, W, WS, B, Y, P, Count, M, N, K, kb_per_split, stri
     kb0 = pid_s * kb_per_split
     kb1 = tl.minimum(tl.cdiv(K, BLOCK_K), kb0 + kb_per_split)
     x_ptrs = X + offs_m.to(tl.int64)[:, None] * stride_xm + kb0 * BLOCK_K + offs_k[None, :]
+    if GROUP_ROWS > 0:
+        x_ptrs += (pid_n * BLOCK_N // GROUP_ROWS) * stride_xg
     w_ptrs = W + offs_n.to(tl.int64)[:, None] * stride_wn + kb0 * BLOCK_K + offs_k[None, :]
     ws_ptrs = WS + (offs_n // GROUP_N) * stride_wsn
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
@@ -163,26 +169,49 @@ def _tile_counters(device: torch.device) -> torch.Tensor:
     return _counters[device]
 
 
+def group_tile_n(block_n: int, rows: int) -> int:
+    """The widest N tile up to block_n that divides a group's `rows`, so that no tile straddles two groups."""
+    tile = min(block_n, rows & -rows)
+    if tile < 16:
+        raise ValueError(f"a grouped FP8 GEMM needs a multiple of 16 output rows a group, not {rows}")
+    return tile
+
+
+def _group_rows(x: torch.Tensor, weight: torch.Tensor, groups: int) -> int:
+    """Output rows a group of a grouped GEMM (0 for a plain one), its shapes checked."""
+    k, n = weight.shape[1], weight.shape[0]
+    if x.shape[-1] != groups * k or n % groups:
+        raise ValueError(f"grouped FP8 GEMM: x's {x.shape[-1]} columns and weight {tuple(weight.shape)} do not "
+                         f"make {groups} groups")
+    return n // groups if groups > 1 else 0
+
+
 def fp8_block_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor, group_n: int,
                    block_k: int, bias: torch.Tensor | None = None, config: dict | None = None,
-                   split_k: int | None = None, split_sum: str = "kernel", pdl: bool = False) -> torch.Tensor:
+                   split_k: int | None = None, split_sum: str = "kernel", pdl: bool = False,
+                   groups: int = 1) -> torch.Tensor:
     """x (..., K) 16/32-bit, weight (N, K) float8_e4m3fn, weight_scale_inv (ceil(N/group_n), ceil(K/block_k))
     float32 -> (..., N) in x's dtype. block_k is the weights' column block and the activations' group (a power
     of two >= 16). config: fixed BLOCK_M / BLOCK_N / num_warps / num_stages (the interpreter test). split_k: K
     split over that many programs per output tile, their fp32 partial sums added in order by a second kernel or,
     with split_sum 'last_program', by the tile's last split (None: split_k_for on the GPU, 1 elsewhere). pdl: both
-    launches programmatic dependent ones (dispatch.pdl_launch)."""
-    k = x.shape[-1]
-    x2 = x.reshape(-1, k)
+    launches programmatic dependent ones (dispatch.pdl_launch). groups > 1: a block-diagonal (grouped) GEMM, x
+    (..., groups * K) and weight (groups * R, K): output rows [g * R, (g + 1) * R) are x's g-th K columns times
+    those weight rows (V4's grouped output projection)."""
+    rows = _group_rows(x, weight, groups)
+    k = weight.shape[1]
+    x2 = x.reshape(-1, groups * k)
     if x2.stride(1) != 1:
         x2 = x2.contiguous()
     m, n = x2.shape[0], weight.shape[0]
-    assert weight.shape[1] == k and weight.dtype == torch.float8_e4m3fn and weight.stride(1) == 1
+    assert weight.dtype == torch.float8_e4m3fn and weight.stride(1) == 1
     assert weight_scale_inv.shape == (triton.cdiv(n, group_n), triton.cdiv(k, block_k))
     y = x.new_empty(m, n)
     if m == 0:
         return y.view(*x.shape[:-1], n)
     config = dict(config or _config(m))
+    if rows:
+        config["BLOCK_N"] = group_tile_n(config["BLOCK_N"], rows)
     num_kb = triton.cdiv(k, block_k)
     if split_k is None:
         split_k = 1 if x.device.type != "cuda" else split_k_for(
@@ -198,8 +227,8 @@ def fp8_block_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torc
     bias_arg = bias if bias is not None else weight_scale_inv
     _fp8_block_gemm_kernel[grid](
         x2, weight, weight_scale_inv, bias_arg, y, part, _tile_counters(x.device) if last_sums else part, m, n, k,
-        kb_per_split, x2.stride(0), weight.stride(0), weight_scale_inv.stride(0), y.stride(0),
-        HAS_BIAS=bias is not None, GROUP_N=group_n, BLOCK_K=block_k, SPLIT_K=split_k, LAST_SUMS=last_sums,
+        kb_per_split, x2.stride(0), k, weight.stride(0), weight_scale_inv.stride(0), y.stride(0),
+        HAS_BIAS=bias is not None, GROUP_N=group_n, GROUP_ROWS=rows, BLOCK_K=block_k, SPLIT_K=split_k, LAST_SUMS=last_sums,
         IS_INTERPRETED=x.device.type == "cpu", **config, **pdl_launch(pdl))
     if split_k > 1 and not last_sums:
         block = min(1024, triton.next_power_of_2(n))
@@ -212,13 +241,15 @@ def fp8_block_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torc
 # ---- over pre-quantized activations (deepinfer_kernels.fp8_quant): the tiled Triton GEMM, torch's scaled_mm ----
 
 @triton.jit
-def _fp8_tiled_gemm_kernel(XQ, XS, W, WS, B, Y, M, N, K, M_BUCKET, stride_xm, stride_xsm, stride_xsk, stride_wn,
-                           stride_wsn, stride_ym, HAS_BIAS: tl.constexpr, GROUP_N: tl.constexpr,
-                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                           GROUP_M: tl.constexpr, IS_INTERPRETED: tl.constexpr):
+def _fp8_tiled_gemm_kernel(XQ, XS, W, WS, B, Y, M, N, K, M_BUCKET, stride_xm, stride_xg, stride_xsm, stride_xsk,
+                           stride_xsg, stride_wn, stride_wsn, stride_ym, HAS_BIAS: tl.constexpr,
+                           GROUP_N: tl.constexpr, GROUP_ROWS: tl.constexpr, BLOCK_M: tl.constexpr,
+                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                           IS_INTERPRETED: tl.constexpr):
     """acc[m, n] += dot(xq[m, k0:k0+BK], w[n, k0:k0+BK]) * xs[m, k0 / BK] * ws[n / GROUP_N, k0 / BK], the fused
     kernel's sum with the activations read quantized. M_BUCKET only keys the autotuner. Programs walk GROUP_M row
-    tiles per column tile, so a wave of programs shares weight tiles in L2."""
+    tiles per column tile, so a wave of programs shares weight tiles in L2. GROUP_ROWS > 0: grouped, as the fused
+    kernel's (x's values and scales of group g from g * stride_xg and g * stride_xsg)."""
     pid = tl.program_id(0)
     num_m, num_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
     first_m = (pid // (GROUP_M * num_n)) * GROUP_M
@@ -233,6 +264,10 @@ def _fp8_tiled_gemm_kernel(XQ, XS, W, WS, B, Y, M, N, K, M_BUCKET, stride_xm, st
     x_ptrs = XQ + offs_m.to(tl.int64)[:, None] * stride_xm + offs_k[None, :]
     w_ptrs = W + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
     xs_ptrs = XS + offs_m * stride_xsm
+    if GROUP_ROWS > 0:
+        group = pid_n * BLOCK_N // GROUP_ROWS
+        x_ptrs += group * stride_xg
+        xs_ptrs += group * stride_xsg
     ws_ptrs = WS + (offs_n // GROUP_N) * stride_wsn
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for kb in range(0, tl.cdiv(K, BLOCK_K)):
@@ -265,6 +300,11 @@ small M. A config whose tile does not fit shared memory is pruned by the autotun
 INTERPRETER_TILE = dict(BLOCK_M=16, BLOCK_N=32, GROUP_M=4)
 
 _fp8_tiled_gemm_tuned = triton.autotune(TILED_CONFIGS, key=["M_BUCKET", "N", "K"])(_fp8_tiled_gemm_kernel)
+_fp8_tiled_grouped_tuned = triton.autotune([c for c in TILED_CONFIGS if c.kwargs["BLOCK_N"] <= 128],
+                                           key=["M_BUCKET", "N", "K"])(_fp8_tiled_gemm_kernel)
+"""The grouped form's autotuner (groups of a multiple of 128 rows): tiles up to 128 columns."""
+GROUPED_TILE = dict(BLOCK_M=64, BLOCK_N=128, GROUP_M=8, num_warps=4, num_stages=4)
+"""The grouped form's tile where a group's rows are not a multiple of 128 (BLOCK_N cut to divide them)."""
 
 
 def m_bucket(m: int) -> int:
@@ -277,19 +317,21 @@ def m_bucket(m: int) -> int:
 
 def fp8_tiled_gemm(xq: torch.Tensor, x_scale: torch.Tensor, m: int, weight: torch.Tensor,
                    weight_scale_inv: torch.Tensor, group_n: int, block_k: int, out_dtype: torch.dtype,
-                   bias: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
+                   bias: torch.Tensor | None = None, config: dict | None = None, groups: int = 1) -> torch.Tensor:
     """Path B: xq (>= m, K) float8_e4m3fn and x_scale (>= m, ceil(K/block_k)) float32 (any strides: fp8_quant's
     M-major layout) from deepinfer_kernels.fp8_quant, times weight (N, K) with its block scales -> (m, N)
     out_dtype. config: fixed BLOCK_M / BLOCK_N / GROUP_M / num_warps / num_stages instead of the autotuner (the
-    interpreter test)."""
-    k, n = xq.shape[1], weight.shape[0]
-    assert weight.shape[1] == k and weight.dtype == torch.float8_e4m3fn and weight.stride(1) == 1
-    assert xq.stride(1) == 1 and x_scale.shape[1] == triton.cdiv(k, block_k)
+    interpreter test). groups > 1: grouped, as fp8_block_gemm's (xq (>= m, groups * K), K a multiple of
+    block_k, so each group's activation scales are its own)."""
+    rows = _group_rows(xq, weight, groups)
+    k, n = weight.shape[1], weight.shape[0]
+    assert weight.dtype == torch.float8_e4m3fn and weight.stride(1) == 1 and (groups == 1 or k % block_k == 0)
+    assert xq.stride(1) == 1 and x_scale.shape[1] == triton.cdiv(groups * k, block_k)
     y = torch.empty(m, n, dtype=out_dtype, device=xq.device)
     args = (xq, x_scale, weight, weight_scale_inv, bias if bias is not None else weight_scale_inv, y, m, n, k,
-            m_bucket(m), xq.stride(0), x_scale.stride(0), x_scale.stride(1), weight.stride(0),
-            weight_scale_inv.stride(0), y.stride(0))
-    flags = dict(HAS_BIAS=bias is not None, GROUP_N=group_n, BLOCK_K=block_k,
+            m_bucket(m), xq.stride(0), k, x_scale.stride(0), x_scale.stride(1), k // block_k * x_scale.stride(1),
+            weight.stride(0), weight_scale_inv.stride(0), y.stride(0))
+    flags = dict(HAS_BIAS=bias is not None, GROUP_N=group_n, GROUP_ROWS=rows, BLOCK_K=block_k,
                  IS_INTERPRETED=xq.device.type == "cpu")
 
     def grid(meta):
@@ -297,10 +339,13 @@ def fp8_tiled_gemm(xq: torch.Tensor, x_scale: torch.Tensor, m: int, weight: torc
 
     if config is None and xq.device.type == "cpu":
         config = INTERPRETER_TILE  # the interpreter has no timer to tune with
+    if config is None and rows % 128:
+        config = GROUPED_TILE
     if config is not None:
+        config = dict(config, BLOCK_N=group_tile_n(config["BLOCK_N"], rows)) if rows else config
         _fp8_tiled_gemm_kernel[grid(config)](*args, **flags, **config)
     else:
-        _fp8_tiled_gemm_tuned[grid](*args, **flags)
+        (_fp8_tiled_grouped_tuned if rows else _fp8_tiled_gemm_tuned)[grid](*args, **flags)
     return y
 
 
@@ -309,103 +354,28 @@ INVARIANT_TILE = dict(BLOCK_M=64, BLOCK_N=128, GROUP_M=8, num_warps=4, num_stage
 
 
 def _quantized_tiled_gemm(x2: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor, group_n: int,
-                          block_k: int, bias: torch.Tensor | None, config: dict | None = None) -> torch.Tensor:
+                          block_k: int, bias: torch.Tensor | None, config: dict | None = None,
+                          groups: int = 1) -> torch.Tensor:
     """x2 (M, K) quantized per row and block_k group (fp8_quant), then the tiled GEMM (config: fixed tiles, or the
-    autotuner's) -> (M, N) in x2's dtype."""
+    autotuner's; groups: fp8_tiled_gemm's) -> (M, N) in x2's dtype."""
     xq, xs = quantize_fp8_token_groups(x2, block_k)
-    return fp8_tiled_gemm(xq, xs, x2.shape[0], weight, weight_scale_inv, group_n, block_k, x2.dtype, bias, config)
+    return fp8_tiled_gemm(xq, xs, x2.shape[0], weight, weight_scale_inv, group_n, block_k, x2.dtype, bias, config,
+                          groups)
 
 
 def fp8_invariant_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor, group_n: int,
-                       block_k: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+                       block_k: int, bias: torch.Tensor | None = None, groups: int = 1) -> torch.Tensor:
     """y = x @ dequant(weight).T with each row's result bitwise the same whatever other rows x holds (batch-
     invariant mode): activations quantized per row (fp8_quant), then the tiled GEMM with INVARIANT_TILE: no
-    autotuning, no row-count-dependent path or split, each row's dot over the same K steps."""
+    autotuning, no row-count-dependent path or split, each row's dot over the same K steps. groups: grouped, as
+    fp8_block_gemm's."""
     k, n = x.shape[-1], weight.shape[0]
     x2 = x.reshape(-1, k)
     if x2.shape[0] == 0:
         return x.new_empty(*x.shape[:-1], n)
     config = INTERPRETER_TILE if x.device.type == "cpu" else INVARIANT_TILE
-    return _quantized_tiled_gemm(x2, weight, weight_scale_inv, group_n, block_k, bias, config).view(*x.shape[:-1], n)
-
-
-def _round_up(a: int, b: int) -> int:
-    return triton.cdiv(a, b) * b
-
-
-SCALED_MM_ROW_MULTIPLE = 4
-"""cuBLASLt's block-scaled GEMM reads the M-major activation scales in rows of a multiple of 4 tokens: x is
-quantized into that many rows (zeros past M) and the output sliced back."""
-
-
-def scaled_mm_api_missing() -> str | None:
-    """Why this torch build cannot run path A (None when it has the API): torch.nn.functional.scaled_mm with the
-    BlockWise1x128 / BlockWise128x128 recipes (torch >= 2.10's scaled_mm v2)."""
-    functional = torch.nn.functional
-    recipes = getattr(getattr(functional, "ScalingType", None), "__members__", {})
-    if not hasattr(functional, "scaled_mm") or not {"BlockWise1x128", "BlockWise128x128"} <= set(recipes):
-        return (f"torch {torch.__version__} has no torch.nn.functional.scaled_mm with the BlockWise1x128 / "
-                "BlockWise128x128 scaling recipes")
-    return None
-
-
-_SCALED_MM_PROBED: dict[int, str | None] = {}
-
-
-def scaled_mm_unsupported(device: torch.device) -> str | None:
-    """Why path A cannot run on `device` (None when it can): the torch API, a CUDA SM90 device (cuBLASLt's
-    DeepSeek-style scaling is Hopper-only) and cuBLASLt >= 12.9, probed once per device by a 128^3 product."""
-    missing = scaled_mm_api_missing()
-    if missing is not None:
-        return missing
-    if device.type != "cuda":
-        return f"block-scaled scaled_mm needs a CUDA device, not {device.type}"
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _SCALED_MM_PROBED:
-        major, minor = torch.cuda.get_device_capability(index)
-        if major != 9:
-            _SCALED_MM_PROBED[index] = f"block-scaled scaled_mm is SM90-only (device is SM{major}{minor})"
-        else:
-            xq = torch.zeros(128, 128, dtype=torch.float8_e4m3fn, device=device)
-            x_scale = torch.ones(1, 128, dtype=torch.float32, device=device).t()  # M-major, as fp8_quant's
-            try:
-                fp8_scaled_mm(xq, x_scale, 128, xq, torch.ones(1, 1, device=device), torch.bfloat16)
-                _SCALED_MM_PROBED[index] = None
-            except (RuntimeError, NotImplementedError) as e:
-                _SCALED_MM_PROBED[index] = f"block-scaled scaled_mm failed on this build: {str(e).splitlines()[0]}"
-    return _SCALED_MM_PROBED[index]
-
-
-def scaled_mm_shape_unsupported(n: int, k: int, group_n: int, block_k: int, out_dtype: torch.dtype) -> str | None:
-    """Why path A does not take this GEMM (None when it does): 128 x 128 weight blocks, N and K multiples of 128
-    (the recipes' scale shapes are N / 128 and K / 128), a bf16 output."""
-    if (group_n, block_k) != (128, 128):
-        return f"weight scales per {group_n} x {block_k}, not 128 x 128 blocks"
-    if n % 128 or k % 128:
-        return f"N = {n} and K = {k} must be multiples of 128"
-    if out_dtype != torch.bfloat16:
-        return f"output {out_dtype}, not bfloat16"
-    return None
-
-
-def fp8_scaled_mm(xq: torch.Tensor, x_scale: torch.Tensor, m: int, weight: torch.Tensor,
-                  weight_scale_inv: torch.Tensor, out_dtype: torch.dtype,
-                  bias: torch.Tensor | None = None) -> torch.Tensor:
-    """Path A: torch.nn.functional.scaled_mm with the DeepSeek recipes (cuBLASLt on SM90). xq (M_pad, K) and
-    x_scale (M_pad, K/128) M-major from deepinfer_kernels.fp8_quant (M_pad a multiple of 4), weight (N, K) with
-    (N/128, K/128) scales -> (m, N). The weight scales go in as (L4, N/128) with strides (1, L4), L4 = K/128
-    rounded up to 4 (zero-padded when it is not)."""
-    functional = torch.nn.functional
-    n, k_blocks = weight_scale_inv.shape
-    l4 = _round_up(k_blocks, 4)
-    if l4 != k_blocks:
-        padded = weight_scale_inv.new_zeros(n, l4)
-        padded[:, :k_blocks] = weight_scale_inv
-        weight_scale_inv = padded
-    y = functional.scaled_mm(xq, weight.t(), x_scale, functional.ScalingType.BlockWise1x128,
-                             weight_scale_inv.t(), functional.ScalingType.BlockWise128x128, output_dtype=out_dtype)
-    y = y[:m]
-    return y if bias is None else y + bias
+    y = _quantized_tiled_gemm(x2, weight, weight_scale_inv, group_n, block_k, bias, config, groups)
+    return y.view(*x.shape[:-1], n)
 
 
 # ---- the path switch (DEEPINFER_FP8_GEMM, read where the layer's method is built) ----
@@ -449,16 +419,18 @@ def auto_path(m: int, n: int = 1 << 62, block: tuple[int, int] = (128, 128)) -> 
 
 def fp8_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor, group_n: int, block_k: int,
              bias: torch.Tensor | None = None, path: str = "auto", split_sum: str = "kernel",
-             pdl: bool = False) -> torch.Tensor:
+             pdl: bool = False, groups: int = 1) -> torch.Tensor:
     """y = x @ dequant(weight).T through `path` (one of FP8_GEMM_PATHS); the arguments as fp8_block_gemm's.
     scaled_mm on a GEMM it does not take (scaled_mm_shape_unsupported), or where the build or device lacks it
     under `auto`, runs the tiled path; an explicit scaled_mm on a build or device without it raises. pdl: the
-    fused path's launches as programmatic dependent ones (the other paths launch as before)."""
+    fused path's launches as programmatic dependent ones (the other paths launch as before). groups > 1: grouped
+    (fp8_block_gemm's), `auto` choosing by a group's rows; scaled_mm runs it on the tiled path."""
     is_auto = path == "auto"
     if is_auto:
-        path = auto_path(x.numel() // x.shape[-1], weight.shape[0], (group_n, block_k))
+        path = auto_path(x.numel() // x.shape[-1], weight.shape[0] // groups, (group_n, block_k))
     if path == "triton":
-        return fp8_block_gemm(x, weight, weight_scale_inv, group_n, block_k, bias, split_sum=split_sum, pdl=pdl)
+        return fp8_block_gemm(x, weight, weight_scale_inv, group_n, block_k, bias, split_sum=split_sum, pdl=pdl,
+                              groups=groups)
     k, n = x.shape[-1], weight.shape[0]
     x2 = x.reshape(-1, k)
     m = x2.shape[0]
@@ -468,9 +440,10 @@ def fp8_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tens
         reason = scaled_mm_unsupported(x.device)
         if reason is not None and not is_auto:
             raise RuntimeError(f"DEEPINFER_FP8_GEMM=scaled_mm: {reason}")
-        if reason is None and scaled_mm_shape_unsupported(n, k, group_n, block_k, x.dtype) is None:
+        if reason is None and groups == 1 and scaled_mm_shape_unsupported(n, k, group_n, block_k, x.dtype) is None:
             xq, xs = quantize_fp8_token_groups(x2, block_k, SCALED_MM_ROW_MULTIPLE)
             return fp8_scaled_mm(xq, xs, m, weight, weight_scale_inv, x.dtype, bias).view(*x.shape[:-1], n)
     elif path != "tiled":
         raise ValueError(f"FP8 GEMM path {path!r} is not one of {FP8_GEMM_PATHS}")
-    return _quantized_tiled_gemm(x2, weight, weight_scale_inv, group_n, block_k, bias).view(*x.shape[:-1], n)
+    y = _quantized_tiled_gemm(x2, weight, weight_scale_inv, group_n, block_k, bias, groups=groups)
+    return y.view(*x.shape[:-1], n)

@@ -221,6 +221,26 @@ class Fp8BlockLinear(Fp8LinearMethod):
         return fp8_gemm(x, layer.weight, layer.weight_scale_inv, layer.scale_group_n, self.block[1], layer.bias,
                         self.gemm_path, self.split_sum, self.pdl)
 
+    def takes_groups(self, rows: int, in_features: int) -> bool:
+        """Whether apply_grouped runs groups of `rows` output rows over `in_features` inputs each: rows a multiple
+        of 16 (an N tile within one group) and in_features of the activations' group (each group's own scales)."""
+        return rows % 16 == 0 and in_features % self.block[1] == 0
+
+    def apply_grouped(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """x (T, G, K) -> (T, G, R): group g's K inputs times weight rows [g * R, (g + 1) * R) (a block-diagonal
+        product, V4's wo_a), one grouped FP8 GEMM over the weight as loaded (fp8_gemm's `groups`)."""
+        from deepinfer_kernels.fp8_gemm import fp8_gemm, fp8_invariant_gemm
+
+        t, groups = x.shape[0], x.shape[1]
+        x2 = x.reshape(t, -1)
+        if self.is_batch_invariant:
+            y = fp8_invariant_gemm(x2, layer.weight, layer.weight_scale_inv, layer.scale_group_n, self.block[1],
+                                   groups=groups)
+        else:
+            y = fp8_gemm(x2, layer.weight, layer.weight_scale_inv, layer.scale_group_n, self.block[1], None,
+                         self.gemm_path, self.split_sum, self.pdl, groups=groups)
+        return y.view(t, groups, -1)
+
     @torch.no_grad()
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         if self.is_checkpoint_quantized:

@@ -10,7 +10,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from deepinfer_rt.layers.fp8 import apply_keeping_quantized, check_fp8_weight, weight_linear_method
+from deepinfer_rt.env import get_env
+from deepinfer_rt.layers.fp8 import apply_keeping_quantized, check_fp8_weight, dense_linear_method, weight_linear_method
 from deepinfer_rt.layers.kernel_config import current_kernel_config
 from deepinfer_rt.layers.methods import LinearMethod
 
@@ -30,6 +31,32 @@ class Linear(nn.Linear):
 
     def _apply(self, fn, recurse=True):
         return apply_keeping_quantized(self, fn, lambda f: super(Linear, self)._apply(f, recurse))
+
+
+class GroupedLinear(Linear):
+    """A block-diagonal projection (V4's wo_a): `groups` groups of in_features inputs, each to out_features /
+    groups outputs; the weight (out_features, in_features) holds group g's rows at [g * R, (g + 1) * R). Where
+    the FP8 method runs grouped GEMMs (CUDA: Fp8BlockLinear.apply_grouped; DEEPINFER_FP8_GROUPED) the weight
+    stays FP8; elsewhere it is dense (FP8 dequantized at load) and `project` hands it, as (groups, R,
+    in_features), to the model method's grouped product."""
+
+    def __init__(self, in_features: int, out_features: int, groups: int):
+        config = current_kernel_config()
+        method = weight_linear_method(config)
+        takes_groups = getattr(method, "takes_groups", None) if get_env().fp8_grouped else None
+        if takes_groups is None or out_features % groups or not takes_groups(out_features // groups, in_features):
+            method = dense_linear_method(config)
+        super().__init__(in_features, out_features, method=method)
+        self.groups = groups
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError("GroupedLinear projects grouped inputs: project(x, product)")
+
+    def project(self, x: torch.Tensor, product) -> torch.Tensor:
+        """x (T, groups, in_features) -> (T, groups, R); product(x, w (groups, R, in_features)) on a dense weight."""
+        if hasattr(self.method, "apply_grouped"):
+            return self.method.apply_grouped(self, x)
+        return product(x, self.weight.view(self.groups, -1, x.shape[-1]).to(x.dtype))
 
 
 class MergedLinear(nn.Linear):

@@ -48,7 +48,7 @@ from torch import nn
 
 from deepinfer_rt.config import ModelConfig
 from deepinfer_rt.layers.kernel_config import current_kernel_config
-from deepinfer_rt.layers.linear import Linear
+from deepinfer_rt.layers.linear import GroupedLinear, Linear
 from deepinfer_rt.layers.moe import fuse_expert_weights
 from deepinfer_rt.models.base import CausalLM
 from deepinfer_rt.models.deepseek_v4.common import V4RMSNorm, V4Rotary
@@ -90,7 +90,7 @@ class DSparkAttention(nn.Module):
         self.wq_b = Linear(cfg.q_lora_rank, h * d)
         self.wkv = Linear(cfg.hidden_size, d)
         self.kv_norm = V4RMSNorm(d, cfg.rms_norm_eps)
-        self.wo_a = Linear(h * d // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank)
+        self.wo_a = GroupedLinear(h * d // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank, cfg.o_groups)
         self.wo_b = Linear(cfg.o_groups * cfg.o_lora_rank, cfg.hidden_size)
         self.attn_sink = nn.Parameter(torch.empty(h))
         self.method = v41_method(current_kernel_config())
@@ -112,9 +112,8 @@ class DSparkAttention(nn.Module):
         block = apply_rope(self.kv_norm(self.wkv(x)), cos, sin).view(r, b, d)
         out = self.method.draft_attend(q.view(r, b, h, d), ctx.to(x.dtype), ctx_mask, block, self.attn_sink)
         out = apply_rope(out, cos, -sin)
-        grouped = out.reshape(t, self.cfg.o_groups, -1)
-        w = self.wo_a.weight.view(self.cfg.o_groups, -1, grouped.shape[-1])
-        return self.wo_b(self.method.v4.grouped_projection(grouped, w.to(grouped.dtype)).reshape(t, -1))
+        grouped = self.wo_a.project(out.reshape(t, self.cfg.o_groups, -1), self.method.v4.grouped_projection)
+        return self.wo_b(grouped.reshape(t, -1))
 
 
 class DSparkStage(nn.Module):

@@ -13,9 +13,8 @@ import torch
 from torch import nn
 
 from deepinfer_rt.cache.kv_pool import KVPool
-from deepinfer_rt.layers.fp8 import dense_linear_method
 from deepinfer_rt.layers.kernel_config import current_kernel_config
-from deepinfer_rt.layers.linear import Linear
+from deepinfer_rt.layers.linear import GroupedLinear, Linear
 from deepinfer_rt.models.deepseek_v4.batch import V4Batch
 from deepinfer_rt.models.deepseek_v4.cache import V4Pool
 from deepinfer_rt.models.deepseek_v4.common import CSA, SLIDING, LayerKV, PoolColumns, V4Config, V4RMSNorm, V4Rotary
@@ -40,9 +39,8 @@ class V4Attention(nn.Module):
         self.wq_b = Linear(cfg.q_lora_rank, cfg.num_heads * cfg.head_dim)
         self.wkv = Linear(cfg.hidden_size, cfg.head_dim)
         self.norm = V4RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
-        # Read as a dense (o_groups, o_lora_rank, .) tensor by the grouped projection: FP8 dequantized at load.
-        self.wo_a = Linear(cfg.num_heads * cfg.head_dim // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank,
-                           method=dense_linear_method(current_kernel_config()))
+        self.wo_a = GroupedLinear(cfg.num_heads * cfg.head_dim // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank,
+                                  cfg.o_groups)
         self.wo_b = Linear(cfg.o_groups * cfg.o_lora_rank, cfg.hidden_size)
         self.attn_sink = nn.Parameter(torch.empty(cfg.num_heads))
         self.compressor = (Compressor(cfg, cfg.head_dim, self.ratio, overlap=layer_type == CSA, rotary=rotary)
@@ -79,6 +77,5 @@ class V4Attention(nn.Module):
             for group in vb.groups:
                 out[group.rows] = self.method.attend(self, group, q, x, q_residual, vb.positions, kv)
         out = self.method.rope(out, *self.rotary.cos_sin(vb.positions, inverse=True))  # undo V's rotation
-        grouped = out.reshape(t, self.o_groups, -1)
-        w = self.wo_a.weight.view(self.o_groups, -1, grouped.shape[-1])  # (g, o_lora_rank, H*D/g)
-        return self.wo_b(self.method.grouped_projection(grouped, w).reshape(t, -1))
+        grouped = self.wo_a.project(out.reshape(t, self.o_groups, -1), self.method.grouped_projection)
+        return self.wo_b(grouped.reshape(t, -1))

@@ -36,9 +36,8 @@ from torch import nn
 
 from deepinfer_kernels.reference import stable_topk, stable_topk_keys, topk_of_keys
 from deepinfer_rt.cache.kv_pool import KVPool
-from deepinfer_rt.layers.fp8 import dense_linear_method
 from deepinfer_rt.layers.kernel_config import current_kernel_config
-from deepinfer_rt.layers.linear import Linear
+from deepinfer_rt.layers.linear import GroupedLinear, Linear
 from deepinfer_rt.layers.methods import linear_method
 from deepinfer_rt.models.deepseek_v4.batch import AttnGroup, V4Batch
 from deepinfer_rt.models.deepseek_v4.cache import V4Pool
@@ -178,9 +177,7 @@ class V41Attention(nn.Module):
         self.wq_b = Linear(cfg.q_lora_rank, q_out)
         self.wkv = Linear(cfg.hidden_size, d)
         self.norm = V4RMSNorm(d, cfg.rms_norm_eps)
-        # read as a dense (groups, rank, in) matrix by the grouped output projection: FP8 dequantizes at load
-        self.wo_a = Linear(h * d // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank,
-                           method=dense_linear_method(current_kernel_config()))
+        self.wo_a = GroupedLinear(h * d // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank, cfg.o_groups)
         self.wo_b = Linear(cfg.o_groups * cfg.o_lora_rank, cfg.hidden_size)
         self.attn_sink = nn.Parameter(torch.empty(h))
         self.compressor = V41Compressor(cfg, spec.ratio, rotary) if spec.is_kv_source else None
@@ -224,9 +221,8 @@ class V41Attention(nn.Module):
             else:
                 out[group.rows] = attended
         out = self.method.v4.rope(out, *self.rotary.cos_sin(qvb.positions, inverse=True))  # undo V's rotation
-        grouped = out.reshape(t, self.cfg.o_groups, -1)
-        w = self.wo_a.weight.view(self.cfg.o_groups, -1, grouped.shape[-1])
-        return self.wo_b(self.method.v4.grouped_projection(grouped, w.to(grouped.dtype)).reshape(t, -1))
+        grouped = self.wo_a.project(out.reshape(t, self.cfg.o_groups, -1), self.method.v4.grouped_projection)
+        return self.wo_b(grouped.reshape(t, -1))
 
     def _select(self, gi: int, g: AttnGroup, iq, weights, src: LayerKV, slots, step: V41Step) -> torch.Tensor:
         """(G, Q, k) entries this layer's queries attend to, as indices into the group's entries (-1 = none): its
