@@ -25,7 +25,8 @@ from pathlib import Path
 import torch
 import triton
 
-from deepinfer_kernels.fp8_gemm import fp8_gemm, scaled_mm_shape_unsupported, scaled_mm_unsupported
+from deepinfer_kernels.fp8_gemm import (SPLIT_K_MAX_ROWS, _config, fp8_block_gemm, fp8_gemm, scaled_mm_shape_unsupported,
+                                        scaled_mm_unsupported, split_k_for)
 from deepinfer_kernels.reference import dequantize_fp8_blocks, quantize_fp8_blocks
 
 SHAPES = {  # (N, K)
@@ -40,6 +41,8 @@ GROUPED_SHAPES = {  # (groups, rows a group, inputs a group, scale block): V4 / 
 }
 ROWS = (1, 64, 2048, 8192)
 FP8_PATHS = ("triton", "tiled", "scaled_mm")
+SPLIT_PROBE_MAX_ROWS = 256
+"""Row counts above fp8_gemm.SPLIT_K_MAX_ROWS up to this also time the fused kernel with K split (triton_split)."""
 
 
 def _seconds(fn, device: str) -> float:
@@ -120,10 +123,17 @@ def gemm_rows(device: str, ceil: dict, shapes: dict, rows: tuple[int, ...], skip
                 row[f"{path}_us"] = seconds * 1e6
                 row[f"{path}_fraction_of_fp8_rate"] = flops / seconds / ceil["fp8_matmul_flop_per_s"]
                 row[f"{path}_fraction_of_floor"] = row["floor_us"] / row[f"{path}_us"]
+            if device == "cuda" and SPLIT_K_MAX_ROWS < m <= SPLIT_PROBE_MAX_ROWS:
+                # the split fused kernel past the row count where fp8_gemm stops splitting
+                split = split_k_for(m, n, k, _config(m)["BLOCK_M"], _config(m)["BLOCK_N"], 128,
+                                    torch.cuda.get_device_properties(device).multi_processor_count, max_rows=m)
+                seconds = per_call(lambda i: fp8_block_gemm(x, *fp8_weights[i], 128, 128, split_k=split))
+                row.update(triton_split_k=split, triton_split_us=seconds * 1e6,
+                           triton_split_fraction_of_floor=row["floor_us"] / (seconds * 1e6))
             seconds = per_call(lambda i: x @ dense[i].t())
             row["bf16_cublas_us"] = seconds * 1e6
             row["bf16_cublas_fraction_of_bf16_rate"] = flops / seconds / ceil["bf16_matmul_flop_per_s"]
-            over = [path for path in FP8_PATHS if row.get(f"{path}_fraction_of_floor", 0) > 1.02]
+            over = [path for path in (*FP8_PATHS, "triton_split") if row.get(f"{path}_fraction_of_floor", 0) > 1.02]
             if over:  # a figure above the floor is a fault of this benchmark or of its floor, never a result
                 row["above_floor"] = over
                 print(f"WARNING: {name} M={m}: {over} above the floor", flush=True)

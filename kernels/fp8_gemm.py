@@ -127,10 +127,11 @@ SPLIT_K_MAX_ROWS = 16
 the multiprocessors busy, and each one's K loop is a chain of dependent loads."""
 
 
-def split_k_for(m: int, n: int, k: int, block_m: int, block_n: int, block_k: int, num_sms: int) -> int:
+def split_k_for(m: int, n: int, k: int, block_m: int, block_n: int, block_k: int, num_sms: int,
+                max_rows: int = SPLIT_K_MAX_ROWS) -> int:
     """Splits of K for the fused kernel: about four programs per multiprocessor, a power of two, each split at
-    least two K blocks; 1 above SPLIT_K_MAX_ROWS rows."""
-    if m > SPLIT_K_MAX_ROWS:
+    least two K blocks; 1 above max_rows rows."""
+    if m > max_rows:
         return 1
     tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
     want = max(1, 4 * num_sms // tiles)
