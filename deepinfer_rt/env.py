@@ -26,6 +26,11 @@ def _float(name: str, default: float) -> float:
     return default if value in (None, "") else float(value)
 
 
+def _optional_int(name: str) -> int | None:
+    value = os.environ.get(name)
+    return None if value in (None, "") else int(value)
+
+
 def _optional_bool(name: str) -> bool | None:
     value = os.environ.get(name)
     return None if value in (None, "") else _bool(name, False)
@@ -134,6 +139,9 @@ class Env:
     """DEEPINFER_FP8_SPLIT_SUM: how the fused FP8 GEMM's K splits (at up to 16 rows) are added: 'kernel' (default: a
     second launch) or 'last_program' (each output tile's last split adds them, the same bits, one launch fewer per
     GEMM; not faster where timed: V2-Lite FP8 at batch 1 on an H100, 360 against 373 tok/s)."""
+    fp8_split_rows: int | None
+    """DEEPINFER_FP8_SPLIT_ROWS: the most rows at which an FP8 linear's `auto` GEMM takes the fused kernel with K
+    split over programs (narrow outputs, 128 x 128 blocks); unset: deepinfer_kernels.fp8_gemm.SPLIT_K_MAX_ROWS."""
     fp8_grouped: bool
     """DEEPINFER_FP8_GROUPED (default on): V4 / V4.1's grouped output projection (wo_a) of an FP8 model stays FP8
     on CUDA, one grouped block-scaled GEMM (deepinfer_kernels.fp8_gemm's `groups`); 0 dequantizes it at load to
@@ -275,6 +283,7 @@ def get_env() -> Env:
         skinny_gemm=_bool("DEEPINFER_SKINNY_GEMM", True),
         fp8_gemm=_str("DEEPINFER_FP8_GEMM", "auto").strip().lower(),
         fp8_split_sum=_str("DEEPINFER_FP8_SPLIT_SUM", "kernel").strip().lower(),
+        fp8_split_rows=_optional_int("DEEPINFER_FP8_SPLIT_ROWS"),
         fp8_grouped=_bool("DEEPINFER_FP8_GROUPED", True),
         fp8_kv_dot=_str("DEEPINFER_FP8_KV_DOT", "f16").strip().lower(),
         mla_mha_prefill=_optional_bool("DEEPINFER_MLA_MHA_PREFILL"),

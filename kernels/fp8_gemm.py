@@ -190,13 +190,14 @@ def _group_rows(x: torch.Tensor, weight: torch.Tensor, groups: int) -> int:
 def fp8_block_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor, group_n: int,
                    block_k: int, bias: torch.Tensor | None = None, config: dict | None = None,
                    split_k: int | None = None, split_sum: str = "kernel", pdl: bool = False,
-                   groups: int = 1) -> torch.Tensor:
+                   groups: int = 1, split_rows: int = SPLIT_K_MAX_ROWS) -> torch.Tensor:
     """x (..., K) 16/32-bit, weight (N, K) float8_e4m3fn, weight_scale_inv (ceil(N/group_n), ceil(K/block_k))
     float32 -> (..., N) in x's dtype. block_k is the weights' column block and the activations' group (a power
     of two >= 16). config: fixed BLOCK_M / BLOCK_N / num_warps / num_stages (the interpreter test). split_k: K
     split over that many programs per output tile, their fp32 partial sums added in order by a second kernel or,
     with split_sum 'last_program', by the tile's last split (None: split_k_for on the GPU, 1 elsewhere). pdl: both
-    launches programmatic dependent ones (dispatch.pdl_launch). groups > 1: a block-diagonal (grouped) GEMM, x
+    launches programmatic dependent ones (dispatch.pdl_launch). split_rows: the most rows split_k_for splits K
+    at. groups > 1: a block-diagonal (grouped) GEMM, x
     (..., groups * K) and weight (groups * R, K): output rows [g * R, (g + 1) * R) are x's g-th K columns times
     those weight rows (V4's grouped output projection)."""
     rows = _group_rows(x, weight, groups)
@@ -217,7 +218,7 @@ def fp8_block_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torc
     if split_k is None:
         split_k = 1 if x.device.type != "cuda" else split_k_for(
             m, n, k, config["BLOCK_M"], config["BLOCK_N"], block_k,
-            torch.cuda.get_device_properties(x.device).multi_processor_count)
+            torch.cuda.get_device_properties(x.device).multi_processor_count, split_rows)
     kb_per_split = triton.cdiv(num_kb, max(1, split_k))
     split_k = triton.cdiv(num_kb, kb_per_split)  # no empty split
     if split_sum not in SPLIT_SUMS:
@@ -410,28 +411,30 @@ SPLIT_AUTO_MAX_N = 4096
 """Widest output `auto` sends to the split fused kernel at up to SPLIT_K_MAX_ROWS rows (128 x 128 blocks)."""
 
 
-def auto_path(m: int, n: int = 1 << 62, block: tuple[int, int] = (128, 128)) -> str:
-    """`auto`'s path for an M x N GEMM of `block` (rows, columns) scale blocks: the split fused kernel for few
-    rows and narrow outputs (measured at 128 x 128 blocks), else AUTO_PATHS."""
-    if m <= SPLIT_K_MAX_ROWS and n <= SPLIT_AUTO_MAX_N and block == (128, 128):
+def auto_path(m: int, n: int = 1 << 62, block: tuple[int, int] = (128, 128),
+              split_rows: int = SPLIT_K_MAX_ROWS) -> str:
+    """`auto`'s path for an M x N GEMM of `block` (rows, columns) scale blocks: the split fused kernel for up to
+    split_rows rows and narrow outputs (measured at 128 x 128 blocks), else AUTO_PATHS."""
+    if m <= split_rows and n <= SPLIT_AUTO_MAX_N and block == (128, 128):
         return "triton"
     return next(path for largest, path in AUTO_PATHS if m <= largest)
 
 
 def fp8_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor, group_n: int, block_k: int,
              bias: torch.Tensor | None = None, path: str = "auto", split_sum: str = "kernel",
-             pdl: bool = False, groups: int = 1) -> torch.Tensor:
+             pdl: bool = False, groups: int = 1, split_rows: int = SPLIT_K_MAX_ROWS) -> torch.Tensor:
     """y = x @ dequant(weight).T through `path` (one of FP8_GEMM_PATHS); the arguments as fp8_block_gemm's.
     scaled_mm on a GEMM it does not take (scaled_mm_shape_unsupported), or where the build or device lacks it
     under `auto`, runs the tiled path; an explicit scaled_mm on a build or device without it raises. pdl: the
     fused path's launches as programmatic dependent ones (the other paths launch as before). groups > 1: grouped
-    (fp8_block_gemm's), `auto` choosing by a group's rows; scaled_mm runs it on the tiled path."""
+    (fp8_block_gemm's), `auto` choosing by a group's rows; scaled_mm runs it on the tiled path. split_rows: the
+    most rows `auto` sends to the split fused kernel and that kernel splits K at (DEEPINFER_FP8_SPLIT_ROWS)."""
     is_auto = path == "auto"
     if is_auto:
-        path = auto_path(x.numel() // x.shape[-1], weight.shape[0] // groups, (group_n, block_k))
+        path = auto_path(x.numel() // x.shape[-1], weight.shape[0] // groups, (group_n, block_k), split_rows)
     if path == "triton":
         return fp8_block_gemm(x, weight, weight_scale_inv, group_n, block_k, bias, split_sum=split_sum, pdl=pdl,
-                              groups=groups)
+                              groups=groups, split_rows=split_rows)
     k, n = x.shape[-1], weight.shape[0]
     x2 = x.reshape(-1, k)
     m = x2.shape[0]

@@ -198,8 +198,8 @@ class Fp8BlockLinear(Fp8LinearMethod):
 
     def __init__(self, block: tuple[int, int], is_checkpoint_quantized: bool, scale_fmt: str = "float32",
                  gemm_path: str = "auto", is_batch_invariant: bool = False, split_sum: str = "kernel",
-                 pdl: bool = False):
-        from deepinfer_kernels.fp8_gemm import SPLIT_SUMS
+                 pdl: bool = False, split_rows: int | None = None):
+        from deepinfer_kernels.fp8_gemm import SPLIT_K_MAX_ROWS, SPLIT_SUMS
 
         super().__init__(block, is_checkpoint_quantized, scale_fmt)
         self.gemm_path = fp8_gemm_path(gemm_path)
@@ -208,6 +208,7 @@ class Fp8BlockLinear(Fp8LinearMethod):
             raise ValueError(f"DEEPINFER_FP8_SPLIT_SUM={split_sum!r}: not one of {SPLIT_SUMS}")
         self.split_sum = split_sum
         self.pdl = pdl
+        self.split_rows = SPLIT_K_MAX_ROWS if split_rows is None else split_rows
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         raise NotImplementedError("Fp8BlockLinear runs a layer's own weights and scales (apply)")
@@ -219,7 +220,7 @@ class Fp8BlockLinear(Fp8LinearMethod):
             return fp8_invariant_gemm(x, layer.weight, layer.weight_scale_inv, layer.scale_group_n, self.block[1],
                                       layer.bias)
         return fp8_gemm(x, layer.weight, layer.weight_scale_inv, layer.scale_group_n, self.block[1], layer.bias,
-                        self.gemm_path, self.split_sum, self.pdl)
+                        self.gemm_path, self.split_sum, self.pdl, split_rows=self.split_rows)
 
     def takes_groups(self, rows: int, in_features: int) -> bool:
         """Whether apply_grouped runs groups of `rows` output rows over `in_features` inputs each: rows a multiple
@@ -238,7 +239,7 @@ class Fp8BlockLinear(Fp8LinearMethod):
                                    groups=groups)
         else:
             y = fp8_gemm(x2, layer.weight, layer.weight_scale_inv, layer.scale_group_n, self.block[1], None,
-                         self.gemm_path, self.split_sum, self.pdl, groups=groups)
+                         self.gemm_path, self.split_sum, self.pdl, groups=groups, split_rows=self.split_rows)
         return y.view(t, groups, -1)
 
     @torch.no_grad()
@@ -263,11 +264,12 @@ def weight_linear_method(config: KernelConfig) -> LinearMethod:
     (the GEMM on CUDA, dequantized elsewhere), weight-only int8 under 'int8' (CPU, layers/int8.py), 4-bit under 'q4_1' (CPU, layers/q4.py), else the
     config's unquantized method. One method object per (config, DEEPINFER_FP8_GEMM, DEEPINFER_FP8_SPLIT_SUM)."""
     env = get_env()
-    return _weight_linear_method(config, env.fp8_gemm, env.fp8_split_sum)
+    return _weight_linear_method(config, env.fp8_gemm, env.fp8_split_sum, env.fp8_split_rows)
 
 
 @functools.cache
-def _weight_linear_method(config: KernelConfig, gemm_path: str, split_sum: str = "kernel") -> LinearMethod:
+def _weight_linear_method(config: KernelConfig, gemm_path: str, split_sum: str = "kernel",
+                          split_rows: int | None = None) -> LinearMethod:
     if config.quantization == "int8":
         from deepinfer_rt.layers.int8 import Int8WeightOnlyLinear
 
@@ -280,7 +282,7 @@ def _weight_linear_method(config: KernelConfig, gemm_path: str, split_sum: str =
         return linear_method(config)
     if config.is_triton:
         return Fp8BlockLinear(config.weight_block_size, config.is_checkpoint_quantized, config.scale_fmt, gemm_path,
-                              config.is_batch_invariant, split_sum, config.uses_pdl)
+                              config.is_batch_invariant, split_sum, config.uses_pdl, split_rows)
     return dense_linear_method(config)
 
 

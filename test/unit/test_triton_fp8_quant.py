@@ -75,16 +75,17 @@ _TILED = textwrap.dedent("""
     assert auto_path(1, 2048) == auto_path(16, 4096) == "triton"
     assert auto_path(17, 2048) == "scaled_mm" and auto_path(1, 5632) == "tiled"
     assert auto_path(1, 2048, (32, 32)) == "tiled"
+    assert auto_path(64, 2048, split_rows=64) == "triton" and auto_path(65, 2048, split_rows=64) == "scaled_mm"
     x = torch.randn(2, 3, 256, generator=g)
     q, s = quantize_fp8_blocks(torch.randn(128, 256, generator=g))
     assert torch.equal(fp8_gemm(x, q, s, 128, 128, path="auto"), fp8_gemm(x, q, s, 128, 128))
-    # auto asks auto_path with the GEMM's rows, output width and blocks, and runs what it answers
+    # auto asks auto_path with the GEMM's rows, output width, blocks and split row limit, and runs what it answers
     import deepinfer_kernels.fp8_gemm as module
     asked, inner = [], module.auto_path
     module.auto_path = lambda *a: asked.append(a) or inner(*a)
     assert torch.equal(fp8_gemm(x, q, s, 128, 128), fp8_gemm(x, q, s, 128, 128, path="triton"))
     module.auto_path = inner
-    assert asked == [(6, 128, (128, 128))]
+    assert asked == [(6, 128, (128, 128), module.SPLIT_K_MAX_ROWS)]
     for path, error in (("scaled_mm", RuntimeError), ("cutlass", ValueError)):
         try:
             fp8_gemm(x, q, s, 128, 128, path=path)
