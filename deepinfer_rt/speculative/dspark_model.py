@@ -64,6 +64,7 @@ _RENAMES = ((re.compile(r"\.hc_(attn|ffn)_(fn|base|scale)$"), r".hc_\1.\2"),
             (re.compile(r"\.experts\.(\d+)\.w3\."), r".experts.\1.up_proj."),
             (re.compile(r"\.experts\.(\d+)\.w2\."), r".experts.\1.down_proj."))
 _STAGE = re.compile(r"^(?:model\.)?mtp\.(\d+)\.(.+)$")
+_SHARED_HALF = re.compile(r"\.shared_experts\.(w1|w3)\.")
 
 
 def draft_config(cfg: V41Config) -> V41Config:
@@ -235,13 +236,22 @@ class DSparkModel(CausalLM):
         params = dict(self.named_parameters())
         loaded = set()
         for name, tensor in fuse_expert_weights(renamed(), self.cfg.n_routed_experts):
+            half = _SHARED_HALF.search(name)  # the shared expert's w1 / w3: a shard of its merged w13
+            if half is not None:
+                name = name.replace(half[0], ".shared_experts.w13.")
             if name not in params:
                 raise ValueError(f"DSpark checkpoint tensor {name!r} has no parameter in the drafter")
-            if tuple(params[name].shape) != tuple(tensor.shape):
+            if half is not None:
+                try:
+                    params[name].weight_loader(params[name], tensor, half[1])
+                except ValueError as e:
+                    raise ValueError(f"DSpark {name}: {e}") from e
+            elif tuple(params[name].shape) != tuple(tensor.shape):
                 raise ValueError(f"DSpark {name}: checkpoint shape {tuple(tensor.shape)}, expected "
                                  f"{tuple(params[name].shape)}")
-            with torch.no_grad():
-                params[name].copy_(tensor)
+            else:
+                with torch.no_grad():
+                    params[name].copy_(tensor)
             loaded.add(name)
         missing = sorted(set(params) - loaded)
         if missing:

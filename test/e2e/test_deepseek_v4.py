@@ -155,7 +155,7 @@ def test_bf16_error_comparable_to_reference_bf16(tiny_v4_path):
     layer = model.model.layers[1]
     assert {p.dtype for p in (layer.hc_attn.fn, layer.attn.attn_sink, layer.attn.compressor.ape,
                                layer.attn.norm.weight, model.model.hc_head.hc_fn)} == {torch.float32}
-    assert layer.attn.wq_a.weight.dtype == torch.bfloat16
+    assert layer.attn.wqkv_a.weight.dtype == torch.bfloat16
     prompts = [prompt(i, 40) for i in range(4)]
     pool = KVPool(model.kv_layout(config), num_pages=200, page_size=1, dtype=torch.bfloat16, device=CPU)
     slots = torch.arange(160).view(4, 40)

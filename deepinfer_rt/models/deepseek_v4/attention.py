@@ -14,7 +14,7 @@ from torch import nn
 
 from deepinfer_rt.cache.kv_pool import KVPool
 from deepinfer_rt.layers.kernel_config import current_kernel_config
-from deepinfer_rt.layers.linear import GroupedLinear, Linear
+from deepinfer_rt.layers.linear import GroupedLinear, Linear, MergedLinear
 from deepinfer_rt.models.deepseek_v4.batch import V4Batch
 from deepinfer_rt.models.deepseek_v4.cache import V4Pool
 from deepinfer_rt.models.deepseek_v4.common import CSA, SLIDING, LayerKV, PoolColumns, V4Config, V4RMSNorm, V4Rotary
@@ -34,10 +34,10 @@ class V4Attention(nn.Module):
         self.num_heads, self.head_dim, self.o_groups = cfg.num_heads, cfg.head_dim, cfg.o_groups
         self.eps = cfg.rms_norm_eps
         self.rotary = rotary
-        self.wq_a = Linear(cfg.hidden_size, cfg.q_lora_rank)
+        # wq_a and wkv as one product of x (checkpoint names load into it: DeepseekV4ForCausalLM.packed_modules)
+        self.wqkv_a = MergedLinear(cfg.hidden_size, {"wq_a": cfg.q_lora_rank, "wkv": cfg.head_dim})
         self.q_norm = V4RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
         self.wq_b = Linear(cfg.q_lora_rank, cfg.num_heads * cfg.head_dim)
-        self.wkv = Linear(cfg.hidden_size, cfg.head_dim)
         self.norm = V4RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.wo_a = GroupedLinear(cfg.num_heads * cfg.head_dim // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank,
                                   cfg.o_groups)
@@ -59,11 +59,12 @@ class V4Attention(nn.Module):
         t = x.shape[0]
         kv = self.layer_kv(pool)
         c, buf = kv.cols, kv.recent
-        q_residual = self.q_norm(self.wq_a(x))
+        q_a, kv_a = self.wqkv_a.split(self.wqkv_a(x))
+        q_residual = self.q_norm(q_a)
         cos, sin = self.rotary.cos_sin(vb.positions)
         q = self.method.unweighted_rms_norm(self.wq_b(q_residual).view(t, self.num_heads, self.head_dim), self.eps)
         q = self.method.rope(q, cos, sin)
-        kv.store_swa(vb.out_slots, self.method.rope(self.norm(self.wkv(x)), cos, sin))
+        kv.store_swa(vb.out_slots, self.method.rope(self.norm(kv_a), cos, sin))
         if self.compressor is not None:
             self.compressor.store(x, buf, vb.out_slots, c.kv, c.gate)
             self.compressor.compress(kv, vb.windows[self.ratio], c.kv, c.gate, kv.store_entry)

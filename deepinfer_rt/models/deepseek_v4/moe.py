@@ -20,7 +20,7 @@ from torch import nn
 from deepinfer_rt.layers.expert_weights import clamped_expert_weights_method
 from deepinfer_rt.layers.fp8 import apply_keeping_quantized
 from deepinfer_rt.layers.kernel_config import current_kernel_config
-from deepinfer_rt.layers.linear import Linear
+from deepinfer_rt.layers.linear import Linear, MergedLinear
 from deepinfer_rt.models.deepseek_v4.common import V4Config
 from deepinfer_rt.models.deepseek_v4.methods import V4Method, v4_method
 
@@ -114,13 +114,14 @@ class SharedExpert(nn.Module):
     def __init__(self, cfg: V4Config):
         super().__init__()
         self.limit = cfg.swiglu_limit
-        self.w1 = Linear(cfg.hidden_size, cfg.moe_intermediate_size)
-        self.w3 = Linear(cfg.hidden_size, cfg.moe_intermediate_size)
+        # w1 and w3 as one product (checkpoint names w1 / w3 load into it: DeepseekV4ForCausalLM.packed_modules)
+        self.w13 = MergedLinear(cfg.hidden_size, {"w1": cfg.moe_intermediate_size, "w3": cfg.moe_intermediate_size})
         self.w2 = Linear(cfg.moe_intermediate_size, cfg.hidden_size)
         self.method = v4_method(current_kernel_config())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(clamped_swiglu(self.w1(x), self.w3(x), self.limit, self.method))
+        gate, up = self.w13.split(self.w13(x))
+        return self.w2(clamped_swiglu(gate, up, self.limit, self.method))
 
 
 class V4MoE(nn.Module):

@@ -279,6 +279,9 @@ class V41Model(nn.Module):
 class DeepseekV41ForCausalLM(DeepseekV4ForCausalLM):
     """Shares V4's head, fp32 parameter handling, weight renames, expert fusion and dummy init."""
 
+    packed_modules = [entry for entry in DeepseekV4ForCausalLM.packed_modules if entry[0].startswith("shared_experts")]
+    """The shared expert's w1 / w3 only: V4.1's wq_a and wkv read different inputs (YOCO consumers)."""
+
     def __init__(self, config: ModelConfig):
         super().__init__(config)
         self.supports_overlap = self.model.hashing is None  # Engram hashes the step's token ids on the host
