@@ -60,9 +60,10 @@ class GroupedLinear(Linear):
 
 
 class MergedLinear(nn.Linear):
-    def __init__(self, in_features: int, shard_sizes: dict[str, int], bias: bool = False):
+    def __init__(self, in_features: int, shard_sizes: dict[str, int], bias: bool = False,
+                 method: LinearMethod | None = None):
         super().__init__(in_features, sum(shard_sizes.values()), bias=bias)
-        self.method = weight_linear_method(current_kernel_config())
+        self.method = method or weight_linear_method(current_kernel_config())
         self.method.create_weights(self, shard_sizes)
         self.shard_offsets: dict[str, tuple[int, int]] = {}
         start = 0

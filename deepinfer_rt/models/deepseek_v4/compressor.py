@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from deepinfer_rt.layers.kernel_config import current_kernel_config
-from deepinfer_rt.layers.linear import Linear
+from deepinfer_rt.layers.linear import Linear, MergedLinear
 from deepinfer_rt.layers.methods import linear_method
 from deepinfer_rt.models.deepseek_v4.batch import Windows
 from deepinfer_rt.models.deepseek_v4.common import LayerKV, V4Config, V4RMSNorm, V4Rotary
@@ -30,19 +30,25 @@ class Compressor(nn.Module):
         super().__init__()
         width = (2 if overlap else 1) * head_dim
         self.head_dim, self.ratio, self.overlap, self.rotary = head_dim, ratio, overlap, rotary
-        # 16-bit in every checkpoint, quantized ones too (the V4 releases ship these without a scale).
-        unquantized = linear_method(current_kernel_config())
-        self.wkv = Linear(cfg.hidden_size, width, method=unquantized)
-        self.wgate = Linear(cfg.hidden_size, width, method=unquantized)
+        # 16-bit in every checkpoint, quantized ones too (the V4 releases ship these without a scale); wkv and
+        # wgate as one product (checkpoint names load into it: DeepseekV4ForCausalLM.packed_modules).
+        self.wkvgate = MergedLinear(cfg.hidden_size, {"wkv": width, "wgate": width},
+                                    method=linear_method(current_kernel_config()))
         self.ape = nn.Parameter(torch.empty(ratio, width))
         self.norm = V4RMSNorm(head_dim, cfg.rms_norm_eps)
         self.method = v4_method(current_kernel_config())
 
     def store(self, x: torch.Tensor, buf: torch.Tensor, slots: torch.Tensor, kv_cols: slice,
               gate_cols: slice) -> None:
-        """Keep the new tokens' projections (T, width) in their pool rows."""
-        buf[slots, kv_cols] = self.wkv(x)
-        buf[slots, gate_cols] = self.wgate(x)
+        """Keep the new tokens' projections (T, width) in their pool rows: one store where the gate columns follow
+        the kv columns (both pool layouts)."""
+        y = self.wkvgate(x)
+        if gate_cols.start == kv_cols.stop:
+            buf[slots, kv_cols.start : gate_cols.stop] = y
+        else:
+            kv, gate = self.wkvgate.split(y)
+            buf[slots, kv_cols] = kv
+            buf[slots, gate_cols] = gate
 
     def compress(self, kv_state: LayerKV, win: Windows, kv_cols: slice, gate_cols: slice,
                  store: Callable[[torch.Tensor, torch.Tensor], None]) -> None:

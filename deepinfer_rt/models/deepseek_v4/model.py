@@ -96,8 +96,10 @@ class V4Model(nn.Module):
 
 class DeepseekV4ForCausalLM(CausalLM):
     packed_modules = [("attn.wqkv_a", "attn.wq_a", "wq_a"), ("attn.wqkv_a", "attn.wkv", "wkv"),
+                      ("compressor.wkvgate", "compressor.wkv", "wkv"), ("compressor.wkvgate", "compressor.wgate", "wgate"),
                       ("shared_experts.w13", "shared_experts.w1", "w1"), ("shared_experts.w13", "shared_experts.w3", "w3")]
-    """Products merged at build: the attention's wq_a and wkv (one input, x), the shared expert's w1 and w3."""
+    """Products merged at build: the attention's wq_a and wkv (one input, x), each compressor's wkv and wgate, the
+    shared expert's w1 and w3."""
 
     def __init__(self, config: ModelConfig):
         super().__init__(config)
