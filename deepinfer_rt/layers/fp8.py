@@ -262,7 +262,8 @@ class Fp8BlockLinear(Fp8LinearMethod):
 def weight_linear_method(config: KernelConfig) -> LinearMethod:
     """The method of a layer holding a model weight (Linear, MergedLinear): FP8 under `quantization == 'fp8'`
     (the GEMM on CUDA, dequantized elsewhere), weight-only int8 under 'int8' (CPU, layers/int8.py), 4-bit under 'q4_1' (CPU, layers/q4.py), else the
-    config's unquantized method. One method object per (config, DEEPINFER_FP8_GEMM, DEEPINFER_FP8_SPLIT_SUM)."""
+    config's unquantized method. One method object per (config, DEEPINFER_FP8_GEMM, DEEPINFER_FP8_SPLIT_SUM,
+    DEEPINFER_FP8_SPLIT_ROWS)."""
     env = get_env()
     return _weight_linear_method(config, env.fp8_gemm, env.fp8_split_sum, env.fp8_split_rows)
 
