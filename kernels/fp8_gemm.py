@@ -420,6 +420,12 @@ def auto_path(m: int, n: int = 1 << 62, block: tuple[int, int] = (128, 128),
     return next(path for largest, path in AUTO_PATHS if m <= largest)
 
 
+GROUPED_AUTO_PATH = "tiled"
+"""`auto`'s path for a grouped GEMM: on an H100 at V4-Flash's wo_a (8 x 1024 x 4096, 128 x 128 blocks;
+benchmark/results/gpu_fp8_gemm_grouped_h100.json) the tiled kernel took 18.2 / 21.5 / 31.0 / 41.3 µs at 1 / 16 / 64
+/ 256 rows, the split fused kernel 22.0 / 22.1 / 55.8 / 57.1."""
+
+
 def fp8_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor, group_n: int, block_k: int,
              bias: torch.Tensor | None = None, path: str = "auto", split_sum: str = "kernel",
              pdl: bool = False, groups: int = 1, split_rows: int = SPLIT_K_MAX_ROWS) -> torch.Tensor:
@@ -427,11 +433,12 @@ def fp8_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tens
     scaled_mm on a GEMM it does not take (scaled_mm_shape_unsupported), or where the build or device lacks it
     under `auto`, runs the tiled path; an explicit scaled_mm on a build or device without it raises. pdl: the
     fused path's launches as programmatic dependent ones (the other paths launch as before). groups > 1: grouped
-    (fp8_block_gemm's), `auto` choosing by a group's rows; scaled_mm runs it on the tiled path. split_rows: the
-    most rows `auto` sends to the split fused kernel and that kernel splits K at (DEEPINFER_FP8_SPLIT_ROWS)."""
+    (fp8_block_gemm's); `auto` and scaled_mm run it on the tiled path (GROUPED_AUTO_PATH). split_rows: the most
+    rows `auto` sends to the split fused kernel and that kernel splits K at (DEEPINFER_FP8_SPLIT_ROWS)."""
     is_auto = path == "auto"
     if is_auto:
-        path = auto_path(x.numel() // x.shape[-1], weight.shape[0] // groups, (group_n, block_k), split_rows)
+        path = GROUPED_AUTO_PATH if groups > 1 else auto_path(x.numel() // x.shape[-1], weight.shape[0],
+                                                               (group_n, block_k), split_rows)
     if path == "triton":
         return fp8_block_gemm(x, weight, weight_scale_inv, group_n, block_k, bias, split_sum=split_sum, pdl=pdl,
                               groups=groups, split_rows=split_rows)

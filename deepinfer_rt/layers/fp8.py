@@ -223,9 +223,12 @@ class Fp8BlockLinear(Fp8LinearMethod):
                         self.gemm_path, self.split_sum, self.pdl, split_rows=self.split_rows)
 
     def takes_groups(self, rows: int, in_features: int) -> bool:
-        """Whether apply_grouped runs groups of `rows` output rows over `in_features` inputs each: rows a multiple
-        of 16 (an N tile within one group) and in_features of the activations' group (each group's own scales)."""
-        return rows % 16 == 0 and in_features % self.block[1] == 0
+        """Whether apply_grouped runs groups of `rows` output rows over `in_features` inputs each: 128 x 128 blocks,
+        rows a multiple of 16 (an N tile within one group) and in_features of 128 (each group's own activation
+        scales). At 32 x 32 blocks (V4.1) the grouped FP8 GEMM was slower than bf16 on the dequantized weight at
+        every row count measured (H100, V4.1-Flash's wo_a: 33-103 µs against 25-35 at 1-256 rows), so such
+        weights stay dequantized."""
+        return self.block == (128, 128) and rows % 16 == 0 and in_features % 128 == 0
 
     def apply_grouped(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         """x (T, G, K) -> (T, G, R): group g's K inputs times weight rows [g * R, (g + 1) * R) (a block-diagonal

@@ -83,19 +83,20 @@ _APPLY = textwrap.dedent("""
     from deepinfer_rt.layers.fp8 import Fp8BlockLinear
     from deepinfer_rt.layers.linear import Linear
     torch.manual_seed(0)
-    groups, rows, k = 2, 16, 64
-    method = Fp8BlockLinear((32, 32), is_checkpoint_quantized=False)
+    groups, rows, k = 2, 16, 128
+    assert not Fp8BlockLinear((32, 32), is_checkpoint_quantized=False).takes_groups(rows, k)  # V4.1's blocks
+    method = Fp8BlockLinear((128, 128), is_checkpoint_quantized=False)
     layer = Linear(k, groups * rows, method=method)
     with torch.no_grad():
         layer.weight.normal_(0, 0.05)
-    layer.process_weights_after_loading()  # quantized at load: float8 weight, 32 x 32 block scales
-    assert layer.weight.dtype == torch.float8_e4m3fn and layer.scale_group_n == 32
-    assert method.takes_groups(rows, k) and not method.takes_groups(8, k) and not method.takes_groups(rows, 48)
+    layer.process_weights_after_loading()  # quantized at load: float8 weight, 128 x 128 block scales
+    assert layer.weight.dtype == torch.float8_e4m3fn and layer.scale_group_n == 128
+    assert method.takes_groups(rows, k) and not method.takes_groups(8, k) and not method.takes_groups(rows, 64)
     x = torch.randn(3, groups, k)
     y = method.apply_grouped(layer, x)
     want = torch.stack([fp8_gemm(x[:, g].contiguous(), layer.weight[g * rows:(g + 1) * rows],
-                                 layer.weight_scale_inv.repeat_interleave(32, dim=0)[g * rows:(g + 1) * rows].contiguous(),
-                                 1, 32) for g in range(groups)], dim=1)
+                                 layer.weight_scale_inv.repeat_interleave(128, dim=0)[g * rows:(g + 1) * rows].contiguous(),
+                                 1, 128) for g in range(groups)], dim=1)
     assert y.shape == (3, groups, rows) and (y - want).abs().max() <= 1e-5 * want.abs().max()
     print("ok")
 """)
@@ -103,7 +104,8 @@ _APPLY = textwrap.dedent("""
 
 def test_fp8_linear_apply_grouped():
     """Fp8BlockLinear.apply_grouped (what GroupedLinear runs on CUDA) through the interpreter: (T, G, K) in, (T, G,
-    R) out, each group its weight rows' product; takes_groups refuses groups under 16 rows and inputs off the block."""
+    R) out, each group its weight rows' product; takes_groups refuses groups under 16 rows, inputs off the block and
+    32 x 32 blocks."""
     assert _interpret(_APPLY).strip().endswith("ok")
 
 
