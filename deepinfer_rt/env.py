@@ -143,9 +143,10 @@ class Env:
     """DEEPINFER_FP8_SPLIT_ROWS: the most rows at which an FP8 linear's `auto` GEMM takes the fused kernel with K
     split over programs (narrow outputs, 128 x 128 blocks); unset: deepinfer_kernels.fp8_gemm.SPLIT_K_MAX_ROWS."""
     fp8_grouped: bool
-    """DEEPINFER_FP8_GROUPED (default on): V4 / V4.1's grouped output projection (wo_a) of an FP8 model stays FP8
-    on CUDA, one grouped block-scaled GEMM (deepinfer_kernels.fp8_gemm's `groups`); 0 dequantizes it at load to
-    the model dtype for the grouped product of the model's method (the form before, twice the bytes)."""
+    """DEEPINFER_FP8_GROUPED (default on): the grouped output projection (wo_a) of an FP8 model with 128 x 128 blocks
+    (V4) stays FP8 on CUDA, one grouped block-scaled GEMM (deepinfer_kernels.fp8_gemm's `groups`; V4.1's 32 x 32
+    blocks always dequantize, layers/fp8.py Fp8BlockLinear.takes_groups); 0 dequantizes it at load to the model
+    dtype for the grouped product of the model's method (the form before, twice the bytes)."""
     fp8_kv_dot: str
     """DEEPINFER_FP8_KV_DOT: the dots of the decode attention kernel over an FP8 KV pool with a 16-bit model: 'f16'
     (default: tiles and query in fp16; e4m3 converts to fp16 in one instruction per two values) or 'query' (the
