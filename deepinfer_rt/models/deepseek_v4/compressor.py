@@ -40,15 +40,10 @@ class Compressor(nn.Module):
 
     def store(self, x: torch.Tensor, buf: torch.Tensor, slots: torch.Tensor, kv_cols: slice,
               gate_cols: slice) -> None:
-        """Keep the new tokens' projections (T, width) in their pool rows: one store where the gate columns follow
-        the kv columns (both pool layouts)."""
-        y = self.wkvgate(x)
-        if gate_cols.start == kv_cols.stop:
-            buf[slots, kv_cols.start : gate_cols.stop] = y
-        else:
-            kv, gate = self.wkvgate.split(y)
-            buf[slots, kv_cols] = kv
-            buf[slots, gate_cols] = gate
+        """Keep the new tokens' projections (T, width) in their pool rows, one store: PoolColumns places the gate
+        columns right after the kv columns in both pool layouts."""
+        assert gate_cols.start == kv_cols.stop, (kv_cols, gate_cols)
+        buf[slots, kv_cols.start : gate_cols.stop] = self.wkvgate(x)
 
     def compress(self, kv_state: LayerKV, win: Windows, kv_cols: slice, gate_cols: slice,
                  store: Callable[[torch.Tensor, torch.Tensor], None]) -> None:
