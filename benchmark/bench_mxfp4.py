@@ -2,6 +2,7 @@
 fused MoE on the same weights, per batch size and tile configuration, over the read-only bandwidth of the run."""
 from __future__ import annotations
 
+import functools
 import statistics
 
 import torch
@@ -21,6 +22,11 @@ def read_bandwidth(numel: int = 1 << 30) -> float:
 
 MXFP4_ROTATIONS = 4
 """Routings cycled within one timed call, so that no expert's weights stay in L2 from the previous launch."""
+FRAG_CANDIDATES = {"frag_n64_w4": dict(BLOCK_N=64, num_warps=4, num_stages=3),
+                   "frag_n64_w4_s4": dict(BLOCK_N=64, num_warps=4, num_stages=4),
+                   "frag_n128_w4": dict(BLOCK_N=128, num_warps=4, num_stages=3),
+                   "frag_n128_w8": dict(BLOCK_N=128, num_warps=8, num_stages=3)}
+"""deepinfer_kernels.fused_moe_mxfp4_frag's tiles, over the same experts repacked into the fragment order."""
 
 
 def mxfp4_moe_rows(copy_bw: float, batches: tuple[int, ...] = (1, 16, 64, 256, 2048),
@@ -42,6 +48,10 @@ def mxfp4_moe_rows(copy_bw: float, batches: tuple[int, ...] = (1, 16, 64, 256, 2
         packed += [torch.cat([q for q, _ in parts]), torch.cat([s for _, s in parts])]
         dense.append(torch.cat([dequantize_mxfp4(q, s, torch.bfloat16) for q, s in parts]))
     q_gu, s_gu, qd, sd = packed
+    from deepinfer_kernels import fused_moe_mxfp4_frag as frag
+
+    f_gu, f_d = frag.repack_fragment(q_gu), frag.repack_fragment(qd)  # the fragment order (same bytes)
+    frag_fast = frag.fast_scales(s_gu, sd)
     per_expert = 3 * hidden * inter
     rows = []
     for batch in batches:
@@ -64,11 +74,16 @@ def mxfp4_moe_rows(copy_bw: float, batches: tuple[int, ...] = (1, 16, 64, 256, 2
                "bf16_fraction_of_copy_bw": bf_bytes / bf / copy_bw,
                "bf16_fraction_of_read_bw": bf_bytes / bf / read_bw, "read_bytes_per_s": read_bw,
                "default_tiles": mx._tiles(batch * topk, torch.bfloat16)}
-        configs = {**{name: config for name, config in mx.MXFP4_CANDIDATES.items()
+        configs = {**{name: config for name, config in {**mx.MXFP4_CANDIDATES, **FRAG_CANDIDATES}.items()
                       if names is None or name.startswith(tuple(names))}, "default": None}
         for name, config in configs.items():
+            if name.startswith("frag"):
+                run = functools.partial(frag.fused_moe_mxfp4_frag, fast=frag_fast, config=config)
+                args = (f_gu, s_gu, f_d, sd)
+            else:
+                run, args = functools.partial(mx.fused_moe_mxfp4, config=config), (q_gu, s_gu, qd, sd)
             try:
-                t = rotated(lambda x, w, i: mx.fused_moe_mxfp4(x, q_gu, s_gu, qd, sd, w, i, 10.0, config=config))
+                t = rotated(lambda x, w, i: run(x, *args, w, i, 10.0))
             except triton.runtime.errors.OutOfResources:
                 continue  # the tile does not fit shared memory at this depth
             except Exception as err:  # a form this Triton build cannot compile: recorded, the others still run

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from deepinfer_rt.env import get_env
 from deepinfer_rt.layers.fp8 import ExpertWeights, Fp8DequantExperts
 from deepinfer_rt.layers.kernel_config import KernelConfig
 from deepinfer_rt.layers.mxfp4 import Mxfp4DequantExperts, Mxfp4FusedExperts
@@ -28,7 +29,7 @@ def clamped_expert_weights_method(config: KernelConfig) -> ExpertWeights:
     (`is_quantized`); else as expert_weights_method."""
     if (config.quantization == "fp8" and config.is_checkpoint_quantized and config.expert_dtype == "fp4"
             and config.is_triton and not config.is_batch_invariant):
-        return Mxfp4FusedExperts(config.uses_pdl)
+        return Mxfp4FusedExperts(config.uses_pdl, get_env().mxfp4_fragment)
     return expert_weights_method(config)
 
 

@@ -12,7 +12,10 @@ engine dtype: the experts then run as 16/32-bit ones (CPU, batch-invariant mode:
 
 On CUDA (not batch-invariant) `Mxfp4FusedExperts` keeps them as loaded -- int8 codes and e8m0 bytes, 0.53 bytes
 per element -- for the fused MXFP4 MoE (deepinfer_kernels.fused_moe_mxfp4), which dequantizes inside its GEMMs
-(Hopper has no FP4 tensor cores); the dequantize-at-load path is its reference.
+(Hopper has no FP4 tensor cores); the dequantize-at-load path is its reference. With `fragment`
+(DEEPINFER_MXFP4_FRAGMENT) the packed bytes are reordered at load, in place, into the order Hopper's wgmma takes
+them from registers (deepinfer_kernels.fused_moe_mxfp4_frag: the same bytes, a cheaper decode), where the shapes
+allow; `experts.mxfp4_fast` then says whether every scale byte allows its one-multiply decode (None: release order).
 """
 from __future__ import annotations
 
@@ -86,8 +89,9 @@ class Mxfp4FusedExperts(ExpertWeights):
 
     is_quantized = True
 
-    def __init__(self, pdl: bool = False):
+    def __init__(self, pdl: bool = False, fragment: bool = False):
         self.pdl = pdl
+        self.fragment = fragment  # DEEPINFER_MXFP4_FRAGMENT: the fragment order where the shapes allow
 
     def create_weights(self, experts: nn.Module) -> None:
         for name in ("gate_up_proj", "down_proj"):
@@ -123,10 +127,25 @@ class Mxfp4FusedExperts(ExpertWeights):
         for name in ("gate_up_proj", "down_proj"):
             if getattr(experts, name + SCALE_SUFFIX).shape[0] != getattr(experts, name).shape[0]:
                 raise ValueError(f"{name}: scales and weights for different experts (a shard cut them apart)")
+        experts.mxfp4_fast = None  # the release order; else the fragment order and its decode (fused_moe_mxfp4_frag)
+        gate_up = experts.gate_up_proj
+        if self.fragment and gate_up.is_cuda and gate_up.shape[0]:
+            from deepinfer_kernels import fused_moe_mxfp4_frag as frag
+
+            hidden, inter = 2 * gate_up.shape[2], gate_up.shape[1] // 2
+            if frag.fragment_supported(inter, hidden) and frag.fragment_supported(hidden, inter):
+                for name in ("gate_up_proj", "down_proj"):
+                    frag.repack_fragment(getattr(experts, name).data, out=getattr(experts, name).data)
+                experts.mxfp4_fast = frag.fast_scales(experts.gate_up_proj_scale_inv, experts.down_proj_scale_inv)
 
     def apply(self, experts: nn.Module, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        args = (experts.gate_up_proj, experts.gate_up_proj_scale_inv, experts.down_proj, experts.down_proj_scale_inv,
+                weights, ids, experts.limit)
+        if experts.mxfp4_fast is not None:
+            from deepinfer_kernels.fused_moe_mxfp4_frag import fused_moe_mxfp4_frag
+
+            # bf16 operands (an fp16 model's activations round to bf16 for this product)
+            return fused_moe_mxfp4_frag(x.to(torch.bfloat16).contiguous(), *args, fast=experts.mxfp4_fast).to(x.dtype)
         from deepinfer_kernels.fused_moe_mxfp4 import fused_moe_mxfp4
 
-        return fused_moe_mxfp4(x.contiguous(), experts.gate_up_proj, experts.gate_up_proj_scale_inv,
-                               experts.down_proj, experts.down_proj_scale_inv, weights, ids, experts.limit,
-                               pdl=self.pdl)
+        return fused_moe_mxfp4(x.contiguous(), *args, pdl=self.pdl)

@@ -1,0 +1,242 @@
+"""Fused MXFP4 MoE over experts repacked at load into the order Hopper's tensor cores take them from registers.
+
+Why: the plain form (fused_moe_mxfp4, `tl.dot_scaled`) decodes e2m1 in about 7.5 instructions an element (SASS of
+its loop on sm90: byte-wide shared-memory reads, a lookup decode, the scale's broadcast), so at decode batch sizes
+it is bound by instruction issue at about half the read bandwidth, not by the bytes. Here the expert weight is the
+wgmma's A operand (BLOCK_N weight rows x 128 K, in registers) and the tokens its B operand (acc is (BLOCK_N,
+BLOCK_M), transposed at the store); the weight bytes are repacked once at load so that
+
+- each 32-bit word holds the 8 codes one thread multiplies together, and a thread's four words are 16 contiguous
+  bytes (one 128-bit load; a weight row stays contiguous in memory, only the order inside each 64-byte chunk of
+  128 elements changes);
+- each code sits where a shift and a mask turn it into a bf16 whose value is the code's x 2^-126: sign at bit
+  15 - s, exponent and mantissa bits at 8 - s .. 6 - s of a 16-bit half for s = 0, 3, 6 (three codes per half),
+  the fourth code at bits 14, 13, 11-10; the 2^126 goes into the e8m0 scale's multiplier (2^(b - 1) as a bf16,
+  exact for scale bytes b <= 128: FAST), or, past that, a separate multiply.
+
+The decode is then plain Triton integer ops (no inline assembly: the result does not depend on the layout Triton
+picks, and Triton's interpreter runs it), about 2 instructions an element. Word c (thread t = c // 4, word w' =
+c % 4) of a chunk, byte-slot j (j0 = j % 2, j1 = j // 2), half p holds element
+
+    k = 32 w' + 16 j1 + 8 j0 + 2 t + p                                   (fragment_order)
+
+and the tile's rows are read in the order i = 8 NW r + 8 w + g for weight row 8 R w + 8 r + g (R = BLOCK_N /
+(8 NW)), so that a warp's rows are the ones its wgmma fragment holds. Needs K and N multiples of 128 and
+BLOCK_N; bf16 activations.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from deepinfer_kernels.fused_moe import combine_slots, pair_blocks, pair_rows, store_swiglu, store_weighted
+
+CHUNK = 128
+"""K elements per repacked chunk (64 bytes of a weight row)."""
+_CHUNK = tl.constexpr(CHUNK)
+FAST_MAX_SCALE = 128
+"""Largest e8m0 byte whose multiplier 2^(b - 1) is a finite bf16: the one-multiply decode (FAST)."""
+FRAG_TILES = dict(BLOCK_N=64, num_warps=4, num_stages=3)
+
+
+def fragment_order(device=None) -> torch.Tensor:
+    """(16 words, 4 byte-slots, 2 halves) -> the element (0..127) of a 128-element chunk each code holds."""
+    c = torch.arange(16, device=device)[:, None, None]
+    j = torch.arange(4, device=device)[None, :, None]
+    p = torch.arange(2, device=device)[None, None, :]
+    return 32 * (c % 4) + 16 * (j // 2) + 8 * (j % 2) + 2 * (c // 4) + p
+
+
+def _half16(codes: torch.Tensor) -> torch.Tensor:
+    """codes (..., 4 byte-slots) int32 e2m1 -> the 16-bit half holding them."""
+    out = codes[..., 3].bitwise_and(12) << 11 | codes[..., 3].bitwise_and(3) << 10
+    for j, s in ((0, 0), (1, 3), (2, 6)):
+        out = out | codes[..., j].bitwise_and(8) << (12 - s) | codes[..., j].bitwise_and(7) << (6 - s)
+    return out
+
+
+def fragment_supported(rows: int, k: int, block_n: int = FRAG_TILES["BLOCK_N"]) -> bool:
+    return k % CHUNK == 0 and rows % block_n == 0
+
+
+def repack_fragment(packed: torch.Tensor, out: torch.Tensor | None = None, max_elements: int = 1 << 25) -> torch.Tensor:
+    """packed (E, R, K/2) int8 (two e2m1 per byte, element 2j in the low nibble, as the releases store them) ->
+    the same shape and dtype in the fragment order and bit placement (module docstring), on packed's device,
+    written to `out` (may be packed itself: a few experts at a time, each read before it is written)."""
+    e, r, half = packed.shape
+    if not fragment_supported(r, 2 * half, 1):
+        raise ValueError(f"repack_fragment: K = {2 * half} must be a multiple of {CHUNK}")
+    chunks = 2 * half // CHUNK
+    src = fragment_order(packed.device).flatten()
+    out = torch.empty_like(packed) if out is None else out
+    step = max(1, max_elements // (r * 2 * half))
+    for e0 in range(0, e, step):
+        u = packed[e0:e0 + step].view(torch.uint8).to(torch.int32).reshape(-1, chunks, CHUNK // 2)
+        codes = torch.stack([u & 15, u >> 4], -1).reshape(-1, chunks, CHUNK)[..., src]
+        codes = codes.reshape(-1, chunks, 16, 4, 2)
+        lo, hi = _half16(codes[..., 0]), _half16(codes[..., 1])
+        word = torch.stack([lo & 255, lo >> 8, hi & 255, hi >> 8], -1).to(torch.uint8)  # little-endian bytes
+        out[e0:e0 + step] = word.reshape(-1, r, half).view(torch.int8)
+    return out
+
+
+def fast_scales(*scales: torch.Tensor) -> bool:
+    """Whether every e8m0 byte allows the one-multiply decode (FAST_MAX_SCALE); one host read, at load."""
+    return all(int(s.view(torch.uint8).max()) <= FAST_MAX_SCALE for s in scales if s.numel())
+
+
+@triton.jit
+def _bf16_halves(o, F32: tl.constexpr):
+    """A word of two bf16 bit patterns -> its low and high halves (F32: as fp32 values, for the interpreter,
+    whose bf16 bitcasts do not keep these small numbers; the same values)."""
+    if F32:
+        lo = (o << 16).to(tl.float32, bitcast=True)
+        hi = (o & 0xFFFF0000).to(tl.float32, bitcast=True)
+    else:
+        lo = (o & 0xFFFF).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        hi = ((o >> 16) & 0xFFFF).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    return lo, hi
+
+
+@triton.jit
+def _frag_tile(w_ptrs, s_ptrs, BLOCK_N: tl.constexpr, NW: tl.constexpr, FAST: tl.constexpr, F32: tl.constexpr):
+    """One K chunk of the tile: w_ptrs (BLOCK_N, 16) int32 words, s_ptrs (BLOCK_N, 4) e8m0 bytes, rows in tile
+    order -> (BLOCK_N weight rows, 128) bf16, the dequantized weights in weight-row and element order."""
+    wd = tl.load(w_ptrs).to(tl.uint32, bitcast=True)
+    sc = tl.load(s_ptrs).to(tl.uint32)
+    l0, h0 = _bf16_halves(wd & 0x81C081C0, F32)
+    l1, h1 = _bf16_halves((wd << 3) & 0x81C081C0, F32)
+    l2, h2 = _bf16_halves((wd << 6) & 0x81C081C0, F32)
+    l3, h3 = _bf16_halves(((wd << 1) & 0x80008000) | ((wd >> 5) & 0x01000100) | ((wd >> 4) & 0x00C000C0), F32)
+    x = tl.join(tl.join(tl.join(l0, l1), tl.join(l2, l3)), tl.join(tl.join(h0, h1), tl.join(h2, h3)))
+    x = x.reshape(BLOCK_N, 4, 4, 2, 2, 2)  # [i, t, w', j0, j1, p]: word c = 4 t + w'
+    if F32:  # 2^(b - 127) and 2^126 as fp32
+        m = tl.where(sc == 0, 0x00400000, sc << 23).to(tl.float32, bitcast=True)
+        x = x * 8.507059173023462e37 * m.reshape(BLOCK_N, 1, 4, 1, 1, 1)
+    elif FAST:  # 2^(b - 1) = 2^(b - 127) x 2^126, one bf16 multiply
+        m = ((sc + 126) << 7).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        x = x * m.reshape(BLOCK_N, 1, 4, 1, 1, 1)
+    else:
+        m = tl.where(sc == 0, 64, sc << 7).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        two126 = (tl.zeros([1, 1, 1, 1, 1, 1], tl.uint16) + 0x7E80).to(tl.bfloat16, bitcast=True)
+        x = x * two126 * m.reshape(BLOCK_N, 1, 4, 1, 1, 1)
+    R: tl.constexpr = BLOCK_N // (8 * NW)
+    x = x.reshape(R, NW, 8, 4, 4, 2, 2, 2).permute(1, 0, 2, 4, 6, 5, 3, 7)  # [w, r, g | w', j1, j0, t, p]
+    return x.reshape(BLOCK_N, _CHUNK)  # bf16 (fp32 under F32: the interpreter's bf16 dot misreads a permuted tile)
+
+
+@triton.jit
+def _tile_rows(pid_n, BLOCK_N: tl.constexpr, NW: tl.constexpr):
+    """The weight row each tile row i = 8 NW r + 8 w + g reads: 8 R w + 8 r + g past the tile's first."""
+    R: tl.constexpr = BLOCK_N // (8 * NW)
+    i = tl.arange(0, BLOCK_N)
+    return pid_n * BLOCK_N + 8 * R * ((i // 8) % NW) + 8 * (i // (8 * NW)) + i % 8
+
+
+@triton.jit(do_not_specialize=["num_pairs"])
+def _gate_up_frag(X, W, WS, H, SortedPairs, BlockExpert, NumPadded, num_pairs, top_k, N, K, limit,
+                  stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_hm,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PER_PAIR: tl.constexpr, NW: tl.constexpr,
+                  FAST: tl.constexpr, F32: tl.constexpr):
+    """h[pair, n] = clamped SwiGLU of gate / up rows n (W rows n and N + n; strides in int32 words)."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pair, e, valid = pair_rows(SortedPairs, BlockExpert, NumPadded, pid_m, num_pairs, BLOCK_M, PER_PAIR)
+    if valid:
+        mmask = pair < num_pairs
+        tok = (pair // top_k).to(tl.int64)
+        rows = _tile_rows(pid_n, BLOCK_N, NW).to(tl.int64)
+        offs_k = tl.arange(0, _CHUNK)
+        a_ptrs = X + tok[None, :] * stride_xm + offs_k[:, None]  # (128, BLOCK_M)
+        g_ptrs = W + e * stride_we + rows[:, None] * stride_wn + tl.arange(0, 16)[None, :]
+        u_ptrs = g_ptrs + N * stride_wn
+        gs_ptrs = WS + e * stride_se + rows[:, None] * stride_sn + tl.arange(0, 4)[None, :]
+        us_ptrs = gs_ptrs + N * stride_sn
+        acc_g = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+        acc_u = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+        for _ in range(0, K, _CHUNK):
+            a = tl.load(a_ptrs, mask=mmask[None, :], other=0.0).to(tl.float32 if F32 else tl.bfloat16)
+            acc_g = tl.dot(_frag_tile(g_ptrs, gs_ptrs, BLOCK_N, NW, FAST, F32), a, acc_g)
+            acc_u = tl.dot(_frag_tile(u_ptrs, us_ptrs, BLOCK_N, NW, FAST, F32), a, acc_u)
+            a_ptrs += _CHUNK
+            g_ptrs += 16
+            u_ptrs += 16
+            gs_ptrs += 4
+            us_ptrs += 4
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        store_swiglu(H, pair, offs_n, mmask, offs_n < N, tl.trans(acc_g), tl.trans(acc_u), limit, stride_hm)
+
+
+@triton.jit(do_not_specialize=["num_pairs"])
+def _down_frag(A, W, WS, Y, TopkWeights, SortedPairs, BlockExpert, NumPadded, num_pairs, N, K,
+               stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_ym,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PER_PAIR: tl.constexpr, NW: tl.constexpr,
+               FAST: tl.constexpr, F32: tl.constexpr):
+    """y[pair, n] = top-k weight x (h[pair] . W row n)."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pair, e, valid = pair_rows(SortedPairs, BlockExpert, NumPadded, pid_m, num_pairs, BLOCK_M, PER_PAIR)
+    if valid:
+        mmask = pair < num_pairs
+        pair64 = pair.to(tl.int64)
+        rows = _tile_rows(pid_n, BLOCK_N, NW).to(tl.int64)
+        offs_k = tl.arange(0, _CHUNK)
+        a_ptrs = A + pair64[None, :] * stride_am + offs_k[:, None]
+        w_ptrs = W + e * stride_we + rows[:, None] * stride_wn + tl.arange(0, 16)[None, :]
+        s_ptrs = WS + e * stride_se + rows[:, None] * stride_sn + tl.arange(0, 4)[None, :]
+        acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+        for _ in range(0, K, _CHUNK):
+            a = tl.load(a_ptrs, mask=mmask[None, :], other=0.0).to(tl.float32 if F32 else tl.bfloat16)
+            acc = tl.dot(_frag_tile(w_ptrs, s_ptrs, BLOCK_N, NW, FAST, F32), a, acc)
+            a_ptrs += _CHUNK
+            w_ptrs += 16
+            s_ptrs += 4
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        store_weighted(Y, TopkWeights, pair64, offs_n, mmask, offs_n < N, tl.trans(acc), stride_ym)
+
+
+def fused_moe_mxfp4_frag(x: torch.Tensor, gate_up: torch.Tensor, gate_up_scale: torch.Tensor, down: torch.Tensor,
+                         down_scale: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                         swiglu_limit: float | None = None, fast: bool = True,
+                         config: dict | None = None) -> torch.Tensor:
+    """fused_moe_mxfp4 over experts repacked by repack_fragment (same shapes; scales as loaded, uint8 / e8m0).
+    fast: every scale byte <= FAST_MAX_SCALE (fast_scales; a larger one would decode to inf). config: BLOCK_N (a
+    multiple of 16 num_warps), num_warps, num_stages; None: FRAG_TILES."""
+    from deepinfer_kernels.fused_moe_mxfp4 import _as_bytes, check_mxfp4_experts
+
+    t, k = ids.shape
+    hidden = x.shape[1]
+    inter = check_mxfp4_experts(gate_up, gate_up_scale, down, down_scale, hidden)
+    gate_up_scale, down_scale = _as_bytes(gate_up_scale, "gate_up_scale"), _as_bytes(down_scale, "down_scale")
+    if x.dtype != torch.bfloat16:
+        raise ValueError(f"fused_moe_mxfp4_frag takes bf16 activations, got {x.dtype}")
+    config = dict(config or FRAG_TILES)
+    block_n, nw = config.pop("BLOCK_N"), config["num_warps"]
+    if block_n % (16 * nw) or not (fragment_supported(inter, hidden, block_n)
+                                   and fragment_supported(hidden, inter, block_n)):
+        raise ValueError(f"fused_moe_mxfp4_frag: hidden {hidden} and expert width {inter} must be multiples of "
+                         f"{CHUNK} and of BLOCK_N {block_n}, itself a multiple of 16 x num_warps ({nw})")
+    if not all(a.is_contiguous() for a in (x, gate_up, down, gate_up_scale, down_scale)):
+        raise ValueError("fused_moe_mxfp4_frag needs contiguous x, expert weights and scales")
+    e = gate_up.shape[0]
+    num_pairs = t * k
+    limit = float("inf") if swiglu_limit is None else float(swiglu_limit)
+    h = x.new_empty(num_pairs, inter)
+    y = x.new_empty(num_pairs, hidden)
+    blocks = pair_blocks(ids, e)
+    common = dict(BLOCK_M=blocks.block_m, BLOCK_N=block_n, PER_PAIR=blocks.per_pair, NW=nw, FAST=bool(fast),
+                  F32=os.environ.get("TRITON_INTERPRET") == "1",
+                  **config)
+    gu, dn = gate_up.view(torch.int32), down.view(torch.int32)
+    _gate_up_frag[(blocks.num_blocks, inter // block_n)](
+        x, gu, gate_up_scale, h, *blocks.tensors, num_pairs, k, inter, hidden, limit,
+        x.stride(0), gu.stride(0), gu.stride(1), gate_up_scale.stride(0), gate_up_scale.stride(1), h.stride(0),
+        **common)
+    _down_frag[(blocks.num_blocks, hidden // block_n)](
+        h, dn, down_scale, y, weights.flatten().float().contiguous(), *blocks.tensors, num_pairs, hidden, inter,
+        h.stride(0), dn.stride(0), dn.stride(1), down_scale.stride(0), down_scale.stride(1), y.stride(0),
+        **common)
+    return combine_slots(y, t, k, hidden)
