@@ -150,7 +150,7 @@ class Env:
     mxfp4_fragment: bool
     """DEEPINFER_MXFP4_FRAGMENT (default on): on CUDA with a bf16 model, MXFP4 experts are repacked at load into the
     order the wgmma fragment takes them (deepinfer_kernels.fused_moe_mxfp4_frag: same bytes, about 2 instructions
-    an element to decode instead of 7.5) wherever the shapes allow (K and rows multiples of 128 / 64); 0 keeps the
+    an element to decode instead of 7.5) wherever the shapes allow (K and rows multiples of 128); 0 keeps the
     release order and fused_moe_mxfp4's forms (tl.dot_scaled, the GEMV form at one token)."""
     fp8_kv_dot: str
     """DEEPINFER_FP8_KV_DOT: the dots of the decode attention kernel over an FP8 KV pool with a 16-bit model: 'f16'

@@ -40,9 +40,20 @@ _CHUNK = tl.constexpr(CHUNK)
 FAST_MAX_SCALE = 128
 """Largest e8m0 byte whose multiplier 2^(b - 1) is a finite bf16: the one-multiply decode (FAST)."""
 FRAG_TILES = dict(BLOCK_N=64, num_warps=4, num_stages=3)
-"""V4-Flash's experts on an H100 (bench_kernels.py --only mxfp4, results/gpu_mxfp4_frag_h100.json): 64.4 / 721 /
-1,488 / 1,828 us at 1 / 16 / 64 / 256 tokens, 0.55-0.66 of the read bandwidth; 4 stages or 128-row tiles within
-1% at 1-64 tokens and 6% slower at 256."""
+WIDE_TILES = dict(BLOCK_N=128, num_warps=4, num_stages=3)
+FRAG_TILE_TABLE = ((2048, FRAG_TILES), (None, WIDE_TILES))
+"""(most pairs, tiles), first match wins; but row blocks of 128 pairs (pair_blocks at prefill sizes) keep FRAG_TILES:
+the gate_up kernel at 128 x 128 spills registers (its SASS, compiled for sm90). V4-Flash's experts on an H100
+(bench_kernels.py --only mxfp4, results/gpu_mxfp4_frag_h100.json and _2048.json): 64 x 128 tiles 64.4 / 721 / 1,488
+/ 1,828 us at 1 / 16 / 64 / 256 tokens (0.55-0.66 of the read bandwidth; 4 stages or 128-row tiles within 1% at
+1-64 tokens, 6% slower at 256); at 2,048 tokens (blocks of 64 pairs) 128-row tiles 3,648 us against 4,260 (and
+6,007 for tl.dot_scaled's default, 5,285 for bf16)."""
+
+
+def _frag_tiles(num_pairs: int, block_m: int) -> dict:
+    if block_m >= 128:
+        return dict(FRAG_TILES)
+    return dict(next(tiles for most, tiles in FRAG_TILE_TABLE if most is None or num_pairs <= most))
 
 
 def fragment_order(device=None) -> torch.Tensor:
@@ -61,7 +72,10 @@ def _half16(codes: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def fragment_supported(rows: int, k: int, block_n: int = FRAG_TILES["BLOCK_N"]) -> bool:
+def fragment_supported(rows: int, k: int, block_n: int | None = None) -> bool:
+    """Whether a (rows, k) expert weight runs in this form: k a multiple of CHUNK, rows of block_n (None: of every
+    tile of FRAG_TILE_TABLE)."""
+    block_n = block_n or max(tiles["BLOCK_N"] for _, tiles in FRAG_TILE_TABLE)
     return k % CHUNK == 0 and rows % block_n == 0
 
 
@@ -207,7 +221,7 @@ def fused_moe_mxfp4_frag(x: torch.Tensor, gate_up: torch.Tensor, gate_up_scale: 
                          config: dict | None = None) -> torch.Tensor:
     """fused_moe_mxfp4 over experts repacked by repack_fragment (same shapes; scales as loaded, uint8 / e8m0).
     fast: every scale byte <= FAST_MAX_SCALE (fast_scales; a larger one would decode to inf). config: BLOCK_N (a
-    multiple of 16 num_warps), num_warps, num_stages; None: FRAG_TILES."""
+    multiple of 16 num_warps), num_warps, num_stages; None: _frag_tiles (FRAG_TILE_TABLE)."""
     from deepinfer_kernels.fused_moe_mxfp4 import _as_bytes, check_mxfp4_experts
 
     t, k = ids.shape
@@ -216,20 +230,20 @@ def fused_moe_mxfp4_frag(x: torch.Tensor, gate_up: torch.Tensor, gate_up_scale: 
     gate_up_scale, down_scale = _as_bytes(gate_up_scale, "gate_up_scale"), _as_bytes(down_scale, "down_scale")
     if x.dtype != torch.bfloat16:
         raise ValueError(f"fused_moe_mxfp4_frag takes bf16 activations, got {x.dtype}")
-    config = dict(config or FRAG_TILES)
+    if not all(a.is_contiguous() for a in (x, gate_up, down, gate_up_scale, down_scale)):
+        raise ValueError("fused_moe_mxfp4_frag needs contiguous x, expert weights and scales")
+    e = gate_up.shape[0]
+    num_pairs = t * k
+    blocks = pair_blocks(ids, e)
+    config = dict(config or _frag_tiles(num_pairs, blocks.block_m))
     block_n, nw = config.pop("BLOCK_N"), config["num_warps"]
     if block_n % (16 * nw) or not (fragment_supported(inter, hidden, block_n)
                                    and fragment_supported(hidden, inter, block_n)):
         raise ValueError(f"fused_moe_mxfp4_frag: hidden {hidden} and expert width {inter} must be multiples of "
                          f"{CHUNK} and of BLOCK_N {block_n}, itself a multiple of 16 x num_warps ({nw})")
-    if not all(a.is_contiguous() for a in (x, gate_up, down, gate_up_scale, down_scale)):
-        raise ValueError("fused_moe_mxfp4_frag needs contiguous x, expert weights and scales")
-    e = gate_up.shape[0]
-    num_pairs = t * k
     limit = float("inf") if swiglu_limit is None else float(swiglu_limit)
     h = x.new_empty(num_pairs, inter)
     y = x.new_empty(num_pairs, hidden)
-    blocks = pair_blocks(ids, e)
     common = dict(BLOCK_M=blocks.block_m, BLOCK_N=block_n, PER_PAIR=blocks.per_pair, NW=nw, FAST=bool(fast),
                   F32=os.environ.get("TRITON_INTERPRET") == "1",
                   **config)

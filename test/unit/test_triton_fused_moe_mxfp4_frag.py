@@ -115,3 +115,12 @@ _KERNEL = textwrap.dedent("""
 
 def test_fragment_moe_matches_dequantized_reference_in_the_interpreter():
     assert _interpret(_KERNEL).strip().endswith("ok")
+
+
+def test_tile_choice_by_pairs_and_row_blocks():
+    from deepinfer_kernels.fused_moe_mxfp4_frag import FRAG_TILES, WIDE_TILES, _frag_tiles, fragment_supported
+
+    assert _frag_tiles(8, 16) == FRAG_TILES and _frag_tiles(2048, 16) == FRAG_TILES
+    assert _frag_tiles(16384, 64) == WIDE_TILES  # 2,048 tokens of top-8: the 128-row tiles
+    assert _frag_tiles(65536, 128) == FRAG_TILES  # blocks of 128 pairs: 128-row tiles would spill
+    assert fragment_supported(2048, 4096) and not fragment_supported(192, 4096) and not fragment_supported(256, 96)
