@@ -25,10 +25,7 @@ MXFP4_ROTATIONS = 4
 FRAG_CANDIDATES = {"frag_n64_w4": dict(BLOCK_N=64, num_warps=4, num_stages=3),
                    "frag_n64_w4_s4": dict(BLOCK_N=64, num_warps=4, num_stages=4),
                    "frag_n128_w4": dict(BLOCK_N=128, num_warps=4, num_stages=3),
-                   "frag_n128_w8": dict(BLOCK_N=128, num_warps=8, num_stages=3),
-                   "frag_n64_w4_c2": dict(BLOCK_N=64, num_warps=4, num_stages=3, CHUNKS=2),
-                   "frag_n64_w4_c2_s4": dict(BLOCK_N=64, num_warps=4, num_stages=4, CHUNKS=2),
-                   "frag_n128_w4_c2": dict(BLOCK_N=128, num_warps=4, num_stages=3, CHUNKS=2)}
+                   "frag_n128_w8": dict(BLOCK_N=128, num_warps=8, num_stages=3)}
 """deepinfer_kernels.fused_moe_mxfp4_frag's tiles, over the same experts repacked into the fragment order."""
 
 

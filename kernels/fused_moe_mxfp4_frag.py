@@ -157,7 +157,7 @@ def _tile_rows(pid_n, BLOCK_N: tl.constexpr, NW: tl.constexpr):
 def _gate_up_frag(X, W, WS, H, SortedPairs, BlockExpert, NumPadded, num_pairs, top_k, N, K, limit,
                   stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_hm,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PER_PAIR: tl.constexpr, NW: tl.constexpr,
-                  FAST: tl.constexpr, F32: tl.constexpr, CHUNKS: tl.constexpr):
+                  FAST: tl.constexpr, F32: tl.constexpr):
     """h[pair, n] = clamped SwiGLU of gate / up rows n (W rows n and N + n; strides in int32 words)."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -174,17 +174,15 @@ def _gate_up_frag(X, W, WS, H, SortedPairs, BlockExpert, NumPadded, num_pairs, t
         us_ptrs = gs_ptrs + N * stride_sn
         acc_g = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
         acc_u = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-        for _ in range(0, K, _CHUNK * CHUNKS):
-            for c in tl.static_range(CHUNKS):  # CHUNKS x 64 contiguous bytes of each row a step
-                a = tl.load(a_ptrs + c * _CHUNK, mask=mmask[None, :], other=0.0).to(
-                    tl.float32 if F32 else tl.bfloat16)
-                acc_g = tl.dot(_frag_tile(g_ptrs + 16 * c, gs_ptrs + 4 * c, BLOCK_N, NW, FAST, F32), a, acc_g)
-                acc_u = tl.dot(_frag_tile(u_ptrs + 16 * c, us_ptrs + 4 * c, BLOCK_N, NW, FAST, F32), a, acc_u)
-            a_ptrs += _CHUNK * CHUNKS
-            g_ptrs += 16 * CHUNKS
-            u_ptrs += 16 * CHUNKS
-            gs_ptrs += 4 * CHUNKS
-            us_ptrs += 4 * CHUNKS
+        for _ in range(0, K, _CHUNK):
+            a = tl.load(a_ptrs, mask=mmask[None, :], other=0.0).to(tl.float32 if F32 else tl.bfloat16)
+            acc_g = tl.dot(_frag_tile(g_ptrs, gs_ptrs, BLOCK_N, NW, FAST, F32), a, acc_g)
+            acc_u = tl.dot(_frag_tile(u_ptrs, us_ptrs, BLOCK_N, NW, FAST, F32), a, acc_u)
+            a_ptrs += _CHUNK
+            g_ptrs += 16
+            u_ptrs += 16
+            gs_ptrs += 4
+            us_ptrs += 4
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         store_swiglu(H, pair, offs_n, mmask, offs_n < N, tl.trans(acc_g), tl.trans(acc_u), limit, stride_hm)
 
@@ -193,7 +191,7 @@ def _gate_up_frag(X, W, WS, H, SortedPairs, BlockExpert, NumPadded, num_pairs, t
 def _down_frag(A, W, WS, Y, TopkWeights, SortedPairs, BlockExpert, NumPadded, num_pairs, N, K,
                stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_ym,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PER_PAIR: tl.constexpr, NW: tl.constexpr,
-               FAST: tl.constexpr, F32: tl.constexpr, CHUNKS: tl.constexpr):
+               FAST: tl.constexpr, F32: tl.constexpr):
     """y[pair, n] = top-k weight x (h[pair] . W row n)."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -207,14 +205,12 @@ def _down_frag(A, W, WS, Y, TopkWeights, SortedPairs, BlockExpert, NumPadded, nu
         w_ptrs = W + e * stride_we + rows[:, None] * stride_wn + tl.arange(0, 16)[None, :]
         s_ptrs = WS + e * stride_se + rows[:, None] * stride_sn + tl.arange(0, 4)[None, :]
         acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-        for _ in range(0, K, _CHUNK * CHUNKS):
-            for c in tl.static_range(CHUNKS):
-                a = tl.load(a_ptrs + c * _CHUNK, mask=mmask[None, :], other=0.0).to(
-                    tl.float32 if F32 else tl.bfloat16)
-                acc = tl.dot(_frag_tile(w_ptrs + 16 * c, s_ptrs + 4 * c, BLOCK_N, NW, FAST, F32), a, acc)
-            a_ptrs += _CHUNK * CHUNKS
-            w_ptrs += 16 * CHUNKS
-            s_ptrs += 4 * CHUNKS
+        for _ in range(0, K, _CHUNK):
+            a = tl.load(a_ptrs, mask=mmask[None, :], other=0.0).to(tl.float32 if F32 else tl.bfloat16)
+            acc = tl.dot(_frag_tile(w_ptrs, s_ptrs, BLOCK_N, NW, FAST, F32), a, acc)
+            a_ptrs += _CHUNK
+            w_ptrs += 16
+            s_ptrs += 4
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         store_weighted(Y, TopkWeights, pair64, offs_n, mmask, offs_n < N, tl.trans(acc), stride_ym)
 
@@ -225,8 +221,7 @@ def fused_moe_mxfp4_frag(x: torch.Tensor, gate_up: torch.Tensor, gate_up_scale: 
                          config: dict | None = None) -> torch.Tensor:
     """fused_moe_mxfp4 over experts repacked by repack_fragment (same shapes; scales as loaded, uint8 / e8m0).
     fast: every scale byte <= FAST_MAX_SCALE (fast_scales; a larger one would decode to inf). config: BLOCK_N (a
-    multiple of 16 num_warps), num_warps, num_stages, CHUNKS (128-element chunks a K step, default 1: each row's
-    CHUNKS x 64 bytes fetched together); None: _frag_tiles (FRAG_TILE_TABLE)."""
+    multiple of 16 num_warps), num_warps, num_stages; None: _frag_tiles (FRAG_TILE_TABLE)."""
     from deepinfer_kernels.fused_moe_mxfp4 import _as_bytes, check_mxfp4_experts
 
     t, k = ids.shape
@@ -241,18 +236,17 @@ def fused_moe_mxfp4_frag(x: torch.Tensor, gate_up: torch.Tensor, gate_up_scale: 
     num_pairs = t * k
     blocks = pair_blocks(ids, e)
     config = dict(config or _frag_tiles(num_pairs, blocks.block_m))
-    block_n, nw, chunks = config.pop("BLOCK_N"), config["num_warps"], config.pop("CHUNKS", 1)
+    block_n, nw = config.pop("BLOCK_N"), config["num_warps"]
     if block_n % (16 * nw) or not (fragment_supported(inter, hidden, block_n)
                                    and fragment_supported(hidden, inter, block_n)):
         raise ValueError(f"fused_moe_mxfp4_frag: hidden {hidden} and expert width {inter} must be multiples of "
                          f"{CHUNK} and of BLOCK_N {block_n}, itself a multiple of 16 x num_warps ({nw})")
-    if hidden % (CHUNK * chunks) or inter % (CHUNK * chunks):
-        chunks = 1  # CHUNKS chunks a K step only where both K dimensions hold whole steps
     limit = float("inf") if swiglu_limit is None else float(swiglu_limit)
     h = x.new_empty(num_pairs, inter)
     y = x.new_empty(num_pairs, hidden)
     common = dict(BLOCK_M=blocks.block_m, BLOCK_N=block_n, PER_PAIR=blocks.per_pair, NW=nw, FAST=bool(fast),
-                  CHUNKS=chunks, F32=os.environ.get("TRITON_INTERPRET") == "1", **config)
+                  F32=os.environ.get("TRITON_INTERPRET") == "1",
+                  **config)
     gu, dn = gate_up.view(torch.int32), down.view(torch.int32)
     _gate_up_frag[(blocks.num_blocks, inter // block_n)](
         x, gu, gate_up_scale, h, *blocks.tensors, num_pairs, k, inter, hidden, limit,

@@ -103,8 +103,7 @@ def test_every_benchmarked_configuration_matches_the_bf16_fused_moe(experts, nam
 
 
 FRAG_CONFIGS = {"n64_w4": None, "n128_w4": dict(BLOCK_N=128, num_warps=4, num_stages=3),
-                "n128_w8": dict(BLOCK_N=128, num_warps=8, num_stages=3),
-                "n64_w4_c2": dict(BLOCK_N=64, num_warps=4, num_stages=3, CHUNKS=2)}
+                "n128_w8": dict(BLOCK_N=128, num_warps=8, num_stages=3)}
 
 
 @pytest.fixture(scope="module")

@@ -82,8 +82,7 @@ _KERNEL = textwrap.dedent("""
             out += torch.einsum("ti,thi->th", h, d_down[ids[:, j]]) * w[:, j:j + 1]
         return out
 
-    for t, config in ((3, None), (40, dict(BLOCK_N=128, num_warps=4, num_stages=1)),
-                      (9, dict(BLOCK_N=64, num_warps=4, num_stages=1, CHUNKS=2))):
+    for t, config in ((3, None), (40, dict(BLOCK_N=128, num_warps=4, num_stages=1))):
         x = torch.randn(t, hidden, generator=g).bfloat16()
         ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
         w = torch.rand(t, k, generator=g)
