@@ -127,6 +127,8 @@ class Mxfp4FusedExperts(ExpertWeights):
         for name in ("gate_up_proj", "down_proj"):
             if getattr(experts, name + SCALE_SUFFIX).shape[0] != getattr(experts, name).shape[0]:
                 raise ValueError(f"{name}: scales and weights for different experts (a shard cut them apart)")
+        if getattr(experts, "mxfp4_fast", None) is not None:
+            return  # already in the fragment order (a module finalized twice must not be repacked twice)
         experts.mxfp4_fast = None  # the release order; else the fragment order and its decode (fused_moe_mxfp4_frag)
         gate_up = experts.gate_up_proj
         if self.fragment and gate_up.is_cuda and gate_up.shape[0]:
