@@ -34,6 +34,7 @@ import triton
 import triton.language as tl
 
 from deepinfer_kernels.fused_moe import combine_slots, pair_blocks, pair_rows, store_swiglu, store_weighted
+from deepinfer_kernels.fused_moe_mxfp4 import _as_bytes, check_mxfp4_experts
 
 CHUNK = 128
 """K elements per repacked chunk (64 bytes of a weight row)."""
@@ -154,6 +155,16 @@ def _tile_rows(pid_n, BLOCK_N: tl.constexpr, NW: tl.constexpr):
     return pid_n * BLOCK_N + 8 * R * ((i // 8) % NW) + 8 * (i // (8 * NW)) + i % 8
 
 
+@triton.jit
+def _tile_ptrs(W, WS, e, pid_n, stride_we, stride_wn, stride_se, stride_sn, BLOCK_N: tl.constexpr,
+               NW: tl.constexpr):
+    """Expert e's first K chunk of the tile's rows (_tile_rows): (BLOCK_N, 16) int32 words, (BLOCK_N, 4) scale bytes."""
+    rows = _tile_rows(pid_n, BLOCK_N, NW).to(tl.int64)
+    w_ptrs = W + e * stride_we + rows[:, None] * stride_wn + tl.arange(0, 16)[None, :]
+    s_ptrs = WS + e * stride_se + rows[:, None] * stride_sn + tl.arange(0, 4)[None, :]
+    return w_ptrs, s_ptrs
+
+
 @triton.jit(do_not_specialize=["num_pairs"])
 def _gate_up_frag(X, W, WS, H, SortedPairs, BlockExpert, NumPadded, num_pairs, top_k, N, K, limit,
                   stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_hm,
@@ -166,12 +177,9 @@ def _gate_up_frag(X, W, WS, H, SortedPairs, BlockExpert, NumPadded, num_pairs, t
     if valid:
         mmask = pair < num_pairs
         tok = (pair // top_k).to(tl.int64)
-        rows = _tile_rows(pid_n, BLOCK_N, NW).to(tl.int64)
-        offs_k = tl.arange(0, _CHUNK)
-        a_ptrs = X + tok[None, :] * stride_xm + offs_k[:, None]  # (128, BLOCK_M)
-        g_ptrs = W + e * stride_we + rows[:, None] * stride_wn + tl.arange(0, 16)[None, :]
+        a_ptrs = X + tok[None, :] * stride_xm + tl.arange(0, _CHUNK)[:, None]  # (128, BLOCK_M)
+        g_ptrs, gs_ptrs = _tile_ptrs(W, WS, e, pid_n, stride_we, stride_wn, stride_se, stride_sn, BLOCK_N, NW)
         u_ptrs = g_ptrs + N * stride_wn
-        gs_ptrs = WS + e * stride_se + rows[:, None] * stride_sn + tl.arange(0, 4)[None, :]
         us_ptrs = gs_ptrs + N * stride_sn
         acc_g = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
         acc_u = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
@@ -200,11 +208,8 @@ def _down_frag(A, W, WS, Y, TopkWeights, SortedPairs, BlockExpert, NumPadded, nu
     if valid:
         mmask = pair < num_pairs
         pair64 = pair.to(tl.int64)
-        rows = _tile_rows(pid_n, BLOCK_N, NW).to(tl.int64)
-        offs_k = tl.arange(0, _CHUNK)
-        a_ptrs = A + pair64[None, :] * stride_am + offs_k[:, None]
-        w_ptrs = W + e * stride_we + rows[:, None] * stride_wn + tl.arange(0, 16)[None, :]
-        s_ptrs = WS + e * stride_se + rows[:, None] * stride_sn + tl.arange(0, 4)[None, :]
+        a_ptrs = A + pair64[None, :] * stride_am + tl.arange(0, _CHUNK)[:, None]
+        w_ptrs, s_ptrs = _tile_ptrs(W, WS, e, pid_n, stride_we, stride_wn, stride_se, stride_sn, BLOCK_N, NW)
         acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
         for _ in range(0, K, _CHUNK):
             a = tl.load(a_ptrs, mask=mmask[None, :], other=0.0).to(tl.float32 if F32 else tl.bfloat16)
@@ -223,8 +228,6 @@ def fused_moe_mxfp4_frag(x: torch.Tensor, gate_up: torch.Tensor, gate_up_scale: 
     """fused_moe_mxfp4 over experts repacked by repack_fragment (same shapes; scales as loaded, uint8 / e8m0).
     fast: every scale byte <= FAST_MAX_SCALE (fast_scales; a larger one would decode to inf). config: BLOCK_N (a
     multiple of 16 num_warps), num_warps, num_stages; None: _frag_tiles (FRAG_TILE_TABLE)."""
-    from deepinfer_kernels.fused_moe_mxfp4 import _as_bytes, check_mxfp4_experts
-
     t, k = ids.shape
     hidden = x.shape[1]
     inter = check_mxfp4_experts(gate_up, gate_up_scale, down, down_scale, hidden)
