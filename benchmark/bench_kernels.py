@@ -418,6 +418,9 @@ def main() -> None:
                                           "decode_sweep batches (default 1,4,16,64,256)")
     parser.add_argument("--mxfp4-configs", help="comma-separated name prefixes of MXFP4_CANDIDATES for --only mxfp4 "
                                                 "(default: all)")
+    parser.add_argument("--frag-files", nargs="*", default=(),
+                        help="--only mxfp4: fused_moe_mxfp4_frag module files (earlier or trial versions) timed "
+                             "beside this checkout's")
     parser.add_argument("--only", choices=["kernels", "moe", "dense", "moe_invariant", "router", "moe_sweep",
                                            "decode_sweep", "mxfp4", "mla_prefix"],
                         default="kernels",
@@ -442,7 +445,8 @@ def main() -> None:
             from bench_mxfp4 import mxfp4_moe_rows
 
             rows = mxfp4_moe_rows(copy_bw, tuple(int(b) for b in (args.batches or "1,16,64,256,2048").split(",")),
-                                  tuple(args.mxfp4_configs.split(",")) if args.mxfp4_configs else None)
+                                  tuple(args.mxfp4_configs.split(",")) if args.mxfp4_configs else None,
+                                  tuple(args.frag_files))
         elif args.only == "decode_sweep":
             from bench_decode_sweep import gqa_decode_sweep_rows
 

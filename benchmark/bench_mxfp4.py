@@ -5,6 +5,8 @@ from __future__ import annotations
 import functools
 import statistics
 
+from pathlib import Path
+
 import torch
 import triton
 
@@ -29,11 +31,24 @@ FRAG_CANDIDATES = {"frag_n64_w4": dict(BLOCK_N=64, num_warps=4, num_stages=3),
 """deepinfer_kernels.fused_moe_mxfp4_frag's tiles, over the same experts repacked into the fragment order."""
 
 
+def _frag_module(path: str):
+    """A fused_moe_mxfp4_frag module from a file (an earlier or trial version, over the same repacked bytes)."""
+    import importlib.util
+
+    name = "frag_file_" + Path(path).stem
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def mxfp4_moe_rows(copy_bw: float, batches: tuple[int, ...] = (1, 16, 64, 256, 2048),
-                   names: tuple[str, ...] | None = None) -> list[dict]:
+                   names: tuple[str, ...] | None = None, frag_files: tuple[str, ...] = ()) -> list[dict]:
     """V4-Flash's routed experts: fused_moe_mxfp4 (4-bit weights, clamped SwiGLU) under each
     of MXFP4_CANDIDATES (those whose name starts with one of `names`, when given) and the default table (_tiles),
-    beside fused_moe on the same weights in bf16, per batch.
+    beside fused_moe on the same weights in bf16, per batch. frag_files: fused_moe_mxfp4_frag modules from files
+    (earlier or trial versions) timed at their own default tiles as `file_<stem>`, with their largest difference from
+    this checkout's fragment-order kernel on the first routing.
     Each timed call runs MXFP4_ROTATIONS launches over different random routings (the same for both kernels); the
     bytes are those of the experts each launch touches, at 0.5 + 1/32 bytes per weight (e2m1 + e8m0) for MXFP4 and
     2 for bf16, plus the activations in and out, over the copy and the read-only bandwidth of this run."""
@@ -50,7 +65,9 @@ def mxfp4_moe_rows(copy_bw: float, batches: tuple[int, ...] = (1, 16, 64, 256, 2
     q_gu, s_gu, qd, sd = packed
     from deepinfer_kernels import fused_moe_mxfp4_frag as frag
 
-    f_gu, f_d = frag.repack_fragment(q_gu), frag.repack_fragment(qd)  # the fragment order (same bytes)
+    # the fragment order and 64-row tiles (same bytes), the scales in the same tiles
+    f_gu, f_d, fs_gu, fs_d = (frag.repack_fragment(q_gu), frag.repack_fragment(qd), frag.repack_scales(s_gu),
+                              frag.repack_scales(sd))
     frag_fast = frag.fast_scales(s_gu, sd)
     per_expert = 3 * hidden * inter
     rows = []
@@ -79,7 +96,7 @@ def mxfp4_moe_rows(copy_bw: float, batches: tuple[int, ...] = (1, 16, 64, 256, 2
         for name, config in configs.items():
             if name.startswith("frag"):
                 run = functools.partial(frag.fused_moe_mxfp4_frag, fast=frag_fast, config=config)
-                args = (f_gu, s_gu, f_d, sd)
+                args = (f_gu, fs_gu, f_d, fs_d)
             else:
                 run, args = functools.partial(mx.fused_moe_mxfp4, config=config), (q_gu, s_gu, qd, sd)
             try:
@@ -92,6 +109,18 @@ def mxfp4_moe_rows(copy_bw: float, batches: tuple[int, ...] = (1, 16, 64, 256, 2
             row[f"{name}_us"] = t * 1e6
             row[f"{name}_fraction_of_read_bw"] = mx_bytes / t / read_bw
             row[f"{name}_speedup_over_bf16"] = bf / t
+        for path in frag_files:
+            name, module = "file_" + Path(path).stem, _frag_module(path)
+            x, weights, ids = inputs[0]
+            ref = frag.fused_moe_mxfp4_frag(x, f_gu, fs_gu, f_d, fs_d, weights, ids, 10.0, fast=frag_fast)
+            tiles = getattr(module, "repack_scales", lambda s: s)  # versions before the tiled layout: rows
+            mine = (module.repack_fragment(q_gu), tiles(s_gu), module.repack_fragment(qd), tiles(sd))
+            out = module.fused_moe_mxfp4_frag(x, *mine, weights, ids, 10.0, fast=frag_fast)
+            row[f"{name}_max_diff"] = float((out.float() - ref.float()).abs().max())
+            t = rotated(lambda x, w, i: module.fused_moe_mxfp4_frag(x, *mine, w, i, 10.0, fast=frag_fast))
+            del mine
+            row[f"{name}_us"] = t * 1e6
+            row[f"{name}_fraction_of_read_bw"] = mx_bytes / t / read_bw
         best = min((k for k in row if k.endswith("_us") and k != "bf16_us"), key=row.get)
         row["fastest"] = best[:-3]
         rows.append(row)

@@ -7,7 +7,8 @@
 # MoE beside the default one, V2-Lite shapes) and the `mxfp4` stage (the fused MXFP4 MoE beside the bf16 one at
 # V4-Flash expert shapes), `v4` (bench_v4 at V4-Flash width), `fp8` (bench_fp8: FP8 beside bf16), `fp8_gemm` (bench_fp8_gemm: the FP8 GEMM's paths beside bf16 cuBLAS), `moe_fp8` (bench_moe_fp8: the FP8 fused MoE beside the bf16 one), `longctx`
 # (bench_gpu at long contexts), `longctx_base` (the same on the commit that scripts/base_tree.sh wrote into base/), `row_gemv` (bench_row_gemv: the fused row products beside the module path's), `kv8` (bench_kv8_decode: MLA decode over an FP8 KV pool beside bf16), `ep1` (the EP worker pool at one rank beside the in-process engine) and `v4sweep`
-# (bench_v4_sweep: V4-Flash / V4.1-Flash-shaped decode sweep beside the V4 floor, bf16 and release format) run when named.
+# (bench_v4_sweep: V4-Flash / V4.1-Flash-shaped decode sweep beside the V4 floor, bf16 and release format) and
+# `v4sweep_base` (the same sweep on base/, as longctx_base) run when named.
 # Logs and JSON land in $OUT. Stage time limits (seconds): BENCH_S, TEST_S, KERNEL_BENCH_S, EP_S, DET_S, HOST_S,
 # MOE_BI_S, MXFP4_S, V4_S, FP8_S, FP8_GEMM_S, MOE_FP8_S, LONGCTX_S, EP1_S, V4SWEEP_S, ROW_GEMV_S, KV8_S.
 # `sampler` (bench_sampler: the one-kernel seeded draw beside the per-row form; SAMPLER_S, SAMPLER_ARGS).
@@ -171,6 +172,14 @@ if [[ $STAGES == *,v4sweep,* ]]; then  # V4 / V4.1 decode sweep (as many layers 
     echo "v4sweep ($V4SWEEP_AB_ENV) rc=$?"
     tail -n 20 "$OUT/v4sweep_ab.log"
   fi
+fi
+if [[ $STAGES == *,v4sweep_base,* ]] && [ -d base ]; then  # the same sweep on base/ (scripts/base_tree.sh REV)
+  mkdir -p /tmp/kbase && ln -sfn "$PWD/base/kernels" /tmp/kbase/deepinfer_kernels
+  PYTHONPATH=/tmp/site:/tmp/kbase:$PWD/base timeout "${V4SWEEP_S:-420}" python3 base/benchmark/bench_v4_sweep.py \
+    --out "$OUT/v4_sweep_base.json" \
+    ${V4SWEEP_ARGS:---contexts 8192 32768 --batches 1 16 64 256 --steps 6 --row-budget-s 3} > "$OUT/v4sweep_base.log" 2>&1
+  echo "v4sweep_base rc=$?"
+  tail -n 20 "$OUT/v4sweep_base.log"
 fi
 if [[ $STAGES == *,ep,* ]] && [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
   OUT=$OUT timeout "${EP_S:-400}" bash scripts/gpu_ep_check.sh > "$OUT/ep.log" 2>&1

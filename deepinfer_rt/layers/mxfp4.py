@@ -14,8 +14,8 @@ On CUDA (not batch-invariant) `Mxfp4FusedExperts` keeps them as loaded -- int8 c
 per element -- for the fused MXFP4 MoE (deepinfer_kernels.fused_moe_mxfp4), which dequantizes inside its GEMMs
 (Hopper has no FP4 tensor cores); the dequantize-at-load path is its reference. With `fragment`
 (DEEPINFER_MXFP4_FRAGMENT) the packed bytes are reordered at load, in place, into the order Hopper's wgmma takes
-them from registers (deepinfer_kernels.fused_moe_mxfp4_frag: the same bytes, a cheaper decode), where the shapes
-allow; `experts.mxfp4_fast` then says whether every scale byte allows its one-multiply decode (None: release order).
+them from registers and into contiguous 64-row tiles, their scales into the same tiles
+(deepinfer_kernels.fused_moe_mxfp4_frag: the same bytes, a cheaper decode, streamed reads), where the shapes allow; `experts.mxfp4_fast` then says whether every scale byte allows its one-multiply decode (None: release order).
 """
 from __future__ import annotations
 
@@ -138,6 +138,8 @@ class Mxfp4FusedExperts(ExpertWeights):
             if frag.fragment_supported(inter, hidden) and frag.fragment_supported(hidden, inter):
                 for name in ("gate_up_proj", "down_proj"):
                     frag.repack_fragment(getattr(experts, name).data, out=getattr(experts, name).data)
+                    scale = getattr(experts, name + SCALE_SUFFIX).data
+                    frag.repack_scales(scale, out=scale)
                 experts.mxfp4_fast = frag.fast_scales(experts.gate_up_proj_scale_inv, experts.down_proj_scale_inv)
 
     def apply(self, experts: nn.Module, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

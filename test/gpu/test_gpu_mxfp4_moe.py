@@ -102,17 +102,19 @@ def test_every_benchmarked_configuration_matches_the_bf16_fused_moe(experts, nam
     assert err <= MATCH_BF16, (name, t, err)
 
 
-FRAG_CONFIGS = {"n64_w4": None, "n128_w4": dict(BLOCK_N=128, num_warps=4, num_stages=3),
+FRAG_CONFIGS = {"n64_w4": None, "n64_w4_in_step": dict(BLOCK_N=64, num_warps=4, num_stages=3, AHEAD=False),
+                "n128_w4": dict(BLOCK_N=128, num_warps=4, num_stages=3),
+                "n128_w4_ahead": dict(BLOCK_N=128, num_warps=4, num_stages=3, AHEAD=True),
                 "n128_w8": dict(BLOCK_N=128, num_warps=8, num_stages=3)}
 
 
 @pytest.fixture(scope="module")
 def fragment(experts):
-    from deepinfer_kernels.fused_moe_mxfp4_frag import fast_scales, repack_fragment
+    from deepinfer_kernels.fused_moe_mxfp4_frag import fast_scales, repack_fragment, repack_scales
 
     (q_gu, s_gu, qd, sd), _ = experts
     assert fast_scales(s_gu, sd)  # 0.02-scaled weights: scale bytes near 2^-8
-    return repack_fragment(q_gu), repack_fragment(qd)
+    return repack_fragment(q_gu), repack_scales(s_gu), repack_fragment(qd), repack_scales(sd)
 
 
 @pytest.mark.parametrize("fast", [True, False])
@@ -120,14 +122,14 @@ def fragment(experts):
 @pytest.mark.parametrize("t", [1, 7, 64, 300, 2048])
 def test_fragment_order_matches_the_bf16_fused_moe(experts, fragment, t, config, fast):
     """deepinfer_kernels.fused_moe_mxfp4_frag over the repacked experts (both decodes: the one-multiply FAST one
-    and the two-multiply one for scale bytes past 128) against the bf16 fused MoE, as above."""
+    and the two-multiply one for scale bytes past 128; scales loaded a step ahead and in the step) against the bf16
+    fused MoE, as above."""
     from deepinfer_kernels.fused_moe import fused_moe
     from deepinfer_kernels.fused_moe_mxfp4_frag import fused_moe_mxfp4_frag
 
-    (q_gu, s_gu, qd, sd), (d_gu, d_down) = experts
-    f_gu, f_d = fragment
+    _, (d_gu, d_down) = experts
     x, weights, ids = _route(t, 11 * t)
-    got = fused_moe_mxfp4_frag(x, f_gu, s_gu, f_d, sd, weights, ids, fast=fast, config=FRAG_CONFIGS[config]).float()
+    got = fused_moe_mxfp4_frag(x, *fragment, weights, ids, fast=fast, config=FRAG_CONFIGS[config]).float()
     want = fused_moe(x, d_gu, d_down, weights, ids).float()
     err = ((got - want).norm() / want.norm()).item()
     assert err <= MATCH_BF16, (t, config, fast, err)
@@ -137,7 +139,7 @@ def test_fragment_order_with_large_scales():
     """Scale bytes past 128 (weights of magnitude ~2^10): the two-multiply decode against the dequantized weights,
     and every e2m1 code (random bytes) through the bf16 bit placement."""
     from deepinfer_kernels.fused_moe import fused_moe
-    from deepinfer_kernels.fused_moe_mxfp4_frag import fast_scales, fused_moe_mxfp4_frag, repack_fragment
+    from deepinfer_kernels.fused_moe_mxfp4_frag import fast_scales, fused_moe_mxfp4_frag, repack_fragment, repack_scales
     from deepinfer_rt.layers.quant_formats import dequantize_mxfp4
 
     g = torch.Generator(device="cuda").manual_seed(5)
@@ -149,7 +151,8 @@ def test_fragment_order_with_large_scales():
     assert not fast_scales(s_gu, sd)
     x = torch.randn(33, hidden, generator=g, device="cuda").to(torch.bfloat16) * 0.01
     weights, ids = torch.rand(33, e, generator=g, device="cuda").topk(2, dim=-1)
-    got = fused_moe_mxfp4_frag(x, repack_fragment(q_gu), s_gu, repack_fragment(qd), sd, weights, ids, fast=False)
+    got = fused_moe_mxfp4_frag(x, repack_fragment(q_gu), repack_scales(s_gu), repack_fragment(qd), repack_scales(sd),
+                               weights, ids, fast=False)
     want = fused_moe(x, dequantize_mxfp4(q_gu, s_gu, torch.bfloat16), dequantize_mxfp4(qd, sd, torch.bfloat16),
                      weights, ids)
     err = ((got.float() - want.float()).norm() / want.float().norm()).item()
@@ -158,13 +161,15 @@ def test_fragment_order_with_large_scales():
 
 def test_clamped_experts_repack_into_the_fragment_order_at_load():
     """DeepSeek-V4's routed experts built for CUDA from an MXFP4 checkpoint: with the fragment order (the default)
-    process_weights_after_loading reorders the packed bytes in place and the forward runs fused_moe_mxfp4_frag;
+    process_weights_after_loading reorders the packed bytes and the scales in place and the forward runs
+    fused_moe_mxfp4_frag;
     without it, fused_moe_mxfp4 over the release order. Same checkpoint tensors, same routing, same outputs
     (MATCH_BF16)."""
     import types
 
     from deepinfer_rt.config import QuantConfig
     from deepinfer_rt.layers.kernel_config import KernelConfig, build_context
+    from deepinfer_kernels.fused_moe_mxfp4_frag import repack_fragment, repack_scales
     from deepinfer_rt.layers.quant_formats import quantize_mxfp4
     from deepinfer_rt.models.deepseek_v4.moe import ClampedExperts
 
@@ -189,7 +194,9 @@ def test_clamped_experts_repack_into_the_fragment_order_at_load():
         experts.process_weights_after_loading()
         experts.process_weights_after_loading()  # a second finalize leaves the repacked bytes alone
         assert (experts.mxfp4_fast is True) is fragment, experts.mxfp4_fast
-        assert torch.equal(experts.gate_up_proj.cpu(), q_gu.view(torch.int8)) is not fragment
+        want_q, want_s = (repack_fragment(q_gu), repack_scales(s_gu)) if fragment else (q_gu, s_gu)
+        assert torch.equal(experts.gate_up_proj.cpu(), want_q.view(torch.int8))
+        assert torch.equal(experts.gate_up_proj_scale_inv.cpu().view(torch.uint8), want_s.view(torch.uint8))
         out[fragment] = experts(x, w, ids).float()
     err = ((out[True] - out[False]).norm() / out[False].norm()).item()
     assert err <= MATCH_BF16, err

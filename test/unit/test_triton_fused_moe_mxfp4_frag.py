@@ -1,7 +1,8 @@
 """The fragment-order MXFP4 MoE (deepinfer_kernels.fused_moe_mxfp4_frag): the repack's bit placement decoded back
 by the kernel's own shifts and masks (torch) gives every code's value; through Triton's interpreter the kernel over
 repacked experts equals dequantize-then-matmul at bf16 tolerance, with scale bytes past FAST_MAX_SCALE (the
-two-multiply decode), one-block-per-pair and sorted routing, two tile shapes; bad shapes are refused. The GPU suite
+two-multiply decode), one-block-per-pair and sorted routing, 64-row tiles with the scales loaded a step ahead and
+in the step, 128-row tiles; the repacked scales are the weights' tiles; bad shapes are refused. The GPU suite
 runs it at V4-Flash shapes (test/gpu/test_gpu_mxfp4_moe.py).
 
 Tolerance: the dequantized weights are exact in bf16; h is rounded to bf16 between the GEMMs and the activations
@@ -33,33 +34,57 @@ def _decode_words(words: torch.Tensor) -> torch.Tensor:
     return sign * E2M1[field]
 
 
-def test_repack_places_every_code_where_the_masks_read_it():
-    from deepinfer_kernels.fused_moe_mxfp4_frag import fragment_order, repack_fragment
+def _untile(t: torch.Tensor, row_bytes: int) -> torch.Tensor:
+    """The tiled layout (TILE_ROWS rows x row_bytes per chunk, the chunks of a row block in a row) -> rows."""
+    e, r, n = t.shape
+    return t.reshape(e, r // 64, n // row_bytes, 64, row_bytes).transpose(2, 3).reshape(e, r, n)
 
+
+def test_repack_places_every_code_where_the_masks_read_it():
+    from deepinfer_kernels.fused_moe_mxfp4_frag import TILE_ROWS, fragment_order, repack_fragment
+
+    assert TILE_ROWS == 64
     g = torch.Generator().manual_seed(0)
-    packed = torch.randint(-128, 128, (3, 8, 256 // 2), generator=g, dtype=torch.int8)
+    packed = torch.randint(-128, 128, (3, 128, 256 // 2), generator=g, dtype=torch.int8)
     packed[0, 0, :8] = torch.tensor([0x10, 0x32, 0x54, 0x76, 0x98, 0xBA, 0xDC, 0xFE], dtype=torch.uint8).view(
         torch.int8)  # every code once
-    frag = repack_fragment(packed, max_elements=1024)  # several expert steps
+    frag = repack_fragment(packed, max_elements=1 << 15)  # several expert steps
     inplace = packed.clone()
-    assert repack_fragment(inplace, out=inplace, max_elements=1024) is inplace and torch.equal(inplace, frag)
+    assert repack_fragment(inplace, out=inplace, max_elements=1 << 15) is inplace and torch.equal(inplace, frag)
     assert frag.shape == packed.shape and frag.dtype == torch.int8
+    assert not torch.equal(frag[0, 1, :64], _untile(frag, 64)[0, 1, :64])  # row 1's first chunk is not at row 1
     u = packed.view(torch.uint8).long()
-    codes = torch.stack([u & 15, u >> 4], -1).reshape(3, 8, 2, 128)  # element order, 2 chunks a row
+    codes = torch.stack([u & 15, u >> 4], -1).reshape(3, 128, 2, 128)  # element order, 2 chunks a row
     want = torch.where(codes >= 8, -1.0, 1.0) * E2M1[codes & 7]
-    words = frag.view(torch.int32).long() & 0xFFFFFFFF
-    got = _decode_words(words.reshape(3, 8, 2, 16))  # (3, 8, chunks, 16, 4, 2)
+    words = _untile(frag, 64).view(torch.int32).long() & 0xFFFFFFFF
+    got = _decode_words(words.reshape(3, 128, 2, 16))  # (3, 128, chunks, 16, 4, 2)
     order = fragment_order().flatten()
-    assert torch.equal(got.reshape(3, 8, 2, 128), want[..., order])
+    assert torch.equal(got.reshape(3, 128, 2, 128), want[..., order])
     assert sorted(order.tolist()) == list(range(128))  # a permutation of the chunk
     with pytest.raises(ValueError, match="multiple of 128"):
         repack_fragment(packed[..., :48])
+    with pytest.raises(ValueError, match="rows = 96"):
+        repack_fragment(packed[:, :96])
+
+
+def test_repack_scales_tiles_them_like_the_weights():
+    from deepinfer_kernels.fused_moe_mxfp4_frag import repack_scales
+
+    g = torch.Generator().manual_seed(1)
+    scale = torch.randint(0, 256, (2, 192, 16), generator=g, dtype=torch.uint8)  # 3 row blocks, 4 chunks
+    tiled = repack_scales(scale)
+    assert tiled.shape == scale.shape and torch.equal(_untile(tiled, 4), scale)
+    assert torch.equal(tiled[0, 0, :8], torch.cat([scale[0, 0, :4], scale[0, 1, :4]]))  # rows 0, 1 of chunk 0
+    e8m0 = scale.view(torch.float8_e8m0fnu).clone()
+    assert repack_scales(e8m0, out=e8m0) is e8m0 and torch.equal(e8m0.view(torch.uint8), tiled)  # in place
+    with pytest.raises(ValueError, match="rows = 96"):
+        repack_scales(scale[:, :96])
 
 
 _KERNEL = textwrap.dedent("""
     import torch
     import torch.nn.functional as F
-    from deepinfer_kernels.fused_moe_mxfp4_frag import fast_scales, fused_moe_mxfp4_frag, repack_fragment
+    from deepinfer_kernels.fused_moe_mxfp4_frag import fast_scales, fused_moe_mxfp4_frag, repack_fragment, repack_scales
     from deepinfer_rt.layers.quant_formats import dequantize_mxfp4, quantize_mxfp4
     g = torch.Generator().manual_seed(0)
     e, hidden, inter, k, limit = 4, 128, 256, 2, 0.3
@@ -71,6 +96,7 @@ _KERNEL = textwrap.dedent("""
     d_gu, d_down = dequantize_mxfp4(q_gu, s_gu), dequantize_mxfp4(qd, sd)
     f_gu, f_d = repack_fragment(q_gu), repack_fragment(qd)
     assert fast_scales(s_gu) and not fast_scales(s_gu, sd)
+    s_gu, sd = repack_scales(s_gu), repack_scales(sd)
 
     def reference(x, w, ids, limit):
         out = torch.zeros(x.shape[0], hidden)
@@ -82,17 +108,17 @@ _KERNEL = textwrap.dedent("""
             out += torch.einsum("ti,thi->th", h, d_down[ids[:, j]]) * w[:, j:j + 1]
         return out
 
-    for t, config in ((3, None), (40, dict(BLOCK_N=128, num_warps=4, num_stages=1))):
+    # 64-row tiles with the next chunk's scales loaded ahead (the default) and in the step; 128-row tiles
+    for t, config in ((3, None), (5, dict(BLOCK_N=64, num_warps=4, num_stages=1, AHEAD=False)),
+                      (40, dict(BLOCK_N=128, num_warps=4, num_stages=1))):
         x = torch.randn(t, hidden, generator=g).bfloat16()
         ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
         w = torch.rand(t, k, generator=g)
         want = reference(x, w, ids, limit)
-        for scales_fast in (False, True):
-            dsc = sd if not scales_fast else sd.clone()
-            y = fused_moe_mxfp4_frag(x, f_gu, s_gu, f_d, sd, w, ids, limit, fast=False, config=config)
-            assert y.shape == (t, hidden) and y.dtype == torch.bfloat16
-            diff = y.float() - want
-            assert diff.norm() <= 1e-2 * want.norm(), (t, (diff.norm() / want.norm()).item())
+        y = fused_moe_mxfp4_frag(x, f_gu, s_gu, f_d, sd, w, ids, limit, fast=False, config=config)
+        assert y.shape == (t, hidden) and y.dtype == torch.bfloat16
+        diff = y.float() - want
+        assert diff.norm() <= 1e-2 * want.norm(), (t, (diff.norm() / want.norm()).item())
         # FAST over experts whose scales allow it: every expert but the scaled-up one
         keep = ids != 1
         ids2 = torch.where(keep, ids, 0)
