@@ -149,8 +149,9 @@ class Env:
     dtype for the grouped product of the model's method (the form before, twice the bytes)."""
     mxfp4_fragment: bool
     """DEEPINFER_MXFP4_FRAGMENT (default on): on CUDA, MXFP4 experts are repacked at load into the order Hopper's
-    wgmma fragment takes them (deepinfer_kernels.fused_moe_mxfp4_frag: the same bytes, about 2 instructions an
-    element to decode instead of 7.5; bf16 operands) wherever the shapes allow (K and rows multiples of 128); 0 keeps
+    wgmma fragment takes them and into contiguous 64-row tiles, their scales with them
+    (deepinfer_kernels.fused_moe_mxfp4_frag: the same bytes, a cheaper decode, streamed reads; bf16 operands)
+    wherever the shapes allow (K and rows multiples of 128); 0 keeps
     the release order and fused_moe_mxfp4's forms (tl.dot_scaled, the GEMV form at one token)."""
     fp8_kv_dot: str
     """DEEPINFER_FP8_KV_DOT: the dots of the decode attention kernel over an FP8 KV pool with a 16-bit model: 'f16'
