@@ -27,6 +27,7 @@ import triton
 
 from deepinfer_kernels.fp8_gemm import (SPLIT_K_MAX_ROWS, _config, fp8_block_gemm, fp8_gemm, scaled_mm_shape_unsupported,
                                         scaled_mm_unsupported, split_k_for)
+from deepinfer_kernels.fp8_gemv import GEMV_MAX_ROWS, fp8_gemv
 from deepinfer_kernels.reference import dequantize_fp8_blocks, quantize_fp8_blocks
 
 SHAPES = {  # (N, K)
@@ -35,7 +36,13 @@ SHAPES = {  # (N, K)
     "v2lite_o_proj": (2048, 2048), "v2lite_shared_down": (2048, 2816),
     "v3_fused_qkv_a": (1536 + 576, 7168), "v3_q_b": (128 * 192, 1536), "v3_o_proj": (7168, 128 * 128),
     "v3_dense_gate_up": (2 * 18432, 7168), "v3_dense_down": (7168, 18432),
+    # V4.1-Flash (32 x 32 scale blocks) and V4-Flash decode projections: wq_a, wq_b, wkv, wo_b, the shared expert
+    "v41_wq_a": (1280, 5120, (32, 32)), "v41_wq_b": (64 * 512, 1280, (32, 32)), "v41_wkv": (512, 5120, (32, 32)),
+    "v41_wo_b": (5120, 8192, (32, 32)), "v41_shared_gate_up": (2 * 2304, 5120, (32, 32)),
+    "v41_shared_down": (5120, 2304, (32, 32)),
+    "v4_wq_a": (1024, 4096), "v4_wq_b": (64 * 512, 1024), "v4_wo_b": (4096, 8192), "v4_shared_gate_up": (4096, 4096),
 }
+"""(N, K[, scale block]): 128 x 128 blocks unless given."""
 GROUPED_SHAPES = {  # (groups, rows a group, inputs a group, scale block): V4 / V4.1-Flash's wo_a
     "v4flash_wo_a": (8, 1024, 4096, (128, 128)), "v41flash_wo_a": (8, 1024, 4096, (32, 32)),
 }
@@ -98,12 +105,13 @@ def gemm_rows(device: str, ceil: dict, shapes: dict, rows: tuple[int, ...], skip
     """One row per (shape, M); `save(rows so far)` after each, so a run cut short keeps what it measured."""
     dtype = torch.bfloat16 if device == "cuda" else torch.float32  # the interpreter multiplies bf16 as integers
     out = []
-    for name, (n, k) in shapes.items():
-        q, s = quantize_fp8_blocks(torch.randn(n, k, device=device) * 0.02)
+    for name, (n, k, *block) in shapes.items():
+        block = tuple(block[0]) if block else (128, 128)
+        q, s = quantize_fp8_blocks(torch.randn(n, k, device=device) * 0.02, block)
         weight_bytes = q.numel() + s.numel() * 4
         copies = max(1, math.ceil(L2_ROTATION_BYTES / weight_bytes)) if device == "cuda" else 1
         fp8_weights = [(q.clone(), s.clone()) for _ in range(copies)]
-        dense = [dequantize_fp8_blocks(wq, ws, dtype=dtype) for wq, ws in fp8_weights]
+        dense = [dequantize_fp8_blocks(wq, ws, block, dtype=dtype) for wq, ws in fp8_weights]
 
         def per_call(fn) -> float:  # one timed call runs every copy once
             return _seconds(lambda: [fn(i) for i in range(copies)], device) / copies
@@ -111,29 +119,33 @@ def gemm_rows(device: str, ceil: dict, shapes: dict, rows: tuple[int, ...], skip
         for m in rows:
             x = torch.randn(m, k, device=device, dtype=dtype)
             flops = 2 * m * n * k
-            row = {"shape": name, "m": m, "n": n, "k": k, "weight_copies": copies,
+            row = {"shape": name, "m": m, "n": n, "k": k, "block": list(block), "weight_copies": copies,
                    "floor_us": 1e6 * max(weight_bytes / ceil["stream_bytes_per_s"],
                                          flops / ceil["fp8_matmul_flop_per_s"])}
-            shape_reason = scaled_mm_shape_unsupported(n, k, 128, 128, dtype)
+            shape_reason = scaled_mm_shape_unsupported(n, k, *block, dtype)
             for path in FP8_PATHS:
                 if path == "scaled_mm" and (skip_scaled_mm or shape_reason):
                     row["scaled_mm_skipped"] = skip_scaled_mm or f"{shape_reason} (the tiled path runs it)"
                     continue
-                seconds = per_call(lambda i: fp8_gemm(x, *fp8_weights[i], 128, 128, path=path))
+                seconds = per_call(lambda i: fp8_gemm(x, *fp8_weights[i], *block, path=path))
                 row[f"{path}_us"] = seconds * 1e6
                 row[f"{path}_fraction_of_fp8_rate"] = flops / seconds / ceil["fp8_matmul_flop_per_s"]
                 row[f"{path}_fraction_of_floor"] = row["floor_us"] / row[f"{path}_us"]
+            if m <= GEMV_MAX_ROWS:  # the CUDA-core form for a few rows
+                seconds = per_call(lambda i: fp8_gemv(x, *fp8_weights[i], *block))
+                row["gemv_us"] = seconds * 1e6
+                row["gemv_fraction_of_floor"] = row["floor_us"] / row["gemv_us"]
             if device == "cuda" and SPLIT_K_MAX_ROWS < m <= SPLIT_PROBE_MAX_ROWS:
                 # the split fused kernel past the row count where fp8_gemm stops splitting
                 split = split_k_for(m, n, k, _config(m)["BLOCK_M"], _config(m)["BLOCK_N"], 128,
                                     torch.cuda.get_device_properties(device).multi_processor_count, max_rows=m)
-                seconds = per_call(lambda i: fp8_block_gemm(x, *fp8_weights[i], 128, 128, split_k=split))
+                seconds = per_call(lambda i: fp8_block_gemm(x, *fp8_weights[i], *block, split_k=split))
                 row.update(triton_split_k=split, triton_split_us=seconds * 1e6,
                            triton_split_fraction_of_floor=row["floor_us"] / (seconds * 1e6))
             seconds = per_call(lambda i: x @ dense[i].t())
             row["bf16_cublas_us"] = seconds * 1e6
             row["bf16_cublas_fraction_of_bf16_rate"] = flops / seconds / ceil["bf16_matmul_flop_per_s"]
-            over = [path for path in (*FP8_PATHS, "triton_split") if row.get(f"{path}_fraction_of_floor", 0) > 1.02]
+            over = [path for path in (*FP8_PATHS, "triton_split", "gemv") if row.get(f"{path}_fraction_of_floor", 0) > 1.02]
             if over:  # a figure above the floor is a fault of this benchmark or of its floor, never a result
                 row["above_floor"] = over
                 print(f"WARNING: {name} M={m}: {over} above the floor", flush=True)

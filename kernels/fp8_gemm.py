@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 
 from deepinfer_kernels.dispatch import pdl_launch, pdl_wait
+from deepinfer_kernels.fp8_gemv import GEMV_MAX_ROWS, fp8_gemv
 from deepinfer_kernels.fp8_quant import FP8_MAX, MIN_AMAX, quantize_fp8_token_groups
 from deepinfer_kernels.fp8_scaled_mm import (SCALED_MM_ROW_MULTIPLE, fp8_scaled_mm, scaled_mm_api_missing,  # noqa: F401
                                              scaled_mm_shape_unsupported, scaled_mm_unsupported)
@@ -382,9 +383,10 @@ def fp8_invariant_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: 
 
 # ---- the path switch (DEEPINFER_FP8_GEMM, read where the layer's method is built) ----
 
-FP8_GEMM_PATHS = ("triton", "scaled_mm", "tiled", "auto")
+FP8_GEMM_PATHS = ("triton", "scaled_mm", "tiled", "gemv", "auto")
 """triton: the fused kernel above (activations quantized in every N tile); scaled_mm: path A (torch's block-scaled
-GEMM, the tiled path for shapes it does not take); tiled: path B; auto: auto_path (rows, output width, blocks)."""
+GEMM, the tiled path for shapes it does not take); tiled: path B; gemv: deepinfer_kernels.fp8_gemv, the CUDA-core
+form, up to fp8_gemv.GEMV_MAX_ROWS rows (more rows take auto's path); auto: auto_path (rows, output width, blocks)."""
 
 AUTO_PATHS: tuple[tuple[int, str], ...] = ((1, "tiled"), (1 << 62, "scaled_mm"))
 """(largest M, path) rows, first match wins: `auto`'s choice (the default), from an H200 run of
@@ -409,12 +411,22 @@ or scaled_mm stays ahead (V2-Lite's dense gate_up 20.4 tiled against 27.3), so A
 
 SPLIT_AUTO_MAX_N = 4096
 """Widest output `auto` sends to the split fused kernel at up to SPLIT_K_MAX_ROWS rows (128 x 128 blocks)."""
+GEMV_AUTO_MAX_ROWS = 1
+"""Rows `auto` sends to the GEMV form (deepinfer_kernels.fp8_gemv). At one row on an H100
+(benchmark/results/gpu_fp8_gemm_gemv_v41_h100.json) it took 8.6 / 18.6 / 7.6 / 22.6 / 15.9 / 10.4 us on V4.1-Flash's
+wq_a / wq_b / wkv / wo_b / shared gate_up / shared down (32 x 32 blocks) against 36.0 / 23.0 / 36.2 / 59.3 / 37.8 /
+19.5 for the tiled path those blocks took before, and on 128 x 128 blocks it was the fastest path or within 3% of it
+(V4-Flash's wq_a / wq_b / wo_b 7.5 / 15.4 / 17.6 against 8.5 / 16.2 / 20.2). At four rows it re-reads each weight
+tile from L2 per row and loses on the wide ones (V4.1's wq_b 35.7 against tiled 23.9)."""
 
 
 def auto_path(m: int, n: int = 1 << 62, block: tuple[int, int] = (128, 128),
               split_rows: int = SPLIT_K_MAX_ROWS) -> str:
-    """`auto`'s path for an M x N GEMM of `block` (rows, columns) scale blocks: the split fused kernel for up to
-    split_rows rows and narrow outputs (measured at 128 x 128 blocks), else AUTO_PATHS."""
+    """`auto`'s path for an M x N GEMM of `block` (rows, columns) scale blocks: the GEMV form at up to
+    GEMV_AUTO_MAX_ROWS rows, the split fused kernel for up to split_rows rows and narrow outputs (measured at 128 x
+    128 blocks), else AUTO_PATHS."""
+    if m <= GEMV_AUTO_MAX_ROWS:
+        return "gemv"
     if m <= split_rows and n <= SPLIT_AUTO_MAX_N and block == (128, 128):
         return "triton"
     return next(path for largest, path in AUTO_PATHS if m <= largest)
@@ -432,13 +444,18 @@ def fp8_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tens
     """y = x @ dequant(weight).T through `path` (one of FP8_GEMM_PATHS); the arguments as fp8_block_gemm's.
     scaled_mm on a GEMM it does not take (scaled_mm_shape_unsupported), or where the build or device lacks it
     under `auto`, runs the tiled path; an explicit scaled_mm on a build or device without it raises. pdl: the
-    fused path's launches as programmatic dependent ones (the other paths launch as before). groups > 1: grouped
+    fused and GEMV paths' launches as programmatic dependent ones (the other paths launch as before). groups > 1: grouped
     (fp8_block_gemm's); `auto` and scaled_mm run it on the tiled path (GROUPED_AUTO_PATH). split_rows: the most
     rows `auto` sends to the split fused kernel and that kernel splits K at (DEEPINFER_FP8_SPLIT_ROWS)."""
     is_auto = path == "auto"
     if is_auto:
         path = GROUPED_AUTO_PATH if groups > 1 else auto_path(x.numel() // x.shape[-1], weight.shape[0],
                                                                (group_n, block_k), split_rows)
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    if path == "gemv" and (groups > 1 or rows > GEMV_MAX_ROWS):  # a grouped GEMM or more rows: auto's path
+        path = GROUPED_AUTO_PATH if groups > 1 else auto_path(rows, weight.shape[0], (group_n, block_k), split_rows)
+    if path == "gemv":
+        return fp8_gemv(x, weight, weight_scale_inv, group_n, block_k, bias, pdl=pdl)
     if path == "triton":
         return fp8_block_gemm(x, weight, weight_scale_inv, group_n, block_k, bias, split_sum=split_sum, pdl=pdl,
                               groups=groups, split_rows=split_rows)

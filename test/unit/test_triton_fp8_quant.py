@@ -66,19 +66,23 @@ _TILED = textwrap.dedent("""
         rows = s.repeat_interleave(128, dim=0)[:n].contiguous()  # per-row scales (GROUP_N = 1)
         y1 = fp8_tiled_gemm(xq, xs, m, q, rows, 1, 128, x.dtype, bias, config=config)
         assert (y1 - want).abs().max() <= 1e-5 * want.abs().max(), (m, n, k)
-    # The switch: `auto` by default (the split fused kernel at <= 16 rows and N <= 4096, else tiled at one row,
-    # scaled_mm above, tiled where scaled_mm cannot run), a clear
-    # refusal of an explicit scaled_mm off CUDA and of an unknown path.
-    assert FP8_GEMM_PATHS == ("triton", "scaled_mm", "tiled", "auto")
-    assert auto_path(1) == "tiled" and auto_path(2) == auto_path(10**6) == "scaled_mm"
+    # The switch: `auto` by default (the GEMV form at one row, the split fused kernel at <= 16 rows and N <= 4096,
+    # else scaled_mm, tiled where scaled_mm cannot run), a clear refusal of an explicit scaled_mm off CUDA and of an
+    # unknown path.
+    assert FP8_GEMM_PATHS == ("triton", "scaled_mm", "tiled", "gemv", "auto")
+    assert auto_path(1) == auto_path(1, 2048) == auto_path(1, 2048, (32, 32)) == "gemv"
+    assert auto_path(2) == auto_path(10**6) == "scaled_mm"
     # the split fused kernel for few rows and narrow outputs at 128 x 128 blocks (measured on an H100)
-    assert auto_path(1, 2048) == auto_path(16, 4096) == "triton"
-    assert auto_path(17, 2048) == "scaled_mm" and auto_path(1, 5632) == "tiled"
-    assert auto_path(1, 2048, (32, 32)) == "tiled"
+    assert auto_path(2, 2048) == auto_path(16, 4096) == "triton"
+    assert auto_path(17, 2048) == "scaled_mm" and auto_path(2, 2048, (32, 32)) == "scaled_mm"
     assert auto_path(64, 2048, split_rows=64) == "triton" and auto_path(65, 2048, split_rows=64) == "scaled_mm"
     x = torch.randn(2, 3, 256, generator=g)
     q, s = quantize_fp8_blocks(torch.randn(128, 256, generator=g))
     assert torch.equal(fp8_gemm(x, q, s, 128, 128, path="auto"), fp8_gemm(x, q, s, 128, 128))
+    # gemv: the GEMV form up to its row limit; more rows, or a grouped GEMM, take auto's path
+    from deepinfer_kernels.fp8_gemv import fp8_gemv
+    assert torch.equal(fp8_gemm(x[0, :2], q, s, 128, 128, path="gemv"), fp8_gemv(x[0, :2], q, s, 128, 128))
+    assert torch.equal(fp8_gemm(x, q, s, 128, 128, path="gemv"), fp8_gemm(x, q, s, 128, 128))
     # auto asks auto_path with the GEMM's rows, output width, blocks and split row limit, and runs what it answers
     import deepinfer_kernels.fp8_gemm as module
     asked, inner = [], module.auto_path
