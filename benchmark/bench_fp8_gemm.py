@@ -145,7 +145,8 @@ def gemm_rows(device: str, ceil: dict, shapes: dict, rows: tuple[int, ...], skip
             seconds = per_call(lambda i: x @ dense[i].t())
             row["bf16_cublas_us"] = seconds * 1e6
             row["bf16_cublas_fraction_of_bf16_rate"] = flops / seconds / ceil["bf16_matmul_flop_per_s"]
-            over = [path for path in (*FP8_PATHS, "triton_split", "gemv") if row.get(f"{path}_fraction_of_floor", 0) > 1.02]
+            over = [path for path in (*FP8_PATHS, "triton_split", "gemv")
+                    if row.get(f"{path}_fraction_of_floor", 0) > 1.02]
             if over:  # a figure above the floor is a fault of this benchmark or of its floor, never a result
                 row["above_floor"] = over
                 print(f"WARNING: {name} M={m}: {over} above the floor", flush=True)

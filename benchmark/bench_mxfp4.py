@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import statistics
-
 from pathlib import Path
 
 import torch

@@ -444,8 +444,8 @@ def fp8_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tens
     """y = x @ dequant(weight).T through `path` (one of FP8_GEMM_PATHS); the arguments as fp8_block_gemm's.
     scaled_mm on a GEMM it does not take (scaled_mm_shape_unsupported), or where the build or device lacks it
     under `auto`, runs the tiled path; an explicit scaled_mm on a build or device without it raises. pdl: the
-    fused and GEMV paths' launches as programmatic dependent ones (the other paths launch as before). groups > 1: grouped
-    (fp8_block_gemm's); `auto` and scaled_mm run it on the tiled path (GROUPED_AUTO_PATH). split_rows: the most
+    fused and GEMV paths' launches as programmatic dependent ones (the other paths launch as before). groups > 1:
+    grouped (fp8_block_gemm's); `auto` and scaled_mm run it on the tiled path (GROUPED_AUTO_PATH). split_rows: the most
     rows `auto` sends to the split fused kernel and that kernel splits K at (DEEPINFER_FP8_SPLIT_ROWS)."""
     is_auto = path == "auto"
     if is_auto:

@@ -9,8 +9,8 @@ bytes, same shapes) so that
 
 - a tile of 64 rows x 128 K elements is 4 KB of contiguous memory (TILE_ROWS rows of 64 bytes, the chunks of a row
   block one after another along K), and its 256 scale bytes are contiguous too: a program streams its row block
-  front to back. Read row by row (64 bytes every 1-2 KB, the release order) the same kernel reached 0.55-0.65 of the
-  read bandwidth; tiled, 0.73-0.97 (results/gpu_mxfp4_frag_tiles_h100.json);
+  front to back. Read row by row (64 bytes every 1-2 KB, the release order) the same kernel reached 0.54-0.65 of the
+  read bandwidth at 1-256 tokens on an H100; tiled, 0.71-0.96 (benchmark/results/gpu_mxfp4_frag_tiles_h100.json);
 - each 32-bit word holds the 8 codes one thread multiplies together, and a thread's four words are 16 contiguous
   bytes (one 128-bit load);
 - each code sits where a shift and a mask turn it into a bf16 whose value is the code's x 2^-126: sign at bit
@@ -56,9 +56,10 @@ FRAG_TILE_TABLE = ((2048, FRAG_TILES), (None, WIDE_TILES))
 """(most pairs, tiles), first match wins; but row blocks of 128 pairs (pair_blocks at prefill sizes) keep FRAG_TILES:
 the gate_up kernel at 128 x 128 spills registers (its SASS, compiled for sm90). 64-row tiles load the next chunk's
 scales a step ahead (AHEAD; with it at 128 rows Triton stages the decoded tile through shared memory). V4-Flash's
-experts on an H100, tiled layout (bench_kernels.py --only mxfp4, results/gpu_mxfp4_frag_tiles_h100.json): 47.6 / 463 /
-997 / 1,370 us at 1 / 16 / 64 / 256 tokens (0.73 / 0.94 / 0.97 / 0.81 of the read bandwidth) against 63.8 / 683 / 1,470
-/ 1,946 row by row."""
+experts on an H100, tiled layout (bench_kernels.py --only mxfp4, results/gpu_mxfp4_frag_tile_layout_h100.json):
+47.6 / 463 / 997 / 1,370 us at 1 / 16 / 64 / 256 tokens (0.73 / 0.94 / 0.97 / 0.81 of the read bandwidth) against
+63.8 / 683 / 1,470 / 1,946 row by row at 64 x 128 tiles of 4 stages in the same call; at 2,048 tokens 128-row tiles
+3,518 us against 3,823 at 64 rows (results/gpu_mxfp4_frag_tiles_h100.json)."""
 
 
 def _frag_tiles(num_pairs: int, block_m: int) -> dict:

@@ -15,7 +15,8 @@ per element -- for the fused MXFP4 MoE (deepinfer_kernels.fused_moe_mxfp4), whic
 (Hopper has no FP4 tensor cores); the dequantize-at-load path is its reference. With `fragment`
 (DEEPINFER_MXFP4_FRAGMENT) the packed bytes are reordered at load, in place, into the order Hopper's wgmma takes
 them from registers and into contiguous 64-row tiles, their scales into the same tiles
-(deepinfer_kernels.fused_moe_mxfp4_frag: the same bytes, a cheaper decode, streamed reads), where the shapes allow; `experts.mxfp4_fast` then says whether every scale byte allows its one-multiply decode (None: release order).
+(deepinfer_kernels.fused_moe_mxfp4_frag: the same bytes, a cheaper decode, streamed reads), where the shapes allow;
+`experts.mxfp4_fast` then says whether every scale byte allows its one-multiply decode (None: release order).
 """
 from __future__ import annotations
 
