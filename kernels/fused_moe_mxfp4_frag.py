@@ -37,7 +37,8 @@ import torch
 import triton
 import triton.language as tl
 
-from deepinfer_kernels.fused_moe import combine_slots, pair_blocks, pair_rows, store_swiglu, store_weighted
+from deepinfer_kernels.fused_moe import (PER_PAIR_MAX, combine_slots, pair_blocks, pair_rows, store_swiglu,
+                                        store_weighted)
 from deepinfer_kernels.fused_moe_mxfp4 import _as_bytes, check_mxfp4_experts
 
 CHUNK = 128
@@ -288,7 +289,8 @@ def fused_moe_mxfp4_frag(x: torch.Tensor, gate_up: torch.Tensor, gate_up_scale: 
     """fused_moe_mxfp4 over experts repacked by repack_fragment and their scales by repack_scales (same shapes;
     uint8 / e8m0 scales). fast: every scale byte <= FAST_MAX_SCALE (fast_scales; a larger one would decode to inf).
     config: BLOCK_N (a multiple of 16 num_warps and of TILE_ROWS), num_warps, num_stages, optionally AHEAD (default:
-    at 64-row tiles); None: _frag_tiles (FRAG_TILE_TABLE)."""
+    at 64-row tiles) and BLOCK_M (pairs a row block, past PER_PAIR_MAX pairs; default fused_moe's rule, which takes 32
+    from 4 pairs an expert on); None, or only BLOCK_M: _frag_tiles (FRAG_TILE_TABLE)."""
     t, k = ids.shape
     hidden = x.shape[1]
     inter = check_mxfp4_experts(gate_up, gate_up_scale, down, down_scale, hidden)
@@ -299,8 +301,10 @@ def fused_moe_mxfp4_frag(x: torch.Tensor, gate_up: torch.Tensor, gate_up_scale: 
         raise ValueError("fused_moe_mxfp4_frag needs contiguous x, expert weights and scales")
     e = gate_up.shape[0]
     num_pairs = t * k
-    blocks = pair_blocks(ids, e)
-    config = dict(config or _frag_tiles(num_pairs, blocks.block_m))
+    config = dict(config or {})
+    block_m = config.pop("BLOCK_M", None)
+    blocks = pair_blocks(ids, e, block_m) if block_m and num_pairs > PER_PAIR_MAX else pair_blocks(ids, e)
+    config = config or _frag_tiles(num_pairs, blocks.block_m)
     block_n, nw = config.pop("BLOCK_N"), config["num_warps"]
     config.setdefault("AHEAD", block_n == TILE_ROWS)
     if block_n % (16 * nw) or block_n % TILE_ROWS or not (fragment_supported(inter, hidden, block_n)

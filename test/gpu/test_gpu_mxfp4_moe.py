@@ -105,7 +105,8 @@ def test_every_benchmarked_configuration_matches_the_bf16_fused_moe(experts, nam
 FRAG_CONFIGS = {"n64_w4": None, "n64_w4_in_step": dict(BLOCK_N=64, num_warps=4, num_stages=3, AHEAD=False),
                 "n128_w4": dict(BLOCK_N=128, num_warps=4, num_stages=3),
                 "n128_w4_ahead": dict(BLOCK_N=128, num_warps=4, num_stages=3, AHEAD=True),
-                "n128_w8": dict(BLOCK_N=128, num_warps=8, num_stages=3)}
+                "n128_w8": dict(BLOCK_N=128, num_warps=8, num_stages=3),
+                "n64_m16": dict(BLOCK_N=64, num_warps=4, num_stages=3, BLOCK_M=16)}
 
 
 @pytest.fixture(scope="module")

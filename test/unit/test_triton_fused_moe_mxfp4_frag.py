@@ -2,7 +2,8 @@
 by the kernel's own shifts and masks (torch) gives every code's value; through Triton's interpreter the kernel over
 repacked experts equals dequantize-then-matmul at bf16 tolerance, with scale bytes past FAST_MAX_SCALE (the
 two-multiply decode), one-block-per-pair and sorted routing, 64-row tiles with the scales loaded a step ahead and
-in the step, 128-row tiles; the repacked scales are the weights' tiles; bad shapes are refused. The GPU suite
+in the step, 128-row tiles, 16-pair row blocks; the repacked scales are the weights' tiles; bad shapes are
+refused. The GPU suite
 runs it at V4-Flash shapes (test/gpu/test_gpu_mxfp4_moe.py).
 
 Tolerance: the dequantized weights are exact in bf16; h is rounded to bf16 between the GEMMs and the activations
@@ -108,9 +109,10 @@ _KERNEL = textwrap.dedent("""
             out += torch.einsum("ti,thi->th", h, d_down[ids[:, j]]) * w[:, j:j + 1]
         return out
 
-    # 64-row tiles with the next chunk's scales loaded ahead (the default) and in the step; 128-row tiles
+    # 64-row tiles with the next chunk's scales loaded ahead (the default) and in the step; 128-row tiles; 16-pair
+    # row blocks where the default rule takes 32 (an expert's 20-odd pairs in two blocks)
     for t, config in ((3, None), (5, dict(BLOCK_N=64, num_warps=4, num_stages=1, AHEAD=False)),
-                      (40, dict(BLOCK_N=128, num_warps=4, num_stages=1))):
+                      (40, dict(BLOCK_N=128, num_warps=4, num_stages=1)), (40, dict(BLOCK_M=16))):
         x = torch.randn(t, hidden, generator=g).bfloat16()
         ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
         w = torch.rand(t, k, generator=g)
