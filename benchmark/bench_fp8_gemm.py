@@ -158,7 +158,8 @@ def gemm_rows(device: str, ceil: dict, shapes: dict, rows: tuple[int, ...], skip
 
 
 def grouped_rows(device: str, ceil: dict, rows: tuple[int, ...], save, out: list) -> list:
-    """The grouped FP8 GEMM (`groups`, V4's wo_a kept in FP8) through `auto`, `triton` and `tiled`, beside the form
+    """The grouped FP8 GEMM (`groups`, V4's wo_a kept in FP8) through `auto`, `triton`, `tiled` and (up to
+    GEMV_MAX_ROWS rows) `gemv`, beside the form
     it replaces: cuBLAS bf16 over the weight dequantized at load (torch.einsum per group, twice the bytes)."""
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     for name, (groups, r, k, block) in GROUPED_SHAPES.items():
@@ -177,7 +178,7 @@ def grouped_rows(device: str, ceil: dict, rows: tuple[int, ...], save, out: list
             row = {"shape": name, "m": m, "groups": groups, "n": groups * r, "k": k, "block": list(block),
                    "weight_copies": copies, "floor_us": 1e6 * max(weight_bytes / ceil["stream_bytes_per_s"],
                                                                    flops / ceil["fp8_matmul_flop_per_s"])}
-            for path in ("auto", "triton", "tiled"):
+            for path in ("auto", "triton", "tiled") + (("gemv",) if m <= GEMV_MAX_ROWS else ()):
                 seconds = per_call(lambda i: fp8_gemm(x, *fp8_weights[i], *block, path=path, groups=groups))
                 row[f"grouped_{path}_us"] = seconds * 1e6
                 row[f"grouped_{path}_fraction_of_floor"] = row["floor_us"] / row[f"grouped_{path}_us"]

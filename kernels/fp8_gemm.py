@@ -386,7 +386,8 @@ def fp8_invariant_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: 
 FP8_GEMM_PATHS = ("triton", "scaled_mm", "tiled", "gemv", "auto")
 """triton: the fused kernel above (activations quantized in every N tile); scaled_mm: path A (torch's block-scaled
 GEMM, the tiled path for shapes it does not take); tiled: path B; gemv: deepinfer_kernels.fp8_gemv, the CUDA-core
-form, up to fp8_gemv.GEMV_MAX_ROWS rows (more rows take auto's path); auto: auto_path (rows, output width, blocks)."""
+form, up to fp8_gemv.GEMV_MAX_ROWS rows, grouped too (more rows take auto's path); auto: auto_path (rows, output
+width, blocks; GROUPED_AUTO_PATH for a grouped GEMM)."""
 
 AUTO_PATHS: tuple[tuple[int, str], ...] = ((1, "tiled"), (1 << 62, "scaled_mm"))
 """(largest M, path) rows, first match wins: `auto`'s choice (the default), from an H200 run of
@@ -452,10 +453,10 @@ def fp8_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tens
         path = GROUPED_AUTO_PATH if groups > 1 else auto_path(x.numel() // x.shape[-1], weight.shape[0],
                                                                (group_n, block_k), split_rows)
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if path == "gemv" and (groups > 1 or rows > GEMV_MAX_ROWS):  # a grouped GEMM or more rows: auto's path
+    if path == "gemv" and rows > GEMV_MAX_ROWS:  # more rows: auto's path
         path = GROUPED_AUTO_PATH if groups > 1 else auto_path(rows, weight.shape[0], (group_n, block_k), split_rows)
     if path == "gemv":
-        return fp8_gemv(x, weight, weight_scale_inv, group_n, block_k, bias, pdl=pdl)
+        return fp8_gemv(x, weight, weight_scale_inv, group_n, block_k, bias, pdl=pdl, groups=groups)
     if path == "triton":
         return fp8_block_gemm(x, weight, weight_scale_inv, group_n, block_k, bias, split_sum=split_sum, pdl=pdl,
                               groups=groups, split_rows=split_rows)

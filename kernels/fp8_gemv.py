@@ -31,9 +31,10 @@ GEMV_TILE = dict(BLOCK_N=32, KC=256, num_warps=4, num_stages=3)
 @triton.jit
 def _fp8_gemv_kernel(XQ, XS, W, WS, P, Y, N, K, k_per_split, stride_xm, stride_xsm, stride_xsk, stride_wn,
                      stride_wsn, stride_ym, BLOCK_N: tl.constexpr, KC: tl.constexpr, BK: tl.constexpr,
-                     GROUP_N: tl.constexpr, DIRECT: tl.constexpr, PDL: tl.constexpr):
+                     GROUP_N: tl.constexpr, GROUP_ROWS: tl.constexpr, DIRECT: tl.constexpr, PDL: tl.constexpr):
     """Program (row m, n tile, split s): columns [s * k_per_split, (s + 1) * k_per_split) of row m's products.
-    DIRECT (one split, no bias) writes Y, else the fp32 partial to P (splits, M, N)."""
+    DIRECT (one split, no bias) writes Y, else the fp32 partial to P (splits, M, N). GROUP_ROWS > 0: grouped (output
+    rows [g * GROUP_ROWS, (g + 1) * GROUP_ROWS) read x's g-th K columns and their scales; BLOCK_N divides it)."""
     pdl_wait(PDL)
     m = tl.program_id(0).to(tl.int64)
     pid_n = tl.program_id(1)
@@ -46,8 +47,11 @@ def _fp8_gemv_kernel(XQ, XS, W, WS, P, Y, N, K, k_per_split, stride_xm, stride_x
     offs_k = tl.arange(0, KC)
     w_ptrs = W + offs_n.to(tl.int64)[:, None] * stride_wn + k0 + offs_k[None, :]
     ws_ptrs = WS + (offs_n // GROUP_N).to(tl.int64)[:, None] * stride_wsn + k0 // BK + tl.arange(0, G)[None, :]
-    x_ptrs = XQ + m * stride_xm + k0 + offs_k
-    xs_ptrs = XS + m * stride_xsm + (k0 // BK + tl.arange(0, G)) * stride_xsk
+    x0 = k0
+    if GROUP_ROWS > 0:
+        x0 += (pid_n * BLOCK_N // GROUP_ROWS) * K
+    x_ptrs = XQ + m * stride_xm + x0 + offs_k
+    xs_ptrs = XS + m * stride_xsm + (x0 // BK + tl.arange(0, G)) * stride_xsk
     acc = tl.zeros([BLOCK_N], tl.float32)
     for kc in range(k0, k1, KC):
         kmask = offs_k < k1 - kc
@@ -78,26 +82,31 @@ def gemv_split_for(m: int, n: int, k: int, block_n: int, kc: int, num_sms: int) 
 
 def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor, group_n: int, block_k: int,
              bias: torch.Tensor | None = None, config: dict | None = None, split_k: int | None = None,
-             pdl: bool = False) -> torch.Tensor:
+             pdl: bool = False, groups: int = 1) -> torch.Tensor:
     """x (..., K) 16/32-bit with at most GEMV_MAX_ROWS rows, weight (N, K) float8_e4m3fn, weight_scale_inv
     (ceil(N / group_n), ceil(K / block_k)) float32 -> (..., N) in x's dtype; the values of fp8_gemm's paths (the
     same quantized activations and exact products, fp32 sums in another order). config: BLOCK_N, KC (a multiple of
     block_k), num_warps, num_stages (default GEMV_TILE). split_k: None = gemv_split_for on the GPU, 1 elsewhere.
-    pdl: its launches as programmatic dependent ones."""
-    from deepinfer_kernels.fp8_gemm import _split_k_sum_kernel  # (fp8_gemm imports this module)
+    pdl: its launches as programmatic dependent ones. groups > 1: a block-diagonal (grouped) product as
+    fp8_gemm.fp8_block_gemm's (x (..., groups * K), weight (groups * R, K), K a multiple of block_k)."""
+    from deepinfer_kernels.fp8_gemm import _group_rows, _split_k_sum_kernel, group_tile_n  # (it imports this module)
 
-    k, n = x.shape[-1], weight.shape[0]
-    x2 = x.reshape(-1, k)
+    k, n = weight.shape[1], weight.shape[0]
+    rows = _group_rows(x, weight, groups)
+    x2 = x.reshape(-1, groups * k)
     m = x2.shape[0]
     if m > GEMV_MAX_ROWS:
         raise ValueError(f"fp8_gemv takes at most {GEMV_MAX_ROWS} rows, got {m}")
-    if weight.dtype != torch.float8_e4m3fn or weight.shape[1] != k or weight.stride(1) != 1:
-        raise ValueError(f"fp8_gemv: weight {tuple(weight.shape)} {weight.dtype} for {k} inputs")
+    if weight.dtype != torch.float8_e4m3fn or weight.stride(1) != 1 or (groups > 1 and k % block_k):
+        raise ValueError(f"fp8_gemv: weight {tuple(weight.shape)} {weight.dtype} for {groups} x {k} inputs in blocks "
+                         f"of {block_k}")
     if tuple(weight_scale_inv.shape) != (triton.cdiv(n, group_n), triton.cdiv(k, block_k)):
         raise ValueError(f"fp8_gemv: scales {tuple(weight_scale_inv.shape)} for a {n} x {k} weight in {group_n} x "
                          f"{block_k} blocks")
     config = dict(config or GEMV_TILE)
     block_n, kc = config.pop("BLOCK_N"), config.pop("KC")
+    if rows:
+        block_n = group_tile_n(block_n, rows)
     if kc % block_k:
         raise ValueError(f"fp8_gemv: KC {kc} must be a multiple of the block {block_k}")
     y = x.new_empty(m, n)
@@ -114,7 +123,7 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tens
     _fp8_gemv_kernel[(m, triton.cdiv(n, block_n), split_k)](
         xq, xs, weight, weight_scale_inv, part, y, n, k, k_per_split, xq.stride(0), xs.stride(0), xs.stride(1),
         weight.stride(0), weight_scale_inv.stride(0), y.stride(0), BLOCK_N=block_n, KC=kc, BK=block_k,
-        GROUP_N=group_n, DIRECT=direct, **config, **pdl_launch(pdl))
+        GROUP_N=group_n, GROUP_ROWS=rows, DIRECT=direct, **config, **pdl_launch(pdl))
     if not direct:  # partials added in split order, the bias in fp32 before the one rounding
         block = min(1024, triton.next_power_of_2(n))
         _split_k_sum_kernel[(m, triton.cdiv(n, block))](part, bias if bias is not None else weight_scale_inv, y, m,

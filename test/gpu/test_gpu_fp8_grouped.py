@@ -1,7 +1,8 @@
 """The grouped (block-diagonal) FP8 GEMM on CUDA (skipped without a GPU): V4 / V4.1's wo_a kept in FP8
 (deepinfer_kernels.fp8_gemm's `groups`, layers/fp8.py Fp8BlockLinear.apply_grouped).
 
-- Each path (the split fused kernel, the tiled one, `auto`, batch-invariant) against the torch form per group
+- Each path (the split fused kernel, the tiled one, the GEMV form up to 4 rows and auto's path above, `auto`,
+  batch-invariant) against the torch form per group
   (reference.fp8_block_gemm: the same activation quantization, exact products, fp32 sums): relative error <= 5e-3
   in norm, as the dense GEMM's GPU test (fp32 sums in another order, the bf16 output rounding, a rare e4m3
   neighbour from the GPU's fp32 division), at V4-Flash's shape (8 groups of 1024 rows over 4096 inputs, 128 x 128
@@ -30,7 +31,7 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
-@pytest.mark.parametrize("path", ["triton", "tiled", "auto", "invariant"])
+@pytest.mark.parametrize("path", ["triton", "tiled", "gemv", "auto", "invariant"])
 @pytest.mark.parametrize("shape", list(SHAPES), ids=list(SHAPES))
 @pytest.mark.parametrize("m", [1, 16, 64, 2048])
 def test_grouped_fp8_gemm_against_reference(path, shape, m):

@@ -2,7 +2,8 @@
 wo_a kept in FP8) through Triton's interpreter on CPU. The GPU suite (test/gpu/test_gpu_fp8.py) runs it compiled.
 
 - Each path's grouped launch equals, bit for bit, the same path run on one group at a time (the group's columns of
-  x copied out, its weight rows and scale rows sliced): the same tiles, the same K steps, the same sums.
+  x copied out, its weight rows and scale rows sliced): the same tiles, the same K steps, the same sums (the GEMV
+  form, deepinfer_kernels.fp8_gemv, too, at up to 4 rows).
 - Against reference.fp8_block_gemm per group: max error <= 1e-5 of the output's max (exact products, fp32 sums in
   another order), at 128 x 128 and 32 x 32 scale blocks, groups whose rows straddle a scale block, split K.
 - Refusals: a group of fewer than 16 rows (or not a multiple of 16), shapes that do not make the groups."""
@@ -52,9 +53,13 @@ _GROUPED = textwrap.dedent("""
             assert torch.equal(y, mine), (m, groups, rows, k, split)
             assert (y - want).abs().max() <= 1e-5 * want.abs().max(), (m, groups, rows, k, split)
         # block scales as loaded (GROUP_N = block rows), each path of the switch
-        for path in ("triton", "tiled", "auto"):  # (an explicit scaled_mm is refused off CUDA)
+        for path in ("triton", "tiled", "gemv", "auto"):  # (an explicit scaled_mm is refused off CUDA)
             y = fp8_gemm(x2, q, s, block[0], block[1], path=path, groups=groups)
             assert y.shape == (m, n) and (y - want).abs().max() <= 1e-5 * want.abs().max(), (path, m, rows)
+        if m <= 4:  # the GEMV form (deepinfer_kernels.fp8_gemv): grouped = group by group, bit for bit
+            from deepinfer_kernels.fp8_gemv import fp8_gemv
+            y = fp8_gemv(x2, q, rows_scale, 1, block[1], groups=groups, split_k=2)
+            assert torch.equal(y, per_group(lambda xi, wi, si, gn: fp8_gemv(xi, wi, si, gn, block[1], split_k=2)))
         tiled = fp8_gemm(x2, q, rows_scale, 1, block[1], path="tiled", groups=groups)
         assert torch.equal(tiled, per_group(lambda xi, wi, si, gn: fp8_gemm(xi, wi, si, gn, block[1], path="tiled")))
         inv = fp8_invariant_gemm(x2, q, rows_scale, 1, block[1], groups=groups)
