@@ -103,8 +103,11 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tens
     if tuple(weight_scale_inv.shape) != (triton.cdiv(n, group_n), triton.cdiv(k, block_k)):
         raise ValueError(f"fp8_gemv: scales {tuple(weight_scale_inv.shape)} for a {n} x {k} weight in {group_n} x "
                          f"{block_k} blocks")
+    kc_default = config is None
     config = dict(config or GEMV_TILE)
     block_n, kc = config.pop("BLOCK_N"), config.pop("KC")
+    if kc_default:
+        kc = max(kc, block_k)  # blocks wider than the default step (powers of two): one block a step
     if rows:
         block_n = group_tile_n(block_n, rows)
     if kc % block_k:

@@ -1,7 +1,7 @@
 """The FP8 GEMV form for a few rows (deepinfer_kernels.fp8_gemv) through Triton's interpreter on CPU, against the
 W8A8 block GEMM's torch form (reference.fp8_block_gemm: the same per-token-group activation quantization, every
-product and sum in fp32) at V4.1's 32 x 32 blocks and V3's 128 x 128 ones, with K splits, a K and an N off the
-tiles, a bias, per-row scales, and the refusals. The GPU suite runs it compiled (test/gpu/test_gpu_fp8.py).
+product and sum in fp32) at V4.1's 32 x 32 blocks, V3's 128 x 128 ones and a block wider than the default step,
+with K splits, a K and an N off the tiles, a bias, per-row scales, and the refusals. The GPU suite runs it compiled (test/gpu/test_gpu_fp8.py).
 
 Tolerance: the products are the same exact fp32 numbers, summed in another order: max error <= 1e-5 of the
 output's max."""
@@ -50,6 +50,10 @@ _GEMV = textwrap.dedent("""
             assert message in str(err), err
         else:
             raise AssertionError(f"no ValueError for {message}")
+    q5, s5 = quantize_fp8_blocks(torch.randn(40, 1024, generator=g), (128, 512))  # a block past the default step
+    x5 = torch.randn(1, 1024, generator=g)
+    want = ref(x5, q5, s5, (128, 512))
+    assert (fp8_gemv(x5, q5, s5, 128, 512) - want).abs().max() <= 1e-5 * want.abs().max()
     assert gemv_split_for(1, 1280, 5120, 32, 256, 132) == 10  # 40 tiles: 13 wanted, 10 steps of two
     assert gemv_split_for(1, 32768, 1280, 32, 256, 132) == 1  # 1,024 tiles already
     print("ok")
