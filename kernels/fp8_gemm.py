@@ -33,6 +33,7 @@ from deepinfer_kernels.fp8_gemv import GEMV_MAX_ROWS, fp8_gemv
 from deepinfer_kernels.fp8_quant import FP8_MAX, MIN_AMAX, quantize_fp8_token_groups
 from deepinfer_kernels.fp8_scaled_mm import (SCALED_MM_ROW_MULTIPLE, fp8_scaled_mm, scaled_mm_api_missing,  # noqa: F401
                                              scaled_mm_shape_unsupported, scaled_mm_unsupported)
+from deepinfer_kernels.fp8_split import _group_rows, _split_k_sum_kernel, group_tile_n
 
 
 
@@ -107,22 +108,6 @@ def _fp8_block_gemm_kernel(X, W, WS, B, Y, P, Count, M, N, K, kb_per_split, stri
                 tl.atomic_xchg(Count + tile, 0)  # for the next launch (a replayed graph's too)
 
 
-@triton.jit
-def _split_k_sum_kernel(P, B, Y, M, N, stride_ym, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
-                        BLOCK: tl.constexpr, PDL: tl.constexpr):
-    """y[m, n] = p[0, m, n] + p[1, m, n] + ... (+ bias): fp32 adds in split order, one rounding at the store."""
-    pdl_wait(PDL)
-    m = tl.program_id(0).to(tl.int64)
-    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < N
-    acc = tl.load(P + m * N + offs, mask=mask, other=0.0)
-    for s in tl.static_range(1, SPLIT_K):
-        acc += tl.load(P + (s * M + m) * N + offs, mask=mask, other=0.0)
-    if HAS_BIAS:
-        acc += tl.load(B + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(Y + m * stride_ym + offs, acc.to(Y.dtype.element_ty), mask=mask)
-
-
 SPLIT_K_MAX_ROWS = 16
 """Row counts up to this split K on the GPU (split_k_for): at decode sizes a GEMM has too few output tiles to keep
 the multiprocessors busy, and each one's K loop is a chain of dependent loads."""
@@ -169,23 +154,6 @@ def _tile_counters(device: torch.device) -> torch.Tensor:
     if device not in _counters:
         _counters[device] = torch.zeros(_TILE_COUNTERS, dtype=torch.int32, device=device)
     return _counters[device]
-
-
-def group_tile_n(block_n: int, rows: int) -> int:
-    """The widest N tile up to block_n that divides a group's `rows`, so that no tile straddles two groups."""
-    tile = min(block_n, rows & -rows)
-    if tile < 16:
-        raise ValueError(f"a grouped FP8 GEMM needs a multiple of 16 output rows a group, not {rows}")
-    return tile
-
-
-def _group_rows(x: torch.Tensor, weight: torch.Tensor, groups: int) -> int:
-    """Output rows a group of a grouped GEMM (0 for a plain one), its shapes checked."""
-    k, n = weight.shape[1], weight.shape[0]
-    if x.shape[-1] != groups * k or n % groups:
-        raise ValueError(f"grouped FP8 GEMM: x's {x.shape[-1]} columns and weight {tuple(weight.shape)} do not "
-                         f"make {groups} groups")
-    return n // groups if groups > 1 else 0
 
 
 def fp8_block_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor, group_n: int,

@@ -11,7 +11,7 @@ the activation's and the weight block's scales and adds them to its fp32 sum:
     y[m, n] = sum_b s_x[m, b] * s_w[n / GROUP_N, b] * sum_{k in b} q(x)[m, k] * w[n, k]
 
 K is split over programs (about four per multiprocessor) and the fp32 partials added in split order by
-fp8_gemm._split_k_sum_kernel, so a row's result does not depend on the other rows. The rows are a grid axis:
+fp8_split._split_k_sum_kernel, so a row's result does not depend on the other rows. The rows are a grid axis:
 each row's programs read the same weight tile, from L2 after the first.
 """
 from __future__ import annotations
@@ -22,6 +22,7 @@ import triton.language as tl
 
 from deepinfer_kernels.dispatch import pdl_launch, pdl_wait
 from deepinfer_kernels.fp8_quant import quantize_fp8_token_groups
+from deepinfer_kernels.fp8_split import _group_rows, _split_k_sum_kernel, group_tile_n
 
 GEMV_MAX_ROWS = 4
 """Most rows the GEMV form takes (each row re-reads the weight tile from L2)."""
@@ -89,8 +90,6 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tens
     block_k), num_warps, num_stages (default GEMV_TILE). split_k: None = gemv_split_for on the GPU, 1 elsewhere.
     pdl: its launches as programmatic dependent ones. groups > 1: a block-diagonal (grouped) product as
     fp8_gemm.fp8_block_gemm's (x (..., groups * K), weight (groups * R, K), K a multiple of block_k)."""
-    from deepinfer_kernels.fp8_gemm import _group_rows, _split_k_sum_kernel, group_tile_n  # (it imports this module)
-
     k, n = weight.shape[1], weight.shape[0]
     rows = _group_rows(x, weight, groups)
     x2 = x.reshape(-1, groups * k)
