@@ -417,11 +417,8 @@ def fp8_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tens
     grouped (fp8_block_gemm's); `auto` and scaled_mm run it on the tiled path (GROUPED_AUTO_PATH). split_rows: the most
     rows `auto` sends to the split fused kernel and that kernel splits K at (DEEPINFER_FP8_SPLIT_ROWS)."""
     is_auto = path == "auto"
-    if is_auto:
-        path = GROUPED_AUTO_PATH if groups > 1 else auto_path(x.numel() // x.shape[-1], weight.shape[0],
-                                                               (group_n, block_k), split_rows)
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if path == "gemv" and rows > GEMV_MAX_ROWS:  # more rows: auto's path
+    if is_auto or (path == "gemv" and rows > GEMV_MAX_ROWS):  # gemv past its rows: auto's path
         path = GROUPED_AUTO_PATH if groups > 1 else auto_path(rows, weight.shape[0], (group_n, block_k), split_rows)
     if path == "gemv":
         return fp8_gemv(x, weight, weight_scale_inv, group_n, block_k, bias, pdl=pdl, groups=groups)
