@@ -25,9 +25,11 @@ from pathlib import Path
 import torch
 import triton
 
-from deepinfer_kernels.fp8_gemm import (SPLIT_K_MAX_ROWS, _config, fp8_block_gemm, fp8_gemm, scaled_mm_shape_unsupported,
-                                        scaled_mm_unsupported, split_k_for)
+from deepinfer_kernels.fp8_gemm import (SPLIT_K_MAX_ROWS, TILED_K_STEP, _config, fp8_block_gemm, fp8_gemm,
+                                        fp8_tiled_gemm, scaled_mm_shape_unsupported, scaled_mm_unsupported,
+                                        split_k_for)
 from deepinfer_kernels.fp8_gemv import GEMV_MAX_ROWS, fp8_gemv
+from deepinfer_kernels.fp8_quant import quantize_fp8_token_groups
 from deepinfer_kernels.reference import dequantize_fp8_blocks, quantize_fp8_blocks
 
 SHAPES = {  # (N, K)
@@ -131,6 +133,14 @@ def gemm_rows(device: str, ceil: dict, shapes: dict, rows: tuple[int, ...], skip
                 row[f"{path}_us"] = seconds * 1e6
                 row[f"{path}_fraction_of_fp8_rate"] = flops / seconds / ceil["fp8_matmul_flop_per_s"]
                 row[f"{path}_fraction_of_floor"] = row["floor_us"] / row[f"{path}_us"]
+            if block[1] < TILED_K_STEP:  # the tiled kernel one narrow scale block a step (its form before)
+                def one_block(i):
+                    xq, xs = quantize_fp8_token_groups(x, block[1])
+                    return fp8_tiled_gemm(xq, xs, m, *fp8_weights[i], *block, x.dtype, k_step=block[1])
+
+                seconds = per_call(one_block)
+                row["tiled_one_block_us"] = seconds * 1e6
+                row["tiled_one_block_fraction_of_floor"] = row["floor_us"] / row["tiled_one_block_us"]
             if m <= GEMV_MAX_ROWS:  # the CUDA-core form for a few rows
                 seconds = per_call(lambda i: fp8_gemv(x, *fp8_weights[i], *block))
                 row["gemv_us"] = seconds * 1e6
@@ -145,7 +155,7 @@ def gemm_rows(device: str, ceil: dict, shapes: dict, rows: tuple[int, ...], skip
             seconds = per_call(lambda i: x @ dense[i].t())
             row["bf16_cublas_us"] = seconds * 1e6
             row["bf16_cublas_fraction_of_bf16_rate"] = flops / seconds / ceil["bf16_matmul_flop_per_s"]
-            over = [path for path in (*FP8_PATHS, "triton_split", "gemv")
+            over = [path for path in (*FP8_PATHS, "triton_split", "gemv", "tiled_one_block")
                     if row.get(f"{path}_fraction_of_floor", 0) > 1.02]
             if over:  # a figure above the floor is a fault of this benchmark or of its floor, never a result
                 row["above_floor"] = over

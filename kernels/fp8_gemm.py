@@ -215,12 +215,14 @@ def fp8_block_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torc
 def _fp8_tiled_gemm_kernel(XQ, XS, W, WS, B, Y, M, N, K, M_BUCKET, stride_xm, stride_xg, stride_xsm, stride_xsk,
                            stride_xsg, stride_wn, stride_wsn, stride_ym, HAS_BIAS: tl.constexpr,
                            GROUP_N: tl.constexpr, GROUP_ROWS: tl.constexpr, BLOCK_M: tl.constexpr,
-                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                           IS_INTERPRETED: tl.constexpr):
+                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, KSUB: tl.constexpr,
+                           GROUP_M: tl.constexpr, IS_INTERPRETED: tl.constexpr):
     """acc[m, n] += dot(xq[m, k0:k0+BK], w[n, k0:k0+BK]) * xs[m, k0 / BK] * ws[n / GROUP_N, k0 / BK], the fused
     kernel's sum with the activations read quantized. M_BUCKET only keys the autotuner. Programs walk GROUP_M row
     tiles per column tile, so a wave of programs shares weight tiles in L2. GROUP_ROWS > 0: grouped, as the fused
-    kernel's (x's values and scales of group g from g * stride_xg and g * stride_xsg)."""
+    kernel's (x's values and scales of group g from g * stride_xg and g * stride_xsg). KSUB scale blocks a step:
+    narrow blocks (V4.1's 32) read KSUB * BLOCK_K bytes of each weight row together, one dot and one rescale a
+    block."""
     pid = tl.program_id(0)
     num_m, num_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
     first_m = (pid // (GROUP_M * num_n)) * GROUP_M
@@ -241,19 +243,21 @@ def _fp8_tiled_gemm_kernel(XQ, XS, W, WS, B, Y, M, N, K, M_BUCKET, stride_xm, st
         xs_ptrs += group * stride_xsg
     ws_ptrs = WS + (offs_n // GROUP_N) * stride_wsn
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for kb in range(0, tl.cdiv(K, BLOCK_K)):
-        kmask = offs_k < K - kb * BLOCK_K
-        x = tl.load(x_ptrs, mask=mmask[:, None] & kmask[None, :], other=0.0)
-        w = tl.load(w_ptrs, mask=nmask[:, None] & kmask[None, :], other=0.0)
-        x_scale = tl.load(xs_ptrs + kb * stride_xsk, mask=mmask, other=0.0)
-        w_scale = tl.load(ws_ptrs + kb, mask=nmask, other=0.0)
-        if IS_INTERPRETED:  # the interpreter dots exact fp32 copies of the e4m3 values
-            part = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)))
-        else:
-            part = tl.dot(x, tl.trans(w))
-        acc += part * x_scale[:, None] * w_scale[None, :]
-        x_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
+    for step in range(0, tl.cdiv(K, BLOCK_K * KSUB)):
+        for j in tl.static_range(KSUB):
+            kb = step * KSUB + j
+            kmask = offs_k < K - kb * BLOCK_K  # all false past K: zero values, and no scale read there
+            x = tl.load(x_ptrs + j * BLOCK_K, mask=mmask[:, None] & kmask[None, :], other=0.0)
+            w = tl.load(w_ptrs + j * BLOCK_K, mask=nmask[:, None] & kmask[None, :], other=0.0)
+            x_scale = tl.load(xs_ptrs + kb * stride_xsk, mask=mmask & (offs_m * 0 + kb * BLOCK_K < K), other=0.0)
+            w_scale = tl.load(ws_ptrs + kb, mask=nmask & (offs_n * 0 + kb * BLOCK_K < K), other=0.0)
+            if IS_INTERPRETED:  # the interpreter dots exact fp32 copies of the e4m3 values
+                part = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)))
+            else:
+                part = tl.dot(x, tl.trans(w))
+            acc += part * x_scale[:, None] * w_scale[None, :]
+        x_ptrs += BLOCK_K * KSUB
+        w_ptrs += BLOCK_K * KSUB
     if HAS_BIAS:
         acc += tl.load(B + offs_n, mask=nmask, other=0.0).to(tl.float32)[None, :]
     tl.store(Y + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :], acc.to(Y.dtype.element_ty),
@@ -270,9 +274,10 @@ small M. A config whose tile does not fit shared memory is pruned by the autotun
 
 INTERPRETER_TILE = dict(BLOCK_M=16, BLOCK_N=32, GROUP_M=4)
 
-_fp8_tiled_gemm_tuned = triton.autotune(TILED_CONFIGS, key=["M_BUCKET", "N", "K"])(_fp8_tiled_gemm_kernel)
+_TILED_KEY = ["M_BUCKET", "N", "K", "BLOCK_K", "KSUB"]
+_fp8_tiled_gemm_tuned = triton.autotune(TILED_CONFIGS, key=_TILED_KEY)(_fp8_tiled_gemm_kernel)
 _fp8_tiled_grouped_tuned = triton.autotune([c for c in TILED_CONFIGS if c.kwargs["BLOCK_N"] <= 128],
-                                           key=["M_BUCKET", "N", "K"])(_fp8_tiled_gemm_kernel)
+                                           key=_TILED_KEY)(_fp8_tiled_gemm_kernel)
 """The grouped form's autotuner (groups of a multiple of 128 rows): tiles up to 128 columns."""
 GROUPED_TILE = dict(BLOCK_M=64, BLOCK_N=128, GROUP_M=8, num_warps=4, num_stages=4)
 """The grouped form's tile where a group's rows are not a multiple of 128 (BLOCK_N cut to divide them)."""
@@ -286,14 +291,20 @@ def m_bucket(m: int) -> int:
     return bucket
 
 
+TILED_K_STEP = 128
+"""Inputs of each weight row the tiled GEMM reads a step: blocks narrower than this (V4.1's 32) take several a step."""
+
+
 def fp8_tiled_gemm(xq: torch.Tensor, x_scale: torch.Tensor, m: int, weight: torch.Tensor,
                    weight_scale_inv: torch.Tensor, group_n: int, block_k: int, out_dtype: torch.dtype,
-                   bias: torch.Tensor | None = None, config: dict | None = None, groups: int = 1) -> torch.Tensor:
+                   bias: torch.Tensor | None = None, config: dict | None = None, groups: int = 1,
+                   k_step: int = TILED_K_STEP) -> torch.Tensor:
     """Path B: xq (>= m, K) float8_e4m3fn and x_scale (>= m, ceil(K/block_k)) float32 (any strides: fp8_quant's
     M-major layout) from deepinfer_kernels.fp8_quant, times weight (N, K) with its block scales -> (m, N)
     out_dtype. config: fixed BLOCK_M / BLOCK_N / GROUP_M / num_warps / num_stages instead of the autotuner (the
     interpreter test). groups > 1: grouped, as fp8_block_gemm's (xq (>= m, groups * K), K a multiple of
-    block_k, so each group's activation scales are its own)."""
+    block_k, so each group's activation scales are its own). k_step: inputs a step (TILED_K_STEP), a multiple of
+    block_k; the same sums in the same order whatever it is."""
     rows = _group_rows(xq, weight, groups)
     k, n = weight.shape[1], weight.shape[0]
     assert weight.dtype == torch.float8_e4m3fn and weight.stride(1) == 1 and (groups == 1 or k % block_k == 0)
@@ -303,7 +314,7 @@ def fp8_tiled_gemm(xq: torch.Tensor, x_scale: torch.Tensor, m: int, weight: torc
             m_bucket(m), xq.stride(0), k, x_scale.stride(0), x_scale.stride(1), k // block_k * x_scale.stride(1),
             weight.stride(0), weight_scale_inv.stride(0), y.stride(0))
     flags = dict(HAS_BIAS=bias is not None, GROUP_N=group_n, GROUP_ROWS=rows, BLOCK_K=block_k,
-                 IS_INTERPRETED=xq.device.type == "cpu")
+                 KSUB=max(1, k_step // block_k), IS_INTERPRETED=xq.device.type == "cpu")
 
     def grid(meta):
         return (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)

@@ -66,6 +66,20 @@ _TILED = textwrap.dedent("""
         rows = s.repeat_interleave(128, dim=0)[:n].contiguous()  # per-row scales (GROUP_N = 1)
         y1 = fp8_tiled_gemm(xq, xs, m, q, rows, 1, 128, x.dtype, bias, config=config)
         assert (y1 - want).abs().max() <= 1e-5 * want.abs().max(), (m, n, k)
+    # 32 x 32 blocks (V4.1's): four blocks a step, K past the last whole step (224 = 128 + 96; 200 cuts a block),
+    # the same sums in the same order as one block a step
+    for m, n, k in ((3, 72, 224), (18, 40, 200)):
+        w = torch.randn(n, k, generator=g) * 0.05
+        w[:32, 32:64] *= 40
+        q, s = quantize_fp8_blocks(w, (32, 32))
+        x = torch.randn(m, k, generator=g)
+        want = ref(x, q, s, (32, 32))
+        xq, xs = quantize_fp8_token_groups(x, 32)
+        config = dict(BLOCK_M=16, BLOCK_N=32, GROUP_M=2)
+        y = fp8_tiled_gemm(xq, xs, m, q, s, 32, 32, x.dtype, config=config)
+        one = fp8_tiled_gemm(xq, xs, m, q, s, 32, 32, x.dtype, config=config, k_step=32)
+        assert torch.equal(y, one), (m, n, k)
+        assert (y - want).abs().max() <= 1e-5 * want.abs().max(), (m, n, k)
     # The switch: `auto` by default (the GEMV form at one row, the split fused kernel at <= 16 rows and N <= 4096,
     # else scaled_mm, tiled where scaled_mm cannot run), a clear refusal of an explicit scaled_mm off CUDA and of an
     # unknown path.
