@@ -103,9 +103,11 @@ V4_BLOCK, V41_BLOCK = (128, 128), (32, 32)
 V4_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "scale_fmt": "ue8m0",
              "weight_block_size": list(V4_BLOCK)}
 V41_CONFIG = {**V4_CONFIG, "weight_block_size": list(V41_BLOCK), "expert_dtype": "fp4"}
-_V4_DENSE = re.compile(r"layers\.\d+\.(attn\.(wq_a|wq_b|wkv|wo_a|wo_b|indexer\.wq_b)|ffn\.shared_experts\.w[123]"
-                       r"|engram\.wkv)\.weight")  # engram: V4.1 only
-_V4_EXPERT = re.compile(r"layers\.\d+\.ffn\.experts\.\d+\.w[123]\.weight")
+_V4_DENSE = re.compile(r"(layers|mtp)\.\d+\.(attn\.(wq_a|wq_b|wkv|wo_a|wo_b|indexer\.wq_b)|ffn\.shared_experts\.w[123]"
+                       r"|engram\.wkv|main_proj|e_proj)\.weight")  # engram, main_proj: V4.1 only; e_proj: V4's MTP
+_V4_EXPERT = re.compile(r"(layers|mtp)\.\d+\.ffn\.experts\.\d+\.w[123]\.weight")
+"""The MTP / DSpark stages (mtp.N.*) are quantized like the layers: V4's release ships mtp.0's attention, experts
+and e_proj with scales; the stages' Markov and confidence heads stay 16-bit."""
 _V41_ENGRAM = re.compile(r"layers\.\d+\.engram\.embed\.weight")
 _V4_FP32 = re.compile(r".*(gate\.bias|attn_sink|\.ape|hc_(attn|ffn)_(fn|base|scale)|hc_head_(fn|base|scale))")
 
@@ -163,15 +165,16 @@ def quantize_v41_tensor(name: str, t: torch.Tensor, dtype: torch.dtype | None = 
 def dequantize_release_tensors(tensors: dict[str, torch.Tensor], block: tuple[int, int] = V4_BLOCK,
                                dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
     """The inverse, for references: a V4-family release checkpoint's tensors -> our names, every quantized
-    weight dequantized (value x its e8m0 scale, in fp32) to `dtype`, the rest cast to it (integers kept)."""
+    weight dequantized (value x its e8m0 scale, in fp32) to `dtype`, the rest cast to it (integers kept; a weight
+    of a quantized role stored 16-bit without a scale is cast too)."""
     layouts = role_layouts(block, "fp4")
     out = {}
     for name, t in tensors.items():
         if name.endswith(".scale") and release_role(name.removesuffix(".scale") + ".weight") is not None:
             continue
-        role = release_role(name)
-        if role is not None:
-            t = dequantize_by_layout(layouts[role], t, tensors[name.removesuffix(".weight") + ".scale"], dtype, name)
+        role, scale = release_role(name), name.removesuffix(".weight") + ".scale"
+        if role is not None and (scale in tensors or t.dtype in (torch.float8_e4m3fn, torch.int8)):
+            t = dequantize_by_layout(layouts[role], t, tensors[scale], dtype, name)
         out[from_release_name(name)] = t.to(dtype) if t.is_floating_point() else t
     return out
 

@@ -28,6 +28,7 @@ from deepinfer_rt.cache.kv_pool import KVLayout, slots_of
 from deepinfer_rt.config import ModelConfig
 from deepinfer_rt.layers.kernel_config import build_context
 from deepinfer_rt.models.loader import finalize
+from deepinfer_rt.models.release_names import from_release_name
 from deepinfer_rt.request import Req
 from deepinfer_rt.sampler import stream_seed
 from deepinfer_rt.speculative.drafter import Drafter, Proposal
@@ -109,14 +110,16 @@ class DSparkDrafter(Drafter):
         if model.model.truncate_prefill:
             raise ValueError("speculative='dspark' reads target features of every prompt row: turn YOCO prefill "
                              "truncation (DEEPINFER_V41_YOCO_TRUNCATION) off")
+        weights = [] if load_format == "dummy" else list(read_weights(path))
+        if load_format != "dummy" and not weights:
+            raise ValueError("speculative='dspark': the checkpoint has no mtp.* DSpark tensors")
+        main_proj_fp8 = load_format == "dummy" or any(
+            from_release_name(name).endswith("mtp.0.main_proj.weight_scale_inv") for name, _ in weights)
         with torch.device("cpu"), build_context(model.kernel_config):
-            net = DSparkModel(config, model)
+            net = DSparkModel(config, model, main_proj_fp8)
         if load_format == "dummy":
             net.init_dummy(seed + 1)
         else:
-            weights = list(read_weights(path))
-            if not weights:
-                raise ValueError("speculative='dspark': the checkpoint has no mtp.* DSpark tensors")
             net.load_weights(iter(weights))
         p = next(model.parameters())
         return cls(finalize(net.to(device=p.device, dtype=p.dtype).eval()), model, max_draft)

@@ -49,6 +49,7 @@ from torch import nn
 from deepinfer_rt.config import ModelConfig
 from deepinfer_rt.layers.kernel_config import current_kernel_config
 from deepinfer_rt.layers.linear import GroupedLinear, Linear
+from deepinfer_rt.layers.methods import linear_method
 from deepinfer_rt.layers.moe import fuse_expert_weights
 from deepinfer_rt.models.base import CausalLM
 from deepinfer_rt.models.deepseek_v4.common import V4RMSNorm, V4Rotary
@@ -58,6 +59,7 @@ from deepinfer_rt.models.deepseek_v4.model import _FP32 as TARGET_FP32
 from deepinfer_rt.models.deepseek_v41.config import V41Config
 from deepinfer_rt.models.deepseek_v41.methods import v41_method
 from deepinfer_rt.models.deepseek_v41.model import V41MoE
+from deepinfer_rt.models.release_names import from_release_name
 
 _RENAMES = ((re.compile(r"\.hc_(attn|ffn)_(fn|base|scale)$"), r".hc_\1.\2"),
             (re.compile(r"\.experts\.(\d+)\.w1\."), r".experts.\1.gate_proj."),
@@ -118,8 +120,13 @@ class DSparkAttention(nn.Module):
 
 
 class DSparkStage(nn.Module):
-    def __init__(self, cfg: V41Config, rotary: V4Rotary, stage: int, num_stages: int):
+    """One draft stage. In a release checkpoint the attention, shared and routed experts are quantized like the
+    target's layers (FP8 32 x 32, MXFP4 experts); main_proj takes the quantized method where the checkpoint ships
+    its scale (main_proj_fp8; V4's MTP e_proj ships one); the Markov and confidence heads stay 16-bit."""
+
+    def __init__(self, cfg: V41Config, rotary: V4Rotary, stage: int, num_stages: int, main_proj_fp8: bool = True):
         super().__init__()
+        kept = linear_method(current_kernel_config())
         hidden, rank = cfg.hidden_size, cfg.dspark_markov_rank
         self.attn = DSparkAttention(cfg, rotary)
         self.ffn = V41MoE(cfg)
@@ -128,15 +135,16 @@ class DSparkStage(nn.Module):
         self.hc_attn = HyperConnection(cfg)
         self.hc_ffn = HyperConnection(cfg)
         if stage == 0:
-            self.main_proj = Linear(hidden * len(cfg.dspark_target_layer_ids), hidden)
+            self.main_proj = Linear(hidden * len(cfg.dspark_target_layer_ids), hidden,
+                                    method=None if main_proj_fp8 else kept)
             self.main_norm = V4RMSNorm(hidden, cfg.rms_norm_eps)
         if stage == num_stages - 1:
             self.norm = V4RMSNorm(hidden, cfg.rms_norm_eps)
             self.markov_head = nn.Module()
             self.markov_head.embed = nn.Embedding(cfg.vocab_size, rank)
-            self.markov_head.head = Linear(rank, cfg.vocab_size)
+            self.markov_head.head = Linear(rank, cfg.vocab_size, method=kept)
             self.confidence_head = nn.Module()
-            self.confidence_head.proj = Linear(hidden + rank, 1)
+            self.confidence_head.proj = Linear(hidden + rank, 1, method=kept)
 
     @staticmethod
     def _sublayer(hc: HyperConnection, streams, carried, block):
@@ -157,14 +165,15 @@ class DSparkModel(CausalLM):
 
     ignored_weights = ("rotary_emb.inv_freq",)
 
-    def __init__(self, config: ModelConfig, target):
+    def __init__(self, config: ModelConfig, target, main_proj_fp8: bool = True):
         super().__init__(config)
         cfg = draft_config(target.v41)
         self.cfg, self._target = cfg, (target,)
         self.num_stages, self.block_size = cfg.num_nextn_predict_layers, cfg.dspark_block_size
         self.noise_token_id = cfg.vocab_size - 1 if cfg.dspark_noise_token_id is None else cfg.dspark_noise_token_id
         rotary = V4Rotary(cfg, cfg.rope_main)  # the draft's attention is ratio 0: plain rope_theta
-        self.stages = nn.ModuleList(DSparkStage(cfg, rotary, s, self.num_stages) for s in range(self.num_stages))
+        self.stages = nn.ModuleList(DSparkStage(cfg, rotary, s, self.num_stages, main_proj_fp8)
+                                    for s in range(self.num_stages))
         self.method = v41_method(current_kernel_config())
 
     def _apply(self, fn, recurse=True):
@@ -225,6 +234,7 @@ class DSparkModel(CausalLM):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         def renamed() -> Iterator[tuple[str, torch.Tensor]]:
             for name, tensor in weights:
+                name = from_release_name(name)  # `.scale` -> `.weight_scale_inv`
                 m = _STAGE.match(name)
                 if m is None or int(m[1]) >= self.num_stages:
                     continue
@@ -241,9 +251,10 @@ class DSparkModel(CausalLM):
                 name = name.replace(half[0], ".shared_experts.w13.")
             if name not in params:
                 raise ValueError(f"DSpark checkpoint tensor {name!r} has no parameter in the drafter")
-            if half is not None:
+            loader = getattr(params[name], "weight_loader", None)
+            if half is not None or loader is not None:  # a shard, or a parameter that checks what it reads
                 try:
-                    params[name].weight_loader(params[name], tensor, half[1])
+                    loader(params[name], tensor, half[1]) if half is not None else loader(params[name], tensor)
                 except ValueError as e:
                     raise ValueError(f"DSpark {name}: {e}") from e
             elif tuple(params[name].shape) != tuple(tensor.shape):

@@ -23,8 +23,9 @@ from torch import nn
 from deepinfer_rt.cache.kv_pool import slots_of
 from deepinfer_rt.config import ModelConfig
 from deepinfer_rt.forward_batch import ForwardBatch
-from deepinfer_rt.layers.kernel_config import build_context
+from deepinfer_rt.layers.kernel_config import build_context, current_kernel_config
 from deepinfer_rt.layers.linear import Linear
+from deepinfer_rt.layers.methods import linear_method
 from deepinfer_rt.layers.mla import MLAttention
 from deepinfer_rt.layers.mlp import GatedMLP
 from deepinfer_rt.layers.moe import MoE, fuse_expert_weights
@@ -43,16 +44,19 @@ _DRAFT_SALT = 0x2545F4914F6CDD1D
 
 class MTPLayer(DecoderLayer):
     """Checkpoint names below `model.layers.{N}.`: the decoder layer's own plus enorm, hnorm, eh_proj and
-    shared_head.norm."""
+    shared_head.norm. In an FP8 checkpoint the decoder layer is FP8 like the target's; eh_proj is 16-bit in the
+    V3 / R1 releases (vLLM and SGLang build it unquantized), so it takes the quantized method only where the
+    checkpoint ships its scale (eh_fp8)."""
 
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, eh_fp8: bool = False):
         layer_id = config.num_layers
         mlp = MoE(config) if is_moe_layer(config, layer_id) else GatedMLP(config.hidden_size,
                                                                           config.intermediate_size)
         super().__init__(config, MLAttention(config, layer_id), mlp)
         self.enorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.hnorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.eh_proj = Linear(2 * config.hidden_size, config.hidden_size)
+        kept = None if eh_fp8 else linear_method(current_kernel_config())
+        self.eh_proj = Linear(2 * config.hidden_size, config.hidden_size, method=kept)
         self.shared_head = nn.Module()
         self.shared_head.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -61,9 +65,9 @@ class DeepseekMTP(CausalLM):
     packed_modules = DeepseekV3ForCausalLM.packed_modules
     ignored_weights = ("rotary_emb.inv_freq", "embed_tokens.", "shared_head.head.")
 
-    def __init__(self, config: ModelConfig, target: CausalLM):
+    def __init__(self, config: ModelConfig, target: CausalLM, eh_fp8: bool = False):
         super().__init__(config)
-        self.layer = MTPLayer(config)
+        self.layer = MTPLayer(config, eh_fp8)
         self._target = (target,)  # a tuple: embed and head stay the target's parameters, not ours
 
     def forward(self, batch: ForwardBatch, prev_hidden: torch.Tensor) -> torch.Tensor:
@@ -105,17 +109,18 @@ class MTPDrafter(Drafter):
         """`shard` (an EP rank's models.loader.Shard): the layer's MoE keeps this rank's experts and joins the
         rank group's dispatch/combine, as the target's MoE layers do."""
         check_has_mtp(config)
+        weights = [] if load_format == "dummy" else list(mtp_weights(path, config.num_layers))
+        if load_format != "dummy" and not weights:
+            raise ValueError(f"speculative='mtp': the checkpoint has no MTP layer model.layers."
+                             f"{config.num_layers}.* (use load_format='dummy' or prompt_lookup)")
+        eh_fp8 = any(name == "layer.eh_proj.weight_scale_inv" for name, _ in weights)
         with torch.device("cpu"), build_context(model.kernel_config):  # the target's modes
-            mtp = DeepseekMTP(config, model)
+            mtp = DeepseekMTP(config, model, eh_fp8)
         if shard is not None:
             shard(mtp, torch.device("cpu"), torch.get_default_dtype())
         if load_format == "dummy":
             shard.init_dummy(mtp, seed + 1) if shard is not None else mtp.init_dummy(seed + 1)
         else:
-            weights = list(mtp_weights(path, config.num_layers))
-            if not weights:
-                raise ValueError(f"speculative='mtp': the checkpoint has no MTP layer model.layers."
-                                 f"{config.num_layers}.* (use load_format='dummy' or prompt_lookup)")
             mtp.load_weights(fuse_expert_weights(iter(weights), config.n_routed_experts))
         p = next(model.parameters())
         return cls(finalize(mtp.to(device=p.device, dtype=p.dtype).eval()), max_draft)
