@@ -87,3 +87,30 @@ def test_release_weights_stay_quantized_and_match_dequantized(folders):
     agree = (got.argmax(-1) == want.argmax(-1)).float().mean().item()
     print(f"{v41.parent.name}: relative logit error {err:.3e}, argmax agreement {agree:.2f}")
     assert err <= LOGIT_REL_ERR
+
+
+def test_release_dspark_drafter_stays_quantized(tmp_path):
+    """The DSpark stages of a release checkpoint keep FP8 linears and MXFP4 experts on the GPU, as the target's
+    layers do; greedy decoding with the drafter gives the tokens decoding without it gives."""
+    from make_tiny_checkpoint import make_tiny_checkpoint
+    from quantize_checkpoint import quantize_checkpoint
+
+    from deepinfer_rt import Engine, SamplingParams
+    from deepinfer_rt.layers.fp8 import Fp8BlockLinear
+    from deepinfer_rt.layers.mxfp4 import Mxfp4FusedExperts
+
+    src = make_tiny_checkpoint("deepseek_v41", tmp_path / "src", seed=2, variant="a", dspark=True, **DIMS)
+    v41 = quantize_checkpoint(src, tmp_path / "v41", "v41", torch.bfloat16)
+    prompts = [[3, 17, 5, 40, 2, 9], list(range(4, 30))]
+    params = SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True)
+    with Engine(str(v41), kv_cache_tokens=2048) as e:
+        plain = [o.token_ids for o in e.generate(input_ids=prompts, sampling_params=params)]
+    with Engine(str(v41), kv_cache_tokens=2048, speculative="dspark") as e:
+        got = [o.token_ids for o in e.generate(input_ids=prompts, sampling_params=params)]
+        stage = e.spec.drafter.net.stages[0]
+        assert isinstance(stage.attn.wq_a.method, Fp8BlockLinear) and stage.attn.wq_a.weight.dtype == torch.float8_e4m3fn
+        assert isinstance(stage.main_proj.method, Fp8BlockLinear)
+        assert isinstance(stage.ffn.experts.weights_method, Mxfp4FusedExperts)
+        assert stage.ffn.experts.gate_up_proj.dtype == torch.int8
+        assert e.stats["spec"]["drafted"] > 0
+    assert got == plain
