@@ -127,7 +127,7 @@ def decode_floor(engine: Engine, batch: int, context: int, copy_bw: float) -> di
     always, expert, moe_layers = weight_bytes(engine)
     touched = mc.n_routed_experts * (1 - (1 - mc.num_experts_per_tok / mc.n_routed_experts) ** batch) \
         if moe_layers else 0.0
-    kv = batch * context * engine.pool.layout.bytes_per_token(engine.config.dtype)
+    kv = batch * context * engine.pool.layout.bytes_per_token(engine.config.dtype, engine.config.cache.kv_cache_dtype)
     total = always + moe_layers * touched * expert + kv
     return {"bytes": total, "step_s": total / copy_bw, "tok_s": batch / (total / copy_bw)}
 
@@ -177,7 +177,8 @@ def _bench_decode_held(engine: Engine, prompts, params, batch: int, context: int
     tok_s = (sum(r.num_output_tokens for r in reqs) - n0) / seconds
     full_batch = not any(r.is_finished for r in reqs)
     floor = decode_floor(engine, batch, context, copy_bw)
-    row = {"batch": batch, "context": context, "full_batch_throughout": full_batch, "engine_tok_s": tok_s,
+    row = {"batch": batch, "context": context, "kv_cache_dtype": engine.config.cache.kv_cache_dtype,
+           "full_batch_throughout": full_batch, "engine_tok_s": tok_s,
            "wall_ms_per_step": seconds / steps * 1e3, "graph_steps": num_replayed, "floor_tok_s": floor["tok_s"],
            "floor_ms_per_step": floor["step_s"] * 1e3,
            "floor_bytes": floor["bytes"], "fraction_of_floor": tok_s / floor["tok_s"]}
@@ -272,12 +273,16 @@ def bench_hf(path: Path, batches: list[int], context: int, steps: int, vocab: in
     return rows
 
 
-def _kv_bytes_per_token(spec: dict) -> int:
-    """bf16 KV bytes one token takes in the pool (MLA: the latent and rope key; GQA: K and V)."""
+def _kv_bytes_per_token(spec: dict, kv_dtype: str = "auto") -> int:
+    """KV bytes one token takes in the pool (MLA: the latent and rope key; GQA: K and V): bf16, or with fp8_e4m3
+    one byte a value plus a float32 scale per row."""
     if "kv_lora_rank" in spec:
-        return spec["num_hidden_layers"] * (spec["kv_lora_rank"] + spec["qk_rope_head_dim"]) * 2
-    head_dim = spec["hidden_size"] // spec["num_attention_heads"]
-    return spec["num_hidden_layers"] * 2 * spec["num_key_value_heads"] * head_dim * 2
+        values, rows = spec["kv_lora_rank"] + spec["qk_rope_head_dim"], 1
+    else:
+        rows = 2 * spec["num_key_value_heads"]
+        values = rows * (spec["hidden_size"] // spec["num_attention_heads"])
+    per_layer = values * 2 if kv_dtype == "auto" else values + 4 * rows
+    return spec["num_hidden_layers"] * per_layer
 
 
 def _fitting(spec: dict, batches: list[int], context: int, args) -> tuple[list[int], list[dict]]:
@@ -287,7 +292,8 @@ def _fitting(spec: dict, batches: list[int], context: int, args) -> tuple[list[i
     budget = 0.8 * torch.cuda.mem_get_info()[0] - 40 * 2**30  # weights, activations and graphs kept aside
     keep, skipped = [], []
     for b in batches:
-        need = b * (context + _decode_tokens(b, context, args.steps + args.profile_steps) + 8) * _kv_bytes_per_token(spec)
+        need = (b * (context + _decode_tokens(b, context, args.steps + args.profile_steps) + 8)
+                * _kv_bytes_per_token(spec, args.kv_dtype))
         if need <= budget:
             keep.append(b)
         else:
@@ -311,7 +317,7 @@ def run_model(name: str, spec: dict, args, ceil: dict, result: dict, save) -> No
         engine = Engine(str(path), dtype=DTYPE, device=DEVICE, load_format="dummy", max_num_seqs=max_bs,
                         kv_cache_tokens=max(max_bs, 4) * (context + 8 + _decode_tokens(
                             max_bs, context, args.steps + args.profile_steps)),
-                        chunked_prefill_tokens=PREFILL_CHUNK, enable_prefix_cache=False)
+                        chunked_prefill_tokens=PREFILL_CHUNK, enable_prefix_cache=False, kv_cache_dtype=args.kv_dtype)
         try:
             for batch in batches:
                 section["decode"].append(bench_decode(engine, batch, context, args.steps,
@@ -362,6 +368,8 @@ def main() -> None:
     parser.add_argument("--prefill-contexts", type=int, nargs="*", default=[2048, 32768],
                         help="contexts whose 4-prompt prefill is measured too")
     parser.add_argument("--plot", action="store_true", help="draw the fraction of the floor against context")
+    parser.add_argument("--kv-dtype", default="auto", choices=["auto", "fp8_e4m3"],
+                        help="the engine's kv_cache_dtype (fp8_e4m3: half the KV bytes, in the floor too)")
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--hf-steps", type=int, default=8)
     args = parser.parse_args()
