@@ -63,6 +63,19 @@ experts on an H100, tiled layout (bench_kernels.py --only mxfp4, results/gpu_mxf
 3,518 us against 3,823 at 64 rows (results/gpu_mxfp4_frag_tiles_h100.json)."""
 
 
+SMALL_BLOCK_PAIRS_PER_EXPERT = 8
+"""Below this many pairs an expert (past PER_PAIR_MAX pairs), rows are sorted into 16-pair blocks where fused_moe's
+rule takes 32: gate_up at 16 pairs holds 123 registers against 140 (sm90 SASS), four programs a multiprocessor
+instead of three. V4-Flash's experts at 256 tokens (6 pairs an expert) on an H100: 1,264 us against 1,363 (0.89
+against 0.83 of the read bandwidth); at 2,048 tokens 16-pair blocks lose (5,159 against 3,566 us at 128 rows;
+results/gpu_mxfp4_frag_m16_h100.json)."""
+
+
+def _block_m(num_pairs: int, num_experts: int) -> int | None:
+    """The row block the kernels take where the caller names none: 16 pairs at decode sizes, else fused_moe's."""
+    return 16 if PER_PAIR_MAX < num_pairs < SMALL_BLOCK_PAIRS_PER_EXPERT * num_experts else None
+
+
 def _frag_tiles(num_pairs: int, block_m: int) -> dict:
     if block_m >= 128:
         return dict(FRAG_TILES)
@@ -289,8 +302,9 @@ def fused_moe_mxfp4_frag(x: torch.Tensor, gate_up: torch.Tensor, gate_up_scale: 
     """fused_moe_mxfp4 over experts repacked by repack_fragment and their scales by repack_scales (same shapes;
     uint8 / e8m0 scales). fast: every scale byte <= FAST_MAX_SCALE (fast_scales; a larger one would decode to inf).
     config: BLOCK_N (a multiple of 16 num_warps and of TILE_ROWS), num_warps, num_stages, optionally AHEAD (default:
-    at 64-row tiles) and BLOCK_M (pairs a row block, past PER_PAIR_MAX pairs; default fused_moe's rule, which takes 32
-    from 4 pairs an expert on); None, or only BLOCK_M: _frag_tiles (FRAG_TILE_TABLE)."""
+    at 64-row tiles) and BLOCK_M (pairs a row block, past PER_PAIR_MAX pairs; default 16 below
+    SMALL_BLOCK_PAIRS_PER_EXPERT pairs an expert, else fused_moe's rule); None, or only BLOCK_M: _frag_tiles
+    (FRAG_TILE_TABLE)."""
     t, k = ids.shape
     hidden = x.shape[1]
     inter = check_mxfp4_experts(gate_up, gate_up_scale, down, down_scale, hidden)
@@ -302,7 +316,7 @@ def fused_moe_mxfp4_frag(x: torch.Tensor, gate_up: torch.Tensor, gate_up_scale: 
     e = gate_up.shape[0]
     num_pairs = t * k
     config = dict(config or {})
-    block_m = config.pop("BLOCK_M", None)
+    block_m = config.pop("BLOCK_M", None) or _block_m(num_pairs, e)
     blocks = pair_blocks(ids, e, block_m) if block_m and num_pairs > PER_PAIR_MAX else pair_blocks(ids, e)
     config = config or _frag_tiles(num_pairs, blocks.block_m)
     block_n, nw = config.pop("BLOCK_N"), config["num_warps"]

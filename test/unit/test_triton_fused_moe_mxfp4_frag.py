@@ -152,3 +152,10 @@ def test_tile_choice_by_pairs_and_row_blocks():
     assert _frag_tiles(16384, 64) == WIDE_TILES  # 2,048 tokens of top-8: the 128-row tiles
     assert _frag_tiles(65536, 128) == FRAG_TILES  # blocks of 128 pairs: 128-row tiles would spill
     assert fragment_supported(2048, 4096) and not fragment_supported(192, 4096) and not fragment_supported(256, 96)
+    # row blocks: one a pair up to PER_PAIR_MAX pairs, 16 pairs below 8 pairs an expert (256 tokens of top-6 over
+    # 256 experts), fused_moe's rule from there on (2,048 tokens)
+    from deepinfer_kernels.fused_moe import PER_PAIR_MAX
+    from deepinfer_kernels.fused_moe_mxfp4_frag import _block_m
+
+    assert _block_m(PER_PAIR_MAX, 256) is None and _block_m(PER_PAIR_MAX + 1, 256) == _block_m(1536, 256) == 16
+    assert _block_m(2048, 256) is None and _block_m(12288, 256) is None
