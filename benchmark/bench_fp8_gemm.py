@@ -133,6 +133,10 @@ def gemm_rows(device: str, ceil: dict, shapes: dict, rows: tuple[int, ...], skip
                 row[f"{path}_us"] = seconds * 1e6
                 row[f"{path}_fraction_of_fp8_rate"] = flops / seconds / ceil["fp8_matmul_flop_per_s"]
                 row[f"{path}_fraction_of_floor"] = row["floor_us"] / row[f"{path}_us"]
+            if m > 1:  # W8A16: the weight tile dequantized in registers (deepinfer_kernels.fp8_w16)
+                seconds = per_call(lambda i: fp8_gemm(x, *fp8_weights[i], *block, path="w16"))
+                row["w16_us"] = seconds * 1e6
+                row["w16_fraction_of_floor"] = row["floor_us"] / row["w16_us"]
             if block[1] < TILED_K_STEP:  # the tiled kernel one narrow scale block a step (its form before)
                 def one_block(i):
                     xq, xs = quantize_fp8_token_groups(x, block[1])
@@ -155,7 +159,7 @@ def gemm_rows(device: str, ceil: dict, shapes: dict, rows: tuple[int, ...], skip
             seconds = per_call(lambda i: x @ dense[i].t())
             row["bf16_cublas_us"] = seconds * 1e6
             row["bf16_cublas_fraction_of_bf16_rate"] = flops / seconds / ceil["bf16_matmul_flop_per_s"]
-            over = [path for path in (*FP8_PATHS, "triton_split", "gemv", "tiled_one_block")
+            over = [path for path in (*FP8_PATHS, "triton_split", "gemv", "tiled_one_block", "w16")
                     if row.get(f"{path}_fraction_of_floor", 0) > 1.02]
             if over:  # a figure above the floor is a fault of this benchmark or of its floor, never a result
                 row["above_floor"] = over

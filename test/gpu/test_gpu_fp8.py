@@ -211,6 +211,26 @@ def test_fp8_gemv_against_reference_and_tiled_path(shape, m):
     assert rel_err(y, want) <= 6e-3
 
 
+@pytest.mark.parametrize("shape", list(GEMV_SHAPES), ids=list(GEMV_SHAPES))
+@pytest.mark.parametrize("m", [2, 16, 64, 256])
+def test_fp8_w16_against_dequantized_weight(shape, m):
+    """deepinfer_kernels.fp8_w16 (the weight tile dequantized in registers, bf16 activations as they are) against
+    the bf16 activations times the fp32 dequantized weight: the dequantized tile rounds to bf16 (these test scales
+    are not powers of two; e8m0 ones are exact), fp32 sums, one bf16 rounding of the output: <= 4e-3 in norm."""
+    from deepinfer_kernels.fp8_gemm import fp8_gemm
+    from deepinfer_kernels.reference import dequantize_fp8_blocks, quantize_fp8_blocks
+
+    n, k, block = GEMV_SHAPES[shape]
+    g = torch.Generator(device=DEV).manual_seed(m * 13 + n)
+    q, s = quantize_fp8_blocks(torch.randn(n, k, device=DEV, generator=g) * 0.02, block)
+    x = torch.randn(m, k, device=DEV, generator=g).bfloat16()
+    bias = torch.randn(n, device=DEV, generator=g).bfloat16() if m == 16 else None
+    y = fp8_gemm(x, q, s, *block, bias, path="w16")
+    want = x.float() @ dequantize_fp8_blocks(q, s, block).float().T + (bias.float() if bias is not None else 0)
+    print(f"\n{shape} m={m}: w16 {rel_err(y, want):.2e}")
+    assert y.dtype == torch.bfloat16 and y.shape == (m, n) and rel_err(y, want) <= 4e-3
+
+
 @pytest.mark.parametrize("m", [1, 61, 2048])
 def test_fp8_quantizer_equals_fused_kernel_quantization(m):
     """deepinfer_kernels.fp8_quant's values are the fused kernel's, bit for bit, compiled: through an identity

@@ -80,10 +80,17 @@ _TILED = textwrap.dedent("""
         one = fp8_tiled_gemm(xq, xs, m, q, s, 32, 32, x.dtype, config=config, k_step=32)
         assert torch.equal(y, one), (m, n, k)
         assert (y - want).abs().max() <= 1e-5 * want.abs().max(), (m, n, k)
+        # w16 (deepinfer_kernels.fp8_w16): the weight dequantized in registers, the activations as they are
+        from deepinfer_kernels.reference import dequantize_fp8_blocks
+        bias = torch.randn(n, generator=g)
+        exact = x @ dequantize_fp8_blocks(q, s, (32, 32)).T + bias
+        w16 = fp8_gemm(x.view(1, m, k), q, s, 32, 32, bias, path="w16")
+        assert w16.shape == (1, m, n) and (w16[0] - exact).abs().max() <= 1e-5 * exact.abs().max(), (m, n, k)
+        assert torch.equal(fp8_gemm(x, q, s, 32, 32, path="w16", groups=1), fp8_gemm(x, q, s, 32, 32, path="w16"))
     # The switch: `auto` by default (the GEMV form at one row, the split fused kernel at <= 16 rows and N <= 4096,
     # else scaled_mm, tiled where scaled_mm cannot run), a clear refusal of an explicit scaled_mm off CUDA and of an
     # unknown path.
-    assert FP8_GEMM_PATHS == ("triton", "scaled_mm", "tiled", "gemv", "auto")
+    assert FP8_GEMM_PATHS == ("triton", "scaled_mm", "tiled", "gemv", "w16", "auto")
     assert auto_path(1) == auto_path(1, 2048) == auto_path(1, 2048, (32, 32)) == "gemv"
     assert auto_path(2) == auto_path(10**6) == "scaled_mm"
     # the split fused kernel for few rows and narrow outputs at 128 x 128 blocks (measured on an H100)
