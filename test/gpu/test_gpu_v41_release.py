@@ -103,9 +103,9 @@ def test_release_dspark_drafter_stays_quantized(tmp_path):
     v41 = quantize_checkpoint(src, tmp_path / "v41", "v41", torch.bfloat16)
     prompts = [[3, 17, 5, 40, 2, 9], list(range(4, 30))]
     params = SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True)
-    with Engine(str(v41), kv_cache_tokens=2048) as e:
+    with Engine(str(v41), device="cuda", kv_cache_tokens=2048) as e:
         plain = [o.token_ids for o in e.generate(input_ids=prompts, sampling_params=params)]
-    with Engine(str(v41), kv_cache_tokens=2048, speculative="dspark") as e:
+    with Engine(str(v41), device="cuda", kv_cache_tokens=2048, speculative="dspark") as e:
         got = [o.token_ids for o in e.generate(input_ids=prompts, sampling_params=params)]
         stage = e.spec.drafter.net.stages[0]
         assert isinstance(stage.attn.wq_a.method, Fp8BlockLinear) and stage.attn.wq_a.weight.dtype == torch.float8_e4m3fn
