@@ -33,7 +33,8 @@ from deepinfer_kernels.fp8_gemv import GEMV_MAX_ROWS, fp8_gemv
 from deepinfer_kernels.fp8_quant import FP8_MAX, MIN_AMAX, quantize_fp8_token_groups
 from deepinfer_kernels.fp8_scaled_mm import (SCALED_MM_ROW_MULTIPLE, fp8_scaled_mm, scaled_mm_api_missing,  # noqa: F401
                                              scaled_mm_shape_unsupported, scaled_mm_unsupported)
-from deepinfer_kernels.fp8_split import _group_rows, _split_k_sum_kernel, group_tile_n
+from deepinfer_kernels.fp8_split import (TILED_K_STEP, _group_rows, _split_k_sum_kernel, group_tile_n,
+                                         m_bucket)
 
 
 
@@ -281,18 +282,6 @@ _fp8_tiled_grouped_tuned = triton.autotune([c for c in TILED_CONFIGS if c.kwargs
 """The grouped form's autotuner (groups of a multiple of 128 rows): tiles up to 128 columns."""
 GROUPED_TILE = dict(BLOCK_M=64, BLOCK_N=128, GROUP_M=8, num_warps=4, num_stages=4)
 """The grouped form's tile where a group's rows are not a multiple of 128 (BLOCK_N cut to divide them)."""
-
-
-def m_bucket(m: int) -> int:
-    """The autotuner's key for a row count: powers of four from 16 to 4096, then 8192 for every larger M."""
-    bucket = 16
-    while bucket < m and bucket < 8192:
-        bucket *= 4 if bucket < 4096 else 2
-    return bucket
-
-
-TILED_K_STEP = 128
-"""Inputs of each weight row the tiled GEMM reads a step: blocks narrower than this (V4.1's 32) take several a step."""
 
 
 def fp8_tiled_gemm(xq: torch.Tensor, x_scale: torch.Tensor, m: int, weight: torch.Tensor,

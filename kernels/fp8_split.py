@@ -1,5 +1,6 @@
-"""Pieces the block-scaled FP8 GEMM paths share (deepinfer_kernels.fp8_gemm, fp8_gemv): the sum of K-split fp32
-partials in split order, and a grouped (block-diagonal) GEMM's shape checks."""
+"""Pieces the block-scaled FP8 GEMM paths share (deepinfer_kernels.fp8_gemm, fp8_gemv, fp8_w16): the sum of K-split
+fp32 partials in split order, a grouped (block-diagonal) GEMM's shape checks, the autotuners' row key and the inputs
+a step of the tiled kernels."""
 from __future__ import annotations
 
 import torch
@@ -7,6 +8,18 @@ import triton
 import triton.language as tl
 
 from deepinfer_kernels.dispatch import pdl_wait
+
+TILED_K_STEP = 128
+"""Inputs of each weight row the tiled kernels (fp8_gemm's tiled GEMM, fp8_w16) read a step: blocks narrower than
+this (V4.1's 32) take several a step."""
+
+
+def m_bucket(m: int) -> int:
+    """The autotuners' key for a row count: powers of four from 16 to 4096, then 8192 for every larger M."""
+    bucket = 16
+    while bucket < m and bucket < 8192:
+        bucket *= 4 if bucket < 4096 else 2
+    return bucket
 
 
 @triton.jit

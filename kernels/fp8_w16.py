@@ -17,6 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
+from deepinfer_kernels.fp8_split import TILED_K_STEP, m_bucket
+
 
 @triton.jit
 def _fp8_w16_kernel(X, W, WS, B, Y, M, N, K, M_BUCKET, stride_xm, stride_wn, stride_wsn, stride_ym,
@@ -60,8 +62,6 @@ W16_CONFIGS = [
 """Tiles the autotuner tries on the GPU, keyed by (M bucket, N, K): BLOCK_N rows of weight (the dot's M side,
 64 a warpgroup) times BLOCK_M activation rows."""
 INTERPRETER_TILE = dict(BLOCK_N=32, BLOCK_M=16)
-W16_K_STEP = 128
-"""Inputs of each weight row a step: KSUB = W16_K_STEP / block scale blocks at a time."""
 
 _w16_tuned = triton.autotune(W16_CONFIGS, key=["M_BUCKET", "N", "K", "BLOCK_K", "KSUB"])(_fp8_w16_kernel)
 
@@ -81,10 +81,9 @@ def fp8_w16_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return y.view(*x.shape[:-1], n)
-    bucket = min(triton.next_power_of_2(m), 8192)  # the autotuner's row key
-    args = (x2, weight, weight_scale_inv, bias if bias is not None else weight_scale_inv, y, m, n, k, bucket,
+    args = (x2, weight, weight_scale_inv, bias if bias is not None else weight_scale_inv, y, m, n, k, m_bucket(m),
             x2.stride(0), weight.stride(0), weight_scale_inv.stride(0), y.stride(0))
-    flags = dict(HAS_BIAS=bias is not None, GROUP_N=group_n, BLOCK_K=block_k, KSUB=max(1, W16_K_STEP // block_k))
+    flags = dict(HAS_BIAS=bias is not None, GROUP_N=group_n, BLOCK_K=block_k, KSUB=max(1, TILED_K_STEP // block_k))
     if config is None and x.device.type == "cpu":
         config = INTERPRETER_TILE
     if config is not None:
