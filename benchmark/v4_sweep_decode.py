@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import re
+import time
 
 import torch
 
@@ -80,13 +81,16 @@ def release(engine, reqs: list[Req]) -> None:
         engine.pool.allocator.decref(r.pages)
 
 
-def decode_steps(runner, reqs: list[Req], n: int) -> None:
+def decode_steps(runner, reqs: list[Req], n: int, collected: list[float] | None = None) -> None:
     """n decode steps of all `reqs`, launched and collected as the engine loop does (a step that can overlap is
-    launched before the one before it is collected)."""
+    launched before the one before it is collected). `collected` gets the host clock as each step's tokens
+    arrive: from the first on, the pipeline is full (the next step was launched before it was collected)."""
     inflight = None
 
     def complete(handle, overlapped: bool) -> None:
         result = runner.collect(handle)
+        if collected is not None:
+            collected.append(time.perf_counter())
         for i, token in result.sampled:
             reqs[i].token_ids.append(token)
             reqs[i].num_inflight_tokens -= overlapped

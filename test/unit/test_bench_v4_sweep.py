@@ -34,7 +34,9 @@ def test_smoke_rows_and_sweep(smoke):
             assert r["floor_bytes"] > r["batch"] * r["kv_read_bytes_per_seq"] > 0
             assert 1 <= r["touched_experts_min"] <= 8 and r["expected_touched_experts"] <= 8
         graphed = [r for r in rows if r["mode"] == "graphs"]
-        assert all(r["graph_steps"] == r["steps"] and not r["is_captured"] for r in graphed)
+        # steps + 1 launched: the clock runs from the first step's tokens to the last's
+        assert all(r["graph_steps"] == r["steps"] + 1 and not r["is_captured"] for r in graphed)
+        assert all(r["cold_wall_ms_per_step"] > 0 and r["wall_ms_per_step"] > 0 for r in rows)
         assert 0 < section["prefill"]["fraction_of_matmul_rate"] <= 1
         assert section["capacity"]["pool_tokens"] > 0 and section["capacity"]["one_sequence_tokens"] > 0
     assert smoke["v4-bf16"]["kv_cache_dtype"] == "auto" and smoke["v41-fp8"]["kv_cache_dtype"] == "fp8_e4m3"
