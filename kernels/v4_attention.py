@@ -96,34 +96,11 @@ def fp4_tile(Buf, Scales, rows, stride_bn, stride_sn, offs_d, valid, FP4_BLOCK: 
 
 
 @triton.jit
-def _split_kernel(Q, Buf, Scales, Rows, Mask, PartO, PartLse,
-                  stride_qg, stride_qq, stride_qh, stride_bn, stride_sn, stride_rg, stride_rq, stride_mg, stride_mq,
-                  num_q, num_keys, split_len, split_base, total_splits, qk_scale,
-                  H: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
-                  QPB: tl.constexpr, BLOCK_N: tl.constexpr, HAS_MASK: tl.constexpr, IEEE: tl.constexpr,
-                  KV_FP8: tl.constexpr, KV_FP4: tl.constexpr = False, FP4_BLOCK: tl.constexpr = 32,
-                  PDL: tl.constexpr = False):
-    pdl_wait(PDL)
-    g = tl.program_id(0).to(tl.int64)
-    tile = tl.program_id(1)
-    split = tl.program_id(2)
-    num_hb = tl.cdiv(H, BLOCK_H)
-    qb, hb = tile // num_hb, tile % num_hb
-    offs_m = tl.arange(0, QPB * BLOCK_H)
-    qi = qb * QPB + offs_m // BLOCK_H
-    h = hb * BLOCK_H + offs_m % BLOCK_H
-    mvalid = (qi < num_q) & (h < H)
-    offs_d = tl.arange(0, BLOCK_D)
-    dmask = offs_d < D
-    q = tl.load(Q + g * stride_qg + qi[:, None] * stride_qq + h[:, None] * stride_qh + offs_d[None, :],
-                mask=mvalid[:, None] & dmask[None, :], other=0.0)
-    row_base = Rows + g * stride_rg + qb * QPB * stride_rq  # QPB == 1 whenever the rows are per query
-
-    m_i = tl.full([QPB * BLOCK_H], float("-inf"), tl.float32)
-    l_i = tl.zeros([QPB * BLOCK_H], tl.float32)
-    acc = tl.zeros([QPB * BLOCK_H, BLOCK_D], tl.float32)
-    start = split * split_len
-    end = tl.minimum(start + split_len, num_keys)
+def _attend(q, m_i, l_i, acc, Buf, Scales, row_base, mask_base, qb, qi, mvalid, offs_d, dmask, start, end, stride_bn,
+            stride_sn, stride_mq, qk_scale, QPB: tl.constexpr, BLOCK_N: tl.constexpr, HAS_MASK: tl.constexpr,
+            IEEE: tl.constexpr, KV_FP8: tl.constexpr, KV_FP4: tl.constexpr, FP4_BLOCK: tl.constexpr):
+    """The online softmax state (m_i, l_i, acc) of one program's (query, head) rows moved over key list positions
+    [start, end) of one source (rows at row_base, mask rows at mask_base): scores in base 2, acc unnormalised."""
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         nmask = offs_n < end
@@ -131,9 +108,13 @@ def _split_kernel(Q, Buf, Scales, Rows, Mask, PartO, PartLse,
         kvalid = rows >= 0
         valid = mvalid[:, None] & kvalid[None, :]
         if HAS_MASK:
-            seen = tl.load(Mask + g * stride_mg + qi[:, None] * stride_mq + offs_n[None, :],
-                           mask=mvalid[:, None] & nmask[None, :], other=0)
-            valid = valid & (seen != 0)
+            if QPB == 1:  # every row of the program is one query's: one mask row (fewer registers)
+                seen = tl.load(mask_base + qb * stride_mq + offs_n, mask=nmask, other=0)
+                valid = valid & (seen != 0)[None, :]
+            else:
+                seen = tl.load(mask_base + qi[:, None] * stride_mq + offs_n[None, :],
+                               mask=mvalid[:, None] & nmask[None, :], other=0)
+                valid = valid & (seen != 0)
         if tl.max(tl.max(valid.to(tl.int32), 1), 0) > 0:  # tiles no row of this program sees are skipped
             safe = tl.where(kvalid, rows, 0)
             if KV_FP4:  # (N, D), also V: dequantized in registers, exact in q's dtype
@@ -164,12 +145,91 @@ def _split_kernel(Q, Buf, Scales, Rows, Mask, PartO, PartLse,
             else:
                 acc = acc * alpha[:, None] + tl.dot(p.to(k.dtype), k)
             m_i = m_new
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _program_rows(H: tl.constexpr, BLOCK_H: tl.constexpr, QPB: tl.constexpr, num_q):
+    """Query-block, head-block and the (query, head) rows of tile program_id(1)."""
+    tile = tl.program_id(1)
+    num_hb = tl.cdiv(H, BLOCK_H)
+    qb, hb = tile // num_hb, tile % num_hb
+    offs_m = tl.arange(0, QPB * BLOCK_H)
+    qi = qb * QPB + offs_m // BLOCK_H
+    h = hb * BLOCK_H + offs_m % BLOCK_H
+    return qb, qi, h, (qi < num_q) & (h < H)
+
+
+@triton.jit
+def _split_kernel(Q, Buf, Scales, Rows, Mask, PartO, PartLse,
+                  stride_qg, stride_qq, stride_qh, stride_bn, stride_sn, stride_rg, stride_rq, stride_mg, stride_mq,
+                  num_q, num_keys, split_len, split_base, total_splits, qk_scale,
+                  H: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
+                  QPB: tl.constexpr, BLOCK_N: tl.constexpr, HAS_MASK: tl.constexpr, IEEE: tl.constexpr,
+                  KV_FP8: tl.constexpr, KV_FP4: tl.constexpr = False, FP4_BLOCK: tl.constexpr = 32,
+                  PDL: tl.constexpr = False):
+    pdl_wait(PDL)
+    g = tl.program_id(0).to(tl.int64)
+    split = tl.program_id(2)
+    qb, qi, h, mvalid = _program_rows(H, BLOCK_H, QPB, num_q)
+    offs_d = tl.arange(0, BLOCK_D)
+    dmask = offs_d < D
+    q = tl.load(Q + g * stride_qg + qi[:, None] * stride_qq + h[:, None] * stride_qh + offs_d[None, :],
+                mask=mvalid[:, None] & dmask[None, :], other=0.0)
+    row_base = Rows + g * stride_rg + qb * QPB * stride_rq  # QPB == 1 whenever the rows are per query
+    m_i = tl.full([QPB * BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([QPB * BLOCK_H], tl.float32)
+    acc = tl.zeros([QPB * BLOCK_H, BLOCK_D], tl.float32)
+    start = split * split_len
+    m_i, l_i, acc = _attend(q, m_i, l_i, acc, Buf, Scales, row_base, Mask + g * stride_mg, qb, qi, mvalid, offs_d,
+                            dmask, start, tl.minimum(start + split_len, num_keys), stride_bn, stride_sn, stride_mq,
+                            qk_scale, QPB, BLOCK_N, HAS_MASK, IEEE, KV_FP8, KV_FP4, FP4_BLOCK)
     empty = l_i == 0.0
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
     lse = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
     part = ((g * num_q + qi) * H + h) * total_splits + split_base + split
     tl.store(PartO + part[:, None] * D + offs_d[None, :], out, mask=mvalid[:, None] & dmask[None, :])
     tl.store(PartLse + part, lse, mask=mvalid)
+
+
+@triton.jit
+def _fused_kernel(Q, Sink, O, stride_qg, stride_qq, stride_qh, num_q, qk_scale,
+                  BufA, ScalesA, RowsA, MaskA, stride_bnA, stride_snA, stride_rgA, stride_rqA, stride_mgA, stride_mqA,
+                  num_keysA,
+                  BufB, ScalesB, RowsB, MaskB, stride_bnB, stride_snB, stride_rgB, stride_rqB, stride_mgB, stride_mqB,
+                  num_keysB,
+                  H: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, QPB: tl.constexpr,
+                  BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+                  HAS_MASK_A: tl.constexpr, FP8_A: tl.constexpr, FP4_A: tl.constexpr, FP4_BLOCK_A: tl.constexpr,
+                  HAS_B: tl.constexpr, HAS_MASK_B: tl.constexpr, FP8_B: tl.constexpr, FP4_B: tl.constexpr,
+                  FP4_BLOCK_B: tl.constexpr, PDL: tl.constexpr):
+    """One program per (group, tile of rows) over every key of one or two sources, the sink merged in and the
+    output written in O's dtype: the split kernel and the combine in one, where no source needs a split."""
+    pdl_wait(PDL)
+    g = tl.program_id(0).to(tl.int64)
+    qb, qi, h, mvalid = _program_rows(H, BLOCK_H, QPB, num_q)
+    offs_d = tl.arange(0, BLOCK_D)
+    dmask = offs_d < D
+    q = tl.load(Q + g * stride_qg + qi[:, None] * stride_qq + h[:, None] * stride_qh + offs_d[None, :],
+                mask=mvalid[:, None] & dmask[None, :], other=0.0)
+    m_i = tl.full([QPB * BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([QPB * BLOCK_H], tl.float32)
+    acc = tl.zeros([QPB * BLOCK_H, BLOCK_D], tl.float32)
+    m_i, l_i, acc = _attend(q, m_i, l_i, acc, BufA, ScalesA, RowsA + g * stride_rgA + qb * QPB * stride_rqA,
+                            MaskA + g * stride_mgA, qb, qi, mvalid, offs_d, dmask, 0, num_keysA, stride_bnA,
+                            stride_snA, stride_mqA, qk_scale, QPB, BLOCK_N, HAS_MASK_A, IEEE, FP8_A, FP4_A, FP4_BLOCK_A)
+    if HAS_B:
+        m_i, l_i, acc = _attend(q, m_i, l_i, acc, BufB, ScalesB, RowsB + g * stride_rgB + qb * QPB * stride_rqB,
+                                MaskB + g * stride_mgB, qb, qi, mvalid, offs_d, dmask, 0, num_keysB,
+                                stride_bnB, stride_snB, stride_mqB, qk_scale, QPB, BLOCK_N, HAS_MASK_B, IEEE, FP8_B, FP4_B,
+                                FP4_BLOCK_B)
+    sink = tl.load(Sink + h, mask=h < H, other=0.0).to(tl.float32) * 1.4426950408889634
+    m = tl.maximum(m_i, sink)  # the sink is finite, so m is
+    w = tl.exp2(m_i - m)  # 0 for a row that saw no key (m_i = -inf, acc = l_i = 0)
+    total = l_i * w + tl.exp2(sink - m)
+    out = acc * (w / total)[:, None]
+    r = (g * num_q + qi) * H + h
+    tl.store(O + r[:, None] * D + offs_d[None, :], out.to(O.dtype.element_ty), mask=mvalid[:, None] & dmask[None, :])
 
 
 @triton.jit
@@ -207,11 +267,29 @@ TARGET_PROGRAMS = 528
 """Split programs aimed at (4 per SM of an H200): decode batches small enough to leave SMs idle split their keys."""
 
 
-def _tiling(num_q: int, num_heads: int, d: int, per_query_rows: bool) -> tuple[int, int]:
+@dataclass(frozen=True)
+class Tiles:
+    """The launch shape (benchmarks try others; results are the same up to fp32 summation order)."""
+    block_n: int = BLOCK_N
+    """Keys per tile."""
+    max_rows: int | None = None
+    """(query, head) rows per program at most (None: what keeps a (rows, D) fp32 accumulator in registers)."""
+    num_warps: int | None = None
+    num_stages: int = 2
+    maxnreg: int | None = None
+    """Registers a thread at most (None: the compiler's choice)."""
+
+    def launch(self, d: int) -> dict:
+        """num_warps, num_stages (and maxnreg) for keys of width d."""
+        warps = self.num_warps or (8 if triton.next_power_of_2(d) >= 256 else 4)
+        return dict(num_warps=warps, num_stages=self.num_stages, **({"maxnreg": self.maxnreg} if self.maxnreg else {}))
+
+
+def _tiling(num_q: int, num_heads: int, d: int, per_query_rows: bool, max_rows: int | None = None) -> tuple[int, int]:
     """(queries per program, heads per program): at least 16 (query, head) rows for tl.dot, and at most what keeps
     the fp32 accumulator (rows, D) in registers (16 rows at D = 512). One query per program for per-query rows
     (and in fixed-split mode: the tiling then depends on the heads and D only)."""
-    max_rows = min(64, max(16, 8192 // triton.next_power_of_2(d)))
+    max_rows = max_rows or min(64, max(16, 8192 // triton.next_power_of_2(d)))
     block_h = min(triton.next_power_of_2(num_heads), max_rows)
     qpb = 1 if per_query_rows else max(1, min(triton.next_power_of_2(num_q), max_rows // block_h))
     while qpb * block_h < 16:
@@ -259,64 +337,113 @@ def check_fp4(buf: torch.Tensor, scales: torch.Tensor | None, d: int, what: str)
 
 
 def sparse_mqa_attention(q: torch.Tensor, sources: Sequence[KeySource], sink: torch.Tensor, sm_scale: float,
-                         split_len: int | None = None, fixed_splits: bool = False, pdl: bool = False) -> torch.Tensor:
+                         split_len: int | None = None, fixed_splits: bool = False, pdl: bool = False,
+                         fuse: bool | None = None, tiles: Tiles = Tiles()) -> torch.Tensor:
     """q (G, Q, H, D) over the keys of `sources` with the per-head sink (H,) -> (G, Q, H, D) in q's dtype: for
     each (query, head) softmax over [q.k * sm_scale for its visible keys, sink], applied to the keys (K = V).
-    A row that sees no key gives zeros. `split_len` (keys per split, a multiple of BLOCK_N) overrides the
-    choice from the shapes (tests); `fixed_splits` is the batch-invariant mode (module docstring)."""
+    A row that sees no key gives zeros. `split_len` (keys per split, a multiple of the tile) overrides the
+    choice from the shapes (tests); `fixed_splits` is the batch-invariant mode (module docstring). Where no
+    source needs a split (decode batches that fill the GPU by themselves) one program per (group, tile of rows)
+    reads both sources and writes the output with the sink merged (no fp32 partials, no combine launch);
+    `fuse` False keeps the split and combine kernels, True requires the fused one (ValueError where it can't)."""
     if fixed_splits and split_len is not None:
         raise ValueError("fixed_splits sets the split length itself (FIXED_SPLIT_LEN)")
     g, num_q, num_heads, d = q.shape
     q = q if q.stride(-1) == 1 else q.contiguous()
-    plans = []
+    block_n = tiles.block_n
     for src in sources:
         _check(q, src)
+    # One tiling for every source (one query a program where any source has per-query rows; at D = 512 that is
+    # the tiling anyway), so the fused kernel can take them all.
+    any_per_query = num_q > 1 and any(src.rows.dim() == 3 for src in sources)
+    qpb, block_h = _tiling(num_q, num_heads, d, any_per_query or fixed_splits, tiles.max_rows)
+    plans = []
+    for src in sources:
         per_query = src.rows.dim() == 3 and num_q > 1
-        qpb, block_h = _tiling(num_q, num_heads, d, per_query or fixed_splits)
-        tiles = triton.cdiv(num_q, qpb) * triton.cdiv(num_heads, block_h)
+        num_tiles = triton.cdiv(num_q, qpb) * triton.cdiv(num_heads, block_h)
         num_keys = src.rows.shape[-1]
         if fixed_splits:
             length = FIXED_SPLIT_LEN
         elif split_len is None:
-            want = max(1, TARGET_PROGRAMS // max(1, g * tiles * len(sources)))
-            length = triton.cdiv(triton.cdiv(max(num_keys, 1), want), BLOCK_N) * BLOCK_N
+            want = max(1, TARGET_PROGRAMS // max(1, g * num_tiles * len(sources)))
+            length = triton.cdiv(triton.cdiv(max(num_keys, 1), want), block_n) * block_n
         else:
             length = split_len
-        plans.append((src, per_query, qpb, block_h, tiles, num_keys, length, max(1, triton.cdiv(num_keys, length))))
-    total = sum(p[-1] for p in plans)
+        plans.append(_Plan(src, per_query, qpb, block_h, num_tiles, num_keys, length,
+                           max(1, triton.cdiv(num_keys, length))))
+    can_fuse = not fixed_splits and 1 <= len(plans) <= 2 and all(p.splits == 1 for p in plans)
+    if fuse and not can_fuse:
+        raise ValueError("the fused kernel takes one or two sources that need no split")
+    block_d = triton.next_power_of_2(d)
+    out = torch.empty(g, num_q, num_heads, d, dtype=q.dtype, device=q.device)
+    if can_fuse and fuse is not False:
+        a, b = plans[0], plans[-1]
+        _fused_kernel[(g, a.num_tiles)](
+            q, sink.float().contiguous(), out, q.stride(0), q.stride(1), q.stride(2), num_q, sm_scale * LOG2E,
+            *a.args(), *b.args(), H=num_heads, D=d, BLOCK_D=block_d, BLOCK_H=a.block_h, QPB=a.qpb, BLOCK_N=block_n,
+            IEEE=q.dtype == torch.float32, **a.flags("_A"), HAS_B=len(plans) == 2, **b.flags("_B"),
+            **tiles.launch(d), **pdl_launch(pdl))
+        return out
+    total = sum(p.splits for p in plans)
     part_o = torch.empty(g * num_q * num_heads * total, d, dtype=torch.float32, device=q.device)
     part_lse = torch.empty(g * num_q * num_heads * total, dtype=torch.float32, device=q.device)
     base = 0
-    block_d = triton.next_power_of_2(d)
-    for src, per_query, qpb, block_h, tiles, num_keys, length, splits in plans:
-        rows = src.rows if src.rows.dim() == 3 else src.rows[:, None]
-        rows_q_stride = rows.stride(1) if per_query else 0
-        if rows.stride(-1) != 1:
-            rows = rows.contiguous()
-            rows_q_stride = rows.stride(1) if per_query else 0
-        mask = src.mask
-        if mask is not None:
-            mask = mask if mask.stride(-1) == 1 else mask.contiguous()
-            mask = mask.view(torch.uint8)
-        fp8, fp4 = src.buf.dtype == torch.float8_e4m3fn, src.buf.dtype == torch.uint8
-        fp4_kw = dict(KV_FP4=True, FP4_BLOCK=d // src.scales.shape[1]) if fp4 else {}
-        _split_kernel[(g, tiles, splits)](
-            q, src.buf, src.scales if fp8 or fp4 else src.buf, rows, mask if mask is not None else rows, part_o,
-            part_lse, q.stride(0), q.stride(1), q.stride(2), src.buf.stride(0),
-            src.scales.stride(0) if fp8 or fp4 else 0,
-            rows.stride(0), rows_q_stride,
-            mask.stride(0) if mask is not None else 0, mask.stride(1) if mask is not None else 0,
-            num_q, num_keys, length, base, total, sm_scale * LOG2E,
-            H=num_heads, D=d, BLOCK_D=block_d, BLOCK_H=block_h, QPB=qpb, BLOCK_N=BLOCK_N,
-            HAS_MASK=mask is not None, IEEE=q.dtype == torch.float32, KV_FP8=fp8, num_warps=8 if block_d >= 256 else 4,
-            num_stages=2, **fp4_kw, **pdl_launch(pdl))
-        base += splits
-    out = torch.empty(g, num_q, num_heads, d, dtype=q.dtype, device=q.device)
+    for plan in plans:
+        buf, scales, rows, mask, stride_bn, stride_sn, stride_rg, stride_rq, stride_mg, stride_mq, num_keys = \
+            plan.args()
+        flags = plan.flags()
+        _split_kernel[(g, plan.num_tiles, plan.splits)](
+            q, buf, scales, rows, mask, part_o, part_lse, q.stride(0), q.stride(1), q.stride(2), stride_bn, stride_sn,
+            stride_rg, stride_rq, stride_mg, stride_mq, num_q, num_keys, plan.length, base, total, sm_scale * LOG2E,
+            H=num_heads, D=d, BLOCK_D=block_d, BLOCK_H=plan.block_h, QPB=plan.qpb, BLOCK_N=block_n,
+            HAS_MASK=flags["HAS_MASK"], IEEE=q.dtype == torch.float32, KV_FP8=flags["FP8"], KV_FP4=flags["FP4"],
+            FP4_BLOCK=flags["FP4_BLOCK"], **tiles.launch(d), **pdl_launch(pdl))
+        base += plan.splits
     combine_h = min(16, triton.next_power_of_2(num_heads))
     _combine_kernel[(g * num_q, triton.cdiv(num_heads, combine_h))](
         part_o, part_lse, sink.float().contiguous(), out, total, H=num_heads, D=d, BLOCK_D=block_d,
         BLOCK_H=combine_h, BLOCK_S=max(2, triton.next_power_of_2(total)), num_warps=4, **pdl_launch(pdl))
     return out
+
+
+@dataclass
+class _Plan:
+    """One source's launch: its tiling and split."""
+    src: KeySource
+    per_query: bool
+    qpb: int
+    block_h: int
+    num_tiles: int
+    num_keys: int
+    length: int
+    splits: int
+
+    def args(self) -> tuple:
+        """buf, scales, rows, mask, and the strides of buf rows, scales, rows (group, query) and mask (group,
+        query), then the key count: the kernels' per-source arguments (a missing mask or scales passes rows)."""
+        src = self.src
+        rows = src.rows if src.rows.dim() == 3 else src.rows[:, None]
+        if rows.stride(-1) != 1:
+            rows = rows.contiguous()
+        mask = src.mask
+        if mask is not None:
+            mask = (mask if mask.stride(-1) == 1 else mask.contiguous()).view(torch.uint8)
+        scaled = src.buf.dtype in (torch.float8_e4m3fn, torch.uint8)
+        return (src.buf, src.scales if scaled else src.buf, rows, mask if mask is not None else rows,
+                src.buf.stride(0), src.scales.stride(0) if scaled else 0, rows.stride(0),
+                rows.stride(1) if self.per_query else 0,
+                mask.stride(0) if mask is not None else 0, mask.stride(1) if mask is not None else 0, self.num_keys)
+
+    def flags(self, suffix: str = "") -> dict:
+        src = self.src
+        fp4 = src.buf.dtype == torch.uint8
+        return {f"HAS_MASK{suffix}": src.mask is not None, f"FP8{suffix}": src.buf.dtype == torch.float8_e4m3fn,
+                f"FP4{suffix}": fp4, f"FP4_BLOCK{suffix}": d_per_scale(src) if fp4 else 32}
+
+
+def d_per_scale(src: KeySource) -> int:
+    """Columns per e8m0 scale of an MXFP4 source."""
+    return 2 * src.buf.shape[1] // src.scales.shape[1]
 
 
 def sparse_mqa_attention_ref(q: torch.Tensor, sources: Sequence[KeySource], sink: torch.Tensor,

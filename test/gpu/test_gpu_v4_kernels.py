@@ -86,9 +86,11 @@ def test_sparse_mqa_attention_v4_flash(dtype, batch, q_len, topk):
         torch.testing.assert_close(out, ref, rtol=2e-5, atol=2e-5)
     else:
         assert rel_err(out, ref) < 1.5e-2
-    # the split choice does not matter beyond rounding: one split per source gives the same within tolerance
-    whole = sparse_mqa_attention(q, sources, sink, D ** -0.5, split_len=max(WINDOW + q_len, topk) + 32)
-    assert rel_err(whole, ref) < (2e-5 if dtype == torch.float32 else 1.5e-2)
+    # the split choice does not matter beyond rounding: one split per source gives the same within tolerance,
+    # through the fused kernel (the default there) and through the split kernels and the combine
+    for fuse in (None, False):
+        whole = sparse_mqa_attention(q, sources, sink, D ** -0.5, split_len=max(WINDOW + q_len, topk) + 32, fuse=fuse)
+        assert rel_err(whole, ref) < (2e-5 if dtype == torch.float32 else 1.5e-2)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -108,8 +110,9 @@ def test_sparse_mqa_attention_v4_flash_fp8(dtype, batch, q_len, topk):
     if dtype == torch.float32:  # per element: fp32 rounding of the logits, in units of the largest value row
         vmax = max(s.buf.abs().amax().item() for s in deq)
         torch.testing.assert_close(out, ref, rtol=2e-5, atol=2e-5 * vmax)
-    whole = sparse_mqa_attention(q, sources, sink, D ** -0.5, split_len=max(WINDOW + q_len, topk) + 32)
-    assert rel_err(whole, ref) < tol
+    for fuse in (None, False):  # the fused kernel, and the split kernels with the combine, at one split a source
+        whole = sparse_mqa_attention(q, sources, sink, D ** -0.5, split_len=max(WINDOW + q_len, topk) + 32, fuse=fuse)
+        assert rel_err(whole, ref) < tol
     mixed = sparse_mqa_attention(q, [type(deq[0])(deq[0].buf.to(dtype), deq[0].rows, deq[0].mask), sources[1]],
                                  sink, D ** -0.5)  # a 16-bit source beside an FP8 one
     assert rel_err(mixed, ref) < tol

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from deepinfer_kernels import reference
+from triton_interpreter import INTERPRETER_ENV
 from deepinfer_rt.cache.kv_pool import KVLayout, KVPool
 from deepinfer_rt.forward_batch import ForwardBatch
 from deepinfer_rt.layers import batch_invariant as bi
@@ -292,7 +293,7 @@ def test_ordered_sum_dense_form_matches_index_add(monkeypatch):
 def _in_triton_interpreter(check: str) -> None:
     pytest.importorskip("triton")
     here = Path(__file__).resolve().parent
-    env = dict(os.environ, TRITON_INTERPRET="1",
+    env = dict(os.environ, **INTERPRETER_ENV,
                PYTHONPATH=os.pathsep.join([str(here), os.getcwd(), os.environ.get("PYTHONPATH", "")]))
     code = f"import torch; torch.set_num_threads(1); import {Path(__file__).stem} as t; t.{check}()"
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)

@@ -11,6 +11,8 @@ import textwrap
 
 import pytest
 
+from triton_interpreter import INTERPRETER_ENV
+
 pytest.importorskip("triton")
 
 _ROUTER = textwrap.dedent("""
@@ -342,7 +344,7 @@ _FP8_KV = textwrap.dedent(_SCALED_DOWN + """
 
 
 def _interpret(code: str) -> str:
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    env = {**os.environ, **INTERPRETER_ENV}
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout

@@ -64,6 +64,8 @@ _ATTENTION = textwrap.dedent(_QUANTIZE + """
             one = sparse_mqa_attention(q, srcs[:1], sink, D ** -0.5, split_len=split)
             torch.testing.assert_close(one.float(), sparse_mqa_attention_ref(q, srcs[:1], sink, D ** -0.5).float(),
                                        rtol=tol, atol=tol)
+            fused = sparse_mqa_attention(q, srcs, sink, D ** -0.5, split_len=128, fuse=True)  # FP8 (+ 16-bit)
+            torch.testing.assert_close(fused.float(), ref.float(), rtol=tol, atol=tol)
     for bad in (KeySource(v1, rows1, mask1), KeySource(v1, rows1, mask1, scales=s1[:50]),
                 KeySource(d1.to(dtype), rows1, mask1, scales=s1)):
         try:

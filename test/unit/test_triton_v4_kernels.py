@@ -45,6 +45,22 @@ _ATTENTION = textwrap.dedent("""
             one = sparse_mqa_attention(q, srcs[:1], sink, D ** -0.5, split_len=split)
             torch.testing.assert_close(one.float(), sparse_mqa_attention_ref(q, srcs[:1], sink, D ** -0.5).float(),
                                        rtol=tol, atol=tol)
+            # One split a source (every list fits 128 keys): the fused kernel, one source or two, and the split
+            # kernels with the combine for the same split, against the reference and each other.
+            for some in (srcs, srcs[:1], srcs[1:]):
+                ref_some = sparse_mqa_attention_ref(q, some, sink, D ** -0.5).float()
+                fused = sparse_mqa_attention(q, some, sink, D ** -0.5, split_len=128, fuse=True)
+                unfused = sparse_mqa_attention(q, some, sink, D ** -0.5, split_len=128, fuse=False)
+                torch.testing.assert_close(fused.float(), ref_some, rtol=tol, atol=tol)
+                torch.testing.assert_close(fused.float(), unfused.float(), rtol=tol, atol=tol)
+                if G > 2:  # the last group sees no key of either source
+                    assert (fused[-1] == 0).all()
+            if max(L1, L2) > 32:
+                try:
+                    sparse_mqa_attention(q, srcs, sink, D ** -0.5, split_len=32, fuse=True)  # past one split
+                    raise AssertionError("the fused kernel accepted a source that needs splits")
+                except ValueError:
+                    pass
     try:
         sparse_mqa_attention(q, [KeySource(buf2[:, :16], rows1, mask1)], sink, D ** -0.5)
         raise AssertionError("a key width other than the queries' accepted")

@@ -160,6 +160,8 @@ _FP4_KERNELS = textwrap.dedent("""
             assert torch.equal(ref, sparse_mqa_attention_ref(q, [KeySource(d1, rows1, mask1), KeySource(plain, rows2)],
                                                              sink, D ** -0.5))
             torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol)
+            fused = sparse_mqa_attention(q, srcs, sink, D ** -0.5, split_len=128, fuse=True)  # MXFP4 + 16-bit
+            torch.testing.assert_close(fused.float(), ref.float(), rtol=tol, atol=tol)
     for dtype, tol in ((torch.float32, 1e-5), (torch.float16, 1e-3)):
         for G, Q, H, Di, E in [(3, 1, 4, 32, 70), (1, 6, 2, 48, 33), (1, 2, 8, 16, 0)]:
             rows, deq = fp4_rows(90, Di, g)
