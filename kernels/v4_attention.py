@@ -351,15 +351,11 @@ def sparse_mqa_attention(q: torch.Tensor, sources: Sequence[KeySource], sink: to
     g, num_q, num_heads, d = q.shape
     q = q if q.stride(-1) == 1 else q.contiguous()
     block_n = tiles.block_n
-    for src in sources:
-        _check(q, src)
-    # One tiling for every source (one query a program where any source has per-query rows; at D = 512 that is
-    # the tiling anyway), so the fused kernel can take them all.
-    any_per_query = num_q > 1 and any(src.rows.dim() == 3 for src in sources)
-    qpb, block_h = _tiling(num_q, num_heads, d, any_per_query or fixed_splits, tiles.max_rows)
     plans = []
     for src in sources:
+        _check(q, src)
         per_query = src.rows.dim() == 3 and num_q > 1
+        qpb, block_h = _tiling(num_q, num_heads, d, per_query or fixed_splits, tiles.max_rows)
         num_tiles = triton.cdiv(num_q, qpb) * triton.cdiv(num_heads, block_h)
         num_keys = src.rows.shape[-1]
         if fixed_splits:
@@ -377,10 +373,14 @@ def sparse_mqa_attention(q: torch.Tensor, sources: Sequence[KeySource], sink: to
     block_d = triton.next_power_of_2(d)
     out = torch.empty(g, num_q, num_heads, d, dtype=q.dtype, device=q.device)
     if can_fuse and fuse is not False:
+        # one tiling for both sources: one query a program where either has per-query rows (at D = 512 every
+        # source's tiling already is)
         a, b = plans[0], plans[-1]
-        _fused_kernel[(g, a.num_tiles)](
+        qpb, block_h = _tiling(num_q, num_heads, d, a.per_query or b.per_query, tiles.max_rows)
+        num_tiles = triton.cdiv(num_q, qpb) * triton.cdiv(num_heads, block_h)
+        _fused_kernel[(g, num_tiles)](
             q, sink.float().contiguous(), out, q.stride(0), q.stride(1), q.stride(2), num_q, sm_scale * LOG2E,
-            *a.args(), *b.args(), H=num_heads, D=d, BLOCK_D=block_d, BLOCK_H=a.block_h, QPB=a.qpb, BLOCK_N=block_n,
+            *a.args(), *b.args(), H=num_heads, D=d, BLOCK_D=block_d, BLOCK_H=block_h, QPB=qpb, BLOCK_N=block_n,
             IEEE=q.dtype == torch.float32, **a.flags("_A"), HAS_B=len(plans) == 2, **b.flags("_B"),
             **tiles.launch(d), **pdl_launch(pdl))
         return out

@@ -34,10 +34,12 @@ _QUANTIZE = """
 
 # Two sources: FP8 with a per-query mask and -1 rows (scales (N, 1)), FP8 per-group or per-query rows (scales
 # (N,)) or a 16-bit source beside an FP8 one; split and unsplit; a group that sees no key at all (zeros).
+# fp32 tolerance 5e-5: rows dequantize up to ~8 in magnitude, so logits reach tens and their fp32 rounding (the
+# order of the dot's sums, which differs between OpenBLAS kernels in the interpreter) moves outputs by ~2e-5.
 _ATTENTION = textwrap.dedent(_QUANTIZE + """
     from deepinfer_kernels.v4_attention import KeySource, sparse_mqa_attention, sparse_mqa_attention_ref
     g = torch.Generator().manual_seed(0)
-    for dtype, tol in ((torch.float32, 1e-5), (torch.float16, 2e-3)):
+    for dtype, tol in ((torch.float32, 5e-5), (torch.float16, 2e-3)):
         for G, Q, H, D, L1, L2, per_query, split, mixed in [(3, 1, 4, 32, 40, 20, False, None, False),
                                                             (1, 5, 4, 48, 37, 9, True, 32, False),
                                                             (2, 1, 16, 32, 70, 3, False, 32, True)]:

@@ -145,6 +145,13 @@ class V4Method:
         comb = self.sinkhorn(comb_w.view(-1, n, n) * comb_s + comb_b.view(n, n), iters, eps)
         return pre, post, comb
 
+    def hc_norm_weights(self, streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
+                        n: int, iters: int, eps: float, norm_eps: float):
+        """The mixes of streams (T, N, D) from the perceptron fn ((2 + N) N, N D) over the RMS-normalised,
+        flattened streams: hc_weights(float_rms_norm(flat) @ fn.T)."""
+        flat = self.float_rms_norm(streams.flatten(1), norm_eps)
+        return self.hc_weights(self.hc_matmul(flat, fn.float()), base, scale, n, iters, eps)
+
     def hc_collapse(self, pre: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
         """pre (T, N) fp32, streams (T, N, D) -> the block input sum_j pre_j streams_j (T, D), streams' dtype."""
         return self.middle_sum(pre.unsqueeze(-1) * streams, dim=1).to(streams.dtype)
@@ -323,6 +330,11 @@ class V4TritonMethod(V4Method):
     def hc_weights(self, mix: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, n: int, iters: int,
                    eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return self.kernels.hyper.hc_weights(mix, base, scale, iters, eps, pdl=self.pdl)
+
+    def hc_norm_weights(self, streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
+                        n: int, iters: int, eps: float, norm_eps: float):
+        # the norm applied to the product's rows: no normalised fp32 copy of the streams, no cuBLAS fp32 GEMM
+        return self.kernels.hyper.hc_norm_weights(streams, fn, base, scale, iters, eps, norm_eps, pdl=self.pdl)
 
     def hc_collapse(self, pre: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
         return self.kernels.hyper.hc_collapse(pre, streams, pdl=self.pdl)
