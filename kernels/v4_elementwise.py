@@ -100,9 +100,12 @@ def _rope_kernel(X, Cos, Sin, Out, stride_xn, stride_xm, stride_on, stride_om, s
     tl.store(o_rows + even + 1, y2.to(Out.dtype.element_ty), mask=mmask[:, None])
 
 
-def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pdl: bool = False) -> torch.Tensor:
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pdl: bool = False,
+         inplace: bool = False) -> torch.Tensor:
     """methods.apply_rope in one launch: x (N, ..., D) rotated on its trailing 2 * R/2 channels by adjacent pairs
-    (2j, 2j + 1), cos / sin (N, R/2) fp32 (-sin undoes a rotation). Returns a new tensor; x is not changed."""
+    (2j, 2j + 1), cos / sin (N, R/2) fp32 (-sin undoes a rotation). Returns a new tensor and leaves x as it was,
+    or with `inplace` rotates x's rope channels where it lies (x's other channels are neither read nor written:
+    a 64-of-512 rotation moves an eighth of the bytes) and returns it."""
     n, d = x.shape[0], x.shape[-1]
     half = cos.shape[-1]
     if half & (half - 1) or sin.shape != cos.shape or cos.shape[0] != n or 2 * half > d:
@@ -111,14 +114,14 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pdl: bool = Fals
     if x3.stride(-1) != 1:
         x3 = x3.contiguous()
     cos, sin = cos.float().contiguous(), sin.float().contiguous()
-    out = torch.empty(x3.shape, dtype=x.dtype, device=x.device)
+    out = x3 if inplace else torch.empty(x3.shape, dtype=x.dtype, device=x.device)
     m, nope = x3.shape[1], d - 2 * half
     block_m = min(16, triton.next_power_of_2(max(1, m)))
-    if n and m:
+    if n and m:  # each program reads a pair before it writes it, so out may be x
         _rope_kernel[(n, triton.cdiv(m, block_m))](
             x3, cos, sin, out, x3.stride(0), x3.stride(1), out.stride(0), out.stride(1), cos.stride(0), m, nope,
-            HALF=half, BLOCK_M=block_m, BLOCK_NOPE=triton.next_power_of_2(nope) if nope else 0, num_warps=4,
-            **pdl_launch(pdl))
+            HALF=half, BLOCK_M=block_m, BLOCK_NOPE=triton.next_power_of_2(nope) if nope and not inplace else 0,
+            num_warps=4, **pdl_launch(pdl))
     return out.view(x.shape)
 
 

@@ -237,6 +237,9 @@ def test_norms_rope_and_hyper_connections_v4_flash(dtype):
     cos, sin = (torch.randn(64, 32, device=DEV, generator=gen) for _ in range(2))
     check(ew.rope(x, cos, sin), apply_rope(x, cos, sin))
     check(ew.rope(x, cos, -sin), apply_rope(x, cos, -sin))
+    want = apply_rope(x, cos, sin)
+    check(ew.rope(x, cos, sin, inplace=True), want)  # in place: x itself rotated
+    check(x, want)
     n, t = 4, 64
     mix = torch.randn(t, (2 + n) * n, device=DEV, generator=gen)
     base, scale = torch.randn((2 + n) * n, device=DEV, generator=gen), torch.rand(3, device=DEV, generator=gen) + 0.5

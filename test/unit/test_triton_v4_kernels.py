@@ -252,6 +252,16 @@ _ELEMENTWISE = textwrap.dedent("""
             assert torch.equal(got[..., : shape[-1] - 2 * half], x[..., : shape[-1] - 2 * half])  # untouched
             wide = torch.randn(shape[0], *shape[1:-1], shape[-1] + 8, generator=g).to(dtype)[..., 4 : 4 + shape[-1]]
             torch.testing.assert_close(ew.rope(wide, cos, -sin), apply_rope(wide, cos, -sin), rtol=tol, atol=tol)
+            # In place, on a view of a wider buffer: the rotated channels equal the copy's, the others and the
+            # buffer's columns around the view stay as they were.
+            buf = torch.randn(shape[0], *shape[1:-1], shape[-1] + 8, generator=g).to(dtype)
+            before, view = buf.clone(), buf[..., 4 : 4 + shape[-1]]
+            want = apply_rope(view, cos, sin)
+            assert ew.rope(view, cos, sin, inplace=True).data_ptr() == view.data_ptr()
+            torch.testing.assert_close(buf[..., 4 : 4 + shape[-1]], want, rtol=tol, atol=tol)
+            nope = shape[-1] - 2 * half
+            assert torch.equal(buf[..., : 4 + nope], before[..., : 4 + nope])
+            assert torch.equal(buf[..., 4 + shape[-1] :], before[..., 4 + shape[-1] :])
         # The experts' clamped SwiGLU on the two halves of a gate | up product (views), limits that clamp some.
         gate_up = (torch.randn(5, 2 * 40, generator=g) * 4).to(dtype)
         gate, up = gate_up[:, :40], gate_up[:, 40:]

@@ -63,8 +63,8 @@ class V4Attention(nn.Module):
         q_residual = self.q_norm(q_a)
         cos, sin = self.rotary.cos_sin(vb.positions)
         q = self.method.unweighted_rms_norm(self.wq_b(q_residual).view(t, self.num_heads, self.head_dim), self.eps)
-        q = self.method.rope(q, cos, sin)
-        kv.store_swa(vb.out_slots, self.method.rope(self.norm(kv_a), cos, sin))
+        q = self.method.rope_(q, cos, sin)  # q, the normalised kv and the attention output are step temporaries
+        kv.store_swa(vb.out_slots, self.method.rope_(self.norm(kv_a), cos, sin))
         if self.compressor is not None:
             self.compressor.store(x, buf, vb.out_slots, c.kv, c.gate)
             self.compressor.compress(kv, vb.windows[self.ratio], c.kv, c.gate, kv.store_entry)
@@ -77,6 +77,6 @@ class V4Attention(nn.Module):
             out = torch.empty_like(q)
             for group in vb.groups:
                 out[group.rows] = self.method.attend(self, group, q, x, q_residual, vb.positions, kv)
-        out = self.method.rope(out, *self.rotary.cos_sin(vb.positions, inverse=True))  # undo V's rotation
+        out = self.method.rope_(out, *self.rotary.cos_sin(vb.positions, inverse=True))  # undo V's rotation
         grouped = self.wo_a.project(out.reshape(t, self.o_groups, -1), self.method.grouped_projection)
         return self.wo_b(grouped.reshape(t, -1))

@@ -84,6 +84,11 @@ class V4Method:
         """x (N, ..., D) rotated on its trailing channels (apply_rope); -sin undoes a rotation."""
         return apply_rope(x, cos, sin)
 
+    def rope_(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """rope(x, cos, sin) for an x the caller no longer needs unrotated: a method may rotate it in place
+        (V4TritonMethod); use the returned tensor."""
+        return self.rope(x, cos, sin)
+
     def sigmoid(self, x: torch.Tensor) -> torch.Tensor:
         return self.activation.sigmoid(x)
 
@@ -370,6 +375,12 @@ class V4TritonMethod(V4Method):
         if half & (half - 1) or not x.numel():  # the kernel's pairs are a power of two (V4's 64-channel rope is)
             return super().rope(x, cos, sin)
         return self.kernels.elementwise.rope(x, cos, sin, pdl=self.pdl)
+
+    def rope_(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        half = cos.shape[-1]
+        if half & (half - 1) or not x.numel():
+            return super().rope(x, cos, sin)
+        return self.kernels.elementwise.rope(x, cos, sin, pdl=self.pdl, inplace=True)
 
     def pool_window(self, kv: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         return self.kernels.pooling.pool_window(kv, gate, pdl=self.pdl)

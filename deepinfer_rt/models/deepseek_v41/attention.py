@@ -200,8 +200,8 @@ class V41Attention(nn.Module):
         kv_cos, kv_sin = self.rotary.cos_sin(vb.positions)
         cos, sin = (kv_cos, kv_sin) if qvb is vb else self.rotary.cos_sin(qvb.positions)
         q_all = self.wq_b(self.q_norm(self.wq_a(x)))
-        q = self.method.v4.rope(q_all[:, : h * d].view(t, h, d), cos, sin)  # V4.1: no per-head q norm
-        kv.store_swa(vb.out_slots, self.method.v4.rope(self.norm(self.wkv(kv_x)), kv_cos, kv_sin))
+        q = self.method.v4.rope_(q_all[:, : h * d].view(t, h, d), cos, sin)  # V4.1: no per-head q norm
+        kv.store_swa(vb.out_slots, self.method.v4.rope_(self.norm(self.wkv(kv_x)), kv_cos, kv_sin))
         if self.compressor is not None:
             self.compressor(kv_x, vb, kv, self.indexer.wk, self.indexer.k_norm)
         src = None if spec.kv_source is None else v41_layer_kv(pool, self.cfg, spec.kv_source)
@@ -220,7 +220,7 @@ class V41Attention(nn.Module):
                 out = attended
             else:
                 out[group.rows] = attended
-        out = self.method.v4.rope(out, *self.rotary.cos_sin(qvb.positions, inverse=True))  # undo V's rotation
+        out = self.method.v4.rope_(out, *self.rotary.cos_sin(qvb.positions, inverse=True))  # undo V's rotation
         grouped = self.wo_a.project(out.reshape(t, self.cfg.o_groups, -1), self.method.v4.grouped_projection)
         return self.wo_b(grouped.reshape(t, -1))
 
