@@ -85,8 +85,7 @@ class V4Method:
         return apply_rope(x, cos, sin)
 
     def rope_(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """rope(x, cos, sin) for an x the caller no longer needs unrotated: a method may rotate it in place
-        (V4TritonMethod); use the returned tensor."""
+        """rope of an x not needed unrotated: rotated in place by V4TritonMethod; use the returned tensor."""
         return self.rope(x, cos, sin)
 
     def sigmoid(self, x: torch.Tensor) -> torch.Tensor:
@@ -152,8 +151,7 @@ class V4Method:
 
     def hc_norm_weights(self, streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
                         n: int, iters: int, eps: float, norm_eps: float):
-        """The mixes of streams (T, N, D) from the perceptron fn ((2 + N) N, N D) over the RMS-normalised,
-        flattened streams: hc_weights(float_rms_norm(flat) @ fn.T)."""
+        """hc_weights of the perceptron fn ((2 + N) N, N D) over the normalised, flattened streams (T, N, D)."""
         flat = self.float_rms_norm(streams.flatten(1), norm_eps)
         return self.hc_weights(self.hc_matmul(flat, fn.float()), base, scale, n, iters, eps)
 
@@ -337,8 +335,7 @@ class V4TritonMethod(V4Method):
         return self.kernels.hyper.hc_weights(mix, base, scale, iters, eps, pdl=self.pdl)
 
     def hc_norm_weights(self, streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
-                        n: int, iters: int, eps: float, norm_eps: float):
-        # the norm applied to the product's rows: no normalised fp32 copy of the streams, no cuBLAS fp32 GEMM
+                        n: int, iters: int, eps: float, norm_eps: float):  # the norm applied to the products' rows
         return self.kernels.hyper.hc_norm_weights(streams, fn, base, scale, iters, eps, norm_eps, pdl=self.pdl)
 
     def hc_collapse(self, pre: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
@@ -370,17 +367,14 @@ class V4TritonMethod(V4Method):
             return super().clamped_swiglu(gate, up, limit)
         return self.kernels.elementwise.clamped_swiglu(gate, up, limit, pdl=self.pdl)  # one launch for four
 
-    def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inplace: bool = False) -> torch.Tensor:
         half = cos.shape[-1]
         if half & (half - 1) or not x.numel():  # the kernel's pairs are a power of two (V4's 64-channel rope is)
             return super().rope(x, cos, sin)
-        return self.kernels.elementwise.rope(x, cos, sin, pdl=self.pdl)
+        return self.kernels.elementwise.rope(x, cos, sin, pdl=self.pdl, inplace=inplace)
 
     def rope_(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        half = cos.shape[-1]
-        if half & (half - 1) or not x.numel():
-            return super().rope(x, cos, sin)
-        return self.kernels.elementwise.rope(x, cos, sin, pdl=self.pdl, inplace=True)
+        return self.rope(x, cos, sin, inplace=True)
 
     def pool_window(self, kv: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         return self.kernels.pooling.pool_window(kv, gate, pdl=self.pdl)
@@ -431,7 +425,6 @@ class V4TritonMethod(V4Method):
 def v4_kernels() -> SimpleNamespace:
     from deepinfer_kernels import (moe_router, v4_attention, v4_elementwise, v4_hyper,  # Triton: CUDA builds only
                                    v4_indexer, v4_pooling, v4_sinkhorn)
-
     return SimpleNamespace(attention=v4_attention, indexer=v4_indexer, pooling=v4_pooling, sinkhorn=v4_sinkhorn,
                            elementwise=v4_elementwise, hyper=v4_hyper, router=moe_router)
 
@@ -440,9 +433,8 @@ def key_source(kernels: SimpleNamespace, fp8: Fp8Rows | None, plain: torch.Tenso
                 mask: torch.Tensor | None = None):
     """A key source over one kind of pool rows: the Fp8Rows' values and scales where the pool keeps them in FP8
     (the kernels dequantize in registers), else the 16-bit column view."""
-    if fp8 is None:
-        return kernels.attention.KeySource(plain, rows, mask)
-    return kernels.attention.KeySource(fp8.values, rows, mask, fp8.scales)
+    return (kernels.attention.KeySource(plain, rows, mask) if fp8 is None
+            else kernels.attention.KeySource(fp8.values, rows, mask, fp8.scales))
 
 
 class V4InvariantTritonMethod(V4InvariantMethod):
