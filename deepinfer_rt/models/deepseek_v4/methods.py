@@ -334,10 +334,6 @@ class V4TritonMethod(V4Method):
                    eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return self.kernels.hyper.hc_weights(mix, base, scale, iters, eps, pdl=self.pdl)
 
-    def hc_norm_weights(self, streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
-                        n: int, iters: int, eps: float, norm_eps: float):  # the norm applied to the products' rows
-        return self.kernels.hyper.hc_norm_weights(streams, fn, base, scale, iters, eps, norm_eps, pdl=self.pdl)
-
     def hc_collapse(self, pre: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
         return self.kernels.hyper.hc_collapse(pre, streams, pdl=self.pdl)
 
