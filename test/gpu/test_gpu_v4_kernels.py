@@ -94,8 +94,10 @@ def test_sparse_mqa_attention_v4_flash(dtype, batch, q_len, topk):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("batch,q_len,topk", [(1, 1, 512), (64, 1, 512), (1, 1, 2048), (64, 1, 2048), (1, 64, 512)],
-                         ids=["decode1-512", "decode64-512", "decode1-2048", "decode64-2048", "prefill64-512"])
+@pytest.mark.parametrize("batch,q_len,topk", [(1, 1, 512), (64, 1, 512), (1, 1, 2048), (64, 1, 2048), (1, 64, 512),
+                                              (256, 1, 512)],
+                         ids=["decode1-512", "decode64-512", "decode1-2048", "decode64-2048", "prefill64-512",
+                              "decode256-512"])  # batch 256: the fused kernel with 32 rows a program
 def test_sparse_mqa_attention_v4_flash_fp8(dtype, batch, q_len, topk):
     from deepinfer_kernels.v4_attention import sparse_mqa_attention, sparse_mqa_attention_ref
 
