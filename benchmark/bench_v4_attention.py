@@ -6,6 +6,7 @@ the combine, or the fused kernel; tiles) beside the bytes the call must read ove
 the same run, and the largest difference from the split path's output.
 
     python benchmark/bench_v4_attention.py --out benchmark/results/gpu_v4_attention_h200.json
+    STAGES=v4attn bash scripts/gpu_check.sh                     # the same, on the GPU machine
 """
 from __future__ import annotations
 

@@ -12,6 +12,7 @@
 # Logs and JSON land in $OUT. Stage time limits (seconds): BENCH_S, TEST_S, KERNEL_BENCH_S, EP_S, DET_S, HOST_S,
 # MOE_BI_S, MXFP4_S, V4_S, FP8_S, FP8_GEMM_S, MOE_FP8_S, LONGCTX_S, EP1_S, V4SWEEP_S, ROW_GEMV_S, KV8_S.
 # `sampler` (bench_sampler: the one-kernel seeded draw beside the per-row form; SAMPLER_S, SAMPLER_ARGS).
+# `v4attn` (bench_v4_attention: V4-Flash sparse attention, the fused kernel and tiles beside the split kernels; V4ATTN_S).
 # LONGCTX_AB_ENV ('|'-separated settings): longctx again under each; LONGCTX2_ARGS (LONGCTX2_S): longctx once more with those rows; FP8_AB_ENV: fp8 again under those settings. PACK=1: everything in $OUT packed into one out.tgz (the
 # device returns at most eight files). V4SWEEP_AB_ENV (with V4SWEEP_AB_ARGS, default V4SWEEP_ARGS): v4sweep again under those environment settings. TEST_ARGS: the pytest targets of the tests stage (default test/gpu); KERNEL_BENCH_ARGS: extra
 # arguments of the kernel micro-benchmark (e.g. --only moe). TEST_JOBS>1: one pytest process per test file or node id, that
@@ -154,6 +155,11 @@ if [[ $STAGES == *,sampler,* ]]; then  # seeded sampling: the one-kernel draw be
   timeout "${SAMPLER_S:-120}" python3 benchmark/bench_sampler.py --out "$OUT/sampler_h200.json" ${SAMPLER_ARGS:-} \
     > "$OUT/sampler.log" 2>&1
   tail -n 10 "$OUT/sampler.log"
+fi
+if [[ $STAGES == *,v4attn,* ]]; then  # V4-Flash decode attention: split kernels + combine vs the fused kernel, tiles
+  timeout "${V4ATTN_S:-120}" python3 benchmark/bench_v4_attention.py --out "$OUT/gpu_v4_attention_h200.json" \
+    > "$OUT/v4attn.log" 2>&1
+  echo "v4attn rc=$?"; grep -E "'us'" "$OUT/v4attn.log" | cut -c1-200 | tail -n 63
 fi
 if [[ $STAGES == *,ep1,* ]]; then  # the EP worker pool at one rank beside the in-process engine (one GPU)
   timeout "${EP1_S:-300}" python3 benchmark/bench_ep.py --shape v2-lite --device cuda --dtype bfloat16 \
