@@ -24,6 +24,8 @@ query-head rows, split): rows are (query, head) pairs flattened query-major, so 
 and all heads of a decode query share each key tile they load. A program writes its split's normalised output
 and base-2 log-sum-exp in fp32; the combine kernel merges every split of every source with the sink. The split
 counts depend on the shapes only (never on values), so no host read happens and a CUDA graph can capture it.
+Where no source needs a split (decode batches that fill the GPU, prefill chunks) one fused program per (group, tile
+of rows) runs over both sources in turn and writes the output with the sink merged: no fp32 partials, no combine.
 
 Fixed-split mode (`fixed_splits=True`, batch-invariant attention): split s of every key list covers list
 positions [s * FIXED_SPLIT_LEN, (s + 1) * FIXED_SPLIT_LEN) and every program one (query, head block), so a
