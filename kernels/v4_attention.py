@@ -268,8 +268,8 @@ FIXED_SPLIT_LEN = 256
 TARGET_PROGRAMS = 528
 """Split programs aimed at (4 per SM of an H200): decode batches small enough to leave SMs idle split their keys."""
 WIDE_FUSED_PROGRAMS = 1024
-"""Fused launches of at least this many 16-row programs take 32 rows a program instead (half the programs, each
-key tile read by twice the heads): at V4-Flash's 64 heads, batch 256 and up. On an H100 (bench_v4_attention.py) 32
+"""Fused decode launches of at least this many 16-row programs take 32 rows a program instead (half the programs,
+each key tile read by twice the heads): at V4-Flash's 64 heads, batch 256 and up. On an H100 (bench_v4_attention.py) 32
 rows took 0.86-0.93x the time of 16 at batch 256 and 1.1-1.6x at batch 64."""
 
 
@@ -384,7 +384,8 @@ def sparse_mqa_attention(q: torch.Tensor, sources: Sequence[KeySource], sink: to
         a, b = plans[0], plans[-1]
         qpb, block_h = _tiling(num_q, num_heads, d, a.per_query or b.per_query, tiles.max_rows)
         num_tiles = triton.cdiv(num_q, qpb) * triton.cdiv(num_heads, block_h)
-        if tiles.max_rows is None and d >= 512 and g * num_tiles >= WIDE_FUSED_PROGRAMS and qpb * block_h == 16:
+        if (tiles.max_rows is None and num_q == 1 and d >= 512 and g * num_tiles >= WIDE_FUSED_PROGRAMS
+                and qpb * block_h == 16):  # decode batches only: what bench_v4_attention measured
             qpb, block_h = _tiling(num_q, num_heads, d, a.per_query or b.per_query, 32)
             num_tiles = triton.cdiv(num_q, qpb) * triton.cdiv(num_heads, block_h)
         _fused_kernel[(g, num_tiles)](
