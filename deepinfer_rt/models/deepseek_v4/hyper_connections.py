@@ -32,8 +32,9 @@ class HyperConnection(nn.Module):
 
     def weights(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """streams (T, N, D) -> pre (T, N), post (T, N), comb (T, N, N), all fp32."""
-        return self.method.hc_norm_weights(streams, self.fn, self.base, self.scale, self.hc_mult, self.iters,
-                                           self.hc_eps, self.norm_eps)
+        n, m = self.hc_mult, self.method
+        flat = m.float_rms_norm(streams.flatten(1), self.norm_eps)
+        return m.hc_weights(m.hc_matmul(flat, self.fn.float()), self.base, self.scale, n, self.iters, self.hc_eps)
 
     def forward(self, streams: torch.Tensor, block) -> torch.Tensor:
         """Run `block` (D -> D per token) between the collapse and the spread of the streams (T, N, D)."""

@@ -149,12 +149,6 @@ class V4Method:
         comb = self.sinkhorn(comb_w.view(-1, n, n) * comb_s + comb_b.view(n, n), iters, eps)
         return pre, post, comb
 
-    def hc_norm_weights(self, streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
-                        n: int, iters: int, eps: float, norm_eps: float):
-        """hc_weights of the perceptron fn ((2 + N) N, N D) over the normalised, flattened streams (T, N, D)."""
-        flat = self.float_rms_norm(streams.flatten(1), norm_eps)
-        return self.hc_weights(self.hc_matmul(flat, fn.float()), base, scale, n, iters, eps)
-
     def hc_collapse(self, pre: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
         """pre (T, N) fp32, streams (T, N, D) -> the block input sum_j pre_j streams_j (T, D), streams' dtype."""
         return self.middle_sum(pre.unsqueeze(-1) * streams, dim=1).to(streams.dtype)
