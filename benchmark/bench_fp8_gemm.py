@@ -29,6 +29,7 @@ from deepinfer_kernels.fp8_gemm import (SPLIT_K_MAX_ROWS, TILED_K_STEP, _config,
                                         fp8_tiled_gemm, scaled_mm_shape_unsupported, scaled_mm_unsupported,
                                         split_k_for)
 from deepinfer_kernels.fp8_gemv import GEMV_MAX_ROWS, fp8_gemv
+from deepinfer_kernels.fp8_w16 import _w16_tuned
 from deepinfer_kernels.fp8_quant import quantize_fp8_token_groups
 from deepinfer_kernels.reference import dequantize_fp8_blocks, quantize_fp8_blocks
 
@@ -137,6 +138,9 @@ def gemm_rows(device: str, ceil: dict, shapes: dict, rows: tuple[int, ...], skip
                 seconds = per_call(lambda i: fp8_gemm(x, *fp8_weights[i], *block, path="w16"))
                 row["w16_us"] = seconds * 1e6
                 row["w16_fraction_of_floor"] = row["floor_us"] / row["w16_us"]
+                best = getattr(_w16_tuned, "best_config", None)  # the autotuner's pick for this shape
+                if best is not None:
+                    row["w16_tile"] = {**best.kwargs, "num_warps": best.num_warps, "num_stages": best.num_stages}
             if block[1] < TILED_K_STEP:  # the tiled kernel one narrow scale block a step (its form before)
                 def one_block(i):
                     xq, xs = quantize_fp8_token_groups(x, block[1])

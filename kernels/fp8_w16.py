@@ -23,14 +23,17 @@ from deepinfer_kernels.fp8_split import TILED_K_STEP, m_bucket
 @triton.jit
 def _fp8_w16_kernel(X, W, WS, B, Y, M, N, K, M_BUCKET, stride_xm, stride_wn, stride_wsn, stride_ym,
                     HAS_BIAS: tl.constexpr, GROUP_N: tl.constexpr, BLOCK_K: tl.constexpr, KSUB: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr):
-    """acc[n, m] += dot(w[n, k0:k0+BK] * ws[n / GROUP_N, k0 / BK], x[m, k0:k0+BK].T); KSUB scale blocks a step.
-    M_BUCKET only keys the autotuner."""
+                    BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, WIDE: tl.constexpr = False):
+    """acc[n, m] += dot(w[n, k0:k0+BK] * ws[n / GROUP_N, k0 / BK], x[m, k0:k0+BK].T); KSUB scale blocks a step,
+    one dot each or (WIDE) one dot of the step's KSUB * BK inputs. M_BUCKET only keys the autotuner."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_k = tl.arange(0, BLOCK_K)
+    if WIDE:
+        offs_k = tl.arange(0, BLOCK_K * KSUB)
+    else:
+        offs_k = tl.arange(0, BLOCK_K)
     nmask = offs_n < N
     mmask = offs_m < M
     w_ptrs = W + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
@@ -38,14 +41,25 @@ def _fp8_w16_kernel(X, W, WS, B, Y, M, N, K, M_BUCKET, stride_xm, stride_wn, str
     ws_ptrs = WS + (offs_n // GROUP_N) * stride_wsn
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     for step in range(0, tl.cdiv(K, BLOCK_K * KSUB)):
-        for j in tl.static_range(KSUB):
-            kb = step * KSUB + j
-            kmask = offs_k < K - kb * BLOCK_K  # all false past K: zero values, no scale read there
-            w = tl.load(w_ptrs + j * BLOCK_K, mask=nmask[:, None] & kmask[None, :], other=0.0)
-            s = tl.load(ws_ptrs + kb, mask=nmask & (offs_n * 0 + kb * BLOCK_K < K), other=0.0)
-            xt = tl.load(x_ptrs + j * BLOCK_K, mask=kmask[:, None] & mmask[None, :], other=0.0)
-            wd = (w.to(tl.float32) * s[:, None]).to(xt.dtype)
-            acc = tl.dot(wd, xt, acc)
+        if WIDE:
+            kmask = offs_k < K - step * BLOCK_K * KSUB
+            w = tl.load(w_ptrs, mask=nmask[:, None] & kmask[None, :], other=0.0)
+            offs_b = tl.arange(0, KSUB)
+            s = tl.load(ws_ptrs[:, None] + step * KSUB + offs_b[None, :],
+                        mask=nmask[:, None] & (offs_b[None, :] < tl.cdiv(K, BLOCK_K) - step * KSUB), other=0.0)
+            xt = tl.load(x_ptrs, mask=kmask[:, None] & mmask[None, :], other=0.0)
+            wd = tl.reshape(tl.reshape(w.to(tl.float32), (BLOCK_N, KSUB, BLOCK_K)) * s[:, :, None],
+                            (BLOCK_N, KSUB * BLOCK_K))
+            acc = tl.dot(wd.to(xt.dtype), xt, acc)
+        else:
+            for j in tl.static_range(KSUB):
+                kb = step * KSUB + j
+                kmask = offs_k < K - kb * BLOCK_K  # all false past K: zero values, no scale read there
+                w = tl.load(w_ptrs + j * BLOCK_K, mask=nmask[:, None] & kmask[None, :], other=0.0)
+                s = tl.load(ws_ptrs + kb, mask=nmask & (offs_n * 0 + kb * BLOCK_K < K), other=0.0)
+                xt = tl.load(x_ptrs + j * BLOCK_K, mask=kmask[:, None] & mmask[None, :], other=0.0)
+                wd = (w.to(tl.float32) * s[:, None]).to(xt.dtype)
+                acc = tl.dot(wd, xt, acc)
         w_ptrs += BLOCK_K * KSUB
         x_ptrs += BLOCK_K * KSUB
     if HAS_BIAS:
@@ -55,13 +69,18 @@ def _fp8_w16_kernel(X, W, WS, B, Y, M, N, K, M_BUCKET, stride_xm, stride_wn, str
 
 
 W16_CONFIGS = [
-    triton.Config(dict(BLOCK_N=bn, BLOCK_M=bm), num_warps=w, num_stages=s)
-    for bn, bm, w, s in ((64, 16, 4, 4), (64, 32, 4, 4), (128, 16, 4, 4), (128, 32, 4, 4), (128, 64, 4, 3),
-                         (128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 4))
+    triton.Config(dict(BLOCK_N=bn, BLOCK_M=bm, WIDE=wide), num_warps=w, num_stages=s)
+    for bn, bm, w, s, wide in ((64, 16, 4, 4, False), (64, 32, 4, 4, False), (128, 16, 4, 4, False),
+                               (128, 32, 4, 4, False), (128, 64, 4, 3, False), (128, 64, 8, 3, False),
+                               (128, 128, 8, 3, False), (64, 64, 4, 4, False),
+                               (64, 16, 4, 4, True), (64, 32, 4, 4, True), (128, 16, 4, 4, True),
+                               (128, 32, 4, 4, True), (64, 64, 4, 4, True))
 ]
 """Tiles the autotuner tries on the GPU, keyed by (M bucket, N, K): BLOCK_N rows of weight (the dot's M side,
-64 a warpgroup) times BLOCK_M activation rows."""
+64 a warpgroup) times BLOCK_M activation rows, one dot a scale block or (WIDE) a step. The WIDE tiles are those
+whose sm90 build keeps every value in registers (no local-memory spill, Triton 3.6's ptxas)."""
 INTERPRETER_TILE = dict(BLOCK_N=32, BLOCK_M=16)
+"""The interpreter's tile (WIDE is a config key: tests pass it both ways)."""
 
 _w16_tuned = triton.autotune(W16_CONFIGS, key=["M_BUCKET", "N", "K", "BLOCK_K", "KSUB"])(_fp8_w16_kernel)
 

@@ -231,6 +231,30 @@ def test_fp8_w16_against_dequantized_weight(shape, m):
     assert y.dtype == torch.bfloat16 and y.shape == (m, n) and rel_err(y, want) <= 4e-3
 
 
+def _w16_config_ids():
+    from deepinfer_kernels.fp8_w16 import W16_CONFIGS
+
+    return [f"{c.kwargs['BLOCK_N']}x{c.kwargs['BLOCK_M']}w{c.num_warps}{'_wide' if c.kwargs['WIDE'] else ''}"
+            for c in W16_CONFIGS]
+
+
+@pytest.mark.parametrize("index", range(len(_w16_config_ids())), ids=_w16_config_ids())
+def test_fp8_w16_every_tile(index):
+    """Each tile the W8A16 autotuner may pick (the autotuned test above runs only the winner), over a shape whose
+    K and N end mid-step and mid-block (partial): the same bound against the dequantized weight."""
+    from deepinfer_kernels.fp8_w16 import W16_CONFIGS, fp8_w16_gemm
+    from deepinfer_kernels.reference import dequantize_fp8_blocks, quantize_fp8_blocks
+
+    c = W16_CONFIGS[index]
+    n, k, block = GEMV_SHAPES["partial"]
+    g = torch.Generator(device=DEV).manual_seed(index)
+    q, s = quantize_fp8_blocks(torch.randn(n, k, device=DEV, generator=g) * 0.02, block)
+    x = torch.randn(70, k, device=DEV, generator=g).bfloat16()
+    y = fp8_w16_gemm(x, q, s, *block, config=dict(c.kwargs, num_warps=c.num_warps, num_stages=c.num_stages))
+    want = x.float() @ dequantize_fp8_blocks(q, s, block).float().T
+    assert rel_err(y, want) <= 4e-3
+
+
 @pytest.mark.parametrize("m", [1, 61, 2048])
 def test_fp8_quantizer_equals_fused_kernel_quantization(m):
     """deepinfer_kernels.fp8_quant's values are the fused kernel's, bit for bit, compiled: through an identity

@@ -81,12 +81,15 @@ _TILED = textwrap.dedent("""
         assert torch.equal(y, one), (m, n, k)
         assert (y - want).abs().max() <= 1e-5 * want.abs().max(), (m, n, k)
         # w16 (deepinfer_kernels.fp8_w16): the weight dequantized in registers, the activations as they are
+        from deepinfer_kernels.fp8_w16 import INTERPRETER_TILE, fp8_w16_gemm
         from deepinfer_kernels.reference import dequantize_fp8_blocks
         bias = torch.randn(n, generator=g)
         exact = x @ dequantize_fp8_blocks(q, s, (32, 32)).T + bias
         w16 = fp8_gemm(x.view(1, m, k), q, s, 32, 32, bias, path="w16")
         assert w16.shape == (1, m, n) and (w16[0] - exact).abs().max() <= 1e-5 * exact.abs().max(), (m, n, k)
         assert torch.equal(fp8_gemm(x, q, s, 32, 32, path="w16", groups=1), fp8_gemm(x, q, s, 32, 32, path="w16"))
+        wide = fp8_w16_gemm(x, q, s, 32, 32, bias, config=dict(INTERPRETER_TILE, WIDE=True))  # one dot a step
+        assert (wide - exact).abs().max() <= 1e-5 * exact.abs().max(), (m, n, k)
     # The switch: `auto` by default (the GEMV form at one row, the split fused kernel at <= 16 rows and N <= 4096,
     # else scaled_mm, tiled where scaled_mm cannot run), a clear refusal of an explicit scaled_mm off CUDA and of an
     # unknown path.
