@@ -101,50 +101,17 @@ def fp4_tile(Buf, Scales, rows, stride_bn, stride_sn, offs_d, valid, FP4_BLOCK: 
 def _attend(q, m_i, l_i, acc, Buf, Scales, row_base, mask_base, qb, qi, mvalid, offs_d, dmask, start, end, stride_bn,
             stride_sn, stride_mq, qk_scale, QPB: tl.constexpr, BLOCK_N: tl.constexpr, HAS_MASK: tl.constexpr,
             IEEE: tl.constexpr, KV_FP8: tl.constexpr, KV_FP4: tl.constexpr, FP4_BLOCK: tl.constexpr,
-            offs_v=None, VALUE_SLICE: tl.constexpr = False, BufB=None, ScalesB=None, row_baseB=None, mask_baseB=None,
-            endB=0, stride_bnB=0, stride_snB=0, stride_mqB=0, HAS_MASK_B: tl.constexpr = False,
-            ONE_LOOP: tl.constexpr = False):
+            offs_v=None, VALUE_SLICE: tl.constexpr = False):
     """The online softmax state (m_i, l_i, acc) of one program's (query, head) rows moved over key list positions
     [start, end) of one source (rows at row_base, mask rows at mask_base): scores in base 2, acc unnormalised.
-    VALUE_SLICE: acc holds the value columns offs_v only (read again from the tile's rows; the scores use all D).
-    ONE_LOOP: then positions [0, endB) of a second source of the same format (its pointers and strides chosen per
-    tile) in the same loop: one loop's registers, not two loops' (one query's rows only, QPB == 1)."""
-    tiles = tl.cdiv(end - start, BLOCK_N)
-    if ONE_LOOP:
-        tl.static_assert(QPB == 1)
-        total = tiles + tl.cdiv(endB, BLOCK_N)
-    else:
-        total = tiles
-    for t in range(0, total):
-        if ONE_LOOP:
-            in_a = t < tiles
-            n0 = tl.where(in_a, start + t * BLOCK_N, (t - tiles) * BLOCK_N)
-            lim = tl.where(in_a, end, endB)
-            rb, buf, sc = tl.where(in_a, row_base, row_baseB), tl.where(in_a, Buf, BufB), tl.where(in_a, Scales, ScalesB)
-            sbn, ssn = tl.where(in_a, stride_bn, stride_bnB), tl.where(in_a, stride_sn, stride_snB)
-        else:
-            n0 = start + t * BLOCK_N
-            lim = end
-            rb, buf, sc, sbn, ssn = row_base, Buf, Scales, stride_bn, stride_sn
+    VALUE_SLICE: acc holds the value columns offs_v only (read again from the tile's rows; the scores use all D)."""
+    for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
-        nmask = offs_n < lim
-        rows = tl.load(rb + offs_n, mask=nmask, other=-1).to(tl.int64)
+        nmask = offs_n < end
+        rows = tl.load(row_base + offs_n, mask=nmask, other=-1).to(tl.int64)
         kvalid = rows >= 0
         valid = mvalid[:, None] & kvalid[None, :]
-        if ONE_LOOP:
-            if HAS_MASK or HAS_MASK_B:  # a tile of a source without a mask reads none (other=1)
-                if HAS_MASK and HAS_MASK_B:
-                    use = tiles >= 0
-                    mrow = tl.where(in_a, mask_base + qb * stride_mq, mask_baseB + qb * stride_mqB)
-                elif HAS_MASK:
-                    use = in_a
-                    mrow = mask_base + qb * stride_mq
-                else:
-                    use = t >= tiles
-                    mrow = mask_baseB + qb * stride_mqB
-                seen = tl.load(mrow + offs_n, mask=offs_n < tl.where(use, lim, 0), other=1)
-                valid = valid & (seen != 0)[None, :]
-        elif HAS_MASK:
+        if HAS_MASK:
             if QPB == 1:  # every row of the program is one query's: one mask row (fewer registers)
                 seen = tl.load(mask_base + qb * stride_mq + offs_n, mask=nmask, other=0)
                 valid = valid & (seen != 0)[None, :]
@@ -159,13 +126,14 @@ def _attend(q, m_i, l_i, acc, Buf, Scales, row_base, mask_base, qb, qi, mvalid, 
         if seen_any:
             safe = tl.where(kvalid, rows, 0)
             if KV_FP4:  # (N, D), also V: dequantized in registers, exact in q's dtype
-                k = fp4_tile(buf, sc, safe, sbn, ssn, offs_d, kvalid[:, None] & dmask[None, :], FP4_BLOCK).to(q.dtype)
+                k = fp4_tile(Buf, Scales, safe, stride_bn, stride_sn, offs_d, kvalid[:, None] & dmask[None, :],
+                             FP4_BLOCK).to(q.dtype)
             else:
-                k = tl.load(buf + safe[:, None] * sbn + offs_d[None, :],
+                k = tl.load(Buf + safe[:, None] * stride_bn + offs_d[None, :],
                             mask=kvalid[:, None] & dmask[None, :], other=0.0)  # (N, D), also V
             if KV_FP8:  # exact conversion; the row scales apply to the scores and the probabilities
                 k = k.to(q.dtype)
-                ks = tl.load(sc + safe * ssn, mask=kvalid, other=0.0)
+                ks = tl.load(Scales + safe * stride_sn, mask=kvalid, other=0.0)
             if IEEE:  # fp32 pools: full fp32 products (TF32 would drift from the torch path)
                 qk = tl.dot(q, tl.trans(k), input_precision="ieee")
             else:
@@ -182,9 +150,9 @@ def _attend(q, m_i, l_i, acc, Buf, Scales, row_base, mask_base, qb, qi, mvalid, 
                 p = p * ks[None, :]
             if VALUE_SLICE:  # the columns this program writes (L1 / L2 hits: the scores' tile read them)
                 if KV_FP4:
-                    v = fp4_tile(buf, sc, safe, sbn, ssn, offs_v, kvalid[:, None], FP4_BLOCK).to(q.dtype)
+                    v = fp4_tile(Buf, Scales, safe, stride_bn, stride_sn, offs_v, kvalid[:, None], FP4_BLOCK).to(q.dtype)
                 else:
-                    v = tl.load(buf + safe[:, None] * sbn + offs_v[None, :], mask=kvalid[:, None], other=0.0)
+                    v = tl.load(Buf + safe[:, None] * stride_bn + offs_v[None, :], mask=kvalid[:, None], other=0.0)
                     v = v.to(q.dtype)
             else:
                 v = k
@@ -250,7 +218,7 @@ def _fused_kernel(Q, Sink, O, stride_qg, stride_qq, stride_qh, num_q, qk_scale,
                   BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
                   HAS_MASK_A: tl.constexpr, FP8_A: tl.constexpr, FP4_A: tl.constexpr, FP4_BLOCK_A: tl.constexpr,
                   HAS_B: tl.constexpr, HAS_MASK_B: tl.constexpr, FP8_B: tl.constexpr, FP4_B: tl.constexpr,
-                  FP4_BLOCK_B: tl.constexpr, PDL: tl.constexpr, BLOCK_DV: tl.constexpr, ONE_LOOP: tl.constexpr = False):
+                  FP4_BLOCK_B: tl.constexpr, PDL: tl.constexpr, BLOCK_DV: tl.constexpr):
     """One program per (group, tile of rows, slice of BLOCK_DV value columns) over every key of one or two sources,
     the sink merged in and the output written in O's dtype: the split kernel and the combine in one, where no
     source needs a split. A slice narrower than D (D a multiple of it) keeps a smaller accumulator, so a tile of
@@ -266,19 +234,11 @@ def _fused_kernel(Q, Sink, O, stride_qg, stride_qq, stride_qh, num_q, qk_scale,
     m_i = tl.full([QPB * BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([QPB * BLOCK_H], tl.float32)
     acc = tl.zeros([QPB * BLOCK_H, BLOCK_DV], tl.float32)
-    if ONE_LOOP:  # both sources (one format) in one loop
-        m_i, l_i, acc = _attend(q, m_i, l_i, acc, BufA, ScalesA, RowsA + g * stride_rgA + qb * QPB * stride_rqA,
-                                MaskA + g * stride_mgA, qb, qi, mvalid, offs_d, dmask, 0, num_keysA, stride_bnA,
-                                stride_snA, stride_mqA, qk_scale, QPB, BLOCK_N, HAS_MASK_A, IEEE, FP8_A, FP4_A,
-                                FP4_BLOCK_A, offs_v, BLOCK_DV < BLOCK_D, BufB, ScalesB,
-                                RowsB + g * stride_rgB + qb * QPB * stride_rqB, MaskB + g * stride_mgB, num_keysB,
-                                stride_bnB, stride_snB, stride_mqB, HAS_MASK_B, True)
-    else:
-        m_i, l_i, acc = _attend(q, m_i, l_i, acc, BufA, ScalesA, RowsA + g * stride_rgA + qb * QPB * stride_rqA,
-                                MaskA + g * stride_mgA, qb, qi, mvalid, offs_d, dmask, 0, num_keysA, stride_bnA,
-                                stride_snA, stride_mqA, qk_scale, QPB, BLOCK_N, HAS_MASK_A, IEEE, FP8_A, FP4_A,
-                                FP4_BLOCK_A, offs_v, BLOCK_DV < BLOCK_D)
-    if HAS_B and not ONE_LOOP:
+    m_i, l_i, acc = _attend(q, m_i, l_i, acc, BufA, ScalesA, RowsA + g * stride_rgA + qb * QPB * stride_rqA,
+                            MaskA + g * stride_mgA, qb, qi, mvalid, offs_d, dmask, 0, num_keysA, stride_bnA,
+                            stride_snA, stride_mqA, qk_scale, QPB, BLOCK_N, HAS_MASK_A, IEEE, FP8_A, FP4_A, FP4_BLOCK_A,
+                            offs_v, BLOCK_DV < BLOCK_D)
+    if HAS_B:
         m_i, l_i, acc = _attend(q, m_i, l_i, acc, BufB, ScalesB, RowsB + g * stride_rgB + qb * QPB * stride_rqB,
                                 MaskB + g * stride_mgB, qb, qi, mvalid, offs_d, dmask, 0, num_keysB,
                                 stride_bnB, stride_snB, stride_mqB, qk_scale, QPB, BLOCK_N, HAS_MASK_B, IEEE, FP8_B, FP4_B,
@@ -342,9 +302,6 @@ class Tiles:
     num_stages: int = 2
     maxnreg: int | None = None
     """Registers a thread at most (None: the compiler's choice)."""
-    one_loop: bool = False
-    """The fused kernel walks two sources of one format (dtype, scales) in one loop where it can (one query a
-    program), instead of one loop each."""
     value_cols: int | None = None
     """Value columns a fused program writes (a power of two dividing D; None: all D): 64 rows of 512 in two
     programs of 256 columns each keep the accumulator in registers at the price of the scores computed twice."""
@@ -459,7 +416,6 @@ def sparse_mqa_attention(q: torch.Tensor, sources: Sequence[KeySource], sink: to
             q, sink.float().contiguous(), out, q.stride(0), q.stride(1), q.stride(2), num_q, sm_scale * LOG2E,
             *a.args(), *b.args(), H=num_heads, D=d, BLOCK_D=block_d, BLOCK_H=block_h, QPB=qpb, BLOCK_N=block_n,
             IEEE=q.dtype == torch.float32, **a.flags("_A"), HAS_B=len(plans) == 2, **b.flags("_B"), BLOCK_DV=dv,
-            ONE_LOOP=tiles.one_loop and len(plans) == 2 and qpb == 1 and a.same_format(b),
             **tiles.launch(d), **pdl_launch(pdl))
         return out
     total = sum(p.splits for p in plans)
@@ -511,12 +467,6 @@ class _Plan:
                 src.buf.stride(0), src.scales.stride(0) if scaled else 0, rows.stride(0),
                 rows.stride(1) if self.per_query else 0,
                 mask.stride(0) if mask is not None else 0, mask.stride(1) if mask is not None else 0, self.num_keys)
-
-    def same_format(self, other: "_Plan") -> bool:
-        """Both sources' rows have one dtype and scale layout (one loop can read either)."""
-        a, b = self.src, other.src
-        fmt = [{k: v for k, v in plan.flags().items() if k != "HAS_MASK"} for plan in (self, other)]
-        return a.buf.dtype == b.buf.dtype and fmt[0] == fmt[1] and (a.scales is None) == (b.scales is None)
 
     def flags(self, suffix: str = "") -> dict:
         src = self.src
