@@ -31,10 +31,6 @@ VARIANTS = {
     "auto_n64": dict(fuse=None, tiles=Tiles(block_n=64)),
     "split_n64": dict(fuse=False, tiles=Tiles(block_n=64)),
     "split_w4": dict(fuse=False, tiles=Tiles(num_warps=4)),
-    # all 64 heads a program (wgmma tiles), the value columns in slices of 256 or 128 (the scores computed per slice)
-    "h64_v256": dict(fuse=True, tiles=Tiles(max_rows=64, value_cols=256, block_n=32, num_warps=8)),
-    "h64_v256_n16": dict(fuse=True, tiles=Tiles(max_rows=64, value_cols=256, block_n=16, num_warps=8)),
-    "h64_v128_n64": dict(fuse=True, tiles=Tiles(max_rows=64, value_cols=128, block_n=64, num_warps=8)),
 }
 
 

@@ -100,11 +100,9 @@ def fp4_tile(Buf, Scales, rows, stride_bn, stride_sn, offs_d, valid, FP4_BLOCK: 
 @triton.jit
 def _attend(q, m_i, l_i, acc, Buf, Scales, row_base, mask_base, qb, qi, mvalid, offs_d, dmask, start, end, stride_bn,
             stride_sn, stride_mq, qk_scale, QPB: tl.constexpr, BLOCK_N: tl.constexpr, HAS_MASK: tl.constexpr,
-            IEEE: tl.constexpr, KV_FP8: tl.constexpr, KV_FP4: tl.constexpr, FP4_BLOCK: tl.constexpr,
-            offs_v=None, VALUE_SLICE: tl.constexpr = False):
+            IEEE: tl.constexpr, KV_FP8: tl.constexpr, KV_FP4: tl.constexpr, FP4_BLOCK: tl.constexpr):
     """The online softmax state (m_i, l_i, acc) of one program's (query, head) rows moved over key list positions
-    [start, end) of one source (rows at row_base, mask rows at mask_base): scores in base 2, acc unnormalised.
-    VALUE_SLICE: acc holds the value columns offs_v only (read again from the tile's rows; the scores use all D)."""
+    [start, end) of one source (rows at row_base, mask rows at mask_base): scores in base 2, acc unnormalised."""
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         nmask = offs_n < end
@@ -119,11 +117,7 @@ def _attend(q, m_i, l_i, acc, Buf, Scales, row_base, mask_base, qb, qi, mvalid, 
                 seen = tl.load(mask_base + qi[:, None] * stride_mq + offs_n[None, :],
                                mask=mvalid[:, None] & nmask[None, :], other=0)
                 valid = valid & (seen != 0)
-        if VALUE_SLICE:  # no branch: it would cost the 64-row tiles their registers (local-memory spills)
-            seen_any = True
-        else:  # tiles no row of this program sees are skipped
-            seen_any = tl.max(tl.max(valid.to(tl.int32), 1), 0) > 0
-        if seen_any:
+        if tl.max(tl.max(valid.to(tl.int32), 1), 0) > 0:  # tiles no row of this program sees are skipped
             safe = tl.where(kvalid, rows, 0)
             if KV_FP4:  # (N, D), also V: dequantized in registers, exact in q's dtype
                 k = fp4_tile(Buf, Scales, safe, stride_bn, stride_sn, offs_d, kvalid[:, None] & dmask[None, :],
@@ -148,18 +142,10 @@ def _attend(q, m_i, l_i, acc, Buf, Scales, row_base, mask_base, qb, qi, mvalid, 
             l_i = l_i * alpha + tl.sum(p, 1)
             if KV_FP8:
                 p = p * ks[None, :]
-            if VALUE_SLICE:  # the columns this program writes (L1 / L2 hits: the scores' tile read them)
-                if KV_FP4:
-                    v = fp4_tile(Buf, Scales, safe, stride_bn, stride_sn, offs_v, kvalid[:, None], FP4_BLOCK).to(q.dtype)
-                else:
-                    v = tl.load(Buf + safe[:, None] * stride_bn + offs_v[None, :], mask=kvalid[:, None], other=0.0)
-                    v = v.to(q.dtype)
-            else:
-                v = k
             if IEEE:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+                acc = acc * alpha[:, None] + tl.dot(p.to(k.dtype), k, input_precision="ieee")
             else:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+                acc = acc * alpha[:, None] + tl.dot(p.to(k.dtype), k)
             m_i = m_new
     return m_i, l_i, acc
 
@@ -218,11 +204,9 @@ def _fused_kernel(Q, Sink, O, stride_qg, stride_qq, stride_qh, num_q, qk_scale,
                   BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
                   HAS_MASK_A: tl.constexpr, FP8_A: tl.constexpr, FP4_A: tl.constexpr, FP4_BLOCK_A: tl.constexpr,
                   HAS_B: tl.constexpr, HAS_MASK_B: tl.constexpr, FP8_B: tl.constexpr, FP4_B: tl.constexpr,
-                  FP4_BLOCK_B: tl.constexpr, PDL: tl.constexpr, BLOCK_DV: tl.constexpr):
-    """One program per (group, tile of rows, slice of BLOCK_DV value columns) over every key of one or two sources,
-    the sink merged in and the output written in O's dtype: the split kernel and the combine in one, where no
-    source needs a split. A slice narrower than D (D a multiple of it) keeps a smaller accumulator, so a tile of
-    64 rows fits registers, at the price of every slice's program computing the tile's scores."""
+                  FP4_BLOCK_B: tl.constexpr, PDL: tl.constexpr):
+    """One program per (group, tile of rows) over every key of one or two sources, the sink merged in and the
+    output written in O's dtype: the split kernel and the combine in one, where no source needs a split."""
     pdl_wait(PDL)
     g = tl.program_id(0).to(tl.int64)
     qb, qi, h, mvalid = _program_rows(H, BLOCK_H, QPB, num_q)
@@ -230,26 +214,24 @@ def _fused_kernel(Q, Sink, O, stride_qg, stride_qq, stride_qh, num_q, qk_scale,
     dmask = offs_d < D
     q = tl.load(Q + g * stride_qg + qi[:, None] * stride_qq + h[:, None] * stride_qh + offs_d[None, :],
                 mask=mvalid[:, None] & dmask[None, :], other=0.0)
-    offs_v = tl.program_id(2) * BLOCK_DV + tl.arange(0, BLOCK_DV)
     m_i = tl.full([QPB * BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([QPB * BLOCK_H], tl.float32)
-    acc = tl.zeros([QPB * BLOCK_H, BLOCK_DV], tl.float32)
+    acc = tl.zeros([QPB * BLOCK_H, BLOCK_D], tl.float32)
     m_i, l_i, acc = _attend(q, m_i, l_i, acc, BufA, ScalesA, RowsA + g * stride_rgA + qb * QPB * stride_rqA,
                             MaskA + g * stride_mgA, qb, qi, mvalid, offs_d, dmask, 0, num_keysA, stride_bnA,
-                            stride_snA, stride_mqA, qk_scale, QPB, BLOCK_N, HAS_MASK_A, IEEE, FP8_A, FP4_A, FP4_BLOCK_A,
-                            offs_v, BLOCK_DV < BLOCK_D)
+                            stride_snA, stride_mqA, qk_scale, QPB, BLOCK_N, HAS_MASK_A, IEEE, FP8_A, FP4_A, FP4_BLOCK_A)
     if HAS_B:
         m_i, l_i, acc = _attend(q, m_i, l_i, acc, BufB, ScalesB, RowsB + g * stride_rgB + qb * QPB * stride_rqB,
                                 MaskB + g * stride_mgB, qb, qi, mvalid, offs_d, dmask, 0, num_keysB,
                                 stride_bnB, stride_snB, stride_mqB, qk_scale, QPB, BLOCK_N, HAS_MASK_B, IEEE, FP8_B, FP4_B,
-                                FP4_BLOCK_B, offs_v, BLOCK_DV < BLOCK_D)
+                                FP4_BLOCK_B)
     sink = tl.load(Sink + h, mask=h < H, other=0.0).to(tl.float32) * 1.4426950408889634
     m = tl.maximum(m_i, sink)  # the sink is finite, so m is
     w = tl.exp2(m_i - m)  # 0 for a row that saw no key (m_i = -inf, acc = l_i = 0)
     total = l_i * w + tl.exp2(sink - m)
     out = acc * (w / total)[:, None]
     r = (g * num_q + qi) * H + h
-    tl.store(O + r[:, None] * D + offs_v[None, :], out.to(O.dtype.element_ty), mask=mvalid[:, None] & (offs_v < D)[None, :])
+    tl.store(O + r[:, None] * D + offs_d[None, :], out.to(O.dtype.element_ty), mask=mvalid[:, None] & dmask[None, :])
 
 
 @triton.jit
@@ -302,9 +284,6 @@ class Tiles:
     num_stages: int = 2
     maxnreg: int | None = None
     """Registers a thread at most (None: the compiler's choice)."""
-    value_cols: int | None = None
-    """Value columns a fused program writes (a power of two dividing D; None: all D): 64 rows of 512 in two
-    programs of 256 columns each keep the accumulator in registers at the price of the scores computed twice."""
 
     def launch(self, d: int) -> dict:
         """num_warps, num_stages (and maxnreg) for keys of width d."""
@@ -409,13 +388,10 @@ def sparse_mqa_attention(q: torch.Tensor, sources: Sequence[KeySource], sink: to
                 and qpb * block_h == 16):  # decode batches only: what bench_v4_attention measured
             qpb, block_h = _tiling(num_q, num_heads, d, a.per_query or b.per_query, 32)
             num_tiles = triton.cdiv(num_q, qpb) * triton.cdiv(num_heads, block_h)
-        dv = tiles.value_cols or block_d
-        if tiles.value_cols and (dv > d or d % dv or dv & (dv - 1) or block_d != d):
-            raise ValueError(f"value_cols={dv} must be a power of two dividing D={d} (a power of two)")
-        _fused_kernel[(g, num_tiles, block_d // dv)](
+        _fused_kernel[(g, num_tiles)](
             q, sink.float().contiguous(), out, q.stride(0), q.stride(1), q.stride(2), num_q, sm_scale * LOG2E,
             *a.args(), *b.args(), H=num_heads, D=d, BLOCK_D=block_d, BLOCK_H=block_h, QPB=qpb, BLOCK_N=block_n,
-            IEEE=q.dtype == torch.float32, **a.flags("_A"), HAS_B=len(plans) == 2, **b.flags("_B"), BLOCK_DV=dv,
+            IEEE=q.dtype == torch.float32, **a.flags("_A"), HAS_B=len(plans) == 2, **b.flags("_B"),
             **tiles.launch(d), **pdl_launch(pdl))
         return out
     total = sum(p.splits for p in plans)
