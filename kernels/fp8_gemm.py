@@ -388,6 +388,8 @@ the weight tile dequantized in registers (deepinfer_kernels.fp8_w16). On an H100
 256, and the V4.1-Flash decode step 8.63 against 9.01 ms at batch 64 and 13.46 against 13.94 at 256
 (results/v4_sweep_h100_v41_w16.json). bf16 cuBLAS on the dequantized weight is still faster at 256 rows (0.3-0.5x
 w16's time), at twice the bytes held."""
+NARROW_BLOCK_MAX_ROWS = 256
+"""The most rows NARROW_BLOCK_PATH takes (the most it was timed at); prefill chunks past it keep AUTO_PATHS."""
 GEMV_AUTO_MAX_ROWS = 1
 """Rows `auto` sends to the GEMV form (deepinfer_kernels.fp8_gemv). At one row on an H100
 (benchmark/results/gpu_fp8_gemm_gemv_v41_h100.json) it took 8.6 / 18.6 / 7.6 / 22.6 / 15.9 / 10.4 us on V4.1-Flash's
@@ -401,12 +403,13 @@ def auto_path(m: int, n: int = 1 << 62, block: tuple[int, int] = (128, 128),
               split_rows: int = SPLIT_K_MAX_ROWS) -> str:
     """`auto`'s path for an M x N GEMM of `block` (rows, columns) scale blocks: the GEMV form at up to
     GEMV_AUTO_MAX_ROWS rows, the split fused kernel for up to split_rows rows and narrow outputs (measured at 128 x
-    128 blocks), NARROW_BLOCK_PATH for scale blocks narrower than a K step, else AUTO_PATHS."""
+    128 blocks), NARROW_BLOCK_PATH for scale blocks narrower than a K step at up to NARROW_BLOCK_MAX_ROWS rows, else
+    AUTO_PATHS."""
     if m <= GEMV_AUTO_MAX_ROWS:
         return "gemv"
     if m <= split_rows and n <= SPLIT_AUTO_MAX_N and block == (128, 128):
         return "triton"
-    if block[1] < TILED_K_STEP:
+    if block[1] < TILED_K_STEP and m <= NARROW_BLOCK_MAX_ROWS:
         return NARROW_BLOCK_PATH
     return next(path for largest, path in AUTO_PATHS if m <= largest)
 

@@ -99,6 +99,7 @@ _TILED = textwrap.dedent("""
     # the split fused kernel for few rows and narrow outputs at 128 x 128 blocks (measured on an H100)
     assert auto_path(2, 2048) == auto_path(16, 4096) == "triton"
     assert auto_path(17, 2048) == "scaled_mm" and auto_path(2, 2048, (32, 32)) == auto_path(256, 1, (32, 32)) == "w16"
+    assert auto_path(257, 1, (32, 32)) == "scaled_mm"  # prefill sizes: not timed with w16 (scaled_mm -> tiled)
     assert auto_path(64, 2048, split_rows=64) == "triton" and auto_path(65, 2048, split_rows=64) == "scaled_mm"
     x = torch.randn(2, 3, 256, generator=g)
     q, s = quantize_fp8_blocks(torch.randn(128, 256, generator=g))
