@@ -1,14 +1,16 @@
 """A DeepSeek-V4.1 release-format checkpoint on CUDA (skipped without a GPU): the tiny configs of
 test/e2e/test_fp8_v41_checkpoint.py written by quantize_checkpoint --format v41 and built on the GPU keep their
-weights quantized -- dense / attention FP8 through the W8A8 block GEMM (32 x 32 e8m0 blocks, activations quantized
-per token and 32 channels), routed experts MXFP4 through the fused MXFP4 MoE, Engram tables FP8 -- and their
-prefill logits stay near those of the same weights dequantized (an fp32 checkpoint, also on the GPU).
+weights quantized -- dense / attention FP8 (32 x 32 e8m0 blocks) through `auto`'s block GEMM (at these 60 rows
+the W8A16 kernel, the weight tile dequantized in registers; past 256 rows the W8A8 one, activations quantized per
+token and 32 channels), routed experts MXFP4 through the fused MXFP4 MoE, Engram tables FP8 -- and their prefill
+logits stay near those of the same weights dequantized (an fp32 checkpoint, also on the GPU).
 
 Tolerance: the fused MXFP4 experts are exact up to fp32 summation order (4e-7 relative on config 'a', built for
 CUDA and run under TRITON_INTERPRET=1 on a CPU with the linears dequantized); the inexact step is the activations'
 e4m3 rounding in every W8A8 linear, through 6-8 layers of a random model with narrow (32-channel) groups: the same
 interpreted CPU run of the whole CUDA path measured 0.18 relative logit error in norm (80% argmax agreement) on
-config 'a', so LOGIT_REL_ERR bounds a broken path, not FP8's quality.
+config 'a', so LOGIT_REL_ERR bounds a broken path, not FP8's quality. (W8A16 rounds no activation, but its fp32 dots
+run as TF32 on the GPU.)
 
     pytest test/gpu/test_gpu_v41_release.py -s
 """
