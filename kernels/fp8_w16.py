@@ -23,9 +23,11 @@ from deepinfer_kernels.fp8_split import TILED_K_STEP, m_bucket
 @triton.jit
 def _fp8_w16_kernel(X, W, WS, B, Y, M, N, K, M_BUCKET, stride_xm, stride_wn, stride_wsn, stride_ym,
                     HAS_BIAS: tl.constexpr, GROUP_N: tl.constexpr, BLOCK_K: tl.constexpr, KSUB: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, WIDE: tl.constexpr = False):
+                    BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, WIDE: tl.constexpr = False,
+                    IEEE: tl.constexpr = False):
     """acc[n, m] += dot(w[n, k0:k0+BK] * ws[n / GROUP_N, k0 / BK], x[m, k0:k0+BK].T); KSUB scale blocks a step,
-    one dot each or (WIDE) one dot of the step's KSUB * BK inputs. M_BUCKET only keys the autotuner."""
+    one dot each or (WIDE) one dot of the step's KSUB * BK inputs. M_BUCKET only keys the autotuner. IEEE (fp32
+    activations): full fp32 products, not TF32."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -50,7 +52,10 @@ def _fp8_w16_kernel(X, W, WS, B, Y, M, N, K, M_BUCKET, stride_xm, stride_wn, str
             xt = tl.load(x_ptrs, mask=kmask[:, None] & mmask[None, :], other=0.0)
             wd = tl.reshape(tl.reshape(w.to(tl.float32), (BLOCK_N, KSUB, BLOCK_K)) * s[:, :, None],
                             (BLOCK_N, KSUB * BLOCK_K))
-            acc = tl.dot(wd.to(xt.dtype), xt, acc)
+            if IEEE:
+                acc = tl.dot(wd.to(xt.dtype), xt, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(wd.to(xt.dtype), xt, acc)
         else:
             for j in tl.static_range(KSUB):
                 kb = step * KSUB + j
@@ -59,7 +64,10 @@ def _fp8_w16_kernel(X, W, WS, B, Y, M, N, K, M_BUCKET, stride_xm, stride_wn, str
                 s = tl.load(ws_ptrs + kb, mask=nmask & (offs_n * 0 + kb * BLOCK_K < K), other=0.0)
                 xt = tl.load(x_ptrs + j * BLOCK_K, mask=kmask[:, None] & mmask[None, :], other=0.0)
                 wd = (w.to(tl.float32) * s[:, None]).to(xt.dtype)
-                acc = tl.dot(wd, xt, acc)
+                if IEEE:
+                    acc = tl.dot(wd, xt, acc, input_precision="ieee")
+                else:
+                    acc = tl.dot(wd, xt, acc)
         w_ptrs += BLOCK_K * KSUB
         x_ptrs += BLOCK_K * KSUB
     if HAS_BIAS:
@@ -88,7 +96,8 @@ _w16_tuned = triton.autotune(W16_CONFIGS, key=["M_BUCKET", "N", "K", "BLOCK_K", 
 def fp8_w16_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor, group_n: int,
                  block_k: int, bias: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
     """x (..., K) 16/32-bit times weight (N, K) float8_e4m3fn with float32 block scales (ceil(N / group_n),
-    ceil(K / block_k)) -> (..., N) in x's dtype. config: fixed BLOCK_N / BLOCK_M / num_warps / num_stages instead
+    ceil(K / block_k)) -> (..., N) in x's dtype (fp32 x: fp32 products, as the torch form; 16-bit x: one rounding of
+    each dequantized weight, exact for e8m0 scales). config: fixed BLOCK_N / BLOCK_M / num_warps / num_stages instead
     of the autotuner (the interpreter runs INTERPRETER_TILE)."""
     k, n = x.shape[-1], weight.shape[0]
     if weight.dtype != torch.float8_e4m3fn or weight.shape[1] != k or weight.stride(1) != 1:
@@ -102,7 +111,8 @@ def fp8_w16_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.
         return y.view(*x.shape[:-1], n)
     args = (x2, weight, weight_scale_inv, bias if bias is not None else weight_scale_inv, y, m, n, k, m_bucket(m),
             x2.stride(0), weight.stride(0), weight_scale_inv.stride(0), y.stride(0))
-    flags = dict(HAS_BIAS=bias is not None, GROUP_N=group_n, BLOCK_K=block_k, KSUB=max(1, TILED_K_STEP // block_k))
+    flags = dict(HAS_BIAS=bias is not None, GROUP_N=group_n, BLOCK_K=block_k, KSUB=max(1, TILED_K_STEP // block_k),
+                 IEEE=x.dtype == torch.float32)
     if config is None and x.device.type == "cpu":
         config = INTERPRETER_TILE
     if config is not None:

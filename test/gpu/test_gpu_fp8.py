@@ -255,6 +255,22 @@ def test_fp8_w16_every_tile(index):
     assert rel_err(y, want) <= 4e-3
 
 
+@pytest.mark.parametrize("m", [2, 64, 256])
+def test_fp8_w16_fp32_activations_take_fp32_products(m):
+    """fp32 activations (the fp32 engine; V4.1's 32 x 32 blocks take w16 at 2-256 rows) multiply in fp32, not TF32:
+    within fp32 summation order of the dequantized product (TF32 would miss by ~1e-3)."""
+    from deepinfer_kernels.fp8_gemm import fp8_gemm
+    from deepinfer_kernels.reference import dequantize_fp8_blocks, quantize_fp8_blocks
+
+    n, k, block = GEMV_SHAPES["partial"]
+    g = torch.Generator(device=DEV).manual_seed(m)
+    q, s = quantize_fp8_blocks(torch.randn(n, k, device=DEV, generator=g) * 0.02, block)
+    x = torch.randn(m, k, device=DEV, generator=g)
+    y = fp8_gemm(x, q, s, *block, path="auto")
+    want = (x.double() @ dequantize_fp8_blocks(q, s, block).double().T).float()
+    assert y.dtype == torch.float32 and rel_err(y, want) <= 1e-5
+
+
 @pytest.mark.parametrize("m", [1, 61, 2048])
 def test_fp8_quantizer_equals_fused_kernel_quantization(m):
     """deepinfer_kernels.fp8_quant's values are the fused kernel's, bit for bit, compiled: through an identity
