@@ -31,9 +31,8 @@ VARIANTS = {
     "auto_n64": dict(fuse=None, tiles=Tiles(block_n=64)),
     "split_n64": dict(fuse=False, tiles=Tiles(block_n=64)),
     "split_w4": dict(fuse=False, tiles=Tiles(num_warps=4)),
-    # 4 warps: at ~164-215 registers a thread, 8-warp programs leave one program a multiprocessor
+    # 4 warps: two 16-row programs a multiprocessor (252 registers a thread) where 8 warps fit one (164)
     "auto_w4": dict(fuse=None, tiles=Tiles(num_warps=4)),
-    "auto_h32_w4": dict(fuse=None, tiles=Tiles(max_rows=32, num_warps=4)),
 }
 
 
