@@ -32,7 +32,7 @@ VARIANTS = {
     "split_n64": dict(fuse=False, tiles=Tiles(block_n=64)),
     "split_w4": dict(fuse=False, tiles=Tiles(num_warps=4)),
     # 4 warps: two 16-row programs a multiprocessor (252 registers a thread) where 8 warps fit one (164)
-    "auto_w4": dict(fuse=None, tiles=Tiles(num_warps=4)),
+    "h16_w4": dict(fuse=None, tiles=Tiles(max_rows=16, num_warps=4)),
 }
 
 
