@@ -382,12 +382,12 @@ def sparse_mqa_attention(q: torch.Tensor, sources: Sequence[KeySource], sink: to
         # one tiling for both sources: one query a program where either has per-query rows (at D = 512 every
         # source's tiling already is)
         a, b = plans[0], plans[-1]
-        qpb, block_h = _tiling(num_q, num_heads, d, a.per_query or b.per_query, tiles.max_rows)
+        per_query = a.per_query or b.per_query
+        qpb, block_h = _tiling(num_q, num_heads, d, per_query, tiles.max_rows)
+        if (tiles.max_rows is None and num_q == 1 and d >= 512 and qpb * block_h == 16
+                and g * triton.cdiv(num_heads, block_h) >= WIDE_FUSED_PROGRAMS):  # decode batches: as measured
+            qpb, block_h = _tiling(num_q, num_heads, d, per_query, 32)
         num_tiles = triton.cdiv(num_q, qpb) * triton.cdiv(num_heads, block_h)
-        if (tiles.max_rows is None and num_q == 1 and d >= 512 and g * num_tiles >= WIDE_FUSED_PROGRAMS
-                and qpb * block_h == 16):  # decode batches only: what bench_v4_attention measured
-            qpb, block_h = _tiling(num_q, num_heads, d, a.per_query or b.per_query, 32)
-            num_tiles = triton.cdiv(num_q, qpb) * triton.cdiv(num_heads, block_h)
         _fused_kernel[(g, num_tiles)](
             q, sink.float().contiguous(), out, q.stride(0), q.stride(1), q.stride(2), num_q, sm_scale * LOG2E,
             *a.args(), *b.args(), H=num_heads, D=d, BLOCK_D=block_d, BLOCK_H=block_h, QPB=qpb, BLOCK_N=block_n,

@@ -105,7 +105,8 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pdl: bool = Fals
     """methods.apply_rope in one launch: x (N, ..., D) rotated on its trailing 2 * R/2 channels by adjacent pairs
     (2j, 2j + 1), cos / sin (N, R/2) fp32 (-sin undoes a rotation). Returns a new tensor and leaves x as it was,
     or with `inplace` rotates x's rope channels where it lies (x's other channels are neither read nor written:
-    a 64-of-512 rotation moves an eighth of the bytes) and returns it."""
+    a 64-of-512 rotation moves an eighth of the bytes) and returns it; where x's rows are not contiguous in D the
+    rotation happens in a contiguous copy, which is returned, so callers use the result, never x."""
     n, d = x.shape[0], x.shape[-1]
     half = cos.shape[-1]
     if half & (half - 1) or sin.shape != cos.shape or cos.shape[0] != n or 2 * half > d:
