@@ -3,6 +3,7 @@ at V2-Lite's expert shapes (64 experts of 2048 x 1408, top-6, uniform routing), 
 
   bf16        fused_moe (autotuned) on the dequantized experts: the peer;
   fp8         fused_moe_fp8 as the engine calls it (activations quantized once, autotuned tiles);
+  fp8 tiled   the same on experts reordered by tile_experts (contiguous 64 x 128 tiles; DEEPINFER_FP8_MOE_TILES);
   fp8 tiles   each of fused_moe_fp8.TUNE_CONFIGS fixed: what the autotuner chooses from;
   baseline    with --baseline FILE, a fused_moe_fp8 module loaded from that file (an earlier version).
 
@@ -59,7 +60,7 @@ def main() -> None:
     print(result["ceilings"], flush=True)
     baseline = _load(args.baseline) if args.baseline else None
     g = torch.Generator(device="cuda").manual_seed(0)
-    fp8, bf16 = [], []
+    fp8, bf16, fp8_tiled = [], [], []
     for _ in range(args.copies):
         gate_up = torch.randn(E, 2 * INTER, HIDDEN, device="cuda", generator=g) * 0.02
         down = torch.randn(E, HIDDEN, INTER, device="cuda", generator=g) * 0.02
@@ -67,6 +68,7 @@ def main() -> None:
         qd, sd = quantize_fp8_blocks(down)
         q_gu, s_gu = torch.cat([qg, qu], dim=1), torch.cat([sg, su], dim=1)
         fp8.append((q_gu, s_gu, qd, sd))
+        fp8_tiled.append((fm8.tile_experts(q_gu, 128), s_gu, fm8.tile_experts(qd, 128), sd))
         bf16.append((dequantize_fp8_blocks(q_gu, s_gu, dtype=torch.bfloat16),
                      dequantize_fp8_blocks(qd, sd, dtype=torch.bfloat16)))
         del gate_up, down
@@ -80,7 +82,8 @@ def main() -> None:
         fp8_bytes = touched * (3 * INTER * HIDDEN + scale_bytes)
         flops = 2 * t * TOPK * 3 * INTER * HIDDEN
         systems = {"bf16": lambda: [fused_moe(x, gu, d, weights, ids) for gu, d in bf16],
-                   "fp8": lambda: [fm8.fused_moe_fp8(x, *w, weights, ids) for w in fp8]}
+                   "fp8": lambda: [fm8.fused_moe_fp8(x, *w, weights, ids) for w in fp8],
+                   "fp8 tiled": lambda: [fm8.fused_moe_fp8(x, *w, weights, ids, tiled=True) for w in fp8_tiled]}
         if baseline is not None:
             systems["fp8_baseline"] = lambda: [baseline(x, *w, weights, ids) for w in fp8]
         if not args.no_sweep:
@@ -101,10 +104,17 @@ def main() -> None:
                    "fraction_of_fp8_matmul_rate": flops / times[name] / result["ceilings"]["fp8_matmul_flop_per_s"]}
             if "bf16" in times and name != "bf16":
                 row["speedup_over_bf16"] = times["bf16"] / times[name]
+            if name == "fp8 tiled" and "fp8" in times:
+                row["speedup_over_fp8_rows"] = times["fp8"] / times[name]
+                ref = fm8.fused_moe_fp8(x, *fp8[0], weights, ids)
+                row["max_diff_vs_rows"] = (fm8.fused_moe_fp8(x, *fp8_tiled[0], weights, ids, tiled=True)
+                                           - ref).abs().max().item()
             result["rows"].append(row)
             print(f"T={t:5d} {name:22s} {row['us']:9.1f} us  {row['fraction_of_floor']:.3f} of floor  "
                   f"{row['fraction_of_fp8_matmul_rate']:.3f} of fp8 rate"
-                  + (f"  {row['speedup_over_bf16']:.2f}x bf16" if "speedup_over_bf16" in row else ""), flush=True)
+                  + (f"  {row['speedup_over_bf16']:.2f}x bf16" if "speedup_over_bf16" in row else "")
+                  + (f"  {row['speedup_over_fp8_rows']:.3f}x rows (max diff {row['max_diff_vs_rows']:.1e})"
+                     if "speedup_over_fp8_rows" in row else ""), flush=True)
             out.write_text(json.dumps(result, indent=1))
     out.write_text(json.dumps(result, indent=1))
 

@@ -14,7 +14,11 @@ row's activation scale and each column's weight block scale, into an fp32 accumu
 
 gate_up writes h = silu(gate) * up in x's dtype; h is quantized the same way for down, which scales each pair's
 fp32 result by its top-k weight; the k slots of a token are summed in slot order (fused_moe.combine_slots). No
-split-K. On the GPU the N tile, warps and stages are autotuned per (N, K, pair-count bucket, rows per block) as in
+split-K. With TILED (fused_moe_fp8's `tiled`, experts reordered once by `tile_experts`) each tile of TILE_ROWS weight
+rows x BLOCK_K inputs is contiguous memory, the tiles of a row block one after another along K, so a program
+streams its rows front to back instead of reading BLOCK_K bytes from each of rows K bytes apart (the layout change
+that took the MXFP4 experts from 0.61-0.65 to 0.81-0.96 of the read bandwidth, fused_moe_mxfp4_frag). On the GPU the
+N tile, warps and stages are autotuned per (N, K, pair-count bucket, rows per block) as in
 fused_moe; BLOCK_K is the scale block. Batch-invariant mode takes one fixed configuration (INVARIANT_TILES). The
 torch form is deepinfer_kernels.reference.fused_moe_fp8 (the same activation values: fp8_quant reproduces the
 quantization the kernels once did per tile).
@@ -29,6 +33,10 @@ from deepinfer_kernels.dispatch import pdl_launch, pdl_wait
 from deepinfer_kernels.fp8_quant import quantize_fp8_token_groups
 from deepinfer_kernels.fused_moe import _even_k, combine_slots, pair_blocks, pair_rows, store_weighted
 
+TILE_ROWS = 64
+"""Weight rows of a contiguous tile in the TILED layout (tile_experts)."""
+_TILE_ROWS = tl.constexpr(TILE_ROWS)
+
 
 @triton.jit
 def _dot_fp8(a, w, IS_INTERPRETED: tl.constexpr):
@@ -38,12 +46,27 @@ def _dot_fp8(a, w, IS_INTERPRETED: tl.constexpr):
     return tl.dot(a, w)
 
 
+@triton.jit
+def _weight_ptrs(W, e, offs_n, offs_k, stride_we, stride_wn, BLOCK_K: tl.constexpr, TILED: tl.constexpr):
+    """(BLOCK_K, BLOCK_N) pointers to expert e's rows offs_n at the first K step, and how far a K step moves them:
+    row by row (stride_wn apart), or in the TILED layout (tile_experts: TILE_ROWS x BLOCK_K contiguous tiles)."""
+    n = offs_n.to(tl.int64)
+    if TILED:
+        rows = (n // _TILE_ROWS) * _TILE_ROWS * stride_wn + (n % _TILE_ROWS) * BLOCK_K
+        step = _TILE_ROWS * BLOCK_K
+    else:
+        rows = n * stride_wn
+        step = BLOCK_K
+    return W + e * stride_we + rows[None, :] + offs_k[:, None], step
+
+
 # num_pairs and pairs_bucket (the autotuner's key only) are never specialised, as in fused_moe.
 @triton.jit(do_not_specialize=["num_pairs", "pairs_bucket"])
 def _gate_up_fp8(XQ, XS, W, WS, H, SortedPairs, BlockExpert, NumPadded, num_pairs, pairs_bucket, top_k, N, K,
                  up_row0, stride_xm, stride_xsg, stride_we, stride_wn, stride_se, stride_sn, stride_hm,
                  GROUP_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 PER_PAIR: tl.constexpr, EVEN_K: tl.constexpr, IS_INTERPRETED: tl.constexpr, PDL: tl.constexpr):
+                 PER_PAIR: tl.constexpr, EVEN_K: tl.constexpr, IS_INTERPRETED: tl.constexpr, PDL: tl.constexpr,
+                 TILED: tl.constexpr = False):
     pdl_wait(PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -56,8 +79,8 @@ def _gate_up_fp8(XQ, XS, W, WS, H, SortedPairs, BlockExpert, NumPadded, num_pair
         offs_k = tl.arange(0, BLOCK_K)
         a_ptrs = XQ + tok[:, None] * stride_xm + offs_k[None, :]
         as_ptrs = XS + tok
-        g_ptrs = W + e * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]  # (K, N) tiles
-        u_ptrs = g_ptrs + N * stride_wn
+        g_ptrs, w_step = _weight_ptrs(W, e, offs_n, offs_k, stride_we, stride_wn, BLOCK_K, TILED)  # (K, N) tiles
+        u_ptrs = g_ptrs + N * stride_wn  # tiled too: N is a multiple of TILE_ROWS there
         gs_ptrs = WS + e * stride_se + (offs_n // GROUP_N) * stride_sn
         us_ptrs = WS + e * stride_se + (up_row0 + offs_n // GROUP_N) * stride_sn
         acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
@@ -78,8 +101,8 @@ def _gate_up_fp8(XQ, XS, W, WS, H, SortedPairs, BlockExpert, NumPadded, num_pair
             acc_g += _dot_fp8(a, g, IS_INTERPRETED) * a_scale[:, None] * g_scale[None, :]
             acc_u += _dot_fp8(a, u, IS_INTERPRETED) * a_scale[:, None] * u_scale[None, :]
             a_ptrs += BLOCK_K
-            g_ptrs += BLOCK_K
-            u_ptrs += BLOCK_K
+            g_ptrs += w_step
+            u_ptrs += w_step
         h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
         tl.store(H + pair.to(tl.int64)[:, None] * stride_hm + offs_n[None, :], h.to(H.dtype.element_ty),
                  mask=mmask[:, None] & nmask[None, :])
@@ -89,7 +112,8 @@ def _gate_up_fp8(XQ, XS, W, WS, H, SortedPairs, BlockExpert, NumPadded, num_pair
 def _down_fp8(AQ, AS, W, WS, Y, TopkWeights, SortedPairs, BlockExpert, NumPadded, num_pairs, pairs_bucket, N, K,
               stride_am, stride_asg, stride_we, stride_wn, stride_se, stride_sn, stride_ym,
               GROUP_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-              PER_PAIR: tl.constexpr, EVEN_K: tl.constexpr, IS_INTERPRETED: tl.constexpr, PDL: tl.constexpr):
+              PER_PAIR: tl.constexpr, EVEN_K: tl.constexpr, IS_INTERPRETED: tl.constexpr, PDL: tl.constexpr,
+              TILED: tl.constexpr = False):
     pdl_wait(PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -102,7 +126,7 @@ def _down_fp8(AQ, AS, W, WS, Y, TopkWeights, SortedPairs, BlockExpert, NumPadded
         offs_k = tl.arange(0, BLOCK_K)
         a_ptrs = AQ + pair64[:, None] * stride_am + offs_k[None, :]
         as_ptrs = AS + pair64
-        w_ptrs = W + e * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
+        w_ptrs, w_step = _weight_ptrs(W, e, offs_n, offs_k, stride_we, stride_wn, BLOCK_K, TILED)
         ws_ptrs = WS + e * stride_se + (offs_n // GROUP_N) * stride_sn
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         for kb in range(0, tl.cdiv(K, BLOCK_K)):
@@ -117,7 +141,7 @@ def _down_fp8(AQ, AS, W, WS, Y, TopkWeights, SortedPairs, BlockExpert, NumPadded
             w_scale = tl.load(ws_ptrs + kb, mask=nmask, other=0.0)
             acc += _dot_fp8(a, w, IS_INTERPRETED) * a_scale[:, None] * w_scale[None, :]
             a_ptrs += BLOCK_K
-            w_ptrs += BLOCK_K
+            w_ptrs += w_step
         store_weighted(Y, TopkWeights, pair64, offs_n, mmask, nmask, acc, stride_ym)
 
 
@@ -129,7 +153,7 @@ runs out of shared memory at BLOCK_M 128 (prefill) is scored as infinitely slow,
 
 def _tuned(kernel):
     configs = [triton.Config(dict(BLOCK_N=bn), num_warps=w, num_stages=st) for bn, w, st in TUNE_CONFIGS]
-    return triton.autotune(configs, key=["N", "K", "pairs_bucket", "BLOCK_M", "PER_PAIR"], warmup=5,
+    return triton.autotune(configs, key=["N", "K", "pairs_bucket", "BLOCK_M", "PER_PAIR", "TILED"], warmup=5,
                            rep=20)(_even_k(kernel))
 
 
@@ -142,17 +166,39 @@ INVARIANT_TILES = dict(BLOCK_M=32, BLOCK_N=64, num_warps=4, num_stages=3)
 BLOCK_M): pairs always sorted into 32-row blocks, the same tiles and K steps for every pair."""
 
 
+def tiles_supported(gate_up: torch.Tensor, block_k: int) -> bool:
+    """Whether experts of gate_up's shape (E, 2I, H) take the TILED layout with BLOCK_K = block_k: I and H
+    multiples of TILE_ROWS and of block_k (every K step a whole tile)."""
+    inter, hidden = gate_up.shape[1] // 2, gate_up.shape[2]
+    return all(d % TILE_ROWS == 0 and d % block_k == 0 for d in (inter, hidden))
+
+
+def tile_experts(w: torch.Tensor, block_k: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """w (E, R, K) -> the same shape and dtype in the TILED layout: tile (r, c) of TILE_ROWS rows x block_k inputs
+    at rows r * TILE_ROWS.., the tiles of a row block in K order, each contiguous. Written to `out` (may be w itself:
+    an expert at a time, read before it is written)."""
+    e, r, k = w.shape
+    if r % TILE_ROWS or k % block_k:
+        raise ValueError(f"tile_experts: rows {r} must be a multiple of {TILE_ROWS} and K {k} of {block_k}")
+    out = torch.empty_like(w) if out is None else out
+    for i in range(e):
+        tiled = w[i].view(r // TILE_ROWS, TILE_ROWS, k // block_k, block_k).transpose(1, 2)
+        out[i] = tiled.reshape(r, k)  # reshape copies (the transpose is not contiguous): w[i] may be out[i]
+    return out
+
+
 def fused_moe_fp8(x: torch.Tensor, gate_up: torch.Tensor, gate_up_scale: torch.Tensor, down: torch.Tensor,
                   down_scale: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                   block: tuple[int, int] = (128, 128), config: dict | None = None,
-                  batch_invariant: bool = False, pdl: bool = False) -> torch.Tensor:
+                  batch_invariant: bool = False, pdl: bool = False, tiled: bool = False) -> torch.Tensor:
     """x (T, H) 16/32-bit; FP8 experts with their block scales (module docstring); weights (T, k) fp32; ids
     (T, k) -> sum_k weights * down(silu(gate x) * up x), (T, H) in x's dtype. block = (bn, bk) of the weight
     scales; bk (a power of two >= 16) is also the activations' quantization group. config: fixed BLOCK_N /
     num_warps / num_stages instead of the autotuner (tests, sweeps). batch_invariant: each token's result bitwise
     the same in any batch (INVARIANT_TILES; every quantization is per token or per pair, a row of a tile's dot
     depends on its own inputs only, and the slots are summed in order). pdl: the launches as programmatic dependent
-    ones (dispatch.pdl_launch; the pairs' sort, where they are sorted, excepted): the same values."""
+    ones (dispatch.pdl_launch; the pairs' sort, where they are sorted, excepted): the same values. tiled: gate_up and
+    down are in tile_experts' layout (tiles_supported): the same sums in the same order."""
     t, k = ids.shape
     e, two_i, hidden = gate_up.shape
     inter = two_i // 2
@@ -167,6 +213,9 @@ def fused_moe_fp8(x: torch.Tensor, gate_up: torch.Tensor, gate_up_scale: torch.T
                          f"{tuple(down.shape)}")
     if not all(a.is_contiguous() for a in (x, gate_up, down, gate_up_scale, down_scale)):
         raise ValueError("fused_moe_fp8 needs contiguous x, expert weights and scales")
+    if tiled and not tiles_supported(gate_up, bk):
+        raise ValueError(f"fused_moe_fp8: tiled experts need hidden {hidden} and width {inter} multiples of "
+                         f"{TILE_ROWS} and of {bk}")
     num_pairs = t * k
     interpreted = x.device.type == "cpu"
     block_m = None
@@ -182,7 +231,7 @@ def fused_moe_fp8(x: torch.Tensor, gate_up: torch.Tensor, gate_up_scale: torch.T
     blocks = pair_blocks(ids, e, block_m)
     bucket = triton.next_power_of_2(num_pairs)
     common = dict(GROUP_N=bn, BLOCK_M=blocks.block_m, BLOCK_K=bk, PER_PAIR=blocks.per_pair,
-                  IS_INTERPRETED=interpreted, **config, **pdl_launch(pdl))
+                  IS_INTERPRETED=interpreted, TILED=bool(tiled), **config, **pdl_launch(pdl))
     xq, xs = quantize_fp8_token_groups(x, bk, pdl=pdl)
     h = x.new_empty(num_pairs, inter)
     y = x.new_empty(num_pairs, hidden)

@@ -385,6 +385,20 @@ class Fp8BlockExperts(Fp8DequantExperts):
 
     @torch.no_grad()
     def process_weights_after_loading(self, experts: nn.Module) -> None:
+        if getattr(experts, "fp8_tiled", False):
+            return  # already final and tiled (a module finalized twice must not be reordered twice)
+        self._quantize(experts)
+        gate_up = experts.gate_up_proj.data
+        if get_env().fp8_moe_tiles and gate_up.shape[0] and hasattr(experts.method, "tiled"):  # the fused kernel runs
+            from deepinfer_kernels.fused_moe_fp8 import tile_experts, tiles_supported
+
+            if tiles_supported(gate_up, self.block[1]):
+                for name in ("gate_up_proj", "down_proj"):
+                    w = getattr(experts, name).data
+                    tile_experts(w, self.block[1], out=w)
+                experts.fp8_tiled = experts.method.tiled = True
+
+    def _quantize(self, experts: nn.Module) -> None:
         for name, shards in (("gate_up_proj", 2), ("down_proj", 1)):
             w = getattr(experts, name).data
             if self.is_checkpoint_quantized:

@@ -327,6 +327,9 @@ class Fp8FusedExperts(ExpertsMethod):
         self.is_batch_invariant = is_batch_invariant
         self.pdl = pdl
         """The kernels as programmatic dependent launches (KernelConfig.uses_pdl)."""
+        self.tiled = False
+        """Whether this layer's experts (and the joint tensors) are in fused_moe_fp8's TILED layout, set where
+        layers/fp8.py Fp8BlockExperts reorders them at load (DEEPINFER_FP8_MOE_TILES)."""
 
     def apply_experts(self, experts: nn.Module, x: torch.Tensor, weights: torch.Tensor,
                       ids: torch.Tensor) -> torch.Tensor:
@@ -338,7 +341,7 @@ class Fp8FusedExperts(ExpertsMethod):
         from deepinfer_kernels.fused_moe_fp8 import fused_moe_fp8
 
         return fused_moe_fp8(x.contiguous(), *joint, weights, ids, self.block, batch_invariant=self.is_batch_invariant,
-                             pdl=self.pdl)
+                             pdl=self.pdl, tiled=self.tiled)
 
     def fuses_shared(self, num_tokens: int) -> bool:
         return num_tokens <= FUSED_SHARED_MAX_TOKENS or self.is_batch_invariant
@@ -434,6 +437,11 @@ class MoE(nn.Module):
             joint = joint_fp8_expert_weights(self.experts, self.shared_experts, n_shared, self.experts.method.block)
             if joint is None:
                 return
+            if self.experts.method.tiled:  # the routed part is tiled already; the shared part as it
+                from deepinfer_kernels.fused_moe_fp8 import tile_experts
+
+                for w in (joint[0][e:], joint[2][e:]):
+                    tile_experts(w, self.experts.method.block[1], out=w)
             names = ("gate_up_proj", "gate_up_proj_scale_inv", "down_proj", "down_proj_scale_inv")
         elif self.shared_experts.gate_up_proj.method.is_quantized:  # quantized shared experts, 16-bit routed ones
             return

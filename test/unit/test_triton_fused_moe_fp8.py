@@ -210,3 +210,90 @@ _JOINT_FP8 = textwrap.dedent("""
 
 def test_fp8_shared_experts_join_the_routed_launch():
     assert _interpret(_JOINT_FP8).strip().endswith("ok")
+
+
+# The TILED layout (tile_experts: 64-row x 128-input tiles contiguous) reorders bytes only: the kernels read the same
+# weights in the same K order, so their outputs equal the row layout's bit for bit; shapes it cannot tile are refused.
+_TILED_FP8 = textwrap.dedent("""
+    import pytest
+    import torch
+    from deepinfer_kernels.fused_moe_fp8 import TILE_ROWS, fused_moe_fp8, tile_experts, tiles_supported
+    from deepinfer_kernels.reference import quantize_fp8_blocks
+    g = torch.Generator().manual_seed(5)
+    e, hidden, inter, k, t = 3, 256, 128, 2, 12
+    gate, up = torch.randn(e, inter, hidden, generator=g) * 0.05, torch.randn(e, inter, hidden, generator=g) * 0.05
+    down = torch.randn(e, hidden, inter, generator=g) * 0.05
+    (qg, sg), (qu, su), (qd, sd) = (quantize_fp8_blocks(w) for w in (gate, up, down))
+    q_gu, s_gu = torch.cat([qg, qu], dim=1), torch.cat([sg, su], dim=1)
+    assert tiles_supported(q_gu, 128) and not tiles_supported(q_gu[:, :, :160], 128)
+    t_gu, t_d = tile_experts(q_gu, 128), tile_experts(qd.clone(), 128, out=None)
+    in_place = qd.clone()
+    assert tile_experts(in_place, 128, out=in_place) is in_place and torch.equal(in_place.view(torch.uint8), t_d.view(torch.uint8))
+    # tile (row block 1, K step 1) of expert 2's gate_up: rows 64..127, inputs 128..255, contiguous
+    tile = t_gu[2].flatten()[(1 * hidden // 128 + 1) * TILE_ROWS * 128:][:TILE_ROWS * 128]
+    assert torch.equal(tile.view(torch.uint8), q_gu[2, 64:128, 128:256].flatten().view(torch.uint8))
+    x = torch.randn(t, hidden, generator=g)
+    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
+    w = torch.rand(t, k, generator=g)
+    for config in (dict(BLOCK_N=32, num_warps=4, num_stages=1), dict(BLOCK_N=64, num_warps=4, num_stages=1)):
+        want = fused_moe_fp8(x, q_gu, s_gu, qd, sd, w, ids, config=config)
+        got = fused_moe_fp8(x, t_gu, s_gu, t_d, sd, w, ids, config=config, tiled=True)
+        assert torch.equal(got, want), (got - want).abs().max()
+    assert torch.equal(fused_moe_fp8(x, t_gu, s_gu, t_d, sd, w, ids, batch_invariant=True, tiled=True),
+                       fused_moe_fp8(x, q_gu, s_gu, qd, sd, w, ids, batch_invariant=True))
+    with pytest.raises(ValueError, match="multiple of"):
+        tile_experts(q_gu[:, :100], 128)
+    odd = q_gu[:, :, :192].contiguous()
+    with pytest.raises(ValueError, match="tiled experts"):
+        fused_moe_fp8(x[:, :192].contiguous(), odd, s_gu[:, :, :2].contiguous(), qd[:, :192].contiguous(),
+                      sd[:, :3].contiguous(), w, ids, block=(128, 128), tiled=True)
+    print("ok")
+""")
+
+
+def test_tiled_fp8_experts_equal_the_row_layout_bitwise():
+    assert _interpret(_TILED_FP8).strip().endswith("ok")
+
+
+# DEEPINFER_FP8_MOE_TILES=1: a layer's FP8 experts and the shared experts joined to them are tiled once at load (a
+# second finalize leaves them), and the layer's output, joint launch or routed launch plus shared MLP, is the row
+# layout's bit for bit.
+_TILED_MOE_LAYER = textwrap.dedent("""
+    import os
+    import torch
+    from deepinfer_rt.config import ModelConfig
+    from deepinfer_rt.layers import moe as moe_module
+    from deepinfer_rt.layers.kernel_config import KernelConfig, build_context
+    from deepinfer_rt.layers.moe import MoE
+    from deepinfer_rt.models.loader import finalize
+
+    def build(tiles):
+        os.environ["DEEPINFER_FP8_MOE_TILES"] = "1" if tiles else "0"
+        config = ModelConfig(architecture="DeepseekV2ForCausalLM", vocab_size=32, hidden_size=256,
+                             intermediate_size=64, num_layers=1, num_heads=2, num_kv_heads=2, head_dim=16,
+                             rms_norm_eps=1e-6, max_position=64, tie_word_embeddings=False, eos_token_ids=(0,),
+                             bos_token_id=None, n_routed_experts=4, n_shared_experts=2, num_experts_per_tok=2,
+                             moe_intermediate_size=128)
+        with build_context(KernelConfig(device_type="cuda", quantization="fp8", is_checkpoint_quantized=False)):
+            moe = MoE(config)
+        gen = torch.Generator().manual_seed(1)
+        for p in moe.parameters():
+            p.data.copy_(torch.randn(p.shape, generator=gen) * 0.05)
+        return finalize(moe)
+
+    rows, tiled = build(False), build(True)
+    assert tiled.experts.fp8_tiled and tiled.experts.method.tiled and not rows.experts.method.tiled
+    assert not torch.equal(tiled.joint_experts[0].view(torch.uint8), rows.joint_experts[0].view(torch.uint8))
+    before = tiled.joint_experts[0].clone()
+    finalize(tiled.experts)
+    assert torch.equal(tiled.joint_experts[0].view(torch.uint8), before.view(torch.uint8))
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(2))
+    assert torch.equal(tiled(x), rows(x))
+    moe_module.FUSED_SHARED_MAX_TOKENS = 2  # the routed launch alone, then the shared MLP's GEMMs
+    assert torch.equal(tiled(x), rows(x))
+    print("ok")
+""")
+
+
+def test_fp8_moe_layer_tiled_at_load_equals_the_row_layout():
+    assert _interpret(_TILED_MOE_LAYER).strip().endswith("ok")
