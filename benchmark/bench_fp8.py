@@ -7,7 +7,8 @@ weights (Engine(quantization="fp8"), 128x128 e4m3 blocks) beside the same shape 
              counts the weights' real bytes (FP8: one byte per weight + its fp32 block scales), the routed experts
              the batch touches and the KV attended;
   prefill    4 x `context`-token prompts; FLOP/s over the matmul rate of the weights' dtype;
-  shapes     deepseek-v2-lite (bf16, FP8, and FP8 weights with an e4m3 KV pool: `fp8-kv8`) and
+  shapes     deepseek-v2-lite (bf16, FP8, FP8 weights with an e4m3 KV pool: `fp8-kv8`, FP8 with the experts in the
+             fused MoE's tiled layout: `fp8-tiles`) and
              deepseek-v3-reduced (full width: 7168 hidden, 128 heads, 256 experts, top-8; 1 dense + 3 MoE layers so that the bf16 weights quantized at load fit one GPU) in FP8;
   memory     weight bytes per GPU of the full DeepSeek-V3 (671B, its release format) and DeepSeek-V4.1-Flash
              (FP8 dense + MXFP4 experts) at EP 1 and EP 8 with data-parallel attention (dense weights replicated,
@@ -22,6 +23,7 @@ import argparse
 import gc
 import json
 import math
+import os
 import sys
 import tempfile
 import traceback
@@ -47,8 +49,12 @@ V3 = dict(
 """DeepSeek-V3's released config (V3 / R1 / V3.1 share these dims)."""
 V3_REDUCED = dict(V3, num_hidden_layers=4, first_k_dense_replace=1)
 FP8_BLOCK = 128
-VARIANTS = {"bf16": (None, "auto"), "fp8": ("fp8", "auto"), "fp8-kv8": ("fp8", "fp8_e4m3")}
-"""Engine (quantization, kv_cache_dtype) of each row set: bf16, FP8 weights, FP8 weights with an e4m3 KV pool."""
+VARIANTS = {"bf16": (None, "auto"), "fp8": ("fp8", "auto"), "fp8-kv8": ("fp8", "fp8_e4m3"),
+            "fp8-tiles": ("fp8", "auto")}
+"""Engine (quantization, kv_cache_dtype) of each row set: bf16, FP8 weights, FP8 weights with an e4m3 KV pool, FP8
+weights with the experts in the fused MoE's tiled layout (VARIANT_ENV)."""
+VARIANT_ENV = {"fp8-tiles": {"DEEPINFER_FP8_MOE_TILES": "1"}}
+"""Settings a variant's engine is built under (read at load), so one run times both sides."""
 
 
 def fp8_matmul_rate() -> float:
@@ -143,9 +149,19 @@ def run_shape(name: str, spec: dict, variant: str, args, ceil: dict, section: di
     path = model_dir(spec, work)
     max_bs = max(args.batches)
     tokens = max(max_bs, 4) * (args.context + 8 + bench_gpu._decode_tokens(max_bs, args.context, args.steps))
-    engine = Engine(str(path), dtype=bench_gpu.DTYPE, device=bench_gpu.DEVICE, load_format="dummy", max_num_seqs=max_bs,
-                    kv_cache_tokens=tokens, chunked_prefill_tokens=bench_gpu.PREFILL_CHUNK,
-                    enable_prefix_cache=False, quantization=quantization, kv_cache_dtype=kv_cache_dtype)
+    saved = {k: os.environ.get(k) for k in VARIANT_ENV.get(variant, {})}
+    os.environ.update(VARIANT_ENV.get(variant, {}))
+    try:
+        engine = Engine(str(path), dtype=bench_gpu.DTYPE, device=bench_gpu.DEVICE, load_format="dummy",
+                        max_num_seqs=max_bs, kv_cache_tokens=tokens, chunked_prefill_tokens=bench_gpu.PREFILL_CHUNK,
+                        enable_prefix_cache=False, quantization=quantization, kv_cache_dtype=kv_cache_dtype)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    section["env"] = VARIANT_ENV.get(variant, {})
     try:
         section["weight_bytes"] = sum(p.numel() * p.element_size() for p in engine.model.parameters())
         section["decode"] = []
@@ -159,6 +175,8 @@ def run_shape(name: str, spec: dict, variant: str, args, ceil: dict, section: di
             save()
             print(name, variant, {k: row[k] for k in ("batch", "engine_tok_s", "floor_tok_s",
                                                            "fraction_of_floor")}, flush=True)
+        if args.no_prefill:
+            return
         rate = ceil["fp8_matmul_flop_per_s" if quantization == "fp8" else "bf16_matmul_flop_per_s"]
         prefill = bench_prefill(engine, args.context, 4, rate, spec["vocab_size"])
         prefill.pop("profile", None)
@@ -186,6 +204,7 @@ def main() -> None:
     parser.add_argument("--profile-batches", type=int, nargs="*", default=[],
                         help="decode batches whose rows keep a kernel table of --profile-steps profiled steps")
     parser.add_argument("--profile-steps", type=int, default=2)
+    parser.add_argument("--no-prefill", action="store_true", help="decode rows only")
     args = parser.parse_args()
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -221,7 +240,7 @@ def main() -> None:
                 print(section["error"], flush=True)
             save()
     bf16 = result.get("deepseek-v2-lite/bf16", {})
-    for variant in ("fp8", "fp8-kv8"):
+    for variant in ("fp8", "fp8-kv8", "fp8-tiles"):
         for a, b in zip(bf16.get("decode", []), result.get(f"deepseek-v2-lite/{variant}", {}).get("decode", [])):
             print(f"v2-lite B={a['batch']:4d}  bf16 {a['engine_tok_s']:9.1f} ({a['fraction_of_floor']:.2f} of floor)  "
                   f"{variant} {b['engine_tok_s']:9.1f} ({b['fraction_of_floor']:.2f} of its floor)  "
