@@ -1,8 +1,11 @@
 """DeepSeek-V4's manifold-constrained hyper-connections (models/deepseek_v4/hyper_connections.py) around a block,
-in three launches where the torch forms take ~20: the mixes from the perceptron's logits (the pre and post sigmoids
+in five launches where the torch forms take ~20: the mix logits (two), the mixes from the perceptron's logits (the pre and post sigmoids
 and the Sinkhorn projection of the residual mix, one kernel), the collapse of the N streams into the block input,
 and the spread of the block output plus the residual mix back over the streams.
 
+    logits    streams (T, N D) -> mix = rms_norm(streams) @ fn.T (T, M) fp32: one pass over the streams (their sum
+              of squares and the M dot products together, K split over programs, partials summed in split order),
+              instead of an fp32 copy of the normalized streams and an fp32 GEMM with M = (2 + N) N columns
     weights   mix (T, (2 + N) N) fp32 -> pre = sigmoid(mix[:N] s0 + b) + eps, post = 2 sigmoid(mix[N:2N] s1 + b),
               comb = sinkhorn(mix[2N:] s2 + b)                                          (fp32)
     collapse  x (T, D) = sum_j pre[j] streams[j]                 (fp32 sum in stream order, one cast)
@@ -24,6 +27,11 @@ from deepinfer_kernels.v4_sinkhorn import BLOCK_T, sinkhorn_tile
 
 BLOCK_D = 1024
 """Columns of D per collapse / expand program."""
+LOGITS_BLOCK_K = 128
+"""Inputs a logits program reads per step."""
+LOGITS_PROGRAMS = 264
+"""About how many logits programs a call launches (two a multiprocessor of an H100 / H200): K is split over as
+many programs as the token blocks leave room for."""
 
 
 @triton.jit
@@ -146,4 +154,79 @@ def hc_expand(post: torch.Tensor, y: torch.Tensor, comb: torch.Tensor, streams: 
     if t:
         _hc_expand_kernel[(t, triton.cdiv(d, BLOCK_D))](post, y, comb, streams, out, y.stride(0), streams.stride(0),
                                                        streams.stride(1), d, N=n, BLOCK=BLOCK_D, **pdl_launch(pdl))
+    return out
+
+
+@triton.jit
+def _hc_logits_partial_kernel(X, W, Part, SumSq, num_tokens, m, k, steps_per_split, stride_xt, stride_wm,
+                              BLOCK_T: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+                              PDL: tl.constexpr):
+    """Part[s, t, :m] = x[t, K_s] @ w[:, K_s].T and SumSq[s, t] = sum x[t, K_s]^2 over split s's inputs K_s."""
+    pdl_wait(PDL)
+    pid_t, split = tl.program_id(0), tl.program_id(1)
+    offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_k = tl.arange(0, BLOCK_K)
+    tmask, mmask = offs_t < num_tokens, offs_m < m
+    acc = tl.zeros([BLOCK_T, BLOCK_M], tl.float32)
+    ss = tl.zeros([BLOCK_T], tl.float32)
+    for step in range(steps_per_split):
+        kk = (split * steps_per_split + step) * BLOCK_K + offs_k
+        kmask = kk < k
+        x = tl.load(X + offs_t.to(tl.int64)[:, None] * stride_xt + kk[None, :], mask=tmask[:, None] & kmask[None, :],
+                    other=0.0).to(tl.float32)
+        w = tl.load(W + offs_m[:, None] * stride_wm + kk[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
+        ss += tl.sum(x * x, axis=1)
+        acc = tl.dot(x, tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
+    base = split.to(tl.int64) * num_tokens + offs_t
+    tl.store(Part + base[:, None] * BLOCK_M + offs_m[None, :], acc, mask=tmask[:, None])
+    tl.store(SumSq + base, ss, mask=tmask)
+
+
+@triton.jit
+def _hc_logits_finish_kernel(Part, SumSq, Out, num_tokens, m, k, splits, eps, BLOCK_T: tl.constexpr,
+                             BLOCK_M: tl.constexpr, PDL: tl.constexpr):
+    """out[t] = sum_s Part[s, t] * rsqrt(sum_s SumSq[s, t] / k + eps), the splits summed in order."""
+    pdl_wait(PDL)
+    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_m = tl.arange(0, BLOCK_M)
+    tmask = offs_t < num_tokens
+    acc = tl.zeros([BLOCK_T, BLOCK_M], tl.float32)
+    ss = tl.zeros([BLOCK_T], tl.float32)
+    for split in range(splits):
+        base = split * num_tokens + offs_t.to(tl.int64)
+        acc += tl.load(Part + base[:, None] * BLOCK_M + offs_m[None, :], mask=tmask[:, None], other=0.0)
+        ss += tl.load(SumSq + base, mask=tmask, other=0.0)
+    out = acc * (1.0 / tl.sqrt(ss / k + eps))[:, None]
+    tl.store(Out + offs_t.to(tl.int64)[:, None] * m + offs_m[None, :], out,
+             mask=tmask[:, None] & (offs_m[None, :] < m))
+
+
+def hc_logits(x: torch.Tensor, w: torch.Tensor, eps: float, pdl: bool = False) -> torch.Tensor:
+    """x (T, K) (the flattened streams, any float dtype), w (M, K) -> unweighted_rms_norm(x.float()) @ w.float().T,
+    (T, M) fp32 (to rounding: the norm's scale applies to the sums, which add in another order)."""
+    t, k = x.shape
+    m = w.shape[0]
+    if w.dim() != 2 or w.shape[1] != k:
+        raise ValueError(f"hc_logits: weights {tuple(w.shape)} for inputs {tuple(x.shape)}")
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    if w.stride(-1) != 1:
+        w = w.contiguous()
+    out = torch.empty(t, m, dtype=torch.float32, device=x.device)
+    if t == 0:
+        return out
+    block_t = 16 if t <= 64 else 32
+    block_m = max(16, triton.next_power_of_2(m))
+    t_blocks, steps = triton.cdiv(t, block_t), triton.cdiv(k, LOGITS_BLOCK_K)
+    splits = max(1, min(steps, LOGITS_PROGRAMS // t_blocks))
+    steps_per_split = triton.cdiv(steps, splits)
+    splits = triton.cdiv(steps, steps_per_split)
+    part = torch.empty(splits, t, block_m, dtype=torch.float32, device=x.device)
+    sumsq = torch.empty(splits, t, dtype=torch.float32, device=x.device)
+    _hc_logits_partial_kernel[(t_blocks, splits)](x, w, part, sumsq, t, m, k, steps_per_split, x.stride(0),
+                                                  w.stride(0), BLOCK_T=block_t, BLOCK_M=block_m,
+                                                  BLOCK_K=LOGITS_BLOCK_K, **pdl_launch(pdl))
+    _hc_logits_finish_kernel[(t_blocks,)](part, sumsq, out, t, m, k, splits, eps, BLOCK_T=block_t,
+                                          BLOCK_M=block_m, **pdl_launch(pdl))
     return out

@@ -325,6 +325,16 @@ _HYPER = textwrap.dedent("""
             torch.testing.assert_close(hk.hc_collapse(pre, streams), m.hc_collapse(pre, streams), rtol=tol, atol=tol)
             torch.testing.assert_close(hk.hc_expand(post, y, comb, streams), m.hc_expand(post, y, comb, streams),
                                        rtol=tol, atol=tol)
+    # the mix logits in one pass: token counts of one and several token blocks (K split over more or fewer
+    # programs), K off the step size, the mixes' 24 columns and the head's 4, fp32 / bf16 streams, bf16 weights
+    for t, k, cols, dtype in ((1, 3 * 128 + 40, 24, torch.float32), (21, 1000, 4, torch.bfloat16),
+                              (70, 640, 24, torch.bfloat16), (300, 256, 24, torch.float32)):
+        flat = (torch.randn(t, k, generator=g) * 3).to(dtype)
+        w = torch.randn(cols, k, generator=g) * 0.05
+        for weight in (w, w.bfloat16()):
+            got, want = hk.hc_logits(flat, weight, 1e-6), m.hc_logits(flat, weight, 1e-6)
+            assert got.dtype == torch.float32 and got.shape == (t, cols)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
     print("ok")
 """)
 

@@ -33,8 +33,8 @@ class HyperConnection(nn.Module):
     def weights(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """streams (T, N, D) -> pre (T, N), post (T, N), comb (T, N, N), all fp32."""
         n, m = self.hc_mult, self.method
-        flat = m.float_rms_norm(streams.flatten(1), self.norm_eps)
-        return m.hc_weights(m.hc_matmul(flat, self.fn.float()), self.base, self.scale, n, self.iters, self.hc_eps)
+        mix = m.hc_logits(streams.flatten(1), self.fn, self.norm_eps)
+        return m.hc_weights(mix, self.base, self.scale, n, self.iters, self.hc_eps)
 
     def forward(self, streams: torch.Tensor, block) -> torch.Tensor:
         """Run `block` (D -> D per token) between the collapse and the spread of the streams (T, N, D)."""
@@ -57,6 +57,6 @@ class HyperHead(nn.Module):
 
     def forward(self, streams: torch.Tensor) -> torch.Tensor:
         m = self.method
-        flat = m.float_rms_norm(streams.flatten(1), self.norm_eps)
-        pre = m.sigmoid(m.hc_matmul(flat, self.hc_fn.float()) * self.hc_scale.float() + self.hc_base.float())
+        pre = m.sigmoid(m.hc_logits(streams.flatten(1), self.hc_fn, self.norm_eps) * self.hc_scale.float()
+                        + self.hc_base.float())
         return m.hc_collapse(pre + self.hc_eps, streams)

@@ -165,6 +165,11 @@ class V4Method:
         """x (T, K) @ w.T, w (N, K) (hyper-connection weights)."""
         return x @ w.T
 
+    def hc_logits(self, flat: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+        """The hyper-connections' mix logits: float_rms_norm(flat) @ w.float().T, flat (T, N D), w (M, N D) -> (T, M)
+        fp32."""
+        return self.hc_matmul(self.float_rms_norm(flat, eps), w.float())
+
     def hc_mix(self, comb: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
         return torch.einsum("tjk,tjd->tkd", comb, streams)
 
@@ -323,6 +328,10 @@ class V4TritonMethod(V4Method):
     def float_rms_norm(self, x: torch.Tensor, eps: float) -> torch.Tensor:
         # no fp32 copy of x first
         return self.kernels.elementwise.rms_norm(x, None, eps, out_dtype=torch.float32, pdl=self.pdl)
+
+    def hc_logits(self, flat: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+        # one pass over the streams: no fp32 copy of them, no fp32 GEMM of a few columns
+        return self.kernels.hyper.hc_logits(flat, w, eps, pdl=self.pdl)
 
     def hc_weights(self, mix: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, n: int, iters: int,
                    eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
