@@ -213,7 +213,8 @@ def test_pool_gathered_v4_flash(overlap, m, d, dtype):
 def test_norms_rope_and_hyper_connections_v4_flash(dtype):
     """The glue kernels at V4-Flash widths against V4Method's torch forms on the same GPU: the norms over 4096
     (hidden), 512 (heads) and the hyper-connections' flattened 4 x 4096 streams (a looped row), the rotation of
-    the trailing 64 of 512 channels over 64 heads, and the hyper-connections' mixes, collapse and spread."""
+    the trailing 64 of 512 channels over 64 heads, and the hyper-connections' mix logits, mixes, collapse and
+    spread."""
     from deepinfer_kernels import v4_elementwise as ew
     from deepinfer_kernels import v4_hyper as hk
     from deepinfer_rt.layers.methods import Activation, HeadMatmul, UnquantizedLinear
@@ -252,6 +253,14 @@ def test_norms_rope_and_hyper_connections_v4_flash(dtype):
     y = torch.randn(t, 4096, device=DEV, generator=gen).to(dtype)
     check(hk.hc_collapse(pre, streams), m.hc_collapse(pre, streams))
     check(hk.hc_expand(post, y, comb, streams), m.hc_expand(post, y, comb, streams))
+    # the mix logits in one pass (K split over programs) against the fp32 norm and GEMM: V4-Flash's and V4.1-Flash's
+    # flattened streams, the mixes' 24 columns and the head's 4, one decode token to a prefill chunk's worth
+    for t, width, cols in ((1, 4 * 4096, 24), (64, 4 * 5120, 24), (256, 4 * 4096, 4), (2048, 4 * 5120, 24)):
+        flat = (torch.randn(t, width, device=DEV, generator=gen) * 3).to(dtype)
+        fn = torch.randn(cols, width, device=DEV, generator=gen) * 0.02
+        got, want = hk.hc_logits(flat, fn, 1e-6), m.hc_logits(flat, fn, 1e-6)
+        assert got.dtype == torch.float32 and got.shape == (t, cols)
+        assert (got - want).abs().max() <= 1e-4 * want.abs().max(), (t, (got - want).abs().max())
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3"])
