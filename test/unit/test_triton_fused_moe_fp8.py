@@ -220,7 +220,7 @@ _TILED_FP8 = textwrap.dedent("""
     from deepinfer_kernels.fused_moe_fp8 import TILE_ROWS, fused_moe_fp8, tile_experts, tiles_supported
     from deepinfer_kernels.reference import quantize_fp8_blocks
     g = torch.Generator().manual_seed(5)
-    e, hidden, inter, k, t = 3, 256, 128, 2, 12
+    e, hidden, inter, k, t = 3, 256, 256, 2, 12  # two K steps of down too
     gate, up = torch.randn(e, inter, hidden, generator=g) * 0.05, torch.randn(e, inter, hidden, generator=g) * 0.05
     down = torch.randn(e, hidden, inter, generator=g) * 0.05
     (qg, sg), (qu, su), (qd, sd) = (quantize_fp8_blocks(w) for w in (gate, up, down))
@@ -273,7 +273,7 @@ _TILED_MOE_LAYER = textwrap.dedent("""
                              intermediate_size=64, num_layers=1, num_heads=2, num_kv_heads=2, head_dim=16,
                              rms_norm_eps=1e-6, max_position=64, tie_word_embeddings=False, eos_token_ids=(0,),
                              bos_token_id=None, n_routed_experts=4, n_shared_experts=2, num_experts_per_tok=2,
-                             moe_intermediate_size=128)
+                             moe_intermediate_size=256)
         with build_context(KernelConfig(device_type="cuda", quantization="fp8", is_checkpoint_quantized=False)):
             moe = MoE(config)
         gen = torch.Generator().manual_seed(1)
