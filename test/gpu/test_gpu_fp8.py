@@ -269,6 +269,48 @@ def test_fp8_moe_joins_shared_experts(num_tokens, monkeypatch):
     assert rel_err(joint.cpu(), ref(x)) <= 0.08
 
 
+@pytest.mark.parametrize("t", [1, 64, 512])
+def test_fused_moe_fp8_tiled_layout(t, monkeypatch):
+    """V2-Lite's experts reordered by tile_experts (contiguous 64 x 128 tiles): the same sums in the same order, so
+    bitwise the row layout's at a fixed tile and within 1e-3 in norm through the autotuner (it may pick another
+    tile for each layout); an MoE layer built under DEEPINFER_FP8_MOE_TILES=1 holds tiled experts (the shared ones
+    in its joint launch too) and matches one built without within 1e-3 in norm."""
+    from helpers import moe_config
+
+    from deepinfer_kernels.fused_moe_fp8 import fused_moe_fp8, tile_experts
+    from deepinfer_rt.layers.kernel_config import KernelConfig, build_context
+    from deepinfer_rt.layers.moe import MoE
+    from deepinfer_rt.models.loader import finalize
+
+    c = V2_LITE_EXPERTS
+    q_gu, s_gu, qd, sd = _fp8_experts(c["e"], c["hidden"], c["inter"], seed=t + 7)
+    t_gu, t_d = tile_experts(q_gu, 128), tile_experts(qd, 128)
+    g = torch.Generator(device=DEV).manual_seed(t)
+    x = torch.randn(t, c["hidden"], device=DEV, generator=g).bfloat16()
+    ids = torch.rand(t, c["e"], device=DEV, generator=g).topk(c["k"], dim=-1).indices
+    w = torch.rand(t, c["k"], device=DEV, generator=g)
+    fixed = dict(BLOCK_N=64, num_warps=4, num_stages=3)
+    assert torch.equal(fused_moe_fp8(x, t_gu, s_gu, t_d, sd, w, ids, config=fixed, tiled=True),
+                       fused_moe_fp8(x, q_gu, s_gu, qd, sd, w, ids, config=fixed))
+    assert rel_err(fused_moe_fp8(x, t_gu, s_gu, t_d, sd, w, ids, tiled=True),
+                   fused_moe_fp8(x, q_gu, s_gu, qd, sd, w, ids)) <= 1e-3
+    config = moe_config(hidden=256, experts=64, top_k=6, inter=256)
+    gen = torch.Generator().manual_seed(t)
+    ref = MoE(config)
+    for p in ref.parameters():
+        p.data.copy_(torch.randn(p.shape, generator=gen) * 0.05)
+    layers = {}
+    for tiles in ("0", "1"):
+        monkeypatch.setenv("DEEPINFER_FP8_MOE_TILES", tiles)
+        with build_context(KernelConfig(device_type="cuda", quantization="fp8", is_checkpoint_quantized=False)):
+            layers[tiles] = MoE(config)
+        layers[tiles].load_state_dict(ref.state_dict())
+        layers[tiles] = finalize(layers[tiles].to(DEV, torch.bfloat16))
+    assert layers["1"].experts.method.tiled and not layers["0"].experts.method.tiled
+    x = torch.randn(t, 256, generator=gen).to(DEV, torch.bfloat16)
+    assert rel_err(layers["1"](x), layers["0"](x)) <= 1e-3
+
+
 def test_batch_invariant_fp8_moe_and_gemm_bitwise():
     """Batch-invariant mode's FP8 paths compiled: the fused MoE (INVARIANT_TILES) and the tiled GEMM
     (INVARIANT_TILE) give each token the same bits alone and in batches of 64 / 300 tokens, V2-Lite shapes."""
