@@ -27,8 +27,10 @@ from deepinfer_kernels.v4_sinkhorn import BLOCK_T, sinkhorn_tile
 
 BLOCK_D = 1024
 """Columns of D per collapse / expand program."""
-LOGITS_BLOCK_K = 128
-"""Inputs a logits program reads per step."""
+LOGITS_BLOCK_K = {torch.float32: 32}
+"""Inputs a logits program reads per step, by the streams' dtype (64 otherwise): the largest whose sm90 builds
+keep every value in registers at both token blocks (Triton 3.6's ptxas; fp32 streams at 128 spilled 280-1,472
+bytes a thread)."""
 LOGITS_PROGRAMS = 264
 """About how many logits programs a call launches (two a multiprocessor of an H100 / H200): K is split over as
 many programs as the token blocks leave room for."""
@@ -218,7 +220,8 @@ def hc_logits(x: torch.Tensor, w: torch.Tensor, eps: float, pdl: bool = False) -
         return out
     block_t = 16 if t <= 64 else 32
     block_m = max(16, triton.next_power_of_2(m))
-    t_blocks, steps = triton.cdiv(t, block_t), triton.cdiv(k, LOGITS_BLOCK_K)
+    block_k = LOGITS_BLOCK_K.get(x.dtype, 64)
+    t_blocks, steps = triton.cdiv(t, block_t), triton.cdiv(k, block_k)
     splits = max(1, min(steps, LOGITS_PROGRAMS // t_blocks))
     steps_per_split = triton.cdiv(steps, splits)
     splits = triton.cdiv(steps, steps_per_split)
@@ -226,7 +229,7 @@ def hc_logits(x: torch.Tensor, w: torch.Tensor, eps: float, pdl: bool = False) -
     sumsq = torch.empty(splits, t, dtype=torch.float32, device=x.device)
     _hc_logits_partial_kernel[(t_blocks, splits)](x, w, part, sumsq, t, m, k, steps_per_split, x.stride(0),
                                                   w.stride(0), BLOCK_T=block_t, BLOCK_M=block_m,
-                                                  BLOCK_K=LOGITS_BLOCK_K, **pdl_launch(pdl))
+                                                  BLOCK_K=block_k, **pdl_launch(pdl))
     _hc_logits_finish_kernel[(t_blocks,)](part, sumsq, out, t, m, k, splits, eps, BLOCK_T=block_t,
                                           BLOCK_M=block_m, **pdl_launch(pdl))
     return out
