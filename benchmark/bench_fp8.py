@@ -23,7 +23,6 @@ import argparse
 import gc
 import json
 import math
-import os
 import sys
 import tempfile
 import traceback
@@ -149,18 +148,10 @@ def run_shape(name: str, spec: dict, variant: str, args, ceil: dict, section: di
     path = model_dir(spec, work)
     max_bs = max(args.batches)
     tokens = max(max_bs, 4) * (args.context + 8 + bench_gpu._decode_tokens(max_bs, args.context, args.steps))
-    saved = {k: os.environ.get(k) for k in VARIANT_ENV.get(variant, {})}
-    os.environ.update(VARIANT_ENV.get(variant, {}))
-    try:
+    with bench_gpu.env_vars(**VARIANT_ENV.get(variant, {})):
         engine = Engine(str(path), dtype=bench_gpu.DTYPE, device=bench_gpu.DEVICE, load_format="dummy",
                         max_num_seqs=max_bs, kv_cache_tokens=tokens, chunked_prefill_tokens=bench_gpu.PREFILL_CHUNK,
                         enable_prefix_cache=False, quantization=quantization, kv_cache_dtype=kv_cache_dtype)
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
     section["env"] = VARIANT_ENV.get(variant, {})
     try:
         section["weight_bytes"] = sum(p.numel() * p.element_size() for p in engine.model.parameters())

@@ -24,9 +24,11 @@ the pool at a context are reported as skipped. `--plot` draws the fraction of th
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import math
+import os
 import shutil
 import tempfile
 import time
@@ -65,6 +67,21 @@ TINY = dict(V2_LITE, vocab_size=1024, hidden_size=64, intermediate_size=128, moe
 
 PREFILL_CHUNK = 8192
 """Prompt tokens per engine step (chunked prefill)."""
+
+
+@contextlib.contextmanager
+def env_vars(**values):
+    """Settings (DEEPINFER_* read at an engine's build) for the body, restored after it."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update({k: str(v) for k, v in values.items()})
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def model_dir(spec: dict, out: Path) -> Path:

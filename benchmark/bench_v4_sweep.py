@@ -29,11 +29,9 @@ process on one GPU:
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
 import json
 import math
-import os
 import statistics
 import sys
 import tempfile
@@ -50,6 +48,7 @@ from plot_v4_sweep import build_sweep, plot  # noqa: E402
 from v4_sweep_decode import cuda_time, decode_steps, fill_pool, new_requests, pool_tensor_bytes, release, \
     routing_counts  # noqa: E402
 
+from bench_gpu import env_vars  # noqa: E402
 from deepinfer_rt import Engine, SamplingParams  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -67,20 +66,6 @@ def check_floor(row: dict) -> None:
             raise MeasurementError(f"{row.get('variant')} {row.get('mode')} batch {row['batch']}, context "
                                    f"{row['context']}: {key} {row[key]:.1f} is above the floor "
                                    f"{row['floor_tok_s']:.1f}")
-
-
-@contextlib.contextmanager
-def env_vars(**values):
-    saved = {k: os.environ.get(k) for k in values}
-    os.environ.update({k: str(v) for k, v in values.items()})
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def _sync() -> None:
