@@ -7,8 +7,8 @@ weights (Engine(quantization="fp8"), 128x128 e4m3 blocks) beside the same shape 
              counts the weights' real bytes (FP8: one byte per weight + its fp32 block scales), the routed experts
              the batch touches and the KV attended;
   prefill    4 x `context`-token prompts; FLOP/s over the matmul rate of the weights' dtype;
-  shapes     deepseek-v2-lite (bf16, FP8, FP8 weights with an e4m3 KV pool: `fp8-kv8`, FP8 with the experts in the
-             fused MoE's tiled layout: `fp8-tiles`) and
+  shapes     deepseek-v2-lite (bf16, FP8, FP8 weights with an e4m3 KV pool: `fp8-kv8`, and, when named in
+             --v2-lite-variants, FP8 with the experts in the fused MoE's tiled layout: `fp8-tiles`) and
              deepseek-v3-reduced (full width: 7168 hidden, 128 heads, 256 experts, top-8; 1 dense + 3 MoE layers so that the bf16 weights quantized at load fit one GPU) in FP8;
   memory     weight bytes per GPU of the full DeepSeek-V3 (671B, its release format) and DeepSeek-V4.1-Flash
              (FP8 dense + MXFP4 experts) at EP 1 and EP 8 with data-parallel attention (dense weights replicated,
@@ -51,8 +51,10 @@ FP8_BLOCK = 128
 VARIANTS = {"bf16": (None, "auto"), "fp8": ("fp8", "auto"), "fp8-kv8": ("fp8", "fp8_e4m3"),
             "fp8-tiles": ("fp8", "auto")}
 """Engine (quantization, kv_cache_dtype) of each row set: bf16, FP8 weights, FP8 weights with an e4m3 KV pool, FP8
-weights with the experts in the fused MoE's tiled layout (VARIANT_ENV)."""
-VARIANT_ENV = {"fp8-tiles": {"DEEPINFER_FP8_MOE_TILES": "1"}}
+weights with the experts in the fused MoE's tiled layout (VARIANT_ENV, which pins the setting for every FP8 variant
+whatever the caller's environment)."""
+VARIANT_ENV = {"fp8": {"DEEPINFER_FP8_MOE_TILES": "0"}, "fp8-kv8": {"DEEPINFER_FP8_MOE_TILES": "0"},
+               "fp8-tiles": {"DEEPINFER_FP8_MOE_TILES": "1"}}
 """Settings a variant's engine is built under (read at load), so one run times both sides."""
 
 

@@ -158,9 +158,10 @@ class Env:
     the release order and fused_moe_mxfp4's forms (tl.dot_scaled, the GEMV form at one token)."""
     fp8_moe_tiles: bool
     """DEEPINFER_FP8_MOE_TILES (default off until timed on a GPU): on CUDA, FP8 experts (and the shared experts joined
-    to them) are reordered at load into contiguous 64-row x 128-input tiles (deepinfer_kernels.fused_moe_fp8
-    tile_experts: the same bytes, the same sums), so each program of the FP8 fused MoE streams its weights front to
-    back; where the widths are not multiples of 64 and of the scale block the row layout stays."""
+    to them) are reordered at load into contiguous tiles of 64 rows x one scale block of inputs (128 in the
+    releases; deepinfer_kernels.fused_moe_fp8 tile_experts: the same bytes, the same sums), so each program of the
+    FP8 fused MoE streams its weights front to back; where the widths are not multiples of 64 and of the scale block
+    the row layout stays."""
     fp8_kv_dot: str
     """DEEPINFER_FP8_KV_DOT: the dots of the decode attention kernel over an FP8 KV pool with a 16-bit model: 'f16'
     (default: tiles and query in fp16; e4m3 converts to fp16 in one instruction per two values) or 'query' (the

@@ -17,11 +17,11 @@ fp32 result by its top-k weight; the k slots of a token are summed in slot order
 split-K. With TILED (fused_moe_fp8's `tiled`, experts reordered once by `tile_experts`) each tile of TILE_ROWS weight
 rows x BLOCK_K inputs is contiguous memory, the tiles of a row block one after another along K, so a program
 streams its rows front to back instead of reading BLOCK_K bytes from each of rows K bytes apart (the layout change
-that took the MXFP4 experts from 0.61-0.65 to 0.81-0.96 of the read bandwidth, fused_moe_mxfp4_frag). On the GPU the
-N tile, warps and stages are autotuned per (N, K, pair-count bucket, rows per block) as in
-fused_moe; BLOCK_K is the scale block. Batch-invariant mode takes one fixed configuration (INVARIANT_TILES). The
-torch form is deepinfer_kernels.reference.fused_moe_fp8 (the same activation values: fp8_quant reproduces the
-quantization the kernels once did per tile).
+that took the MXFP4 experts from 0.61-0.65 to 0.81-0.96 of the read bandwidth at 16-256 tokens,
+fused_moe_mxfp4_frag). On the GPU the N tile, warps and stages are autotuned per (N, K, pair-count bucket, rows per
+block) as in fused_moe; BLOCK_K is the scale block. Batch-invariant mode takes one fixed configuration
+(INVARIANT_TILES). The torch form is deepinfer_kernels.reference.fused_moe_fp8 (the same activation values:
+fp8_quant reproduces the quantization the kernels once did per tile).
 """
 from __future__ import annotations
 

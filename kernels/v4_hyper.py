@@ -1,7 +1,7 @@
 """DeepSeek-V4's manifold-constrained hyper-connections (models/deepseek_v4/hyper_connections.py) around a block,
-in five launches where the torch forms take ~20: the mix logits (two), the mixes from the perceptron's logits (the pre and post sigmoids
-and the Sinkhorn projection of the residual mix, one kernel), the collapse of the N streams into the block input,
-and the spread of the block output plus the residual mix back over the streams.
+in five launches where the torch forms take ~20: the mix logits (two), the mixes from the perceptron's logits (the
+pre and post sigmoids and the Sinkhorn projection of the residual mix, one kernel), the collapse of the N streams
+into the block input, and the spread of the block output plus the residual mix back over the streams.
 
     logits    streams (T, N D) -> mix = rms_norm(streams) @ fn.T (T, M) fp32: one pass over the streams (their sum
               of squares and the M dot products together, K split over programs, partials summed in split order),
@@ -29,8 +29,8 @@ BLOCK_D = 1024
 """Columns of D per collapse / expand program."""
 LOGITS_BLOCK_K = {torch.float32: 32}
 """Inputs a logits program reads per step, by the streams' dtype (64 otherwise): the largest whose sm90 builds
-keep every value in registers at both token blocks (Triton 3.6's ptxas; fp32 streams at 128 spilled 280-1,472
-bytes a thread)."""
+keep every value in registers at both token blocks and either weight dtype (Triton 3.6; fp32 streams with bf16
+weights spill 152-1,472 bytes a thread at 64-128; benchmark/results/sass_sm90_w16_hc_logits.txt)."""
 LOGITS_PROGRAMS = 264
 """About how many logits programs a call launches (two a multiprocessor of an H100 / H200): K is split over as
 many programs as the token blocks leave room for."""

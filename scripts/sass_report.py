@@ -1,5 +1,5 @@
 """Compile one Triton kernel for sm90 on any machine (no GPU) and report what its build holds: registers, local
-memory (spills), shared memory, and counts of the SASS instructions that tell how a tile moves (wgmma `HGMMA`,
+memory (spills), dynamic shared memory, and counts of the SASS instructions that tell how a tile moves (wgmma `HGMMA`,
 `LDSM` / `STS` / `LDS` staging, `LDGSTS` asynchronous copies, conversions), plus the TTGIR's layout conversions.
 
 The JIT assumes 16-byte alignment of every pointer and of each integer argument that is a multiple of 16 at the
@@ -13,7 +13,8 @@ Triton the GPU machine has (3.6 with its torch 2.11; this compile API differs in
                       "N": "i32", "K": "i32", "M_BUCKET": "i32", "stride_xm": "i32", "stride_wn": "i32",
                       "stride_wsn": "i32", "stride_ym": "i32"}' \
         --constexprs '{"HAS_BIAS": false, "GROUP_N": 32, "BLOCK_K": 32, "KSUB": 4, "BLOCK_N": 128,
-                       "BLOCK_M": 128, "WIDE": false}' --aligned N K stride_xm stride_wn stride_ym --warps 8 --stages 3
+                       "BLOCK_M": 128, "WIDE": false, "IEEE": false}' \
+        --aligned N K stride_xm stride_wn stride_ym --warps 8 --stages 3
 """
 from __future__ import annotations
 
@@ -47,10 +48,10 @@ def main() -> None:
 
     kernel = getattr(importlib.import_module(args.module), args.kernel)
     signature, constexprs = json.loads(args.signature), json.loads(args.constexprs)
-    names = list(signature)
-    pointers = [] if args.unaligned_pointers else [n for n in names if signature[n].startswith("*")]
+    names = list(kernel.arg_names)  # attrs are keyed by the argument's place in the kernel's own list
+    pointers = [] if args.unaligned_pointers else [n for n in signature if signature[n].startswith("*")]
     aligned = pointers + args.aligned
-    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned if n in names}
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned if n in names and n in signature}
     full = dict(signature, **{k: "constexpr" for k in constexprs})
     compiled = triton.compile(ASTSource(kernel, full, constexprs=constexprs, attrs=attrs),
                               target=GPUTarget("cuda", 90, 32),
@@ -63,7 +64,8 @@ def main() -> None:
         sass = subprocess.run([tools / "cuobjdump", "-sass", cubin], capture_output=True, text=True).stdout
     ttgir = compiled.asm["ttgir"]
     waits = sorted(set(re.findall(r"pendings = (\d+)", ttgir)), key=int)
-    print(" ".join(line.strip() for line in usage.splitlines() if "REG" in line))
+    print(" ".join(line.strip() for line in usage.splitlines() if "REG" in line),
+          f"dynamic shared memory {compiled.metadata.shared} B (an H100 / H200 block takes at most 232,448)")
     print("  ".join(f"{op.rstrip('.')} {len(re.findall(re.escape(op), sass))}" for op in COUNTED))
     print(f"ttgir: {ttgir.count('ttg.convert_layout')} convert_layout, {ttgir.count('ttg.local_alloc')} local_alloc, "
           f"{ttgir.count('ttg.async_copy_global_to_local')} async copies, wgmma waits with pendings {waits}")

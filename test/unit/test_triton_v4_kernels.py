@@ -304,7 +304,7 @@ _ROUTE = textwrap.dedent("""
 
 
 # The hyper-connection kernels against V4Method's forms: the mixes from the perceptron's logits (a token count
-# past one program's block), the collapse and the spread, in fp32 and fp16 streams, N = 4 and 3.
+# past one program's block), the collapse and the spread, in fp32 and fp16 streams, N = 4 and 3; the logits.
 _HYPER = textwrap.dedent("""
     import torch
     from deepinfer_kernels import v4_hyper as hk
@@ -328,7 +328,8 @@ _HYPER = textwrap.dedent("""
     # the mix logits in one pass: token counts of one and several token blocks (K split over more or fewer
     # programs), K off the step size, the mixes' 24 columns and the head's 4, fp32 / bf16 streams, bf16 weights
     for t, k, cols, dtype in ((1, 3 * 128 + 40, 24, torch.float32), (21, 1000, 4, torch.bfloat16),
-                              (70, 640, 24, torch.bfloat16), (300, 256, 24, torch.float32)):
+                              (70, 640, 24, torch.bfloat16), (300, 256, 24, torch.float32),
+                              (300, 2080, 24, torch.float32)):  # 22 splits of 3 steps, the last one short
         flat = (torch.randn(t, k, generator=g) * 3).to(dtype)
         w = torch.randn(cols, k, generator=g) * 0.05
         for weight in (w, w.bfloat16()):

@@ -302,8 +302,9 @@ class V4InvariantMethod(V4Method):
 
 class V4TritonMethod(V4Method):
     """CUDA, not batch-invariant: attention, the indexer, the compressor's pooling, the RMSNorms, the rotation, and
-    the hyper-connections' mixes (with the Sinkhorn projection), collapse and spread through deepinfer_kernels
-    (v4_attention, v4_indexer, v4_pooling, v4_elementwise, v4_hyper); every other form is V4Method's.
+    the hyper-connections' logits, mixes (with the Sinkhorn projection), collapse and spread through
+    deepinfer_kernels (v4_attention, v4_indexer, v4_pooling, v4_elementwise, v4_hyper); every other form is
+    V4Method's.
 
     Attention reads the keys where the pool keeps them: the sliding-window keys and the compressed entries are two
     key sources (buffer, rows, mask) of one sparse MQA kernel, so no (G, L, D) copy of the keys is made and the
@@ -324,10 +325,6 @@ class V4TritonMethod(V4Method):
 
     def unweighted_rms_norm(self, x: torch.Tensor, eps: float) -> torch.Tensor:
         return self.kernels.elementwise.rms_norm(x, None, eps, pdl=self.pdl)
-
-    def float_rms_norm(self, x: torch.Tensor, eps: float) -> torch.Tensor:
-        # no fp32 copy of x first
-        return self.kernels.elementwise.rms_norm(x, None, eps, out_dtype=torch.float32, pdl=self.pdl)
 
     def hc_logits(self, flat: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
         # one pass over the streams: no fp32 copy of them, no fp32 GEMM of a few columns
