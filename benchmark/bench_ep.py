@@ -35,11 +35,11 @@ import statistics
 import sys
 import tempfile
 import time
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 
+from bench_gpu import env_vars  # the script's own folder is on sys.path
 from deepinfer_rt import Engine, SamplingParams
 from deepinfer_rt.models.loader import load_model_config
 from deepinfer_rt.models.registry import get_model_class
@@ -83,17 +83,6 @@ def write_shape(name: str, out: Path) -> Path:
     for f in _TOKENIZER_FILES:
         shutil.copy(Path(spec.origin).parent / f, out / f)
     return out
-
-
-@contextmanager
-def env(**values):
-    old = {k: os.environ.get(k) for k in values}
-    os.environ.update({k: str(v) for k, v in values.items()})
-    try:
-        yield
-    finally:
-        for k, v in old.items():
-            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
 
 
 def copy_bandwidth(device: str) -> float:
@@ -350,7 +339,7 @@ def main() -> None:
         if args.device == "cuda":
             torch.cuda.empty_cache()
     for ep, skew, eplb in configs(eps, skews):
-        with env(DEEPINFER_EP_WORKER_POOL=1, DEEPINFER_MOE_ROUTER_SKEW=skew, DEEPINFER_EPLB=int(eplb),
+        with env_vars(DEEPINFER_EP_WORKER_POOL=1, DEEPINFER_MOE_ROUTER_SKEW=skew, DEEPINFER_EPLB=int(eplb),
                  DEEPINFER_EPLB_INTERVAL=args.eplb_interval, DEEPINFER_EPLB_WINDOW=4 * args.eplb_interval):
             with Engine(str(path), ep_size=ep, **common) as engine:
                 for b in batches:
