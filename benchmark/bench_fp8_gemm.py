@@ -141,6 +141,10 @@ def gemm_rows(device: str, ceil: dict, shapes: dict, rows: tuple[int, ...], skip
                 best = getattr(_w16_tuned, "best_config", None)  # the autotuner's pick for this shape
                 if best is not None:
                     row["w16_tile"] = {**best.kwargs, "num_warps": best.num_warps, "num_stages": best.num_stages}
+                # the whole weight dequantized into scratch, then cuBLAS (deepinfer_kernels.fp8_dequant)
+                seconds = per_call(lambda i: fp8_gemm(x, *fp8_weights[i], *block, path="dequant"))
+                row["dequant_us"] = seconds * 1e6
+                row["dequant_fraction_of_floor"] = row["floor_us"] / row["dequant_us"]
             if block[1] < TILED_K_STEP:  # the tiled kernel one narrow scale block a step (its form before)
                 def one_block(i):
                     xq, xs = quantize_fp8_token_groups(x, block[1])
@@ -163,7 +167,7 @@ def gemm_rows(device: str, ceil: dict, shapes: dict, rows: tuple[int, ...], skip
             seconds = per_call(lambda i: x @ dense[i].t())
             row["bf16_cublas_us"] = seconds * 1e6
             row["bf16_cublas_fraction_of_bf16_rate"] = flops / seconds / ceil["bf16_matmul_flop_per_s"]
-            over = [path for path in (*FP8_PATHS, "triton_split", "gemv", "tiled_one_block", "w16")
+            over = [path for path in (*FP8_PATHS, "triton_split", "gemv", "tiled_one_block", "w16", "dequant")
                     if row.get(f"{path}_fraction_of_floor", 0) > 1.02]
             if over:  # a figure above the floor is a fault of this benchmark or of its floor, never a result
                 row["above_floor"] = over

@@ -137,7 +137,9 @@ class Env:
     block-scaled GEMM on SM90, torch >= 2.10; the tiled path for shapes it does not take), 'gemv' (the CUDA-core
     form, deepinfer_kernels.fp8_gemv, up to 4 rows; auto's path above; auto takes it at one row) or 'w16' (the weight
     tile dequantized in registers times 16-bit activations, deepinfer_kernels.fp8_w16; auto takes it past one row for
-    scale blocks narrower than 128 columns (V4.1's) at up to 256 rows; grouped GEMMs take auto's path)."""
+    scale blocks narrower than 128 columns (V4.1's) at up to 256 rows; grouped GEMMs take auto's path) or 'dequant'
+    (the weight dequantized into scratch in one launch, then torch's 16-bit GEMM: deepinfer_kernels.fp8_dequant;
+    grouped GEMMs take auto's path)."""
     fp8_split_sum: str
     """DEEPINFER_FP8_SPLIT_SUM: how the fused FP8 GEMM's K splits (at up to 16 rows) are added: 'kernel' (default: a
     second launch) or 'last_program' (each output tile's last split adds them, the same bits, one launch fewer per

@@ -351,12 +351,13 @@ def fp8_invariant_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: 
 
 # ---- the path switch (DEEPINFER_FP8_GEMM, read where the layer's method is built) ----
 
-FP8_GEMM_PATHS = ("triton", "scaled_mm", "tiled", "gemv", "w16", "auto")
+FP8_GEMM_PATHS = ("triton", "scaled_mm", "tiled", "gemv", "w16", "dequant", "auto")
 """triton: the fused kernel above (activations quantized in every N tile); scaled_mm: path A (torch's block-scaled
 GEMM, the tiled path for shapes it does not take); tiled: path B; gemv: deepinfer_kernels.fp8_gemv, the CUDA-core
 form, up to fp8_gemv.GEMV_MAX_ROWS rows, grouped too (more rows take auto's path); w16: deepinfer_kernels.fp8_w16,
 the weight tile dequantized in registers times 16-bit activations (not grouped: a grouped GEMM takes auto's path);
-auto: auto_path (rows, output width, blocks; GROUPED_AUTO_PATH for a grouped GEMM)."""
+dequant: deepinfer_kernels.fp8_dequant, the whole weight dequantized into scratch, then torch's 16-bit GEMM (the
+same numbers as w16; not grouped either); auto: auto_path (rows, output width, blocks; GROUPED_AUTO_PATH for a grouped GEMM)."""
 
 AUTO_PATHS: tuple[tuple[int, str], ...] = ((1, "tiled"), (1 << 62, "scaled_mm"))
 """(largest M, path) rows, first match wins: `auto`'s choice (the default), from an H200 run of
@@ -431,7 +432,7 @@ def fp8_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tens
     rows `auto` sends to the split fused kernel and that kernel splits K at (DEEPINFER_FP8_SPLIT_ROWS)."""
     is_auto = path == "auto"
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if is_auto or (path == "gemv" and rows > GEMV_MAX_ROWS) or (path == "w16" and groups > 1):
+    if is_auto or (path == "gemv" and rows > GEMV_MAX_ROWS) or (path in ("w16", "dequant") and groups > 1):
         path = GROUPED_AUTO_PATH if groups > 1 else auto_path(rows, weight.shape[0], (group_n, block_k), split_rows)
     if path == "gemv":
         return fp8_gemv(x, weight, weight_scale_inv, group_n, block_k, bias, pdl=pdl, groups=groups)
@@ -439,6 +440,10 @@ def fp8_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tens
         from deepinfer_kernels.fp8_w16 import fp8_w16_gemm
 
         return fp8_w16_gemm(x, weight, weight_scale_inv, group_n, block_k, bias)
+    if path == "dequant":
+        from deepinfer_kernels.fp8_dequant import fp8_dequant_gemm
+
+        return fp8_dequant_gemm(x, weight, weight_scale_inv, group_n, block_k, bias)
     if path == "triton":
         return fp8_block_gemm(x, weight, weight_scale_inv, group_n, block_k, bias, split_sum=split_sum, pdl=pdl,
                               groups=groups, split_rows=split_rows)

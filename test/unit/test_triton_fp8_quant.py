@@ -90,10 +90,26 @@ _TILED = textwrap.dedent("""
         assert torch.equal(fp8_gemm(x, q, s, 32, 32, path="w16", groups=1), fp8_gemm(x, q, s, 32, 32, path="w16"))
         wide = fp8_w16_gemm(x, q, s, 32, 32, bias, config=dict(INTERPRETER_TILE, WIDE=True))  # one dot a step
         assert (wide - exact).abs().max() <= 1e-5 * exact.abs().max(), (m, n, k)
+        # dequant (deepinfer_kernels.fp8_dequant): the whole weight dequantized, then torch's GEMM; the weight it
+        # writes is the reference's bit for bit (e8m0-style scales of very different sizes above)
+        from deepinfer_kernels.fp8_dequant import dequantize_fp8_weight
+        assert torch.equal(dequantize_fp8_weight(q, s, 32, 32, torch.float32), dequantize_fp8_blocks(q, s, (32, 32)))
+        dq = fp8_gemm(x.view(1, m, k), q, s, 32, 32, bias, path="dequant")
+        dense = dequantize_fp8_blocks(q, s, (32, 32))
+        assert dq.shape == (1, m, n) and torch.equal(dq[0], torch.nn.functional.linear(x, dense, bias)), (m, n, k)
+        assert (dq[0] - exact).abs().max() <= 1e-5 * exact.abs().max(), (m, n, k)
+        e8m0 = torch.exp2(torch.round(torch.log2(s)))  # the releases' power-of-two scales: bf16 holds every product
+        assert torch.equal(dequantize_fp8_weight(q, e8m0, 32, 32, torch.bfloat16),
+                           dequantize_fp8_blocks(q, e8m0, (32, 32), torch.bfloat16))
+        try:
+            dequantize_fp8_weight(q, s[:, :-1], 32, 32, torch.float32)
+            raise AssertionError("a scale grid short of the weight's blocks was taken")
+        except ValueError as e:
+            assert "scales" in str(e)
     # The switch: `auto` by default (the GEMV form at one row, the split fused kernel at <= 16 rows and N <= 4096,
     # else scaled_mm, tiled where scaled_mm cannot run), a clear refusal of an explicit scaled_mm off CUDA and of an
     # unknown path.
-    assert FP8_GEMM_PATHS == ("triton", "scaled_mm", "tiled", "gemv", "w16", "auto")
+    assert FP8_GEMM_PATHS == ("triton", "scaled_mm", "tiled", "gemv", "w16", "dequant", "auto")
     assert auto_path(1) == auto_path(1, 2048) == auto_path(1, 2048, (32, 32)) == "gemv"
     assert auto_path(2) == auto_path(10**6) == "scaled_mm"
     # the split fused kernel for few rows and narrow outputs at 128 x 128 blocks (measured on an H100)
