@@ -30,7 +30,9 @@ def _run(path, speculative=None, **kwargs):
 @pytest.fixture(scope="module")
 def reference(tiny_v3_path):
     plain, _ = _run(tiny_v3_path)
-    oracle = SpeculativeConfig(drafter=OracleDrafter({tuple(p): o for p, o in zip(PROMPTS, plain)}), max_draft=4)
+    # fixed_length: draft lengths that do not follow the measured step time, so the counts compare across runs
+    oracle = SpeculativeConfig(drafter=OracleDrafter({tuple(p): o for p, o in zip(PROMPTS, plain)}), max_draft=4,
+                               fixed_length=True)
     speculated, stats = _run(tiny_v3_path, oracle)
     assert speculated == plain and 0 < stats["accepted"] < stats["drafted"], stats
     return plain, oracle, stats
