@@ -157,6 +157,10 @@ def gemm_rows(device: str, ceil: dict, shapes: dict, rows: tuple[int, ...], skip
                 seconds = per_call(lambda i: fp8_gemv(x, *fp8_weights[i], *block))
                 row["gemv_us"] = seconds * 1e6
                 row["gemv_fraction_of_floor"] = row["floor_us"] / row["gemv_us"]
+                # the activations quantized inside the GEMV kernel (one launch fewer; fp8_gemv.GEMV_QUANTIZE)
+                seconds = per_call(lambda i: fp8_gemv(x, *fp8_weights[i], *block, quantize="kernel"))
+                row["gemv_kernel_quant_us"] = seconds * 1e6
+                row["gemv_kernel_quant_fraction_of_floor"] = row["floor_us"] / row["gemv_kernel_quant_us"]
             if device == "cuda" and SPLIT_K_MAX_ROWS < m <= SPLIT_PROBE_MAX_ROWS:
                 # the split fused kernel past the row count where fp8_gemm stops splitting
                 split = split_k_for(m, n, k, _config(m)["BLOCK_M"], _config(m)["BLOCK_N"], 128,
@@ -167,7 +171,8 @@ def gemm_rows(device: str, ceil: dict, shapes: dict, rows: tuple[int, ...], skip
             seconds = per_call(lambda i: x @ dense[i].t())
             row["bf16_cublas_us"] = seconds * 1e6
             row["bf16_cublas_fraction_of_bf16_rate"] = flops / seconds / ceil["bf16_matmul_flop_per_s"]
-            over = [path for path in (*FP8_PATHS, "triton_split", "gemv", "tiled_one_block", "w16", "dequant")
+            over = [path for path in (*FP8_PATHS, "triton_split", "gemv", "tiled_one_block", "w16", "dequant",
+                                                  "gemv_kernel_quant")
                     if row.get(f"{path}_fraction_of_floor", 0) > 1.02]
             if over:  # a figure above the floor is a fault of this benchmark or of its floor, never a result
                 row["above_floor"] = over

@@ -21,21 +21,28 @@ import triton
 import triton.language as tl
 
 from deepinfer_kernels.dispatch import pdl_launch, pdl_wait
-from deepinfer_kernels.fp8_quant import quantize_fp8_token_groups
+from deepinfer_kernels.fp8_quant import FP8_MAX, MIN_AMAX, interpreted_e4m3, quantize_fp8_token_groups
 from deepinfer_kernels.fp8_split import _group_rows, _split_k_sum_kernel, group_tile_n
 
 GEMV_MAX_ROWS = 4
 """Most rows the GEMV form takes (each row re-reads the weight tile from L2)."""
 GEMV_TILE = dict(BLOCK_N=32, KC=256, num_warps=4, num_stages=3)
+GEMV_QUANTIZE = "launch"
+"""Where the GEMV form quantizes its activations: 'launch' (fp8_quant's kernel first, one launch more a GEMM) or
+'kernel' (each program its own columns, inside the GEMV kernel: the same products, bitwise). 'launch' until the
+two are timed against each other on a GPU (bench_fp8_gemm.py's gemv_kernel_quant column)."""
 
 
 @triton.jit
 def _fp8_gemv_kernel(XQ, XS, W, WS, P, Y, N, K, k_per_split, stride_xm, stride_xsm, stride_xsk, stride_wn,
                      stride_wsn, stride_ym, BLOCK_N: tl.constexpr, KC: tl.constexpr, BK: tl.constexpr,
-                     GROUP_N: tl.constexpr, GROUP_ROWS: tl.constexpr, DIRECT: tl.constexpr, PDL: tl.constexpr):
+                     GROUP_N: tl.constexpr, GROUP_ROWS: tl.constexpr, DIRECT: tl.constexpr, PDL: tl.constexpr,
+                     QUANT: tl.constexpr = False, IS_INTERPRETED: tl.constexpr = False):
     """Program (row m, n tile, split s): columns [s * k_per_split, (s + 1) * k_per_split) of row m's products.
     DIRECT (one split, no bias) writes Y, else the fp32 partial to P (splits, M, N). GROUP_ROWS > 0: grouped (output
-    rows [g * GROUP_ROWS, (g + 1) * GROUP_ROWS) read x's g-th K columns and their scales; BLOCK_N divides it)."""
+    rows [g * GROUP_ROWS, (g + 1) * GROUP_ROWS) read x's g-th K columns and their scales; BLOCK_N divides it).
+    QUANT: XQ is x as it is (XS unread) and each step quantizes its KC columns here, as
+    fp8_quant._quantize_token_groups_kernel does (splits and steps start on a group), so the products are the same."""
     pdl_wait(PDL)
     m = tl.program_id(0).to(tl.int64)
     pid_n = tl.program_id(1)
@@ -58,10 +65,19 @@ def _fp8_gemv_kernel(XQ, XS, W, WS, P, Y, N, K, k_per_split, stride_xm, stride_x
         kmask = offs_k < k1 - kc
         gmask = tl.arange(0, G) * BK < k1 - kc
         w = tl.load(w_ptrs, mask=nmask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
-        x = tl.load(x_ptrs, mask=kmask, other=0.0).to(tl.float32)
+        if QUANT:
+            xg = tl.load(x_ptrs, mask=kmask, other=0.0).to(tl.float32).reshape(G, BK)
+            xs = tl.maximum(tl.max(tl.abs(xg), axis=1), MIN_AMAX) / FP8_MAX  # (G,)
+            v = tl.clamp(xg / xs[:, None], -FP8_MAX, FP8_MAX)
+            if IS_INTERPRETED:
+                x = interpreted_e4m3(v).reshape(KC)
+            else:
+                x = v.to(tl.float8e4nv).to(tl.float32).reshape(KC)
+        else:
+            x = tl.load(x_ptrs, mask=kmask, other=0.0).to(tl.float32)
+            xs = tl.load(xs_ptrs, mask=gmask, other=0.0)
         blocks = tl.sum((w * x[None, :]).reshape(BLOCK_N, G, BK), axis=2)  # (BLOCK_N, G) exact products' sums
         ws = tl.load(ws_ptrs, mask=nmask[:, None] & gmask[None, :], other=0.0)
-        xs = tl.load(xs_ptrs, mask=gmask, other=0.0)
         acc += tl.sum(blocks * ws * xs[None, :], axis=1)
         w_ptrs += KC
         ws_ptrs += G
@@ -83,13 +99,14 @@ def gemv_split_for(m: int, n: int, k: int, block_n: int, kc: int, num_sms: int) 
 
 def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor, group_n: int, block_k: int,
              bias: torch.Tensor | None = None, config: dict | None = None, split_k: int | None = None,
-             pdl: bool = False, groups: int = 1) -> torch.Tensor:
+             pdl: bool = False, groups: int = 1, quantize: str | None = None) -> torch.Tensor:
     """x (..., K) 16/32-bit with at most GEMV_MAX_ROWS rows, weight (N, K) float8_e4m3fn, weight_scale_inv
     (ceil(N / group_n), ceil(K / block_k)) float32 -> (..., N) in x's dtype; the values of fp8_gemm's paths (the
     same quantized activations and exact products, fp32 sums in another order). config: BLOCK_N, KC (a multiple of
     block_k), num_warps, num_stages (default GEMV_TILE). split_k: None = gemv_split_for on the GPU, 1 elsewhere.
     pdl: its launches as programmatic dependent ones. groups > 1: a block-diagonal (grouped) product as
-    fp8_gemm.fp8_block_gemm's (x (..., groups * K), weight (groups * R, K), K a multiple of block_k)."""
+    fp8_gemm.fp8_block_gemm's (x (..., groups * K), weight (groups * R, K), K a multiple of block_k). quantize:
+    GEMV_QUANTIZE's choice for this call (None: GEMV_QUANTIZE)."""
     k, n = weight.shape[1], weight.shape[0]
     rows = _group_rows(x, weight, groups)
     x2 = x.reshape(-1, groups * k)
@@ -114,7 +131,15 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tens
     y = x.new_empty(m, n)
     if m == 0:
         return y.view(*x.shape[:-1], n)
-    xq, xs = quantize_fp8_token_groups(x2, block_k, pdl=pdl)
+    quantize = GEMV_QUANTIZE if quantize is None else quantize
+    if quantize not in ("launch", "kernel"):
+        raise ValueError(f"fp8_gemv: quantize {quantize!r} is not 'launch' or 'kernel'")
+    in_kernel = quantize == "kernel"
+    if in_kernel:
+        xq = x2 if x2.stride(1) == 1 else x2.contiguous()
+        xs = weight_scale_inv.new_empty(1, 1)  # not read
+    else:
+        xq, xs = quantize_fp8_token_groups(x2, block_k, pdl=pdl)
     if split_k is None:
         split_k = 1 if x.device.type != "cuda" else gemv_split_for(
             m, n, k, block_n, kc, torch.cuda.get_device_properties(x.device).multi_processor_count)
@@ -125,7 +150,8 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tens
     _fp8_gemv_kernel[(m, triton.cdiv(n, block_n), split_k)](
         xq, xs, weight, weight_scale_inv, part, y, n, k, k_per_split, xq.stride(0), xs.stride(0), xs.stride(1),
         weight.stride(0), weight_scale_inv.stride(0), y.stride(0), BLOCK_N=block_n, KC=kc, BK=block_k,
-        GROUP_N=group_n, GROUP_ROWS=rows, DIRECT=direct, **config, **pdl_launch(pdl))
+        GROUP_N=group_n, GROUP_ROWS=rows, DIRECT=direct, QUANT=in_kernel, IS_INTERPRETED=x.device.type == "cpu",
+        **config, **pdl_launch(pdl))
     if not direct:  # partials added in split order, the bias in fp32 before the one rounding
         block = min(1024, triton.next_power_of_2(n))
         _split_k_sum_kernel[(m, triton.cdiv(n, block))](part, bias if bias is not None else weight_scale_inv, y, m,

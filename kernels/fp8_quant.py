@@ -25,6 +25,16 @@ in fp8_gemm.py uses both)."""
 
 
 @triton.jit
+def interpreted_e4m3(v):
+    """v (within +-448) rounded to e4m3's grid in fp32, for the interpreter (its own cast can drop a carry), as the
+    fused kernel's interpreter path: magnitudes then the sign (a tiny negative stays -0, as the cast gives); the cast
+    of a value on the grid is exact."""
+    ulp = tl.exp2(tl.floor(tl.log2(tl.maximum(tl.abs(v), 0.015625))) - 3.0)
+    rounded = tl.floor(tl.abs(v) / ulp + 0.5) * ulp
+    return tl.where(v < 0, -rounded, rounded)
+
+
+@triton.jit
 def _quantize_token_groups_kernel(X, Q, S, M, M_PAD, K, stride_xm, stride_sg, BLOCK_M: tl.constexpr,
                                   GROUP: tl.constexpr, IS_INTERPRETED: tl.constexpr, PDL: tl.constexpr):
     pdl_wait(PDL)
@@ -39,12 +49,7 @@ def _quantize_token_groups_kernel(X, Q, S, M, M_PAD, K, stride_xm, stride_sg, BL
     x_scale = amax / FP8_MAX
     v = tl.clamp(x / x_scale[:, None], -FP8_MAX, FP8_MAX)
     if IS_INTERPRETED:
-        # As the fused kernel's interpreter path: round to e4m3's grid in fp32 (the interpreter's own cast can drop
-        # a carry), magnitudes then the sign (a tiny negative stays -0, as the cast gives); the cast of a value on
-        # the grid is exact.
-        ulp = tl.exp2(tl.floor(tl.log2(tl.maximum(tl.abs(v), 0.015625))) - 3.0)
-        rounded = tl.floor(tl.abs(v) / ulp + 0.5) * ulp
-        v = tl.where(v < 0, -rounded, rounded)
+        v = interpreted_e4m3(v)
     # Rows from M to M_PAD are stored too (zeros), so a padded operand holds no garbage.
     rows = offs_m < M_PAD
     tl.store(Q + offs_m.to(tl.int64)[:, None] * K + offs_k[None, :], v.to(tl.float8e4nv),

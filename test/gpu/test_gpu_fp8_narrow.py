@@ -46,6 +46,9 @@ def test_fp8_gemv_against_reference_and_tiled_path(shape, m):
           f"gemv against tiled {rel_err(y, tiled):.2e}")
     assert rel_err(y, tiled) <= 1e-3
     assert rel_err(y, want) <= 6e-3
+    # the activations quantized inside the GEMV kernel: the same products and sums as the separate launch
+    assert torch.equal(fp8_gemv(x, q, s, *block, bias, quantize="kernel"), fp8_gemv(x, q, s, *block, bias,
+                                                                                    quantize="launch"))
 
 
 @pytest.mark.parametrize("shape", list(GEMV_SHAPES), ids=list(GEMV_SHAPES))

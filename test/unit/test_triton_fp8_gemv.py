@@ -36,16 +36,26 @@ _GEMV = textwrap.dedent("""
             assert (y - want).abs().max() <= 1e-5 * want.abs().max(), (m, n, k, split)
             yb = fp8_gemv(x, q, s, *block, bias, config=config, split_k=split)
             assert (yb - want - bias).abs().max() <= 1e-5 * want.abs().max(), (m, n, k, split)
+            # the activations quantized inside the GEMV kernel: the same products and sums, bit for bit
+            assert torch.equal(fp8_gemv(x, q, s, *block, bias, config=config, split_k=split, quantize="kernel"), yb)
         rows = s.repeat_interleave(block[0], dim=0)[:n].contiguous()  # per-row scales (GROUP_N = 1)
         y1 = fp8_gemv(x, q, rows, 1, block[1], config=config, split_k=2)
         assert (y1 - want).abs().max() <= 1e-5 * want.abs().max()
-        assert fp8_gemv(x[:1].bfloat16(), q, s, *block, config=config).dtype == torch.bfloat16
+        xb = x[:1].bfloat16()
+        assert fp8_gemv(xb, q, s, *block, config=config).dtype == torch.bfloat16
+        assert torch.equal(fp8_gemv(xb, q, s, *block, config=config, split_k=2, quantize="kernel"),
+                           fp8_gemv(xb, q, s, *block, config=config, split_k=2))
+    # grouped (block-diagonal, V4's wo_a form): each group's inputs quantized from its own columns
+    qg, sg = quantize_fp8_blocks(torch.randn(64, 96, generator=g), (32, 32))
+    xg = torch.randn(2, 192, generator=g)
+    assert torch.equal(fp8_gemv(xg, qg, sg, 32, 32, groups=2, split_k=2, quantize="kernel"),
+                       fp8_gemv(xg, qg, sg, 32, 32, groups=2, split_k=2))
     q, s = quantize_fp8_blocks(torch.randn(64, 128, generator=g), (32, 32))
     for bad, message in ((dict(x=torch.randn(5, 128)), "at most 4 rows"), (dict(config=dict(BLOCK_N=32, KC=48)), "KC"),
-                         (dict(s=s[:1]), "scales")):
-        args = dict(x=torch.randn(1, 128), s=s, config=None) | bad
+                         (dict(s=s[:1]), "scales"), (dict(quantize="fused"), "quantize")):
+        args = dict(x=torch.randn(1, 128), s=s, config=None, quantize=None) | bad
         try:
-            fp8_gemv(args["x"], q, args["s"], 32, 32, config=args["config"])
+            fp8_gemv(args["x"], q, args["s"], 32, 32, config=args["config"], quantize=args["quantize"])
         except ValueError as err:
             assert message in str(err), err
         else:
