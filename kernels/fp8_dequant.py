@@ -19,21 +19,27 @@ import triton
 import triton.language as tl
 
 DEQUANT_TILE = dict(BLOCK_N=32, BLOCK_K=256, num_warps=4)
-"""Each program converts BLOCK_N weight rows x BLOCK_K columns (8 KB of e4m3, 16 KB written in bf16)."""
+"""Each program converts BLOCK_N weight rows x BLOCK_K columns (8 KB of e4m3, 16 KB written in bf16; BLOCK_K grows
+to the scale block where that is wider)."""
 
 
 @triton.jit
 def _dequant_kernel(W, WS, Out, N, K, stride_wn, stride_wsn, stride_on, GROUP_N: tl.constexpr,
                     GROUP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Out[n, k] = W[n, k] * WS[n / GROUP_N, k / GROUP_K], rounded once to Out's dtype."""
+    """Out[n, k] = W[n, k] * WS[n / GROUP_N, k / GROUP_K], rounded once to Out's dtype. BLOCK_K is a multiple of
+    GROUP_K: a row's BLOCK_K / GROUP_K scales are loaded once and broadcast over their columns."""
+    S: tl.constexpr = BLOCK_K // GROUP_K
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
-    mask = (offs_n < N)[:, None] & (offs_k < K)[None, :]
+    offs_s = tl.program_id(1) * S + tl.arange(0, S)
+    nmask = offs_n < N
+    mask = nmask[:, None] & (offs_k < K)[None, :]
     rows = offs_n.to(tl.int64)[:, None]
     w = tl.load(W + rows * stride_wn + offs_k[None, :], mask=mask, other=0.0).to(tl.float32)
-    s = tl.load(WS + (offs_n // GROUP_N).to(tl.int64)[:, None] * stride_wsn + (offs_k // GROUP_K)[None, :],
-                mask=mask, other=0.0)
-    tl.store(Out + rows * stride_on + offs_k[None, :], (w * s).to(Out.dtype.element_ty), mask=mask)
+    s = tl.load(WS + (offs_n // GROUP_N).to(tl.int64)[:, None] * stride_wsn + offs_s[None, :],
+                mask=nmask[:, None] & (offs_s * GROUP_K < K)[None, :], other=0.0)
+    out = (w.reshape(BLOCK_N, S, GROUP_K) * s[:, :, None]).reshape(BLOCK_N, BLOCK_K)
+    tl.store(Out + rows * stride_on + offs_k[None, :], out.to(Out.dtype.element_ty), mask=mask)
 
 
 def dequantize_fp8_weight(weight: torch.Tensor, weight_scale_inv: torch.Tensor, group_n: int, block_k: int,
@@ -51,11 +57,14 @@ def dequantize_fp8_weight(weight: torch.Tensor, weight_scale_inv: torch.Tensor, 
         out = torch.empty(n, k, dtype=dtype, device=weight.device)
     elif out.shape != (n, k) or out.dtype != dtype or not out.is_contiguous():
         raise ValueError(f"fp8 dequantize: out {tuple(out.shape)} {out.dtype} for a {n} x {k} {dtype} weight")
+    if block_k & (block_k - 1):
+        raise ValueError(f"fp8 dequantize: scale blocks of {block_k} columns (a power of two is taken)")
     tile = DEQUANT_TILE
+    block_kc = max(tile["BLOCK_K"], block_k)  # whole scale blocks a tile
     if n and k:
-        grid = (triton.cdiv(n, tile["BLOCK_N"]), triton.cdiv(k, tile["BLOCK_K"]))
+        grid = (triton.cdiv(n, tile["BLOCK_N"]), triton.cdiv(k, block_kc))
         _dequant_kernel[grid](weight, scale, out, n, k, weight.stride(0), scale.stride(0), out.stride(0),
-                              GROUP_N=group_n, GROUP_K=block_k, BLOCK_N=tile["BLOCK_N"], BLOCK_K=tile["BLOCK_K"],
+                              GROUP_N=group_n, GROUP_K=block_k, BLOCK_N=tile["BLOCK_N"], BLOCK_K=block_kc,
                               num_warps=tile["num_warps"])
     return out
 

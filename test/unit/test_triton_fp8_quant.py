@@ -106,6 +106,12 @@ _TILED = textwrap.dedent("""
             raise AssertionError("a scale grid short of the weight's blocks was taken")
         except ValueError as e:
             assert "scales" in str(e)
+    # dequantize_fp8_weight at other blocks: 128 x 128 with N and K off the tile, a block wider than the tile, rows
+    # of their own scale (GROUP_N = 1)
+    from deepinfer_kernels.fp8_dequant import dequantize_fp8_weight
+    for n, k, block in ((200, 400, (128, 128)), (40, 1024, (128, 512)), (33, 96, (1, 32))):
+        q, s = quantize_fp8_blocks(torch.randn(n, k, generator=g), block)
+        assert torch.equal(dequantize_fp8_weight(q, s, *block, torch.float32), dequantize_fp8_blocks(q, s, block))
     # The switch: `auto` by default (the GEMV form at one row, the split fused kernel at <= 16 rows and N <= 4096,
     # else scaled_mm, tiled where scaled_mm cannot run), a clear refusal of an explicit scaled_mm off CUDA and of an
     # unknown path.
