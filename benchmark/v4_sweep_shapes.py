@@ -225,11 +225,15 @@ def full_kv_report(context: int = 32768) -> dict:
             bf16 = torch.bfloat16
             long_lived, recent = layout.long_lived_bytes_per_token(bf16), layout.recent_bytes_per_token(bf16)
             held = layout.recent_tokens + layout.recent_tokens * (context // layout.checkpoint_tokens)
+            breakdown = kv_breakdown(layout, bf16)
             rows[kv_dtype] = dict(long_lived_bytes_per_token=round(long_lived, 1), recent_bytes_per_token=recent,
                                   recent_tokens=layout.recent_tokens, checkpoint_tokens=layout.checkpoint_tokens,
                                   window_bytes_per_sequence=layout.window_bytes_per_sequence(bf16),
+                                  # the sliding keys alone (TensorRT-LLM's window figure counts only these)
+                                  sliding_key_bytes_per_sequence=breakdown["recent_sliding_key_bytes"]
+                                  * layout.recent_tokens,
                                   amortized_bytes_per_token=round(long_lived + recent * held / context, 1),
-                                  context=context, breakdown=kv_breakdown(layout, bf16))
+                                  context=context, breakdown=breakdown)
         if shape == "v4":
             rows["sglang_fp8_bytes_per_token"] = SGLANG_V4_BYTES
         else:
