@@ -357,7 +357,8 @@ GEMM, the tiled path for shapes it does not take); tiled: path B; gemv: deepinfe
 form, up to fp8_gemv.GEMV_MAX_ROWS rows, grouped too (more rows take auto's path); w16: deepinfer_kernels.fp8_w16,
 the weight tile dequantized in registers times 16-bit activations (not grouped: a grouped GEMM takes auto's path);
 dequant: deepinfer_kernels.fp8_dequant, the whole weight dequantized into scratch, then torch's 16-bit GEMM (the
-same numbers as w16; not grouped either); auto: auto_path (rows, output width, blocks; GROUPED_AUTO_PATH for a grouped GEMM)."""
+same numbers as w16; not grouped either); auto: auto_path (rows, output width, blocks; GROUPED_AUTO_PATH for a
+grouped GEMM)."""
 
 AUTO_PATHS: tuple[tuple[int, str], ...] = ((1, "tiled"), (1 << 62, "scaled_mm"))
 """(largest M, path) rows, first match wins: `auto`'s choice (the default), from an H200 run of

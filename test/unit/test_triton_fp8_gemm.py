@@ -116,5 +116,6 @@ def test_fp8_gemm_switch_refuses_unknown_path(monkeypatch):
     from deepinfer_rt.layers.fp8 import weight_linear_method
     from deepinfer_rt.layers.kernel_config import KernelConfig
 
-    with pytest.raises(ValueError, match="DEEPINFER_FP8_GEMM='cutlass': not one of triton, scaled_mm, tiled, gemv, w16, dequant, auto"):
+    with pytest.raises(ValueError, match="DEEPINFER_FP8_GEMM='cutlass': not one of triton, scaled_mm, tiled, gemv, "
+                                         "w16, dequant, auto"):
         weight_linear_method(KernelConfig(device_type="cuda", quantization="fp8", is_checkpoint_quantized=True))
