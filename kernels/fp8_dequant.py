@@ -6,8 +6,9 @@ V4.1's dense weights carry an e8m0 scale per 32 x 32 block. At a few hundred row
 writes value x block scale for the whole weight in the activations' dtype (exact: e8m0 scales are powers of two
 and bf16 holds fp32's exponent range) into a scratch tensor the caching allocator hands back after the product,
 and torch's GEMM multiplies it by the activations as they are: the same numbers as fp8_w16, summed in cuBLAS's
-order. It moves three bytes a weight more than the FP8 read (one read, two written, two read again), which pays
-only where the GEMM is compute-bound: prefill chunks, and decode batches in the hundreds.
+order. In bf16 it moves five bytes a weight (one read, two written, two read again): four more than the FP8 read,
+three more than cuBLAS on a weight dequantized once. That pays only where the GEMM is compute-bound: prefill chunks,
+and decode batches in the hundreds.
 
     y = x @ (weight * expand(weight_scale_inv)).T  (+ bias)
 """
@@ -47,6 +48,10 @@ def dequantize_fp8_weight(weight: torch.Tensor, weight_scale_inv: torch.Tensor, 
     """weight (N, K) e4m3 with scales (ceil(N / group_n), ceil(K / block_k)) fp32 -> (N, K) in `dtype` (or into
     `out`, contiguous (N, K) of that dtype), in one launch."""
     n, k = weight.shape
+    if weight.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"fp8 dequantize: a float8_e4m3fn weight is taken, got {weight.dtype}")
+    if block_k & (block_k - 1):
+        raise ValueError(f"fp8 dequantize: scale blocks of {block_k} columns (a power of two is taken)")
     if weight_scale_inv.shape != (triton.cdiv(n, group_n), triton.cdiv(k, block_k)):
         raise ValueError(f"fp8 dequantize: scales {tuple(weight_scale_inv.shape)} for a {n} x {k} weight of "
                          f"{group_n} x {block_k} blocks")
@@ -57,8 +62,6 @@ def dequantize_fp8_weight(weight: torch.Tensor, weight_scale_inv: torch.Tensor, 
         out = torch.empty(n, k, dtype=dtype, device=weight.device)
     elif out.shape != (n, k) or out.dtype != dtype or not out.is_contiguous():
         raise ValueError(f"fp8 dequantize: out {tuple(out.shape)} {out.dtype} for a {n} x {k} {dtype} weight")
-    if block_k & (block_k - 1):
-        raise ValueError(f"fp8 dequantize: scale blocks of {block_k} columns (a power of two is taken)")
     tile = DEQUANT_TILE
     block_kc = max(tile["BLOCK_K"], block_k)  # whole scale blocks a tile
     if n and k:

@@ -26,9 +26,10 @@ in fp8_gemm.py uses both)."""
 
 @triton.jit
 def interpreted_e4m3(v):
-    """v (within +-448) rounded to e4m3's grid in fp32, for the interpreter (its own cast can drop a carry), as the
-    fused kernel's interpreter path: magnitudes then the sign (a tiny negative stays -0, as the cast gives); the cast
-    of a value on the grid is exact."""
+    """v (within +-448) rounded to e4m3's grid in fp32, for the interpreter (its own cast can drop a carry): the
+    magnitude rounded, then the sign (a tiny negative stays -0, as the cast gives); ties round away from zero where
+    the GPU's cast rounds them to even (a value exactly halfway between two e4m3 neighbours). The cast of a value on
+    the grid is exact."""
     ulp = tl.exp2(tl.floor(tl.log2(tl.maximum(tl.abs(v), 0.015625))) - 3.0)
     rounded = tl.floor(tl.abs(v) / ulp + 0.5) * ulp
     return tl.where(v < 0, -rounded, rounded)

@@ -114,9 +114,9 @@ def test_fp8_w16_fp32_activations_take_fp32_products(m):
 @pytest.mark.parametrize("shape", ["v41_wq_b", "v41_shared_down", "partial"])
 @pytest.mark.parametrize("m", [2, 256, 2048])
 def test_fp8_dequant_path_against_dequantized_weight(shape, m):
-    """deepinfer_kernels.fp8_dequant (the whole weight dequantized into scratch, then cuBLAS): with power-of-two
-    (e8m0) scales the scratch weight is the reference's bit for bit, so the product is torch's bf16 GEMM on the
-    exactly dequantized weight; against fp32 products the same 4e-3 bound as w16."""
+    """deepinfer_kernels.fp8_dequant (the whole weight dequantized into scratch, then cuBLAS): the scratch weight is
+    the reference's bit for bit (fp32 scales, rounded once to bf16; power-of-two (e8m0) scales, exact), so the
+    product is torch's bf16 GEMM on the dequantized weight; against fp32 products the same 4e-3 bound as w16."""
     from deepinfer_kernels.fp8_dequant import dequantize_fp8_weight
     from deepinfer_kernels.fp8_gemm import fp8_gemm
     from deepinfer_kernels.reference import dequantize_fp8_blocks, quantize_fp8_blocks
@@ -124,6 +124,9 @@ def test_fp8_dequant_path_against_dequantized_weight(shape, m):
     n, k, block = GEMV_SHAPES[shape]
     g = torch.Generator(device=DEV).manual_seed(m * 7 + n)
     q, s = quantize_fp8_blocks(torch.randn(n, k, device=DEV, generator=g) * 0.02, block)
+    # fp32 scales (V3's): one rounding to bf16 each, to nearest even as torch's cast
+    assert torch.equal(dequantize_fp8_weight(q, s, *block, torch.bfloat16),
+                       dequantize_fp8_blocks(q, s, block, torch.bfloat16))
     s = torch.exp2(torch.round(torch.log2(s)))
     dense = dequantize_fp8_blocks(q, s, block, torch.bfloat16)
     assert torch.equal(dequantize_fp8_weight(q, s, *block, torch.bfloat16), dense)

@@ -46,10 +46,18 @@ _GEMV = textwrap.dedent("""
         assert torch.equal(fp8_gemv(xb, q, s, *block, config=config, split_k=2, quantize="kernel"),
                            fp8_gemv(xb, q, s, *block, config=config, split_k=2))
     # grouped (block-diagonal, V4's wo_a form): each group's inputs quantized from its own columns
-    qg, sg = quantize_fp8_blocks(torch.randn(64, 96, generator=g), (32, 32))
-    xg = torch.randn(2, 192, generator=g)
-    assert torch.equal(fp8_gemv(xg, qg, sg, 32, 32, groups=2, split_k=2, quantize="kernel"),
-                       fp8_gemv(xg, qg, sg, 32, 32, groups=2, split_k=2))
+    # (several steps and splits a group); and a K ending inside a scale group (200 = 6 x 32 + 8)
+    qg, sg = quantize_fp8_blocks(torch.randn(64, 512, generator=g), (32, 32))
+    xg = torch.randn(2, 1024, generator=g)
+    tile = dict(BLOCK_N=32, KC=64)
+    for split in (1, 2, 3):
+        assert torch.equal(fp8_gemv(xg, qg, sg, 32, 32, config=tile, groups=2, split_k=split, quantize="kernel"),
+                           fp8_gemv(xg, qg, sg, 32, 32, config=tile, groups=2, split_k=split))
+    qp, sp = quantize_fp8_blocks(torch.randn(40, 200, generator=g), (32, 32))
+    xp = torch.randn(2, 200, generator=g)
+    for split in (1, 2):
+        assert torch.equal(fp8_gemv(xp, qp, sp, 32, 32, config=tile, split_k=split, quantize="kernel"),
+                           fp8_gemv(xp, qp, sp, 32, 32, config=tile, split_k=split))
     q, s = quantize_fp8_blocks(torch.randn(64, 128, generator=g), (32, 32))
     for bad, message in ((dict(x=torch.randn(5, 128)), "at most 4 rows"), (dict(config=dict(BLOCK_N=32, KC=48)), "KC"),
                          (dict(s=s[:1]), "scales"), (dict(quantize="fused"), "quantize")):

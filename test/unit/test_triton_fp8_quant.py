@@ -91,7 +91,7 @@ _TILED = textwrap.dedent("""
         wide = fp8_w16_gemm(x, q, s, 32, 32, bias, config=dict(INTERPRETER_TILE, WIDE=True))  # one dot a step
         assert (wide - exact).abs().max() <= 1e-5 * exact.abs().max(), (m, n, k)
         # dequant (deepinfer_kernels.fp8_dequant): the whole weight dequantized, then torch's GEMM; the weight it
-        # writes is the reference's bit for bit (e8m0-style scales of very different sizes above)
+        # writes is the reference's bit for bit (fp32 scales of very different sizes above)
         from deepinfer_kernels.fp8_dequant import dequantize_fp8_weight
         assert torch.equal(dequantize_fp8_weight(q, s, 32, 32, torch.float32), dequantize_fp8_blocks(q, s, (32, 32)))
         dq = fp8_gemm(x.view(1, m, k), q, s, 32, 32, bias, path="dequant")
