@@ -30,7 +30,7 @@ import triton.language as tl
 
 from deepinfer_kernels.dispatch import pdl_launch, pdl_wait
 from deepinfer_kernels.fp8_gemv import GEMV_MAX_ROWS, fp8_gemv
-from deepinfer_kernels.fp8_quant import FP8_MAX, MIN_AMAX, quantize_fp8_token_groups
+from deepinfer_kernels.fp8_quant import FP8_MAX, MIN_AMAX, interpreted_e4m3, quantize_fp8_token_groups
 from deepinfer_kernels.fp8_scaled_mm import (SCALED_MM_ROW_MULTIPLE, fp8_scaled_mm, scaled_mm_api_missing,  # noqa: F401
                                              scaled_mm_shape_unsupported, scaled_mm_unsupported)
 from deepinfer_kernels.fp8_split import (TILED_K_STEP, _group_rows, _split_k_sum_kernel, group_tile_n,
@@ -76,10 +76,8 @@ def _fp8_block_gemm_kernel(X, W, WS, B, Y, P, Count, M, N, K, kb_per_split, stri
         w_scale = tl.load(ws_ptrs + kb, mask=nmask, other=0.0)  # (BLOCK_N,)
         if IS_INTERPRETED:
             # Triton's interpreter drops the carry when an fp32 -> e4m3 cast rounds up to the next power of two
-            # (127.96 -> 64): round to e4m3's grid in fp32 instead (3 mantissa bits; subnormals below 2^-6),
-            # and dot exact fp32 copies.
-            ulp = tl.exp2(tl.floor(tl.log2(tl.maximum(tl.abs(v), 0.015625))) - 3.0)
-            part = tl.dot(tl.floor(v / ulp + 0.5) * ulp, tl.trans(w.to(tl.float32)))
+            # (127.96 -> 64): round to e4m3's grid in fp32 instead, as the quantizer does, and dot exact fp32 copies.
+            part = tl.dot(interpreted_e4m3(v), tl.trans(w.to(tl.float32)))
         else:
             part = tl.dot(v.to(tl.float8e4nv), tl.trans(w))
         acc += part * x_scale[:, None] * w_scale[None, :]
