@@ -1,7 +1,6 @@
 """Engine: the in-process runtime. Public API contract in ARCHITECTURE.md section 2."""
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import itertools
 import logging

@@ -55,3 +55,49 @@ def moe_config(hidden: int, experts: int, top_k: int, inter: int, shared: int = 
                        num_layers=1, num_heads=2, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-6, max_position=64,
                        tie_word_embeddings=False, eos_token_ids=(0,), bos_token_id=None, n_routed_experts=experts,
                        n_shared_experts=shared, num_experts_per_tok=top_k, moe_intermediate_size=inter)
+
+
+def prompt_tokens(seed: int, n: int) -> list[int]:
+    """n random token ids in [100, 20000), a function of the seed."""
+    return torch.randint(100, 20000, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def scattered_slots(pool, n: int, seed: int) -> torch.Tensor:
+    """n free slots of `pool` (page size 1) in random order, so no sequence's state is contiguous in it."""
+    pages = torch.tensor(pool.allocator.alloc(n))
+    return pages[torch.randperm(n, generator=torch.Generator().manual_seed(seed))]
+
+
+def chunk_batch(chunks, pool=None, backend=None):
+    """A ForwardBatch of several sequences' chunks; chunk = (token ids of every position or None, the slots of every
+    position, start, end) runs positions start..end-1 over the state of 0..start-1 already in the pool. Without
+    token ids the batch's input ids are zeros (for layers fed their inputs directly)."""
+    from deepinfer_rt.forward_batch import ForwardBatch
+
+    return ForwardBatch(
+        input_ids=torch.cat([torch.zeros(e - s, dtype=torch.long) if t is None else torch.as_tensor(t[s:e])
+                             for t, _, s, e in chunks]),
+        positions=torch.cat([torch.arange(s, e) for _, _, s, e in chunks]),
+        out_slots=torch.cat([slots[s:e] for _, slots, s, e in chunks]),
+        q_lens=[e - s for _, _, s, e in chunks], kv_lens=[e for *_, e in chunks],
+        kv_slots=[slots[:e] for _, slots, _, e in chunks], pool=pool, backend=backend)
+
+
+@torch.no_grad()
+def forward_chunks(model, pool, chunks) -> list[torch.Tensor]:
+    """One forward of `model` over chunk_batch(chunks) through the torch reference attention: each chunk's logits
+    (end - start, vocab)."""
+    from deepinfer_rt.layers.attention.torch_ref import TorchRefBackend
+
+    backend = TorchRefBackend()
+    batch = chunk_batch(chunks, pool, backend)
+    backend.prepare(batch)
+    model.prepare_batch(batch)
+    return list(model.compute_logits(model(batch)).split(batch.q_lens))
+
+
+def assert_max_abs_close(got: torch.Tensor, want: torch.Tensor, atol: float) -> None:
+    """Same shape and every element within atol (the largest error named)."""
+    assert got.shape == want.shape, (got.shape, want.shape)
+    err = (got - want).abs().max().item()
+    assert err <= atol, f"max abs logit error {err:.2e} > {atol:.0e}"

@@ -8,7 +8,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from deepinfer_rt.server.chat import ChatFormat, RenderedChat, message_text
-from deepinfer_rt.server.chat_output import ChatOutputParser, ParsedCall, ParsedDelta, parse_json_calls
+from deepinfer_rt.server.chat_output import ChatOutputParser, ParsedCall, parse_json_calls
 from deepinfer_rt.server.tool_choice import reply_constraint
 from deepinfer_rt.server.io_struct import SeqDelta
 from deepinfer_rt.server.api_models import ChatCompletionRequest, CompletionRequest

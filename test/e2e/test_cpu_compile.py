@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 
-import pytest
 
 from deepinfer_rt import Engine, SamplingParams
 from deepinfer_rt.models.llama_compiled import CompiledCpuStep

@@ -2,7 +2,6 @@
 forcing (golden_token_ids), top_logprobs beyond 20, prompt logprobs, refusals of what does not map."""
 from __future__ import annotations
 
-import json
 import math
 import runpy
 

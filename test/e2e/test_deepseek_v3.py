@@ -15,10 +15,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from deepinfer_rt.cache.kv_pool import KVPool
-from deepinfer_rt.forward_batch import ForwardBatch
-from deepinfer_rt.layers.attention.torch_ref import TorchRefBackend
 from deepinfer_rt.layers.moe import select_experts
 from deepinfer_rt.models.loader import build_model, load_model_config
+from helpers import forward_chunks as step
 
 ROOT = Path(__file__).resolve().parents[2]
 _spec = importlib.util.spec_from_file_location("make_tiny_checkpoint", ROOT / "scripts" / "make_tiny_checkpoint.py")
@@ -57,24 +56,6 @@ def models(request, tmp_path_factory):
 
 def new_pool(model, config) -> KVPool:
     return KVPool(model.kv_layout(config), num_pages=512, page_size=1, dtype=torch.float32, device=CPU)
-
-
-@torch.no_grad()
-def step(model, pool: KVPool, chunks: list[tuple[list[int], torch.Tensor, int, int]]) -> list[torch.Tensor]:
-    """One forward over several sequences at once; chunk = (all token ids, slots of all positions, start, end)
-    runs tokens[start:end] with positions start..end-1 over the KV of 0..start-1 already in the pool.
-    Returns each chunk's logits (end - start, vocab)."""
-    backend = TorchRefBackend()
-    batch = ForwardBatch(
-        input_ids=torch.cat([torch.tensor(toks[s:e]) for toks, _, s, e in chunks]),
-        positions=torch.cat([torch.arange(s, e) for _, _, s, e in chunks]),
-        out_slots=torch.cat([slots[s:e] for _, slots, s, e in chunks]),
-        q_lens=[e - s for _, _, s, e in chunks], kv_lens=[e for _, _, _, e in chunks],
-        kv_slots=[slots[:e] for _, slots, _, e in chunks], pool=pool, backend=backend)
-    backend.prepare(batch)
-    model.prepare_batch(batch)
-    logits = model.compute_logits(model(batch))
-    return list(logits.split(batch.q_lens))
 
 
 @torch.no_grad()

@@ -13,10 +13,11 @@ import pytest
 import torch
 
 from deepinfer_rt.cache.kv_pool import KVPool
-from deepinfer_rt.forward_batch import ForwardBatch
-from deepinfer_rt.layers.attention.torch_ref import TorchRefBackend
 from deepinfer_rt.models.deepseek_v4.common import PoolColumns, V4Config
 from deepinfer_rt.models.loader import build_model, load_model_config
+from helpers import assert_max_abs_close, scattered_slots
+from helpers import forward_chunks as step
+from helpers import prompt_tokens as prompt
 
 ATOL = 1e-4
 CPU = torch.device("cpu")
@@ -34,45 +35,17 @@ def models(request):
     return config, model, ref
 
 
-def prompt(seed: int, n: int) -> list[int]:
-    return torch.randint(100, 20000, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-@torch.no_grad()
-def step(model, pool: KVPool, chunks) -> list[torch.Tensor]:
-    """One forward over several sequences; chunk = (tokens, slots of all positions, start, end) runs
-    tokens[start:end] over the state of positions < start already in the pool. Returns each chunk's logits."""
-    backend = TorchRefBackend()
-    batch = ForwardBatch(
-        input_ids=torch.cat([torch.tensor(t[s:e]) for t, _, s, e in chunks]),
-        positions=torch.cat([torch.arange(s, e) for _, _, s, e in chunks]),
-        out_slots=torch.cat([sl[s:e] for _, sl, s, e in chunks]),
-        q_lens=[e - s for _, _, s, e in chunks], kv_lens=[e for *_, e in chunks],
-        kv_slots=[sl[:e] for _, sl, _, e in chunks], pool=pool, backend=backend)
-    backend.prepare(batch)
-    model.prepare_batch(batch)
-    return list(model.compute_logits(model(batch)).split(batch.q_lens))
-
-
 @torch.no_grad()
 def hf_logits(ref, tokens: list[int]) -> torch.Tensor:
     return ref(torch.tensor([tokens])).logits[0].float()
 
 
 def assert_close(got: torch.Tensor, want: torch.Tensor) -> None:
-    assert got.shape == want.shape
-    err = (got - want).abs().max().item()
-    assert err <= ATOL, f"max abs logit error {err:.2e} > {ATOL:.0e}"
+    assert_max_abs_close(got, want, ATOL)
 
 
 def new_pool(model, config, num_slots: int = 400) -> KVPool:
     return KVPool(model.kv_layout(config), num_pages=num_slots, page_size=1, dtype=torch.float32, device=CPU)
-
-
-def scattered_slots(pool: KVPool, n: int, seed: int) -> torch.Tensor:
-    """n free slots in random order, so no sequence's state is contiguous in the pool."""
-    pages = torch.tensor(pool.allocator.alloc(n))
-    return pages[torch.randperm(n, generator=torch.Generator().manual_seed(seed))]
 
 
 def test_prefill_mixed_lengths_in_one_batch(models):

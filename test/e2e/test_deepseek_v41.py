@@ -15,10 +15,11 @@ import pytest
 import torch
 
 from deepinfer_rt.cache.kv_pool import KVPool
-from deepinfer_rt.forward_batch import ForwardBatch
-from deepinfer_rt.layers.attention.torch_ref import TorchRefBackend
 from deepinfer_rt.models.deepseek_v41.config import V41Config
 from deepinfer_rt.models.loader import build_model, load_model_config
+from helpers import assert_max_abs_close, scattered_slots
+from helpers import forward_chunks as step
+from helpers import prompt_tokens as prompt
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -33,39 +34,12 @@ def models(request, tiny_v41_paths, v41_oracles):
     return config, build_model(config, path, "auto", torch.float32, CPU, seed=0), v41_oracles[request.param]
 
 
-def prompt(seed: int, n: int) -> list[int]:
-    return torch.randint(100, 20000, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-@torch.no_grad()
-def step(model, pool: KVPool, chunks) -> list[torch.Tensor]:
-    """One forward; chunk = (tokens, slots of all positions, start, end) runs tokens[start:end] over the state of
-    positions < start already in the pool. Returns each chunk's logits."""
-    backend = TorchRefBackend()
-    batch = ForwardBatch(
-        input_ids=torch.cat([torch.tensor(t[s:e]) for t, _, s, e in chunks]),
-        positions=torch.cat([torch.arange(s, e) for _, _, s, e in chunks]),
-        out_slots=torch.cat([sl[s:e] for _, sl, s, e in chunks]),
-        q_lens=[e - s for _, _, s, e in chunks], kv_lens=[e for *_, e in chunks],
-        kv_slots=[sl[:e] for _, sl, _, e in chunks], pool=pool, backend=backend)
-    backend.prepare(batch)
-    model.prepare_batch(batch)
-    return list(model.compute_logits(model(batch)).split(batch.q_lens))
-
-
 def assert_close(got: torch.Tensor, want: torch.Tensor) -> None:
-    assert got.shape == want.shape
-    err = (got - want).abs().max().item()
-    assert err <= ATOL, f"max abs logit error {err:.2e} > {ATOL:.0e}"
+    assert_max_abs_close(got, want, ATOL)
 
 
 def new_pool(model, config, num_slots: int = 600) -> KVPool:
     return KVPool(model.kv_layout(config), num_pages=num_slots, page_size=1, dtype=torch.float32, device=CPU)
-
-
-def scattered_slots(pool: KVPool, n: int, seed: int) -> torch.Tensor:
-    pages = torch.tensor(pool.allocator.alloc(n))
-    return pages[torch.randperm(n, generator=torch.Generator().manual_seed(seed))]
 
 
 def test_prefill_mixed_lengths_in_one_batch(models):

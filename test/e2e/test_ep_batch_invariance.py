@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import random
 
-import pytest
 
 from deepinfer_rt import Engine, SamplingParams
 

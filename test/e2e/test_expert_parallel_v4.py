@@ -5,7 +5,6 @@ after it, both running through the same dispatch/combine hook as DeepSeek-V3 (te
 """
 from __future__ import annotations
 
-import pytest
 
 from deepinfer_rt import Engine, SamplingParams
 

@@ -16,7 +16,6 @@ activation: its error here was not measured yet).
 """
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 

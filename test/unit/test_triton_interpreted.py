@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -344,7 +345,9 @@ _FP8_KV = textwrap.dedent(_SCALED_DOWN + """
 
 
 def _interpret(code: str) -> str:
-    env = {**os.environ, **INTERPRETER_ENV}
+    """Run `code` in a Python whose Triton interprets its kernels; test/ is on its path (helpers.py)."""
+    path = os.pathsep.join(p for p in (str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, **INTERPRETER_ENV, "PYTHONPATH": path}
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout

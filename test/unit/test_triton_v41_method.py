@@ -30,7 +30,7 @@ _METHODS = textwrap.dedent("""
 
     import torch
     from deepinfer_kernels import v4_attention as va
-    from deepinfer_rt.forward_batch import ForwardBatch
+    from helpers import chunk_batch
     from deepinfer_rt.layers.kernel_config import KernelConfig
     from deepinfer_rt.models.deepseek_v4.batch import build_v4_batch
     from deepinfer_rt.models.deepseek_v4.common import Fp8Rows, LayerKV, PoolColumns
@@ -69,12 +69,7 @@ _METHODS = textwrap.dedent("""
         return kv
 
     chunks = [(0, 0, 30), (64, 10, 19), (128, 40, 41)]  # (first slot, start, end)
-    batch = ForwardBatch(
-        input_ids=torch.zeros(sum(e - s for _, s, e in chunks), dtype=torch.long),
-        positions=torch.cat([torch.arange(s, e) for _, s, e in chunks]),
-        out_slots=torch.cat([torch.arange(b + s, b + e) for b, s, e in chunks]),
-        q_lens=[e - s for _, s, e in chunks], kv_lens=[e for *_, e in chunks],
-        kv_slots=[torch.arange(b, b + e) for b, _, e in chunks], pool=None, backend=None)
+    batch = chunk_batch([(None, torch.arange(b, b + e), s, e) for b, s, e in chunks])
     vb = build_v4_batch(batch, window, (1, 2), 8)
     assert len(vb.groups) >= 2 and any(gr.q_len > 1 for gr in vb.groups) and any(gr.q_len == 1 for gr in vb.groups)
     t = batch.positions.shape[0]

@@ -3,10 +3,9 @@
 torch references over the same rows dequantized (value * scale in fp32). Rows are quantized by the pool's own
 Fp8Rows.write. Tolerances: fp32 queries 1e-5 (the kernel multiplies the scale into the scores instead of the
 rows: rounding only); fp16 queries 2e-3 (attention) / 1e-3 (indexer), as the 16-bit kernels (the interpreter
-multiplies bf16 tiles as raw integers, so 16-bit is checked in fp16). The tiny V4 model on an FP8 compact pool
-gives the same logits through V4TritonMethod as through V4Method (which dequantizes the rows it gathers).
-The fixed-split attention (batch-invariant mode) gives a row bitwise the same output alone and inside batches of
-other sizes whose key lists are padded wider, FP8 or not."""
+multiplies bf16 tiles as raw integers, so 16-bit is checked in fp16). The fixed-split attention (batch-invariant
+mode) gives a row bitwise the same output alone and inside batches of other sizes whose key lists are padded wider,
+FP8 or not. The tiny V4 model on an FP8 compact pool: test_triton_v4_kernels.py."""
 from __future__ import annotations
 
 import textwrap
@@ -123,68 +122,6 @@ _INDEXER = textwrap.dedent(_QUANTIZE + """
     print("ok")
 """)
 
-# The tiny V4 model (sliding, CSA with index_topk 3, HCA) on the compact pool with kv_cache_dtype='fp8_e4m3':
-# a prompt pair, then a chunk next to a decode row; V4TritonMethod (FP8 read in the kernels) against V4Method
-# (the rows it gathers dequantized in torch).
-_MODEL = textwrap.dedent("""
-    from pathlib import Path
-
-    import torch
-    from deepinfer_rt.cache.kv_pool import KVPool
-    from deepinfer_rt.forward_batch import ForwardBatch
-    from deepinfer_rt.layers.attention.torch_ref import TorchRefBackend
-    from deepinfer_rt.models.deepseek_v4.cache import V4Pool
-    from deepinfer_rt.models.deepseek_v4.methods import V4Method, V4TritonMethod
-    from deepinfer_rt.models.loader import build_model, load_model_config
-
-    path = Path(PATH)
-    config, _ = load_model_config(path)
-    model = build_model(config, path, "auto", torch.float32, torch.device("cpu"), seed=0)
-    tokens = [torch.randint(100, 20000, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (29, 20)]
-    calls = {"fp8": 0, "select": 0}
-
-    class Counting(V4TritonMethod):
-        def attend(self, layer, g, q, x, q_residual, positions, kv):
-            calls["fp8"] += kv.fp8_swa is not None
-            return super().attend(layer, g, q, x, q_residual, positions, kv)
-
-        def index_select(self, indexer, q, keys, weights, visible):
-            calls["select"] += keys.scales is not None and keys.buf.dtype == torch.float8_e4m3fn
-            return super().index_select(indexer, q, keys, weights, visible)
-
-    def run():
-        layout = model.kv_layout(config).with_kv_dtype("fp8_e4m3")
-        pool = KVPool(layout, 200, 1, torch.float32, torch.device("cpu"))
-        assert isinstance(pool, V4Pool) and pool.layout.is_fp8
-        slots = [torch.arange(64 * i, 64 * i + len(t)) for i, t in enumerate(tokens)]
-        outs = []
-        for chunks in ([(0, 0, 13), (1, 0, 19)], [(0, 13, 29), (1, 19, 20)]):
-            backend = TorchRefBackend()
-            batch = ForwardBatch(
-                input_ids=torch.cat([torch.tensor(tokens[i][s:e]) for i, s, e in chunks]),
-                positions=torch.cat([torch.arange(s, e) for _, s, e in chunks]),
-                out_slots=torch.cat([slots[i][s:e] for i, s, e in chunks]),
-                q_lens=[e - s for _, s, e in chunks], kv_lens=[e for *_, e in chunks],
-                kv_slots=[slots[i][:e] for i, _, e in chunks], pool=pool, backend=backend)
-            backend.prepare(batch)
-            model.prepare_batch(batch)
-            with torch.no_grad():
-                outs.append(model.compute_logits(model(batch)))
-        return outs
-
-    ref = run()
-    for mod in model.modules():
-        if type(getattr(mod, "method", None)) is V4Method:
-            m = mod.method
-            mod.method = Counting(m.linear, m.activation, m.head_matmul)
-    out = run()
-    assert calls["fp8"] > 0 and calls["select"] > 0, calls
-    for a, b in zip(out, ref):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
-    print("ok")
-""")
-
-
 # Fixed splits scaled down (64 keys, two tiles) so the needle's lists span several splits. The needle: a decode
 # row (left-aligned sliding keys, then per-group entries with a mask) and a prefill query (per-query rows); the
 # batches put it among random rows at another index, with lists padded to other widths (-1 rows, masked keys).
@@ -258,10 +195,6 @@ def test_index_scores_read_fp8_rows_and_keep_the_tie_rule():
 
 def test_fixed_split_attention_is_bitwise_the_same_in_any_batch():
     assert _interpret(_FIXED).strip().endswith("ok")
-
-
-def test_tiny_v4_on_fp8_pool_triton_method_equals_torch_method(tiny_v4_path):
-    assert _interpret(_MODEL.replace("PATH", repr(str(tiny_v4_path)))).strip().endswith("ok")
 
 
 # Fp8Rows.write's CUDA form (one store_kv_fp8 launch) against its torch form, on the CPU through the interpreter:

@@ -36,7 +36,7 @@ _METHODS = textwrap.dedent("""
 
     import torch
     from deepinfer_kernels import v4_attention as va
-    from deepinfer_rt.forward_batch import ForwardBatch
+    import helpers
     from deepinfer_rt.layers.kernel_config import KernelConfig
     from deepinfer_rt.models.deepseek_v4.batch import build_v4_batch
     from deepinfer_rt.models.deepseek_v4.common import Fp8Rows, LayerKV, PoolColumns
@@ -72,12 +72,7 @@ _METHODS = textwrap.dedent("""
 
     def chunk_batch(chunks, base):
         # chunks (sequence, start, end), each sequence's KV on consecutive slots from base[sequence]
-        return ForwardBatch(
-            input_ids=torch.zeros(sum(e - s for _, s, e in chunks), dtype=torch.long),
-            positions=torch.cat([torch.arange(s, e) for _, s, e in chunks]),
-            out_slots=torch.cat([torch.arange(base[n] + s, base[n] + e) for n, s, e in chunks]),
-            q_lens=[e - s for _, s, e in chunks], kv_lens=[e for *_, e in chunks],
-            kv_slots=[torch.arange(base[n], base[n] + e) for n, _, e in chunks], pool=None, backend=None)
+        return helpers.chunk_batch([(None, torch.arange(base[n], base[n] + e), s, e) for n, s, e in chunks])
 
     lengths, base, table, compositions = sequences(144, 230, 40)  # HCA: 18 entries and more
     def layer_kv(layer_type, fp8):
@@ -216,12 +211,11 @@ _SCRIPT = textwrap.dedent("""
     from deepinfer_kernels import v4_attention as va
     from deepinfer_kernels import v4_indexer as vi
     from deepinfer_rt.cache.kv_pool import KVPool
-    from deepinfer_rt.forward_batch import ForwardBatch
-    from deepinfer_rt.layers.attention.torch_ref import TorchRefBackend
     from deepinfer_rt.layers.kernel_config import KernelConfig
     from deepinfer_rt.models.deepseek_v4.methods import V4InvariantMethod, V4InvariantTritonMethod
     from deepinfer_rt.models.deepseek_v41.methods import V41InvariantMethod, V41InvariantTritonMethod
     from deepinfer_rt.models.loader import build_model, load_model_config
+    from helpers import forward_chunks
 
     va.BLOCK_N = va.FIXED_SPLIT_LEN = 16
     path, fp8 = Path(PATH), FP8
@@ -256,17 +250,8 @@ _SCRIPT = textwrap.dedent("""
         model.model.query_block = query_block
         rows = {}
         for chunks in steps:
-            backend = TorchRefBackend()
-            batch = ForwardBatch(
-                input_ids=torch.cat([tokens[n][s:e] for n, s, e in chunks]),
-                positions=torch.cat([torch.arange(s, e) for _, s, e in chunks]),
-                out_slots=torch.cat([torch.arange(base[n] + s, base[n] + e) for n, s, e in chunks]),
-                q_lens=[e - s for _, s, e in chunks], kv_lens=[e for *_, e in chunks],
-                kv_slots=[torch.arange(base[n], base[n] + e) for n, _, e in chunks], pool=pool, backend=backend)
-            backend.prepare(batch)
-            model.prepare_batch(batch)
-            with torch.no_grad():
-                logits = model.compute_logits(model(batch))
+            logits = torch.cat(forward_chunks(model, pool, [(tokens[n], torch.arange(base[n], base[n] + e), s, e)
+                                                            for n, s, e in chunks]))
             r = 0
             for n, s, e in chunks:
                 for p in range(s, e):

@@ -1,7 +1,7 @@
 """DeepSeek-V4's Triton kernels (deepinfer_kernels.v4_attention / v4_indexer / v4_pooling) run on CPU through
 Triton's interpreter (TRITON_INTERPRET=1, set before triton is imported, hence a subprocess), each against its
 torch reference (v4_sinkhorn too), and the tiny V4 model's logits with V4TritonMethod swapped in against
-V4Method's (prefill chunks and decode rows in one batch). Tolerances: fp32 1e-5 (kernels) / 1e-4 (logits); fp16
+V4Method's (prefill chunks and decode rows in one batch), on a 16-bit and an FP8 pool. Tolerances: fp32 1e-5 (kernels) / 1e-4 (logits); fp16
 2e-3 (the interpreter multiplies bf16 tiles as raw integers, so 16-bit is checked in fp16). The GPU suite
 (test/gpu/test_gpu_v4_kernels.py) runs them compiled at V4-Flash shapes."""
 from __future__ import annotations
@@ -168,60 +168,55 @@ _SINKHORN = textwrap.dedent("""
     print("ok")
 """)
 
-# The tiny V4 model (sliding, CSA with index_topk 3, HCA; window 6, ratios 4 / 8): two prompts, then a chunk that
-# does not align with the windows next to a decode row.
+# The tiny V4 model (sliding, CSA with index_topk 3, HCA; window 6, ratios 4 / 8) on the compact pool, its rows
+# 16-bit and then FP8 e4m3 (kv_cache_dtype='fp8_e4m3'): two prompts, then a chunk that does not align with the
+# windows next to a decode row; V4TritonMethod (on FP8 rows, the kernels read them with their scales) against
+# V4Method (which dequantizes the rows it gathers in torch).
 _MODEL = textwrap.dedent("""
     from pathlib import Path
 
     import torch
     from deepinfer_rt.cache.kv_pool import KVPool
-    from deepinfer_rt.forward_batch import ForwardBatch
-    from deepinfer_rt.layers.attention.torch_ref import TorchRefBackend
+    from deepinfer_rt.models.deepseek_v4.cache import V4Pool
     from deepinfer_rt.models.deepseek_v4.methods import V4Method, V4TritonMethod
     from deepinfer_rt.models.loader import build_model, load_model_config
+    from helpers import forward_chunks
 
     path = Path(PATH)
     config, _ = load_model_config(path)
     model = build_model(config, path, "auto", torch.float32, torch.device("cpu"), seed=0)
     tokens = [torch.randint(100, 20000, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (29, 20)]
-    calls = {"attend": 0, "select": 0}
+    fp8, calls = False, {}
 
     class Counting(V4TritonMethod):
-        def attend(self, *a):
-            calls["attend"] += 1
-            return super().attend(*a)
+        def attend(self, layer, g, q, x, q_residual, positions, kv):
+            calls["attend"] += (kv.fp8_swa is not None) == fp8
+            return super().attend(layer, g, q, x, q_residual, positions, kv)
 
-        def index_select(self, *a):
-            calls["select"] += 1
-            return super().index_select(*a)
+        def index_select(self, indexer, q, keys, weights, visible):
+            calls["select"] += (keys.scales is not None and keys.buf.dtype == torch.float8_e4m3fn) == fp8
+            return super().index_select(indexer, q, keys, weights, visible)
 
-    def run():
-        pool = KVPool(model.kv_layout(config), 200, 1, torch.float32, torch.device("cpu"))
+    torch_forms = {mod: mod.method for mod in model.modules() if type(getattr(mod, "method", None)) is V4Method}
+
+    def run(counted):
+        for mod, m in torch_forms.items():
+            mod.method = Counting(m.linear, m.activation, m.head_matmul) if counted else m
+        layout = model.kv_layout(config)
+        pool = KVPool(layout.with_kv_dtype("fp8_e4m3") if fp8 else layout, 200, 1, torch.float32,
+                      torch.device("cpu"))
+        assert isinstance(pool, V4Pool) and pool.layout.is_fp8 == fp8
         slots = [torch.arange(64 * i, 64 * i + len(t)) for i, t in enumerate(tokens)]
-        outs = []
-        for chunks in ([(0, 0, 13), (1, 0, 19)], [(0, 13, 29), (1, 19, 20)]):
-            backend = TorchRefBackend()
-            batch = ForwardBatch(
-                input_ids=torch.cat([torch.tensor(tokens[i][s:e]) for i, s, e in chunks]),
-                positions=torch.cat([torch.arange(s, e) for _, s, e in chunks]),
-                out_slots=torch.cat([slots[i][s:e] for i, s, e in chunks]),
-                q_lens=[e - s for _, s, e in chunks], kv_lens=[e for *_, e in chunks],
-                kv_slots=[slots[i][:e] for i, _, e in chunks], pool=pool, backend=backend)
-            backend.prepare(batch)
-            model.prepare_batch(batch)
-            with torch.no_grad():
-                outs.append(model.compute_logits(model(batch)))
-        return outs
+        return [forward_chunks(model, pool, [(tokens[i], slots[i], s, e) for i, s, e in chunks])
+                for chunks in ([(0, 0, 13), (1, 0, 19)], [(0, 13, 29), (1, 19, 20)])]
 
-    ref = run()
-    for mod in model.modules():
-        if type(getattr(mod, "method", None)) is V4Method:
-            m = mod.method
-            mod.method = Counting(m.linear, m.activation, m.head_matmul)
-    out = run()
-    assert calls["attend"] > 0 and calls["select"] > 0, calls
-    for a, b in zip(out, ref):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    for fp8 in (False, True):
+        calls.update(attend=0, select=0)
+        ref, out = run(False), run(True)
+        assert calls["attend"] > 0 and calls["select"] > 0, (fp8, calls)
+        for a, b in zip(out, ref):
+            for x, y in zip(a, b):
+                torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-4)
     print("ok")
 """)
 
@@ -372,7 +367,7 @@ def test_sinkhorn_equals_torch_form():
     assert _interpret(_SINKHORN).strip().endswith("ok")
 
 
-def test_tiny_v4_logits_with_triton_method_equal_torch_method(tiny_v4_path):
+def test_tiny_v4_logits_with_triton_method_equal_torch_method_16_bit_and_fp8_pool(tiny_v4_path):
     assert _interpret(_MODEL.replace("PATH", repr(str(tiny_v4_path)))).strip().endswith("ok")
 
 

@@ -23,7 +23,7 @@ import torch
 
 from deepinfer_rt.layers.quant_formats import E2M1_VALUES, dequantize_mxfp4, quantize_mxfp4
 from deepinfer_rt.models.deepseek_v4.cache import V4KVLayout, V4Pool
-from deepinfer_rt.models.deepseek_v4.common import Fp4Rows, LayerKV, PoolColumns, fp4_row_bytes
+from deepinfer_rt.models.deepseek_v4.common import Fp4Rows, PoolColumns, fp4_row_bytes
 
 FP4 = "fp4_e2m1"
 
