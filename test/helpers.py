@@ -101,3 +101,25 @@ def assert_max_abs_close(got: torch.Tensor, want: torch.Tensor, atol: float) -> 
     assert got.shape == want.shape, (got.shape, want.shape)
     err = (got - want).abs().max().item()
     assert err <= atol, f"max abs logit error {err:.2e} > {atol:.0e}"
+
+
+def checkpoint_folder(src, dst, tensors: dict, config: dict | None = None, copy_folders: bool = False):
+    """A checkpoint folder `dst` holding `tensors` as its model.safetensors, the other files of `src` (its folders
+    too with copy_folders), and `config` as its config.json where given (else src's)."""
+    import json
+    import shutil
+
+    from safetensors.torch import save_file
+
+    dst.mkdir(parents=True)
+    for f in src.iterdir():
+        if f.suffix == ".safetensors" or (config is not None and f.name == "config.json"):
+            continue
+        if f.is_file():
+            shutil.copy(f, dst / f.name)
+        elif f.is_dir() and copy_folders:
+            shutil.copytree(f, dst / f.name)
+    save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
+    if config is not None:
+        (dst / "config.json").write_text(json.dumps(config, indent=2))
+    return dst

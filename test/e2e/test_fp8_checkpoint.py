@@ -9,13 +9,12 @@ it at load (fp8 value x block scale in fp32). The reference is transformers on t
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import hf_greedy
-from safetensors.torch import load_file, save_file
+from helpers import checkpoint_folder, hf_greedy
+from safetensors.torch import load_file
 from test_deepseek_v3 import assert_logits_close, encode, hf_logits, new_pool, step
 
 from deepinfer_kernels.reference import dequantize_fp8_blocks
@@ -30,16 +29,6 @@ HF_FP8_ATOL = 1e-4
 """transformers' FP8 integration on CPU (no GPU: it dequantizes at load) against our dequantized load."""
 
 
-def _copy_folder(src: Path, dst: Path, tensors: dict[str, torch.Tensor], config: dict) -> Path:
-    dst.mkdir(parents=True)
-    for f in src.iterdir():
-        if f.is_file() and f.suffix != ".safetensors" and f.name != "config.json":
-            shutil.copy(f, dst / f.name)
-    save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
-    (dst / "config.json").write_text(json.dumps(config, indent=2))
-    return dst
-
-
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory):
     """(bf16 folder, release-format FP8 folder, fp32 folder of the FP8 folder's dequantized weights)."""
@@ -49,14 +38,14 @@ def ckpts(tmp_path_factory):
     root = tmp_path_factory.mktemp("fp8")
     fp32 = make_tiny_checkpoint("deepseek_v3", root / "fp32", seed=0, **DIMS)
     config = json.loads((fp32 / "config.json").read_text())
-    bf16 = _copy_folder(fp32, root / "bf16", {n: t.to(torch.bfloat16) for n, t in
-                                              load_file(fp32 / "model.safetensors").items()},
-                        dict(config, dtype="bfloat16"))
+    bf16 = checkpoint_folder(fp32, root / "bf16", {n: t.to(torch.bfloat16) for n, t in
+                                                   load_file(fp32 / "model.safetensors").items()},
+                             dict(config, dtype="bfloat16"))
     fp8 = quantize_checkpoint(bf16, root / "fp8", "v3-fp8")
     tensors = load_file(fp8 / "model.safetensors")
     dequant = {n: (dequantize_fp8_blocks(t, tensors[n + "_scale_inv"]) if t.dtype == torch.float8_e4m3fn
                    else t.float()) for n, t in tensors.items() if not n.endswith("_scale_inv")}
-    ref = _copy_folder(fp32, root / "dequant", dequant, dict(config, dtype="float32"))
+    ref = checkpoint_folder(fp32, root / "dequant", dequant, dict(config, dtype="float32"))
     return bf16, fp8, ref
 
 
@@ -188,7 +177,7 @@ def test_dummy_weights_from_an_fp8_config(ckpts):
 def _with_tensor(fp8: Path, dst: Path, name: str, tensor: torch.Tensor) -> Path:
     tensors = load_file(fp8 / "model.safetensors")
     tensors[name] = tensor
-    return _copy_folder(fp8, dst, tensors, json.loads((fp8 / "config.json").read_text()))
+    return checkpoint_folder(fp8, dst, tensors, json.loads((fp8 / "config.json").read_text()))
 
 
 @pytest.mark.parametrize("name", ["model.layers.0.self_attn.kv_a_proj_with_mqa.weight_scale_inv",
@@ -201,7 +190,7 @@ def test_scale_shape_mismatch_names_the_tensor(ckpts, tmp_path, name):
         tensors = load_file(fp8 / "model.safetensors")
         for key in [k for k in tensors if k.startswith("model.layers.1.mlp.experts.") and "up_proj.weight_scale" in k]:
             tensors[key] = tensors[key][:1]
-        path = _copy_folder(fp8, tmp_path / "bad", tensors, json.loads((fp8 / "config.json").read_text()))
+        path = checkpoint_folder(fp8, tmp_path / "bad", tensors, json.loads((fp8 / "config.json").read_text()))
     else:
         path = _with_tensor(fp8, tmp_path / "bad", name, torch.ones(3, 5))
     config, _ = load_model_config(path)

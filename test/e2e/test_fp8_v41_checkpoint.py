@@ -13,13 +13,12 @@ Format mismatches are refused naming the tensor.
 from __future__ import annotations
 
 import json
-import shutil
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from test_deepseek_v41 import new_pool, prompt, step
 
 from deepinfer_rt import Engine, SamplingParams
@@ -28,6 +27,7 @@ from deepinfer_rt.layers.kernel_config import KernelConfig, build_context
 from deepinfer_rt.models.deepseek_v41.engram import Fp8EngramTable
 from deepinfer_rt.models.loader import build_model, load_model_config
 from deepinfer_rt.models.registry import get_model_class
+from helpers import checkpoint_folder
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -36,15 +36,6 @@ DIMS = dict(hidden_size=96, moe_intermediate_size=64, q_lora_rank=48, engram_hea
 ATOL = 1e-4
 MAX_NEW = 6
 SEEDS = {"a": 0, "b": 1}
-
-
-def _folder(src: Path, dst: Path, tensors: dict[str, torch.Tensor]) -> Path:
-    dst.mkdir(parents=True)
-    for f in src.iterdir():
-        if f.is_file() and f.suffix != ".safetensors":
-            shutil.copy(f, dst / f.name)
-    save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
-    return dst
 
 
 @pytest.fixture(scope="module")
@@ -59,8 +50,8 @@ def ckpts(tmp_path_factory):
         src = make_tiny_checkpoint("deepseek_v41", root / "src", seed=seed, variant=variant,
                                    names="hf" if variant == "a" else "release", **DIMS)
         v41 = quantize_checkpoint(src, root / "v41", "v41", torch.bfloat16)
-        ref = _folder(src, root / "dequant", dequantize_release_tensors(load_file(v41 / "model.safetensors"),
-                                                                         V41_BLOCK))
+        dequantized = dequantize_release_tensors(load_file(v41 / "model.safetensors"), V41_BLOCK)
+        ref = checkpoint_folder(src, root / "dequant", dequantized)
         out[variant] = v41, ref
     return out
 

@@ -10,31 +10,20 @@ dequantized to fp32. A copy with main_proj 16-bit loads too.
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from deepinfer_rt import Engine, SamplingParams
+from helpers import checkpoint_folder
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
 DIMS = dict(hidden_size=96, moe_intermediate_size=64, q_lora_rank=48, engram_head_dim=32)
 PROMPTS = [[3, 17, 5, 40, 2, 9], list(range(4, 30))]
 GREEDY = SamplingParams(max_new_tokens=7, temperature=0, ignore_eos=True)
-
-
-def _folder(src: Path, dst: Path, tensors: dict[str, torch.Tensor]) -> Path:
-    dst.mkdir(parents=True)
-    for f in src.iterdir():
-        if f.is_file() and f.suffix != ".safetensors":
-            shutil.copy(f, dst / f.name)
-        elif f.is_dir():
-            shutil.copytree(f, dst / f.name)
-    save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
-    return dst
 
 
 @pytest.fixture(scope="module")
@@ -51,11 +40,11 @@ def ckpts(tmp_path_factory):
     plain_proj["mtp.0.main_proj.weight"] = dequantize_release_tensors(
         {k: tensors[k] for k in ("mtp.0.main_proj.weight", "mtp.0.main_proj.scale")},
         V41_BLOCK)["mtp.0.main_proj.weight"].to(torch.bfloat16)
-    v41_plain = _folder(v41, root / "v41_plain", plain_proj)
+    v41_plain = checkpoint_folder(v41, root / "v41_plain", plain_proj, copy_folders=True)
     out = {}
     for form, folder in (("main_proj_fp8", v41), ("main_proj_16bit", v41_plain)):
         ref = dequantize_release_tensors(load_file(folder / "model.safetensors"), V41_BLOCK)
-        out[form] = folder, _folder(src, root / f"{form}_dequant", ref)
+        out[form] = folder, checkpoint_folder(src, root / f"{form}_dequant", ref, copy_folders=True)
     return out
 
 

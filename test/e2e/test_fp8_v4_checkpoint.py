@@ -12,12 +12,10 @@ are refused naming the tensor.
 from __future__ import annotations
 
 import json
-import shutil
-from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from test_deepseek_v4 import hf_logits, new_pool, prompt, step
 
 from deepinfer_rt import Engine, SamplingParams
@@ -25,22 +23,13 @@ from deepinfer_rt.config import QuantConfig
 from deepinfer_rt.layers.kernel_config import KernelConfig, build_context
 from deepinfer_rt.models.loader import build_model, load_model_config
 from deepinfer_rt.models.registry import get_model_class
+from helpers import checkpoint_folder
 
 CPU = torch.device("cpu")
 DIMS = dict(hidden_size=192, q_lora_rank=160, moe_intermediate_size=64, vocab_size=20480)
 """vocab_size below the tokenizer's (the prompts are token ids under 20000): a smaller embedding and head."""
 ATOL = 1e-4
 MAX_NEW = 8
-
-
-def _folder(src: Path, dst: Path, tensors: dict[str, torch.Tensor], config: dict) -> Path:
-    dst.mkdir(parents=True)
-    for f in src.iterdir():
-        if f.is_file() and f.suffix != ".safetensors" and f.name != "config.json":
-            shutil.copy(f, dst / f.name)
-    save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
-    (dst / "config.json").write_text(json.dumps(config, indent=2))
-    return dst
 
 
 @pytest.fixture(scope="module")
@@ -52,8 +41,8 @@ def ckpts(tmp_path_factory):
     root = tmp_path_factory.mktemp("fp8-v4")
     src = make_tiny_checkpoint("deepseek_v4", root / "src", seed=0, **DIMS)
     v4 = quantize_checkpoint(src, root / "v4", "v4", torch.bfloat16)
-    ref = _folder(src, root / "dequant", dequantize_release_tensors(load_file(v4 / "model.safetensors")),
-                  json.loads((src / "config.json").read_text()))
+    dequantized = dequantize_release_tensors(load_file(v4 / "model.safetensors"))
+    ref = checkpoint_folder(src, root / "dequant", dequantized, json.loads((src / "config.json").read_text()))
     return v4, ref
 
 
