@@ -29,6 +29,34 @@ from pathlib import Path
 COUNTED = ("HGMMA", "HMMA", "LDSM", "STS", "LDS.", "LDGSTS", "LDG.", "STG", "F2FP", "PRMT", "FFMA", "BAR")
 
 
+def compile_sm90(kernel, signature: dict, constexprs: dict, aligned: list[str], warps: int = 4, stages: int = 3):
+    """`kernel` (a @triton.jit function) compiled for sm90: signature maps its non-constexpr arguments to Triton types,
+    `aligned` names the arguments compiled as the JIT specializes 16-byte-aligned pointers and multiples of 16."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    names = list(kernel.arg_names)  # attrs are keyed by the argument's place in the kernel's own list
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned if n in names and n in signature}
+    full = dict(signature, **{k: "constexpr" for k in constexprs})
+    return triton.compile(ASTSource(kernel, full, constexprs=constexprs, attrs=attrs),
+                          target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages))
+
+
+def machine_code(compiled) -> tuple[str, str]:
+    """(cuobjdump's resource usage, the SASS) of a compile_sm90 build, through the tools in Triton's wheel."""
+    import triton
+
+    tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = Path(tmp) / "k.cubin"
+        cubin.write_bytes(compiled.asm["cubin"])
+        usage = subprocess.run([tools / "cuobjdump", "-res-usage", cubin], capture_output=True, text=True,
+                               check=True).stdout
+        sass = subprocess.run([tools / "cuobjdump", "-sass", cubin], capture_output=True, text=True, check=True).stdout
+    return usage, sass
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("module")
@@ -42,26 +70,11 @@ def main() -> None:
     parser.add_argument("--dump", default=None, help="a folder for the .ttgir / .ptx / .sass")
     args = parser.parse_args()
 
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     kernel = getattr(importlib.import_module(args.module), args.kernel)
     signature, constexprs = json.loads(args.signature), json.loads(args.constexprs)
-    names = list(kernel.arg_names)  # attrs are keyed by the argument's place in the kernel's own list
     pointers = [] if args.unaligned_pointers else [n for n in signature if signature[n].startswith("*")]
-    aligned = pointers + args.aligned
-    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned if n in names and n in signature}
-    full = dict(signature, **{k: "constexpr" for k in constexprs})
-    compiled = triton.compile(ASTSource(kernel, full, constexprs=constexprs, attrs=attrs),
-                              target=GPUTarget("cuda", 90, 32),
-                              options=dict(num_warps=args.warps, num_stages=args.stages))
-    tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
-    with tempfile.TemporaryDirectory() as tmp:
-        cubin = Path(tmp) / "k.cubin"
-        cubin.write_bytes(compiled.asm["cubin"])
-        usage = subprocess.run([tools / "cuobjdump", "-res-usage", cubin], capture_output=True, text=True).stdout
-        sass = subprocess.run([tools / "cuobjdump", "-sass", cubin], capture_output=True, text=True).stdout
+    compiled = compile_sm90(kernel, signature, constexprs, pointers + args.aligned, args.warps, args.stages)
+    usage, sass = machine_code(compiled)
     ttgir = compiled.asm["ttgir"]
     waits = sorted(set(re.findall(r"pendings = (\d+)", ttgir)), key=int)
     print(" ".join(line.strip() for line in usage.splitlines() if "REG" in line),
