@@ -33,7 +33,7 @@ SASS_OPS = r"\b(LDG\.E[A-Z0-9.]*|STG\.E[A-Z0-9.]*|LDGSTS\.E[A-Z0-9.]*|QGMMA|HGMM
 
 def _cases():
     """name -> (kernel, {argument: pointer dtype key}, constexprs, options), one row a compiled variant."""
-    from deepinfer_kernels import fp8_dequant, fp8_gemv, fused_moe_fp8, v4_hyper
+    from deepinfer_kernels import fp8_dequant, fp8_gemm, fp8_gemv, fp8_quant, fp8_w16, fused_moe_fp8, v4_hyper
 
     tile = fp8_dequant.DEQUANT_TILE
     for gn, gk in ((32, 32), (128, 128)):
@@ -55,6 +55,17 @@ def _cases():
                    dict(gemv, XQ="bf16" if quant else "fp8"),
                    dict(BLOCK_N=32, KC=max(bk, 128), BK=bk, GROUP_N=gn, GROUP_ROWS=0, DIRECT=True, PDL=False,
                         QUANT=quant, IS_INTERPRETED=False), dict(num_warps=4))
+    for ieee, x in ((False, "bf16"), (True, "f32")):  # IEEE: fp32 activations, fp32 products
+        yield (f"w16_{x}", fp8_w16._fp8_w16_kernel, dict(X=x, W="fp8", WS="f32", B="f32", Y=x),
+               dict(HAS_BIAS=False, GROUP_N=32, BLOCK_K=32, KSUB=4, BLOCK_N=128, BLOCK_M=64, WIDE=True, IEEE=ieee),
+               dict(num_warps=4, num_stages=3))
+    yield ("quantize_token_groups", fp8_quant._quantize_token_groups_kernel, dict(X="bf16", Q="fp8", S="f32"),
+           dict(BLOCK_M=16, GROUP=128, IS_INTERPRETED=False, PDL=False), dict(num_warps=4))
+    for bm, bn, warps, stages in ((16, 32, 4, 5), (64, 128, 4, 3)):  # the fused kernel's split and whole tiles
+        yield (f"fp8_block_gemm_m{bm}", fp8_gemm._fp8_block_gemm_kernel,
+               dict(X="bf16", W="fp8", WS="f32", B="f32", Y="bf16", P="f32", Count="i32"),
+               dict(HAS_BIAS=False, GROUP_N=128, GROUP_ROWS=0, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=128, SPLIT_K=1,
+                    LAST_SUMS=False, IS_INTERPRETED=False, PDL=False), dict(num_warps=warps, num_stages=stages))
     yield ("hc_logits_partial", v4_hyper._hc_logits_partial_kernel, dict(X="bf16", W="f32", Part="f32", SumSq="f32"),
            dict(BLOCK_T=16, BLOCK_M=32, BLOCK_K=64, PDL=False), dict(num_warps=4))
     yield ("hc_logits_finish", v4_hyper._hc_logits_finish_kernel, dict(Part="f32", SumSq="f32", Out="f32"),
