@@ -30,7 +30,7 @@ import triton.language as tl
 
 from deepinfer_kernels.dispatch import pdl_launch, pdl_wait
 from deepinfer_kernels.fp8_gemv import GEMV_MAX_ROWS, fp8_gemv
-from deepinfer_kernels.fp8_quant import FP8_MAX, MIN_AMAX, interpreted_e4m3, quantize_fp8_token_groups
+from deepinfer_kernels.fp8_quant import interpreted_e4m3, quantize_fp8_token_groups, quantize_groups
 from deepinfer_kernels.fp8_scaled_mm import (SCALED_MM_ROW_MULTIPLE, fp8_scaled_mm, scaled_mm_api_missing,  # noqa: F401
                                              scaled_mm_shape_unsupported, scaled_mm_unsupported)
 from deepinfer_kernels.fp8_split import (TILED_K_STEP, _group_rows, _split_k_sum_kernel, group_tile_n,
@@ -69,9 +69,7 @@ def _fp8_block_gemm_kernel(X, W, WS, B, Y, P, Count, M, N, K, kb_per_split, stri
     for kb in range(kb0, kb1):
         kmask = offs_k < K - kb * BLOCK_K
         x = tl.load(x_ptrs, mask=mmask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
-        amax = tl.maximum(tl.max(tl.abs(x), axis=1), MIN_AMAX)  # (BLOCK_M,)
-        x_scale = amax / FP8_MAX
-        v = tl.clamp(x / x_scale[:, None], -FP8_MAX, FP8_MAX)  # (x / x_scale can round past 448)
+        v, x_scale = quantize_groups(x)  # x_scale (BLOCK_M,)
         w = tl.load(w_ptrs, mask=nmask[:, None] & kmask[None, :], other=0.0)
         w_scale = tl.load(ws_ptrs + kb, mask=nmask, other=0.0)  # (BLOCK_N,)
         if IS_INTERPRETED:

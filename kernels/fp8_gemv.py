@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from deepinfer_kernels.dispatch import pdl_launch, pdl_wait
-from deepinfer_kernels.fp8_quant import FP8_MAX, MIN_AMAX, interpreted_e4m3, quantize_fp8_token_groups
+from deepinfer_kernels.fp8_quant import interpreted_e4m3, quantize_fp8_token_groups, quantize_groups
 from deepinfer_kernels.fp8_split import _group_rows, _split_k_sum_kernel, group_tile_n
 
 GEMV_MAX_ROWS = 4
@@ -66,9 +66,7 @@ def _fp8_gemv_kernel(XQ, XS, W, WS, P, Y, N, K, k_per_split, stride_xm, stride_x
         gmask = tl.arange(0, G) * BK < k1 - kc
         w = tl.load(w_ptrs, mask=nmask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
         if QUANT:
-            xg = tl.load(x_ptrs, mask=kmask, other=0.0).to(tl.float32).reshape(G, BK)
-            xs = tl.maximum(tl.max(tl.abs(xg), axis=1), MIN_AMAX) / FP8_MAX  # (G,)
-            v = tl.clamp(xg / xs[:, None], -FP8_MAX, FP8_MAX)
+            v, xs = quantize_groups(tl.load(x_ptrs, mask=kmask, other=0.0).to(tl.float32).reshape(G, BK))  # xs (G,)
             if IS_INTERPRETED:
                 x = interpreted_e4m3(v).reshape(KC)
             else:

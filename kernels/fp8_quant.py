@@ -1,9 +1,9 @@
 """Activations to e4m3 once per (token, group of GROUP channels), for the FP8 GEMMs that read them pre-quantized
 (deepinfer_kernels.fp8_gemm's tiled Triton GEMM and torch's block-scaled scaled_mm).
 
-The values are those the fused W8A8 kernel (fp8_gemm._fp8_block_gemm_kernel) computes inside every N tile: the
-same fp32 expressions in the same order (amax floored at MIN_AMAX, scale = amax / 448, x / scale clamped to
-+-448, cast to e4m3), so a GEMM over them sums the products the fused kernel sums.
+The values are those the fused W8A8 kernel (fp8_gemm._fp8_block_gemm_kernel) and the GEMV's in-kernel form compute:
+all three quantize through `quantize_groups` (amax floored at MIN_AMAX, scale = amax / 448, x / scale clamped to
++-448, cast to e4m3), so a GEMM over them sums the products those kernels sum.
 
 Layout: q (M_pad, K) float8_e4m3fn row-major; scales float32 (M_pad, ceil(K / GROUP)) with strides (1, M_pad),
 the M-major layout cuBLASLt's 1x128 block scaling reads (torch.nn.functional.scaled_mm, ScalingType.BlockWise1x128).
@@ -20,8 +20,7 @@ from deepinfer_kernels.dispatch import pdl_launch, pdl_wait
 
 FP8_MAX = tl.constexpr(448.0)
 MIN_AMAX = tl.constexpr(1e-12)
-"""As deepinfer_kernels.reference.quantize_fp8_blocks: a zero group gets a tiny scale, not 0 / 0 (the fused GEMM
-in fp8_gemm.py uses both)."""
+"""As deepinfer_kernels.reference.quantize_fp8_blocks: a zero group gets a tiny scale, not 0 / 0."""
 
 
 @triton.jit
@@ -36,6 +35,16 @@ def interpreted_e4m3(v):
 
 
 @triton.jit
+def quantize_groups(x):
+    """x (R, GROUP) fp32 -> (v, scale): per row scale = max(amax, MIN_AMAX) / FP8_MAX and v = x / scale clamped to
+    +-FP8_MAX (the division can round past 448), still fp32 for the caller to cast to e4m3 (the interpreter: to
+    round with interpreted_e4m3). The one rule of every FP8 activation quantization here (this kernel, the fused
+    GEMM's and the GEMV's in-kernel forms), so their products agree bit for bit."""
+    scale = tl.maximum(tl.max(tl.abs(x), axis=1), MIN_AMAX) / FP8_MAX
+    return tl.clamp(x / scale[:, None], -FP8_MAX, FP8_MAX), scale
+
+
+@triton.jit
 def _quantize_token_groups_kernel(X, Q, S, M, M_PAD, K, stride_xm, stride_sg, BLOCK_M: tl.constexpr,
                                   GROUP: tl.constexpr, IS_INTERPRETED: tl.constexpr, PDL: tl.constexpr):
     pdl_wait(PDL)
@@ -46,9 +55,7 @@ def _quantize_token_groups_kernel(X, Q, S, M, M_PAD, K, stride_xm, stride_sg, BL
     kmask = offs_k < K
     x = tl.load(X + offs_m.to(tl.int64)[:, None] * stride_xm + offs_k[None, :],
                 mask=(offs_m < M)[:, None] & kmask[None, :], other=0.0).to(tl.float32)
-    amax = tl.maximum(tl.max(tl.abs(x), axis=1), MIN_AMAX)
-    x_scale = amax / FP8_MAX
-    v = tl.clamp(x / x_scale[:, None], -FP8_MAX, FP8_MAX)
+    v, x_scale = quantize_groups(x)
     if IS_INTERPRETED:
         v = interpreted_e4m3(v)
     # Rows from M to M_PAD are stored too (zeros), so a padded operand holds no garbage.
